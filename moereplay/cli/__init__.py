@@ -1,0 +1,54 @@
+"""Command-line interface: thin typer commands over typed core functions.
+
+Each command module registers its commands on ``app``. Heavy imports (torch, textual) happen inside
+commands, never at import time. Every ``MoereplayError`` becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from moereplay.errors import MoereplayError
+
+app = typer.Typer(
+    name="moereplay",
+    help="Capture-and-replay debugger for the MoE GPU kernels inside vLLM.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+@app.command("version")
+def version_command() -> None:
+    """Print moereplay's version."""
+    from moereplay import __version__
+
+    print(__version__)
+
+
+# Command modules register themselves on ``app`` when imported.
+from moereplay.cli import inspect_cmds as _inspect_cmds  # noqa: E402,F401
+from moereplay.cli import pack_cmds as _pack_cmds  # noqa: E402,F401
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``moereplay`` console script."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except MoereplayError as error:
+        print(f"moereplay: {error}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Abort:
+        print("moereplay: aborted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as error:  # click usage errors and friends
+        import click
+
+        if isinstance(error, click.exceptions.ClickException):
+            error.show()
+            sys.exit(error.exit_code)
+        if isinstance(error, click.exceptions.Exit):
+            sys.exit(error.exit_code)
+        raise

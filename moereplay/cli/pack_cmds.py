@@ -1,0 +1,3 @@
+"""``moereplay kernels …``: build and inspect kernel packs."""
+
+from __future__ import annotations
