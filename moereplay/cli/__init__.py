@@ -20,6 +20,11 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+@app.callback()
+def _root() -> None:
+    """Capture-and-replay debugger for the MoE GPU kernels inside vLLM."""
+
+
 @app.command("version")
 def version_command() -> None:
     """Print moereplay's version."""
@@ -36,19 +41,7 @@ from moereplay.cli import pack_cmds as _pack_cmds  # noqa: E402,F401
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``moereplay`` console script."""
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv, prog_name="moereplay")
     except MoereplayError as error:
         print(f"moereplay: {error}", file=sys.stderr)
         sys.exit(2)
-    except typer.Abort:
-        print("moereplay: aborted", file=sys.stderr)
-        sys.exit(130)
-    except Exception as error:  # click usage errors and friends
-        import click
-
-        if isinstance(error, click.exceptions.ClickException):
-            error.show()
-            sys.exit(error.exit_code)
-        if isinstance(error, click.exceptions.Exit):
-            sys.exit(error.exit_code)
-        raise
