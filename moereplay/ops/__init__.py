@@ -1,1 +1,60 @@
-"""ops."""
+"""Op modules, one per kernel family, and the registry that finds them by name.
+
+``get_op(name)`` imports the built-in module declaring ``name`` on first use, so importing ``moereplay.ops``
+costs nothing. A third-party or test op registers itself with ``register_op``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from moereplay.errors import UnknownOpError
+from moereplay.ops.base import OpSpec
+
+_BUILTIN_MODULES: dict[str, str] = {
+    "moe_wna16_marlin_gemm": "moereplay.ops.marlin_moe",
+    "matmul_ogs": "moereplay.ops.matmul_ogs",
+}
+"""Op name → module that registers it on import."""
+
+_REGISTRY: dict[str, OpSpec] = {}
+
+
+def register_op(op: OpSpec, *, replace: bool = False) -> OpSpec:
+    """Make ``op`` findable by ``get_op(op.name)``. Registering a second op under a taken name is an error."""
+    existing = _REGISTRY.get(op.name)
+    if existing is not None and existing is not op and not replace:
+        raise ValueError(f"an op named {op.name!r} is already registered")
+    _REGISTRY[op.name] = op
+    return op
+
+
+def unregister_op(name: str) -> None:
+    """Forget an op (tests register throwaway ops)."""
+    _REGISTRY.pop(name, None)
+
+
+def get_op(name: str) -> OpSpec:
+    """The op declared under ``name``; raises ``UnknownOpError`` when no module declares it."""
+    op = _REGISTRY.get(name)
+    if op is not None:
+        return op
+    module = _BUILTIN_MODULES.get(name)
+    if module is not None:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise UnknownOpError(f"op {name!r}: its module {module} cannot be imported ({error})") from error
+        op = _REGISTRY.get(name)
+        if op is not None:
+            return op
+    known = sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+    raise UnknownOpError(f"no ops module declares {name!r} (known ops: {', '.join(known)})")
+
+
+def known_op_names() -> tuple[str, ...]:
+    """Names of every op that is registered or built in (built-ins are not imported)."""
+    return tuple(sorted(set(_REGISTRY) | set(_BUILTIN_MODULES)))
+
+
+__all__ = ["get_op", "known_op_names", "register_op", "unregister_op"]

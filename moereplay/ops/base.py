@@ -1,0 +1,653 @@
+"""The one extension point: what an op module declares about a kernel family.
+
+An op module (``moereplay/ops/<family>.py``) builds one object satisfying :class:`OpSpec` and registers it
+with :func:`moereplay.ops.register_op`. Everything the capture plugin, the replay engine, the findings and the
+TUI know about a kernel comes from that object:
+
+- ``name`` and ``patch_points``: where vLLM calls it, per vLLM version range (the capture plugin wraps these);
+- ``arguments``: the argument schema, in the kernel's positional order (tensor / scalar / flag / enum / opaque);
+- ``mutable``: which arguments a replay may change, each with a legal :class:`Domain`;
+- ``derived`` and ``rederive``: arguments computed from others (recomputed when an input they depend on changes);
+- ``contracts``: for each tensor argument, the dtype the *kernel* reads it as, its shape, contiguity and device,
+  and whether the host code checks it or silently reinterprets the bytes;
+- ``scratch`` and ``make_scratch``: the buffers every replay variant must get fresh (outputs, zeroed workspaces);
+- ``run(args, backend)``: call the real kernel; ``reference(args)``: an exact fp32 answer needing no kernel;
+- ``output_name`` and the reference's :class:`RowMap`: what each output row means (token / expert / slot).
+
+Argument values, as the replay engine hands them to an op (``Args``, a name → value mapping):
+tensors are ``torch.Tensor``; scalars ``int``/``float``; flags ``bool``; enums their integer id (e.g. a vLLM
+``ScalarType.id``), converted to the library object inside ``run``; opaque values whatever their codec decodes.
+
+Nothing here imports vLLM: an op module imports the kernel only inside ``run``, through the backend.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+from moereplay.errors import InvalidMutationError
+
+Args = Mapping[str, Any]
+"""Argument name → value, as described in the module docstring."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# where vLLM calls the op
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """``"0.25.1rc2+cu130"`` → ``(0, 25, 1)``: the leading numeric release components only."""
+    parts: list[int] = []
+    for piece in version.split("+", 1)[0].split("."):
+        digits = ""
+        for char in piece:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(piece):
+            break
+    return tuple(parts)
+
+
+@dataclass(frozen=True)
+class PatchPoint:
+    """A module attribute through which vLLM calls the op, valid for ``min_version <= vllm < max_version``.
+
+    ``None`` bounds are open. Versions compare by their numeric release components (``0.25.1rc1`` counts as
+    ``0.25.1``). The capture plugin wraps ``module.attribute``; call sites that bound the function by
+    ``from module import attribute`` are separate patch points (module = the importing module).
+    """
+
+    module: str
+    attribute: str
+    min_version: str | None = None
+    max_version: str | None = None
+
+    def applies_to(self, vllm_version: str) -> bool:
+        version = _version_tuple(vllm_version)
+        if self.min_version is not None and version < _version_tuple(self.min_version):
+            return False
+        return not (self.max_version is not None and version >= _version_tuple(self.max_version))
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.module}.{self.attribute}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# argument schema
+# --------------------------------------------------------------------------------------------------------------
+
+
+class ArgKind(enum.Enum):
+    """How an argument is recorded and replayed."""
+
+    TENSOR = "tensor"
+    SCALAR = "scalar"  # int or float
+    FLAG = "flag"  # bool
+    ENUM = "enum"  # an integer id of a library enum object (codec converts object <-> id)
+    OPAQUE = "opaque"  # a structured object with a codec (triton_kernels RoutingData, PrecisionConfig, ...)
+
+
+@runtime_checkable
+class ValueCodec(Protocol):
+    """Converts a library object to plain, recordable data and back.
+
+    ``encode`` runs in the serving process (must be cheap, never pickle): it returns msgpack-able data whose leaves
+    may be ``torch.Tensor`` (the format stores those as tensor blobs). ``decode`` runs at replay time and may need
+    the backend's library modules (``backend.module("vllm.scalar_type")``); with ``backend=None`` it returns a
+    plain stand-in good enough for the reference.
+    """
+
+    name: str
+
+    def encode(self, value: Any) -> Any: ...
+
+    def decode(self, data: Any, *, backend: KernelBackend | None) -> Any: ...
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """One argument of the kernel call, in positional order.
+
+    ``optional`` means ``None`` is a legal value. ``codec`` is required for ENUM and OPAQUE kinds.
+    ``default`` (with ``has_default=True``) fills a trailing argument a capture of an older vLLM lacks.
+    """
+
+    name: str
+    kind: ArgKind
+    optional: bool = False
+    description: str = ""
+    codec: ValueCodec | None = None
+    default: Any = None
+    has_default: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind in (ArgKind.ENUM, ArgKind.OPAQUE) and self.codec is None:
+            raise ValueError(f"argument {self.name!r} of kind {self.kind.value} needs a codec")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# legal domains of mutable arguments
+# --------------------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Domain(Protocol):
+    """The legal values of a mutable argument, possibly depending on the rest of the call.
+
+    ``check`` returns ``None`` when legal, else a one-line reason naming the rule (shown as verdict ``invalid``).
+    ``parse`` turns CLI text into a value of the right Python type (raises ``InvalidMutationError``).
+    ``candidates`` enumerates the legal values for sweeps when the domain is finite, else ``None``.
+    """
+
+    def check(self, value: Any, args: Args) -> str | None: ...
+
+    def parse(self, text: str) -> Any: ...
+
+    def candidates(self, args: Args) -> tuple[Any, ...] | None: ...
+
+    def describe(self) -> str: ...
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise InvalidMutationError(f"{text!r} is not a boolean (use true/false, 1/0)")
+
+
+def parse_int(text: str) -> int:
+    try:
+        return int(text.strip(), 0)
+    except ValueError as error:
+        raise InvalidMutationError(f"{text!r} is not an integer") from error
+
+
+@dataclass(frozen=True)
+class BoolDomain:
+    """``True`` or ``False``."""
+
+    def check(self, value: Any, args: Args) -> str | None:
+        return None if isinstance(value, bool) else f"{value!r} is not a bool"
+
+    def parse(self, text: str) -> bool:
+        return parse_bool(text)
+
+    def candidates(self, args: Args) -> tuple[Any, ...]:
+        return (False, True)
+
+    def describe(self) -> str:
+        return "bool"
+
+
+@dataclass(frozen=True)
+class ChoiceDomain:
+    """One of a finite set of integers (e.g. the block sizes a kernel is compiled for)."""
+
+    values: tuple[int, ...]
+    why: str = ""
+
+    def check(self, value: Any, args: Args) -> str | None:
+        if isinstance(value, bool) or value not in self.values:
+            reason = f"{value!r} is not one of {', '.join(map(str, self.values))}"
+            return f"{reason} ({self.why})" if self.why else reason
+        return None
+
+    def parse(self, text: str) -> int:
+        return parse_int(text)
+
+    def candidates(self, args: Args) -> tuple[Any, ...]:
+        return self.values
+
+    def describe(self) -> str:
+        return "{" + ", ".join(map(str, self.values)) + "}"
+
+
+@dataclass(frozen=True)
+class IntRangeDomain:
+    """An integer in ``[low, high]`` (inclusive; ``None`` = open), optionally a multiple of ``multiple_of``.
+
+    ``extra`` values are legal besides the range (e.g. ``-1`` for "let the kernel choose").
+    """
+
+    low: int | None = None
+    high: int | None = None
+    multiple_of: int = 1
+    extra: tuple[int, ...] = ()
+
+    def check(self, value: Any, args: Args) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{value!r} is not an integer"
+        if value in self.extra:
+            return None
+        if self.low is not None and value < self.low:
+            return f"{value} < {self.low}"
+        if self.high is not None and value > self.high:
+            return f"{value} > {self.high}"
+        if value % self.multiple_of:
+            return f"{value} is not a multiple of {self.multiple_of}"
+        return None
+
+    def parse(self, text: str) -> int:
+        return parse_int(text)
+
+    def candidates(self, args: Args) -> tuple[Any, ...] | None:
+        if self.low is None or self.high is None or (self.high - self.low) // self.multiple_of > 4096:
+            return None
+        start = -(-self.low // self.multiple_of) * self.multiple_of
+        return self.extra + tuple(range(start, self.high + 1, self.multiple_of))
+
+    def describe(self) -> str:
+        parts = [f"[{'' if self.low is None else self.low}, {'' if self.high is None else self.high}]"]
+        if self.multiple_of != 1:
+            parts.append(f"multiple of {self.multiple_of}")
+        if self.extra:
+            parts.append("or " + ", ".join(map(str, self.extra)))
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A condition on (value, whole call): ``holds(value, args)`` must be true, else ``reason`` applies.
+
+    ``reason`` may use ``{value}`` and any argument name as ``str.format`` fields.
+    """
+
+    holds: Callable[[Any, Args], bool]
+    reason: str
+
+
+@dataclass(frozen=True)
+class PredicateDomain:
+    """A base domain narrowed by rules that depend on the rest of the call (e.g. ``thread_k`` divides ``size_k``)."""
+
+    base: Domain
+    rules: tuple[Rule, ...]
+
+    def check(self, value: Any, args: Args) -> str | None:
+        reason = self.base.check(value, args)
+        if reason is not None:
+            return reason
+        for rule in self.rules:
+            if not rule.holds(value, args):
+                fields = {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)}
+                try:
+                    return rule.reason.format(value=value, **fields)
+                except (KeyError, IndexError, ValueError):
+                    return rule.reason
+        return None
+
+    def parse(self, text: str) -> Any:
+        return self.base.parse(text)
+
+    def candidates(self, args: Args) -> tuple[Any, ...] | None:
+        base = self.base.candidates(args)
+        if base is None:
+            return None
+        return tuple(v for v in base if self.check(v, args) is None)
+
+    def describe(self) -> str:
+        return self.base.describe() + " with rules: " + "; ".join(rule.reason for rule in self.rules)
+
+
+@dataclass(frozen=True)
+class MutableArg:
+    """An argument a replay may change, and its legal domain."""
+
+    name: str
+    domain: Domain
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class DerivedArg:
+    """An argument computed from others; ``rederive`` recomputes it when any of ``depends_on`` changes."""
+
+    name: str
+    depends_on: tuple[str, ...]
+    description: str = ""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# contracts: what the kernel actually reads
+# --------------------------------------------------------------------------------------------------------------
+
+DtypeRule = Callable[[Args], "torch.dtype | None"]
+"""The dtype the kernel reads an argument as, given the call (None: no rule for this call)."""
+
+ShapeRule = Callable[[Args], "tuple[int | None, ...] | None"]
+"""The expected shape given the call (``None`` dims are free; ``None`` overall: no rule for this call)."""
+
+
+def fixed_dtype(dtype: torch.dtype) -> DtypeRule:
+    """A dtype rule that is the same for every call."""
+    return lambda args: dtype
+
+
+def dtype_of(argument: str) -> DtypeRule:
+    """A dtype rule "the same dtype as ``argument``" (e.g. the bias is read as the activation type)."""
+
+    def rule(args: Args) -> torch.dtype | None:
+        value = args.get(argument)
+        return value.dtype if isinstance(value, torch.Tensor) else None
+
+    return rule
+
+
+ContractAspect = Literal["dtype", "shape", "contiguity", "device", "presence"]
+
+
+@dataclass(frozen=True)
+class TensorContract:
+    """How the kernel reads one tensor argument.
+
+    ``read_as``: the element type the device code uses for the pointer. ``accepted``: dtypes whose bytes mean the
+    right thing for that reader (usually just ``read_as``; e.g. int32 ids read as int32). ``host_checked``: the host
+    code rejects a wrong dtype with an error; if ``False`` a wrong dtype is *silently reinterpreted*, which is
+    exactly the class of bug a contract finding must name. ``required``: ``None`` is illegal.
+    ``contiguous``: the kernel indexes the storage densely from ``data_ptr`` (row-major, no gaps).
+    """
+
+    arg: str
+    read_as: DtypeRule
+    host_checked: bool
+    accepted: Callable[[Args], tuple[torch.dtype, ...]] | None = None
+    shape: ShapeRule | None = None
+    contiguous: bool = True
+    device: Literal["cuda", "any"] = "cuda"
+    required: bool = True
+    note: str = ""
+
+    def accepted_dtypes(self, args: Args) -> tuple[torch.dtype, ...]:
+        if self.accepted is not None:
+            return self.accepted(args)
+        dtype = self.read_as(args)
+        return () if dtype is None else (dtype,)
+
+
+@dataclass(frozen=True)
+class ContractViolation:
+    """A captured (or mutated) call breaks a contract; ``consequence`` says what the kernel does with it."""
+
+    arg: str
+    aspect: ContractAspect
+    expected: str
+    actual: str
+    host_checked: bool
+    consequence: str
+
+    def describe(self) -> str:
+        return (
+            f"{self.arg}: {self.aspect} is {self.actual}, kernel expects {self.expected} — {self.consequence}"
+        )
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "?" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def check_contract(
+    contract: TensorContract, args: Args, *, check_device: bool = True
+) -> list[ContractViolation]:
+    """All ways ``args[contract.arg]`` breaks ``contract`` (empty when it holds). Cheap: metadata only."""
+    value = args.get(contract.arg)
+    name = contract.arg
+    if value is None:
+        if contract.required:
+            return [
+                ContractViolation(
+                    name, "presence", "a tensor", "None", True, "the host code needs this argument"
+                )
+            ]
+        return []
+    if not isinstance(value, torch.Tensor):
+        return [ContractViolation(name, "presence", "a tensor", type(value).__name__, True, "not a tensor")]
+    violations: list[ContractViolation] = []
+    accepted = contract.accepted_dtypes(args)
+    if accepted and value.dtype not in accepted:
+        read_as = contract.read_as(args)
+        if contract.host_checked:
+            consequence = "the host code rejects the call"
+        elif read_as is not None and read_as.itemsize != value.element_size():
+            consequence = (
+                f"the kernel silently reads these {value.element_size()}-byte {_dtype_name(value.dtype)} "
+                f"bytes as {read_as.itemsize}-byte {_dtype_name(read_as)} values (wrong values, and reads "
+                f"{'past the end' if read_as.itemsize > value.element_size() else 'only part'} of the data)"
+            )
+        else:
+            consequence = f"the kernel silently reads the {_dtype_name(value.dtype)} bytes as {_dtype_name(read_as)} values"
+        violations.append(
+            ContractViolation(
+                name,
+                "dtype",
+                " or ".join(_dtype_name(d) for d in accepted),
+                _dtype_name(value.dtype),
+                contract.host_checked,
+                consequence,
+            )
+        )
+    if contract.shape is not None:
+        expected = contract.shape(args)
+        if expected is not None:
+            actual = tuple(value.shape)
+            matches = len(expected) == len(actual) and all(
+                e is None or e == a for e, a in zip(expected, actual, strict=True)
+            )
+            if not matches:
+                shown = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ")"
+                violations.append(
+                    ContractViolation(
+                        name,
+                        "shape",
+                        shown,
+                        str(actual),
+                        False,
+                        "the kernel indexes by the expected shape: out-of-bounds or misplaced accesses",
+                    )
+                )
+    if contract.contiguous and not value.is_contiguous():
+        violations.append(
+            ContractViolation(
+                name,
+                "contiguity",
+                "contiguous",
+                f"strides {tuple(value.stride())}",
+                False,
+                "the kernel indexes densely from data_ptr and reads the wrong elements",
+            )
+        )
+    if check_device and contract.device == "cuda" and value.device.type != "cuda":
+        violations.append(
+            ContractViolation(
+                name, "device", "cuda", str(value.device), True, "the host code rejects the call"
+            )
+        )
+    return violations
+
+
+def check_contracts(
+    contracts: Iterable[TensorContract], args: Args, *, check_device: bool = True
+) -> list[ContractViolation]:
+    """Every contract violation of a call, in contract order."""
+    violations: list[ContractViolation] = []
+    for contract in contracts:
+        violations.extend(check_contract(contract, args, check_device=check_device))
+    return violations
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the reference answer and what output rows mean
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowMap:
+    """What each output row is: int64 tensors of length ``rows``; ``-1`` where a row has no such meaning."""
+
+    token: torch.Tensor
+    expert: torch.Tensor
+    slot: torch.Tensor
+    block: torch.Tensor
+
+    def __post_init__(self) -> None:
+        lengths = {t.shape[0] for t in (self.token, self.expert, self.slot, self.block)}
+        if len(lengths) != 1:
+            raise ValueError("RowMap fields must have one length")
+
+    @property
+    def rows(self) -> int:
+        return int(self.token.shape[0])
+
+    def describe(self, row: int) -> str:
+        parts = [f"row {row}"]
+        for label, values in (("token", self.token), ("slot", self.slot), ("expert", self.expert)):
+            value = int(values[row])
+            if value >= 0:
+                parts.append(f"{label} {value}")
+        return " ".join(parts[:1]) + (" (" + ", ".join(parts[1:]) + ")" if len(parts) > 1 else "")
+
+
+@dataclass(frozen=True)
+class CoefficientSource:
+    """Where the kernel should take a term's per-row coefficient from.
+
+    Row ``r`` should be multiplied by ``args[arg].flatten()[index[r]]`` read as ``read_as`` (``index[r] = -1``:
+    coefficient 1, not read from memory). The findings use this to test "another row's weight", "zero" and
+    "these bytes read as another dtype" explanations of a wrong fitted coefficient.
+    """
+
+    arg: str
+    index: torch.Tensor
+    read_as: torch.dtype
+    applies: bool = True  # False: the call asks the kernel NOT to apply it (coefficient 1 expected)
+
+
+@dataclass(frozen=True)
+class ReferenceResult:
+    """An exact answer for one call, with its ingredients so a wrong output can be decomposed.
+
+    ``output``: fp32 ``[rows, cols]``, the value every written row should have. ``written``: bool ``[rows]``, rows
+    the kernel writes (others: compare nothing). ``terms``: name → fp32 ``[rows, cols]`` ingredient whose
+    coefficient-weighted sum is ``output`` (e.g. ``"gemm"``: the unweighted product, ``"bias"``: the bias row).
+    ``coefficients``: name → fp32 ``[rows]`` coefficient expected for each term. ``sources``: optional, where the
+    kernel reads each coefficient from (see :class:`CoefficientSource`).
+    """
+
+    output: torch.Tensor
+    written: torch.Tensor
+    rows: RowMap
+    terms: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    coefficients: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    sources: Mapping[str, CoefficientSource] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.output.dim() != 2:
+            raise ValueError("reference output must be 2-D [rows, cols]")
+        if self.written.shape != (self.output.shape[0],) or self.rows.rows != self.output.shape[0]:
+            raise ValueError("written / row map must have one entry per output row")
+        if set(self.terms) != set(self.coefficients):
+            raise ValueError("every term needs its expected coefficients")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# backends and the op protocol
+# --------------------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class KernelBackend(Protocol):
+    """Where an op's real kernel comes from: the installed vLLM, or a kernel pack.
+
+    ``module(name)`` imports a module of that vLLM (``"vllm._custom_ops"``) — from the pack when the backend is
+    one. ``device`` is where tensors must live for ``run``.
+    """
+
+    name: str
+    device: torch.device
+
+    def module(self, name: str) -> types.ModuleType: ...
+
+
+@runtime_checkable
+class OpSpec(Protocol):
+    """Everything moereplay knows about one kernel family (see the module docstring)."""
+
+    name: str
+    patch_points: tuple[PatchPoint, ...]
+    arguments: tuple[ArgSpec, ...]
+    mutable: tuple[MutableArg, ...]
+    derived: tuple[DerivedArg, ...]
+    contracts: tuple[TensorContract, ...]
+    scratch: tuple[str, ...]
+    output_name: str
+
+    def rederive(self, args: Args, changed: frozenset[str]) -> dict[str, Any]:
+        """``args`` with every derived argument that depends on ``changed`` recomputed (a new dict)."""
+        ...
+
+    def make_scratch(self, args: Args, device: torch.device) -> dict[str, Any]:
+        """Fresh replacements for ``scratch`` arguments, sized for this call and this device, zeroed as the kernel
+        expects (lock counters 0, output zeroed)."""
+        ...
+
+    def run(self, args: Args, backend: KernelBackend) -> torch.Tensor:
+        """Call the real kernel; returns the output tensor (``args[output_name]`` when one was passed)."""
+        ...
+
+    def reference(self, args: Args) -> ReferenceResult:
+        """The exact fp32 answer for this call, with its ingredients. Needs no kernel; runs on any device."""
+        ...
+
+
+def argument_names(op: OpSpec) -> tuple[str, ...]:
+    return tuple(spec.name for spec in op.arguments)
+
+
+def argument_spec(op: OpSpec, name: str) -> ArgSpec:
+    for spec in op.arguments:
+        if spec.name == name:
+            return spec
+    raise InvalidMutationError(
+        f"{op.name} has no argument {name!r} (arguments: {', '.join(argument_names(op))})"
+    )
+
+
+def mutable_arg(op: OpSpec, name: str) -> MutableArg | None:
+    for candidate in op.mutable:
+        if candidate.name == name:
+            return candidate
+    return None
+
+
+def derived_names(op: OpSpec) -> frozenset[str]:
+    return frozenset(d.name for d in op.derived)
+
+
+def positional(op: OpSpec, args: Args) -> list[Any]:
+    """The call's arguments in the kernel's positional order (defaults filled for missing trailing ones)."""
+    values: list[Any] = []
+    for spec in op.arguments:
+        if spec.name in args:
+            values.append(args[spec.name])
+        elif spec.has_default:
+            values.append(spec.default)
+        else:
+            raise InvalidMutationError(f"{op.name} call lacks argument {spec.name!r}")
+    return values
