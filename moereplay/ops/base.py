@@ -12,7 +12,9 @@ TUI know about a kernel comes from that object:
   and whether the host code checks it or silently reinterprets the bytes;
 - ``scratch`` and ``make_scratch``: the buffers every replay variant must get fresh (outputs, zeroed workspaces);
 - ``run(args, backend)``: call the real kernel; ``reference(args)``: an exact fp32 answer needing no kernel;
-- ``output_name`` and the reference's :class:`RowMap`: what each output row means (token / expert / slot).
+- ``output_name`` and the reference's :class:`RowMap`: what each output row means (token / expert / slot);
+- optionally ``reference_ignores``: a frozenset of arguments that do not change the reference's answer (thread
+  configs, workspaces, block sizes whose derived ids are re-derived) so replay reuses one reference across them.
 
 Argument values, as the replay engine hands them to an op (``Args``, a name → value mapping):
 tensors are ``torch.Tensor``; scalars ``int``/``float``; flags ``bool``; enums their integer id (e.g. a vLLM
@@ -335,6 +337,9 @@ DtypeRule = Callable[[Args], "torch.dtype | None"]
 ShapeRule = Callable[[Args], "tuple[int | None, ...] | None"]
 """The expected shape given the call (``None`` dims are free; ``None`` overall: no rule for this call)."""
 
+NumelRule = Callable[[Args], "int | None"]
+"""The element count the kernel indexes given the call (``None``: no rule), for arguments read as flat arrays."""
+
 
 def fixed_dtype(dtype: torch.dtype) -> DtypeRule:
     """A dtype rule that is the same for every call."""
@@ -370,6 +375,7 @@ class TensorContract:
     host_checked: bool
     accepted: Callable[[Args], tuple[torch.dtype, ...]] | None = None
     shape: ShapeRule | None = None
+    numel: NumelRule | None = None
     contiguous: bool = True
     device: Literal["cuda", "any"] = "cuda"
     required: bool = True
@@ -462,6 +468,24 @@ def check_contract(
                         "the kernel indexes by the expected shape: out-of-bounds or misplaced accesses",
                     )
                 )
+    if contract.numel is not None:
+        expected_numel = contract.numel(args)
+        if expected_numel is not None and value.numel() != expected_numel:
+            violations.append(
+                ContractViolation(
+                    name,
+                    "shape",
+                    f"{expected_numel} elements",
+                    f"{value.numel()} elements",
+                    False,
+                    "the kernel indexes it as a flat array of that length: "
+                    + (
+                        "it reads past the end"
+                        if value.numel() < expected_numel
+                        else "extra elements are ignored"
+                    ),
+                )
+            )
     if contract.contiguous and not value.is_contiguous():
         violations.append(
             ContractViolation(
@@ -547,7 +571,9 @@ class ReferenceResult:
     the kernel writes (others: compare nothing). ``terms``: name → fp32 ``[rows, cols]`` ingredient whose
     coefficient-weighted sum is ``output`` (e.g. ``"gemm"``: the unweighted product, ``"bias"``: the bias row).
     ``coefficients``: name → fp32 ``[rows]`` coefficient expected for each term. ``sources``: optional, where the
-    kernel reads each coefficient from (see :class:`CoefficientSource`).
+    kernel reads each coefficient from (see :class:`CoefficientSource`). ``scales``: optional, name → fp32 ``[rows]``
+    per-row factors the kernel applies somewhere (e.g. NVFP4's per-expert global scale), so the findings can test
+    "this scale was applied to the wrong term".
     """
 
     output: torch.Tensor
@@ -556,6 +582,7 @@ class ReferenceResult:
     terms: Mapping[str, torch.Tensor] = field(default_factory=dict)
     coefficients: Mapping[str, torch.Tensor] = field(default_factory=dict)
     sources: Mapping[str, CoefficientSource] = field(default_factory=dict)
+    scales: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.output.dim() != 2:
