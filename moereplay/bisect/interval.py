@@ -76,27 +76,20 @@ def bisect_interval(
 
 
 def _nearest_untested(good: int, bad: int, middle: float, skipped: set[int]) -> int | None:
-    """The index strictly inside ``(good, bad)`` and not skipped that is nearest ``middle``; ``None`` if none.
+    """The index strictly inside ``(good, bad)`` and not skipped that is nearest ``middle`` (ties: the lower).
 
-    Walks outwards from the middle, so the cost is proportional to the skips near it, not to the interval.
+    Merges the indices below and above the middle in order of distance, so the cost is proportional to the skips
+    near the middle, not to the interval.
     """
     low = math.floor(middle)
     high = low + 1
     while low > good or high < bad:
-        if good < low < bad and low not in skipped:
-            candidate_low: int | None = low
+        take_low = low > good and (high >= bad or middle - low <= high - middle)
+        index = low if take_low else high
+        if take_low:
+            low -= 1
         else:
-            candidate_low = None
-        if good < high < bad and high not in skipped:
-            candidate_high: int | None = high
-        else:
-            candidate_high = None
-        if candidate_low is not None and candidate_high is not None:
-            return candidate_low if middle - candidate_low <= candidate_high - middle else candidate_high
-        if candidate_low is not None:
-            return candidate_low
-        if candidate_high is not None:
-            return candidate_high
-        low -= 1
-        high += 1
+            high += 1
+        if good < index < bad and index not in skipped:
+            return index
     return None
