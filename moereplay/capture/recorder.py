@@ -1,0 +1,349 @@
+"""The recorder: what the wrapped kernel functions do on each call while capture is armed.
+
+For every call: note its context (step, layer, parent), decide whether to record it (op / step / layer
+filters, graph-capture guard, call and per-shape limits, sampling), snapshot its inputs *before* calling the
+real function, call it, snapshot its outputs, and queue both for the writer thread. Never harmful:
+
+- the real function is called exactly once, with the caller's arguments, whatever happens here;
+- its exceptions propagate unchanged (and are recorded as a ``failed`` completion);
+- any internal error disables capture for the rest of the process, logged once with the reason, and the
+  wrapped functions go back to a one-attribute-check pass-through;
+- a full queue or disk drops and counts; nothing here blocks on the device or on the disk.
+
+CUDA graphs: while the current stream is capturing a graph nothing may be copied (and nothing recorded would
+be replayed by later graph launches), so such calls are skipped and counted, with one loud warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moereplay.capture.binding import ArgumentBinder
+from moereplay.capture.context import ContextTracker, Where
+from moereplay.capture.flight import FlightEntry, FlightRecorder
+from moereplay.capture.patch_points import CaptureTarget
+from moereplay.capture.settings import CaptureSettings, Trigger
+from moereplay.capture.snapshot import Snapshot, estimate, snapshot
+from moereplay.capture.writer_thread import Begin, Complete, WriterThread
+
+logger = logging.getLogger("moereplay.capture")
+
+GRAPH_WARNING = (
+    "moereplay: a CUDA graph is being captured: MoE kernel calls inside graphs are NOT recorded, and steps "
+    "replayed from graphs are invisible to the capture. Start vLLM with --enforce-eager "
+    "(or -cc.cudagraph_mode=NONE) to record every call."
+)
+
+
+@dataclass
+class RecorderCounters:
+    seen: int = 0
+    selected: int = 0
+    skipped_graph_capture: int = 0
+    skipped_filters: int = 0
+    skipped_limit: int = 0
+    dropped_queue_full: int = 0
+    internal_errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f"recorder_{key}": value for key, value in self.__dict__.items()}
+
+
+@dataclass
+class _Plan:
+    """One wrapped call in progress."""
+
+    target: CaptureTarget
+    where: Where
+    sequence: int
+    recorded: bool
+    bound: dict[str, Any] | None = None
+    started: float = 0.0
+    device_start: Any = None
+
+
+@dataclass
+class _Local(threading.local):
+    parents: list[_Plan] = field(default_factory=list)
+
+
+class Recorder:
+    """See the module docstring. ``writer`` is ``None`` only in tests that exercise selection alone."""
+
+    def __init__(self, settings: CaptureSettings, writer: WriterThread | None) -> None:
+        self.settings = settings
+        self.writer = writer
+        self.active = True
+        self.disabled_reason: str | None = None
+        self.counters = RecorderCounters()
+        self.tracker = ContextTracker()
+        self._local = _Local()
+        self._lock = threading.Lock()
+        self._sequence = 0
+        self._recorded = 0
+        self._eligible = 0
+        self._per_shape: dict[tuple[Any, ...], int] = {}
+        self._graph_warned = False
+        self._cuda = torch.cuda.is_available()
+        self.flight: FlightRecorder | None = None
+        if settings.trigger is Trigger.FLIGHT:
+            self.flight = FlightRecorder(
+                max_calls=settings.flight_calls,
+                max_bytes=settings.flight_bytes,
+                absmax=settings.absmax,
+                emit=self._emit_flight_entry,
+            )
+
+    # --- lifecycle --------------------------------------------------------------------------------------------
+
+    def disable(self, reason: str) -> None:
+        """Stop recording for good (the wrapped functions keep working); logged once, loudly."""
+        with self._lock:
+            if not self.active and self.disabled_reason is not None:
+                return
+            self.active = False
+            self.disabled_reason = reason
+        logger.error(
+            "moereplay: capture disabled: %s (vLLM keeps running; the file keeps what was written)", reason
+        )
+
+    def _internal_error(self, where: str, error: BaseException) -> None:
+        self.counters.internal_errors += 1
+        logger.debug("moereplay: internal error in %s", where, exc_info=error)
+        self.disable(f"internal error in {where}: {type(error).__name__}: {error}")
+
+    def counter_values(self) -> dict[str, int]:
+        values = self.counters.as_dict()
+        if self.flight is not None:
+            values.update(self.flight.as_counters())
+        return values
+
+    # --- the wrapped call -------------------------------------------------------------------------------------
+
+    def call(
+        self,
+        target: CaptureTarget,
+        binder: ArgumentBinder,
+        original: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        try:
+            plan = self._before(target, binder, args, kwargs)
+        except Exception as error:
+            self._internal_error(f"{target.op} (before the call)", error)
+            plan = None
+        if plan is None:
+            return original(*args, **kwargs)
+        is_parent = target.role == "parent"
+        if is_parent:
+            self._local.parents.append(plan)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as error:
+            if plan.recorded:
+                try:
+                    self._after(plan, None, error)
+                except Exception as internal:
+                    self._internal_error(f"{target.op} (after a failed call)", internal)
+            raise
+        finally:
+            if is_parent:
+                self._local.parents.pop()
+        if plan.recorded:
+            try:
+                self._after(plan, result, None)
+            except Exception as error:
+                self._internal_error(f"{target.op} (after the call)", error)
+        return result
+
+    def _before(
+        self, target: CaptureTarget, binder: ArgumentBinder, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> _Plan | None:
+        if not self.active:
+            return None
+        if self.flight is not None:
+            self.flight.poll()
+        parents = self._local.parents
+        parent = parents[-1] if parents else None
+        where = self.tracker.where(parent=parent.where if parent else None, is_parent=target.role == "parent")
+        with self._lock:
+            sequence = self._sequence
+            self._sequence += 1
+        self.counters.seen += 1
+        plan = _Plan(target, where, sequence, recorded=False)
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            self.counters.skipped_graph_capture += 1
+            if not self._graph_warned:
+                self._graph_warned = True
+                logger.warning(GRAPH_WARNING)
+            return plan if target.role == "parent" else None
+        if not self._selected(target, where):
+            self.counters.skipped_filters += 1
+            return plan if target.role == "parent" else None
+        bound = binder.bind(args, kwargs)
+        if target.self_attributes and args:
+            owner = args[0]
+            bound.pop(binder.positional[0] if binder.positional else "self", None)
+            for name in target.self_attributes:
+                bound[f"self.{name}"] = getattr(owner, name, None)
+        if not self._admit(target, bound):
+            return plan if target.role == "parent" else None
+        plan.recorded = True
+        plan.bound = bound
+        self.counters.selected += 1
+        context = where.as_dict(self.tracker.ranks)
+        parent_sequence = parent.sequence if parent is not None and parent.recorded else None
+        if self.flight is not None:
+            inputs = snapshot(bound, target.static, to_host=False)
+            begin = Begin(sequence, target.op, target.site, inputs, context, parent_sequence, target.static)
+            begin.started = time.time()
+            self.flight.add_begin(begin)
+        else:
+            assert self.writer is not None
+            if not self.writer.has_room(estimate(bound, target.static)):
+                self.counters.dropped_queue_full += 1
+                self.writer.drop(sequence)
+                with self._lock:
+                    self._recorded -= 1
+                plan.recorded = False
+                return plan if target.role == "parent" else None
+            inputs = snapshot(bound, target.static, to_host=True)
+            begin = Begin(sequence, target.op, target.site, inputs, context, parent_sequence, target.static)
+            begin.started = time.time()
+            if not self.writer.offer(begin):
+                self.counters.dropped_queue_full += 1
+                with self._lock:
+                    self._recorded -= 1
+                plan.recorded = False
+                return plan if target.role == "parent" else None
+            if self._cuda:
+                plan.device_start = torch.cuda.Event(enable_timing=True)
+                plan.device_start.record()
+        plan.started = time.perf_counter()
+        return plan
+
+    def _selected(self, target: CaptureTarget, where: Where) -> bool:
+        settings = self.settings
+        if not settings.op_selected(target.op):
+            return False
+        if not settings.steps.unbounded and (where.step is None or not settings.steps.contains(where.step)):
+            return False
+        return settings.layers.everything or settings.layers.contains(where.layer, where.layer_name)
+
+    def _admit(self, target: CaptureTarget, bound: dict[str, Any]) -> bool:
+        """Limits and sampling, in that order; counts a kept call against ``max_calls``."""
+        settings = self.settings
+        with self._lock:
+            if settings.max_calls and self._recorded >= settings.max_calls:
+                self.counters.skipped_limit += 1
+                if self.flight is None and self.active:
+                    self.active = False  # nothing more will be recorded: back to the pass-through
+                    logger.warning(
+                        "moereplay: MOEREPLAY_MAX_CALLS=%d reached; recording stops", settings.max_calls
+                    )
+                return False
+            if settings.per_shape:
+                key = shape_signature(target.op, bound)
+                seen = self._per_shape.get(key, 0)
+                if seen >= settings.per_shape:
+                    self.counters.skipped_limit += 1
+                    return False
+                self._per_shape[key] = seen + 1
+            if settings.sample < 1.0:
+                eligible = self._eligible
+                self._eligible += 1
+                if int((eligible + 1) * settings.sample) == int(eligible * settings.sample):
+                    self.counters.skipped_filters += 1
+                    return False
+            if self.flight is None:
+                self._recorded += 1
+        return True
+
+    def _after(self, plan: _Plan, result: Any, error: BaseException | None) -> None:
+        target = plan.target
+        bound = plan.bound or {}
+        elapsed = time.perf_counter() - plan.started
+        outputs: dict[str, Any] = {}
+        for name in target.outputs:
+            value = bound.get(name)
+            if isinstance(value, torch.Tensor):
+                outputs[name] = value
+        if error is None and not _is_view_of_any(result, outputs.values()):
+            outputs["return"] = result
+        status = "completed" if error is None else "failed"
+        message = None if error is None else f"{type(error).__name__}: {error}"[:2000]
+        if self.flight is not None:
+            copied = snapshot(outputs, (), to_host=False)
+            complete = Complete(plan.sequence, copied, {"host_s": elapsed}, status, message)
+            complete.finished = time.time()
+            tensors = [value for value in outputs.values() if isinstance(value, torch.Tensor)]
+            self.flight.add_complete(complete, tensors)
+            return
+        assert self.writer is not None
+        copied: Snapshot = snapshot(outputs, (), to_host=True)
+        complete = Complete(plan.sequence, copied, {"host_s": elapsed}, status, message)
+        complete.finished = time.time()
+        if plan.device_start is not None and error is None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            complete.device_timing = (plan.device_start, end)
+        self.writer.offer(complete)
+
+    # --- flight recorder → writer ---------------------------------------------------------------------------
+
+    def _emit_flight_entry(self, entry: FlightEntry) -> bool:
+        if self.writer is None or entry.begin is None:
+            return False
+        settings = self.settings
+        with self._lock:
+            if settings.max_calls and self._recorded >= settings.max_calls:
+                self.counters.skipped_limit += 1
+                return False
+            self._recorded += 1
+        if not self.writer.offer(entry.begin):
+            return False
+        if entry.complete is not None:
+            self.writer.offer(entry.complete)
+        return True
+
+    def poll(self) -> None:
+        """Called by the writer thread between messages: run the flight recorder's pending checks."""
+        if self.flight is not None and self.active:
+            self.flight.poll()
+
+
+def shape_signature(op: str, bound: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two calls "the same shape": tensor shapes and dtypes, and scalar values, by argument."""
+    parts: list[Any] = [op]
+    for name, value in bound.items():
+        if isinstance(value, torch.Tensor):
+            parts.append((name, tuple(value.shape), value.dtype))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            parts.append((name, value))
+    return tuple(parts)
+
+
+def _is_view_of_any(result: Any, outputs: Any) -> bool:
+    """Whether ``result`` is one of the recorded output buffers or a view of one (then it is not copied again:
+    vLLM's wrappers return ``output`` or ``output.view(...)``)."""
+    if not isinstance(result, torch.Tensor):
+        return False
+    for value in outputs:
+        if result is value:
+            return True
+        if (
+            isinstance(value, torch.Tensor)
+            and result.device == value.device
+            and result.numel()
+            and result.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
+        ):
+            return True
+    return False

@@ -1,0 +1,211 @@
+"""One armed capture in this process: settings → file → writer thread → recorder → wrappers.
+
+:func:`arm` is what the plugin's ``register()`` calls when ``MOEREPLAY_CAPTURE`` is on. It opens this process's
+file at once (``rank{r}-pid{p}.zst``, header only until a call arrives, so every vLLM process shows it armed),
+starts the writer thread, installs the wrappers, and closes the file at interpreter exit. A forked child gets
+a fresh session of its own (new pid, new file) on its first use of the wrappers. When the default directory is
+used, ``MOEREPLAY_DIR`` is set to it so that vLLM's child processes write beside this one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from moereplay.capture.context import process_rank
+from moereplay.capture.patch_points import TARGETS, CaptureTarget, vllm_series_known
+from moereplay.capture.patching import Patcher
+from moereplay.capture.recorder import Recorder
+from moereplay.capture.settings import PREFIX, CaptureSettings, settings_from_environ, unknown_variables
+from moereplay.capture.sink import FormatSink
+from moereplay.capture.writer_thread import RecordSink, WriterThread
+
+logger = logging.getLogger("moereplay.capture")
+
+SinkFactory = Callable[[Path, dict[str, Any]], RecordSink]
+
+
+def _vllm_version() -> str | None:
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def default_sink(path: Path, header: dict[str, Any]) -> RecordSink:
+    """The capture file proper."""
+    from moereplay.format import CaptureWriter
+
+    side_stream = None
+    import torch
+
+    if torch.cuda.is_available():
+        side_stream = torch.cuda.Stream()
+    return FormatSink(CaptureWriter(path, header), side_stream=side_stream)
+
+
+@dataclass
+class Session:
+    settings: CaptureSettings
+    path: Path
+    recorder: Recorder
+    writer: WriterThread
+    patcher: Patcher
+    pid: int
+
+    def close(self) -> None:
+        """Stop recording, write what is queued and the footer (counters included), restore nothing."""
+        self.recorder.active = False
+        self.writer.flush(timeout=30.0)
+        self.writer.close()
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        return self.writer.flush(timeout)
+
+
+_lock = threading.Lock()
+_session: Session | None = None
+
+
+def current() -> Session | None:
+    return _session
+
+
+def file_name(rank: int, pid: int) -> str:
+    return f"rank{rank}-pid{pid}.zst"
+
+
+def build_header(settings: CaptureSettings, sites: Iterable[str]) -> dict[str, Any]:
+    return {
+        "tool": "moereplay.capture",
+        "vllm": _vllm_version(),
+        "argv": list(sys.argv),
+        "pid": os.getpid(),
+        "capture_settings": settings.describe(),
+        "patch_points": sorted(sites),
+        "env": {
+            key: value for key, value in os.environ.items() if key.startswith((PREFIX, "VLLM_", "CUDA_"))
+        },
+    }
+
+
+def arm(
+    env: Mapping[str, str] | None = None,
+    *,
+    targets: Iterable[CaptureTarget] = TARGETS,
+    sink_factory: SinkFactory = default_sink,
+) -> Session | None:
+    """Arm capture in this process if ``env`` asks for it; return the session (``None`` when off).
+
+    Raises ``SettingsError`` for a malformed setting (the plugin logs it and stays off); any other failure
+    to open the file propagates to the plugin, which logs it and stays off too.
+    """
+    global _session
+    environment = os.environ if env is None else env
+    settings = settings_from_environ(environment)
+    if not settings.enabled:
+        return None
+    with _lock:
+        if _session is not None and _session.pid == os.getpid():
+            return _session
+        for name in unknown_variables(environment):
+            logger.warning("moereplay: ignoring unknown setting %s", name)
+        directory = settings.directory.resolve()
+        if settings.directory_was_default and env is None:
+            os.environ[PREFIX + "DIR"] = str(directory)  # vLLM's child processes write beside us
+        directory.mkdir(parents=True, exist_ok=True)
+        pid = os.getpid()
+        path = directory / file_name(process_rank(), pid)
+        targets = tuple(targets)
+        recorder_holder: list[Recorder] = []
+
+        def on_failure(reason: str) -> None:
+            if recorder_holder:
+                recorder_holder[0].disable(reason)
+
+        header = build_header(settings, (t.site for t in targets))
+        sink = sink_factory(path, header)
+        writer = WriterThread(
+            sink,
+            max_calls_queued=settings.queue_calls,
+            max_bytes_queued=settings.queue_bytes,
+            max_file_bytes=settings.max_bytes,
+            on_failure=on_failure,
+            poll=None,
+        )
+        recorder = Recorder(settings, writer)
+        recorder_holder.append(recorder)
+        if recorder.flight is not None:
+            writer.set_poll(recorder.poll)
+        writer.extra_counters = recorder.counter_values  # footer gets the recorder's counters too
+        patcher = Patcher(targets, recorder)
+        patcher.install()
+        session = Session(settings, path, recorder, writer, patcher, pid)
+        _session = session
+    _report_patch_points(patcher)
+    logger.warning("moereplay: capture armed in pid %d → %s (%s)", pid, path, settings.describe())
+    atexit.register(_close_at_exit, session)
+    return session
+
+
+def _report_patch_points(patcher: Patcher) -> None:
+    version = _vllm_version()
+    if version is None or vllm_series_known(version):
+        return
+    sites = ", ".join(patcher.sites) or "none yet (modules not imported)"
+    watched = ", ".join(sorted(patcher.watched))
+    logger.warning(
+        "moereplay: vLLM %s is not a release whose patch points were checked (0.25.x, 0.33.x); wrapped: %s%s",
+        version,
+        sites,
+        f"; waiting for: {watched}" if watched else "",
+    )
+
+
+def _close_at_exit(session: Session) -> None:
+    if session.pid != os.getpid():
+        return
+    try:
+        session.close()
+    except Exception:
+        logger.exception("moereplay: closing the capture file at exit failed")
+
+
+def disarm() -> None:
+    """Close the session and restore the originals (tests)."""
+    global _session
+    with _lock:
+        session = _session
+        _session = None
+    if session is None:
+        return
+    session.patcher.uninstall()
+    if session.pid == os.getpid():
+        session.close()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits the parent's wrappers but not its writer thread: start its own session."""
+    global _session
+    session = _session
+    if session is None:
+        return
+    _session = None
+    session.recorder.active = False
+    try:
+        session.patcher.uninstall()
+        arm()
+    except Exception as error:  # never break the child
+        logger.error("moereplay: could not re-arm capture after fork: %s", error)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

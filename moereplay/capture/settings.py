@@ -1,0 +1,396 @@
+"""The capture settings: one typed object built at the edge from the ``MOEREPLAY_*`` environment.
+
+Nothing here reads the environment at import time: :func:`settings_from_environ` takes the mapping it parses, so
+tests (and the plugin's ``register()``) decide when. This module imports neither torch nor vLLM, because the
+plugin parses the settings before it knows whether to load anything heavy.
+
+Variables (all optional; every value is validated, a malformed one raises :class:`SettingsError` naming it):
+
+=========================  =================================================================================
+``MOEREPLAY_CAPTURE``      ``1``/``true``/``yes``/``on`` arms the plugin; unset, empty or ``0`` leaves vLLM untouched
+``MOEREPLAY_DIR``          output directory (default ``./captures/run-<UTC time>/``); one file per process,
+                           ``rank{r}-pid{p}.zst``
+``MOEREPLAY_OPS``          comma-separated fnmatch patterns of op names to record (default ``*``)
+``MOEREPLAY_OPS_EXCLUDE``  comma-separated fnmatch patterns of op names never to record
+``MOEREPLAY_LAYERS``       MoE layers to record: indices and inclusive ranges (``0-3,7``) and/or fnmatch
+                           patterns on the layer name (``*.layers.1[0-9].*``)
+``MOEREPLAY_STEPS``        forward steps to record: ``N``, ``A-B``, ``A-`` or ``-B`` (inclusive, from 0)
+``MOEREPLAY_MAX_CALLS``    stop recording after this many calls (0 or unset: no limit)
+``MOEREPLAY_MAX_BYTES``    stop writing when the file would pass this size (``512M``, ``2G``, ``1GiB``, bytes)
+``MOEREPLAY_PER_SHAPE``    at most N calls per distinct (op, argument shapes/dtypes/scalars) signature
+``MOEREPLAY_SAMPLE``       keep this fraction of eligible calls, evenly spaced (``0.25`` or ``1/4``)
+``MOEREPLAY_TRIGGER``      ``always`` (default: record every selected call) or ``flight`` (see below)
+``MOEREPLAY_FLIGHT_CALLS`` flight recorder: how many recent calls the ring keeps (default 16)
+``MOEREPLAY_FLIGHT_BYTES`` flight recorder: device memory the ring may hold (default 1G)
+``MOEREPLAY_ABSMAX``       flight recorder: an output whose largest magnitude exceeds this also triggers
+``MOEREPLAY_QUEUE_CALLS``  writer queue depth in calls (default 64); a full queue drops and counts
+``MOEREPLAY_QUEUE_BYTES``  host memory the writer queue may hold (default 2G); past it: drop and count
+=========================  =================================================================================
+
+Flight recorder: every selected call's inputs and outputs are kept in a bounded ring *on the device*; each
+output's largest magnitude is reduced on the device and checked asynchronously (no host sync). Only when an
+output is non-finite or above ``MOEREPLAY_ABSMAX`` are the ring's calls — the offending one last — written.
+"""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from moereplay.errors import SettingsError
+
+PREFIX = "MOEREPLAY_"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_FACTORS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+KNOWN_VARIABLES = (
+    "CAPTURE",
+    "DIR",
+    "OPS",
+    "OPS_EXCLUDE",
+    "LAYERS",
+    "STEPS",
+    "MAX_CALLS",
+    "MAX_BYTES",
+    "PER_SHAPE",
+    "SAMPLE",
+    "TRIGGER",
+    "FLIGHT_CALLS",
+    "FLIGHT_BYTES",
+    "ABSMAX",
+    "QUEUE_CALLS",
+    "QUEUE_BYTES",
+)
+
+
+class Trigger(enum.Enum):
+    """When selected calls are written."""
+
+    ALWAYS = "always"
+    FLIGHT = "flight"
+
+
+@dataclass(frozen=True)
+class StepRange:
+    """Inclusive range of forward steps; ``None`` bounds are open."""
+
+    first: int | None = None
+    last: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.first is not None and self.first < 0:
+            raise ValueError("first step must be >= 0")
+        if self.first is not None and self.last is not None and self.last < self.first:
+            raise ValueError("last step must be >= first step")
+
+    def contains(self, step: int) -> bool:
+        if self.first is not None and step < self.first:
+            return False
+        return not (self.last is not None and step > self.last)
+
+    @property
+    def unbounded(self) -> bool:
+        return self.first is None and self.last is None
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """MoE layers to record: by index (``indices``) or by fnmatch pattern on the layer name (``patterns``).
+
+    Empty on both sides means every layer. A call whose layer is unknown (no vLLM forward context) is kept only
+    when the selection is empty.
+    """
+
+    indices: frozenset[int] = frozenset()
+    patterns: tuple[str, ...] = ()
+
+    @property
+    def everything(self) -> bool:
+        return not self.indices and not self.patterns
+
+    def contains(self, index: int | None, name: str | None) -> bool:
+        if self.everything:
+            return True
+        if index is not None and index in self.indices:
+            return True
+        return name is not None and any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """Everything the capture plugin needs to know, validated.
+
+    Sizes are bytes; ``0`` limits mean "no limit". ``sample`` is the kept fraction in ``(0, 1]``.
+    """
+
+    enabled: bool = False
+    directory: Path = Path("captures")
+    directory_was_default: bool = True
+    ops_include: tuple[str, ...] = ("*",)
+    ops_exclude: tuple[str, ...] = ()
+    layers: LayerSelection = field(default_factory=LayerSelection)
+    steps: StepRange = field(default_factory=StepRange)
+    max_calls: int = 0
+    max_bytes: int = 0
+    per_shape: int = 0
+    sample: float = 1.0
+    trigger: Trigger = Trigger.ALWAYS
+    flight_calls: int = 16
+    flight_bytes: int = 1 << 30
+    absmax: float | None = None
+    queue_calls: int = 64
+    queue_bytes: int = 2 << 30
+
+    def __post_init__(self) -> None:
+        for name in ("max_calls", "max_bytes", "per_shape"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if not 0.0 < self.sample <= 1.0:
+            raise ValueError("sample must be in (0, 1]")
+        if self.flight_calls < 1 or self.queue_calls < 1:
+            raise ValueError("flight_calls and queue_calls must be >= 1")
+        if self.flight_bytes < 1 or self.queue_bytes < 1:
+            raise ValueError("flight_bytes and queue_bytes must be >= 1")
+        if self.absmax is not None and not self.absmax > 0.0:
+            raise ValueError("absmax must be > 0")
+
+    def op_selected(self, op: str) -> bool:
+        """Whether calls of ``op`` are recorded at all (include patterns, then exclude patterns)."""
+        if not any(fnmatch.fnmatchcase(op, p) for p in self.ops_include):
+            return False
+        return not any(fnmatch.fnmatchcase(op, p) for p in self.ops_exclude)
+
+    def describe(self) -> str:
+        """One line for the log."""
+        parts = [f"dir={self.directory}", f"trigger={self.trigger.value}"]
+        if self.ops_include != ("*",) or self.ops_exclude:
+            parts.append(
+                f"ops={','.join(self.ops_include)}"
+                + (f" -{','.join(self.ops_exclude)}" if self.ops_exclude else "")
+            )
+        if not self.layers.everything:
+            parts.append(
+                "layers=" + ",".join([*map(str, sorted(self.layers.indices)), *self.layers.patterns])
+            )
+        if not self.steps.unbounded:
+            parts.append(
+                f"steps={self.steps.first if self.steps.first is not None else ''}-"
+                f"{self.steps.last if self.steps.last is not None else ''}"
+            )
+        for name in ("max_calls", "max_bytes", "per_shape"):
+            if getattr(self, name):
+                parts.append(f"{name}={getattr(self, name)}")
+        if self.sample != 1.0:
+            parts.append(f"sample={self.sample:g}")
+        if self.trigger is Trigger.FLIGHT:
+            parts.append(f"flight_calls={self.flight_calls}")
+            if self.absmax is not None:
+                parts.append(f"absmax={self.absmax:g}")
+        return " ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# parsing
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _bad(variable: str, text: str, expected: str) -> SettingsError:
+    return SettingsError(f"{PREFIX}{variable}={text!r}: {expected}")
+
+
+def parse_flag(variable: str, text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise _bad(variable, text, "not a boolean (use 1/0, true/false, yes/no, on/off)")
+
+
+def parse_count(variable: str, text: str, *, minimum: int = 0) -> int:
+    try:
+        value = int(text.strip(), 10)
+    except ValueError as error:
+        raise _bad(variable, text, "not an integer") from error
+    if value < minimum:
+        raise _bad(variable, text, f"must be >= {minimum}")
+    return value
+
+
+def parse_size(variable: str, text: str, *, minimum: int = 0) -> int:
+    """``"512M"``, ``"2G"``, ``"1GiB"``, ``"1.5g"``, ``"4096"`` → bytes (binary units)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise _bad(variable, text, "not a size (use bytes or e.g. 512K, 64M, 2G, 1GiB)")
+    number, unit, _suffix = match.groups()
+    value = int(float(number) * _SIZE_FACTORS[unit.lower()])
+    if value < minimum:
+        raise _bad(variable, text, f"must be at least {minimum} bytes")
+    return value
+
+
+def parse_fraction(variable: str, text: str) -> float:
+    stripped = text.strip()
+    try:
+        if "/" in stripped:
+            numerator, denominator = stripped.split("/", 1)
+            value = int(numerator) / int(denominator)
+        else:
+            value = float(stripped)
+    except (ValueError, ZeroDivisionError) as error:
+        raise _bad(variable, text, "not a fraction (use e.g. 0.25 or 1/4)") from error
+    if not 0.0 < value <= 1.0:
+        raise _bad(variable, text, "must be in (0, 1]")
+    return value
+
+
+def parse_positive_float(variable: str, text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError as error:
+        raise _bad(variable, text, "not a number") from error
+    if not value > 0.0 or value != value or value == float("inf"):
+        raise _bad(variable, text, "must be a finite number > 0")
+    return value
+
+
+def parse_patterns(variable: str, text: str) -> tuple[str, ...]:
+    patterns = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not patterns:
+        raise _bad(variable, text, "no pattern given")
+    return patterns
+
+
+def parse_steps(variable: str, text: str) -> StepRange:
+    stripped = text.strip()
+    match = re.fullmatch(r"(\d*)\s*-\s*(\d*)|(\d+)", stripped)
+    if match is None or stripped == "-":
+        raise _bad(variable, text, "not a step range (use N, A-B, A- or -B)")
+    if match.group(3) is not None:
+        step = int(match.group(3))
+        return StepRange(step, step)
+    first = int(match.group(1)) if match.group(1) else None
+    last = int(match.group(2)) if match.group(2) else None
+    if first is not None and last is not None and last < first:
+        raise _bad(variable, text, "the range ends before it starts")
+    return StepRange(first, last)
+
+
+def parse_layers(variable: str, text: str) -> LayerSelection:
+    indices: set[int] = set()
+    patterns: list[str] = []
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        single = re.fullmatch(r"\d+", item)
+        span = re.fullmatch(r"(\d+)\s*-\s*(\d+)", item)
+        if single:
+            indices.add(int(item))
+        elif span:
+            low, high = int(span.group(1)), int(span.group(2))
+            if high < low:
+                raise _bad(variable, text, f"layer range {item!r} ends before it starts")
+            if high - low > 100_000:
+                raise _bad(variable, text, f"layer range {item!r} is implausibly large")
+            indices.update(range(low, high + 1))
+        elif re.fullmatch(r"[-\d\s]+", item):
+            raise _bad(variable, text, f"{item!r} is neither an index, a range A-B nor a name pattern")
+        else:
+            patterns.append(item)
+    if not indices and not patterns:
+        raise _bad(variable, text, "no layer given")
+    return LayerSelection(frozenset(indices), tuple(patterns))
+
+
+def parse_trigger(variable: str, text: str) -> Trigger:
+    lowered = text.strip().lower()
+    for trigger in Trigger:
+        if trigger.value == lowered:
+            return trigger
+    raise _bad(variable, text, "unknown trigger (use always or flight)")
+
+
+def default_directory(now: datetime | None = None) -> Path:
+    """``./captures/run-<UTC YYYYmmdd-HHMMSS>/`` relative to the working directory."""
+    moment = now if now is not None else datetime.now(timezone.utc)
+    return Path("captures") / f"run-{moment.strftime('%Y%m%d-%H%M%S')}"
+
+
+def capture_requested(env: Mapping[str, str]) -> bool:
+    """Whether ``MOEREPLAY_CAPTURE`` asks for capture (a malformed value raises ``SettingsError``)."""
+    return parse_flag("CAPTURE", env.get(PREFIX + "CAPTURE", ""))
+
+
+def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None) -> CaptureSettings:
+    """Parse every ``MOEREPLAY_*`` capture variable of ``env``; raise ``SettingsError`` (one line) if one is bad.
+
+    With ``MOEREPLAY_CAPTURE`` off the other variables are not parsed (a disabled plugin never complains).
+    """
+
+    def get(name: str) -> str | None:
+        value = env.get(PREFIX + name)
+        return value if value is not None and value.strip() != "" else None
+
+    if not capture_requested(env):
+        return CaptureSettings(enabled=False)
+
+    values: dict[str, object] = {"enabled": True}
+    directory = get("DIR")
+    if directory is not None:
+        values["directory"] = Path(directory).expanduser()
+        values["directory_was_default"] = False
+    else:
+        values["directory"] = default_directory(now)
+    if (text := get("OPS")) is not None:
+        values["ops_include"] = parse_patterns("OPS", text)
+    if (text := get("OPS_EXCLUDE")) is not None:
+        values["ops_exclude"] = parse_patterns("OPS_EXCLUDE", text)
+    if (text := get("LAYERS")) is not None:
+        values["layers"] = parse_layers("LAYERS", text)
+    if (text := get("STEPS")) is not None:
+        values["steps"] = parse_steps("STEPS", text)
+    if (text := get("MAX_CALLS")) is not None:
+        values["max_calls"] = parse_count("MAX_CALLS", text)
+    if (text := get("MAX_BYTES")) is not None:
+        values["max_bytes"] = parse_size("MAX_BYTES", text)
+    if (text := get("PER_SHAPE")) is not None:
+        values["per_shape"] = parse_count("PER_SHAPE", text)
+    if (text := get("SAMPLE")) is not None:
+        values["sample"] = parse_fraction("SAMPLE", text)
+    if (text := get("TRIGGER")) is not None:
+        values["trigger"] = parse_trigger("TRIGGER", text)
+    if (text := get("FLIGHT_CALLS")) is not None:
+        values["flight_calls"] = parse_count("FLIGHT_CALLS", text, minimum=1)
+    if (text := get("FLIGHT_BYTES")) is not None:
+        values["flight_bytes"] = parse_size("FLIGHT_BYTES", text, minimum=1)
+    if (text := get("ABSMAX")) is not None:
+        values["absmax"] = parse_positive_float("ABSMAX", text)
+    if (text := get("QUEUE_CALLS")) is not None:
+        values["queue_calls"] = parse_count("QUEUE_CALLS", text, minimum=1)
+    if (text := get("QUEUE_BYTES")) is not None:
+        values["queue_bytes"] = parse_size("QUEUE_BYTES", text, minimum=1)
+    return CaptureSettings(**values)  # type: ignore[arg-type]
+
+
+def unknown_variables(env: Mapping[str, str]) -> tuple[str, ...]:
+    """``MOEREPLAY_*`` names that look like capture settings but are not (typos): logged, never fatal, since
+    other moereplay tools may define their own variables."""
+    known = {PREFIX + name for name in KNOWN_VARIABLES}
+    close = {name.replace("_", "") for name in KNOWN_VARIABLES}
+    return tuple(
+        sorted(
+            key
+            for key in env
+            if (key.startswith(PREFIX) and key not in known and key[len(PREFIX) :].replace("_", "") in close)
+            or key.startswith(PREFIX + "CAPTURE_")
+        )
+    )

@@ -1,0 +1,292 @@
+"""Copy a call's argument tree at the right moment, without a host sync.
+
+The caller thread walks the bound arguments, replaces every tensor by a :class:`TensorCopy` and every opaque
+object by its codec's value tree (codecs run here, because the tensors inside them must be copied before the
+kernel runs). Cost model:
+
+- CUDA tensors: one asynchronous copy per storage span into pinned host memory (PyTorch's caching host
+  allocator, so no ``cudaHostAlloc`` per call), queued on the *current* stream: stream order guarantees the
+  input copy sees the bytes before the kernel and the output copy the bytes after it, with no host sync. A CUDA
+  event recorded after the copies tells the writer thread when the bytes are there. In flight-recorder mode the
+  copies stay on the device (``to_host=False``), one device-to-device copy per span.
+- CPU tensors: a plain copy (the caller may overwrite the buffer right after the call).
+- Views of one storage among a call's arguments are copied once, as the union of their spans, so the recorded
+  tensors alias exactly as the originals did (gemm1/gemm2 intermediate caches are views of one buffer).
+- Static tensors (weights, scales; the arguments named static per patch point) are not copied here at all: the
+  tree keeps the live tensor, and the file writer (``CaptureWriter.begin_call(static=...)``) copies it once per
+  file and finds it again by identity. Weights are not written while serving, so reading them later, from the
+  writer thread, sees the same bytes.
+
+Opaque objects become :class:`~moereplay.format.schema.CodecValue` (through the format's codec registry, or
+field by field for dataclasses without one); functions become :class:`~moereplay.format.schema.Unsupported`
+naming them; enums, dtypes and devices stay as they are (the format records them natively).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moereplay.format.codecs import codec_for
+from moereplay.format.schema import CodecValue, Unsupported
+
+MAX_DEPTH = 8
+"""Nesting depth past which an argument is recorded as unsupported (cycles, huge object graphs)."""
+
+
+@dataclass(eq=False)
+class TensorCopy:
+    """One recorded tensor view: its original metadata and the copied bytes of (a superset of) its span.
+
+    ``data`` is a uint8 tensor (pinned host, or device in flight mode) holding bytes ``[base, base + n)`` of the
+    original storage; views of one original storage in one snapshot share ``data``.
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    device: str
+    base: int
+    data: torch.Tensor
+
+    def view(self) -> torch.Tensor:
+        """A tensor with the original dtype, shape and stride over the copied bytes (offset relative to
+        ``base``). Moves device copies to the host first (flight recorder entries)."""
+        data = self.data if self.data.device.type == "cpu" else self.data.cpu()
+        result = torch.empty(0, dtype=self.dtype)
+        if any(size == 0 for size in self.shape):
+            return torch.empty(self.shape, dtype=self.dtype)
+        itemsize = result.element_size()
+        offset = (self.storage_offset * itemsize - self.base) // itemsize
+        result.set_(data.untyped_storage(), offset, self.shape, self.stride)
+        return result
+
+
+@dataclass
+class Snapshot:
+    """A copied argument tree: :class:`TensorCopy` where non-static tensors were, live tensors where static
+    ones were. ``event``: CUDA event recorded after the copies (``None`` on CPU). ``copied``: bytes copied."""
+
+    tree: dict[str, Any]
+    copied: int = 0
+    event: Any = None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+def qualified_type_name(kind: type) -> str:
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """``[start, end)`` bytes of the storage the view touches (strides are never negative in torch)."""
+    itemsize = tensor.element_size()
+    start = tensor.storage_offset() * itemsize
+    if tensor.numel() == 0:
+        return start, start
+    last = tensor.storage_offset() + sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return start, (last + 1) * itemsize
+
+
+def _raw_bytes(tensor: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    raw.set_(tensor.untyped_storage(), start, (end - start,), (1,))
+    return raw
+
+
+def copy_bytes(source: torch.Tensor, *, to_host: bool) -> torch.Tensor:
+    """An asynchronous copy of a uint8 span, queued on the current stream: pinned host memory for CUDA
+    sources when ``to_host``, else a copy on the source's device. CPU sources are cloned."""
+    if source.device.type == "cpu":
+        return source.clone()
+    if to_host:
+        target = torch.empty(source.shape, dtype=torch.uint8, pin_memory=True)
+        target.copy_(source, non_blocking=True)
+        return target
+    return source.clone()
+
+
+def _shallow_tensors(value: Any) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
+def estimate(values: dict[str, Any], static_names: Iterable[str]) -> int:
+    """Bytes a snapshot would copy (top-level and list tensors; static arguments count 0). Cheap: metadata."""
+    static = frozenset(static_names)
+    total = 0
+    for name, value in values.items():
+        if name in static:
+            continue
+        for tensor in _shallow_tensors(value):
+            start, end = byte_span(tensor)
+            total += end - start
+    return total
+
+
+class _Pending:
+    """Placeholder for the ``index``-th tensor found by a walk, replaced once the copies exist."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+CodecLookup = Callable[[type], "tuple[str, Callable[[Any], Any]] | None"]
+
+
+def format_codec(kind: type) -> tuple[str, Callable[[Any], Any]] | None:
+    """The format registry's codec for ``kind`` (ops modules register theirs there)."""
+    codec = codec_for(qualified_type_name(kind))
+    return None if codec is None else (codec.type_name, codec.encode)
+
+
+def snapshot(
+    values: dict[str, Any],
+    static_names: Iterable[str] = (),
+    *,
+    to_host: bool = True,
+    codec_lookup: CodecLookup = format_codec,
+) -> Snapshot:
+    """Copy ``values`` (argument name → value) as described in the module docstring."""
+    static = frozenset(static_names)
+    found: list[torch.Tensor] = []
+    tree: dict[str, Any] = {}
+    for name, value in values.items():
+        if name in static:
+            tree[name] = value  # live: the file writer copies static tensors once, by identity
+        else:
+            tree[name] = _walk(value, found, codec_lookup, 0)
+    result = Snapshot(tree)
+    if found:
+        copies = _copy(found, result, to_host=to_host)
+        result.tree = {name: _fill(item, copies) for name, item in tree.items()}
+    return result
+
+
+def _walk(value: Any, found: list[torch.Tensor], codec_lookup: CodecLookup, depth: int) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+        return _Pending(len(found) - 1)
+    if isinstance(value, (torch.dtype, torch.device, enum.Enum)):
+        return value
+    if depth >= MAX_DEPTH:
+        return Unsupported(qualified_type_name(type(value)), "nested too deeply to record")
+    deeper = depth + 1
+    if type(value) is list:
+        return [_walk(item, found, codec_lookup, deeper) for item in value]
+    if type(value) is tuple or type(value) is torch.Size:
+        return tuple(_walk(item, found, codec_lookup, deeper) for item in value)
+    if type(value) is dict:
+        return {key: _walk(item, found, codec_lookup, deeper) for key, item in value.items()}
+    codec = codec_lookup(type(value))
+    if codec is not None:
+        type_name, encode = codec
+        return CodecValue(type_name, _walk(encode(value), found, codec_lookup, deeper))
+    if isinstance(
+        value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+    ):
+        return Unsupported(qualified_type_name(type(value)), _callable_name(value))
+    scalar_id = getattr(value, "id", None)
+    if type(value).__name__ == "ScalarType" and isinstance(scalar_id, int):
+        return CodecValue(qualified_type_name(type(value)), {"id": scalar_id, "name": str(value)})
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
+        return CodecValue(qualified_type_name(type(value)), _walk(fields, found, codec_lookup, deeper))
+    if callable(value):
+        return Unsupported(qualified_type_name(type(value)), _callable_name(value))
+    try:
+        excerpt = repr(value)[:200]
+    except Exception:
+        excerpt = "<repr failed>"
+    return Unsupported(qualified_type_name(type(value)), excerpt)
+
+
+def _copy(found: list[torch.Tensor], result: Snapshot, *, to_host: bool) -> list[TensorCopy]:
+    """Copy each storage once (the union of its views' spans); record one CUDA event after all copies."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for position, tensor in enumerate(found):
+        key = (tensor.device.type, tensor.device.index, tensor.untyped_storage().data_ptr())
+        groups.setdefault(key, []).append(position)
+    copies: list[Any] = [None] * len(found)
+    cuda = False
+    for positions in groups.values():
+        spans = [byte_span(found[p]) for p in positions]
+        start = min(s for s, _ in spans)
+        end = max(e for _, e in spans)
+        anchor = found[positions[0]]
+        data = copy_bytes(_raw_bytes(anchor, start, end), to_host=to_host)
+        cuda = cuda or anchor.is_cuda
+        result.copied += end - start
+        for position in positions:
+            tensor = found[position]
+            copies[position] = TensorCopy(
+                dtype=tensor.dtype,
+                shape=tuple(tensor.shape),
+                stride=tuple(tensor.stride()),
+                storage_offset=tensor.storage_offset(),
+                device=str(tensor.device),
+                base=start,
+                data=data,
+            )
+    if cuda:
+        event = torch.cuda.Event()
+        event.record()
+        result.event = event
+    return copies
+
+
+def _fill(tree: Any, copies: list[TensorCopy]) -> Any:
+    if isinstance(tree, _Pending):
+        return copies[tree.index]
+    if type(tree) is list:
+        return [_fill(item, copies) for item in tree]
+    if type(tree) is tuple:
+        return tuple(_fill(item, copies) for item in tree)
+    if type(tree) is dict:
+        return {key: _fill(item, copies) for key, item in tree.items()}
+    if isinstance(tree, CodecValue):
+        return CodecValue(tree.type_name, _fill(tree.value, copies))
+    return tree
+
+
+def materialize(tree: Any) -> Any:
+    """The tree the file writer records: every :class:`TensorCopy` turned into a host tensor view."""
+    if isinstance(tree, TensorCopy):
+        return tree.view()
+    if type(tree) is list:
+        return [materialize(item) for item in tree]
+    if type(tree) is tuple:
+        return tuple(materialize(item) for item in tree)
+    if type(tree) is dict:
+        return {key: materialize(item) for key, item in tree.items()}
+    if isinstance(tree, CodecValue):
+        return CodecValue(tree.type_name, materialize(tree.value))
+    return tree
+
+
+def _callable_name(value: Any) -> str:
+    module = getattr(value, "__module__", None) or ""
+    name = (
+        getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or type(value).__qualname__
+    )
+    return f"{module}.{name}" if module else str(name)

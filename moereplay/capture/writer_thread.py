@@ -1,0 +1,310 @@
+"""The background writer: a bounded queue in front of the capture file, drained by one daemon thread.
+
+The serving thread only ever calls :meth:`WriterThread.offer`, which never blocks: when the queue is full (in
+calls or in bytes of copied tensors) the call is dropped and counted. The thread waits for each snapshot's CUDA
+event (so copies complete off the serving thread), then hands the record to the file. Any error writing the file
+(a full disk raises ``OSError``) or past ``max_bytes`` stops the writing for good: later records are dropped and
+counted, the file keeps every whole record written so far, and the failure is reported once through
+``on_failure`` — the recorder disables itself, the wrapped functions keep working.
+
+Messages (in queue order, so a parent's begin precedes its children's):
+
+- :class:`Begin`: a call's inputs (file status ``inputs_saved``); its ``sequence`` names it for later messages;
+- :class:`Complete`: that call's outputs, timings and status;
+- :class:`Barrier`: set an event once everything before it is written (tests, flush at exit).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from moereplay.capture.snapshot import Snapshot
+
+logger = logging.getLogger("moereplay.capture")
+
+
+class RecordSink(Protocol):
+    """What the writer thread writes into (the capture file, adapted)."""
+
+    def begin(self, message: Begin, parent: int | None) -> int: ...
+
+    def complete(self, index: int, message: Complete) -> None: ...
+
+    def bytes_written(self) -> int: ...
+
+    def close(self, counters: dict[str, int]) -> None: ...
+
+
+@dataclass
+class Begin:
+    sequence: int
+    op: str
+    site: str
+    snapshot: Snapshot
+    context: dict[str, Any]
+    parent_sequence: int | None
+    static: tuple[str, ...] = ()
+    started: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return self.snapshot.copied
+
+
+@dataclass
+class Complete:
+    sequence: int
+    outputs: Snapshot | None
+    timings: dict[str, float]
+    status: str
+    error: str | None = None
+    device_timing: tuple[Any, Any] | None = None  # CUDA start / end events, resolved on the writer thread
+    finished: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return self.outputs.copied if self.outputs is not None else 0
+
+
+@dataclass
+class Barrier:
+    done: threading.Event = field(default_factory=threading.Event)
+    nbytes: int = 0
+
+
+Message = Begin | Complete | Barrier
+
+
+@dataclass
+class Counters:
+    """What was dropped and why; written into the file's footer and logged at close."""
+
+    recorded: int = 0
+    completed: int = 0
+    dropped_queue_full: int = 0
+    dropped_after_failure: int = 0
+    dropped_max_bytes: int = 0
+    outputs_dropped: int = 0
+    write_errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class WriterThread:
+    """See the module docstring. ``max_bytes`` 0 = no limit."""
+
+    def __init__(
+        self,
+        sink: RecordSink,
+        *,
+        max_calls_queued: int,
+        max_bytes_queued: int,
+        max_file_bytes: int = 0,
+        on_failure: Callable[[str], None] | None = None,
+        poll: Callable[[], None] | None = None,
+        poll_interval: float = 0.005,
+        name: str = "moereplay-writer",
+    ) -> None:
+        self._poll = poll
+        self._poll_interval = poll_interval
+        self.extra_counters: Callable[[], dict[str, int]] | None = None
+        self.sink = sink
+        self.counters = Counters()
+        self.max_calls_queued = max_calls_queued
+        self.max_bytes_queued = max_bytes_queued
+        self.max_file_bytes = max_file_bytes
+        self._on_failure = on_failure
+        self._queue: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued_calls = 0
+        self._queued_bytes = 0
+        self._failed: str | None = None
+        self._stopping = False
+        self._closed = False
+        self._indices: dict[int, int] = {}  # sequence -> file index
+        self._dropped_sequences: set[int] = set()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # --- producer side (serving thread) ---------------------------------------------------------------------
+
+    @property
+    def failed(self) -> str | None:
+        return self._failed
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` would be accepted now (checked before paying for copies)."""
+        with self._lock:
+            return (
+                self._failed is None
+                and not self._stopping
+                and self._queued_calls < self.max_calls_queued
+                and self._queued_bytes + nbytes <= self.max_bytes_queued
+            )
+
+    def offer(self, message: Begin | Complete) -> bool:
+        """Queue ``message`` unless full or failed; never blocks. Returns whether it was queued."""
+        nbytes = message.nbytes
+        with self._lock:
+            if isinstance(message, Complete) and message.sequence in self._dropped_sequences:
+                self._dropped_sequences.discard(message.sequence)
+                return False
+            if self._failed is not None or self._stopping:
+                accepted = False
+                self.counters.dropped_after_failure += isinstance(message, Begin)
+            elif (
+                self._queued_calls >= self.max_calls_queued
+                or self._queued_bytes + nbytes > self.max_bytes_queued
+            ):
+                accepted = False
+                if isinstance(message, Begin):
+                    self.counters.dropped_queue_full += 1
+                else:
+                    self.counters.outputs_dropped += 1
+            else:
+                accepted = True
+                self._queued_calls += 1
+                self._queued_bytes += nbytes
+            if not accepted and isinstance(message, Begin):
+                self._dropped_sequences.add(message.sequence)
+        if accepted:
+            self._queue.put(message)
+        return accepted
+
+    def set_poll(self, poll: Callable[[], None]) -> None:
+        """Run ``poll`` on the writer thread whenever the queue has been idle ``poll_interval`` seconds."""
+        self._poll = poll
+
+    def drop(self, sequence: int) -> None:
+        """Forget a call whose Begin was never offered (its Complete will be ignored)."""
+        with self._lock:
+            self._dropped_sequences.add(sequence)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far is written (or failed). Returns False on timeout."""
+        if self._closed or not self._thread.is_alive():
+            return True
+        barrier = Barrier()
+        self._queue.put(barrier)
+        return barrier.done.wait(timeout)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Write what is queued, then the footer with the counters, and stop the thread."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._closed = True
+
+    # --- consumer side (writer thread) ----------------------------------------------------------------------
+
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if self._failed is not None:
+                return
+            self._failed = reason
+        if self._on_failure is not None:
+            try:
+                self._on_failure(reason)
+            except Exception:
+                logger.exception("moereplay: capture failure handler raised")
+
+    def _run(self) -> None:
+        while True:
+            if self._poll is None:
+                message = self._queue.get()
+            else:
+                try:
+                    message = self._queue.get(timeout=self._poll_interval)
+                except queue.Empty:
+                    self._run_poll()
+                    continue
+            if message is None:
+                break
+            if isinstance(message, Barrier):
+                message.done.set()
+                continue
+            try:
+                if self._failed is None:
+                    self._write(message)
+                elif isinstance(message, Begin):
+                    self.counters.dropped_after_failure += 1
+            except OSError as error:
+                self.counters.write_errors += 1
+                self._fail(f"writing the capture file failed: {error}")
+            except Exception as error:
+                self.counters.write_errors += 1
+                self._fail(
+                    f"recording a {type(message).__name__.lower()} failed: {type(error).__name__}: {error}"
+                )
+            finally:
+                with self._lock:
+                    self._queued_calls -= 1
+                    self._queued_bytes -= message.nbytes
+        self._finish()
+
+    def _run_poll(self) -> None:
+        if self._poll is None or self._failed is not None:
+            return
+        try:
+            self._poll()
+        except Exception as error:
+            self._fail(f"the flight recorder check failed: {type(error).__name__}: {error}")
+
+    def _write(self, message: Begin | Complete) -> None:
+        if isinstance(message, Begin):
+            if self.max_file_bytes and self.sink.bytes_written() + message.nbytes > self.max_file_bytes:
+                self.counters.dropped_max_bytes += 1
+                self._fail(f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}")
+                return
+            message.snapshot.wait()
+            parent = None if message.parent_sequence is None else self._indices.get(message.parent_sequence)
+            index = self.sink.begin(message, parent)
+            self._indices[message.sequence] = index
+            self.counters.recorded += 1
+            return
+        index_or_none = self._indices.pop(message.sequence, None)
+        if index_or_none is None:
+            return
+        if message.outputs is not None:
+            message.outputs.wait()
+        if message.device_timing is not None:
+            start, end = message.device_timing
+            end.synchronize()
+            message.timings["device_ms"] = float(start.elapsed_time(end))
+        if self.max_file_bytes and self.sink.bytes_written() + message.nbytes > self.max_file_bytes:
+            self.counters.outputs_dropped += 1
+            self._fail(f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}")
+            return
+        self.sink.complete(index_or_none, message)
+        self.counters.completed += 1
+
+    def _finish(self) -> None:
+        counters = self.counters.as_dict()
+        if self.extra_counters is not None:
+            try:
+                counters.update(self.extra_counters())
+            except Exception:
+                logger.exception("moereplay: collecting capture counters failed")
+        try:
+            self.sink.close(counters)
+        except Exception as error:  # a full disk can fail the footer too: the records before it stay readable
+            self._fail(f"closing the capture file failed: {type(error).__name__}: {error}")
+        dropped = {
+            key: value for key, value in counters.items() if key.startswith(("dropped", "outputs")) and value
+        }
+        if dropped:
+            logger.warning("moereplay: capture closed with drops: %s", dropped)
+
+
+def monotonic() -> float:
+    return time.perf_counter()
