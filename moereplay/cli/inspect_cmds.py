@@ -1,3 +1,149 @@
-"""``moereplay info`` and ``moereplay ls``: look inside a capture file."""
+"""``moereplay info`` and ``moereplay ls``: look inside a capture file.
+
+Both read call records only (never tensor bytes). Results go to stdout (``--json``: one JSON document);
+notes about a damaged file go to stderr; errors (``MoereplayError``) reach ``moereplay.cli.main``.
+"""
 
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from moereplay.cli import app
+
+if TYPE_CHECKING:
+    from moereplay.format.summary import CallRow, CaptureInfo
+
+_FILE = typer.Argument(..., help="A capture file (.zst).", show_default=False)
+_JSON = typer.Option(False, "--json", help="Print one JSON document instead of text.")
+
+
+def _print_json(document: Any, *, indent: int | None = 2) -> None:
+    sys.stdout.write(json.dumps(document, indent=indent, allow_nan=False) + "\n")
+
+
+@app.command("info")
+def info_command(file: Path = _FILE, json_output: bool = _JSON) -> None:
+    """Header, counts per op and status, sizes, dedup ratio and completeness of a capture file."""
+    from moereplay.format.summary import capture_info
+
+    info = capture_info(file)
+    if json_output:
+        _print_json(info.to_json())
+    else:
+        _render_info(info)
+
+
+@app.command("ls")
+def ls_command(
+    file: Path = _FILE,
+    op: str | None = typer.Option(None, "--op", help="Only ops matching this glob (e.g. 'moe_*')."),
+    layer: str | None = typer.Option(None, "--layer", help="Only calls whose context layer is L."),
+    status: str | None = typer.Option(
+        None, "--status", help="Only calls with this status: inputs_saved, completed or failed."
+    ),
+    json_output: bool = _JSON,
+) -> None:
+    """One line per call: index, op, call site, layer, key tensor shapes/dtypes, status."""
+    from moereplay.errors import SettingsError
+    from moereplay.format.records import CALL_STATUSES
+    from moereplay.format.summary import list_calls
+
+    if status is not None and status not in CALL_STATUSES:
+        raise SettingsError(f"--status must be one of {', '.join(CALL_STATUSES)}, not {status!r}")
+    recovery, rows = list_calls(file, op=op, layer=layer, status=status)
+    if not recovery.complete:
+        print(f"moereplay: note: {file}: {recovery.message}", file=sys.stderr)
+    if json_output:
+        _print_json([row.to_json() for row in rows], indent=None)
+    else:
+        _render_rows(rows)
+
+
+def _render_rows(rows: list[CallRow]) -> None:
+    columns = ["#", "op", "site", "layer", "status", "tensors"]
+    table = [
+        [
+            str(row.index),
+            row.op,
+            row.site or "-",
+            "-" if row.layer is None else str(row.layer),
+            row.status,
+            row.key_tensors(),
+        ]
+        for row in rows
+    ]
+    widths = [max([len(columns[k]), *(len(line[k]) for line in table)]) for k in range(len(columns) - 1)]
+    out = sys.stdout
+    for line in [columns, *table]:
+        cells = [line[0].rjust(widths[0])] + [line[k].ljust(widths[k]) for k in range(1, len(widths))]
+        out.write("  ".join([*cells, line[-1]]).rstrip() + "\n")
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:,.1f} MB" if count >= 100_000 else f"{count:,} B"
+
+
+def _render_info(info: CaptureInfo) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    header, stats, recovery = info.header, info.stats, info.recovery
+    versions: dict[str, Any] = header["versions"] if isinstance(header.get("versions"), dict) else {}
+    gpu: dict[str, Any] | None = header["gpu"] if isinstance(header.get("gpu"), dict) else None
+    lines: list[tuple[str, str]] = [
+        ("file", f"{info.path} ({_megabytes(stats.file_bytes)})"),
+        (
+            "format",
+            f"{'.'.join(str(part) for part in header.get('format_version', []))}, created {header.get('created', '?')}",
+        ),
+        ("versions", " · ".join(f"{name} {value or '—'}" for name, value in versions.items())),
+    ]
+    if gpu and gpu.get("name"):
+        lines.append(
+            ("gpu", f"{gpu['name']} (cc {gpu.get('compute_capability')}, {gpu.get('sm_count')} SMs)")
+        )
+    elif gpu:
+        lines.append(("gpu", f"{gpu.get('count')} device(s), CUDA not initialised when recorded"))
+    else:
+        lines.append(("gpu", "none"))
+    rank = header.get("rank") or {}
+    lines.append(
+        (
+            "host",
+            f"{header.get('host', '?')} pid {header.get('pid', '?')}" + (f" rank {rank}" if rank else ""),
+        )
+    )
+    argv = header.get("argv")
+    if isinstance(argv, list) and argv:
+        lines.append(("command", " ".join(str(part) for part in argv)))
+    lines.append(("status", recovery.message))
+    by_status = ", ".join(f"{count} {name}" for name, count in stats.by_status.items()) or "none"
+    lines.append(("calls", f"{stats.calls} ({by_status})"))
+    lines.append(
+        (
+            "tensors",
+            f"{stats.blobs} unique blobs, {_megabytes(stats.unique_blob_bytes)} stored for "
+            f"{_megabytes(stats.referenced_blob_bytes)} referenced (dedup ×{stats.dedup_ratio:.1f}); "
+            f"{_megabytes(stats.tensor_bytes)} of tensor elements",
+        )
+    )
+    if stats.counters:
+        lines.append(("counters", ", ".join(f"{name}={value}" for name, value in stats.counters.items())))
+    console = Console(highlight=False, soft_wrap=True)
+    for name, value in lines:
+        console.print(f"[bold]{name:<9}[/bold] {value}", markup=True, emoji=False)
+    if stats.by_op:
+        statuses = list(stats.by_status)
+        table = Table(title=None, show_edge=False, pad_edge=False)
+        table.add_column("op")
+        for status in statuses:
+            table.add_column(status, justify="right")
+        table.add_column("total", justify="right")
+        for op, counts in stats.by_op.items():
+            table.add_row(op, *(str(counts.get(status, 0)) for status in statuses), str(sum(counts.values())))
+        console.print(table)

@@ -1,0 +1,88 @@
+"""The environment header every capture file starts with.
+
+Collected once per writer, cheaply and without side effects: package versions come from
+``importlib.metadata`` (vLLM and triton are *not* imported); GPU facts are read only when this process has
+already initialised CUDA (a capture writer is created on the first captured call, when it has), so creating a
+writer never creates a CUDA context; the driver version comes from ``/proc/driver/nvidia/version``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import socket
+import sys
+from typing import Any
+
+import torch
+
+from moereplay.format.framing import BLOB_HASH, FORMAT_MAJOR, FORMAT_MINOR, MAGIC
+
+ENV_PREFIXES = ("MOEREPLAY_", "VLLM_")
+"""Environment variables recorded in the header."""
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _driver_version() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as handle:
+            first = handle.readline()
+    except OSError:
+        return None
+    for word in first.split():
+        if word.count(".") >= 1 and word.replace(".", "").isdigit():
+            return word
+    return first.strip() or None
+
+
+def _gpu() -> dict[str, Any] | None:
+    if not torch.cuda.is_available():
+        return None
+    if not torch.cuda.is_initialized():
+        return {"initialized": False, "count": torch.cuda.device_count()}
+    index = torch.cuda.current_device()
+    properties = torch.cuda.get_device_properties(index)
+    return {
+        "initialized": True,
+        "count": torch.cuda.device_count(),
+        "device": index,
+        "name": properties.name,
+        "compute_capability": f"{properties.major}.{properties.minor}",
+        "sm_count": properties.multi_processor_count,
+        "memory_bytes": properties.total_memory,
+    }
+
+
+def collect_environment() -> dict[str, Any]:
+    """The automatic part of a capture header (values are msgpack-native: str, int, dicts, lists)."""
+    return {
+        "magic": MAGIC,
+        "format_version": [FORMAT_MAJOR, FORMAT_MINOR],
+        "blob_hash": BLOB_HASH,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {
+            "moereplay": _version("moereplay"),
+            "torch": str(torch.__version__),
+            "triton": _version("triton"),
+            "vllm": _version("vllm"),
+            "python": platform.python_version(),
+            "cuda": torch.version.cuda,
+            "driver": _driver_version(),
+        },
+        "gpu": _gpu(),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "pid": os.getpid(),
+        "argv": list(sys.argv),
+        "rank": {name.lower(): os.environ[name] for name in RANK_VARIABLES if name in os.environ},
+        "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith(ENV_PREFIXES)},
+    }

@@ -1,0 +1,577 @@
+"""``CaptureReader``: list, inspect and load the calls of a capture file.
+
+Opening reads the header and then either the footer and its chain of index records (a closed file: no scan),
+or — when the footer is missing or unreadable — walks the record envelopes (32 bytes each, nothing
+decompressed) to find every whole call and completion record. Listing decompresses call and completion
+records only; blob frames are read only by :meth:`CaptureReader.load_args` / :meth:`load_outputs`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from moereplay.errors import CaptureFileError, TruncatedFileError, UnsupportedValueError
+from moereplay.format.codecs import codec_for
+from moereplay.format.framing import (
+    DEFAULT_MAX_BLOB_BYTES,
+    DEFAULT_MAX_FRAME_BYTES,
+    ENVELOPE_SIZE,
+    FORMAT_MAJOR,
+    MAGIC,
+    Envelope,
+    FrameSource,
+    ReadLimits,
+    RecordKind,
+    pack_envelope,
+)
+from moereplay.format.records import (
+    CALL_STATUSES,
+    COMPLETION_STATUSES,
+    CallRecord,
+    CallStatus,
+    CaptureStats,
+    Recovery,
+)
+from moereplay.format.schema import CodecValue, TensorMeta, iter_tensor_metas
+from moereplay.format.tensors import DTYPES, empty_buffer, fill_buffer, view_of
+from moereplay.format.values import ext_hook
+
+_DIGEST_BYTES = 32
+
+
+@dataclass
+class _Slot:
+    call: int
+    completion: int | None = None
+
+
+@dataclass(frozen=True)
+class _Storage:
+    digest: bytes
+    offset: int
+    base: int
+    length: int
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """One decoded value tree (arguments or outputs) and the storage table it refers to."""
+
+    tree: dict[str, Any]
+    storages: dict[int, _Storage]
+
+
+class CaptureReader:
+    """Read one capture file. Use as a context manager, or call :meth:`close`.
+
+    ``max_frame_bytes`` caps one decompressed metadata record; ``max_blob_bytes`` caps one blob. Claims over
+    either (or over what the file can hold) are refused before anything is allocated. ``verify_hashes``
+    re-hashes every blob loaded (sha256, ~1.5 GB/s); zstd checksums are always checked.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
+        verify_hashes: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.verify_hashes = verify_hashes
+        self._source = FrameSource(self.path, ReadLimits(max_frame_bytes, max_blob_bytes))
+        try:
+            self.header, self._header_end = self._read_header()
+            self._slots, self.footer, self.recovery = self._read_table()
+        except BaseException:
+            self._source.close()
+            raise
+        self._order = sorted(self._slots)
+
+    # ------------------------------------------------------------------------------------------ public
+
+    def __enter__(self) -> CaptureReader:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._source.close()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    @property
+    def file_bytes(self) -> int:
+        return self._source.size
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the file so far (diagnostics; listing stays far below the blob bytes)."""
+        return self._source.bytes_read
+
+    @property
+    def blob_frames_read(self) -> int:
+        """Blob frames read so far (only loading tensors reads them)."""
+        return self._source.blob_frames_read
+
+    @property
+    def indices(self) -> list[int]:
+        """Recorded call indices, ascending."""
+        return list(self._order)
+
+    def calls(self) -> Iterator[CallRecord]:
+        """Every recorded call, in index order, without reading blobs."""
+        for index in self._order:
+            yield self.call(index)
+
+    def call(self, index: int) -> CallRecord:
+        """Random access to one call through the index."""
+        call, completion = self._documents(index)
+        status: CallStatus = "inputs_saved" if completion is None else completion["status"]
+        return CallRecord(
+            index=index,
+            op=call["op"],
+            site=call["site"],
+            context=call["ctx"],
+            parent=call["parent"],
+            status=status,
+            args=call["args"],
+            outputs=None if completion is None else completion["outputs"],
+            timings={} if completion is None else completion["timings"],
+            error=None if completion is None else completion["error"],
+            static=tuple(call["static"]),
+            started=call["t"],
+            finished=None if completion is None else completion["t"],
+        )
+
+    def load_args(self, index: int, device: str | torch.device = "cpu") -> dict[str, Any]:
+        """The call's arguments with tensors materialised on ``device`` and codec objects decoded.
+
+        Views of one recorded storage come back as views of one buffer holding the stored span; shapes and
+        strides are the recorded ones, storage offsets are relative to that span.
+        """
+        call, _ = self._documents(index)
+        return self._materialise(index, "arguments", _Phase(call["args"], call["storages"]), device)
+
+    def load_outputs(self, index: int, device: str | torch.device = "cpu") -> dict[str, Any]:
+        """The call's outputs as recorded after it ran (see :meth:`CallRecord.aliases` for in-place writes)."""
+        _, completion = self._documents(index)
+        if completion is None:
+            raise CaptureFileError(f"{self.path}: call {index} has no recorded outputs (status inputs_saved)")
+        return self._materialise(
+            index, "outputs", _Phase(completion["outputs"], completion["storages"]), device
+        )
+
+    def stats(self) -> CaptureStats:
+        """Counts and sizes over every call (reads call and completion records, not blobs)."""
+        by_op: dict[str, Counter[str]] = {}
+        by_status: Counter[str] = Counter()
+        unique: dict[bytes, int] = {}
+        referenced = tensor_bytes = 0
+        for index in self._order:
+            call, completion = self._documents(index)
+            status = "inputs_saved" if completion is None else completion["status"]
+            by_op.setdefault(call["op"], Counter())[status] += 1
+            by_status[status] += 1
+            for document, tree in ((call, "args"), (completion, "outputs")):
+                if document is None:
+                    continue
+                for storage in document["storages"].values():
+                    unique[storage.digest] = storage.length
+                    referenced += storage.length
+                tensor_bytes += sum(meta.nbytes for _, meta in iter_tensor_metas(document[tree]))
+        unique_bytes = sum(unique.values())
+        counters = self.footer.get("counters", {}) if self.footer else {}
+        return CaptureStats(
+            calls=len(self._order),
+            by_op={op: dict(counts) for op, counts in sorted(by_op.items())},
+            by_status={status: by_status[status] for status in CALL_STATUSES if by_status[status]},
+            file_bytes=self._source.size,
+            blobs=len(unique),
+            unique_blob_bytes=unique_bytes,
+            referenced_blob_bytes=referenced,
+            tensor_bytes=tensor_bytes,
+            dedup_ratio=referenced / unique_bytes if unique_bytes else 1.0,
+            counters=dict(counters) if isinstance(counters, dict) else {},
+        )
+
+    def select(
+        self, *, op: str | None = None, layer: Any = None, status: str | None = None
+    ) -> Iterator[CallRecord]:
+        """Calls filtered by op glob (``fnmatch``), ``context["layer"]`` (compared as text) and status."""
+        for record in self.calls():
+            if op is not None and not fnmatch.fnmatchcase(record.op, op):
+                continue
+            if layer is not None and str(record.layer) != str(layer):
+                continue
+            if status is not None and record.status != status:
+                continue
+            yield record
+
+    # -------------------------------------------------------------------------------------- opening
+
+    def _read_header(self) -> tuple[dict[str, Any], int]:
+        source = self._source
+        if source.size == 0:
+            raise source.fail("empty file, not a moereplay capture")
+        expected = pack_envelope(RecordKind.HEADER, 0, 0)[:11]
+        start = source.read_prefix(len(expected))
+        if start != expected[: len(start)]:
+            raise source.fail("not a moereplay capture file (bad magic)")
+        try:
+            envelope = source.envelope_at(0)
+        except TruncatedFileError:
+            raise
+        except CaptureFileError as error:
+            raise source.fail("not a moereplay capture file (bad magic)") from error
+        if envelope.kind is not RecordKind.HEADER:
+            raise source.fail("not a moereplay capture file (no header record)")
+        major, minor = envelope.value >> 32, envelope.value & 0xFFFFFFFF
+        if major != FORMAT_MAJOR:
+            raise source.fail(
+                f"capture format {major}.{minor} is not supported (this moereplay reads {FORMAT_MAJOR}.x)"
+            )
+        _, header = source.document_at(0, RecordKind.HEADER, ext_hook)
+        if header.get("magic") != MAGIC:
+            raise source.fail("not a moereplay capture file (bad magic in the header)")
+        version = header.get("format_version")
+        if not (
+            isinstance(version, list) and len(version) == 2 and all(type(part) is int for part in version)
+        ):
+            raise source.fail("the header has no valid format_version")
+        if version[0] != FORMAT_MAJOR:
+            raise source.fail(
+                f"capture format {version[0]}.{version[1]} is not supported (this moereplay reads {FORMAT_MAJOR}.x)"
+            )
+        return header, envelope.end
+
+    def _read_table(self) -> tuple[dict[int, _Slot], dict[str, Any] | None, Recovery]:
+        source = self._source
+        problem = ""
+        tail_offset = source.size - ENVELOPE_SIZE
+        if tail_offset >= self._header_end:
+            try:
+                tail: Envelope | None = source.envelope_at(tail_offset)
+            except CaptureFileError:
+                tail = None
+            if tail is not None and tail.kind is RecordKind.TAIL:
+                try:
+                    slots, footer = self._read_indexed(tail)
+                except CaptureFileError as error:
+                    problem = str(error).removeprefix(f"{self.path}: ")
+                else:
+                    message = f"complete: {len(slots)} calls, footer and index present"
+                    return slots, footer, Recovery(True, False, None, len(slots), message)
+        return self._scan(problem)
+
+    def _read_indexed(self, tail: Envelope) -> tuple[dict[int, _Slot], dict[str, Any]]:
+        source = self._source
+        footer_envelope, footer = source.document_at(
+            _offset(source, tail.value, self._header_end), RecordKind.FOOTER
+        )
+        if footer_envelope.end != tail.offset:
+            raise source.fail("the footer is not followed by the tail")
+        slots: dict[int, _Slot] = {}
+        done: dict[int, int] = {}
+        position = footer.get("index")
+        limit = footer_envelope.offset
+        while position is not None:
+            position = _offset(source, position, self._header_end)
+            if position >= limit:
+                raise source.fail(f"index chain points forward (offset {position})")
+            _, index = source.document_at(position, RecordKind.INDEX)
+            for call, offset in _pairs(source, index.get("calls"), self._header_end, position):
+                if call in slots:
+                    raise source.fail(f"call {call} appears twice in the index")
+                slots[call] = _Slot(offset)
+            for call, offset in _pairs(source, index.get("done"), self._header_end, position):
+                done[call] = offset
+            limit, position = position, index.get("prev")
+        for call, offset in done.items():
+            if call not in slots:
+                raise source.fail(f"the index completes call {call}, which it does not list")
+            slots[call].completion = offset
+        if footer.get("calls") != len(slots):
+            raise source.fail(
+                f"the footer counts {footer.get('calls')!r} calls, the index lists {len(slots)}"
+            )
+        return slots, footer
+
+    def _scan(self, problem: str) -> tuple[dict[int, _Slot], dict[str, Any] | None, Recovery]:
+        source = self._source
+        slots: dict[int, _Slot] = {}
+        footer: dict[str, Any] | None = None
+        position = self._header_end
+        stopped: str | None = None
+        tail_seen = False
+        while position < source.size and not tail_seen:
+            try:
+                envelope = source.envelope_at(position)
+            except TruncatedFileError:
+                stopped = "the file ends inside a record"
+                break
+            except CaptureFileError as error:
+                stopped = str(error).removeprefix(f"{self.path}: ")
+                break
+            kind = envelope.kind
+            if kind is RecordKind.CALL:
+                if envelope.value in slots:
+                    stopped = f"call {envelope.value} recorded twice (offset {position})"
+                    break
+                slots[envelope.value] = _Slot(position)
+            elif kind is RecordKind.COMPLETION:
+                slot = slots.get(envelope.value)
+                if slot is not None and slot.completion is None:
+                    slot.completion = position
+            elif kind is RecordKind.FOOTER:
+                try:
+                    _, footer = source.document_at(position, RecordKind.FOOTER)
+                except CaptureFileError as error:
+                    stopped = str(error).removeprefix(f"{self.path}: ")
+                    break
+            elif kind is RecordKind.TAIL:
+                tail_seen = True
+            elif kind is RecordKind.HEADER:
+                stopped = f"a second header at offset {position}"
+                break
+            position = envelope.end
+        completed = sum(slot.completion is not None for slot in slots.values())
+        recovered = f"recovered {len(slots)} calls ({completed} with outputs)"
+        footer_missing = footer is None
+        if stopped is not None:
+            message = f"stopped at byte {position} of {source.size}: {stopped}; {recovered}"
+            if footer_missing:
+                message += "; footer missing"
+            return slots, footer, Recovery(False, footer_missing, position, len(slots), message)
+        if tail_seen and position < source.size:
+            message = f"{source.size - position} bytes after the tail ignored; {recovered}"
+            return slots, footer, Recovery(False, footer_missing, position, len(slots), message)
+        if problem:
+            message = f"index unreadable ({problem}); {recovered} by scanning"
+        elif footer_missing:
+            message = f"footer missing (the writer did not close the file); {recovered}"
+        else:
+            message = f"tail missing; {recovered}"
+        return slots, footer, Recovery(False, footer_missing, None, len(slots), message)
+
+    # ------------------------------------------------------------------------------------ documents
+
+    def _documents(self, index: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        slot = self._slots.get(index)
+        if slot is None:
+            raise CaptureFileError(f"{self.path}: no call {index} (the file holds {len(self._order)} calls)")
+        _, call = self._source.document_at(slot.call, RecordKind.CALL, ext_hook)
+        checked = _check_call(self._source, call, index, self._header_end)
+        completion = None
+        if slot.completion is not None:
+            _, raw = self._source.document_at(slot.completion, RecordKind.COMPLETION, ext_hook)
+            completion = _check_completion(self._source, raw, index, self._header_end)
+        return checked, completion
+
+    # --------------------------------------------------------------------------------- materialising
+
+    def _materialise(
+        self, index: int, what: str, phase: _Phase, device: str | torch.device
+    ) -> dict[str, Any]:
+        target = torch.device(device)
+        source = self._source
+        where = f"call {index} {what}"
+        buffers: dict[int, torch.Tensor] = {}
+        for path, meta in iter_tensor_metas(phase.tree):
+            if DTYPES.get(meta.dtype) is None:
+                raise CaptureFileError(
+                    f"{self.path}: {where}: tensor {path} has dtype {meta.dtype}, unknown to torch {torch.__version__}"
+                )
+            if meta.numel == 0 or meta.storage in buffers:
+                continue
+            storage = phase.storages.get(meta.storage)
+            if storage is None:
+                raise source.fail(
+                    f"{where}: tensor {path} refers to storage {meta.storage}, which has no bytes"
+                )
+            data = source.blob_at(storage.offset, storage.digest, storage.length, verify=self.verify_hashes)
+            buffer = empty_buffer(storage.length)
+            fill_buffer(buffer, data)
+            del data
+            buffers[meta.storage] = buffer.to(target) if target.type != "cpu" else buffer
+
+        def tensor(path: str, meta: TensorMeta) -> torch.Tensor:
+            dtype = DTYPES[meta.dtype]
+            if meta.numel == 0:
+                return view_of(empty_buffer(0).to(target), 0, meta, dtype)
+            storage = phase.storages[meta.storage]
+            start, end = meta.byte_span()
+            if (
+                start < storage.base
+                or end > storage.base + storage.length
+                or (start - storage.base) % meta.itemsize
+            ):
+                raise source.fail(f"{where}: tensor {path} lies outside the bytes recorded for its storage")
+            return view_of(buffers[meta.storage], storage.base, meta, dtype)
+
+        tree = _rebuild(
+            phase.tree, "", tensor, lambda message: UnsupportedValueError(f"{self.path}: {where}: {message}")
+        )
+        if not isinstance(tree, dict):
+            raise source.fail(f"{where} is not a map")
+        return tree
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _rebuild(
+    tree: Any,
+    path: str,
+    tensor: Callable[[str, TensorMeta], torch.Tensor],
+    error: Callable[[str], Exception],
+) -> Any:
+    """Copy a decoded tree, replacing tensor metas by tensors and codec values by decoded objects."""
+    if isinstance(tree, TensorMeta):
+        return tensor(path, tree)
+    if isinstance(tree, dict):
+        return {
+            key: _rebuild(value, f"{path}.{key}" if path else str(key), tensor, error)
+            for key, value in tree.items()
+        }
+    if isinstance(tree, list):
+        return [_rebuild(value, f"{path}[{position}]", tensor, error) for position, value in enumerate(tree)]
+    if isinstance(tree, tuple) and not isinstance(tree, torch.Size):
+        return tuple(
+            _rebuild(value, f"{path}[{position}]", tensor, error) for position, value in enumerate(tree)
+        )
+    if isinstance(tree, CodecValue):
+        value = _rebuild(tree.value, f"{path}<{tree.type_name.rsplit('.', 1)[-1]}>", tensor, error)
+        codec = codec_for(tree.type_name)
+        if codec is None:
+            return CodecValue(tree.type_name, value)
+        try:
+            return codec.decode(value)
+        except Exception as failure:
+            raise error(
+                f"codec for {tree.type_name} failed to decode {path}: {type(failure).__name__}: {failure}"
+            ) from failure
+    return tree
+
+
+def _offset(source: FrameSource, value: Any, header_end: int) -> int:
+    if type(value) is not int or not header_end <= value < source.size:
+        raise source.fail(f"record offset {value!r} lies outside the file")
+    return value
+
+
+def _pairs(source: FrameSource, value: Any, header_end: int, limit: int) -> Iterator[tuple[int, int]]:
+    if not isinstance(value, list):
+        raise source.fail("an index record is malformed")
+    for pair in value:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(type(item) is int for item in pair)):
+            raise source.fail("an index entry is malformed")
+        call, offset = pair
+        if call < 0 or not header_end <= offset < limit:
+            raise source.fail(f"index entry for call {call} points outside the indexed range")
+        yield call, offset
+
+
+def _require(source: FrameSource, condition: bool, index: int, problem: str) -> None:
+    if not condition:
+        raise source.fail(f"call {index}: {problem}")
+
+
+def _storages(source: FrameSource, value: Any, index: int, header_end: int) -> dict[int, _Storage]:
+    _require(source, isinstance(value, dict), index, "storage table is not a map")
+    storages: dict[int, _Storage] = {}
+    for storage_id, entry in value.items():
+        _require(
+            source, type(storage_id) is int and isinstance(entry, dict), index, "storage table is malformed"
+        )
+        digest, offset, base, length = entry.get("h"), entry.get("at"), entry.get("base"), entry.get("n")
+        _require(
+            source,
+            isinstance(digest, bytes)
+            and len(digest) == _DIGEST_BYTES
+            and type(offset) is int
+            and header_end <= offset < source.size
+            and type(base) is int
+            and base >= 0
+            and type(length) is int
+            and length > 0,
+            index,
+            f"storage {storage_id} entry is malformed",
+        )
+        if length > source.limits.max_blob_bytes:
+            raise source.fail(
+                f"call {index}: storage {storage_id} claims {length} bytes, over the cap of {source.limits.max_blob_bytes}"
+            )
+        storages[storage_id] = _Storage(digest, offset, base, length)
+    return storages
+
+
+def _check_call(source: FrameSource, call: dict[str, Any], index: int, header_end: int) -> dict[str, Any]:
+    _require(source, call.get("i") == index, index, f"the call record says it is call {call.get('i')!r}")
+    _require(
+        source,
+        isinstance(call.get("op"), str) and isinstance(call.get("site"), str),
+        index,
+        "op or site is not text",
+    )
+    parent = call.get("parent")
+    _require(source, parent is None or type(parent) is int, index, "parent is not a call index")
+    _require(
+        source,
+        isinstance(call.get("ctx"), dict) and isinstance(call.get("args"), dict),
+        index,
+        "context or arguments are not maps",
+    )
+    static = call.get("static", [])
+    _require(
+        source,
+        isinstance(static, list) and all(isinstance(name, str) for name in static),
+        index,
+        "static names are malformed",
+    )
+    started = call.get("t")
+    _require(source, started is None or isinstance(started, float), index, "start time is not a float")
+    return {
+        **call,
+        "static": static,
+        "t": started,
+        "storages": _storages(source, call.get("storages"), index, header_end),
+    }
+
+
+def _check_completion(
+    source: FrameSource, completion: dict[str, Any], index: int, header_end: int
+) -> dict[str, Any]:
+    _require(source, completion.get("i") == index, index, "the completion record names another call")
+    _require(
+        source,
+        completion.get("status") in COMPLETION_STATUSES,
+        index,
+        f"unknown status {completion.get('status')!r}",
+    )
+    error = completion.get("error")
+    _require(source, error is None or isinstance(error, str), index, "error is not text")
+    timings = completion.get("timings")
+    _require(
+        source,
+        isinstance(timings, dict)
+        and all(isinstance(key, str) and isinstance(value, float) for key, value in timings.items()),
+        index,
+        "timings are malformed",
+    )
+    _require(source, isinstance(completion.get("outputs"), dict), index, "outputs are not a map")
+    finished = completion.get("t")
+    _require(source, finished is None or isinstance(finished, float), index, "finish time is not a float")
+    return {**completion, "storages": _storages(source, completion.get("storages"), index, header_end)}

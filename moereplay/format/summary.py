@@ -1,0 +1,138 @@
+"""Typed summaries of a capture file for ``moereplay info`` and ``moereplay ls`` (and anything else that
+lists calls): what the commands print, computed without reading a single blob."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moereplay.format.reader import CaptureReader
+from moereplay.format.records import CallRecord, CaptureStats, Recovery
+from moereplay.format.schema import CodecValue, EnumValue, TensorMeta, Unsupported
+
+KEY_TENSORS = 3
+"""Tensors shown per call in the human listing (the JSON listing has them all)."""
+
+
+@dataclass(frozen=True)
+class CaptureInfo:
+    """What ``moereplay info`` shows."""
+
+    path: str
+    header: dict[str, Any]
+    recovery: Recovery
+    stats: CaptureStats
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.path,
+            "header": jsonable(self.header),
+            "recovery": jsonable(dataclasses.asdict(self.recovery)),
+            "stats": jsonable(dataclasses.asdict(self.stats)),
+        }
+
+
+@dataclass(frozen=True)
+class CallRow:
+    """One line of ``moereplay ls``."""
+
+    index: int
+    op: str
+    site: str
+    layer: Any
+    status: str
+    parent: int | None
+    context: dict[Any, Any]
+    tensors: dict[str, TensorMeta]
+
+    @classmethod
+    def of(cls, record: CallRecord) -> CallRow:
+        return cls(
+            record.index,
+            record.op,
+            record.site,
+            record.layer,
+            record.status,
+            record.parent,
+            record.context,
+            record.arg_tensors,
+        )
+
+    def key_tensors(self, count: int = KEY_TENSORS) -> str:
+        """``a=bfloat16[64,2880] b=int32[32,1440,368] …+9``."""
+        items = list(self.tensors.items())
+        text = " ".join(f"{path}={meta.describe()}" for path, meta in items[:count])
+        return text + (f" …+{len(items) - count}" if len(items) > count else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "op": self.op,
+            "site": self.site,
+            "layer": jsonable(self.layer),
+            "status": self.status,
+            "parent": self.parent,
+            "context": jsonable(self.context),
+            "tensors": {path: jsonable(meta) for path, meta in self.tensors.items()},
+        }
+
+
+def capture_info(path: str | Path) -> CaptureInfo:
+    with CaptureReader(path) as reader:
+        return CaptureInfo(str(path), reader.header, reader.recovery, reader.stats())
+
+
+def list_calls(
+    path: str | Path, *, op: str | None = None, layer: Any = None, status: str | None = None
+) -> tuple[Recovery, list[CallRow]]:
+    """The rows of the calls matching the filters (op: glob; layer: compared as text), and how the file read."""
+    with CaptureReader(path) as reader:
+        rows = [CallRow.of(record) for record in reader.select(op=op, layer=layer, status=status)]
+        return reader.recovery, rows
+
+
+def jsonable(value: Any) -> Any:
+    """A recorded value as plain JSON (nan/inf as strings, bytes as hex, tensors as dtype/shape/stride)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, TensorMeta):
+        return {
+            "dtype": value.dtype,
+            "shape": list(value.shape),
+            "stride": list(value.stride),
+            "storage_offset": value.storage_offset,
+            "device": value.device,
+            "storage": value.storage,
+        }
+    if isinstance(value, dict):
+        return {str(key): jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(item) for item in _iterate(value)]
+    if isinstance(value, Unsupported):
+        return {"unsupported": value.type_name, "repr": value.repr_excerpt}
+    if isinstance(value, CodecValue):
+        return {"codec": value.type_name, "value": jsonable(value.value)}
+    if isinstance(value, EnumValue):
+        return {"enum": value.type_name, "name": value.name, "value": jsonable(value.value)}
+    if isinstance(value, enum.Enum):
+        return {"enum": f"{type(value).__module__}.{type(value).__qualname__}", "name": value.name}
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    return repr(value)
+
+
+def _iterate(value: Any) -> Iterator[Any]:
+    if isinstance(value, (set, frozenset)):
+        return iter(sorted(value, key=repr))
+    return iter(value)

@@ -1,0 +1,524 @@
+"""``CaptureWriter``: append kernel calls to a capture file.
+
+Per call the writer emits, in this order: the blobs of storages it has not stored yet, the call record
+(status ``inputs_saved``), later the completion record (outputs, timings, status). Every ``index_every`` calls
+it appends an index record; ``close`` appends a last index, the footer and the tail. A crash at any point leaves
+a file readable up to its last whole record.
+
+Tensors may live on any device: the writer itself copies the bytes it stores to the host, synchronously, inside
+``begin_call`` / ``complete_call`` (for CUDA that waits for the current stream), so call these from the thread
+that owns the tensors, after the work producing them was queued. The writer keeps the storages of a call's
+arguments alive until its ``complete_call`` so that an output's storage is matched to an input's by address
+without risk of address reuse.
+
+Blobs are deduplicated by sha256 of their bytes within the file. For tensors the caller knows are *static*
+(weights, scales: the same storage with the same bytes on every call), ``begin_call(..., static=names)`` also
+skips the device copy and the hash after the first time: those storages are cached by identity (device, data
+pointer, storage size, span, version counter where torch tracks one — inference tensors do not) and kept alive
+by the cache. Marking a tensor static promises its bytes do not change while it lives; mark only weights.
+
+Thread-safe (one lock); not async. Not for concurrent writers on one path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import torch
+
+from moereplay.errors import CaptureFileError, UnsupportedValueError
+from moereplay.format.environment import collect_environment
+from moereplay.format.framing import (
+    BLOB_HASH,
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    MAGIC,
+    FrameSink,
+    RecordKind,
+)
+from moereplay.format.records import COMPLETION_STATUSES
+from moereplay.format.schema import TensorBytes, Unsupported
+from moereplay.format.tensors import dtype_name, span_start, storage_span_to_host, unsupported_reason
+from moereplay.format.values import to_wire
+
+
+@dataclass
+class _StorageUse:
+    """The part of one storage that one argument (or output) tree touches, and where its bytes come from:
+    a live tensor on that storage (``tensor``), or bytes the caller copied (``given``)."""
+
+    device: str
+    start: int
+    end: int
+    static: bool
+    tensor: torch.Tensor | None = None
+    storage: Any = None
+    address: int = 0
+    storage_bytes: int = 0
+    version: int = -1
+    given: TensorBytes | None = None
+    given_length: int = 0
+
+
+@dataclass
+class _CallStorages:
+    """Storage ids of one call, shared by its arguments and outputs; keeps the argument storages alive."""
+
+    ids: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    count: int = 0
+    alive: list[Any] = field(default_factory=list)
+
+    def new_id(self) -> int:
+        self.count += 1
+        return self.count - 1
+
+    def id_for(self, key: tuple[Any, ...], keep: Any) -> int:
+        storage_id = self.ids.get(key, -1)
+        if storage_id < 0:
+            storage_id = self.new_id()
+            self.ids[key] = storage_id
+            self.alive.append(keep)
+        return storage_id
+
+
+class _TreeTensors:
+    """Collects the tensors of one value tree (arguments or outputs) while it is being encoded."""
+
+    def __init__(self, storages: _CallStorages, static_lengths: Mapping[Any, int]) -> None:
+        self.storages = storages
+        self.static_lengths = static_lengths
+        self.uses: dict[int, _StorageUse] = {}
+        self.static = False
+
+    def hook(self, tensor: torch.Tensor | TensorBytes) -> dict[str, Any] | Unsupported:
+        if isinstance(tensor, TensorBytes):
+            return self._record_given(tensor)
+        reason = unsupported_reason(tensor)
+        if reason is not None:
+            return Unsupported("torch.Tensor", reason)
+        try:
+            payload = self._record(tensor)
+        except Exception as error:  # fake / functional tensors and the like have no readable storage
+            return Unsupported(
+                f"{type(tensor).__module__}.{type(tensor).__qualname__}",
+                f"storage not readable: {type(error).__name__}: {str(error)[:150]}",
+            )
+        return payload
+
+    def _record(self, tensor: torch.Tensor) -> dict[str, Any]:
+        itemsize = tensor.element_size()
+        offset = int(tensor.storage_offset())
+        shape, stride = list(tensor.shape), list(tensor.stride())
+        device = str(tensor.device)
+        if tensor.numel() == 0:
+            storage_id = self.storages.new_id()
+        else:
+            storage = tensor.untyped_storage()
+            address = storage.data_ptr()
+            storage_id = self.storages.id_for((device, address), storage)
+            start, end = _span(offset, shape, stride, itemsize)
+            try:
+                version = tensor._version
+            except RuntimeError:  # inference tensors track no version
+                version = -1
+            use = self.uses.get(storage_id)
+            if use is None:
+                self.uses[storage_id] = _StorageUse(
+                    device, start, end, self.static, tensor, storage, address, storage.nbytes(), version
+                )
+            else:
+                use.start, use.end = min(use.start, start), max(use.end, end)
+                use.static = use.static or self.static
+                use.version = max(use.version, version)
+        return _payload(tensor.dtype, itemsize, shape, stride, offset, device, storage_id, tensor.is_conj())
+
+    def _record_given(self, given: TensorBytes) -> dict[str, Any]:
+        dtype, shape, stride = given.dtype, list(given.shape), list(given.stride)
+        if not isinstance(dtype, torch.dtype) or len(shape) != len(stride):
+            raise UnsupportedValueError(
+                "TensorBytes needs a torch.dtype and a shape and stride of one length"
+            )
+        numbers = [*shape, *stride, given.storage_offset, given.base]
+        if any(type(number) is not int or number < 0 for number in numbers):
+            raise UnsupportedValueError(
+                "TensorBytes shape, stride, offset and base must be non-negative ints"
+            )
+        itemsize = _itemsize(dtype)
+        if math.prod(shape) == 0:
+            storage_id = self.storages.new_id()
+        else:
+            data = given.data
+            if data is not None:
+                if data.dtype is not torch.uint8 or data.dim() != 1 or not data.is_contiguous():
+                    raise UnsupportedValueError("TensorBytes.data must be a contiguous 1-D uint8 tensor")
+                length = data.numel()
+            elif given.static_key is not None and given.static_key in self.static_lengths:
+                length = self.static_lengths[given.static_key]
+            else:
+                raise UnsupportedValueError(
+                    f"TensorBytes without data and with unknown static key {given.static_key!r}"
+                )
+            storage_id = self.storages.id_for(("given", given.storage), given)
+            start, end = _span(given.storage_offset, shape, stride, itemsize)
+            use = self.uses.get(storage_id)
+            if use is None:
+                use = _StorageUse(given.device, given.base, given.base + length, self.static, given=given)
+                use.given_length = length
+                self.uses[storage_id] = use
+            if use.given is None or start < use.start or end > use.end or (start - use.start) % itemsize:
+                raise UnsupportedValueError(
+                    f"TensorBytes view [{start}, {end}) lies outside the bytes given for its storage"
+                )
+        return _payload(dtype, itemsize, shape, stride, given.storage_offset, given.device, storage_id, False)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _span(offset: int, shape: list[int], stride: list[int], itemsize: int) -> tuple[int, int]:
+    """Bytes ``[start, end)`` of the storage a non-empty view touches."""
+    last = offset + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
+    return offset * itemsize, (last + 1) * itemsize
+
+
+def _payload(
+    dtype: torch.dtype,
+    itemsize: int,
+    shape: list[int],
+    stride: list[int],
+    offset: int,
+    device: str,
+    storage_id: int,
+    conj: bool,
+) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "dt": dtype_name(dtype),
+        "is": itemsize,
+        "sh": shape,
+        "st": stride,
+        "of": offset,
+        "dev": device,
+        "sid": storage_id,
+    }
+    if conj:
+        payload["cj"] = True
+    return payload
+
+
+class CaptureWriter:
+    """Write one capture file. Use as a context manager, or call :meth:`close`.
+
+    ``header`` is merged (shallowly) over the automatic environment header; ``magic`` and
+    ``format_version`` cannot be overridden. ``index_every``: calls between index records (smaller: faster
+    recovery of random access, slightly larger files). ``compression_level``: zstd level for every frame.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        header: Mapping[str, Any] | None = None,
+        *,
+        index_every: int = 64,
+        compression_level: int = 3,
+    ) -> None:
+        if index_every < 1:
+            raise ValueError("index_every must be at least 1")
+        self.path = Path(path)
+        self.index_every = index_every
+        self._lock = threading.Lock()
+        merged: dict[str, Any] = collect_environment()
+        merged.update(header or {})
+        merged["magic"] = MAGIC
+        merged["format_version"] = [FORMAT_MAJOR, FORMAT_MINOR]
+        merged["blob_hash"] = BLOB_HASH
+        self.header: dict[str, Any] = merged
+        wire_header = to_wire(merged, None)
+        try:
+            self._file: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+        except OSError as error:
+            raise CaptureFileError(f"{self.path}: cannot create: {error.strerror or error}") from error
+        self._sink = FrameSink(self._file, compression_level)
+        self._closed = False
+        self._broken: str | None = None
+        self._next_call = 0
+        self._pending: dict[int, _CallStorages] = {}
+        self._unindexed_calls: list[list[int]] = []
+        self._unindexed_done: list[list[int]] = []
+        self._last_index: int | None = None
+        self._blobs: dict[bytes, int] = {}
+        self._static_cache: dict[tuple[Any, ...], tuple[bytes, int, Any]] = {}
+        self._static_given: dict[Any, tuple[bytes, int, int]] = {}
+        self._static_lengths: dict[Any, int] = {}
+        self.blob_count = 0
+        self.blob_bytes = 0
+        self.completed = 0
+        self.failed = 0
+        self._guarded(lambda: self._sink.write_document(RecordKind.HEADER, _version_value(), wire_header))
+
+    # ------------------------------------------------------------------------------------------ public
+
+    def __enter__(self) -> CaptureWriter:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def calls(self) -> int:
+        """Calls begun so far."""
+        return self._next_call
+
+    def begin_call(
+        self,
+        op: str,
+        args: Mapping[str, Any],
+        *,
+        site: str = "",
+        context: Mapping[Any, Any] | None = None,
+        parent: int | None = None,
+        static: Collection[str] = (),
+    ) -> int:
+        """Record a call's inputs (status ``inputs_saved``); return its index (0, 1, 2, … in this file).
+
+        ``args``: argument name → value (tensors, scalars, containers, enums, codec objects).
+        ``context``: small metadata (layer, step, rank, tags) — tensors there are recorded as unsupported.
+        ``parent``: index of an enclosing call, if any. ``static``: names of arguments whose tensors are
+        weights (see the module docstring). Raises UnsupportedValueError when a value cannot be encoded
+        (a failing codec, cyclic data); nothing of the call is then recorded.
+        """
+        if not isinstance(op, str) or not op:
+            raise ValueError("op must be a non-empty string")
+        if not isinstance(site, str):
+            raise ValueError("site must be a string")
+        if parent is not None and type(parent) is not int:
+            raise ValueError("parent must be a call index or None")
+        _check_names(args, "argument")
+        static_names = frozenset(static)
+        with self._lock:
+            self._check_writable()
+            storages = _CallStorages()
+            tensors = _TreeTensors(storages, self._static_lengths)
+            wire_args: dict[str, Any] = {}
+            for name, value in args.items():
+                tensors.static = name in static_names
+                wire_args[name] = to_wire(value, tensors.hook)
+            wire_context = to_wire(dict(context or {}), None)
+            index = self._next_call
+
+            def write() -> int:
+                entries = self._store(tensors)
+                document = {
+                    "i": index,
+                    "op": op,
+                    "site": site,
+                    "parent": parent,
+                    "t": time.time(),
+                    "ctx": wire_context,
+                    "args": wire_args,
+                    "static": sorted(static_names & set(args)),
+                    "storages": entries,
+                }
+                return self._sink.write_document(RecordKind.CALL, index, document)
+
+            offset = self._guarded(write)
+            self._next_call += 1
+            self._pending[index] = storages
+            self._unindexed_calls.append([index, offset])
+            if len(self._unindexed_calls) >= self.index_every:
+                self._guarded(self._write_index)
+            return index
+
+    def complete_call(
+        self,
+        index: int,
+        outputs: Mapping[str, Any],
+        *,
+        timings: Mapping[str, float] | None = None,
+        status: str = "completed",
+        error: str | None = None,
+    ) -> None:
+        """Record a call's outputs and timings; ``status`` is ``completed`` or ``failed`` (with ``error``).
+
+        Outputs that are views of an argument's storage keep that argument's storage id, so readers see
+        in-place writes as aliasing.
+        """
+        if status not in COMPLETION_STATUSES:
+            raise ValueError(f"status must be one of {COMPLETION_STATUSES}, not {status!r}")
+        if error is not None and not isinstance(error, str):
+            raise ValueError("error must be a string or None")
+        _check_names(outputs, "output")
+        clean_timings = {str(name): float(value) for name, value in (timings or {}).items()}
+        with self._lock:
+            self._check_writable()
+            storages = self._pending.get(index)
+            if storages is None:
+                raise ValueError(f"call {index} was not begun in this file, or was already completed")
+            tensors = _TreeTensors(storages, self._static_lengths)
+            wire_outputs = {name: to_wire(value, tensors.hook) for name, value in outputs.items()}
+
+            def write() -> int:
+                entries = self._store(tensors)
+                document = {
+                    "i": index,
+                    "status": status,
+                    "error": error,
+                    "t": time.time(),
+                    "timings": clean_timings,
+                    "outputs": wire_outputs,
+                    "storages": entries,
+                }
+                return self._sink.write_document(RecordKind.COMPLETION, index, document)
+
+            offset = self._guarded(write)
+            del self._pending[index]
+            self._unindexed_done.append([index, offset])
+            if status == "completed":
+                self.completed += 1
+            else:
+                self.failed += 1
+
+    def flush(self) -> None:
+        """Hand buffered records to the operating system (no fsync)."""
+        with self._lock:
+            if not self._closed:
+                self._guarded(self._file.flush)
+
+    def close(self, counters: Mapping[str, int] | None = None) -> None:
+        """Write the last index, the footer (with ``counters``, e.g. dropped calls) and the tail; close.
+
+        Idempotent. A writer whose file failed (disk full …) just closes the file.
+        """
+        clean_counters = {str(name): int(value) for name, value in (counters or {}).items()}
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self._broken is None:
+                    self._guarded(lambda: self._finish(clean_counters))
+            finally:
+                self._pending.clear()
+                self._static_cache.clear()
+                self._static_given.clear()
+                self._file.close()
+
+    # ----------------------------------------------------------------------------------------- private
+
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self.path}: the capture writer is closed")
+        if self._broken is not None:
+            raise CaptureFileError(
+                f"{self.path}: an earlier write failed ({self._broken}); nothing more is written"
+            )
+
+    def _guarded(self, action: Any) -> Any:
+        try:
+            return action()
+        except OSError as error:
+            self._broken = error.strerror or str(error)
+            raise CaptureFileError(f"{self.path}: write failed: {self._broken}") from error
+        except (TypeError, ValueError, OverflowError) as error:  # msgpack refused a value (e.g. a surrogate)
+            raise UnsupportedValueError(
+                f"{self.path}: cannot encode: {type(error).__name__}: {error}"
+            ) from error
+
+    def _store(self, tensors: _TreeTensors) -> dict[int, dict[str, Any]]:
+        """Write the blobs a tree needs; return its storage table (storage id → where its bytes are)."""
+        entries: dict[int, dict[str, Any]] = {}
+        for storage_id, use in tensors.uses.items():
+            if use.given is not None:
+                entries[storage_id] = self._store_given(use.given, use.start, use.given_length)
+                continue
+            assert use.tensor is not None
+            base = span_start(use.start)
+            key = (use.device, use.address, use.storage_bytes, base, use.end, use.version)
+            cached = self._static_cache.get(key) if use.static else None
+            if cached is not None:
+                digest, offset = cached[0], cached[1]
+            else:
+                digest, offset = self._blob(storage_span_to_host(use.tensor, base, use.end))
+                if use.static:
+                    self._static_cache[key] = (digest, offset, use.storage)
+            entries[storage_id] = {
+                "h": digest,
+                "at": offset,
+                "base": base,
+                "n": use.end - base,
+                "sz": use.storage_bytes,
+                "dev": use.device,
+            }
+        return entries
+
+    def _store_given(self, given: TensorBytes, base: int, length: int) -> dict[str, Any]:
+        key = given.static_key
+        cached = self._static_given.get(key) if key is not None else None
+        if cached is not None and cached[2] == length:
+            digest, offset = cached[0], cached[1]
+        else:
+            if given.data is None:
+                raise UnsupportedValueError(f"TensorBytes without data for static key {key!r}")
+            host = given.data if given.data.device.type == "cpu" else given.data.cpu()
+            digest, offset = self._blob(host.numpy().data.cast("B"))
+            if key is not None:
+                self._static_given[key] = (digest, offset, length)
+                self._static_lengths[key] = length
+        return {"h": digest, "at": offset, "base": base, "n": length, "dev": given.device}
+
+    def _blob(self, data: memoryview) -> tuple[bytes, int]:
+        """Hash ``data``; write it unless this file already holds those bytes. Returns (digest, offset)."""
+        digest = hashlib.new(BLOB_HASH, data).digest()
+        offset = self._blobs.get(digest)
+        if offset is None:
+            offset = self._sink.write_blob(digest, data)
+            self._blobs[digest] = offset
+            self.blob_count += 1
+            self.blob_bytes += data.nbytes
+        return digest, offset
+
+    def _write_index(self) -> None:
+        document = {"calls": self._unindexed_calls, "done": self._unindexed_done, "prev": self._last_index}
+        self._last_index = self._sink.write_document(RecordKind.INDEX, len(self._unindexed_calls), document)
+        self._unindexed_calls, self._unindexed_done = [], []
+
+    def _finish(self, counters: dict[str, int]) -> None:
+        if self._unindexed_calls or self._unindexed_done or self._last_index is None:
+            self._write_index()
+        footer = {
+            "index": self._last_index,
+            "calls": self._next_call,
+            "completed": self.completed,
+            "failed": self.failed,
+            "pending": len(self._pending),
+            "blobs": self.blob_count,
+            "blob_bytes": self.blob_bytes,
+            "counters": counters,
+            "t": time.time(),
+        }
+        offset = self._sink.write_document(RecordKind.FOOTER, self._next_call, footer)
+        self._sink.write_tail(offset)
+        self._file.flush()
+
+
+def _version_value() -> int:
+    """The header envelope's value: ``major << 32 | minor`` (lets a reader refuse a version before decoding)."""
+    return FORMAT_MAJOR << 32 | FORMAT_MINOR
+
+
+def _check_names(values: Mapping[str, Any], what: str) -> None:
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{what}s must be a mapping of names to values")
+    for name in values:
+        if not isinstance(name, str):
+            raise ValueError(f"{what} names must be strings, got {name!r}")
