@@ -1,0 +1,330 @@
+"""Compare a kernel output with its reference: relative errors against a reference scale, NaN/Inf agreement.
+
+The error measure follows triton_kernels' ``testing.assert_close``: an element's error is ``|actual − expected|``
+divided by ``max(scale, |expected|)``, where ``scale`` is the RMS of the reference — so a value near zero is judged
+against the typical magnitude around it, a large value against itself. triton_kernels takes the RMS of the whole
+tensor; here the default takes it per row (``scale="row"``), because MoE output rows differ in magnitude by their
+routing weights and a row-level bug ("row 0 was scaled by row 1's weight") should be visible in that row's terms.
+A row whose reference RMS is below ``ROW_SCALE_FLOOR`` of the tensor's RMS (an all-zero row, say) is measured against
+that floor instead. Over the compared elements we report the maximum and the RMS of these relative errors, as
+triton_kernels does, and judge them against a :class:`Tolerance` chosen by output dtype.
+
+Non-finite values are classified (finite, NaN, +Inf, −Inf) in both tensors; an element where both agree on a
+non-finite class has error 0, one where they disagree is a *non-finite mismatch* and is always bad. RMS and max
+relative error are taken over elements where both are finite.
+
+Tensors are compared as matrices ``[rows, cols]``: the last dimension is ``cols``, all others flatten into rows
+(a 1-D tensor is one row). Pure torch on the tensors' device; the per-row results come back on the CPU. Cost: a few
+elementwise passes and one sort of the relative errors (for the quantiles) — milliseconds for ``[128, 2880]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from moereplay.errors import ReferenceError_
+
+#: A row's scale is at least this fraction of the tensor's reference RMS (rows of legitimately small magnitude,
+#: e.g. tiny routing weights, keep their own scale; an all-zero reference row is judged against the floor).
+ROW_SCALE_FLOOR = 1e-6
+_TINY = 1e-30
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Maximum and RMS relative error a kernel output may show against an exact reference."""
+
+    name: str
+    max_rel: float
+    rms_rel: float
+    rationale: str
+
+    def __post_init__(self) -> None:
+        if not (self.max_rel > 0 and self.rms_rel > 0):
+            raise ReferenceError_(f"tolerance {self.name!r} needs positive bounds")
+
+
+TOLERANCE_FP32 = Tolerance(
+    "fp32",
+    max_rel=1e-4,
+    rms_rel=1e-5,
+    rationale="fp32 output of an fp32-accumulated GEMM differs from an fp64 sum only by summation order "
+    "(≈√K·2⁻²⁴ ≈ 3e-6 of the row scale at K=2880); 30× headroom",
+)
+TOLERANCE_BF16 = Tolerance(
+    "bf16",
+    max_rel=2e-2,
+    rms_rel=4e-3,
+    rationale="triton_kernels' assert_close defaults; rounding to bf16 alone costs ≤2⁻⁹≈2e-3 per element and a "
+    "bf16 scratchpad before the top-k sum can double that",
+)
+TOLERANCE_FP16 = Tolerance(
+    "fp16",
+    max_rel=1e-2,
+    rms_rel=2e-3,
+    rationale="fp16 keeps 3 more mantissa bits than bf16 (rounding ≤2⁻¹²); half of the bf16 bounds leaves room for "
+    "fp16 intermediates",
+)
+TOLERANCE_FP8_E4M3 = Tolerance(
+    "fp8_e4m3",
+    max_rel=0.13,
+    rms_rel=4e-2,
+    rationale="3 mantissa bits: rounding ≤2⁻⁴≈6%, and a value on a rounding boundary may land one ulp (12.5%) away",
+)
+TOLERANCE_FP8_E5M2 = Tolerance(
+    "fp8_e5m2",
+    max_rel=0.26,
+    rms_rel=8e-2,
+    rationale="2 mantissa bits: rounding ≤2⁻³, one ulp is 25%",
+)
+
+_PROFILES: dict[torch.dtype, Tolerance] = {
+    torch.float32: TOLERANCE_FP32,
+    torch.float64: TOLERANCE_FP32,
+    torch.bfloat16: TOLERANCE_BF16,
+    torch.float16: TOLERANCE_FP16,
+    torch.float8_e4m3fn: TOLERANCE_FP8_E4M3,
+    torch.float8_e4m3fnuz: TOLERANCE_FP8_E4M3,
+    torch.float8_e5m2: TOLERANCE_FP8_E5M2,
+    torch.float8_e5m2fnuz: TOLERANCE_FP8_E5M2,
+}
+
+
+def profile_for(dtype: torch.dtype) -> Tolerance:
+    """The tolerance profile for a kernel output of ``dtype``."""
+    try:
+        return _PROFILES[dtype]
+    except KeyError as e:
+        raise ReferenceError_(f"no tolerance profile for output dtype {dtype}") from e
+
+
+@dataclass(frozen=True)
+class BadElement:
+    """One element over tolerance: coordinates in the ``[rows, cols]`` view and both values."""
+
+    row: int
+    col: int
+    actual: float
+    expected: float
+    rel_err: float
+
+
+@dataclass(frozen=True)
+class RelErrorStats:
+    """Quantiles of the per-element relative error over elements where both tensors are finite."""
+
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+
+@dataclass(frozen=True, eq=False)
+class Comparison:
+    """Everything :func:`compare` measured. Per-row tensors are float32 on the CPU, indexed by row."""
+
+    shape: tuple[int, int]
+    tolerance: Tolerance
+    scale_mode: Literal["row", "tensor"]
+    rows_compared: int
+    max_abs: float
+    max_rel: float
+    rms_rel: float
+    element_stats: RelErrorStats
+    elements_over: int
+    row_scale: torch.Tensor = field(repr=False)
+    row_max_rel: torch.Tensor = field(repr=False)
+    row_rms_rel: torch.Tensor = field(repr=False)
+    bad_rows: tuple[int, ...]
+    nan_actual: int
+    nan_reference: int
+    inf_actual: int
+    inf_reference: int
+    nonfinite_mismatch: int
+    first_bad: BadElement | None
+    bit_exact: bool
+
+    @property
+    def nonfinite_positions_agree(self) -> bool:
+        """NaN and ±Inf sit at the same positions (and are of the same kind) in both tensors."""
+        return self.nonfinite_mismatch == 0
+
+    @property
+    def ok(self) -> bool:
+        """Within tolerance everywhere compared, with NaN/Inf agreement."""
+        return (
+            self.nonfinite_mismatch == 0
+            and self.max_rel <= self.tolerance.max_rel
+            and self.rms_rel <= self.tolerance.rms_rel
+        )
+
+    def summary(self) -> str:
+        """One line: verdict, errors, bad rows, non-finite counts, first bad element."""
+        verdict = "ok" if self.ok else "BAD"
+        parts = [
+            f"{verdict} max_rel={self.max_rel:.3e} rms_rel={self.rms_rel:.3e} max_abs={self.max_abs:.3e}",
+            f"({self.tolerance.name}: {self.tolerance.max_rel:g}/{self.tolerance.rms_rel:g})",
+            f"bad_rows={len(self.bad_rows)}/{self.rows_compared}",
+        ]
+        if self.nan_actual or self.nan_reference or self.inf_actual or self.inf_reference:
+            parts.append(
+                f"nan={self.nan_actual}/{self.nan_reference} inf={self.inf_actual}/{self.inf_reference} "
+                f"mismatch={self.nonfinite_mismatch}"
+            )
+        if self.first_bad is not None:
+            b = self.first_bad
+            parts.append(f"first_bad=({b.row},{b.col}) actual={b.actual:.6g} expected={b.expected:.6g}")
+        return " ".join(parts)
+
+
+def bit_exact(actual: torch.Tensor, other: torch.Tensor) -> bool:
+    """Same dtype, same shape and the same bytes (NaN payloads and signed zeros included)."""
+    if actual.dtype != other.dtype or actual.shape != other.shape:
+        return False
+    if actual.numel() == 0:
+        return True
+    a = actual.detach().contiguous().reshape(-1).view(torch.uint8)
+    b = other.detach().contiguous().reshape(-1).view(torch.uint8)
+    return bool(torch.equal(a, b.to(a.device)))
+
+
+def _as_matrix(t: torch.Tensor) -> torch.Tensor:
+    if t.ndim == 0:
+        return t.reshape(1, 1)
+    if t.ndim == 1:
+        return t.reshape(1, -1)
+    return t.reshape(-1, t.shape[-1])
+
+
+def _classes(t: torch.Tensor) -> torch.Tensor:
+    """0 finite, 1 NaN, 2 +Inf, 3 −Inf (int8)."""
+    cls = torch.zeros(t.shape, dtype=torch.int8, device=t.device)
+    cls = torch.where(torch.isnan(t), 1, cls)
+    cls = torch.where(torch.isposinf(t), 2, cls)
+    return torch.where(torch.isneginf(t), 3, cls).to(torch.int8)
+
+
+def _quantile(sorted_values: torch.Tensor, q: float) -> float:
+    n = sorted_values.numel()
+    if n == 0:
+        return 0.0
+    return float(sorted_values[min(n - 1, int(q * (n - 1) + 0.5))])
+
+
+def compare(
+    actual: torch.Tensor,
+    reference: torch.Tensor,
+    *,
+    rows_mask: torch.Tensor | None = None,
+    profile: Tolerance | None = None,
+    scale: Literal["row", "tensor"] = "row",
+) -> Comparison:
+    """Compare ``actual`` (a kernel output, any float dtype) with ``reference`` (fp32/fp64, same shape).
+
+    ``rows_mask`` (bool, one entry per row of the ``[rows, cols]`` view) limits the comparison to the rows a kernel
+    is meant to write; other rows count nowhere. ``profile`` defaults to :func:`profile_for` of ``actual.dtype``.
+    """
+    if actual.shape != reference.shape:
+        raise ReferenceError_(
+            f"cannot compare shapes {tuple(actual.shape)} (actual) and {tuple(reference.shape)} (reference)"
+        )
+    tolerance = profile if profile is not None else profile_for(actual.dtype)
+    device = reference.device
+    act = _as_matrix(actual.detach()).to(device=device, dtype=torch.float64)
+    ref = _as_matrix(reference.detach()).to(torch.float64)
+    rows, cols = ref.shape
+    if rows_mask is None:
+        mask = torch.ones(rows, dtype=torch.bool, device=device)
+    else:
+        mask = rows_mask.to(device=device, dtype=torch.bool).reshape(-1)
+        if mask.numel() != rows:
+            raise ReferenceError_(f"rows_mask has {mask.numel()} entries for {rows} rows")
+    row_sel = mask[:, None].expand(rows, cols)
+
+    cls_act, cls_ref = _classes(act), _classes(ref)
+    both_finite = (cls_act == 0) & (cls_ref == 0) & row_sel
+    mismatch = (cls_act != cls_ref) & row_sel
+    ref_finite = torch.where((cls_ref == 0) & row_sel, ref, torch.zeros_like(ref))
+
+    counted = ((cls_ref == 0) & row_sel).sum(dim=1)
+    row_ms = ref_finite.square().sum(dim=1) / counted.clamp(min=1)
+    total = counted.sum().clamp(min=1)
+    tensor_rms = torch.sqrt(ref_finite.square().sum() / total)
+    if scale == "row":
+        row_scale = torch.maximum(torch.sqrt(row_ms), tensor_rms * ROW_SCALE_FLOOR)
+    elif scale == "tensor":
+        row_scale = tensor_rms.expand(rows)
+    else:
+        raise ReferenceError_(f"scale must be 'row' or 'tensor', got {scale!r}")
+    row_scale = row_scale.clamp(min=_TINY)
+
+    diff = torch.where(both_finite, (act - ref).abs(), torch.zeros_like(ref))
+    denom = torch.maximum(row_scale[:, None], ref.abs().nan_to_num(posinf=0.0, neginf=0.0))
+    rel = diff / denom
+    rel_bad = torch.where(mismatch, torch.full_like(rel, float("inf")), rel)
+
+    n_finite = int(both_finite.sum())
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    max_rel = float(rel.max()) if rel.numel() else 0.0
+    rms_rel = float(torch.sqrt(rel.square().sum() / max(n_finite, 1)))
+
+    finite_per_row = both_finite.sum(dim=1).clamp(min=1)
+    row_max_rel = rel_bad.amax(dim=1) if cols else torch.zeros(rows, dtype=torch.float64, device=device)
+    row_rms_rel = torch.sqrt(rel.square().sum(dim=1) / finite_per_row)
+    row_bad = mask & (
+        (row_max_rel > tolerance.max_rel) | (row_rms_rel > tolerance.rms_rel) | mismatch.any(dim=1)
+    )
+    bad_rows = tuple(int(i) for i in torch.nonzero(row_bad).reshape(-1).tolist())
+
+    over = rel_bad > tolerance.max_rel
+    elements_over = int(over.sum())
+    first_bad = None
+    if elements_over:
+        flat = int(torch.nonzero(over.reshape(-1))[0])
+        r, c = divmod(flat, cols)
+        first_bad = BadElement(
+            row=r,
+            col=c,
+            actual=float(act[r, c]),
+            expected=float(ref[r, c]),
+            rel_err=float(rel_bad[r, c]),
+        )
+
+    values = torch.sort(rel[both_finite]).values
+    stats = RelErrorStats(
+        count=n_finite,
+        mean=float(values.mean()) if n_finite else 0.0,
+        p50=_quantile(values, 0.5),
+        p90=_quantile(values, 0.9),
+        p99=_quantile(values, 0.99),
+        max=max_rel,
+    )
+    sel_act = cls_act[row_sel]
+    sel_ref = cls_ref[row_sel]
+    return Comparison(
+        shape=(rows, cols),
+        tolerance=tolerance,
+        scale_mode=scale,
+        rows_compared=int(mask.sum()),
+        max_abs=max_abs,
+        max_rel=max_rel,
+        rms_rel=rms_rel,
+        element_stats=stats,
+        elements_over=elements_over,
+        row_scale=row_scale.to(torch.float32).cpu(),
+        row_max_rel=torch.where(mask, row_max_rel, torch.zeros_like(row_max_rel)).to(torch.float32).cpu(),
+        row_rms_rel=torch.where(mask, row_rms_rel, torch.zeros_like(row_rms_rel)).to(torch.float32).cpu(),
+        bad_rows=bad_rows,
+        nan_actual=int((sel_act == 1).sum()),
+        nan_reference=int((sel_ref == 1).sum()),
+        inf_actual=int((sel_act >= 2).sum()),
+        inf_reference=int((sel_ref >= 2).sum()),
+        nonfinite_mismatch=int(mismatch.sum()),
+        first_bad=first_bad,
+        bit_exact=bit_exact(actual, reference),
+    )

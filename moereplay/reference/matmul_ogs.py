@@ -1,0 +1,719 @@
+"""An exact reference for one triton_kernels ``matmul_ogs`` call, without triton.
+
+``matmul_ogs(x, w, bias, routing_data, gather_indx, scatter_indx, precision_config, betas, gammas, out_alpha, y,
+fused_activation)`` — "matmul with outer gather/scatter" — is the MoE GEMM of vLLM 0.25.1's gpt-oss Triton path
+(``triton_kernel_fused_experts``: gemm1 with a gather and a fused SwiGLU, gemm2 with a scatter and the routing
+weights as ``gammas``). What it computes, read from ``matmul_ogs.py`` and ``_matmul_ogs.py`` / ``_reduce_grouped.py``:
+
+- Rows are *expert-sorted*. The routing's histogram ``hist[e]`` and offsets ``offs[e]`` (``expt_data.hist`` and
+  ``expt_data.token_offs_raw``, else ``expt_hist`` and its cumulative sum) give each expert ``e`` the rows
+  ``p ∈ [offs[e], offs[e] + hist[e])``; rows past ``Σ hist`` are never computed.
+- Gather: row ``p`` reads ``x[gather_indx.src_indx[p] // n_expts_act]`` (C-style division: a −1 inside an expert's
+  range reads row 0); without a gather it reads ``x[p]``.
+- ``acc = x_row · W[e]`` in fp32 (bf16 × dequantised weight products are exact), times the flex scales of x and w;
+  then ``acc + bias[e] · betas[p]``; then ``× out_alpha``; then the fused activation (gpt-oss ``swiglu``: gate =
+  even columns, linear = odd columns, ``alpha``, ``limit``; the output has ``N / reduction_n`` columns); then
+  ``× gammas[p]`` (``gammas`` is indexed by the sorted row: vLLM passes ``routing_data.gate_scal``).
+- No scatter: output row ``p`` is that result (kind ``EXPERT_SORTED``).
+- Scatter with ``n_expts_act == 1`` and no activation (the "fused scatter"): output row ``scatter_indx.dst_indx[p]``
+  receives row ``p``; output rows ``m`` with ``scatter_indx.src_indx[m] == −1`` are zeroed (kind ``SCATTERED``).
+- Any other scatter goes through a scratchpad of sorted rows (in the output dtype when split_k = 1) and a grouped
+  reduction: output row ``g`` (one per token) is ``Σ_j act(z[src[g·k + j]])`` over ``j < k = n_expts_act`` with
+  ``src = scatter_indx.src_indx`` and −1 entries skipped; a group with no valid entry is written as zeros (kind
+  ``TOKEN_SUM``). In this path — and with split_k > 1 — the activation moves into the reduction and therefore runs
+  *after* ``gammas`` (``act(γ·z)``, not ``act(z)·γ``).
+
+Weights: a ``[E, K, N]`` tensor — plain (bf16/fp16/fp32) or MXFP4 (uint8, two e2m1 codes a byte packed along K,
+low nibble first) with e8m0 scales ``[E, K/32, N]`` in ``precision_config.weight_scale`` — either strided or in the
+Hopper layouts of :mod:`moereplay.reference.hopper_mxfp4`. Scales decode per the OCP MX spec (0xff → NaN; the Hopper
+kernel would see +Inf, see that module).
+
+Arguments may be triton_kernels objects (read by attribute: ``Tensor.storage.data / .storage.layout / .shape /
+.dtype``, ``RoutingData``, ``GatherIndx``, ``ScatterIndx``, ``PrecisionConfig``, ``FusedActivation``) or the frozen
+mirrors defined here, which a capture decodes to without importing triton. The reference accumulates in float64 and
+returns float32; it works per expert (memory: one expert's dense weight in fp64), on the device of ``x`` unless told
+otherwise. gpt-oss shapes on an H200: well under a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal
+
+import torch
+
+from moereplay.errors import ReferenceError_
+from moereplay.reference.activation import W13Layout, swigluoai_and_mul
+from moereplay.reference.hopper_mxfp4 import (
+    HOPPER_NUM_WARPS,
+    HOPPER_SCALE,
+    HOPPER_VALUE,
+    MX_GROUP,
+    unswizzle_hopper_scales,
+    unswizzle_hopper_values,
+)
+from moereplay.reference.numerics import decode_e2m1_codes, decode_e8m0, unpack_e2m1_bytes
+
+STRIDED = "STRIDED"
+LayoutName = Literal["STRIDED", "HOPPER_VALUE", "HOPPER_SCALE"]
+FP4: Literal["fp4"] = "fp4"
+
+# ----------------------------------------------------------------------------------------------------------------
+# mirrors of the triton_kernels argument objects
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """A triton_kernels ``Layout``: its ``name`` (one of :data:`LayoutName`; None → STRIDED), ``initial_shape``
+    and parameters."""
+
+    name: str = STRIDED
+    initial_shape: tuple[int, ...] = ()
+    mx_axis: int | None = None
+    num_warps: int = HOPPER_NUM_WARPS
+    mma_version: int = 3
+
+    def __post_init__(self) -> None:
+        if self.name not in (STRIDED, HOPPER_VALUE, HOPPER_SCALE):
+            raise ReferenceError_(f"no reference for weight layout {self.name!r}")
+        if self.name != STRIDED and (self.mx_axis is None or not self.initial_shape):
+            raise ReferenceError_(f"layout {self.name} needs mx_axis and initial_shape")
+
+
+@dataclass(frozen=True, eq=False)
+class TensorSpec:
+    """A triton_kernels ``Tensor``: storage ``data`` in ``layout``, logical ``shape``, element ``dtype``.
+
+    ``dtype`` is a torch dtype, or ``"fp4"`` for packed e2m1 (two codes a byte along the packed axis).
+    """
+
+    data: torch.Tensor
+    layout: LayoutSpec = field(default_factory=LayoutSpec)
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype | Literal["fp4"] = torch.uint8
+
+
+@dataclass(frozen=True, eq=False)
+class ExptDataSpec:
+    """The parts of triton_kernels ``ExptData`` the GEMM's row ranges come from."""
+
+    hist: torch.Tensor | None = None
+    token_offs_raw: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class RoutingDataSpec:
+    """triton_kernels ``RoutingData``: ``gate_scal`` (routing weights, expert-sorted), ``expt_hist`` (rows per
+    expert), ``n_expts_tot``, ``n_expts_act`` (top-k), ``expt_data``."""
+
+    gate_scal: torch.Tensor | None
+    expt_hist: torch.Tensor | None
+    n_expts_tot: int
+    n_expts_act: int
+    expt_data: ExptDataSpec | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class GatherIndxSpec:
+    """triton_kernels ``GatherIndx``: row ``p`` of the GEMM reads ``x[src_indx[p] // n_expts_act]``."""
+
+    src_indx: torch.Tensor
+    dst_indx: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class ScatterIndxSpec:
+    """triton_kernels ``ScatterIndx``: ``src_indx`` groups sorted rows by token, ``dst_indx[p]`` is row p's target."""
+
+    src_indx: torch.Tensor
+    dst_indx: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class FlexSpec:
+    """Flexpoint scales of ``FlexCtx``: ``lhs_data.scale``, ``rhs_data.scale``, ``out_data.expected_scale``."""
+
+    lhs_scale: torch.Tensor | None = None
+    rhs_scale: torch.Tensor | None = None
+    out_expected_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class PrecisionSpec:
+    """triton_kernels ``PrecisionConfig`` (the fields a reference needs; ``act_scale`` / ``out_scale`` — MX
+    activations or outputs — are not supported)."""
+
+    weight_scale: TensorSpec | torch.Tensor | None = None
+    flex: FlexSpec = field(default_factory=FlexSpec)
+    out_dtype: torch.dtype | None = None
+    act_scale: torch.Tensor | None = None
+    out_scale: torch.Tensor | None = None
+    flexpoint_saturate_inf: bool = False
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """triton_kernels ``FusedActivation``: ``specs.name``, ``fn_args``, ``reduction_n``. Known: ``"swiglu"``
+    (args alpha, limit; reduction 2)."""
+
+    name: str
+    args: tuple[Any, ...] = ()
+    reduction_n: int = 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reading either kind of object
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _int_tuple(value: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+def layout_spec_from(layout: Any) -> LayoutSpec:
+    """A :class:`LayoutSpec` from a spec, a triton_kernels layout object (``name``), a codec spec with a ``kind``,
+    or None (strided)."""
+    if layout is None or isinstance(layout, LayoutSpec):
+        return layout or LayoutSpec()
+    name = getattr(layout, "name", None) or getattr(layout, "kind", None) or STRIDED
+    if name == STRIDED:
+        return LayoutSpec()
+    return LayoutSpec(
+        name=name,
+        initial_shape=_int_tuple(getattr(layout, "initial_shape", ())),
+        mx_axis=getattr(layout, "mx_axis", None),
+        num_warps=int(getattr(layout, "num_warps", None) or HOPPER_NUM_WARPS),
+        mma_version=int(getattr(layout, "mma_version", None) or 3),
+    )
+
+
+def _dtype_of(dtype: Any) -> torch.dtype | Literal["fp4"]:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == FP4 or getattr(dtype, "bitwidth", None) == 4:
+        return FP4
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
+        return getattr(torch, dtype.removeprefix("torch."))
+    raise ReferenceError_(f"no reference for element type {dtype!r}")
+
+
+def tensor_spec_from(value: Any, *, uint8_is_fp4: bool = False) -> TensorSpec:
+    """A :class:`TensorSpec` from a spec, a triton_kernels ``Tensor``, a codec spec, or a plain torch tensor.
+
+    Attribute reading: ``storage`` is either a torch tensor (codec spec, layout in ``layout``) or a ``Storage``
+    (``storage.data``, ``storage.layout``); ``shape`` is logical; ``dtype`` a torch dtype, its name, a 4-bit
+    triton ``FloatType`` or ``"fp4"``. A plain uint8 tensor is packed fp4 when ``uint8_is_fp4`` (``matmul_ogs``
+    treats a uint8 ``w`` so): its logical shape doubles the axis whose stride is 1, as ``wrap_torch_tensor`` does.
+    """
+    if isinstance(value, TensorSpec):
+        return value
+    if isinstance(value, torch.Tensor):
+        if uint8_is_fp4 and value.dtype == torch.uint8:
+            shape = list(value.shape)
+            packed = list(value.stride()).index(1) if 1 in value.stride() else value.ndim - 1
+            shape[packed] *= 2
+            return TensorSpec(value, LayoutSpec(), tuple(shape), FP4)
+        return TensorSpec(value, LayoutSpec(), tuple(value.shape), value.dtype)
+    storage = getattr(value, "storage", None)
+    inner = getattr(storage, "data", None)
+    if isinstance(storage, torch.Tensor):
+        data, layout = storage, getattr(value, "layout", None)
+    elif isinstance(inner, torch.Tensor):
+        data, layout = inner, getattr(storage, "layout", None)
+    else:
+        raise ReferenceError_(f"expected a tensor or a triton_kernels Tensor, got {type(value).__name__}")
+    return TensorSpec(
+        data=data,
+        layout=layout_spec_from(layout),
+        shape=_int_tuple(value.shape),
+        dtype=_dtype_of(value.dtype),
+    )
+
+
+def routing_spec_from(value: Any) -> RoutingDataSpec | None:
+    if value is None or isinstance(value, RoutingDataSpec):
+        return value
+    data = getattr(value, "expt_data", None)
+    expt = None
+    if data is not None:
+        expt = ExptDataSpec(getattr(data, "hist", None), getattr(data, "token_offs_raw", None))
+    return RoutingDataSpec(
+        gate_scal=getattr(value, "gate_scal", None),
+        expt_hist=getattr(value, "expt_hist", None),
+        n_expts_tot=int(value.n_expts_tot),
+        n_expts_act=int(value.n_expts_act),
+        expt_data=expt,
+    )
+
+
+def gather_spec_from(value: Any) -> GatherIndxSpec | None:
+    if value is None or isinstance(value, GatherIndxSpec):
+        return value
+    return GatherIndxSpec(value.src_indx, value.dst_indx)
+
+
+def scatter_spec_from(value: Any) -> ScatterIndxSpec | None:
+    if value is None or isinstance(value, ScatterIndxSpec):
+        return value
+    return ScatterIndxSpec(value.src_indx, value.dst_indx)
+
+
+def precision_spec_from(value: Any) -> PrecisionSpec:
+    if value is None:
+        return PrecisionSpec()
+    if isinstance(value, PrecisionSpec):
+        return value
+    flex = getattr(value, "flex_ctx", None)
+    flex_spec = FlexSpec()
+    if flex is not None:
+        flex_spec = FlexSpec(
+            lhs_scale=getattr(getattr(flex, "lhs_data", None), "scale", None),
+            rhs_scale=getattr(getattr(flex, "rhs_data", None), "scale", None),
+            out_expected_scale=getattr(getattr(flex, "out_data", None), "expected_scale", None),
+        )
+    scale = getattr(value, "weight_scale", None)
+    out_dtype = getattr(value, "out_dtype", None)
+    return PrecisionSpec(
+        weight_scale=None if scale is None else tensor_spec_from(scale),
+        flex=flex_spec,
+        out_dtype=None if out_dtype is None else _torch_dtype(out_dtype),
+        act_scale=getattr(value, "act_scale", None),
+        out_scale=getattr(value, "out_scale", None),
+        flexpoint_saturate_inf=bool(getattr(value, "flexpoint_saturate_inf", False)),
+    )
+
+
+def _torch_dtype(value: Any) -> torch.dtype:
+    dtype = _dtype_of(value)
+    if not isinstance(dtype, torch.dtype):
+        raise ReferenceError_(f"expected a torch dtype, got {value!r}")
+    return dtype
+
+
+def _names_a_function(specs: Any) -> bool:
+    """A ``FnSpecs`` (``fn``) or codec ``FnSpec`` (``fn_name``) that is not the default "no function"."""
+    if specs is None:
+        return False
+    return getattr(specs, "fn", None) is not None or getattr(specs, "fn_name", None) is not None
+
+
+def activation_spec_from(value: Any) -> ActivationSpec | None:
+    """An :class:`ActivationSpec` from a spec or a ``FusedActivation``-shaped object; None for no activation."""
+    if value is None or isinstance(value, ActivationSpec):
+        return value
+    specs = getattr(value, "specs", None)
+    if not _names_a_function(specs):
+        return None
+    return ActivationSpec(
+        str(getattr(specs, "name", "")),
+        tuple(getattr(value, "fn_args", ())),
+        int(getattr(value, "reduction_n", 1)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# weights
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _storage_bytes(spec: TensorSpec, expert: int | None) -> torch.Tensor:
+    """The unswizzled storage of one expert (or the whole tensor) in its initial orientation."""
+    layout = spec.layout
+    data = spec.data
+    if layout.name == STRIDED:
+        return data if expert is None or data.ndim < 3 else data[expert]
+    initial = layout.initial_shape
+    mx = int(layout.mx_axis if layout.mx_axis is not None else -2)
+    mx_from_end = mx - len(initial) if mx >= 0 else mx
+    if expert is not None and data.ndim >= 3:
+        data, initial = data[expert], initial[1:]
+    if layout.name == HOPPER_VALUE:
+        return unswizzle_hopper_values(data, initial, mx_from_end, layout.mma_version)
+    return unswizzle_hopper_scales(data, initial, mx_from_end, layout.num_warps)
+
+
+def _logical_kn(spec: TensorSpec) -> tuple[int, int]:
+    if len(spec.shape) < 2:
+        raise ReferenceError_(f"a weight needs at least 2 dimensions, got shape {spec.shape}")
+    return int(spec.shape[-2]), int(spec.shape[-1])
+
+
+def dequantize_expert_weight(
+    w: Any, weight_scale: Any = None, expert: int = 0, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The dense float32 ``[K, N]`` weight of one expert as the GEMM uses it.
+
+    ``w`` is a triton_kernels ``Tensor``, a :class:`TensorSpec` or a torch tensor (uint8 = packed fp4);
+    ``weight_scale`` the matching e8m0 scales (required for fp4). Values × OCP-decoded scales, exact in fp32.
+    """
+    spec = tensor_spec_from(w, uint8_is_fp4=True)
+    k, n = _logical_kn(spec)
+    if spec.dtype != FP4:
+        dense = spec.data if spec.data.ndim < 3 else spec.data[expert]
+        if weight_scale is not None:
+            raise ReferenceError_("microscaled non-fp4 weights (mxfp8) have no reference yet")
+        return dense.to(device=device or dense.device, dtype=torch.float32)
+    if weight_scale is None:
+        raise ReferenceError_("fp4 weights need precision_config.weight_scale")
+    packed = _storage_bytes(spec, expert).to(device)
+    if packed.dtype != torch.uint8:
+        packed = packed.view(torch.uint8)
+    if tuple(packed.shape) == (k // 2, n):
+        codes = unpack_e2m1_bytes(packed.mT).mT
+    elif tuple(packed.shape) == (k, n // 2):
+        raise ReferenceError_("fp4 weights packed along N have no reference (matmul_ogs packs along K here)")
+    else:
+        raise ReferenceError_(
+            f"fp4 storage of shape {tuple(packed.shape)} does not match logical [K, N] = [{k}, {n}]"
+        )
+    values = decode_e2m1_codes(codes)
+    scale_spec = tensor_spec_from(weight_scale)
+    scales = _storage_bytes(scale_spec, expert).to(device)
+    groups = -(-k // MX_GROUP)
+    if tuple(scales.shape) != (groups, n):
+        raise ReferenceError_(
+            f"weight scales of shape {tuple(scales.shape)} do not match [K/32, N] = [{groups}, {n}]"
+        )
+    factors = decode_e8m0(scales).repeat_interleave(MX_GROUP, dim=0)[:k]
+    return values * factors
+
+
+def dequantize_weights(
+    w: Any, weight_scale: Any = None, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """All experts: float32 ``[E, K, N]`` (or ``[K, N]`` for a 2-D weight). Memory: 4·E·K·N bytes."""
+    spec = tensor_spec_from(w, uint8_is_fp4=True)
+    if len(spec.shape) < 3:
+        return dequantize_expert_weight(spec, weight_scale, 0, device=device)
+    return torch.stack(
+        [dequantize_expert_weight(spec, weight_scale, e, device=device) for e in range(spec.shape[0])]
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# result
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class RowKind(Enum):
+    """What an output row of ``matmul_ogs`` is."""
+
+    DENSE = "dense"  # no routing: row i of x times the (single) weight
+    EXPERT_SORTED = "expert_sorted"  # row p of the expert-sorted order (no scatter)
+    SCATTERED = "scattered"  # fused scatter: row dst_indx[p] holds sorted row p
+    TOKEN_SUM = "token_sum"  # grouped reduction: row g sums its n_expts_act sorted rows
+
+
+@dataclass(frozen=True, eq=False)
+class RowMap:
+    """Meaning of every output row. int64 / bool tensors on the CPU, one entry per output row; −1 = none/unknown.
+
+    ``token``/``slot``: the flat top-k index ``f`` a row stands for split as ``f // n_expts_act``, ``f % ...``;
+    ``expert``: the expert whose weight produced it (−1 for a sum over experts or an unwritten row);
+    ``written``: the kernel stores this row; ``sources``: for TOKEN_SUM, the sorted rows summed (``[rows, k]``).
+    """
+
+    kind: RowKind
+    token: torch.Tensor
+    expert: torch.Tensor
+    slot: torch.Tensor
+    written: torch.Tensor
+    sources: torch.Tensor | None = None
+
+    def describe(self, row: int) -> str:
+        """A short phrase for findings: ``"row 5 (token 1, slot 1, expert 7)"``."""
+        if not bool(self.written[row]):
+            return f"row {row} (not written by the kernel)"
+        bits = []
+        if int(self.token[row]) >= 0:
+            bits.append(f"token {int(self.token[row])}")
+        if int(self.slot[row]) >= 0:
+            bits.append(f"slot {int(self.slot[row])}")
+        if int(self.expert[row]) >= 0:
+            bits.append(f"expert {int(self.expert[row])}")
+        elif self.sources is not None:
+            bits.append("sum over its top-k experts")
+        return f"row {row} ({', '.join(bits)})" if bits else f"row {row}"
+
+
+@dataclass(frozen=True, eq=False)
+class MatmulOgsReference:
+    """The reference output and its ingredients (float32, on the compute device).
+
+    ``output``: what the kernel's ``y`` should hold (rows the kernel does not write are 0; see ``row_map.written``).
+    Per *sorted* row ``p`` (``P`` = gather length or rows of x): ``gemm`` = x·W (× flex scales), ``bias`` = the
+    bias·betas term added (None without bias), ``gammas`` (None without), ``rows`` = the row after bias, alpha,
+    activation (when fused in the GEMM) and gammas, before any scatter; ``sorted_expert`` (int64, −1 = not computed).
+    """
+
+    output: torch.Tensor
+    row_map: RowMap
+    gemm: torch.Tensor
+    bias: torch.Tensor | None
+    gammas: torch.Tensor | None
+    rows: torch.Tensor
+    sorted_expert: torch.Tensor
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the reference
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _activate(values: torch.Tensor, activation: ActivationSpec | None) -> torch.Tensor:
+    if activation is None:
+        return values
+    if activation.name == "swiglu":
+        if activation.reduction_n != 2 or len(activation.args) != 2:
+            raise ReferenceError_(
+                f"swiglu expects (alpha, limit) and reduction_n 2, got {activation.args} / {activation.reduction_n}"
+            )
+        alpha, limit = activation.args
+        return swigluoai_and_mul(
+            values,
+            W13Layout.GATE_UP_INTERLEAVED,
+            alpha=float(alpha),
+            limit=None if limit is None else float(limit),
+        )
+    raise ReferenceError_(f"no reference for fused activation {activation.name!r}")
+
+
+def _scalar(t: torch.Tensor | None, index: int = 0) -> float:
+    if t is None:
+        return 1.0
+    flat = t.reshape(-1)
+    return float(flat[index if flat.numel() > 1 else 0])
+
+
+def _row_ranges(routing: RoutingDataSpec) -> tuple[list[int], list[int]]:
+    data = routing.expt_data
+    hist = data.hist if data is not None and data.hist is not None else routing.expt_hist
+    if hist is None:
+        raise ReferenceError_("routing data has neither expt_data.hist nor expt_hist")
+    counts = [int(v) for v in hist.reshape(-1).tolist()]
+    if data is not None and data.token_offs_raw is not None:
+        starts = [int(v) for v in data.token_offs_raw.reshape(-1)[: len(counts)].tolist()]
+    else:
+        starts, run = [], 0
+        for c in counts:
+            starts.append(run)
+            run += c
+    return starts, counts
+
+
+def _trunc_div(a: torch.Tensor, b: int) -> torch.Tensor:
+    return torch.div(a, b, rounding_mode="trunc")
+
+
+def reference_matmul_ogs(
+    x: Any,
+    w: Any,
+    bias: torch.Tensor | None,
+    routing_data: Any = None,
+    gather_indx: Any = None,
+    scatter_indx: Any = None,
+    precision_config: Any = None,
+    betas: torch.Tensor | None = None,
+    gammas: torch.Tensor | None = None,
+    out_alpha: float | None = None,
+    y: torch.Tensor | None = None,
+    fused_activation: Any = None,
+    epilogue: Any = None,
+    *,
+    split_k: int = 1,
+    round_scratchpad: bool = False,
+    device: torch.device | str | None = None,
+) -> MatmulOgsReference:
+    """Recompute one ``matmul_ogs`` call (same arguments) in float64 and return float32 rows and a row map.
+
+    ``y`` (the kernel's output buffer) is accepted and ignored. ``split_k`` is the opt_flags value the kernel ran
+    with (vLLM pins 1 on Hopper); > 1 moves the fused activation after ``gammas``. ``round_scratchpad`` rounds the
+    per-slot rows to the output dtype before a grouped reduction, as the kernel's scratchpad does with split_k = 1.
+    """
+    del y
+    if epilogue is not None and _names_a_function(getattr(epilogue, "specs", None)):
+        raise ReferenceError_("matmul_ogs epilogues have no reference")
+    x_t = x if isinstance(x, torch.Tensor) else tensor_spec_from(x).data
+    if not isinstance(x_t, torch.Tensor):
+        raise ReferenceError_(f"x must be a tensor, got {type(x).__name__}")
+    if x_t.ndim == 3 and x_t.shape[0] == 1:
+        x_t = x_t[0]
+    if x_t.ndim != 2:
+        raise ReferenceError_(f"batched matmul_ogs (x of shape {tuple(x_t.shape)}) has no reference")
+    dev = torch.device(device) if device is not None else x_t.device
+    routing = routing_spec_from(routing_data)
+    gather = gather_spec_from(gather_indx)
+    scatter = scatter_spec_from(scatter_indx)
+    precision = precision_spec_from(precision_config)
+    activation = activation_spec_from(fused_activation)
+    if precision.act_scale is not None or precision.out_scale is not None:
+        raise ReferenceError_("MX-scaled activations or outputs (act_scale / out_scale) have no reference")
+    if precision.flex.out_expected_scale is not None:
+        raise ReferenceError_("flexpoint output scales have no reference")
+    w_spec = tensor_spec_from(w, uint8_is_fp4=True)
+    k, n = _logical_kn(w_spec)
+    if x_t.shape[1] != k:
+        raise ReferenceError_(f"x has {x_t.shape[1]} columns but w has K = {k}")
+    n_experts = int(w_spec.shape[0]) if len(w_spec.shape) == 3 else 1
+    reduction = 1 if activation is None else activation.reduction_n
+    if n % reduction:
+        raise ReferenceError_(f"N = {n} is not divisible by the activation's reduction {reduction}")
+    out_dtype = precision.out_dtype or x_t.dtype
+    top_k = routing.n_expts_act if routing is not None else 1
+
+    x64 = x_t.to(device=dev, dtype=torch.float64)
+    n_sorted = int(gather.src_indx.shape[0]) if gather is not None else int(x_t.shape[0])
+    x_scale = _scalar(precision.flex.lhs_scale)
+
+    # sorted rows → (expert, x row)
+    sorted_expert = torch.full((n_sorted,), -1, dtype=torch.int64)
+    if routing is None or (routing.expt_hist is None and routing.expt_data is None):
+        if n_experts != 1:
+            raise ReferenceError_("matmul_ogs without routing needs a single weight matrix")
+        ranges = [(0, 0, n_sorted)]
+    else:
+        starts, counts = _row_ranges(routing)
+        if any(counts[n_experts:]):
+            raise ReferenceError_(f"routing sends rows to experts beyond the weight's {n_experts}")
+        counts = counts[:n_experts]
+        if len(starts) < len(counts):
+            raise ReferenceError_(
+                f"expt_data.token_offs_raw has {len(starts)} offsets for {len(counts)} experts"
+            )
+        ranges = [(e, starts[e], c) for e, c in enumerate(counts) if c > 0]
+    for e, start, count in ranges:
+        if start < 0 or start + count > n_sorted:
+            raise ReferenceError_(
+                f"expert {e} claims rows {start}..{start + count - 1} of only {n_sorted} rows"
+            )
+        sorted_expert[start : start + count] = e
+
+    gemm = torch.zeros((n_sorted, n), dtype=torch.float64, device=dev)
+    bias_term = torch.zeros((n_sorted, n), dtype=torch.float64, device=dev) if bias is not None else None
+    src_rows = None
+    if gather is not None:
+        src_rows = _trunc_div(gather.src_indx.to(device=dev, dtype=torch.int64), top_k)
+    for e, start, count in ranges:
+        rows = torch.arange(start, start + count, device=dev)
+        x_rows = src_rows[rows] if src_rows is not None else rows
+        if count and (int(x_rows.min()) < 0 or int(x_rows.max()) >= x_t.shape[0]):
+            raise ReferenceError_(f"expert {e} gathers x rows outside 0..{x_t.shape[0] - 1}")
+        weight = dequantize_expert_weight(w_spec, precision.weight_scale, e, device=dev).to(torch.float64)
+        w_scale = _scalar(precision.flex.rhs_scale, e)
+        gemm[start : start + count] = (x64[x_rows] @ weight) * (x_scale * w_scale)
+        if bias is not None and bias_term is not None:
+            b = bias.to(device=dev, dtype=torch.float64)
+            b = b[e] if b.ndim == 2 else b
+            factor = (
+                betas.to(device=dev, dtype=torch.float64)[start : start + count, None]
+                if betas is not None
+                else torch.ones((count, 1), dtype=torch.float64, device=dev)
+            )
+            bias_term[start : start + count] = b[None, :] * factor
+
+    computed = (sorted_expert >= 0).to(dev)
+    pre = gemm if bias_term is None else gemm + bias_term
+    if out_alpha is not None:
+        pre = pre * float(out_alpha)
+    gamma = None
+    if gammas is not None:
+        gamma = gammas.to(device=dev, dtype=torch.float64).reshape(-1)[:n_sorted]
+        needed = max((start + count for _, start, count in ranges), default=0)
+        if gamma.numel() < needed:
+            raise ReferenceError_(
+                f"gammas has {gamma.numel()} entries but rows up to {needed - 1} are computed"
+            )
+        gamma = torch.nn.functional.pad(gamma, (0, n_sorted - gamma.numel()))
+
+    fused_scatter = scatter is not None and top_k == 1 and activation is None and split_k == 1
+    activation_in_reduce = split_k > 1 or (scatter is not None and not fused_scatter)
+    if activation_in_reduce:
+        per_row = pre if gamma is None else pre * gamma[:, None]
+    else:
+        per_row = _activate(pre, activation)
+        if gamma is not None:
+            per_row = per_row * gamma[:, None]
+    per_row = torch.where(computed[:, None], per_row, torch.zeros_like(per_row))
+    n_out = n // reduction
+
+    flat_index = None if gather is None else gather.src_indx.to(torch.int64).cpu()
+
+    if scatter is None:
+        output = _activate(per_row, activation) if activation_in_reduce else per_row
+        output = torch.where(computed[:, None], output, torch.zeros_like(output))
+        kind = RowKind.DENSE if routing is None else RowKind.EXPERT_SORTED
+        if kind is RowKind.DENSE:
+            token = torch.arange(n_sorted, dtype=torch.int64)
+            slot = torch.zeros(n_sorted, dtype=torch.int64)
+        elif flat_index is not None:
+            token = torch.where(sorted_expert >= 0, _trunc_div(flat_index, top_k), -1)
+            slot = torch.where(sorted_expert >= 0, flat_index % top_k, -1)
+        else:
+            token = torch.full((n_sorted,), -1, dtype=torch.int64)
+            slot = token.clone()
+        row_map = RowMap(kind, token, sorted_expert.clone(), slot, sorted_expert >= 0)
+    elif fused_scatter:
+        n_rows = n_sorted
+        output = torch.zeros((n_rows, n_out), dtype=torch.float64, device=dev)
+        written = torch.zeros(n_rows, dtype=torch.bool)
+        expert_of_row = torch.full((n_rows,), -1, dtype=torch.int64)
+        src = scatter.src_indx.to(torch.int64).cpu()[:n_rows]
+        zeroed = torch.zeros(n_rows, dtype=torch.bool)
+        zeroed[: src.numel()] = src == -1
+        written |= zeroed
+        dst = scatter.dst_indx.to(torch.int64).cpu()
+        targets = torch.nonzero(sorted_expert >= 0).reshape(-1)
+        if dst.numel() < n_sorted and targets.numel() and int(targets.max()) >= dst.numel():
+            raise ReferenceError_("scatter_indx.dst_indx is shorter than the computed rows")
+        targets = targets[dst[targets] != -1]
+        rows_to = dst[targets]
+        if rows_to.numel() and (int(rows_to.min()) < 0 or int(rows_to.max()) >= n_rows):
+            raise ReferenceError_(f"scatter_indx.dst_indx points outside 0..{n_rows - 1}")
+        output[rows_to.to(dev)] = per_row[targets.to(dev)]
+        written[rows_to] = True
+        expert_of_row[rows_to] = sorted_expert[targets]
+        all_rows = torch.arange(n_rows, dtype=torch.int64)
+        row_map = RowMap(
+            RowKind.SCATTERED,
+            torch.where(written, all_rows, -1),
+            expert_of_row,
+            torch.where(written, torch.zeros_like(all_rows), -1),
+            written,
+        )
+    else:
+        if round_scratchpad and split_k == 1:
+            per_row = per_row.to(out_dtype).to(torch.float64)
+        src = scatter.src_indx.to(device=dev, dtype=torch.int64)
+        if src.numel() % top_k:
+            raise ReferenceError_(
+                f"scatter_indx.src_indx has {src.numel()} entries, not a multiple of {top_k}"
+            )
+        groups = src.reshape(-1, top_k)
+        valid = groups != -1
+        if bool(((groups < -1) | (groups >= n_sorted)).any()):
+            raise ReferenceError_(f"scatter_indx.src_indx points outside 0..{n_sorted - 1}")
+        # invalid entries load zeros; the activation still runs on them (act(0) = 0 for swiglu)
+        picked = per_row[groups.clamp(min=0)]
+        picked = torch.where(valid[..., None], picked, torch.zeros_like(picked))
+        output = _activate(picked, activation).sum(dim=1)
+        n_groups = groups.shape[0]
+        row_map = RowMap(
+            RowKind.TOKEN_SUM,
+            torch.arange(n_groups, dtype=torch.int64),
+            torch.full((n_groups,), -1, dtype=torch.int64),
+            torch.full((n_groups,), -1, dtype=torch.int64),
+            torch.ones(n_groups, dtype=torch.bool),
+            groups.cpu(),
+        )
+
+    return MatmulOgsReference(
+        output=output.to(torch.float32),
+        row_map=row_map,
+        gemm=gemm.to(torch.float32),
+        bias=None if bias_term is None else bias_term.to(torch.float32),
+        gammas=None if gamma is None else gamma.to(torch.float32),
+        rows=per_row.to(torch.float32),
+        sorted_expert=sorted_expert,
+    )
