@@ -1,1 +1,39 @@
-"""pack."""
+"""Kernel packs: vLLM's compiled MoE kernels, taken from an official wheel, runnable without installing vLLM.
+
+Build one with :func:`build_pack` (CLI: ``moereplay kernels pack``), load one with :func:`load_pack`::
+
+    pack = load_pack(".kernelpack")          # checks the torch pin, unpacks once, prepends to sys.path
+    ops = pack.custom_ops                     # vllm._custom_ops from the pack (torch.ops._C / _moe_C registered)
+    mod = pack.import_module("vllm.model_executor.layers.fused_moe.experts.marlin_moe")
+    tk = pack.triton_kernels                  # the vendored triton_kernels, by its top-level name
+
+Modules: ``elf`` and ``fatbin`` read the CUDA libraries, ``libraries`` slims them to one GPU architecture,
+``wheels`` and ``download`` handle wheels, ``archive`` writes and unpacks the tar.xz files, ``manifest`` describes a
+pack, ``build`` makes one, ``load`` loads one, ``smoke`` proves a loaded pack computes correctly on a GPU.
+"""
+
+from __future__ import annotations
+
+from moereplay.pack.build import BuildOptions, build_pack
+from moereplay.pack.load import (
+    LoadedPack,
+    UnpackedPack,
+    check_torch,
+    default_cache_dir,
+    load_pack,
+    unpack_pack,
+)
+from moereplay.pack.manifest import PackManifest, read_manifest
+
+__all__ = [
+    "BuildOptions",
+    "LoadedPack",
+    "PackManifest",
+    "UnpackedPack",
+    "build_pack",
+    "check_torch",
+    "default_cache_dir",
+    "load_pack",
+    "read_manifest",
+    "unpack_pack",
+]
