@@ -1,0 +1,753 @@
+"""The weight formats of vLLM 0.25.1's Marlin MoE kernel: exact dequantisation from Marlin-packed tensors, and the
+forward direction (logical quantised experts → the tensors vLLM's preparation code hands the kernel).
+
+Formats (``b_q_type`` / scale dtype / extras), and the value of one weight element as the kernel means it:
+
+==============  ==========================  ==============================================================
+format          scales                      element value
+==============  ==========================  ==============================================================
+``NVFP4``       fp8 bytes, group 16,        ``e2m1(q) * s0e5m3(byte) * global_scale[e] * 2**-b``
+                "S0E5M3" (see below)        with ``b`` = 126 (bf16 activations) or 14 (fp16)
+``MXFP4``       e8m0, group 32 (bf16 only)  ``e2m1(q) * 2**(byte - 127)``
+``GPTQ_INT4``   16-bit, channel/group       ``(q - 8) * s``; optional act order (``g_idx``, ``perm``)
+``GPTQ_INT8``   16-bit, channel/group       ``(q - 128) * s``; optional act order
+``AWQ_INT4``    16-bit + int zero points    ``(q - z) * s``
+``AWQ_INT4_FZP`` 16-bit + fp16 zero points  ``(q - z) * s`` (``is_zp_float``; fp16 activations only)
+``FP8``         16-bit, channel or group    ``e4m3(q) * s * 2**-b`` with ``b`` = 120 (bf16) or 8 (fp16):
+                128, exponent bias fused    vLLM multiplies the stored scales by ``2**b``
+``MXFP8``       e8m0, group 32 (bf16 only)  ``e4m3(q) * 2**(byte - 127)``
+==============  ==========================  ==============================================================
+
+NVFP4 scales: vLLM converts each fp8-e4m3 scale ``s`` to fp16, multiplies it by ``2**7`` and a power-of-two
+``scale_factor`` shared by all experts (chosen so the largest is near 448 * 2**7; 1 for fp16 activations), zeroes
+values below 2, shifts the fp16 bits left by one and keeps the high byte: an unsigned 5-bit-exponent (bias 15),
+3-bit-mantissa number whose top bit is 1 for every non-zero scale. The global scale is stored multiplied by
+``2**(b - 7) / scale_factor`` so that the product above is ``e2m1 * s * global``. The fp16 kernel reads the byte as
+that fp16 value; the bf16 kernel maps the exponent to ``128 + low 4 bits``, which is the same number whenever the top
+bit is 1 (and ``2**-112`` times smaller when it is not — :func:`dequant_notes` reports such bytes).
+
+Dequantisation is exact in float32 except NVFP4 and FP8, whose per-expert/group factor product rounds once (≤ 1 ulp).
+Weights come back dense ``float32[experts, K, N]`` in the *original* row order (act order undone).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from moereplay.errors import ReferenceError_
+from moereplay.reference import marlin_layout as layout
+from moereplay.reference import scalar_types as st
+from moereplay.reference.numerics import decode_e8m0, e2m1_lut
+
+
+class MarlinWeightFormat(enum.Enum):
+    """The weight format of one Marlin MoE call, as the kernel dispatches on it."""
+
+    NVFP4 = "nvfp4"
+    MXFP4 = "mxfp4"
+    GPTQ_INT4 = "uint4b8"
+    GPTQ_INT8 = "uint8b128"
+    AWQ_INT4 = "uint4"
+    AWQ_INT4_FZP = "uint4-float-zp"
+    FP8 = "fp8"
+    MXFP8 = "mxfp8"
+
+    @property
+    def num_bits(self) -> int:
+        return (
+            8
+            if self in (MarlinWeightFormat.GPTQ_INT8, MarlinWeightFormat.FP8, MarlinWeightFormat.MXFP8)
+            else 4
+        )
+
+    @property
+    def scalar_type(self) -> st.ScalarType:
+        return {
+            MarlinWeightFormat.NVFP4: st.float4_e2m1f,
+            MarlinWeightFormat.MXFP4: st.float4_e2m1f,
+            MarlinWeightFormat.GPTQ_INT4: st.uint4b8,
+            MarlinWeightFormat.GPTQ_INT8: st.uint8b128,
+            MarlinWeightFormat.AWQ_INT4: st.uint4,
+            MarlinWeightFormat.AWQ_INT4_FZP: st.uint4,
+            MarlinWeightFormat.FP8: st.float8_e4m3fn,
+            MarlinWeightFormat.MXFP8: st.float8_e4m3fn,
+        }[self]
+
+    @property
+    def fixed_group_size(self) -> int | None:
+        """The only group size the format allows, or None when channel-wise and several group sizes are legal."""
+        return {MarlinWeightFormat.NVFP4: 16, MarlinWeightFormat.MXFP4: 32, MarlinWeightFormat.MXFP8: 32}.get(
+            self
+        )
+
+    @property
+    def has_zero_points(self) -> bool:
+        return self in (MarlinWeightFormat.AWQ_INT4, MarlinWeightFormat.AWQ_INT4_FZP)
+
+    @property
+    def supports_act_order(self) -> bool:
+        return self in (MarlinWeightFormat.GPTQ_INT4, MarlinWeightFormat.GPTQ_INT8)
+
+
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
+
+_E8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
+_FP8_BYTE_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)
+
+
+def detect_format(
+    b_q_type: st.ScalarType,
+    b_scales: torch.Tensor,
+    *,
+    has_zero_points: bool,
+    is_zp_float: bool,
+    has_global_scale: bool,
+) -> MarlinWeightFormat:
+    """Which format a call means, by the kernel's own dispatch (weight type, then the scale dtype)."""
+    name = b_q_type.name
+    if b_q_type == st.float4_e2m1f:
+        if b_scales.dtype == torch.float8_e4m3fn:
+            if not has_global_scale:
+                raise ReferenceError_("NVFP4 (float4_e2m1f with fp8 scales) needs global_scale")
+            return MarlinWeightFormat.NVFP4
+        if b_scales.dtype == torch.float8_e8m0fnu:
+            return MarlinWeightFormat.MXFP4
+        raise ReferenceError_(
+            f"float4_e2m1f needs float8_e4m3fn or float8_e8m0fnu scales, got {b_scales.dtype}"
+        )
+    if has_global_scale:
+        raise ReferenceError_(f"global_scale is only used by NVFP4, not by {name}")
+    if b_q_type == st.float8_e4m3fn:
+        if has_zero_points:
+            raise ReferenceError_("float8_e4m3fn weights take no zero points")
+        return MarlinWeightFormat.MXFP8 if b_scales.dtype == torch.float8_e8m0fnu else MarlinWeightFormat.FP8
+    if b_q_type == st.uint4:
+        if not has_zero_points:
+            raise ReferenceError_("uint4 weights need zero points (b_qzeros)")
+        return MarlinWeightFormat.AWQ_INT4_FZP if is_zp_float else MarlinWeightFormat.AWQ_INT4
+    if has_zero_points:
+        raise ReferenceError_(f"{name} weights take no zero points")
+    if b_q_type == st.uint4b8:
+        return MarlinWeightFormat.GPTQ_INT4
+    if b_q_type == st.uint8b128:
+        return MarlinWeightFormat.GPTQ_INT8
+    raise ReferenceError_(f"the Marlin MoE kernel has no weight format {name}")
+
+
+def fp4_exponent_compensation(activation_dtype: torch.dtype) -> int:
+    """``b`` of the NVFP4 row above: the exponent shift of the kernel's fp4 → 16-bit bit trick."""
+    _check_activation_dtype(activation_dtype)
+    return 126 if activation_dtype == torch.bfloat16 else 14
+
+
+def fp8_exponent_compensation(activation_dtype: torch.dtype) -> int:
+    """``b`` of the FP8 row above (vLLM's ``fp8_fused_exponent_bias_into_scales``)."""
+    _check_activation_dtype(activation_dtype)
+    return 120 if activation_dtype == torch.bfloat16 else 8
+
+
+def _check_activation_dtype(dtype: torch.dtype) -> None:
+    if dtype not in ACTIVATION_DTYPES:
+        raise ReferenceError_(f"the reference supports 16-bit activations only, got {dtype}")
+
+
+def decode_s0e5m3(codes: torch.Tensor) -> torch.Tensor:
+    """NVFP4 Marlin scale bytes → float32: unsigned, exponent 5 bits (bias 15), mantissa 3 bits, no Inf/NaN."""
+    raw = (codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes).to(torch.int32)
+    exponent = raw >> 3
+    mantissa = (raw & 7).to(torch.float32)
+    normal = (mantissa + 8.0) * torch.exp2(exponent.to(torch.float32) - 18.0)
+    return torch.where(exponent > 0, normal, mantissa * 2.0**-17)
+
+
+def encode_s0e5m3(values: torch.Tensor) -> torch.Tensor:
+    """vLLM's NVFP4 byte extraction from (already ``* 2**7``-ed) 16-bit values: fp16 bits shifted left once, high
+    byte. Values below 2 become 0, as vLLM zeroes them first."""
+    half = values.to(torch.float16)
+    half = torch.where(half < 2, torch.zeros_like(half), half)
+    bits = half.view(torch.int16).to(torch.int32) & 0x7FFF
+    return ((bits >> 7) & 0xFF).to(torch.uint8)
+
+
+def _bytes(values: torch.Tensor, allowed: tuple[torch.dtype, ...], what: str) -> torch.Tensor:
+    if values.dtype not in allowed:
+        raise ReferenceError_(f"{what} must be one of {[str(d) for d in allowed]}, got {values.dtype}")
+    return values if values.dtype == torch.uint8 else values.view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class MarlinExpertWeights:
+    """The weight-side arguments of one Marlin MoE call, checked and classified (no tensor is copied)."""
+
+    format: MarlinWeightFormat
+    activation_dtype: torch.dtype
+    b_qweight: torch.Tensor
+    b_scales: torch.Tensor
+    global_scale: torch.Tensor | None
+    b_qzeros: torch.Tensor | None
+    g_idx: torch.Tensor | None
+    perm: torch.Tensor | None
+    size_k: int
+    size_n: int
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.b_qweight.shape[0])
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.b_scales.shape[1])
+
+    @property
+    def has_act_order(self) -> bool:
+        return self.g_idx is not None and self.perm is not None
+
+    @property
+    def group_size(self) -> int:
+        """Rows per scale group (``size_k`` when channel-wise)."""
+        return self.size_k // self.num_groups
+
+    @classmethod
+    def from_kernel_args(
+        cls,
+        *,
+        b_qweight: torch.Tensor,
+        b_scales: torch.Tensor,
+        b_q_type: st.ScalarType,
+        activation_dtype: torch.dtype,
+        size_k: int,
+        size_n: int,
+        global_scale: torch.Tensor | None = None,
+        b_qzeros: torch.Tensor | None = None,
+        g_idx: torch.Tensor | None = None,
+        perm: torch.Tensor | None = None,
+        is_zp_float: bool = False,
+    ) -> MarlinExpertWeights:
+        _check_activation_dtype(activation_dtype)
+        if b_qzeros is not None and b_qzeros.numel() == 0:
+            b_qzeros = None
+        act_order = g_idx is not None and perm is not None and g_idx.shape[-1] > 0 and perm.shape[-1] > 0
+        if not act_order:
+            g_idx = perm = None
+        fmt = detect_format(
+            b_q_type,
+            b_scales,
+            has_zero_points=b_qzeros is not None,
+            is_zp_float=is_zp_float,
+            has_global_scale=global_scale is not None and global_scale.numel() > 0,
+        )
+        bits = fmt.num_bits
+        if b_qweight.dim() != 3 or b_qweight.dtype != torch.int32:
+            raise ReferenceError_(
+                f"b_qweight must be int32 [E, K/16, N*16/pack], got {b_qweight.dtype} {tuple(b_qweight.shape)}"
+            )
+        num_experts = int(b_qweight.shape[0])
+        k, n = layout.marlin_weight_extent(b_qweight, bits)
+        if (k, n) != (size_k, size_n):
+            raise ReferenceError_(
+                f"b_qweight holds K={k} N={n} for {fmt.value}, but size_k={size_k} size_n={size_n}"
+            )
+        if b_scales.dim() != 3 or b_scales.shape[0] != num_experts or b_scales.shape[2] != size_n:
+            raise ReferenceError_(
+                f"b_scales must be [E={num_experts}, groups, N={size_n}], got {tuple(b_scales.shape)}"
+            )
+        groups = int(b_scales.shape[1])
+        if groups < 1 or size_k % groups:
+            raise ReferenceError_(f"size_k={size_k} is not divisible by the {groups} scale groups")
+        fixed = fmt.fixed_group_size
+        if fixed is not None and size_k // groups != fixed:
+            raise ReferenceError_(f"{fmt.value} needs group size {fixed}, scales give {size_k // groups}")
+        if fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8) and activation_dtype != torch.bfloat16:
+            raise ReferenceError_(f"{fmt.value} is only built for bfloat16 activations")
+        if fmt in (MarlinWeightFormat.NVFP4,):
+            _bytes(b_scales, _FP8_BYTE_DTYPES, "NVFP4 scales")
+        elif fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
+            _bytes(b_scales, _E8M0_DTYPES, "e8m0 scales")
+        elif b_scales.dtype not in ACTIVATION_DTYPES:
+            raise ReferenceError_(f"{fmt.value} scales must be float16/bfloat16, got {b_scales.dtype}")
+        if fmt is MarlinWeightFormat.NVFP4:
+            assert global_scale is not None
+            if global_scale.numel() != num_experts:
+                raise ReferenceError_(
+                    f"NVFP4 global_scale needs one value per expert ({num_experts}), got {global_scale.numel()}"
+                )
+        else:
+            global_scale = None
+        if b_qzeros is not None:
+            if fmt is MarlinWeightFormat.AWQ_INT4_FZP:
+                expected = (num_experts, groups, size_n)
+            else:
+                expected = (num_experts, groups, size_n // layout.pack_factor(bits))
+            if tuple(b_qzeros.shape) != expected:
+                raise ReferenceError_(
+                    f"b_qzeros must be {expected} for {fmt.value}, got {tuple(b_qzeros.shape)}"
+                )
+        if act_order:
+            assert g_idx is not None and perm is not None
+            if not fmt.supports_act_order:
+                raise ReferenceError_(f"act order (g_idx/perm) is not supported for {fmt.value}")
+            if tuple(g_idx.shape) != (num_experts, size_k) or tuple(perm.shape) != (num_experts, size_k):
+                raise ReferenceError_(
+                    f"g_idx and perm must be [E={num_experts}, K={size_k}], got {tuple(g_idx.shape)} and {tuple(perm.shape)}"
+                )
+        return cls(
+            fmt, activation_dtype, b_qweight, b_scales, global_scale, b_qzeros, g_idx, perm, size_k, size_n
+        )
+
+    def dequantize(
+        self, experts: torch.Tensor | None = None, *, max_chunk_elements: int = 1 << 27
+    ) -> torch.Tensor:
+        """Dense ``float32[len(experts), K, N]`` weights (all experts when ``experts`` is None), original row order.
+
+        Works expert chunk by expert chunk so that no temporary exceeds ~``max_chunk_elements`` elements.
+        """
+        device = self.b_qweight.device
+        if experts is None:
+            experts = torch.arange(self.num_experts, device=device)
+        experts = experts.to(device=device, dtype=torch.long)
+        if experts.numel() and (int(experts.min()) < 0 or int(experts.max()) >= self.num_experts):
+            raise ReferenceError_(f"expert index out of range [0, {self.num_experts})")
+        per_expert = max(1, self.size_k * self.size_n)
+        chunk = max(1, max_chunk_elements // per_expert)
+        out = torch.empty((experts.numel(), self.size_k, self.size_n), dtype=torch.float32, device=device)
+        for start in range(0, experts.numel(), chunk):
+            selected = experts[start : start + chunk]
+            out[start : start + selected.numel()] = self._dequantize_chunk(selected)
+        return out
+
+    def _dequantize_chunk(self, experts: torch.Tensor) -> torch.Tensor:
+        fmt = self.format
+        bits = fmt.num_bits
+        codes = layout.unpack_weights(
+            self.b_qweight.index_select(0, experts), bits
+        )  # uint8 [e, K, N], packed rows
+        values = _decode_codes(fmt, codes)
+        del codes
+        groups = self.num_groups
+        scales = self._logical_scales(experts)  # float32 [e, G, N]
+        zero_points = self._logical_zero_points(experts)  # float32 [e, G, N] or None
+        count, k, n = values.shape
+        if self.has_act_order:
+            assert self.g_idx is not None and self.perm is not None
+            group_of_row = self.g_idx.index_select(0, experts).to(torch.long)  # [e, K], per packed row
+            if int(group_of_row.min()) < 0 or int(group_of_row.max()) >= groups:
+                raise ReferenceError_(f"g_idx holds a group outside [0, {groups})")
+            index = group_of_row.unsqueeze(-1).expand(count, k, n)
+            row_scales = torch.gather(scales, 1, index)
+            if zero_points is not None:
+                values -= torch.gather(zero_points, 1, index)
+            values *= row_scales
+            del row_scales, index
+            # packed row r holds original row perm[r]: scatter back to the original order.
+            perm = self.perm.index_select(0, experts).to(torch.long)
+            original = torch.empty_like(values)
+            original.scatter_(1, perm.unsqueeze(-1).expand(count, k, n), values)
+            values = original
+        else:
+            grouped = values.view(count, groups, k // groups, n)
+            if zero_points is not None:
+                grouped -= zero_points.unsqueeze(2)
+            grouped *= scales.unsqueeze(2)
+        if fmt is MarlinWeightFormat.NVFP4:
+            values *= self.expert_multipliers(experts).view(count, 1, 1)
+        return values
+
+    def expert_multipliers(self, experts: torch.Tensor) -> torch.Tensor:
+        """NVFP4: ``global_scale[e] * 2**-b`` per expert (float32, from a float64 product); ones otherwise."""
+        if self.format is not MarlinWeightFormat.NVFP4:
+            return torch.ones(experts.numel(), dtype=torch.float32, device=experts.device)
+        assert self.global_scale is not None
+        compensation = 2.0 ** -fp4_exponent_compensation(self.activation_dtype)
+        chosen = self.global_scale.reshape(-1).index_select(0, experts.to(self.global_scale.device))
+        return (chosen.to(torch.float64) * compensation).to(torch.float32).to(experts.device)
+
+    def _logical_scales(self, experts: torch.Tensor) -> torch.Tensor:
+        fmt = self.format
+        raw = self.b_scales.index_select(0, experts)
+        grouped = layout.scales_are_grouped(self.num_groups)
+        if fmt is MarlinWeightFormat.NVFP4:
+            decoded = decode_s0e5m3(_bytes(raw, _FP8_BYTE_DTYPES, "NVFP4 scales"))
+            return layout.unpermute_scales(layout.swap_scale_pairs(decoded), grouped)
+        if fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
+            decoded = decode_e8m0(_bytes(raw, _E8M0_DTYPES, "e8m0 scales"))
+            return layout.unpermute_scales(layout.swap_scale_pairs(decoded), grouped)
+        scales = layout.unpermute_scales(raw.to(torch.float32), grouped)
+        if fmt is MarlinWeightFormat.FP8:
+            scales = scales * 2.0 ** -fp8_exponent_compensation(self.activation_dtype)
+        return scales
+
+    def _logical_zero_points(self, experts: torch.Tensor) -> torch.Tensor | None:
+        if self.b_qzeros is None:
+            return None
+        raw = self.b_qzeros.index_select(0, experts)
+        if self.format is MarlinWeightFormat.AWQ_INT4_FZP:
+            return layout.unpermute_float_zero_points(raw.to(torch.float32))
+        return layout.unpack_zero_points(raw, self.format.num_bits).to(torch.float32)
+
+
+def _decode_codes(fmt: MarlinWeightFormat, codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes → float32 values before scales and zero points (integer bias already removed)."""
+    if fmt in (MarlinWeightFormat.NVFP4, MarlinWeightFormat.MXFP4):
+        return e2m1_lut(codes.device)[codes.to(torch.int32)]
+    if fmt in (MarlinWeightFormat.FP8, MarlinWeightFormat.MXFP8):
+        return codes.view(torch.float8_e4m3fn).to(torch.float32)
+    values = codes.to(torch.float32)
+    bias = fmt.scalar_type.bias
+    if bias:
+        values -= float(bias)
+    return values
+
+
+def dequant_notes(weights: MarlinExpertWeights, experts: torch.Tensor) -> list[tuple[str, str]]:
+    """(code, message) observations about the weight tensors of ``experts`` that the kernel may read differently."""
+    notes: list[tuple[str, str]] = []
+    fmt = weights.format
+    experts = experts.to(weights.b_scales.device, torch.long)
+    if fmt is MarlinWeightFormat.NVFP4 and weights.activation_dtype == torch.bfloat16:
+        raw = _bytes(weights.b_scales.index_select(0, experts), _FP8_BYTE_DTYPES, "NVFP4 scales")
+        low = ((raw & 0x80) == 0) & (raw != 0)
+        if bool(low.any()):
+            notes.append(
+                (
+                    "nvfp4_scale_top_bit_clear",
+                    f"{int(low.sum())} non-zero NVFP4 scale bytes have the top bit clear; the bf16 kernel reads "
+                    "them 2**-112 times smaller than their S0E5M3 value",
+                )
+            )
+    if fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
+        raw = _bytes(weights.b_scales.index_select(0, experts), _E8M0_DTYPES, "e8m0 scales")
+        nan_count = int((raw == 0xFF).sum())
+        if nan_count:
+            notes.append(
+                (
+                    "e8m0_nan_scale",
+                    f"{nan_count} e8m0 scale bytes are 0xFF (NaN); the kernel reads them as +Inf",
+                )
+            )
+    if weights.global_scale is not None and weights.global_scale.dtype != torch.float32:
+        notes.append(
+            ("global_scale_dtype", f"global_scale is {weights.global_scale.dtype}; the kernel reads float32")
+        )
+    if (
+        fmt not in (MarlinWeightFormat.NVFP4, MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8)
+        and weights.b_scales.dtype != weights.activation_dtype
+    ):
+        notes.append(
+            (
+                "scale_dtype",
+                f"b_scales are {weights.b_scales.dtype} but the activations are {weights.activation_dtype}; "
+                "the kernel reads scales as the activation type",
+            )
+        )
+    if weights.has_act_order:
+        assert weights.g_idx is not None
+        g_idx = weights.g_idx.index_select(0, experts.to(weights.g_idx.device)).to(torch.long)
+        uniform = torch.arange(weights.size_k, device=g_idx.device) // weights.group_size
+        if not bool((g_idx == uniform).all()):
+            notes.append(
+                (
+                    "g_idx_not_uniform",
+                    "sorted g_idx is not k // group_size; with is_k_full the kernel uses k // group_size instead",
+                )
+            )
+    return notes
+
+
+# ------------------------------------------------------------------------------------------- forward direction
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """Kernel-ready weight tensors for one Marlin MoE GEMM, plus the exact weights they stand for.
+
+    ``dense`` is computed in float64 directly from the logical quantised values (never through the Marlin layout), so
+    comparing it with :meth:`MarlinExpertWeights.dequantize` checks the packing and the decoding independently.
+    """
+
+    format: MarlinWeightFormat
+    activation_dtype: torch.dtype
+    b_qweight: torch.Tensor
+    b_scales: torch.Tensor
+    global_scale: torch.Tensor | None
+    b_qzeros: torch.Tensor | None
+    g_idx: torch.Tensor | None
+    perm: torch.Tensor | None
+    b_bias: torch.Tensor | None
+    dense: torch.Tensor
+    dense_bias: torch.Tensor | None
+
+    @property
+    def is_zp_float(self) -> bool:
+        return self.format is MarlinWeightFormat.AWQ_INT4_FZP
+
+    @property
+    def size_k(self) -> int:
+        return int(self.dense.shape[1])
+
+    @property
+    def size_n(self) -> int:
+        return int(self.dense.shape[2])
+
+    def kernel_kwargs(self) -> dict[str, object]:
+        """The weight-side keyword arguments of ``moe_wna16_marlin_gemm``."""
+        return {
+            "b_qweight": self.b_qweight,
+            "b_bias": self.b_bias,
+            "b_scales": self.b_scales,
+            "global_scale": self.global_scale,
+            "b_qzeros": self.b_qzeros,
+            "g_idx": self.g_idx,
+            "perm": self.perm,
+            "b_q_type": self.format.scalar_type.id,
+            "is_zp_float": self.is_zp_float,
+            "size_k": self.size_k,
+            "size_n": self.size_n,
+        }
+
+
+def nvfp4_scale_factor(scales: torch.Tensor, activation_dtype: torch.dtype) -> float:
+    """vLLM's shared power-of-two NVFP4 rescale: largest ``s * 2**7 * f`` just below ``448 * 2**7``; 1 for fp16."""
+    if activation_dtype == torch.float16:
+        return 1.0
+    top = scales.to(torch.float32) * 2.0**7
+    positive = top[top > 0]
+    if positive.numel() == 0:
+        return 1.0
+    peak = float(positive.max())
+    if peak >= 448 * 2.0**7:
+        return 1.0
+    return float(
+        2.0 ** torch.floor(torch.log2(torch.tensor(448 * 2.0**7 / peak, dtype=torch.float64))).item()
+    )
+
+
+def pack_experts(
+    fmt: MarlinWeightFormat,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    activation_dtype: torch.dtype = torch.bfloat16,
+    global_scale: torch.Tensor | None = None,
+    zero_points: torch.Tensor | None = None,
+    g_idx: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> PackedExperts:
+    """Logical quantised experts → the tensors vLLM 0.25.1's preparation code gives the kernel.
+
+    ``codes`` uint8/int ``[E, K, N]`` are stored codes (GPTQ: ``q + bias``; fp4/fp8: bit patterns); ``scales``
+    ``[E, groups, N]`` are the logical scales: fp8-e4m3 values (NVFP4), e8m0 bytes (MX formats) or real numbers
+    (rounded to the activation dtype, as vLLM stores them). ``global_scale`` float32 ``[E]`` (NVFP4),
+    ``zero_points`` ``[E, groups, N]`` (int codes, or floats for ``AWQ_INT4_FZP``), ``g_idx`` int ``[E, K]``
+    (act order: group of each original row), ``bias`` ``[E, N]``.
+    """
+    _check_activation_dtype(activation_dtype)
+    if codes.dim() != 3 or scales.dim() != 3:
+        raise ReferenceError_("codes must be [E, K, N] and scales [E, groups, N]")
+    num_experts, k, n = codes.shape
+    groups = scales.shape[1]
+    if k % groups:
+        raise ReferenceError_(f"K={k} is not divisible by {groups} groups")
+    group_size = k // groups
+    grouped = layout.scales_are_grouped(groups)
+    bits = fmt.num_bits
+    codes = codes.to(torch.uint8)
+    device = codes.device
+
+    # Values before scaling, and the exact scale of every (group, n), both float64.
+    if fmt in (MarlinWeightFormat.NVFP4, MarlinWeightFormat.MXFP4):
+        values = e2m1_lut(device).to(torch.float64)[codes.to(torch.long)]
+    elif fmt in (MarlinWeightFormat.FP8, MarlinWeightFormat.MXFP8):
+        values = codes.view(torch.float8_e4m3fn).to(torch.float64)
+    else:
+        values = codes.to(torch.float64) - float(fmt.scalar_type.bias)
+
+    global_out: torch.Tensor | None = None
+    zp_out: torch.Tensor | None = None
+    zp_dense: torch.Tensor | None = None
+    if fmt is MarlinWeightFormat.NVFP4:
+        if global_scale is None:
+            raise ReferenceError_("NVFP4 needs global_scale")
+        s_fp8 = scales.to(torch.float8_e4m3fn)
+        s_16 = s_fp8.to(activation_dtype)
+        factor = nvfp4_scale_factor(s_16, activation_dtype)
+        marlin = layout.swap_scale_pairs(layout.permute_scales(s_16, grouped)).to(torch.float16)
+        if factor > 1.0:
+            marlin = (marlin.to(torch.float32) * factor).to(torch.float16)
+        b_scales = encode_s0e5m3(marlin * 2.0**7).view(torch.float8_e4m3fn)
+        shift = fp4_exponent_compensation(activation_dtype) - 7
+        gs32 = global_scale.to(torch.float32).reshape(num_experts)
+        global_out = (gs32 * 2.0**shift) / factor
+        kept = s_fp8.to(torch.float64) * factor * 2.0**7 >= 2  # vLLM zeroes scales below 2 after * 2**7
+        scale_dense = torch.where(kept, s_fp8.to(torch.float64), 0.0) * gs32.to(torch.float64).view(-1, 1, 1)
+    elif fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
+        e8m0 = _bytes(scales, _E8M0_DTYPES, "e8m0 scales") if scales.dtype in _E8M0_DTYPES else None
+        if e8m0 is None:
+            raise ReferenceError_("MX scales must be e8m0 bytes (uint8 or float8_e8m0fnu)")
+        b_scales = layout.swap_scale_pairs(layout.permute_scales(e8m0, grouped)).view(torch.float8_e8m0fnu)
+        scale_dense = decode_e8m0(e8m0).to(torch.float64)
+    else:
+        s_16 = scales.to(activation_dtype)
+        permuted = layout.permute_scales(s_16, grouped)
+        if fmt is MarlinWeightFormat.FP8:
+            b_scales = (permuted.to(torch.float32) * 2.0 ** fp8_exponent_compensation(activation_dtype)).to(
+                activation_dtype
+            )
+        else:
+            b_scales = permuted
+        scale_dense = s_16.to(torch.float64)
+        if fmt.has_zero_points:
+            if zero_points is None:
+                raise ReferenceError_(f"{fmt.value} needs zero points")
+            if fmt is MarlinWeightFormat.AWQ_INT4_FZP:
+                zp_16 = zero_points.to(torch.float16)
+                zp_out = layout.permute_float_zero_points(zp_16)
+                zp_dense = zp_16.to(torch.float64)
+            else:
+                zp_out = layout.pack_zero_points(zero_points.to(torch.uint8), bits)
+                zp_dense = zero_points.to(torch.float64)
+
+    # Dense reference weights, original row order.
+    if g_idx is not None:
+        if not fmt.supports_act_order:
+            raise ReferenceError_(f"act order is not supported for {fmt.value}")
+        group_of_row = g_idx.to(torch.long)
+    else:
+        group_of_row = (torch.arange(k, device=device) // group_size).expand(num_experts, k)
+    index = group_of_row.unsqueeze(-1).expand(num_experts, k, n)
+    dense = values
+    if zp_dense is not None:
+        dense = dense - torch.gather(zp_dense, 1, index)
+    dense = dense * torch.gather(scale_dense, 1, index)
+
+    g_idx_out: torch.Tensor | None = None
+    perm_out: torch.Tensor | None = None
+    stored = codes
+    if g_idx is not None:
+        g_idx_out, perm_out = layout.sort_act_order(g_idx.to(torch.int32))
+        stored = layout.act_order_rows(codes, perm_out)
+    b_qweight = layout.pack_weights(stored, bits)
+
+    bias_out: torch.Tensor | None = None
+    bias_dense: torch.Tensor | None = None
+    if bias is not None:
+        bias_16 = bias.to(activation_dtype)
+        bias_out = layout.permute_bias(bias_16)
+        bias_dense = bias_16.to(torch.float64)
+
+    return PackedExperts(
+        format=fmt,
+        activation_dtype=activation_dtype,
+        b_qweight=b_qweight,
+        b_scales=b_scales.contiguous(),
+        global_scale=global_out,
+        b_qzeros=zp_out,
+        g_idx=g_idx_out,
+        perm=perm_out,
+        b_bias=bias_out,
+        dense=dense,
+        dense_bias=bias_dense,
+    )
+
+
+def random_experts(
+    fmt: MarlinWeightFormat,
+    num_experts: int,
+    size_k: int,
+    size_n: int,
+    *,
+    group_size: int | None = None,
+    activation_dtype: torch.dtype = torch.bfloat16,
+    act_order: bool = False,
+    with_bias: bool = False,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> PackedExperts:
+    """Random experts of one format, packed like vLLM (for tests and benchmarks).
+
+    ``group_size`` None → the format's fixed size, else channel-wise (integer and FP8 formats accept -1, 32, 64,
+    128; FP8 only -1 and 128 in the kernel).
+    """
+    gen = generator if generator is not None else torch.Generator().manual_seed(0)
+    fixed = fmt.fixed_group_size
+    if fixed is not None:
+        if group_size not in (None, fixed):
+            raise ReferenceError_(f"{fmt.value} has group size {fixed}")
+        group_size = fixed
+    elif group_size is None or group_size == -1:
+        group_size = size_k
+    groups = size_k // group_size
+    shape_codes = (num_experts, size_k, size_n)
+    shape_scales = (num_experts, groups, size_n)
+
+    def uniform(shape: tuple[int, ...], low: float, high: float) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, dtype=torch.float64) * (high - low) + low
+
+    zero_points = None
+    global_scale = None
+    g_idx = None
+    if fmt in (MarlinWeightFormat.NVFP4, MarlinWeightFormat.MXFP4):
+        codes = torch.randint(0, 16, shape_codes, generator=gen, dtype=torch.uint8)
+    elif fmt in (MarlinWeightFormat.FP8, MarlinWeightFormat.MXFP8):
+        magnitude = torch.randint(0, 0x7F, shape_codes, generator=gen, dtype=torch.uint8)  # no NaN (0x7F)
+        sign = torch.randint(0, 2, shape_codes, generator=gen, dtype=torch.uint8) << 7
+        codes = magnitude | sign
+    else:
+        codes = torch.randint(0, 1 << fmt.num_bits, shape_codes, generator=gen, dtype=torch.uint8)
+    if fmt is MarlinWeightFormat.NVFP4:
+        scales = uniform(shape_scales, 0.5, 440.0).to(torch.float8_e4m3fn).to(torch.float32)
+        global_scale = uniform((num_experts,), 1e-5, 1e-3).to(torch.float32)
+    elif fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
+        scales = torch.randint(118, 130, shape_scales, generator=gen, dtype=torch.uint8)
+    elif fmt is MarlinWeightFormat.FP8:
+        scales = uniform(shape_scales, 1e-3, 2e-2)
+    else:
+        scales = uniform(shape_scales, 1e-3, 2e-2)
+        if fmt is MarlinWeightFormat.AWQ_INT4:
+            zero_points = torch.randint(0, 16, shape_scales, generator=gen, dtype=torch.uint8)
+        elif fmt is MarlinWeightFormat.AWQ_INT4_FZP:
+            zero_points = uniform(shape_scales, 0.0, 15.0)
+    if act_order:
+        if not fmt.supports_act_order or groups < 2:
+            raise ReferenceError_("act order needs a GPTQ format with more than one group")
+        g_idx = torch.stack(
+            [
+                (torch.arange(size_k) // group_size)[torch.randperm(size_k, generator=gen)]
+                for _ in range(num_experts)
+            ]
+        ).to(torch.int32)
+    bias = uniform((num_experts, size_n), -1.0, 1.0) if with_bias else None
+    packed = pack_experts(
+        fmt,
+        codes,
+        scales,
+        activation_dtype=activation_dtype,
+        global_scale=global_scale,
+        zero_points=zero_points,
+        g_idx=g_idx,
+        bias=bias,
+    )
+    if torch.device(device) == torch.device("cpu"):
+        return packed
+    return _to_device(packed, torch.device(device))
+
+
+def _to_device(packed: PackedExperts, device: torch.device) -> PackedExperts:
+    def move(value: torch.Tensor | None) -> torch.Tensor | None:
+        return None if value is None else value.to(device)
+
+    return PackedExperts(
+        format=packed.format,
+        activation_dtype=packed.activation_dtype,
+        b_qweight=packed.b_qweight.to(device),
+        b_scales=packed.b_scales.to(device),
+        global_scale=move(packed.global_scale),
+        b_qzeros=move(packed.b_qzeros),
+        g_idx=move(packed.g_idx),
+        perm=move(packed.perm),
+        b_bias=move(packed.b_bias),
+        dense=packed.dense.to(device),
+        dense_bias=move(packed.dense_bias),
+    )

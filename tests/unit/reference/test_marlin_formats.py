@@ -1,0 +1,204 @@
+"""Every Marlin weight format: logical experts → packed like vLLM → dequantised == the float64 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moereplay.errors import ReferenceError_
+from moereplay.reference import scalar_types as st
+from moereplay.reference.marlin_formats import (
+    MarlinExpertWeights,
+    MarlinWeightFormat,
+    decode_s0e5m3,
+    dequant_notes,
+    detect_format,
+    encode_s0e5m3,
+    nvfp4_scale_factor,
+    pack_experts,
+    random_experts,
+)
+
+F = MarlinWeightFormat
+
+CASES = [
+    (F.NVFP4, None, torch.bfloat16, False),
+    (F.NVFP4, None, torch.float16, False),
+    (F.MXFP4, None, torch.bfloat16, False),
+    (F.MXFP8, None, torch.bfloat16, False),
+    (F.FP8, -1, torch.bfloat16, False),
+    (F.FP8, 128, torch.float16, False),
+    (F.GPTQ_INT4, -1, torch.bfloat16, False),
+    (F.GPTQ_INT4, 32, torch.float16, False),
+    (F.GPTQ_INT4, 64, torch.bfloat16, True),
+    (F.GPTQ_INT8, 128, torch.bfloat16, False),
+    (F.GPTQ_INT8, 32, torch.float16, True),
+    (F.AWQ_INT4, 32, torch.bfloat16, False),
+    (F.AWQ_INT4, -1, torch.float16, False),
+    (F.AWQ_INT4_FZP, 64, torch.float16, False),
+]
+
+
+def _weights(packed, experts: int = 3) -> MarlinExpertWeights:
+    return MarlinExpertWeights.from_kernel_args(
+        b_qweight=packed.b_qweight,
+        b_scales=packed.b_scales,
+        b_q_type=packed.format.scalar_type,
+        activation_dtype=packed.activation_dtype,
+        size_k=packed.size_k,
+        size_n=packed.size_n,
+        global_scale=packed.global_scale,
+        b_qzeros=packed.b_qzeros,
+        g_idx=packed.g_idx,
+        perm=packed.perm,
+        is_zp_float=packed.is_zp_float,
+    )
+
+
+@pytest.mark.parametrize(("fmt", "group_size", "dtype", "act_order"), CASES)
+def test_dequantize_matches_float64_weights(fmt, group_size, dtype, act_order) -> None:
+    gen = torch.Generator().manual_seed(11)
+    packed = random_experts(
+        fmt, 3, 256, 128, group_size=group_size, activation_dtype=dtype, act_order=act_order, generator=gen
+    )
+    weights = _weights(packed)
+    assert weights.format is fmt
+    dense = weights.dequantize()
+    assert dense.dtype == torch.float32 and dense.shape == (3, 256, 128)
+    error = (dense.to(torch.float64) - packed.dense).abs()
+    scale = packed.dense.abs().amax()
+    # float32 holds these products exactly except NVFP4's one rounding of the global-scale product
+    assert float(error.max()) <= float(scale) * 2**-23, fmt
+    # selected experts, in a chosen order, and a tiny chunk budget give the same values
+    some = weights.dequantize(torch.tensor([2, 0]), max_chunk_elements=1)
+    assert torch.equal(some, dense[[2, 0]])
+
+
+def test_zero_points_and_bias_packed() -> None:
+    gen = torch.Generator().manual_seed(2)
+    packed = random_experts(F.AWQ_INT4, 2, 128, 64, group_size=32, with_bias=True, generator=gen)
+    assert packed.b_qzeros is not None and packed.b_qzeros.shape == (2, 4, 8)
+    assert packed.b_bias is not None and packed.dense_bias is not None
+    assert packed.kernel_kwargs()["b_q_type"] == st.uint4.id
+
+
+def test_s0e5m3_encoding() -> None:
+    # 448 * 2**7 (the largest NVFP4 scale after vLLM's * 2**7) → fp16 0x7B00 → << 1 → high byte 0xF6
+    assert encode_s0e5m3(torch.tensor([448.0 * 128])).tolist() == [0xF6]
+    assert decode_s0e5m3(torch.tensor([0xF6], dtype=torch.uint8)).tolist() == [448.0 * 128]
+    values = torch.tensor([2.0, 3.0, 1.75 * 2**10, 0.5, 1.0])
+    encoded = encode_s0e5m3(values)
+    assert encoded[3] == 0 and encoded[4] == 0  # below 2: zeroed like vLLM
+    assert decode_s0e5m3(encoded).tolist() == [2.0, 3.0, 1.75 * 2**10, 0.0, 0.0]
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    decoded = decode_s0e5m3(every)
+    assert torch.isfinite(decoded).all() and decoded[0] == 0 and decoded[0x80] == 2.0
+
+
+def test_nvfp4_scale_factor() -> None:
+    scales = torch.tensor([1.0, 2.0, 0.0])
+    assert (
+        nvfp4_scale_factor(scales, torch.bfloat16) == 128.0
+    )  # 2 * 2**7 * 128 <= 448 * 2**7 < 2 * 2**7 * 256
+    assert nvfp4_scale_factor(scales, torch.float16) == 1.0
+    assert nvfp4_scale_factor(torch.tensor([448.0]), torch.bfloat16) == 1.0
+    assert nvfp4_scale_factor(torch.zeros(3), torch.bfloat16) == 1.0
+
+
+def test_nvfp4_global_scale_carries_compensation() -> None:
+    codes = torch.full((1, 16, 64), 2, dtype=torch.uint8)  # e2m1 code 2 = 1.0
+    scales = torch.full((1, 1, 64), 448.0)
+    packed = pack_experts(F.NVFP4, codes, scales, global_scale=torch.tensor([0.5]))
+    assert packed.global_scale is not None
+    assert float(packed.global_scale[0]) == 0.5 * 2.0 ** (126 - 7)
+    assert torch.all(packed.dense == 448.0 * 0.5)
+
+
+def test_detect_format_errors() -> None:
+    fp8_scales = torch.zeros(1, 1, 64, dtype=torch.float8_e4m3fn)
+    bf16_scales = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ReferenceError_, match="global_scale"):
+        detect_format(
+            st.float4_e2m1f, fp8_scales, has_zero_points=False, is_zp_float=False, has_global_scale=False
+        )
+    with pytest.raises(ReferenceError_):
+        detect_format(
+            st.float4_e2m1f, bf16_scales, has_zero_points=False, is_zp_float=False, has_global_scale=False
+        )
+    with pytest.raises(ReferenceError_, match="zero points"):
+        detect_format(st.uint4, bf16_scales, has_zero_points=False, is_zp_float=False, has_global_scale=False)
+    with pytest.raises(ReferenceError_, match="no weight format"):
+        detect_format(st.int8, bf16_scales, has_zero_points=False, is_zp_float=False, has_global_scale=False)
+    with pytest.raises(ReferenceError_, match="only used by NVFP4"):
+        detect_format(
+            st.uint4b8, bf16_scales, has_zero_points=False, is_zp_float=False, has_global_scale=True
+        )
+
+
+def test_argument_checks() -> None:
+    packed = random_experts(F.GPTQ_INT4, 2, 128, 64, group_size=32)
+    common = {
+        "b_qweight": packed.b_qweight,
+        "b_scales": packed.b_scales,
+        "b_q_type": st.uint4b8,
+        "activation_dtype": torch.bfloat16,
+    }
+    with pytest.raises(ReferenceError_, match="size_k"):
+        MarlinExpertWeights.from_kernel_args(**common, size_k=256, size_n=64)
+    with pytest.raises(ReferenceError_, match="16-bit"):
+        MarlinExpertWeights.from_kernel_args(
+            **{**common, "activation_dtype": torch.int8}, size_k=128, size_n=64
+        )
+    with pytest.raises(ReferenceError_, match="b_scales"):
+        MarlinExpertWeights.from_kernel_args(
+            **{**common, "b_scales": packed.b_scales[:, :, :32]}, size_k=128, size_n=64
+        )
+    mx = random_experts(F.MXFP4, 1, 64, 64)
+    with pytest.raises(ReferenceError_, match="bfloat16"):
+        MarlinExpertWeights.from_kernel_args(
+            b_qweight=mx.b_qweight,
+            b_scales=mx.b_scales,
+            b_q_type=st.float4_e2m1f,
+            activation_dtype=torch.float16,
+            size_k=64,
+            size_n=64,
+        )
+    weights = MarlinExpertWeights.from_kernel_args(**common, size_k=128, size_n=64)
+    with pytest.raises(ReferenceError_, match="out of range"):
+        weights.dequantize(torch.tensor([5]))
+    # empty g_idx/perm mean "no act order", as in the kernel
+    empty = torch.empty((2, 0), dtype=torch.int32)
+    assert not MarlinExpertWeights.from_kernel_args(
+        **common, size_k=128, size_n=64, g_idx=empty, perm=empty
+    ).has_act_order
+
+
+def test_dequant_notes() -> None:
+    packed = random_experts(F.NVFP4, 2, 64, 64)
+    raw = packed.b_scales.view(torch.uint8).clone()
+    raw[0, 0, 0] = 0x40  # non-zero, top bit clear
+    weights = MarlinExpertWeights.from_kernel_args(
+        b_qweight=packed.b_qweight,
+        b_scales=raw.view(torch.float8_e4m3fn),
+        b_q_type=st.float4_e2m1f,
+        activation_dtype=torch.bfloat16,
+        size_k=64,
+        size_n=64,
+        global_scale=packed.global_scale.to(torch.float16),
+    )
+    codes = {code for code, _ in dequant_notes(weights, torch.tensor([0, 1]))}
+    assert codes == {"nvfp4_scale_top_bit_clear", "global_scale_dtype"}
+    assert {code for code, _ in dequant_notes(weights, torch.tensor([1]))} == {"global_scale_dtype"}
+    mx = random_experts(F.MXFP8, 1, 64, 64)
+    bad = mx.b_scales.view(torch.uint8).clone()
+    bad[0, 0, 3] = 0xFF
+    mx_weights = MarlinExpertWeights.from_kernel_args(
+        b_qweight=mx.b_qweight,
+        b_scales=bad.view(torch.float8_e8m0fnu),
+        b_q_type=st.float8_e4m3fn,
+        activation_dtype=torch.bfloat16,
+        size_k=64,
+        size_n=64,
+    )
+    assert {code for code, _ in dequant_notes(mx_weights, torch.tensor([0]))} == {"e8m0_nan_scale"}
+    assert torch.isnan(mx_weights.dequantize()).any()
