@@ -1,0 +1,95 @@
+"""Shared helpers: a throwaway module of real CPU "kernels" with vLLM-like signatures, and an armed session."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from moereplay.capture import session as session_module
+from moereplay.capture.patch_points import CaptureTarget
+
+MODULE = "moereplay_test_kernels"
+
+
+def gemm(
+    input: torch.Tensor,
+    output: torch.Tensor | None,
+    weight: torch.Tensor,
+    topk_weights: torch.Tensor,
+    top_k: int,
+    mul_topk_weights: bool,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """A real computation with the shape of a MoE GEMM call: writes ``output`` in place and returns it."""
+    if output is None:
+        output = torch.empty(input.shape[0], weight.shape[1], dtype=input.dtype)
+    torch.matmul(input, weight, out=output)
+    if mul_topk_weights:
+        output.mul_(topk_weights.reshape(-1, 1)[: output.shape[0]])
+    output.mul_(scale)
+    return output
+
+
+def fused(
+    hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """A parent calling the kernel twice through the module attribute, as vLLM calls ``ops.…``."""
+    module = sys.modules[MODULE]
+    cache = torch.empty(hidden.shape[0], w1.shape[1])
+    first = module.gemm(hidden, cache, w1, topk_weights, 1, False)
+    second = module.gemm(first, None, w2, topk_weights, 1, True, scale=0.5)
+    return second
+
+
+TARGETS = (
+    CaptureTarget("gemm", "kernel", MODULE, "gemm", static=("weight",), outputs=("output",)),
+    CaptureTarget("fused", "parent", MODULE, "fused", static=("w1", "w2")),
+)
+
+
+@pytest.fixture
+def kernels() -> Iterator[types.ModuleType]:
+    module = types.ModuleType(MODULE)
+    module.gemm = gemm  # type: ignore[attr-defined]
+    module.fused = fused  # type: ignore[attr-defined]
+    sys.modules[MODULE] = module
+    try:
+        yield module
+    finally:
+        session_module.disarm()
+        sys.modules.pop(MODULE, None)
+
+
+@pytest.fixture
+def arm(kernels: types.ModuleType, tmp_path: Path):
+    """``arm(**settings)`` → an armed session writing under tmp_path (disarmed at teardown)."""
+
+    def _arm(targets=TARGETS, sink_factory=None, **settings: str):
+        env = {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_DIR": str(tmp_path / "captures")}
+        env.update({f"MOEREPLAY_{key.upper()}": value for key, value in settings.items()})
+        kwargs = {} if sink_factory is None else {"sink_factory": sink_factory}
+        session = session_module.arm(env, targets=targets, **kwargs)
+        assert session is not None
+        return session
+
+    return _arm
+
+
+def make_inputs(tokens: int = 5, hidden: int = 8, inner: int = 6, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=generator)
+    w1 = torch.randn(hidden, inner, generator=generator)
+    w2 = torch.randn(inner, hidden, generator=generator)
+    weights = torch.rand(tokens, generator=generator)
+    return x, w1, w2, weights
+
+
+@pytest.fixture
+def inputs():
+    """``inputs(tokens=5, hidden=8, inner=6, seed=0)`` → ``(x, w1, w2, topk_weights)`` on CPU."""
+    return make_inputs

@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from moereplay.capture.settings import (
+    LayerSelection,
+    StepRange,
+    Trigger,
+    settings_from_environ,
+    unknown_variables,
+)
+from moereplay.errors import SettingsError
+
+
+def parse(**values: str):
+    env = {"MOEREPLAY_CAPTURE": "1"}
+    env.update({f"MOEREPLAY_{key.upper()}": value for key, value in values.items()})
+    return settings_from_environ(env, now=datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc))
+
+
+def test_off_by_default_and_other_variables_are_not_parsed() -> None:
+    assert not settings_from_environ({}).enabled
+    assert not settings_from_environ({"MOEREPLAY_CAPTURE": "0", "MOEREPLAY_MAX_BYTES": "garbage"}).enabled
+    assert not settings_from_environ({"MOEREPLAY_CAPTURE": " off "}).enabled
+
+
+def test_defaults() -> None:
+    settings = parse()
+    assert settings.enabled
+    assert settings.directory == Path("captures/run-20250102-030405")
+    assert settings.directory_was_default
+    assert settings.trigger is Trigger.ALWAYS
+    assert settings.op_selected("moe_wna16_marlin_gemm")
+    assert (settings.max_calls, settings.max_bytes, settings.per_shape, settings.sample) == (0, 0, 0, 1.0)
+
+
+def test_every_variable() -> None:
+    settings = parse(
+        dir="/tmp/x",
+        ops="moe_*,matmul*",
+        ops_exclude="matmul",
+        layers="0-2,7,*.layers.1?.*",
+        steps="10-20",
+        max_calls="100",
+        max_bytes="1.5G",
+        per_shape="3",
+        sample="1/4",
+        trigger="flight",
+        flight_calls="8",
+        flight_bytes="64M",
+        absmax="1e4",
+        queue_calls="16",
+        queue_bytes="512MiB",
+    )
+    assert settings.directory == Path("/tmp/x") and not settings.directory_was_default
+    assert settings.op_selected("moe_wna16_marlin_gemm") and settings.op_selected("matmul_ogs")
+    assert not settings.op_selected("matmul") and not settings.op_selected("fused_marlin_moe")
+    assert settings.layers == LayerSelection(frozenset({0, 1, 2, 7}), ("*.layers.1?.*",))
+    assert settings.layers.contains(None, "model.layers.12.mlp.experts")
+    assert not settings.layers.contains(3, "model.layers.3.mlp.experts")
+    assert settings.steps == StepRange(10, 20)
+    assert settings.max_calls == 100 and settings.max_bytes == int(1.5 * 2**30) and settings.per_shape == 3
+    assert settings.sample == 0.25 and settings.trigger is Trigger.FLIGHT
+    assert (settings.flight_calls, settings.flight_bytes, settings.absmax) == (8, 64 << 20, 1e4)
+    assert (settings.queue_calls, settings.queue_bytes) == (16, 512 << 20)
+    assert "trigger=flight" in settings.describe()
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [
+        ("5", StepRange(5, 5)),
+        ("3-", StepRange(3, None)),
+        ("-9", StepRange(None, 9)),
+        (" 1 - 2 ", StepRange(1, 2)),
+    ],
+)
+def test_step_ranges(steps: str, expected: StepRange) -> None:
+    assert parse(steps=steps).steps == expected
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "fragment"),
+    [
+        ("capture", "maybe", "MOEREPLAY_CAPTURE='maybe': not a boolean"),
+        ("max_bytes", "12X", "MOEREPLAY_MAX_BYTES='12X': not a size"),
+        ("max_calls", "-1", "MOEREPLAY_MAX_CALLS='-1': must be >= 0"),
+        ("max_calls", "ten", "MOEREPLAY_MAX_CALLS='ten': not an integer"),
+        ("sample", "0", "MOEREPLAY_SAMPLE='0': must be in (0, 1]"),
+        ("sample", "1/0", "not a fraction"),
+        ("steps", "9-3", "ends before it starts"),
+        ("steps", "-", "not a step range"),
+        ("layers", "5-2", "ends before it starts"),
+        ("layers", "1-2-3", "neither an index"),
+        ("trigger", "sometimes", "unknown trigger"),
+        ("flight_calls", "0", "must be >= 1"),
+        ("absmax", "nan", "finite number > 0"),
+        ("absmax", "-3", "finite number > 0"),
+        ("ops", " , ", "no pattern given"),
+    ],
+)
+def test_malformed_values_raise_one_line(variable: str, value: str, fragment: str) -> None:
+    env = {"MOEREPLAY_CAPTURE": "1", f"MOEREPLAY_{variable.upper()}": value}
+    with pytest.raises(SettingsError) as caught:
+        settings_from_environ(env)
+    message = str(caught.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_empty_values_mean_default() -> None:
+    assert parse(max_calls="", trigger=" ").max_calls == 0
+
+
+def test_unknown_capture_like_variables_are_reported_not_fatal() -> None:
+    env = {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_MAXCALLS": "3",
+        "MOEREPLAY_CAPTURE_DIR": "/x",
+        "MOEREPLAY_PACK": "p",
+    }
+    assert unknown_variables(env) == ("MOEREPLAY_CAPTURE_DIR", "MOEREPLAY_MAXCALLS")
+    assert settings_from_environ(env).enabled
