@@ -53,10 +53,10 @@ class FirstBadResult:
 
     def lines(self) -> tuple[str, ...]:
         if self.status == "found":
-            return (f"first bad: #{self.first_bad} {self.labels[0]}", f"failure: {self.target}")
+            return (f"first bad: {self.labels[0]} (item {self.first_bad})", f"failure: {self.target}")
         if self.status == "ambiguous":
             listed = ", ".join(
-                f"#{index} {label}" for index, label in zip(self.candidates, self.labels, strict=True)
+                f"{label} (item {index})" for index, label in zip(self.candidates, self.labels, strict=True)
             )
             return (
                 f"first bad is one of {len(self.candidates)} (skips left it ambiguous): {listed}",

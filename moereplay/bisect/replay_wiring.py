@@ -1,0 +1,274 @@
+"""The default wiring of ``moereplay bisect``: searches over a capture file, predicates over the replay engine.
+
+Everything about *what* to search is here: the stream of replayable calls of a capture, ordered by (step, layer,
+index); the failing call; the candidate mutations; the packs; the shape dimensions. *Judging* a probe — replaying
+one call with some mutations on some backend and turning the verdict and findings into an
+:class:`~moereplay.bisect.observation.Observation` — goes through a :class:`Judge`. :func:`replay_judge` binds one to
+``moereplay.replay``; while that engine is missing, preparing a search raises
+:class:`~moereplay.bisect.errors.ReplayUnavailableError` ("replay engine unavailable"), which the CLI prints as one
+line. Heavy modules (the capture reader, torch, the engine) are imported only when a search is prepared.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from moereplay.bisect.ddmin import MutationSearch
+from moereplay.bisect.errors import BisectError, ReplayUnavailableError
+from moereplay.bisect.observation import Observation, Signature
+from moereplay.bisect.packs import PackSearch
+from moereplay.bisect.probes import ItemProbe, ShapeProbe, SubsetProbe
+from moereplay.bisect.shape import Dimension, ShapeSearch
+from moereplay.bisect.stream import FirstBadSearch
+from moereplay.bisect.wiring import BisectRequest, Prepared
+
+UNAVAILABLE = "replay engine unavailable"
+
+NOT_SIGNATURE_KINDS = frozenset({"diagnosis", "sanitizer", "contract_violation"})
+"""Finding kinds left out of a failure signature: a diagnosis restates the others, a sanitizer report varies from
+run to run, and a contract violation describes the inputs rather than the failure."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# verdicts and findings → observations
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _experts_in(evidence: Mapping[str, Any]) -> set[int]:
+    experts = evidence.get("experts", ())
+    if not isinstance(experts, (list, tuple, set, frozenset)):
+        return set()
+    return {expert for expert in experts if isinstance(expert, int) and not isinstance(expert, bool)}
+
+
+def signature_of(result: Any, findings: Iterable[Any]) -> Signature:
+    """The signature of one variant's failure: its verdict, the kinds of its findings, the experts they name.
+
+    ``result`` is a replay ``VariantResult`` (``label``, ``verdict``); ``findings`` the report's findings, of which
+    those about this variant count (``finding.variant == result.label``). Affected experts come from each finding's
+    ``evidence["experts"]`` when it lists them.
+    """
+    kinds: set[str] = set()
+    experts: set[int] = set()
+    for finding in findings:
+        if finding.variant != result.label:
+            continue
+        kind = finding.kind.value
+        if kind in NOT_SIGNATURE_KINDS:
+            continue
+        kinds.add(kind)
+        experts |= _experts_in(finding.evidence)
+    return Signature(result.verdict.value, frozenset(kinds), frozenset(experts))
+
+
+def observation_of(result: Any, findings: Iterable[Any]) -> Observation:
+    """A variant's verdict as an observation: ``ok`` is good, ``invalid`` unresolved, anything else bad."""
+    verdict = result.verdict.value
+    if verdict == "ok":
+        return Observation.good()
+    if verdict == "invalid":
+        return Observation.unresolved(f"invalid: {result.reason}" if result.reason else "invalid")
+    note = f"{result.bad_rows}/{result.rows} rows bad" if getattr(result, "rows", 0) else ""
+    if result.reason:
+        note = f"{note}; {result.reason}" if note else result.reason
+    return Observation.bad(signature_of(result, findings), note)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the stream of calls
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallRef:
+    """A call of the capture, as the ``calls`` strategy orders and labels it."""
+
+    index: int
+    op: str
+    step: int | None
+    layer: int | None
+
+    @property
+    def label(self) -> str:
+        where = []
+        if self.step is not None:
+            where.append(f"step {self.step}")
+        if self.layer is not None:
+            where.append(f"layer {self.layer}")
+        return f"#{self.index} {self.op}" + (f" ({', '.join(where)})" if where else "")
+
+    @property
+    def order(self) -> tuple[int, int, int]:
+        return (
+            -1 if self.step is None else self.step,
+            -1 if self.layer is None else self.layer,
+            self.index,
+        )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def stream_of_calls(capture: Path, *, op: str | None = None, layer: int | None = None) -> list[CallRef]:
+    """The capture's replayable calls ordered by (step, layer, index); ``op`` is a glob as in ``moereplay ls``.
+
+    Without ``op`` only calls of ops some ops module declares are kept (enclosing calls such as
+    ``fused_marlin_moe`` are context, not kernels to replay). Reads call records only, never tensor bytes.
+    """
+    from moereplay.format.reader import CaptureReader
+    from moereplay.ops import known_op_names
+
+    replayable = set(known_op_names())
+    with CaptureReader(capture) as reader:
+        refs = [
+            CallRef(
+                record.index, record.op, _int_or_none(record.context.get("step")), _int_or_none(record.layer)
+            )
+            for record in reader.select(op=op, layer=layer)
+            if op is not None or record.op in replayable
+        ]
+    return sorted(refs, key=lambda ref: ref.order)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# judging probes
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Judge(Protocol):
+    """Replays call ``call`` of the capture with ``mutations`` (spec strings) on ``backend`` (``None``: default),
+    shrunk to ``shape`` when given, and says what happened."""
+
+    def __call__(
+        self, call: int, mutations: Sequence[str], backend: str | None, shape: Mapping[str, int] | None
+    ) -> Observation: ...
+
+
+ShapeSource = Callable[[Path, int], tuple[Sequence[Dimension], Callable[[Mapping[str, int]], bool] | None]]
+"""The shrinkable dimensions of one call (and a legal-shape rule across them), as the call's op declares them."""
+
+
+def replay_judge(capture: Path) -> Judge:
+    """A judge over ``moereplay.replay``; raises :class:`ReplayUnavailableError` while the engine is missing."""
+    try:
+        engine = importlib.import_module("moereplay.replay")
+    except ImportError as error:
+        raise ReplayUnavailableError(UNAVAILABLE) from error
+    if not callable(getattr(engine, "replay", None)):
+        raise ReplayUnavailableError(UNAVAILABLE)
+    # The engine's entry point exists but no adapter from it to observations is written yet.
+    raise ReplayUnavailableError(f"{UNAVAILABLE} (no bisect adapter for this version of moereplay.replay)")
+
+
+def op_shape_source(
+    capture: Path, call: int
+) -> tuple[Sequence[Dimension], Callable[[Mapping[str, int]], bool] | None]:
+    """The call's op's shrinkable dimensions (``op.shape_dimensions(record)`` and ``op.shape_legal``), if declared."""
+    from moereplay.format.reader import CaptureReader
+    from moereplay.ops import get_op
+
+    with CaptureReader(capture) as reader:
+        record = reader.call(call)
+    op = get_op(record.op)
+    declare = getattr(op, "shape_dimensions", None)
+    if declare is None:
+        raise BisectError(
+            f"op {record.op} declares no shrinkable dimensions; --strategy shape cannot run on it"
+        )
+    return tuple(declare(record)), getattr(op, "shape_legal", None)
+
+
+class ReplayWiring:
+    """Prepares each strategy over a capture file; ``judge`` / ``shapes`` replace the engine-backed defaults."""
+
+    def __init__(self, judge: Judge | None = None, shapes: ShapeSource | None = None) -> None:
+        self._judge = judge
+        self._shapes = shapes if shapes is not None else op_shape_source
+
+    def prepare(self, request: BisectRequest) -> Prepared:
+        judge = self._judge if self._judge is not None else replay_judge(request.capture)
+        if request.strategy == "calls":
+            return self._calls(request, judge)
+        call = self._failing_call(request)
+        if request.strategy == "mutations":
+            return self._mutations(request, judge, call)
+        if request.strategy == "packs":
+            return self._packs(request, judge, call)
+        return self._shape(request, judge, call)
+
+    @staticmethod
+    def _failing_call(request: BisectRequest) -> int:
+        if request.call is None:
+            raise BisectError(f"--strategy {request.strategy} needs --call N (the failing call)")
+        return request.call
+
+    def _calls(self, request: BisectRequest, judge: Judge) -> Prepared:
+        refs = stream_of_calls(request.capture, op=request.op, layer=request.layer)
+        if not refs:
+            raise BisectError(f"{request.capture}: no replayable calls match the selection")
+        positions = {ref.index: position for position, ref in enumerate(refs)}
+
+        def position_of(index: int | None, option: str) -> int | None:
+            if index is None:
+                return None
+            if index not in positions:
+                raise BisectError(f"{option} {index} is not among the {len(refs)} selected calls")
+            return positions[index]
+
+        search = FirstBadSearch(
+            refs,
+            labels=[ref.label for ref in refs],
+            known_good=position_of(request.good, "--good"),
+            known_bad=position_of(request.call, "--call"),
+            match=request.match,
+        )
+        backend = request.backend
+
+        def predicate(probe: ItemProbe[CallRef]) -> Observation:
+            return judge(probe.item.index, (), backend, None)
+
+        return Prepared(search, predicate, f"{len(refs)} calls of {request.capture.name} by step and layer")
+
+    def _mutations(self, request: BisectRequest, judge: Judge, call: int) -> Prepared:
+        if not request.mutations:
+            raise BisectError("--strategy mutations needs candidate mutations (--mutations 'flip ARG' …)")
+        search = MutationSearch(list(request.mutations), match=request.match)
+        backend = request.backend
+
+        def predicate(probe: SubsetProbe[str]) -> Observation:
+            return judge(call, probe.items, backend, None)
+
+        return Prepared(search, predicate, f"call #{call}, {len(request.mutations)} candidate mutations")
+
+    def _packs(self, request: BisectRequest, judge: Judge, call: int) -> Prepared:
+        labels = [Path(pack).name or pack for pack in request.packs]
+        search = PackSearch(list(request.packs), labels=labels, match=request.match)
+
+        def predicate(probe: ItemProbe[str]) -> Observation:
+            return judge(call, (), f"pack:{probe.item}", None)
+
+        return Prepared(search, predicate, f"call #{call} on {len(request.packs)} kernel packs")
+
+    def _shape(self, request: BisectRequest, judge: Judge, call: int) -> Prepared:
+        dimensions, legal = self._shapes(request.capture, call)
+        if request.dimensions:
+            known = {dimension.name for dimension in dimensions}
+            unknown = sorted(set(request.dimensions) - known)
+            if unknown:
+                raise BisectError(
+                    f"unknown dimension(s) {', '.join(unknown)} (the op declares {', '.join(sorted(known))})"
+                )
+            dimensions = [dimension for dimension in dimensions if dimension.name in request.dimensions]
+        search = ShapeSearch(dimensions, legal=legal, match=request.match)
+        backend = request.backend
+
+        def predicate(probe: ShapeProbe) -> Observation:
+            return judge(call, (), backend, probe.shape)
+
+        names = ", ".join(dimension.name for dimension in dimensions)
+        return Prepared(search, predicate, f"call #{call}, shrinking {names}")

@@ -1,0 +1,192 @@
+"""``moereplay bisect FILE --strategy calls|mutations|shape|packs``: narrow a failure down, headless or in the TUI.
+
+The command is thin: it turns its options into a :class:`~moereplay.bisect.wiring.BisectRequest`, asks the wiring
+(``wiring_factory``, replaceable for tests and other front ends) for a search and a predicate, and drives a
+:class:`~moereplay.bisect.session.Session` logged beside the capture. An existing log for the same session is
+resumed (``--fresh`` starts over). Each step prints one line as it is settled; the summary follows (``--json``: one
+JSON document with the summary and every step). Exit status: 0 when the search reached an answer, 1 when it ended
+without one (ambiguous, not reproduced, nothing to minimise …) or stopped at ``--max-steps``, 2 on errors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from moereplay.cli import app
+
+if TYPE_CHECKING:
+    from moereplay.bisect.log import Step
+    from moereplay.bisect.session import Session
+    from moereplay.bisect.wiring import Wiring
+
+CONCLUSIVE = frozenset({"found", "minimised", "shrunk", "no_change"})
+"""Result statuses that answer the question asked (exit status 0)."""
+
+
+def _replay_wiring() -> Wiring:
+    from moereplay.bisect.replay_wiring import ReplayWiring
+
+    return ReplayWiring()
+
+
+wiring_factory: Callable[[], Wiring] = _replay_wiring
+"""Builds the wiring the command uses; tests and other front ends may replace it."""
+
+
+@app.command("bisect")
+def bisect_command(
+    file: Annotated[Path, typer.Argument(help="A capture file (.zst).", show_default=False)],
+    strategy: Annotated[
+        str,
+        typer.Option(
+            "--strategy",
+            "-s",
+            help="calls: first bad call of the stream; mutations: minimal passing mutation set (ddmin); "
+            "shape: minimal failing shape; packs: first kernel pack where the behaviour changes.",
+        ),
+    ],
+    call: Annotated[
+        int | None,
+        typer.Option(
+            "--call", help="The failing call (for calls: the known-bad end; default the last call)."
+        ),
+    ] = None,
+    good: Annotated[int | None, typer.Option("--good", help="calls: a call index known to be good.")] = None,
+    op: Annotated[str | None, typer.Option("--op", help="calls: only calls of this op.")] = None,
+    layer: Annotated[int | None, typer.Option("--layer", help="calls: only calls of this layer.")] = None,
+    mutations: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--mutations",
+            "-m",
+            help="mutations: a candidate mutation as `moereplay run` writes it ('flip mul_topk_weights', "
+            "'set moe_block_size=64'); repeat, or separate with ';'.",
+        ),
+    ] = None,
+    packs: Annotated[
+        list[str] | None, typer.Option("--pack", help="packs: a kernel pack directory; repeat, oldest first.")
+    ] = None,
+    dimensions: Annotated[
+        list[str] | None,
+        typer.Option("--dim", help="shape: only shrink this dimension; repeat. Default: all."),
+    ] = None,
+    backend: Annotated[
+        str | None, typer.Option("--backend", help="vllm, pack:DIR or reference (as `moereplay run`).")
+    ] = None,
+    match: Annotated[
+        str,
+        typer.Option(
+            "--match",
+            help="How closely another failure must resemble the original to count as the same bug: "
+            "exact, kinds (verdict + finding kinds), verdict, any.",
+        ),
+    ] = "kinds",
+    log: Annotated[
+        Path | None,
+        typer.Option(
+            "--log", help="Session log (default: beside the capture, FILE.bisect-STRATEGY[-callN].jsonl)."
+        ),
+    ] = None,
+    fresh: Annotated[
+        bool, typer.Option("--fresh", help="Start afresh even if a session log exists.")
+    ] = False,
+    max_steps: Annotated[
+        int | None, typer.Option("--max-steps", min=1, help="Stop after this many new steps (resume later).")
+    ] = None,
+    no_tui: Annotated[bool, typer.Option("--no-tui", help="Run headless even on a terminal.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print one JSON document instead of text.")
+    ] = False,
+) -> None:
+    """Bisect a failing kernel call: first bad call, minimal mutation set, minimal shape, or kernel packs."""
+    from moereplay.bisect.errors import BisectError
+    from moereplay.bisect.log import default_log_path
+    from moereplay.bisect.observation import SignatureMatch
+    from moereplay.bisect.session import Session
+    from moereplay.bisect.wiring import STRATEGIES, BisectRequest
+
+    if strategy not in STRATEGIES:
+        raise BisectError(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
+    try:
+        signature_match = SignatureMatch(match)
+    except ValueError as error:
+        choices = ", ".join(policy.value for policy in SignatureMatch)
+        raise BisectError(f"--match must be one of {choices}, not {match!r}") from error
+    request = BisectRequest(
+        capture=file,
+        strategy=strategy,  # checked against STRATEGIES above
+        call=call,
+        good=good,
+        op=op,
+        layer=layer,
+        mutations=tuple(spec.strip() for text in mutations or () for spec in text.split(";") if spec.strip()),
+        packs=tuple(packs or ()),
+        dimensions=tuple(dimensions or ()),
+        backend=backend,
+        match=signature_match,
+    )
+    prepared = wiring_factory().prepare(request)
+    log_path = log if log is not None else default_log_path(file, strategy, request.log_tag)
+    if log_path.exists() and not fresh:
+        session: Session[Any, Any] = Session.resume(prepared.search, log_path, prepared.predicate)
+        _note(f"resuming {log_path} ({len(session.steps)} steps recorded)")
+    else:
+        session = Session(
+            prepared.search, prepared.predicate, log_path=log_path, capture=str(file), overwrite=fresh
+        )
+    if not json_output:
+        print(f"bisect {strategy}: {prepared.description}")
+        for step in session.steps:
+            _print_step(step, resumed=True)
+
+    in_tui = (
+        not no_tui and not json_output and sys.stdout.isatty() and _run_in_tui(session, prepared.description)
+    )
+    if not in_tui:
+        taken = 0
+        while not session.done and (max_steps is None or taken < max_steps):
+            step = session.step()
+            taken += 1
+            if not json_output:
+                _print_step(step)
+
+    summary = session.summary()
+    if json_output:
+        document = {"summary": summary.to_json(), "steps": [step.to_json() for step in session.steps]}
+        sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    else:
+        for line in summary.lines():
+            print(line)
+    if not summary.done or summary.status not in CONCLUSIVE:
+        raise typer.Exit(1)
+
+
+def _print_step(step: Step, *, resumed: bool = False) -> None:
+    marker = " (from log)" if resumed else ""
+    who = "" if step.decided_by.value == "auto" else f" [{step.decided_by.value}]"
+    seconds = "" if step.seconds is None else f" {step.seconds:.2f}s"
+    print(f"  step {step.number}: {step.label} -> {step.observation}{who}{seconds}{marker}")
+
+
+def _note(message: str) -> None:
+    print(f"moereplay: note: {message}", file=sys.stderr)
+
+
+def _run_in_tui(session: Session[Any, Any], description: str) -> bool:
+    """Hand the session to the TUI's bisect screen when the TUI provides one; ``False`` to run headless."""
+    try:
+        tui = importlib.import_module("moereplay.tui")
+    except ImportError:
+        return False
+    run_bisect_session = getattr(tui, "run_bisect_session", None)
+    if run_bisect_session is None:
+        return False
+    run_bisect_session(session, description)
+    return True

@@ -1,0 +1,237 @@
+"""``moereplay bisect``: the headless command over an injected wiring (synthetic judges, real capture files)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from moereplay.bisect import Dimension, Observation, Signature
+from moereplay.bisect.replay_wiring import CallRef, ReplayWiring, observation_of, stream_of_calls
+from moereplay.cli import app, bisect_cmd, main
+from moereplay.format.writer import CaptureWriter
+
+TARGET = Signature("corrupt", frozenset({"wrong_coefficient"}), frozenset({3}))
+OP = "moe_wna16_marlin_gemm"
+
+
+@pytest.fixture
+def capture(tmp_path: Path) -> Path:
+    """Three steps × four layers of one kernel under a parent call; steps are recorded newest first."""
+    path = tmp_path / "run.zst"
+    with CaptureWriter(path) as writer:
+        for step in (2, 1, 0):
+            for layer in range(4):
+                context = {"step": step, "layer": layer}
+                parent = writer.begin_call("fused_marlin_moe", {"x": torch.zeros(2)}, context=context)
+                index = writer.begin_call(OP, {"a": torch.ones(2, 2)}, context=context, parent=parent)
+                writer.complete_call(index, {"out": torch.ones(2)})
+                writer.complete_call(parent, {"out": torch.ones(2)})
+    return path
+
+
+class Judge:
+    """Synthetic judge: call ``first_bad`` and later (in stream order) fail; mutations / packs / shapes by rule."""
+
+    def __init__(self, bad_calls: set[int]) -> None:
+        self.bad_calls = bad_calls
+        self.asked: list[tuple[int, tuple[str, ...], str | None, dict[str, int] | None]] = []
+
+    def __call__(
+        self, call: int, mutations: Sequence[str], backend: str | None, shape: Mapping[str, int] | None
+    ) -> Observation:
+        self.asked.append((call, tuple(mutations), backend, None if shape is None else dict(shape)))
+        if backend is not None and backend.startswith("pack:"):
+            return Observation.bad(TARGET) if Path(backend[5:]).name >= "v3" else Observation.good()
+        if shape is not None:
+            return Observation.bad(TARGET) if shape["tokens"] >= 3 else Observation.good()
+        if "flip mul_topk_weights" in mutations:
+            return Observation.good()
+        return Observation.bad(TARGET) if call in self.bad_calls else Observation.good()
+
+
+def shapes(capture: Path, call: int):
+    return [Dimension.stepped("experts", 8), Dimension.stepped("tokens", 16)], None
+
+
+def use(monkeypatch: pytest.MonkeyPatch, judge: Judge) -> None:
+    monkeypatch.setattr(bisect_cmd, "wiring_factory", lambda: ReplayWiring(judge, shapes))
+
+
+def bad_from(capture: Path, position: int) -> set[int]:
+    return {ref.index for ref in stream_of_calls(capture)[position:]}
+
+
+def test_stream_is_ordered_by_step_and_layer_and_skips_parent_calls(capture: Path) -> None:
+    refs = stream_of_calls(capture)
+    assert len(refs) == 12
+    assert all(ref.op == OP for ref in refs)
+    assert [(ref.step, ref.layer) for ref in refs] == [
+        (step, layer) for step in range(3) for layer in range(4)
+    ]
+    assert refs[0] == CallRef(index=17, op=OP, step=0, layer=0)
+    assert refs[0].label == f"#17 {OP} (step 0, layer 0)"
+    assert len(stream_of_calls(capture, op="fused_*")) == 12
+    assert len(stream_of_calls(capture, layer=2)) == 3
+
+
+def test_without_the_replay_engine_the_command_prints_one_line(
+    capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bisect", str(capture), "--strategy", "calls", "--no-tui"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("moereplay: replay engine unavailable")
+    assert error.count("\n") == 1
+
+
+def test_calls_headless_text_then_resume(capture: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    judge = Judge(bad_from(capture, 7))
+    use(monkeypatch, judge)
+    runner = CliRunner()
+    result = runner.invoke(
+        app, ["bisect", str(capture), "--strategy", "calls", "--no-tui", "--max-steps", "2"]
+    )
+    assert result.exit_code == 1, result.output  # stopped before the answer
+    log = capture.with_name("run.zst.bisect-calls.jsonl")
+    assert log.exists()
+    asked_before = len(judge.asked)
+
+    result = runner.invoke(app, ["bisect", str(capture), "--strategy", "calls", "--no-tui"])
+    assert result.exit_code == 0, result.output
+    assert "(from log)" in result.output
+    ref = stream_of_calls(capture)[7]
+    assert f"first bad: #{ref.index} {OP} (step 1, layer 3) (item 7)" in result.output
+    assert "failure: corrupt [wrong_coefficient] experts 3" in result.output
+    logged = {call for call, *_ in judge.asked[:asked_before]}
+    assert not logged & {call for call, *_ in judge.asked[asked_before:]}  # logged steps are not re-run
+
+
+def test_calls_json_and_fresh(capture: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    use(monkeypatch, Judge(bad_from(capture, 0)))
+    runner = CliRunner()
+    args = ["bisect", str(capture), "--strategy", "calls", "--no-tui", "--json"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    document = json.loads(first.output)
+    assert document["summary"]["result"]["first_bad"] == 0
+    assert document["summary"]["done"] is True
+    assert document["steps"][0]["decided_by"] == "auto"
+    again = runner.invoke(app, [*args, "--fresh"])
+    assert again.exit_code == 0
+    assert json.loads(again.output)["summary"]["steps"] == document["summary"]["steps"]
+
+
+def test_calls_with_known_good_and_bad(capture: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    refs = stream_of_calls(capture)
+    judge = Judge(bad_from(capture, 5))
+    use(monkeypatch, judge)
+    result = CliRunner().invoke(
+        app,
+        ["bisect", str(capture), "-s", "calls", "--no-tui", "--json",
+         "--good", str(refs[3].index), "--call", str(refs[8].index)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["summary"]["result"]["first_bad"] == 5
+    positions = {ref.index: position for position, ref in enumerate(refs)}
+    assert all(3 < positions[call] <= 8 for call, *_ in judge.asked)
+
+
+def test_mutations(capture: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    judge = Judge({1})
+    use(monkeypatch, judge)
+    result = CliRunner().invoke(
+        app,
+        ["bisect", str(capture), "--strategy", "mutations", "--call", "1", "--no-tui",
+         "-m", "flip use_atomic_add;flip mul_topk_weights", "-m", "set moe_block_size=64"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "minimal passing set: flip mul_topk_weights" in result.output
+    assert "do not matter: flip use_atomic_add, set moe_block_size=64" in result.output
+    assert capture.with_name("run.zst.bisect-mutations-call1.jsonl").exists()
+    assert {call for call, *_ in judge.asked} == {1}
+
+
+def test_packs(capture: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    use(monkeypatch, Judge(set()))
+    packs = [str(tmp_path / f"v{number}") for number in range(1, 6)]
+    result = CliRunner().invoke(
+        app,
+        ["bisect", str(capture), "--strategy", "packs", "--call", "1", "--no-tui", "--json",
+         *[option for pack in packs for option in ("--pack", pack)]],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["summary"]["result"]["first_changed"] == "v3"
+
+
+def test_shape(capture: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    judge = Judge({1})
+    use(monkeypatch, judge)
+    result = CliRunner().invoke(
+        app, ["bisect", str(capture), "--strategy", "shape", "--call", "1", "--no-tui", "--dim", "tokens"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "minimal failing shape: tokens=3" in result.output
+    assert all(shape is not None and set(shape) == {"tokens"} for *_, shape in judge.asked)
+
+
+def test_inconclusive_search_exits_1(capture: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    use(monkeypatch, Judge(set()))  # nothing fails
+    result = CliRunner().invoke(app, ["bisect", str(capture), "--strategy", "calls", "--no-tui"])
+    assert result.exit_code == 1
+    assert "no failure" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--strategy", "bogus"], "--strategy must be one of calls, mutations, shape, packs"),
+        (["--strategy", "calls", "--match", "fuzzy"], "--match must be one of"),
+        (["--strategy", "packs", "--call", "1", "--pack", "a"], "at least two --pack"),
+        (["--strategy", "mutations", "--call", "1"], "needs candidate mutations"),
+        (["--strategy", "shape"], "needs --call N"),
+        (["--strategy", "calls", "--call", "0"], "--call 0 is not among the 12 selected calls"),
+        (["--strategy", "mutations", "--call", "1", "--good", "0", "-m", "flip a"], "--good only applies"),
+        (["--strategy", "shape", "--call", "1", "--dim", "N"], "unknown dimension(s) N"),
+    ],
+)
+def test_bad_options_are_one_line_errors(
+    capture: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
+) -> None:
+    use(monkeypatch, Judge(set()))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bisect", str(capture), "--no-tui", *args])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error
+    assert error.count("\n") == 1
+
+
+def test_observation_of_replay_results() -> None:
+    results = pytest.importorskip("moereplay.replay.results")
+    findings = pytest.importorskip("moereplay.replay.findings")
+    corrupt = results.VariantResult(
+        "flip", ("flip mul_topk_weights",), results.Verdict.CORRUPT, rows=128, bad_rows=100
+    )
+    found = [
+        findings.Finding(findings.FindingKind.WRONG_COEFFICIENT, "row 0 scaled by row 1's weight", "flip",
+                         evidence={"experts": [3, 7]}),
+        findings.Finding(findings.FindingKind.DIAGNOSIS, "kernel bug", "flip"),
+        findings.Finding(findings.FindingKind.NONFINITE, "about another variant", "baseline"),
+    ]  # fmt: skip
+    observation = observation_of(corrupt, found)
+    assert observation.signature == Signature("corrupt", frozenset({"wrong_coefficient"}), frozenset({3, 7}))
+    assert observation.note == "100/128 rows bad"
+    ok = results.VariantResult("baseline", (), results.Verdict.OK)
+    assert observation_of(ok, found) == Observation.good()
+    invalid = results.VariantResult("x", (), results.Verdict.INVALID, reason="moe_block_size 7 not supported")
+    assert observation_of(invalid, found) == Observation.unresolved("invalid: moe_block_size 7 not supported")
