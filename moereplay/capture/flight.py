@@ -8,7 +8,9 @@ later, when the event has completed, from :meth:`FlightRecorder.poll` (called by
 messages, and by the serving thread on each new call) — ``event.query()`` and a read of pinned memory.
 
 When a value is non-finite or above ``absmax``, the ring's entries up to and including the offending call are
-handed to the writer (their device copies are moved to the host there), the ring is cleared and re-armed.
+handed to the writer (their device copies are moved to the host there); enclosing calls still running (the
+parent of the offending kernel call) are written with their completion when it comes. The recorder stays
+armed: the next bad output (often the same incident's next call) triggers again with what the ring holds then.
 On CPU the check is immediate (there is nothing to overlap with).
 
 The ring is bounded by entry count (``MOEREPLAY_FLIGHT_CALLS``) and device bytes (``MOEREPLAY_FLIGHT_BYTES``);
@@ -82,10 +84,12 @@ class FlightRecorder:
     max_bytes: int
     absmax: float | None
     emit: Callable[[FlightEntry], bool]
+    emit_complete: Callable[[Complete], None]
     counters: FlightCounters = field(default_factory=FlightCounters)
     _ring: deque[FlightEntry] = field(default_factory=deque)
     _by_sequence: dict[int, FlightEntry] = field(default_factory=dict)
     _orphans: list[FlightEntry] = field(default_factory=list)
+    _forward: set[int] = field(default_factory=set)  # written before they completed (open parents)
     _bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -98,7 +102,14 @@ class FlightRecorder:
             self._evict()
 
     def add_complete(self, complete: Complete, outputs: list[torch.Tensor]) -> None:
-        """Attach a call's outputs and queue its check (immediate on CPU)."""
+        """Attach a call's outputs and queue its check (immediate on CPU). A call already written (a parent
+        whose child triggered) has its completion written straight away."""
+        with self._lock:
+            forward = complete.sequence in self._forward
+            self._forward.discard(complete.sequence)
+        if forward:
+            self.emit_complete(complete)
+            return
         magnitude = output_magnitude(outputs)
         stat_host = None
         event = None
@@ -197,6 +208,9 @@ class FlightRecorder:
             entry.begin.context["flight"] = {"trigger": entry is trigger, "magnitude": entry.value}
             if self.emit(entry):
                 self.counters.written += 1
+                if entry.complete is None:
+                    with self._lock:
+                        self._forward.add(entry.begin.sequence)
 
     def as_counters(self) -> dict[str, int]:
         return {f"flight_{key}": value for key, value in self.counters.__dict__.items()}

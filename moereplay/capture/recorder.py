@@ -99,6 +99,7 @@ class Recorder:
                 max_bytes=settings.flight_bytes,
                 absmax=settings.absmax,
                 emit=self._emit_flight_entry,
+                emit_complete=self._emit_flight_complete,
             )
 
     # --- lifecycle --------------------------------------------------------------------------------------------
@@ -313,6 +314,10 @@ class Recorder:
         if entry.complete is not None:
             self.writer.offer(entry.complete)
         return True
+
+    def _emit_flight_complete(self, complete: Complete) -> None:
+        if self.writer is not None:
+            self.writer.offer(complete)
 
     def poll(self) -> None:
         """Called by the writer thread between messages: run the flight recorder's pending checks."""
