@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from moereplay.format.codecs import codec_for
-from moereplay.format.schema import CodecValue, Unsupported
+from moereplay.format.schema import CodecValue, TensorBytes, Unsupported
 
 MAX_DEPTH = 8
 """Nesting depth past which an argument is recorded as unsupported (cycles, huge object graphs)."""
@@ -54,6 +54,7 @@ class TensorCopy:
     stride: tuple[int, ...]
     storage_offset: int
     device: str
+    storage: tuple[str, int]
     base: int
     data: torch.Tensor
 
@@ -245,6 +246,7 @@ def _copy(found: list[torch.Tensor], result: Snapshot, *, to_host: bool) -> list
                 stride=tuple(tensor.stride()),
                 storage_offset=tensor.storage_offset(),
                 device=str(tensor.device),
+                storage=(str(tensor.device), tensor.untyped_storage().data_ptr()),
                 base=start,
                 data=data,
             )
@@ -270,9 +272,20 @@ def _fill(tree: Any, copies: list[TensorCopy]) -> Any:
 
 
 def materialize(tree: Any) -> Any:
-    """The tree the file writer records: every :class:`TensorCopy` turned into a host tensor view."""
+    """The tree the file writer records: every :class:`TensorCopy` as the format's ``TensorBytes`` (original
+    metadata, the copied bytes, and the original storage as its identity, so an output written in place over an
+    input is recorded as aliasing it)."""
     if isinstance(tree, TensorCopy):
-        return tree.view()
+        return TensorBytes(
+            dtype=tree.dtype,
+            shape=tree.shape,
+            stride=tree.stride,
+            storage_offset=tree.storage_offset,
+            device=tree.device,
+            storage=tree.storage,
+            base=tree.base,
+            data=tree.data,
+        )
     if type(tree) is list:
         return [materialize(item) for item in tree]
     if type(tree) is tuple:

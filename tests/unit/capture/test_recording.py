@@ -58,6 +58,8 @@ def test_inputs_are_copied_before_the_call_mutates_them(arm, kernels: types.Modu
     with CaptureReader(session.path) as reader:
         assert torch.equal(reader.load_args(0)["output"], torch.full_like(buffer, 7.0))
         assert torch.equal(reader.load_outputs(0)["output"], x @ w1)
+        # written in place: the recorded output aliases the recorded input buffer
+        assert reader.call(0).aliases() == {"output": ("output",)}
 
 
 def test_exceptions_propagate_and_are_recorded(arm, kernels: types.ModuleType) -> None:
