@@ -23,7 +23,7 @@ from moereplay.bisect.log import LoggedSession, Step, default_log_path, read_log
 from moereplay.bisect.observation import Decider, Observation, Outcome, Signature, SignatureMatch, classify
 from moereplay.bisect.packs import PackResult, PackSearch
 from moereplay.bisect.probes import ItemProbe, Probe, ShapeProbe, SubsetProbe
-from moereplay.bisect.search import Predicate, Report, Search, call_predicate, run_to_end
+from moereplay.bisect.search import Predicate, Progress, Report, Search, call_predicate, run_to_end
 from moereplay.bisect.session import Session, SessionSummary
 from moereplay.bisect.shape import Dimension, DimensionReport, ShapeResult, ShapeSearch
 from moereplay.bisect.stream import FirstBadResult, FirstBadSearch
@@ -47,6 +47,7 @@ __all__ = [
     "PackSearch",
     "Predicate",
     "Probe",
+    "Progress",
     "ReplayUnavailableError",
     "Report",
     "Search",

@@ -141,6 +141,7 @@ class MutationSearch(Search[SubsetProbe[T], MutationResult], Generic[T]):
         return outcome is Outcome.GOOD
 
     def _run(self) -> Asking[SubsetProbe[T], MutationResult]:
+        self._set_progress("confirming the failure without mutations, then the fix with all of them")
         baseline = yield from self._ask(self.probe_of(()))
         self._adopt_target(baseline)
         outcome = self.classify(baseline)
@@ -154,6 +155,10 @@ class MutationSearch(Search[SubsetProbe[T], MutationResult], Generic[T]):
         minimal = yield from self._ddmin(everything)
         groups: dict[str, list[int]] = {"irrelevant": [], "interfering": [], "undetermined": []}
         if self.check_others:
+            self._set_progress(
+                "checking each other mutation beside the minimal set",
+                minimal=[self.labels[i] for i in minimal],
+            )
             for index in everything:
                 if index in minimal:
                     continue
@@ -172,6 +177,11 @@ class MutationSearch(Search[SubsetProbe[T], MutationResult], Generic[T]):
         parts = 2
         while len(current) >= 2:
             chunks = split(current, parts)
+            self._set_progress(
+                f"{len(current)} mutations pass together; trying {parts} parts and their complements",
+                passing=[self.labels[index] for index in current],
+                parts=parts,
+            )
             reduced = False
             for chunk in chunks:
                 if (yield from self._passes(chunk)):

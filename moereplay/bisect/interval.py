@@ -50,12 +50,16 @@ class Interval:
 
 
 def bisect_interval(
-    good: int, bad: int, ask: Callable[[int], Generator[P, Observation, Outcome]]
+    good: int,
+    bad: int,
+    ask: Callable[[int], Generator[P, Observation, Outcome]],
+    on_narrow: Callable[[Interval], None] | None = None,
 ) -> Generator[P, Observation, Interval]:
     """Narrow ``(good, bad]`` to the first bad index; ``ask(index)`` observes one index and classifies it.
 
     ``good`` and ``bad`` are known (or assumed) already and are not asked about. Each step asks the index nearest
-    the middle that is not yet skipped (ties go to the lower index).
+    the middle that is not yet skipped (ties go to the lower index). ``on_narrow`` hears the interval before each
+    question (for progress displays).
     """
     if good >= bad:
         raise ValueError(f"bisect needs good < bad, got {good} and {bad}")
@@ -65,6 +69,8 @@ def bisect_interval(
         pick = _nearest_untested(good, bad, middle, skipped)
         if pick is None:
             break
+        if on_narrow is not None:
+            on_narrow(Interval(good, bad, tuple(sorted(index for index in skipped if good < index < bad))))
         outcome = yield from ask(pick)
         if outcome is Outcome.GOOD:
             good = pick

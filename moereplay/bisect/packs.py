@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 from moereplay.bisect.errors import BisectError
-from moereplay.bisect.interval import bisect_interval
+from moereplay.bisect.interval import Interval, bisect_interval
 from moereplay.bisect.observation import Observation, Outcome, SignatureMatch
 from moereplay.bisect.probes import ItemProbe
 from moereplay.bisect.search import Asking, Search
@@ -113,8 +113,18 @@ class PackSearch(Search[ItemProbe[T], PackResult], Generic[T]):
     def _config(self) -> dict[str, Any]:
         return {"labels": list(self.labels)}
 
+    def _narrowed(self, interval: Interval) -> None:
+        low, high = interval.last_good + 1, interval.first_known_bad
+        self._set_progress(
+            f"behaviour changes between {self.labels[low - 1]} and {self.labels[high]}",
+            last_old=interval.last_good,
+            first_new=interval.first_known_bad,
+            skipped=list(interval.skipped),
+        )
+
     def _run(self) -> Asking[ItemProbe[T], PackResult]:
         last = len(self.packs) - 1
+        self._set_progress(f"running both ends: {self.labels[0]} and {self.labels[last]}")
         before = yield from self._ask(self.probe_at(0))
         after = yield from self._ask(self.probe_at(last))
         for end in (after, before):
@@ -124,7 +134,9 @@ class PackSearch(Search[ItemProbe[T], PackResult], Generic[T]):
         if same_behaviour(before, after, self.match):
             return PackResult("no_change", None, (), self.labels, before, after)
         self._ends = (before, after)
-        interval = yield from bisect_interval(0, last, lambda index: self._ask_outcome(self.probe_at(index)))
+        interval = yield from bisect_interval(
+            0, last, lambda index: self._ask_outcome(self.probe_at(index)), self._narrowed
+        )
         if interval.exact:
             return PackResult(
                 "found", interval.first_known_bad, interval.candidates, self.labels, before, after

@@ -12,7 +12,8 @@ Observations are cached by probe key, so a strategy that asks twice about one pr
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Generator, Hashable
+from collections.abc import Callable, Generator, Hashable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from moereplay.bisect.errors import BisectError
@@ -30,6 +31,14 @@ class Report(Protocol):
     def to_json(self) -> dict[str, Any]: ...
 
     def lines(self) -> tuple[str, ...]: ...
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a running search stands, for people (``line``) and for displays (``data``, plain JSON values)."""
+
+    line: str = ""
+    data: Mapping[str, Any] = field(default_factory=dict)
 
 
 P = TypeVar("P", bound=Probe)
@@ -60,6 +69,7 @@ class Search(abc.ABC, Generic[P, R]):
         self._result: R | None = None
         self._done = False
         self._probes_asked = 0
+        self._progress = Progress()
 
     # ---------------------------------------------------------------------------------------------- driving
 
@@ -99,6 +109,12 @@ class Search(abc.ABC, Generic[P, R]):
     @property
     def probes_asked(self) -> int:
         return self._probes_asked
+
+    @property
+    def progress(self) -> Progress:
+        """The current interval, candidate set or shape: what a live display shows beside the current probe."""
+        self._start()
+        return self._progress
 
     def observation_for(self, probe: P) -> Observation | None:
         """The observation recorded for ``probe`` (or an equal one), if any."""
@@ -147,6 +163,10 @@ class Search(abc.ABC, Generic[P, R]):
         if self._target is None and observation.outcome is Outcome.BAD:
             self._target = observation.signature
 
+    def _set_progress(self, line: str, **data: Any) -> None:
+        """Strategies call this as they narrow down (see :attr:`progress`)."""
+        self._progress = Progress(line, data)
+
     def _remember(self, probe: P, observation: Observation) -> None:
         """Record an observation the strategy decided without asking (e.g. a shape it knows is illegal)."""
         self._cache[probe.key] = observation
@@ -169,6 +189,7 @@ class Search(abc.ABC, Generic[P, R]):
             self._current = None
             self._result = stop.value
             self._done = True
+            self._progress = Progress(f"done: {stop.value.status}", {"status": stop.value.status})
 
 
 Predicate = Callable[[P], Observation]

@@ -195,12 +195,18 @@ class ShapeSearch(Search[ShapeProbe, ShapeResult]):
         if self.classify(observation) is not Outcome.BAD:
             return ShapeResult("not_reproduced", original, original, (), self.target, True)
         converged = False
-        for _ in range(self.max_rounds):
+        for round_number in range(1, self.max_rounds + 1):
             changed = False
             for dimension in self.dimensions:
                 position = dimension.values.index(shape[dimension.name])
                 if position == 0:
                     continue
+                self._set_progress(
+                    f"round {round_number}: shrinking {dimension.name} from {shape[dimension.name]}",
+                    shape=dict(shape),
+                    round=round_number,
+                    dimension=dimension.name,
+                )
                 smallest = {**shape, dimension.name: dimension.values[0]}
                 if (yield from self._holds(smallest)) is Outcome.BAD:
                     shape, changed = smallest, True

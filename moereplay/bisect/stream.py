@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 from moereplay.bisect.errors import BisectError
-from moereplay.bisect.interval import bisect_interval
+from moereplay.bisect.interval import Interval, bisect_interval
 from moereplay.bisect.observation import Outcome, Signature, SignatureMatch
 from moereplay.bisect.probes import ItemProbe
 from moereplay.bisect.search import Asking, Search
@@ -109,7 +109,18 @@ class FirstBadSearch(Search[ItemProbe[T], FirstBadResult], Generic[T]):
             "known_bad": self.known_bad,
         }
 
+    def _narrowed(self, interval: Interval) -> None:
+        low, high = interval.last_good + 1, interval.first_known_bad
+        skipped = f", {len(interval.skipped)} skipped" if interval.skipped else ""
+        self._set_progress(
+            f"first bad is one of items {low}..{high} ({high - low + 1} left{skipped})",
+            last_good=interval.last_good,
+            first_known_bad=interval.first_known_bad,
+            skipped=list(interval.skipped),
+        )
+
     def _run(self) -> Asking[ItemProbe[T], FirstBadResult]:
+        self._set_progress(f"confirming the failure at the known-bad end, item {self.known_bad}")
         observation = yield from self._ask(self.probe_at(self.known_bad))
         self._adopt_target(observation)
         outcome = self.classify(observation)
@@ -117,7 +128,10 @@ class FirstBadSearch(Search[ItemProbe[T], FirstBadResult], Generic[T]):
             status: FirstBadStatus = "no_failure" if outcome is Outcome.GOOD else "unresolved_end"
             return FirstBadResult(status, None, (), None, (), self.target)
         interval = yield from bisect_interval(
-            self.known_good, self.known_bad, lambda index: self._ask_outcome(self.probe_at(index))
+            self.known_good,
+            self.known_bad,
+            lambda index: self._ask_outcome(self.probe_at(index)),
+            self._narrowed,
         )
         last_good = None if interval.last_good < 0 else interval.last_good
         candidates = interval.candidates

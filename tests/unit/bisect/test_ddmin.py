@@ -92,6 +92,14 @@ def test_full_set_must_pass() -> None:
     assert result.minimal == ()
 
 
+def test_progress_shows_the_passing_set() -> None:
+    search = MutationSearch(MUTATIONS[:4])
+    search.observe(Observation.bad(TARGET))  # baseline
+    search.observe(Observation.good())  # all four
+    assert search.progress.line == "4 mutations pass together; trying 2 parts and their complements"
+    assert search.progress.data["passing"] == MUTATIONS[:4]
+
+
 def test_each_subset_is_asked_at_most_once() -> None:
     asked: list[tuple[int, ...]] = []
 

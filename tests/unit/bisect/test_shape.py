@@ -126,6 +126,13 @@ def test_max_rounds_bounds_the_search() -> None:
     assert "may shrink further" in "\n".join(result.lines())
 
 
+def test_progress_names_the_dimension_being_shrunk() -> None:
+    search = ShapeSearch([Dimension.stepped("experts", 8), Dimension.stepped("tokens", 16)])
+    search.observe(Observation.bad(TARGET))
+    assert search.progress.line == "round 1: shrinking experts from 8"
+    assert search.progress.data == {"shape": {"experts": 8, "tokens": 16}, "round": 1, "dimension": "experts"}
+
+
 def test_dimension_constructors() -> None:
     assert Dimension.stepped("K", 80, step=16).values == (16, 32, 48, 64, 80)
     assert Dimension.stepped("K", 88, step=16).values == (16, 32, 48, 64, 80, 88)

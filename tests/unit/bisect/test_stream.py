@@ -98,12 +98,23 @@ def test_known_good_and_bad_bound_the_search() -> None:
 def test_driven_step_by_step_with_person_overrides() -> None:
     search = FirstBadSearch(list(range(16)))
     assert search.current is not None and search.current.index == 15
+    assert "known-bad end" in search.progress.line
     search.observe(Observation.bad(TARGET))
+    assert search.progress.line == "first bad is one of items 0..15 (16 left)"
     decisions = {7: Outcome.GOOD, 11: Outcome.UNRESOLVED, 10: Outcome.BAD, 8: Outcome.GOOD, 9: Outcome.GOOD}
     while (probe := search.current) is not None:
         decided = decisions[probe.index]
         search.observe(Observation.bad(TARGET) if decided is Outcome.BAD else Observation(decided))
     assert search.result.first_bad == 10
+    assert search.progress.line == "done: found"
+
+
+def test_progress_reports_skips() -> None:
+    search = FirstBadSearch(list(range(16)))
+    for observation in (Observation.bad(TARGET), Observation.good(), Observation.unresolved()):
+        search.observe(observation)
+    assert search.progress.line == "first bad is one of items 8..15 (8 left, 1 skipped)"
+    assert search.progress.data == {"last_good": 7, "first_known_bad": 15, "skipped": [11]}
 
 
 @pytest.mark.parametrize(
