@@ -72,7 +72,7 @@ def main() -> int:
         weights, ids = torch.softmax(torch.randn(m, experts, device="cuda"), -1).topk(topk)
         ids = ids.to(torch.int32)
 
-        def call() -> torch.Tensor:
+        def call(x=x, weights=weights, ids=ids) -> torch.Tensor:
             return marlin.fused_marlin_moe(
                 x, w1, w2, None, None, s1, s2, weights, ids, scalar_types.float4_e2m1f.id,
                 global_scale1=g1, global_scale2=g2,
