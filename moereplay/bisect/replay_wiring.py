@@ -39,10 +39,20 @@ run to run, and a contract violation describes the inputs rather than the failur
 
 
 def _experts_in(evidence: Mapping[str, Any]) -> set[int]:
-    experts = evidence.get("experts", ())
-    if not isinstance(experts, (list, tuple, set, frozenset)):
-        return set()
-    return {expert for expert in experts if isinstance(expert, int) and not isinstance(expert, bool)}
+    """Experts a finding names: ``evidence["experts"]`` (a list) or the keys of ``evidence["by_expert"]``
+    (expert id as text → count); negative ids (rows of no expert) are left out."""
+    found: set[int] = set()
+    listed = evidence.get("experts", ())
+    if isinstance(listed, (list, tuple, set, frozenset)):
+        found |= {expert for expert in listed if isinstance(expert, int) and not isinstance(expert, bool)}
+    counted = evidence.get("by_expert", {})
+    if isinstance(counted, Mapping):
+        for key in counted:
+            try:
+                found.add(int(key))
+            except (TypeError, ValueError):
+                continue
+    return {expert for expert in found if expert >= 0}
 
 
 def signature_of(result: Any, findings: Iterable[Any]) -> Signature:
@@ -50,7 +60,7 @@ def signature_of(result: Any, findings: Iterable[Any]) -> Signature:
 
     ``result`` is a replay ``VariantResult`` (``label``, ``verdict``); ``findings`` the report's findings, of which
     those about this variant count (``finding.variant == result.label``). Affected experts come from each finding's
-    ``evidence["experts"]`` when it lists them.
+    evidence (``experts`` / ``by_expert``, as the replay's localisation writes them).
     """
     kinds: set[str] = set()
     experts: set[int] = set()

@@ -225,11 +225,14 @@ def test_observation_of_replay_results() -> None:
     found = [
         findings.Finding(findings.FindingKind.WRONG_COEFFICIENT, "row 0 scaled by row 1's weight", "flip",
                          evidence={"experts": [3, 7]}),
+        findings.Finding(findings.FindingKind.CORRUPT_ROWS, "rows", "flip", evidence={"by_expert": {"9": 4, "-1": 1}}),
         findings.Finding(findings.FindingKind.DIAGNOSIS, "kernel bug", "flip"),
         findings.Finding(findings.FindingKind.NONFINITE, "about another variant", "baseline"),
     ]  # fmt: skip
     observation = observation_of(corrupt, found)
-    assert observation.signature == Signature("corrupt", frozenset({"wrong_coefficient"}), frozenset({3, 7}))
+    assert observation.signature == Signature(
+        "corrupt", frozenset({"wrong_coefficient", "corrupt_rows"}), frozenset({3, 7, 9})
+    )
     assert observation.note == "100/128 rows bad"
     ok = results.VariantResult("baseline", (), results.Verdict.OK)
     assert observation_of(ok, found) == Observation.good()
