@@ -151,6 +151,19 @@ ARGUMENTS: tuple[ArgSpec, ...] = (
 )  # fmt: skip
 
 
+def process_state(opt_flags: Any) -> dict[str, Any]:
+    """The process-state pseudo-arguments of a call about to run: the opt_flags constraints now in force.
+
+    ``opt_flags`` is the library's ``matmul_ogs_details.opt_flags`` module (the one ``matmul_ogs`` uses). The
+    capture side merges this into the bound ``matmul_ogs`` arguments, so a replay reproduces the constraints
+    (e.g. vLLM's ``split_k=1`` on Hopper); ``num_warps`` is ``None`` (as the scale layout says).
+    """
+    constraints = dict(getattr(opt_flags, "_opt_flags_constraints", {}) or {})
+    state: dict[str, Any] = {name: constraints.get(name) for name in CONSTRAINT_ARGS}
+    state["num_warps"] = None
+    return state
+
+
 # --------------------------------------------------------------------------------------------------------------
 # normalising argument values
 # --------------------------------------------------------------------------------------------------------------

@@ -680,3 +680,39 @@ def test_tensor_leaves_and_replacement_reach_the_swizzled_storage() -> None:
     swapped = OP.replace_tensor_leaves(args, {"precision_config.weight_scale.storage": copy})
     assert swapped["precision_config"].weight_scale.storage is copy
     assert swapped["w"].storage is args["w"].storage and swapped["x"] is args["x"]
+
+
+def test_guard_bands_sit_right_after_the_swizzled_scale_storage_inside_the_precision_config() -> None:
+    from moereplay.reference.hopper_mxfp4 import decode_e8m0_as_hopper_kernel, scale_overrun
+    from moereplay.replay.memory import materialise
+    from moereplay.replay.mutations import FillPattern
+
+    args = gemm1_args(experts=2, k=2880, n=512)
+    guarded = materialise(OP.tensor_leaves(args), "cpu", FillPattern(0xFF), guard=256)
+    replayed = OP.replace_tensor_leaves(args, guarded.args)
+    scale = replayed["precision_config"].weight_scale.storage
+    original = args["precision_config"].weight_scale.storage
+    assert scale is not original and torch.equal(scale, original) and scale.stride() == original.stride()
+    # what the Hopper kernel reads from the last swizzled row of the last expert: ceil(K/128)·128 bytes from its
+    # start (unmasked); the row holds 2880 — the rest comes from the guard band
+    overrun = scale_overrun(512, 2880)
+    assert (overrun.row_bytes, overrun.bytes_read, overrun.overrun) == (2880, 2944, 64)
+    allocation = guarded.allocation_of("precision_config.weight_scale.storage")
+    row_start = allocation.guard + allocation.span_bytes - overrun.row_bytes
+    read = allocation.buffer[row_start : row_start + overrun.bytes_read]
+    assert torch.equal(read[: overrun.row_bytes], original.mT.contiguous()[-1, -1])
+    assert bool((read[overrun.row_bytes :] == 0xFF).all())
+    assert torch.isinf(
+        decode_e8m0_as_hopper_kernel(read[overrun.row_bytes :])
+    ).all()  # 0·Inf = NaN in the dot
+    assert guarded.damage() == []
+
+
+def test_process_state_reads_the_opt_flags_constraints_in_force() -> None:
+    import types
+
+    from moereplay.ops.matmul_ogs import process_state
+
+    state = process_state(types.SimpleNamespace(_opt_flags_constraints={"split_k": 1, "block_m": 32}))
+    assert state["split_k"] == 1 and state["block_m"] == 32 and state["block_k"] is None
+    assert state["num_warps"] is None and set(state) == set(argument_names(OP)[13:])
