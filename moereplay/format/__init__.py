@@ -43,6 +43,10 @@ Public API (stable names; other packages code against these):
   static; ``.layer``, ``.arg_tensors`` / ``.output_tensors`` (path → TensorMeta), ``.aliases()``.
 - Values: :class:`TensorMeta`, :class:`Unsupported` (no codec at capture; replay refuses it),
   :class:`CodecValue` (recorded through a codec not registered at load), :class:`EnumValue`.
+  A capture layer that copies tensors and runs codecs itself may hand the writer :class:`TensorBytes`
+  (original view metadata + the copied bytes of its storage span, a caller-chosen storage identity shared
+  by a call's arguments and outputs, and an optional ``static_key`` to reuse a weight's bytes without
+  passing them again), :class:`CodecValue`, :class:`EnumValue` and :class:`Unsupported` in its trees.
 - :func:`register_codec` ``(type_or_qualname, encode, decode)``, :func:`unregister_codec`,
   :func:`register_enum` ``(enum_class)``, :func:`qualified_name` ``(type)``.
 - Errors (from :mod:`moereplay.errors`): :class:`CaptureFileError`, :class:`TruncatedFileError` (one line,
@@ -76,7 +80,7 @@ from moereplay.format.codecs import (
 from moereplay.format.framing import FORMAT_MAJOR, FORMAT_MINOR
 from moereplay.format.reader import CaptureReader
 from moereplay.format.records import CallRecord, CallStatus, CaptureStats, Recovery
-from moereplay.format.schema import CodecValue, EnumValue, TensorMeta, Unsupported
+from moereplay.format.schema import CodecValue, EnumValue, TensorBytes, TensorMeta, Unsupported
 from moereplay.format.writer import CaptureWriter
 
 __all__ = [
@@ -92,6 +96,7 @@ __all__ = [
     "CodecValue",
     "EnumValue",
     "Recovery",
+    "TensorBytes",
     "TensorMeta",
     "TruncatedFileError",
     "Unsupported",

@@ -306,7 +306,7 @@ class FrameSource:
             raise
         except Exception as error:  # msgpack and ext hooks raise many types on hostile input
             raise self.fail(
-                f"{kind.name.lower()} frame at offset {offset} is not valid msgpack: {_one_line(error)}"
+                f"{kind.name.lower()} frame at offset {offset} is malformed: {_one_line(error)}"
             ) from error
         if not isinstance(document, dict):
             raise self.fail(f"{kind.name.lower()} frame at offset {offset} is not a map")
@@ -330,9 +330,7 @@ class FrameSource:
         try:
             document = msgpack.unpackb(content, raw=False, strict_map_key=False)
         except Exception as error:
-            raise self.fail(
-                f"blob frame at offset {offset} is not valid msgpack: {_one_line(error)}"
-            ) from error
+            raise self.fail(f"blob frame at offset {offset} is malformed: {_one_line(error)}") from error
         if not isinstance(document, dict):
             raise self.fail(f"blob frame at offset {offset} is not a map")
         data = document.get("d")

@@ -27,6 +27,7 @@ builtin container (``OrderedDict``, a namedtuple) needs a codec, or it is record
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -152,8 +153,20 @@ class WireError(ValueError):
     """Malformed extension payload (turned into CaptureFileError by the reader)."""
 
 
+_nesting = threading.local()
+"""Extension values nest through this hook and msgpack's C code: counted here, because a deep enough file
+would otherwise overflow the C stack before Python's recursion limit notices."""
+
+
 def _unpack(payload: bytes) -> Any:
-    return msgpack.unpackb(payload, raw=False, strict_map_key=False, ext_hook=ext_hook)
+    depth = getattr(_nesting, "depth", 0)
+    if depth >= MAX_DEPTH + 8:
+        raise WireError(f"extension values nested deeper than {MAX_DEPTH + 8} levels")
+    _nesting.depth = depth + 1
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False, ext_hook=ext_hook)
+    finally:
+        _nesting.depth = depth
 
 
 def _ints(value: Any, what: str, *, limit: int = 64) -> tuple[int, ...]:

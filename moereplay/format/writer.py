@@ -181,7 +181,7 @@ class _TreeTensors:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return int(dtype.itemsize)
 
 
 def _span(offset: int, shape: list[int], stride: list[int], itemsize: int) -> tuple[int, int]:

@@ -1,0 +1,156 @@
+"""``moereplay info`` and ``moereplay ls``: through typer's runner, ``main()``, and a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from moereplay.cli import app, main
+from moereplay.errors import CaptureFileError
+from moereplay.format import CaptureWriter
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "run.zst"
+    weight = torch.randn(64, 32)
+    with CaptureWriter(path, {"model": "tiny-moe"}, index_every=2) as writer:
+        for step in range(6):
+            hidden = torch.randn(8, 32, dtype=torch.bfloat16)
+            op = "moe_wna16_marlin_gemm" if step % 2 == 0 else "matmul_ogs"
+            index = writer.begin_call(
+                op,
+                {"a": hidden, "w": weight.t(), "top_k": 2},
+                site="fused_moe.py:10",
+                context={"layer": step % 3, "step": step},
+                static={"w"},
+            )
+            if step != 5:
+                writer.complete_call(
+                    index,
+                    {"c": hidden},
+                    status="failed" if step == 3 else "completed",
+                    error="boom" if step == 3 else None,
+                )
+        writer.close(counters={"dropped_queue_full": 1})
+    return path
+
+
+@pytest.fixture(scope="module")
+def truncated(capture: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cut") / "cut.zst"
+    data = capture.read_bytes()
+    path.write_bytes(data[: len(data) * 2 // 3])
+    return path
+
+
+def test_info_human(capture: Path) -> None:
+    result = runner.invoke(app, ["info", str(capture)])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "complete: 6 calls" in out and "torch" in out and "dedup" in out
+    assert "moe_wna16_marlin_gemm" in out and "matmul_ogs" in out
+    assert "dropped_queue_full=1" in out
+    assert "6 (4 completed" not in out  # counts per status are listed individually
+    assert "1 inputs_saved" in out and "1 failed" in out and "4 completed" in out
+
+
+def test_info_json(capture: Path) -> None:
+    result = runner.invoke(app, ["info", str(capture), "--json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["header"]["model"] == "tiny-moe"
+    assert document["recovery"]["complete"] is True
+    stats = document["stats"]
+    assert stats["calls"] == 6
+    assert stats["by_op"] == {
+        "matmul_ogs": {"completed": 1, "failed": 1, "inputs_saved": 1},
+        "moe_wna16_marlin_gemm": {"completed": 3},
+    }
+    assert stats["dedup_ratio"] > 1 and stats["counters"] == {"dropped_queue_full": 1}
+
+
+def test_info_on_a_truncated_file_reports_recovery(truncated: Path) -> None:
+    result = runner.invoke(app, ["info", str(truncated), "--json"])
+    assert result.exit_code == 0, result.output
+    recovery = json.loads(result.stdout)["recovery"]
+    assert recovery["complete"] is False and recovery["footer_missing"] is True
+    assert recovery["calls_recovered"] < 6 and "recovered" in recovery["message"]
+    human = runner.invoke(app, ["info", str(truncated)])
+    assert "footer missing" in human.stdout
+
+
+def test_ls_human_and_filters(capture: Path) -> None:
+    result = runner.invoke(app, ["ls", str(capture)])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["#", "op", "site", "layer", "status", "tensors"]
+    assert len(lines) == 7
+    assert "a=bfloat16[8,32]" in lines[1] and "w=float32[32,64]@(1,32)" in lines[1]
+    assert "fused_moe.py:10" in lines[1]
+    filtered = runner.invoke(app, ["ls", str(capture), "--op", "moe_*", "--layer", "2"])
+    assert [line.split()[0] for line in filtered.stdout.splitlines()[1:]] == ["2"]
+    failed = runner.invoke(app, ["ls", str(capture), "--status", "failed", "--json"])
+    assert [row["index"] for row in json.loads(failed.stdout)] == [3]
+
+
+def test_ls_json(capture: Path) -> None:
+    result = runner.invoke(app, ["ls", str(capture), "--json"])
+    rows = json.loads(result.stdout)
+    assert [row["status"] for row in rows] == ["completed"] * 3 + ["failed", "completed", "inputs_saved"]
+    assert rows[0]["tensors"]["w"] == {
+        "dtype": "float32",
+        "shape": [32, 64],
+        "stride": [1, 32],
+        "storage_offset": 0,
+        "device": "cpu",
+        "storage": 1,
+    }
+    assert rows[4]["layer"] == 1 and rows[4]["context"] == {"layer": 1, "step": 4}
+
+
+def test_ls_on_a_truncated_file_notes_it_on_stderr(truncated: Path) -> None:
+    result = runner.invoke(app, ["ls", str(truncated), "--json"])
+    assert result.exit_code == 0
+    assert "note:" in result.stderr and "footer missing" in result.stderr
+    assert len(json.loads(result.stdout)) < 6
+
+
+def test_bad_status_is_a_settings_error(capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["ls", str(capture), "--status", "running"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith("moereplay: --status must be one of")
+
+
+def test_bad_file_through_the_runner_and_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.zst"
+    bad.write_bytes(b"definitely not a capture")
+    result = runner.invoke(app, ["info", str(bad)])
+    assert isinstance(result.exception, CaptureFileError)
+    with pytest.raises(SystemExit) as exited:
+        main(["ls", str(bad)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"moereplay: {bad}: not a moereplay capture file (bad magic)\n"
+
+
+@pytest.mark.parametrize("command", ["info", "ls"])
+def test_bad_file_in_a_subprocess(tmp_path: Path, command: str) -> None:
+    bad = tmp_path / "bad.zst"
+    bad.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 64)
+    result = subprocess.run(
+        [sys.executable, "-m", "moereplay", command, str(bad)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"moereplay: {bad}:")
+    assert result.stdout == ""
