@@ -15,8 +15,10 @@ Each call is captured (``CaptureWriter``: arguments through the ops codecs plus 
 the output after a sync), loaded back (``moereplay.replay.source.load_call``) and replayed with the OpSpec on fresh
 buffers where every tensor — including the swizzled storages *inside* the layout-wrapped weight and the precision
 config — sits in its own guarded allocation (``moereplay.replay.memory.materialise`` over
-``MatmulOgsOp.tensor_leaves``). The replay engine's ``replay(...)`` API did not exist when this was written and its
-``execute`` guards only top-level tensors, so this test drives the OpSpec and the guard machinery directly.
+``MatmulOgsOp.tensor_leaves``): this harness drives the OpSpec and the engine's guard machinery directly, because
+the engine's ``execute`` guarded only top-level tensor arguments when this was written. The engine's own
+``moereplay.replay.replay(capture, call=i, fills=["0x00", "0xff"], backend=...)`` table and findings are printed
+after it; the two must agree once the engine guards tensors inside opaque arguments.
 
 Printed: fidelity of the replay against the captured output, a verdict table (fills 0x00 / 0xff, and the
 variants block_k = 64 and num_warps = 4), and findings: which tensor is over-read (one argument's guard at a time),
@@ -281,6 +283,15 @@ CALLS = {0: "w13: gather + bias + fused swiglu, N=5760", 1: "w2: scatter + bias 
 
 @pytest.mark.parametrize("index", sorted(CALLS))
 def test_replay_case_2_fill_0xff_and_0x00(capture: Path, backend: Backend, index: int) -> None:
+    lines: list[str] = []
+    try:
+        prove_case_2(capture, backend, index, lines)
+    finally:
+        print("\n".join(lines))
+
+
+def prove_case_2(capture: Path, backend: Backend, index: int, lines: list[str]) -> None:
+    """Replay one captured call; append the table and findings to ``lines``; assert consistency."""
     from moereplay.ops.matmul_ogs import problem_of, scale_bytes_read
     from moereplay.reference.compare import compare
     from moereplay.reference.hopper_mxfp4 import scale_overrun
@@ -289,7 +300,7 @@ def test_replay_case_2_fill_0xff_and_0x00(capture: Path, backend: Backend, index
     loaded = load_call(capture, index, device="cuda")
     op, args = loaded.op, loaded.args
     problem = problem_of(args)
-    lines = [f"== call {index}: {CALLS[index]} — captured constraints split_k={args.get('split_k')}"]
+    lines.append(f"== call {index}: {CALLS[index]} — captured constraints split_k={args.get('split_k')}")
     assert problem.k == HIDDEN and problem.experts == EXPERTS and problem.top_k == TOP_K
 
     reference = op.reference(args)
@@ -403,7 +414,54 @@ def test_replay_case_2_fill_0xff_and_0x00(capture: Path, backend: Backend, index
             )
             if culprits == ["precision_config.weight_scale.storage"]:
                 assert same, "block_k=64 reads no scale past a row, yet the output still depends on the fill"
-    print("\n".join(lines))
+    engine_lines, engine_oob = engine_section(capture, index, backend)
+    lines.extend(engine_lines)
+    harness_oob = bool(differ.any())
+    if engine_oob is not None and engine_oob != harness_oob:
+        lines.append(
+            f"note: the engine {'reports' if engine_oob else 'does not report'} an out-of-bounds read, the guarded "
+            f"harness above {'does' if harness_oob else 'does not'}"
+            + (
+                ""
+                if engine_guards_opaque_tensors()
+                else " (the engine guards only top-level tensor arguments)"
+            )
+        )
+        assert not engine_guards_opaque_tensors(), "replay engine and guarded harness disagree"
+
+
+def engine_section(capture: Path, index: int, backend: Backend) -> tuple[list[str], bool | None]:
+    """The replay engine's own verdict table for fills 0x00 / 0xff: (lines, whether it reports an OOB read).
+
+    ``None`` when the engine is not available.
+    """
+    try:
+        from moereplay.replay import replay
+    except (ImportError, AttributeError) as error:
+        return [f"replay engine: not available ({error})"], None
+    report = replay(capture, call=index, fills=["0x00", "0xff"], backend=backend.name, isolate=False)
+    lines = [f"replay engine ({report.backend}): {'variant':22} verdict   bad rows   max rel    NaN   guard"]
+    for result in report.results:
+        lines.append(
+            f"  {result.label:40} {result.verdict.value:9} {result.bad_rows:>4}/{result.rows:<5} "
+            f"{result.max_rel:>9.2e} {result.nan:>6}   {result.guard.value}"
+        )
+    oob_read = False
+    for finding in report.findings:
+        lines.append(f"  finding [{finding.kind.value}] {finding.message}")
+        oob_read |= finding.kind.value == "oob_read"
+    return lines, oob_read
+
+
+def engine_guards_opaque_tensors() -> bool:
+    """Whether the engine materialises tensors inside opaque arguments (through ``op.tensor_leaves``)."""
+    import inspect
+
+    try:
+        from moereplay.replay import execution
+    except ImportError:
+        return False
+    return "tensor_leaves" in inspect.getsource(execution)
 
 
 def test_capture_holds_both_calls_with_their_process_state(capture: Path) -> None:
