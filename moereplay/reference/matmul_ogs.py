@@ -37,6 +37,7 @@ otherwise. gpt-oss shapes on an H200: well under a second.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
@@ -53,7 +54,7 @@ from moereplay.reference.hopper_mxfp4 import (
     unswizzle_hopper_scales,
     unswizzle_hopper_values,
 )
-from moereplay.reference.numerics import decode_e2m1_codes, decode_e8m0, unpack_e2m1_bytes
+from moereplay.reference.numerics import decode_e2m1_codes, decode_e8m0
 
 STRIDED = "STRIDED"
 LayoutName = Literal["STRIDED", "HOPPER_VALUE", "HOPPER_SCALE"]
@@ -340,6 +341,13 @@ def _logical_kn(spec: TensorSpec) -> tuple[int, int]:
     return int(spec.shape[-2]), int(spec.shape[-1])
 
 
+@functools.cache
+def _byte_pair_table(device: torch.device) -> torch.Tensor:
+    """float32[256, 2]: an e2m1 byte → (value of its low nibble, value of its high nibble)."""
+    codes = torch.arange(256)
+    return torch.stack((decode_e2m1_codes(codes & 0xF), decode_e2m1_codes(codes >> 4)), dim=-1).to(device)
+
+
 def dequantize_expert_weight(
     w: Any, weight_scale: Any = None, expert: int = 0, *, device: torch.device | str | None = None
 ) -> torch.Tensor:
@@ -360,15 +368,14 @@ def dequantize_expert_weight(
     packed = _storage_bytes(spec, expert).to(device)
     if packed.dtype != torch.uint8:
         packed = packed.view(torch.uint8)
-    if tuple(packed.shape) == (k // 2, n):
-        codes = unpack_e2m1_bytes(packed.mT).mT
-    elif tuple(packed.shape) == (k, n // 2):
+    if tuple(packed.shape) == (k, n // 2) and k % 2 == 0 and (k // 2, n) != (k, n // 2):
         raise ReferenceError_("fp4 weights packed along N have no reference (matmul_ogs packs along K here)")
-    else:
+    if tuple(packed.shape) != (k // 2, n):
         raise ReferenceError_(
             f"fp4 storage of shape {tuple(packed.shape)} does not match logical [K, N] = [{k}, {n}]"
         )
-    values = decode_e2m1_codes(codes)
+    # byte (kb, n) holds K rows 2kb (low nibble) and 2kb+1 (high nibble)
+    values = _byte_pair_table(packed.device)[packed.long()].permute(0, 2, 1).reshape(k, n)
     scale_spec = tensor_spec_from(weight_scale)
     scales = _storage_bytes(scale_spec, expert).to(device)
     groups = -(-k // MX_GROUP)
@@ -376,8 +383,11 @@ def dequantize_expert_weight(
         raise ReferenceError_(
             f"weight scales of shape {tuple(scales.shape)} do not match [K/32, N] = [{groups}, {n}]"
         )
-    factors = decode_e8m0(scales).repeat_interleave(MX_GROUP, dim=0)[:k]
-    return values * factors
+    factors = decode_e8m0(scales)
+    if k % MX_GROUP:
+        factors = factors.repeat_interleave(MX_GROUP, dim=0)[:k]
+        return values * factors
+    return (values.view(groups, MX_GROUP, n) * factors[:, None, :]).view(k, n)
 
 
 def dequantize_weights(
