@@ -1,1 +1,45 @@
-"""replay."""
+"""Replay a captured call with mutations on a backend, judge every variant, explain failures.
+
+Public API (imported lazily, so ``import moereplay.replay`` costs nothing)::
+
+    from moereplay.replay import replay
+    report = replay("run.moe.zst", call=3, mutations=["flip mul_topk_weights", "cast topk_weights=float32"],
+                    fills=["0xff"], backend="pack:/opt/kernelpack", repeat=3)
+    report.baseline.verdict, [r.verdict for r in report.variants], report.findings
+
+Modules: ``engine`` (``replay()``), ``mutations`` (variants, parsing, domains applied), ``memory`` (guard bands),
+``execution`` / ``runner`` / ``worker`` (running kernels, isolated), ``backends``, ``source`` (loading calls),
+``results`` (verdicts and the report), ``findings``, ``localize`` and ``decompose`` (what the findings say),
+``sanitize`` (compute-sanitizer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_EXPORTS = {
+    "replay": "moereplay.replay.engine",
+    "parse_variants": "moereplay.replay.engine",
+    "ReplayReport": "moereplay.replay.results",
+    "VariantResult": "moereplay.replay.results",
+    "Verdict": "moereplay.replay.results",
+    "GuardStatus": "moereplay.replay.results",
+    "Finding": "moereplay.replay.findings",
+    "FindingKind": "moereplay.replay.findings",
+    "Variant": "moereplay.replay.mutations",
+    "FillPattern": "moereplay.replay.mutations",
+    "LoadedCall": "moereplay.replay.source",
+    "load_call": "moereplay.replay.source",
+    "select_calls": "moereplay.replay.source",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moereplay.replay' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,122 @@
+"""Where a replay's kernel comes from: the installed vLLM, a kernel pack, or no kernel at all (the reference).
+
+A backend is named by a short spec — ``reference``, ``vllm``, ``pack:DIR``, ``python:MODULE_OR_FILE[#NAME]`` or
+``auto`` — because specs travel to worker processes as text. ``python:`` loads a module (or a ``.py`` file) whose
+``backend(device, name)`` returns a KernelBackend: kernels outside vLLM, and test kernels; importing it may register
+ops. :func:`load_backend` turns a kernel spec into a :class:`~moereplay.ops.base.KernelBackend`
+in the process that will run kernels (loading a pack changes ``sys.path`` and loads CUDA libraries there).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from moereplay.errors import SettingsError
+
+BackendKind = Literal["reference", "vllm", "pack", "python"]
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A parsed ``--backend`` value."""
+
+    kind: BackendKind
+    location: str | None = None  # the pack directory, or the python module / file
+
+    def __post_init__(self) -> None:
+        if (self.kind in ("pack", "python")) != (self.location is not None):
+            raise SettingsError(f"backend {self.kind} and its location do not fit together")
+
+    @property
+    def text(self) -> str:
+        return f"{self.kind}:{self.location}" if self.location is not None else self.kind
+
+    @property
+    def needs_cuda(self) -> bool:
+        return self.kind in ("vllm", "pack")
+
+    @property
+    def runs_kernels(self) -> bool:
+        return self.kind != "reference"
+
+
+def parse_backend(text: str) -> BackendSpec:
+    """``reference`` | ``vllm`` | ``pack:DIR`` | ``auto`` (vLLM when CUDA and an importable vLLM exist, else the
+    reference). Raises :class:`SettingsError` with one line otherwise."""
+    value = text.strip()
+    if value == "auto":
+        if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
+            return BackendSpec("vllm")
+        return BackendSpec("reference")
+    if value in ("reference", "vllm"):
+        return BackendSpec(value)  # type: ignore[arg-type]
+    for kind in ("pack", "python"):
+        prefix = kind + ":"
+        if value.startswith(prefix) and value[len(prefix) :].strip():
+            return BackendSpec(kind, value[len(prefix) :].strip())  # type: ignore[arg-type]
+    raise SettingsError(f"--backend {text!r}: expected reference, vllm, pack:DIR, python:MODULE or auto")
+
+
+@dataclass(frozen=True)
+class ModuleBackend:
+    """A :class:`~moereplay.ops.base.KernelBackend` that imports library modules through ``importer``."""
+
+    name: str
+    device: torch.device
+    importer: Callable[[str], types.ModuleType]
+
+    def module(self, name: str) -> types.ModuleType:
+        return self.importer(name)
+
+
+def load_backend(spec: BackendSpec, device: torch.device | str) -> ModuleBackend:
+    """Make ``spec`` usable in this process. The reference spec has no kernel: asking for one is a bug."""
+    device = torch.device(device)
+    if spec.kind == "vllm":
+        return ModuleBackend("vllm", device, importlib.import_module)
+    if spec.kind == "pack":
+        from moereplay.pack import load_pack
+
+        assert spec.location is not None
+        pack = load_pack(spec.location)
+        return ModuleBackend(spec.text, device, pack.import_module)
+    if spec.kind == "python":
+        assert spec.location is not None
+        location, _, name = spec.location.partition("#")
+        module = _import_location(location)
+        factory = getattr(module, "backend", None)
+        if not callable(factory):
+            raise SettingsError(f"backend module {location} has no backend(device, name) function")
+        return factory(device, name)  # type: ignore[no-any-return]
+    raise SettingsError("the reference backend runs no kernel")
+
+
+def _import_location(location: str) -> types.ModuleType:
+    """Import a module by dotted name, or a ``.py`` file by path (registered under a name derived from it)."""
+    if location.endswith(".py"):
+        import importlib.util
+        import sys
+        from pathlib import Path
+
+        path = Path(location).resolve()
+        name = "moereplay_backend_" + path.stem
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise SettingsError(f"cannot import backend file {location}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(location)
+    except ImportError as error:
+        raise SettingsError(f"cannot import backend module {location}: {error}") from error

@@ -1,0 +1,107 @@
+"""Run one variant's kernel call on fresh, guarded buffers, in this process.
+
+Used directly for in-process replay and by the worker process (:mod:`moereplay.replay.worker`). Every repeat
+starts from new scratch buffers (zeroed output and workspace, from ``op.make_scratch``) and new guarded copies of
+every tensor, so nothing one run writes can leak into the next.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from moereplay.ops.base import Args, KernelBackend, OpSpec
+from moereplay.replay.memory import DEFAULT_GUARD_BYTES, GuardDamage, GuardWindow, materialise
+from moereplay.replay.mutations import FillPattern
+
+RunStatus = Literal["ran", "rejected", "crash"]
+
+_CRASH_MARKERS = (
+    "illegal memory access",
+    "illegal address",
+    "unspecified launch failure",
+    "misaligned address",
+    "an illegal instruction",
+    "device-side assert",
+    "CUDA error",
+    "cudaErrorLaunch",
+    "AcceleratorError",
+)
+
+
+@dataclass(frozen=True)
+class KernelRun:
+    """What running a variant's kernel produced.
+
+    ``status``: ``ran``; ``rejected`` (the kernel's host code refused the call — a Python exception that left the
+    device usable); ``crash`` (a device fault: the CUDA context is gone). ``outputs``: the output after each repeat,
+    copied out of its guarded allocation. ``damage``: guard bytes written, over all repeats.
+    """
+
+    status: RunStatus
+    outputs: tuple[torch.Tensor, ...] = ()
+    damage: tuple[GuardDamage, ...] = ()
+    error: str = ""
+    elapsed_s: float | None = None
+
+
+def classify_error(error: BaseException) -> RunStatus:
+    """``crash`` for device faults (the context cannot be trusted afterwards), ``rejected`` otherwise."""
+    text = f"{type(error).__name__}: {error}"
+    return "crash" if any(marker in text for marker in _CRASH_MARKERS) else "rejected"
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    message = next(
+        (line for line in text if line.strip() and not line.startswith("Exception raised from")), ""
+    )
+    return f"{type(error).__name__}: {message}"[:400]
+
+
+def execute(
+    op: OpSpec,
+    args: Args,
+    backend: KernelBackend,
+    *,
+    fill: FillPattern,
+    fills: Mapping[str, FillPattern] | None = None,
+    windows: Sequence[GuardWindow] = (),
+    repeat: int = 1,
+    guard: int = DEFAULT_GUARD_BYTES,
+) -> KernelRun:
+    """Run ``op`` on ``args`` ``repeat`` times, each from fresh guarded buffers on ``backend.device``."""
+    device = backend.device
+    outputs: list[torch.Tensor] = []
+    damage: list[GuardDamage] = []
+    elapsed: list[float] = []
+    cuda = device.type == "cuda"
+    for _ in range(max(1, repeat)):
+        call: dict[str, Any] = dict(args)
+        call.update(op.make_scratch(args, device))
+        guarded = materialise(call, device, fill, guard=guard, fills=fills, windows=list(windows))
+        try:
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            result = op.run(guarded.args, backend)
+            if cuda:
+                torch.cuda.synchronize(device)
+            elapsed.append(time.perf_counter() - start)
+        except Exception as error:  # the kernel's host checks raise; device faults surface here too
+            return KernelRun(classify_error(error), tuple(outputs), tuple(damage), first_line(error))
+        out = result if isinstance(result, torch.Tensor) else guarded.args.get(op.output_name)
+        if not isinstance(out, torch.Tensor):
+            return KernelRun(
+                "rejected", tuple(outputs), tuple(damage), f"{op.name} returned no tensor output"
+            )
+        try:
+            outputs.append(out.detach().clone())
+            damage.extend(guarded.damage())
+        except Exception as error:  # a fault reported at the next sync
+            return KernelRun(classify_error(error), tuple(outputs), tuple(damage), first_line(error))
+    return KernelRun("ran", tuple(outputs), tuple(damage), "", min(elapsed) if elapsed else None)

@@ -1,0 +1,230 @@
+"""Guard-banded materialisation of a call's tensors.
+
+Every tensor argument gets its own allocation: ``guard`` bytes of fill pattern, the bytes of the storage span its
+view covers, ``guard`` bytes of fill pattern. The view keeps its shape, strides and its position relative to the
+span, so a kernel sees the same layout it saw when captured; what it reads outside the span is the fill pattern,
+and what it writes there shows up in :meth:`GuardedArgs.damage`.
+
+Arguments that are views of one storage (aliasing) share one allocation covering the union of their spans, so
+aliasing survives the replay. Cost: one allocation + one copy per storage; the guard check is two comparisons per
+allocation on the allocation's device (one host sync for all of them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from moereplay.replay.mutations import FillPattern
+
+DEFAULT_GUARD_BYTES = 4096
+"""Bytes of guard band on each side: a multiple of every element size and of 16-byte vector loads, and larger than
+the over-reads a tile-based kernel makes past a short buffer (one tile row)."""
+
+
+@dataclass(frozen=True)
+class GuardDamage:
+    """Guard bytes that changed: an out-of-bounds write by the kernel.
+
+    ``first``/``last`` are byte offsets relative to the argument's span: negative before its first byte (``-1`` is the
+    byte just before), ``>= span_bytes`` after its end. ``count`` is the number of changed bytes.
+    """
+
+    arg: str
+    side: Literal["before", "after"]
+    first: int
+    last: int
+    count: int
+    span_bytes: int
+
+    def describe(self) -> str:
+        if self.side == "after":
+            lo, hi = self.first - self.span_bytes, self.last - self.span_bytes
+            where = f"bytes {lo}..{hi} past the end"
+        else:
+            where = f"bytes {-self.last}..{-self.first} before the start"
+        return f"{self.arg}: {self.count} guard bytes written, {where} (span {self.span_bytes} bytes)"
+
+
+def _span_elements(tensor: torch.Tensor) -> tuple[int, int]:
+    """(first element offset in storage, number of elements) covered by the view."""
+    if tensor.numel() == 0:
+        return tensor.storage_offset(), 0
+    extent = 1 + sum(
+        (size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return tensor.storage_offset(), extent
+
+
+@dataclass
+class _Allocation:
+    """One guarded allocation holding one storage's span (possibly shared by several argument views)."""
+
+    names: tuple[str, ...]
+    buffer: torch.Tensor  # uint8: guard | span | guard
+    guard: int
+    span_bytes: int
+    before: torch.Tensor  # expected guard bytes (on the buffer's device)
+    after: torch.Tensor
+
+    def damage(self) -> list[GuardDamage]:
+        head = self.buffer[: self.guard]
+        tail = self.buffer[self.guard + self.span_bytes :]
+        found: list[GuardDamage] = []
+        label = "+".join(self.names)
+        for side, region, expected in (("before", head, self.before), ("after", tail, self.after)):
+            changed = torch.nonzero(region != expected).flatten()
+            if changed.numel() == 0:
+                continue
+            first, last = int(changed[0]), int(changed[-1])
+            if side == "after":
+                found.append(
+                    GuardDamage(
+                        label,
+                        "after",
+                        first + self.span_bytes,
+                        last + self.span_bytes,
+                        changed.numel(),
+                        self.span_bytes,
+                    )
+                )
+            else:
+                # offsets relative to the span start: -1 is the byte just before it
+                found.append(
+                    GuardDamage(
+                        label,
+                        "before",
+                        first - self.guard,
+                        last - self.guard,
+                        changed.numel(),
+                        self.span_bytes,
+                    )
+                )
+        return found
+
+
+@dataclass(frozen=True)
+class GuardWindow:
+    """Fill only bytes ``[start, stop)`` of one side of one argument's guard with ``pattern`` (the rest of the guard
+    keeps the call's fill). Used to find which argument a kernel over-reads, and how far."""
+
+    arg: str
+    side: Literal["before", "after"]
+    start: int
+    stop: int
+    pattern: FillPattern
+
+
+class GuardedArgs:
+    """A call's arguments with every tensor in a guarded allocation on ``device``."""
+
+    def __init__(self, args: dict[str, Any], allocations: list[_Allocation]) -> None:
+        self.args = args
+        self._allocations = allocations
+
+    def damage(self) -> list[GuardDamage]:
+        """Every changed guard region (out-of-bounds writes). Syncs the device once."""
+        found: list[GuardDamage] = []
+        for allocation in self._allocations:
+            found.extend(allocation.damage())
+        return found
+
+    def allocation_of(self, name: str) -> _Allocation:
+        for allocation in self._allocations:
+            if name in allocation.names:
+                return allocation
+        raise KeyError(name)
+
+
+def _guard_pattern(
+    dtype: torch.dtype,
+    guard: int,
+    fill: FillPattern,
+    windows: list[GuardWindow],
+    side: Literal["before", "after"],
+) -> torch.Tensor:
+    pattern = fill.pattern(dtype, guard).clone()
+    for window in windows:
+        if window.side != side:
+            continue
+        start, stop = max(0, window.start), min(guard, window.stop)
+        if start < stop:
+            # window offsets count outward from the span: "after" from its end, "before" from its start
+            alternative = window.pattern.pattern(dtype, guard)
+            if side == "after":
+                pattern[start:stop] = alternative[start:stop]
+            else:
+                pattern[guard - stop : guard - start] = alternative[guard - stop : guard - start]
+    return pattern
+
+
+def materialise(
+    args: Mapping[str, Any],
+    device: torch.device | str,
+    fill: FillPattern,
+    *,
+    guard: int = DEFAULT_GUARD_BYTES,
+    fills: Mapping[str, FillPattern] | None = None,
+    windows: list[GuardWindow] | None = None,
+) -> GuardedArgs:
+    """Copy every tensor in ``args`` into a guarded allocation on ``device``; other values pass through.
+
+    ``fills`` overrides the fill of single arguments (by name); ``windows`` refine the guard content further.
+    Views sharing a storage share one allocation (the fill of the first argument of the group applies).
+    """
+    device = torch.device(device)
+    fills = dict(fills or {})
+    windows = list(windows or [])
+    groups: dict[tuple[str, int], list[str]] = {}
+    for name, value in args.items():
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            key = (str(value.device), storage.data_ptr()) if storage.nbytes() else (name, id(value))
+            groups.setdefault(key, []).append(name)  # type: ignore[arg-type]
+    out: dict[str, Any] = dict(args)
+    allocations: list[_Allocation] = []
+    for names in groups.values():
+        tensors = [args[name] for name in names]
+        # union of the byte spans, in bytes from the storage start
+        spans = []
+        for tensor in tensors:
+            start, count = _span_elements(tensor)
+            spans.append((start * tensor.element_size(), (start + count) * tensor.element_size()))
+        lo = min(s for s, _ in spans)
+        hi = max(e for _, e in spans)
+        span_bytes = hi - lo
+        unit = max(t.element_size() for t in tensors)
+        padded_span = -(-span_bytes // unit) * unit
+        group_fill = fills.get(names[0], fill)
+        group_windows = [w for w in windows if w.arg in names]
+        dtype = tensors[0].dtype
+        before = _guard_pattern(dtype, guard, group_fill, group_windows, "before")
+        after_len = guard + padded_span - span_bytes
+        after = _guard_pattern(dtype, guard, group_fill, group_windows, "after")
+        if after_len != guard:
+            after = torch.cat([group_fill.pattern(torch.uint8, after_len - guard), after])
+        buffer = torch.empty(guard + span_bytes + after_len, dtype=torch.uint8, device=device)
+        buffer[:guard].copy_(before)
+        buffer[guard + span_bytes :].copy_(after)
+        if span_bytes:
+            source = tensors[0]
+            storage_bytes = torch.empty(0, dtype=torch.uint8, device=source.device).set_(
+                source.untyped_storage(), 0, (source.untyped_storage().nbytes(),)
+            )
+            buffer[guard : guard + span_bytes].copy_(storage_bytes[lo:hi])
+        for name, tensor in zip(names, tensors, strict=True):
+            size = tensor.element_size()
+            offset_bytes = guard + tensor.storage_offset() * size - lo
+            if offset_bytes % size:
+                raise ValueError(f"{name}: view offset is not aligned to its element size")
+            typed = buffer.view(torch.uint8)[: (buffer.numel() // size) * size].view(tensor.dtype)
+            out[name] = torch.as_strided(
+                typed, tuple(tensor.shape), tuple(tensor.stride()), offset_bytes // size
+            )
+        allocations.append(
+            _Allocation(tuple(names), buffer, guard, span_bytes, before.to(device), after.to(device))
+        )
+    return GuardedArgs(out, allocations)
