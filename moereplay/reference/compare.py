@@ -126,7 +126,12 @@ class RelErrorStats:
 
 @dataclass(frozen=True, eq=False)
 class Comparison:
-    """Everything :func:`compare` measured. Per-row tensors are float32 on the CPU, indexed by row."""
+    """Everything :func:`compare` measured. Per-row tensors are float32 on the CPU, indexed by row.
+
+    Counts (NaN, Inf, elements over tolerance, mismatches) cover the compared rows only; ``bad_rows`` are rows over
+    either bound or with a non-finite mismatch; ``first_bad`` is the first element (row-major) over ``max_rel`` or
+    mismatching; ``bit_exact`` says whether actual and reference have the same dtype and bytes.
+    """
 
     shape: tuple[int, int]
     tolerance: Tolerance

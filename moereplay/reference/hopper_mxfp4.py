@@ -46,7 +46,8 @@ spec), and 0 × Inf = NaN inside the dot product. So bytes 0xff right after the 
 last expert in the weight columns of its last swizzled row: columns ``[256·m + 112, +16)`` and ``[256·m + 240, +16)``
 with ``m = N_pad/256 − 1`` — for w13 (N=5760) columns 5744..5759, i.e. SwiGLU outputs 2872..2879 of rows routed to
 expert E−1; for N=2880 the affected columns (2928.., 3056..) are padding and masked on store, so w2 is immune.
-:func:`scale_overrun` computes those columns for any shape.
+:func:`scale_overrun` computes those columns for any shape. (Read from the kernel source; the GPU test
+``tests/gpu/test_matmul_ogs_reference.py::test_scale_fill_past_the_end`` measures it on the real kernel.)
 
 Pure torch, any device; swizzle and unswizzle are exact inverses (unswizzle crops the padding). Cost: one permuted
 copy of the storage (plus four int32 temporaries for the value bit shuffle).

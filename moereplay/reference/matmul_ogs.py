@@ -454,8 +454,9 @@ class MatmulOgsReference:
 
     ``output``: what the kernel's ``y`` should hold (rows the kernel does not write are 0; see ``row_map.written``).
     Per *sorted* row ``p`` (``P`` = gather length or rows of x): ``gemm`` = x·W (× flex scales), ``bias`` = the
-    bias·betas term added (None without bias), ``gammas`` (None without), ``rows`` = the row after bias, alpha,
-    activation (when fused in the GEMM) and gammas, before any scatter; ``sorted_expert`` (int64, −1 = not computed).
+    bias·betas term added (None without bias), ``gammas`` (None without), ``rows`` = the GEMM stage's result for
+    that row — after bias, alpha, the activation when the GEMM applies it, and gammas; when a reduction follows it
+    is the scratchpad row, before the activation — and ``sorted_expert`` (int64, CPU, −1 = not computed).
     """
 
     output: torch.Tensor
@@ -602,6 +603,7 @@ def reference_matmul_ogs(
 
     gemm = torch.zeros((n_sorted, n), dtype=torch.float64, device=dev)
     bias_term = torch.zeros((n_sorted, n), dtype=torch.float64, device=dev) if bias is not None else None
+    bias64 = None if bias is None else bias.to(device=dev, dtype=torch.float64)
     src_rows = None
     if gather is not None:
         src_rows = _trunc_div(gather.src_indx.to(device=dev, dtype=torch.int64), top_k)
@@ -613,9 +615,8 @@ def reference_matmul_ogs(
         weight = dequantize_expert_weight(w_spec, precision.weight_scale, e, device=dev).to(torch.float64)
         w_scale = _scalar(precision.flex.rhs_scale, e)
         gemm[start : start + count] = (x64[x_rows] @ weight) * (x_scale * w_scale)
-        if bias is not None and bias_term is not None:
-            b = bias.to(device=dev, dtype=torch.float64)
-            b = b[e] if b.ndim == 2 else b
+        if bias64 is not None and bias_term is not None:
+            b = bias64[e] if bias64.ndim == 2 else bias64
             factor = (
                 betas.to(device=dev, dtype=torch.float64)[start : start + count, None]
                 if betas is not None
