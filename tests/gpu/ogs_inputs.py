@@ -61,11 +61,11 @@ class CheckpointMx:
 
 def random_checkpoint(experts: int, n: int, k: int, *, seed: int, device: str = "cuda") -> CheckpointMx:
     """Random codes, scales around 2**-4 (keeps K=3072 dot products O(1..10)), fp32 bias."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    values = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, generator=g)
-    scales = torch.randint(120, 126, (experts, n, k // 32), dtype=torch.uint8, generator=g)
-    bias = torch.randn(experts, n, generator=g) * 0.5
-    return CheckpointMx(values.to(device), scales.to(device), bias.to(device))
+    g = torch.Generator(device=device).manual_seed(seed)
+    values = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, generator=g, device=device)
+    scales = torch.randint(120, 126, (experts, n, k // 32), dtype=torch.uint8, generator=g, device=device)
+    bias = torch.randn(experts, n, generator=g, device=device) * 0.5
+    return CheckpointMx(values, scales, bias)
 
 
 def swizzle_like_vllm(tk: ModuleType, ckpt: CheckpointMx) -> tuple[Any, Any, Any, str]:
