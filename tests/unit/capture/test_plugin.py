@@ -82,6 +82,7 @@ def test_on_arms_real_patch_points_and_records(
     fake_vllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MOEREPLAY_CAPTURE", "1")
+    monkeypatch.delenv("MOEREPLAY_DIR", raising=False)  # register() sets it; monkeypatch restores it after
     original = fake_vllm.moe_wna16_marlin_gemm
     plugin.register()
     plugin.register()  # vLLM may load plugins more than once: idempotent
