@@ -82,7 +82,9 @@ def test_on_arms_real_patch_points_and_records(
     fake_vllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MOEREPLAY_CAPTURE", "1")
-    monkeypatch.delenv("MOEREPLAY_DIR", raising=False)  # register() sets it; monkeypatch restores it after
+    # register() sets MOEREPLAY_DIR for child processes; setenv+delenv makes monkeypatch restore it afterwards
+    monkeypatch.setenv("MOEREPLAY_DIR", "")
+    monkeypatch.delenv("MOEREPLAY_DIR")
     original = fake_vllm.moe_wna16_marlin_gemm
     plugin.register()
     plugin.register()  # vLLM may load plugins more than once: idempotent
