@@ -547,11 +547,34 @@ def decompose(
         for term in reference.terms
     ]
     rows_meta = reference.rows
+
+    def group_key(analysis: TermAnalysis) -> tuple[object, ...] | None:
+        best = analysis.best
+        if best is None:
+            return None
+        return (best.kind, best.key, best.rows, analysis.source.arg if analysis.source else None)
+
+    terms_sharing: dict[tuple[object, ...], list[str]] = {}
+    for analysis in analyses:
+        key = group_key(analysis)
+        if key is not None:
+            terms_sharing.setdefault(key, []).append(analysis.term)
+    emitted: set[tuple[object, ...]] = set()
     for analysis in analyses:
         if not analysis.wrong_rows and not analysis.explanations:
             continue
         best = analysis.best
         wrong = analysis.wrong_rows
+        key = group_key(analysis)
+        if key is not None:
+            if key in emitted:
+                continue  # the same explanation for another term: reported once, naming every term
+            emitted.add(key)
+        shared = terms_sharing.get(key, [analysis.term]) if key is not None else [analysis.term]
+        if len(shared) > 1:
+            possessive = f"the {' and '.join(shared)} terms' coefficients are"
+        else:
+            possessive = f"the {analysis.term} term's coefficient is"
         if best is None:
             findings.append(
                 Finding(
@@ -571,7 +594,7 @@ def decompose(
             continue
         total = len(set(wrong) | set(best.rows))
         message = (
-            f"rows {row_ranges(best.rows)}: the {analysis.term} term's coefficient is {best.description} "
+            f"rows {row_ranges(best.rows)}: {possessive} {best.description} "
             f"({len(best.rows)}/{total} rows with a wrong coefficient match)"
         )
         alternatives = [
@@ -586,6 +609,7 @@ def decompose(
         ]
         evidence: dict[str, object] = {
             "term": analysis.term,
+            "terms": list(shared),
             "hypothesis": best.kind,
             "key": best.key,
             "matched_rows": len(best.rows),
@@ -610,7 +634,9 @@ def decompose(
         if best.kind == "other_row" and best.mapping:
             evidence["mapping"] = best.mapping
         if best.kind == "dtype" and source is not None:
-            echo = next((ex for ex in analysis.explanations[1:] if ex.kind == "other_row" and ex.mapping), None)
+            echo = next(
+                (ex for ex in analysis.explanations[1:] if ex.kind == "other_row" and ex.mapping), None
+            )
             tensor = args.get(source.arg)
             if echo is not None and isinstance(tensor, torch.Tensor):
                 read = _dtype_from_name(best.key)

@@ -304,8 +304,26 @@ class _Session:
                     variant=label,
                 )
             )
+        if not variant.is_baseline:
+            findings = self._beyond_baseline(findings, variant)
         self.findings.extend(findings)
         return _Evaluation(variant, result, actual, reference, args, fill)
+
+    def _beyond_baseline(self, findings: list[Finding], variant: Variant) -> list[Finding]:
+        """A variant's findings minus those the baseline already reported word for word (one line says so)."""
+        said = {(f.kind, f.message) for f in self.findings if f.variant == "baseline"}
+        fresh = [f for f in findings if (f.kind, f.message) not in said]
+        if findings and not fresh:
+            return [
+                Finding(
+                    FindingKind.CORRUPT_ROWS,
+                    "the same failure as the baseline: same rows, same explanation",
+                    variant.label,
+                    {"same_as": "baseline"},
+                    rows=findings[0].rows,
+                )
+            ]
+        return fresh
 
     # -- across variants --------------------------------------------------------------------------------------
 

@@ -140,8 +140,12 @@ class ToyOp:
         if args["mul_weights"]:
             source = CoefficientSource("weights", torch.arange(rows), torch.float32)
             sources = {name: source for name in terms}
-        row_map = RowMap(torch.arange(rows), expert, torch.zeros(rows, dtype=torch.long), torch.arange(rows) // 2)
-        return ReferenceResult(output, torch.ones(rows, dtype=torch.bool), row_map, terms, coefficients, sources)
+        row_map = RowMap(
+            torch.arange(rows), expert, torch.zeros(rows, dtype=torch.long), torch.arange(rows) // 2
+        )
+        return ReferenceResult(
+            output, torch.ones(rows, dtype=torch.bool), row_map, terms, coefficients, sources
+        )
 
 
 TOY = register_op(ToyOp(), replace=True)
@@ -162,8 +166,14 @@ def backend(device: torch.device, name: str) -> KernelBackend:
 
 
 def make_args(
-    *, rows: int = 8, k: int = 16, n: int = 24, experts: int = 3, weights_dtype: torch.dtype = torch.float32,
-    bias: bool = False, seed: int = 0,
+    *,
+    rows: int = 8,
+    k: int = 16,
+    n: int = 24,
+    experts: int = 3,
+    weights_dtype: torch.dtype = torch.float32,
+    bias: bool = False,
+    seed: int = 0,
 ) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(seed)
     weights = torch.rand(rows, generator=generator) * 0.9 + 0.1
@@ -198,4 +208,3 @@ THIS_FILE = os.path.abspath(__file__)
 
 def spec(kernel: str) -> str:
     return f"python:{THIS_FILE}#{kernel}"
-

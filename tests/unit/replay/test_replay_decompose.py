@@ -28,12 +28,21 @@ def ingredients(seed: int = 0, *, bias: bool = False) -> tuple[ReferenceResult, 
         coefficients["bias"] = coefficient
         output = output + terms["bias"] * coefficient[:, None]
     source = CoefficientSource("topk_weights", torch.arange(ROWS), torch.float32)
-    rows = RowMap(torch.arange(ROWS) // 4, torch.randint(0, 32, (ROWS,), generator=generator), torch.arange(ROWS) % 4,
-                  torch.arange(ROWS) // 16)
+    rows = RowMap(
+        torch.arange(ROWS) // 4,
+        torch.randint(0, 32, (ROWS,), generator=generator),
+        torch.arange(ROWS) % 4,
+        torch.arange(ROWS) // 16,
+    )
     scales = {"global_scale": torch.rand(ROWS, generator=generator) * 1e-2 + 1e-3}
     reference = ReferenceResult(
-        output, torch.ones(ROWS, dtype=torch.bool), rows, terms, coefficients,
-        {name: source for name in terms}, scales,
+        output,
+        torch.ones(ROWS, dtype=torch.bool),
+        rows,
+        terms,
+        coefficients,
+        {name: source for name in terms},
+        scales,
     )
     return reference, weights
 
@@ -42,8 +51,14 @@ def analyse(actual: torch.Tensor, reference: ReferenceResult, weights: torch.Ten
     expected = reference.output
     bad = [r for r in range(ROWS) if not torch.allclose(actual[r].float(), expected[r], rtol=2e-2, atol=1e-3)]
     return decompose(
-        actual, reference, bad, {"topk_weights": weights}, contracts=CONTRACTS, output_dtype=actual.dtype,
-        fill=FillPattern(0x00), guard_bytes=4096,
+        actual,
+        reference,
+        bad,
+        {"topk_weights": weights},
+        contracts=CONTRACTS,
+        output_dtype=actual.dtype,
+        fill=FillPattern(0x00),
+        guard_bytes=4096,
     )
 
 

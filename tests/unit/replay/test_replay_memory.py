@@ -66,13 +66,19 @@ def test_windows_change_part_of_one_arguments_guard() -> None:
     guarded = materialise({"t": tensor}, "cpu", FillPattern(0x00), guard=32, windows=[window])
     raw = raw_bytes(guarded.args["t"])
     tail = raw[32 + 16 :]
-    assert tail[:8].tolist() == [0] * 8 and tail[8:16].tolist() == [0xAA] * 8 and tail[16:].tolist() == [0] * 16
+    assert (
+        tail[:8].tolist() == [0] * 8 and tail[8:16].tolist() == [0xAA] * 8 and tail[16:].tolist() == [0] * 16
+    )
     assert guarded.damage() == []  # the window is the expected content, not damage
 
 
 def test_per_argument_fills() -> None:
     guarded = materialise(
-        {"a": torch.ones(2), "b": torch.ones(2)}, "cpu", FillPattern(0x00), guard=16, fills={"b": FillPattern(0xFF)}
+        {"a": torch.ones(2), "b": torch.ones(2)},
+        "cpu",
+        FillPattern(0x00),
+        guard=16,
+        fills={"b": FillPattern(0xFF)},
     )
     assert raw_bytes(guarded.args["a"])[:16].tolist() == [0] * 16
     assert raw_bytes(guarded.args["b"])[:16].tolist() == [0xFF] * 16

@@ -51,8 +51,12 @@ def test_each_option_parses_to_its_mutation() -> None:
     assert parse_option(MARLIN, "set", "thread_k=128+thread_n=64") == [
         Variant((SetValue("thread_k", 128), SetValue("thread_n", 64)))
     ]
-    assert parse_option(MARLIN, "set", "use_atomic_add=true")[0].mutations == (SetValue("use_atomic_add", True),)
-    assert parse_option(MARLIN, "cast", "topk_weights=fp32")[0].mutations == (Cast("topk_weights", torch.float32),)
+    assert parse_option(MARLIN, "set", "use_atomic_add=true")[0].mutations == (
+        SetValue("use_atomic_add", True),
+    )
+    assert parse_option(MARLIN, "cast", "topk_weights=fp32")[0].mutations == (
+        Cast("topk_weights", torch.float32),
+    )
     assert parse_option(MARLIN, "fill", "0xfe")[0].mutations == (Fill(FillPattern(0xFE)),)
 
 
@@ -116,7 +120,9 @@ def test_legal_tiles_depend_on_the_block_size() -> None:
     assert apply_variant(MARLIN, marlin_scalars(), variant).invalid_reason is None
     (wide,) = parse_option(MARLIN, "set", "thread_k=64+thread_n=256")
     assert apply_variant(MARLIN, marlin_scalars(size_n=4096, moe_block_size=64), wide).invalid_reason is None
-    assert apply_variant(MARLIN, marlin_scalars(size_n=4096, moe_block_size=16), wide).invalid_reason is not None
+    assert (
+        apply_variant(MARLIN, marlin_scalars(size_n=4096, moe_block_size=16), wide).invalid_reason is not None
+    )
 
 
 def test_flip_negates_and_leaves_the_input_alone() -> None:

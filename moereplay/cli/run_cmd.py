@@ -1,0 +1,176 @@
+"""``moereplay run``: replay captured calls as-is and with mutations, print one verdict table and the findings.
+
+A thin front over :func:`moereplay.replay.replay`. Exit status: 0 when every variant of every selected call is
+``ok``, 1 when anything is not (``corrupt``, ``nonfinite``, ``crash`` or ``invalid``), 2 for usage and file errors
+(one line on stderr, from ``moereplay.cli.main``). Results go to stdout: a rich table for people, one JSON document
+with ``--json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from moereplay.cli import app
+
+if TYPE_CHECKING:
+    from moereplay.replay.results import ReplayReport
+
+_VERDICT_STYLE = {
+    "ok": "green",
+    "corrupt": "bold red",
+    "nonfinite": "bold magenta",
+    "crash": "bold red reverse",
+    "invalid": "yellow",
+}
+
+
+@app.command("run")
+def run_command(
+    file: Path = typer.Argument(..., help="A capture file (.zst).", show_default=False),
+    call: int | None = typer.Option(None, "--call", help="Replay call N (see `moereplay ls`)."),
+    op: str | None = typer.Option(None, "--op", help="Replay every call of ops matching this glob."),
+    layer: str | None = typer.Option(None, "--layer", help="Replay every call of layer L."),
+    every: bool = typer.Option(False, "--all", help="Replay every replayable call."),
+    flip: list[str] = typer.Option([], "--flip", help="Variant negating a flag; A+B flips both."),
+    set_: list[str] = typer.Option([], "--set", help="Variant setting ARG=V (A=1+B=2 sets both)."),
+    cast: list[str] = typer.Option([], "--cast", help="Variant converting a tensor: ARG=DTYPE."),
+    fill: list[str] = typer.Option(
+        [], "--fill", help="Variant with guard bands filled: 0xff, 0xfe, 0x00, nan."
+    ),
+    sweep: list[str] = typer.Option(
+        [], "--sweep", help="One variant per value: ARG=v1,v2[+B=w1,w2] (zipped)."
+    ),
+    backend: str = typer.Option(
+        "auto", "--backend", help="vllm | pack:DIR | reference | python:MODULE | auto."
+    ),
+    repeat: int = typer.Option(1, "--repeat", min=1, help="Run every variant N times (nondeterminism)."),
+    sanitize: bool = typer.Option(False, "--sanitize", help="Also run the baseline under compute-sanitizer."),
+    follow: bool = typer.Option(
+        False, "--follow-suggestions", help="Also run the mutations the findings suggest."
+    ),
+    device: str | None = typer.Option(
+        None, "--device", help="Device for kernels and the reference (cuda:N, cpu)."
+    ),
+    timeout: float = typer.Option(
+        600.0, "--timeout", help="Seconds a variant may run before it counts as a crash."
+    ),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
+) -> None:
+    """Replay captured calls (baseline and variants); print verdicts and findings. Exit 1 if anything failed."""
+    from moereplay.errors import SettingsError
+    from moereplay.replay.engine import replay
+    from moereplay.replay.source import select_calls
+
+    selectors = sum(value is not None for value in (call, op, layer)) + int(every)
+    if selectors > 1:
+        raise SettingsError("choose one of --call, --op, --layer, --all")
+    if not file.exists():
+        raise SettingsError(f"{file}: no such file")
+    mutations = (
+        [f"flip {text}" for text in flip]
+        + [f"set {text}" for text in set_]
+        + [f"cast {text}" for text in cast]
+        + [f"sweep {text}" for text in sweep]
+        + [f"fill {text}" for text in fill]
+    )
+    indices = select_calls(file, call=call, op=op, layer=layer, every=every)
+    reports = [
+        replay(
+            file,
+            call=index,
+            mutations=mutations,
+            backend=backend,
+            repeat=repeat,
+            sanitize=sanitize,
+            device=device,
+            timeout_s=timeout,
+            follow_suggestions=follow,
+        )
+        for index in indices
+    ]
+    failed = any(report.failed for report in reports)
+    if json_output:
+        document = {"failed": failed, "reports": [report.to_json() for report in reports]}
+        sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+    else:
+        _render(reports)
+    raise typer.Exit(1 if failed else 0)
+
+
+def _number(value: float | None, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return f"{value:.{digits}e}"
+
+
+def _render(reports: list[ReplayReport]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    for report in reports:
+        title = f"call #{report.call} · {report.op}" + (f" · {report.site}" if report.site else "")
+        table = Table(
+            title=title, caption=f"backend {report.backend} on {report.device}", title_justify="left"
+        )
+        for column, justify in (
+            ("variant", "left"),
+            ("verdict", "left"),
+            ("bad/rows", "right"),
+            ("max rel", "right"),
+            ("rms rel", "right"),
+            ("max abs", "right"),
+            ("NaN", "right"),
+            ("Inf", "right"),
+            ("bit-exact", "center"),
+            ("guard", "center"),
+            ("time", "right"),
+        ):
+            table.add_column(column, justify=justify, no_wrap=column != "variant")  # type: ignore[arg-type]
+        for result in report.results:
+            verdict = Text(result.verdict.value, style=_VERDICT_STYLE.get(result.verdict.value, ""))
+            exact = "-" if result.bit_exact is None else ("yes" if result.bit_exact else "no")
+            elapsed = "-" if result.elapsed_s is None else f"{result.elapsed_s * 1e3:.2f} ms"
+            table.add_row(
+                result.label,
+                verdict,
+                f"{result.bad_rows}/{result.rows}" if result.rows else "-",
+                _number(result.max_rel),
+                _number(result.rms_rel),
+                _number(result.max_abs),
+                str(result.nan),
+                str(result.inf),
+                exact,
+                result.guard.value,
+                elapsed,
+            )
+        console.print(table)
+        for result in report.results:
+            if result.reason:
+                console.print(
+                    Text(f"  {result.label}: {result.verdict.value} — {result.reason}", style="yellow")
+                )
+        if report.findings:
+            console.print(Text("findings", style="bold"))
+        for finding in report.findings:
+            line = Text("  ")
+            line.append(f"[{finding.kind.value}]", style="bold cyan")
+            line.append(f" ({finding.variant}) " if finding.variant != "baseline" else " ")
+            line.append(finding.message)
+            if finding.confidence < 1.0:
+                line.append(f"  (confidence {finding.confidence:.2f})", style="dim")
+            console.print(line)
+            for suggestion in finding.suggestions:
+                console.print(Text(f"      try: --{suggestion}", style="green"))
+        for note in report.notes:
+            console.print(Text(f"  note: {note}", style="dim"))
+        console.print()

@@ -1,0 +1,85 @@
+"""``moereplay run`` through the CLI: tables, JSON, exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import replay_toy as toy
+import torch
+from typer.testing import CliRunner
+
+from moereplay.cli import app, main
+
+runner = CliRunner()
+
+
+def capture(tmp_path: Path, **kwargs: object) -> Path:
+    return toy.write_capture(tmp_path / "toy.moe.zst", toy.make_args(**kwargs))  # type: ignore[arg-type]
+
+
+def test_offline_reference_run_of_a_good_capture_exits_0(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["run", str(capture(tmp_path)), "--backend", "reference", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "baseline" in result.output and "ok" in result.output
+
+
+def test_json_output_and_exit_1_when_anything_fails(tmp_path: Path) -> None:
+    path = capture(tmp_path, weights_dtype=torch.bfloat16)
+    args = ["run", str(path), "--backend", toy.spec("correct"), "--device", "cpu", "--json"]
+    args += ["--cast", "weights=float32", "--flip", "mul_weights", "--sweep", "block=2,4", "--fill", "0xfe"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    document = json.loads(result.stdout)
+    (report,) = document["reports"]
+    assert document["failed"] is True
+    verdicts = {item["label"]: item["verdict"] for item in report["results"]}
+    assert verdicts == {
+        "baseline": "corrupt",
+        "flip mul_weights": "ok",
+        "cast weights=float32": "ok",
+        "set block=2": "corrupt",
+        "set block=4": "corrupt",
+        "fill 0xfe": "nonfinite",  # 0xfefefefe is -1.7e38: the products overflow
+    }
+    kinds = {finding["kind"] for finding in report["findings"]}
+    assert {"contract_violation", "wrong_coefficient", "diagnosis", "oob_read"} <= kinds
+
+
+def test_human_table_lists_findings_and_suggestions(tmp_path: Path) -> None:
+    path = capture(tmp_path, weights_dtype=torch.bfloat16)
+    result = runner.invoke(app, ["run", str(path), "--backend", toy.spec("correct"), "--device", "cpu"])
+    assert result.exit_code == 1
+    assert "findings" in result.output and "try: --cast weights=float32" in result.output
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--flip", "nonexistent"],
+        ["--set", "block"],
+        ["--backend", "warp-drive"],
+        ["--call", "7"],
+        ["--call", "0", "--all"],
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(
+    tmp_path: Path, extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = capture(tmp_path)
+    argv = ["run", str(path), "--device", "cpu", *extra]
+    if "--backend" not in extra:
+        argv += ["--backend", "reference"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("moereplay: ") and "\n" not in error
+
+
+def test_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(tmp_path / "absent.zst")])
+    assert exit_info.value.code == 2
+    assert "no such file" in capsys.readouterr().err
