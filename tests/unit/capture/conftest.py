@@ -93,3 +93,10 @@ def make_inputs(tokens: int = 5, hidden: int = 8, inner: int = 6, seed: int = 0)
 def inputs():
     """``inputs(tokens=5, hidden=8, inner=6, seed=0)`` → ``(x, w1, w2, topk_weights)`` on CPU."""
     return make_inputs
+
+
+@pytest.fixture(autouse=True)
+def _restore_capture_directory_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arming with the default directory exports MOEREPLAY_DIR for child processes; undo it after each test."""
+    monkeypatch.setenv("MOEREPLAY_DIR", "")
+    monkeypatch.delenv("MOEREPLAY_DIR")
