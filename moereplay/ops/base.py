@@ -341,6 +341,9 @@ NumelRule = Callable[[Args], "int | None"]
 """The element count the kernel indexes given the call (``None``: no rule), for arguments read as flat arrays."""
 
 
+ContractAspect = Literal["dtype", "shape", "contiguity", "device", "presence"]
+
+
 def fixed_dtype(dtype: torch.dtype) -> DtypeRule:
     """A dtype rule that is the same for every call."""
     return lambda args: dtype
@@ -356,9 +359,6 @@ def dtype_of(argument: str) -> DtypeRule:
     return rule
 
 
-ContractAspect = Literal["dtype", "shape", "contiguity", "device", "presence"]
-
-
 @dataclass(frozen=True)
 class TensorContract:
     """How the kernel reads one tensor argument.
@@ -366,7 +366,8 @@ class TensorContract:
     ``read_as``: the element type the device code uses for the pointer. ``accepted``: dtypes whose bytes mean the
     right thing for that reader (usually just ``read_as``; e.g. int32 ids read as int32). ``host_checked``: the host
     code rejects a wrong dtype with an error; if ``False`` a wrong dtype is *silently reinterpreted*, which is
-    exactly the class of bug a contract finding must name. ``required``: ``None`` is illegal.
+    exactly the class of bug a contract finding must name. ``host_checks``: optionally, every aspect the host code
+    checks (shape, contiguity …), when it checks more than the dtype. ``required``: ``None`` is illegal.
     ``contiguous``: the kernel indexes the storage densely from ``data_ptr`` (row-major, no gaps).
     """
 
@@ -380,6 +381,14 @@ class TensorContract:
     device: Literal["cuda", "any"] = "cuda"
     required: bool = True
     note: str = ""
+    host_checks: frozenset[ContractAspect] | None = None
+
+    def checked_by_host(self, aspect: ContractAspect) -> bool:
+        """Whether the host code rejects a call breaking ``aspect`` (``host_checks`` when given; else the dtype per
+        ``host_checked``, and device and presence always)."""
+        if self.host_checks is not None:
+            return aspect in self.host_checks
+        return aspect in ("device", "presence") or (aspect == "dtype" and self.host_checked)
 
     def accepted_dtypes(self, args: Args) -> tuple[torch.dtype, ...]:
         if self.accepted is not None:
@@ -415,11 +424,16 @@ def check_contract(
     """All ways ``args[contract.arg]`` breaks ``contract`` (empty when it holds). Cheap: metadata only."""
     value = args.get(contract.arg)
     name = contract.arg
+    host = contract.checked_by_host
+
+    def rejected_or(consequence: str, aspect: ContractAspect) -> str:
+        return "the host code rejects the call" if host(aspect) else consequence
+
     if value is None:
         if contract.required:
             return [
                 ContractViolation(
-                    name, "presence", "a tensor", "None", True, "the host code needs this argument"
+                    name, "presence", "a tensor", "None", host("presence"), "the kernel needs it"
                 )
             ]
         return []
@@ -429,9 +443,7 @@ def check_contract(
     accepted = contract.accepted_dtypes(args)
     if accepted and value.dtype not in accepted:
         read_as = contract.read_as(args)
-        if contract.host_checked:
-            consequence = "the host code rejects the call"
-        elif read_as is not None and read_as.itemsize != value.element_size():
+        if read_as is not None and read_as.itemsize != value.element_size():
             consequence = (
                 f"the kernel silently reads these {value.element_size()}-byte {_dtype_name(value.dtype)} "
                 f"bytes as {read_as.itemsize}-byte {_dtype_name(read_as)} values (wrong values, and reads "
@@ -445,8 +457,8 @@ def check_contract(
                 "dtype",
                 " or ".join(_dtype_name(d) for d in accepted),
                 _dtype_name(value.dtype),
-                contract.host_checked,
-                consequence,
+                host("dtype"),
+                rejected_or(consequence, "dtype"),
             )
         )
     if contract.shape is not None:
@@ -464,25 +476,28 @@ def check_contract(
                         "shape",
                         shown,
                         str(actual),
-                        False,
-                        "the kernel indexes by the expected shape: out-of-bounds or misplaced accesses",
+                        host("shape"),
+                        rejected_or(
+                            "the kernel indexes by the expected shape: misplaced or out-of-bounds accesses",
+                            "shape",
+                        ),
                     )
                 )
     if contract.numel is not None:
         expected_numel = contract.numel(args)
         if expected_numel is not None and value.numel() != expected_numel:
+            short = value.numel() < expected_numel
             violations.append(
                 ContractViolation(
                     name,
                     "shape",
                     f"{expected_numel} elements",
                     f"{value.numel()} elements",
-                    False,
-                    "the kernel indexes it as a flat array of that length: "
-                    + (
-                        "it reads past the end"
-                        if value.numel() < expected_numel
-                        else "extra elements are ignored"
+                    host("shape"),
+                    rejected_or(
+                        "the kernel indexes it as a flat array of that length: "
+                        + ("it reads past the end" if short else "extra elements are ignored"),
+                        "shape",
                     ),
                 )
             )
@@ -493,14 +508,16 @@ def check_contract(
                 "contiguity",
                 "contiguous",
                 f"strides {tuple(value.stride())}",
-                False,
-                "the kernel indexes densely from data_ptr and reads the wrong elements",
+                host("contiguity"),
+                rejected_or(
+                    "the kernel indexes densely from data_ptr and reads the wrong elements", "contiguity"
+                ),
             )
         )
     if check_device and contract.device == "cuda" and value.device.type != "cuda":
         violations.append(
             ContractViolation(
-                name, "device", "cuda", str(value.device), True, "the host code rejects the call"
+                name, "device", "cuda", str(value.device), host("device"), "the host code rejects the call"
             )
         )
     return violations

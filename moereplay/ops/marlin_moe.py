@@ -1,7 +1,9 @@
 """``moe_wna16_marlin_gemm``: vLLM's Marlin MoE GEMM (``torch.ops._moe_C``), as of vLLM 0.25.1.
 
-Facts, from the kernel sources (``csrc/.../marlin_moe_wna16/ops.cu`` host code, ``marlin_template.h``, the kernel
-generator) and the Python callers (``vllm/_custom_ops.py``, ``fused_moe/experts/marlin_moe.py``):
+Facts, from the kernel sources (``csrc/libtorch_stable/moe/marlin_moe_wna16/ops.cu`` host code, ``marlin_template.h``,
+the kernel generator; earlier ``csrc/moe/marlin_moe_wna16``) and the Python callers (``vllm/_custom_ops.py``,
+``fused_moe/experts/marlin_moe.py``, which asserts float32 ``topk_weights`` before calling; the NVFP4 preparation in
+``marlin_utils_fp4.py`` keeps the processed global scale in float32):
 
 How the device code reads each pointer, and what the host code checks before launching:
 
@@ -14,7 +16,7 @@ b_qweight                   raw 16-byte vectors (int32)       cuda, contiguous, 
 b_bias                      c type                            cuda, contiguous, size(1) == size_n — NOT dtype
 b_scales                    c type; fp8 e4m3 / e8m0 for FP4   rank 3, dim2 == size_n; dtype only for FP4 types
 a_scales                    float32                           dtype float32
-global_scale                c type (uint16 loads)             dtype == c's; required for NVFP4
+global_scale                float32, one per expert           dtype float32; required for NVFP4
 g_idx, perm                 int32                             cuda, contiguous, length — NOT dtype
 workspace                   int32 lock counters (must be 0)   numel >= min(n_tiles * blocks, sms * 4)
 sorted_token_ids            int32 (also as int4 vectors)      nothing
@@ -189,6 +191,7 @@ CONTRACTS: tuple[TensorContract, ...] = (
         host_checked=True,
         accepted=lambda args: (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8),
         shape=lambda args: (args.get("size_m"), args.get("size_k")),
+        host_checks=frozenset({"dtype", "shape", "contiguity", "device", "presence"}),
     ),
     TensorContract(
         "output",
@@ -197,6 +200,7 @@ CONTRACTS: tuple[TensorContract, ...] = (
         required=False,
         shape=lambda args: (_rows(args), args.get("size_n")),
         note="accumulated into with atomics when use_atomic_add: must start zeroed",
+        host_checks=frozenset({"dtype", "shape", "contiguity", "device"}),
     ),
     TensorContract(
         "b_qweight",
@@ -208,6 +212,7 @@ CONTRACTS: tuple[TensorContract, ...] = (
             None,
         ),
         note="read as raw 16-byte vectors of the Marlin tile layout; sizes are checked in int32 elements",
+        host_checks=frozenset({"shape", "contiguity", "device", "presence"}),
     ),
     TensorContract(
         "b_bias",
@@ -216,6 +221,7 @@ CONTRACTS: tuple[TensorContract, ...] = (
         required=False,
         shape=lambda args: (_experts(args), args.get("size_n")),
         note="host checks device, contiguity and size(1) only",
+        host_checks=frozenset({"shape", "contiguity", "device"}),
     ),
     TensorContract(
         "b_scales",
@@ -224,19 +230,33 @@ CONTRACTS: tuple[TensorContract, ...] = (
         host_checked=False,
         shape=lambda args: (_experts(args), None, args.get("size_n")),
         note="dtype checked only for float4_e2m1f weights (fp8 e4m3 for NVFP4, e8m0 for MXFP4)",
+        host_checks=frozenset({"contiguity", "device", "presence"}),
     ),
     TensorContract("a_scales", read_as=fixed_dtype(torch.float32), host_checked=True, required=False),
     TensorContract(
         "global_scale",
-        read_as=c_dtype,
+        read_as=fixed_dtype(torch.float32),
         host_checked=True,
         required=False,
         numel=_experts,
         note="NVFP4 only; one value per expert",
+        host_checks=frozenset({"dtype", "presence"}),
     ),
     TensorContract("b_qzeros", read_as=fixed_dtype(torch.int32), host_checked=False, required=False),
-    TensorContract("g_idx", read_as=fixed_dtype(torch.int32), host_checked=False, required=False),
-    TensorContract("perm", read_as=fixed_dtype(torch.int32), host_checked=False, required=False),
+    TensorContract(
+        "g_idx",
+        read_as=fixed_dtype(torch.int32),
+        host_checked=False,
+        required=False,
+        host_checks=frozenset({"contiguity", "device"}),
+    ),
+    TensorContract(
+        "perm",
+        read_as=fixed_dtype(torch.int32),
+        host_checked=False,
+        required=False,
+        host_checks=frozenset({"contiguity", "device"}),
+    ),
     TensorContract(
         "workspace",
         read_as=fixed_dtype(torch.int32),
