@@ -33,8 +33,8 @@ Public API (stable names; other packages code against these):
   initialised, host, pid, rank, argv, ``MOEREPLAY_*``/``VLLM_*`` variables). **The writer copies tensors to
   the host itself** (synchronously), so callers pass device tensors as they are. ``static`` names arguments
   whose tensors are weights: cached by identity, so later calls skip the device copy and the hash.
-- :class:`CaptureReader` ``(path, *, max_frame_bytes=64 MiB, max_blob_bytes=16 GiB, verify_hashes=True)`` —
-  context manager. ``.header`` (dict), ``.recovery`` (:class:`Recovery`), ``.footer`` (dict or None),
+- :class:`CaptureReader` ``(path, *, max_frame_bytes=64 MiB, max_blob_bytes=16 GiB, verify_hashes=True,
+  blob_cache_bytes=256 MiB)`` — context manager. ``.header`` (dict), ``.recovery`` (:class:`Recovery`), ``.footer`` (dict or None),
   ``len(reader)``, ``.calls()`` (iterator of :class:`CallRecord`), ``.call(i)``, ``.select(op=, layer=,
   status=)``, ``.load_args(i, device="cpu")``, ``.load_outputs(i, device="cpu")``, ``.stats()``
   (:class:`CaptureStats`), ``.blob_frames_read`` / ``.bytes_read`` (I/O counters).

@@ -55,6 +55,8 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _MAX_EXPANSION = 32_768
 """zstd's best case: an RLE block of 128 KiB costs 4 bytes. Claims beyond this ratio are impossible."""
 _ZSTD_BLOCK = 128 * 1024
+_FRAME_HEADER_MAX = 18
+"""Largest zstd frame header (magic, descriptor, window, dictionary id, content size)."""
 _BIN_MAX = 2**32 - 1
 BLOB_CHUNK = 2**30
 """Chunk size of blobs larger than one msgpack bin can hold."""
@@ -258,8 +260,8 @@ class FrameSource:
         return envelope
 
     def _content(self, envelope: Envelope) -> bytes:
-        """Read, check and decompress the zstd frame of ``envelope``."""
-        cap = self.limits.max_blob_bytes if envelope.kind is RecordKind.BLOB else self.limits.max_frame_bytes
+        """Read, check and decompress the zstd frame of a metadata record (blobs go through read_blob)."""
+        cap = self.limits.max_frame_bytes
         where = f"{envelope.kind.name.lower()} frame at offset {envelope.offset}"
         if envelope.frame_length > cap + cap // 64 + 4096:
             raise self.fail(f"{where} is {envelope.frame_length} bytes, over the cap of {cap}")
@@ -312,12 +314,11 @@ class FrameSource:
             raise self.fail(f"{kind.name.lower()} frame at offset {offset} is not a map")
         return envelope, document
 
-    def blob_at(self, offset: int, digest: bytes, length: int, *, verify: bool = True) -> bytes:
-        """The bytes of the blob at ``offset``; checks its declared length and (if ``verify``) its hash."""
-        if length > self.limits.max_blob_bytes:
-            raise self.fail(
-                f"a storage claims a blob of {length} bytes, over the cap of {self.limits.max_blob_bytes}"
-            )
+    def blob_envelope(self, offset: int, length: int) -> Envelope:
+        """Check that a blob of ``length`` bytes can be at ``offset`` — before the caller allocates for it."""
+        cap = self.limits.max_blob_bytes
+        if length > cap:
+            raise self.fail(f"a storage claims a blob of {length} bytes, over the cap of {cap}")
         envelope = self.envelope_at(offset)
         if envelope.kind is not RecordKind.BLOB:
             raise self.fail(f"expected a blob record at offset {offset}, found {envelope.kind.name.lower()}")
@@ -325,24 +326,146 @@ class FrameSource:
             raise self.fail(
                 f"blob at offset {offset} holds {envelope.value} bytes, the call expects {length}"
             )
+        if length > _MAX_EXPANSION * envelope.frame_length + _ZSTD_BLOCK:
+            raise self.fail(
+                f"blob at offset {offset} claims more than its {envelope.frame_length} bytes can hold"
+            )
+        return envelope
+
+    def read_blob(
+        self, envelope: Envelope, digest: bytes, target: memoryview, *, verify: bool = True
+    ) -> None:
+        """Decompress the blob of ``envelope`` straight into ``target`` (``envelope.value`` writable bytes).
+
+        Streams from the file: no compressed or decompressed copy of the blob is held. Checks the frame header
+        and its declared size before reading, the document's digest and length, the zstd checksum, and (if
+        ``verify``) the sha256 of the bytes.
+        """
+        where = f"blob frame at offset {envelope.offset}"
+        length = envelope.value
         self.blob_frames_read += 1
-        content = self._content(envelope)
+        head = self._read(envelope.frame_offset, min(envelope.frame_length, _FRAME_HEADER_MAX))
+        if head[:4] != _ZSTD_MAGIC:
+            raise self.fail(f"{where} is not a zstd frame")
         try:
-            document = msgpack.unpackb(content, raw=False, strict_map_key=False)
-        except Exception as error:
-            raise self.fail(f"blob frame at offset {offset} is malformed: {_one_line(error)}") from error
-        if not isinstance(document, dict):
-            raise self.fail(f"blob frame at offset {offset} is not a map")
-        data = document.get("d")
-        if isinstance(data, list) and all(isinstance(piece, bytes) for piece in data):
-            data = b"".join(data)
-        if document.get("h") != digest or document.get("n") != length or not isinstance(data, bytes):
-            raise self.fail(f"blob frame at offset {offset} is not the blob the call refers to")
-        if len(data) != length:
-            raise self.fail(f"blob frame at offset {offset} holds {len(data)} bytes, not {length}")
-        if verify and hashlib.new(BLOB_HASH, data).digest() != digest:
-            raise self.fail(f"blob at offset {offset} fails its {BLOB_HASH} check (corrupt)")
+            parameters = zstandard.get_frame_parameters(head)
+        except zstandard.ZstdError as error:
+            raise self.fail(f"{where} has a bad zstd header: {error}") from error
+        if not parameters.has_checksum or parameters.dict_id != 0:
+            raise self.fail(f"{where} lacks a content checksum or needs a dictionary")
+        try:
+            self._file.seek(envelope.frame_offset)
+            frame = _Bounded(self._file, envelope.frame_length)
+            with self._decompressor.stream_reader(frame, read_size=1 << 20, closefd=False) as stream:
+                _BlobStream(stream, where, self.fail).read_into(
+                    digest, length, parameters.content_size, target
+                )
+        except zstandard.ZstdError as error:
+            raise self.fail(f"{where} does not decompress: {error}") from error
+        except OSError as error:
+            raise self.fail(f"{where}: read failed: {error}") from error
+        self.bytes_read += envelope.frame_length
+        if verify and hashlib.new(BLOB_HASH, target).digest() != digest:
+            raise self.fail(f"blob at offset {envelope.offset} fails its {BLOB_HASH} check (corrupt)")
+
+
+class _Bounded:
+    """A file seen only up to ``length`` more bytes, so a stream decoder stops exactly at its frame's end
+    (where it checks the zstd checksum) instead of running into the next record."""
+
+    def __init__(self, file: IO[bytes], length: int) -> None:
+        self._file = file
+        self._left = length
+
+    def read(self, size: int = -1) -> bytes:
+        size = self._left if size < 0 else min(size, self._left)
+        data = self._file.read(size)
+        self._left -= len(data)
         return data
+
+
+_BIN = {0xC4: ">B", 0xC5: ">H", 0xC6: ">I"}
+_UNSIGNED = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q"}
+_ARRAY = {0xDC: ">H", 0xDD: ">I"}
+
+
+class _BlobStream:
+    """Parses the fixed layout of a blob document while decompressing it.
+
+    Format v1 blob documents are exactly ``{"h": bin digest, "n": uint length, "d": bin | [bin, …]}`` in that
+    key order (the writer emits nothing else), so the small head is parsed by hand and the payload lands
+    directly in the caller's buffer.
+    """
+
+    def __init__(self, stream: Any, where: str, fail: Any) -> None:
+        self.stream = stream
+        self.where = where
+        self.fail = fail
+        self.consumed = 0
+
+    def exact(self, count: int) -> bytes:
+        data = b""
+        while len(data) < count:
+            piece = self.stream.read(count - len(data))
+            if not piece:
+                raise self.fail(f"{self.where} ends early")
+            data += piece
+        self.consumed += count
+        return data
+
+    def number(self, tag: int, sizes: dict[int, str], what: str) -> int:
+        if tag not in sizes:
+            raise self.fail(f"{self.where} is malformed (expected {what})")
+        code = sizes[tag]
+        return int(struct.unpack(code, self.exact(struct.calcsize(code)))[0])
+
+    def key(self, expected: str) -> None:
+        if self.exact(2) != b"\xa1" + expected.encode():
+            raise self.fail(f"{self.where} is malformed (expected key {expected!r})")
+
+    def read_into(self, digest: bytes, length: int, content_size: int, target: memoryview) -> None:
+        if target.nbytes != length:
+            raise ValueError("target buffer has the wrong size")
+        if self.exact(1) != b"\x83":
+            raise self.fail(f"{self.where} is malformed (not a 3-entry map)")
+        self.key("h")
+        if self.number(self.exact(1)[0], _BIN, "bytes") != len(digest) or self.exact(len(digest)) != digest:
+            raise self.fail(f"{self.where} is not the blob the call refers to")
+        self.key("n")
+        tag = self.exact(1)[0]
+        declared = tag if tag <= 0x7F else self.number(tag, _UNSIGNED, "an unsigned int")
+        if declared != length:
+            raise self.fail(f"{self.where} is not the blob the call refers to (length)")
+        self.key("d")
+        tag = self.exact(1)[0]
+        if tag in _BIN:
+            self.fill(target, self.number(tag, _BIN, "bytes"))
+        else:
+            count = tag - 0x90 if 0x90 <= tag <= 0x9F else self.number(tag, _ARRAY, "bytes or an array")
+            filled = 0
+            for _ in range(count):
+                piece = self.number(self.exact(1)[0], _BIN, "bytes")
+                if filled + piece > length:
+                    raise self.fail(f"{self.where} is malformed (payload larger than declared)")
+                self.fill(target[filled : filled + piece], piece)
+                filled += piece
+            if filled != length:
+                raise self.fail(f"{self.where} is malformed (payload smaller than declared)")
+        if self.stream.read(1):
+            raise self.fail(f"{self.where} has bytes after its payload")
+        if self.consumed != content_size:
+            raise self.fail(f"{self.where} declares {content_size} bytes but holds {self.consumed}")
+
+    def fill(self, window: memoryview, declared: int) -> None:
+        if declared != window.nbytes:
+            raise self.fail(f"{self.where} is malformed (payload size {declared}, expected {window.nbytes})")
+        done = 0
+        while done < window.nbytes:
+            count = self.stream.readinto(window[done:])
+            if not count:
+                raise self.fail(f"{self.where} ends early")
+            done += count
+        self.consumed += window.nbytes
 
 
 def _bin_header(length: int) -> bytes:

@@ -9,7 +9,7 @@ records only; blob frames are read only by :meth:`CaptureReader.load_args` / :me
 from __future__ import annotations
 
 import fnmatch
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +41,11 @@ from moereplay.format.records import (
     Recovery,
 )
 from moereplay.format.schema import CodecValue, TensorMeta, iter_tensor_metas
-from moereplay.format.tensors import DTYPES, empty_buffer, fill_buffer, view_of
+from moereplay.format.tensors import DTYPES, empty_buffer, view_of
 from moereplay.format.values import ext_hook
 
 _DIGEST_BYTES = 32
+DEFAULT_BLOB_CACHE_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -75,6 +76,8 @@ class CaptureReader:
     ``max_frame_bytes`` caps one decompressed metadata record; ``max_blob_bytes`` caps one blob. Claims over
     either (or over what the file can hold) are refused before anything is allocated. ``verify_hashes``
     re-hashes every blob loaded (sha256, ~1.5 GB/s); zstd checksums are always checked.
+    ``blob_cache_bytes``: verified blob bytes kept (least recently used first out) so loading many calls that
+    share weights decodes them once; every load still gets fresh buffers. 0 disables it.
     """
 
     def __init__(
@@ -84,9 +87,13 @@ class CaptureReader:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
         verify_hashes: bool = True,
+        blob_cache_bytes: int = DEFAULT_BLOB_CACHE_BYTES,
     ) -> None:
         self.path = Path(path)
         self.verify_hashes = verify_hashes
+        self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._cache_bytes = 0
+        self._cache_limit = blob_cache_bytes
         self._source = FrameSource(self.path, ReadLimits(max_frame_bytes, max_blob_bytes))
         try:
             self.header, self._header_end = self._read_header()
@@ -368,6 +375,26 @@ class CaptureReader:
 
     # ------------------------------------------------------------------------------------ documents
 
+    def _blob(self, storage: _Storage) -> torch.Tensor:
+        """A fresh host uint8 buffer holding the storage's recorded bytes."""
+        cached = self._cache.get(storage.offset)
+        if cached is not None and cached.numel() == storage.length:
+            self._cache.move_to_end(storage.offset)
+            return cached.clone()
+        envelope = self._source.blob_envelope(storage.offset, storage.length)
+        buffer = empty_buffer(storage.length)
+        self._source.read_blob(
+            envelope, storage.digest, buffer.numpy().data.cast("B"), verify=self.verify_hashes
+        )
+        if storage.length > self._cache_limit:
+            return buffer
+        self._cache[storage.offset] = buffer
+        self._cache_bytes += storage.length
+        while self._cache_bytes > self._cache_limit:
+            _, evicted = self._cache.popitem(last=False)
+            self._cache_bytes -= evicted.numel()
+        return buffer.clone()
+
     def _documents(self, index: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
         slot = self._slots.get(index)
         if slot is None:
@@ -401,10 +428,7 @@ class CaptureReader:
                 raise source.fail(
                     f"{where}: tensor {path} refers to storage {meta.storage}, which has no bytes"
                 )
-            data = source.blob_at(storage.offset, storage.digest, storage.length, verify=self.verify_hashes)
-            buffer = empty_buffer(storage.length)
-            fill_buffer(buffer, data)
-            del data
+            buffer = self._blob(storage)
             buffers[meta.storage] = buffer.to(target) if target.type != "cpu" else buffer
 
         def tensor(path: str, meta: TensorMeta) -> torch.Tensor:

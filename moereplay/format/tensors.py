@@ -18,7 +18,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
 from moereplay.format.schema import TensorMeta
@@ -83,12 +82,6 @@ def storage_span_to_host(tensor: torch.Tensor, start: int, end: int) -> memoryvi
 
 def empty_buffer(length: int) -> torch.Tensor:
     return torch.empty(length, dtype=torch.uint8)
-
-
-def fill_buffer(buffer: torch.Tensor, data: bytes) -> None:
-    """Copy blob bytes into a host uint8 buffer of the same length."""
-    if len(data):
-        buffer.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
 
 
 def view_of(buffer: torch.Tensor, base: int, meta: TensorMeta, dtype: torch.dtype) -> torch.Tensor:
