@@ -12,7 +12,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -32,35 +32,48 @@ _VERDICT_STYLE = {
 
 @app.command("run")
 def run_command(
-    file: Path = typer.Argument(..., help="A capture file (.zst).", show_default=False),
-    call: int | None = typer.Option(None, "--call", help="Replay call N (see `moereplay ls`)."),
-    op: str | None = typer.Option(None, "--op", help="Replay every call of ops matching this glob."),
-    layer: str | None = typer.Option(None, "--layer", help="Replay every call of layer L."),
-    every: bool = typer.Option(False, "--all", help="Replay every replayable call."),
-    flip: list[str] = typer.Option([], "--flip", help="Variant negating a flag; A+B flips both."),
-    set_: list[str] = typer.Option([], "--set", help="Variant setting ARG=V (A=1+B=2 sets both)."),
-    cast: list[str] = typer.Option([], "--cast", help="Variant converting a tensor: ARG=DTYPE."),
-    fill: list[str] = typer.Option(
-        [], "--fill", help="Variant with guard bands filled: 0xff, 0xfe, 0x00, nan."
-    ),
-    sweep: list[str] = typer.Option(
-        [], "--sweep", help="One variant per value: ARG=v1,v2[+B=w1,w2] (zipped)."
-    ),
-    backend: str = typer.Option(
-        "auto", "--backend", help="vllm | pack:DIR | reference | python:MODULE | auto."
-    ),
-    repeat: int = typer.Option(1, "--repeat", min=1, help="Run every variant N times (nondeterminism)."),
-    sanitize: bool = typer.Option(False, "--sanitize", help="Also run the baseline under compute-sanitizer."),
-    follow: bool = typer.Option(
-        False, "--follow-suggestions", help="Also run the mutations the findings suggest."
-    ),
-    device: str | None = typer.Option(
-        None, "--device", help="Device for kernels and the reference (cuda:N, cpu)."
-    ),
-    timeout: float = typer.Option(
-        600.0, "--timeout", help="Seconds a variant may run before it counts as a crash."
-    ),
-    json_output: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
+    file: Annotated[Path, typer.Argument(help="A capture file (.zst).", show_default=False)],
+    call: Annotated[int | None, typer.Option("--call", help="Replay call N (see `moereplay ls`).")] = None,
+    op: Annotated[
+        str | None, typer.Option("--op", help="Replay every call of ops matching this glob.")
+    ] = None,
+    layer: Annotated[str | None, typer.Option("--layer", help="Replay every call of layer L.")] = None,
+    every: Annotated[bool, typer.Option("--all", help="Replay every replayable call.")] = False,
+    flip: Annotated[
+        list[str] | None, typer.Option("--flip", help="Variant negating a flag; A+B flips both.")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Variant setting ARG=V (A=1+B=2 sets both).")
+    ] = None,
+    cast: Annotated[
+        list[str] | None, typer.Option("--cast", help="Variant converting a tensor: ARG=DTYPE.")
+    ] = None,
+    fill: Annotated[
+        list[str] | None,
+        typer.Option("--fill", help="Variant with guard bands filled: 0xff, 0xfe, 0x00, nan."),
+    ] = None,
+    sweep: Annotated[
+        list[str] | None, typer.Option("--sweep", help="One variant per value: ARG=v1,v2[+B=w1,w2] (zipped).")
+    ] = None,
+    backend: Annotated[
+        str, typer.Option("--backend", help="vllm | pack:DIR | reference | python:MODULE | auto.")
+    ] = "auto",
+    repeat: Annotated[int, typer.Option("--repeat", min=1, help="Run every variant N times.")] = 1,
+    sanitize: Annotated[
+        bool, typer.Option("--sanitize", help="Also run the baseline under compute-sanitizer.")
+    ] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow-suggestions", help="Also run the mutations the findings suggest.")
+    ] = False,
+    device: Annotated[
+        str | None, typer.Option("--device", help="Device for kernels and the reference.")
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Seconds before a variant counts as a crash.")
+    ] = 600.0,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print one JSON document instead of tables.")
+    ] = False,
 ) -> None:
     """Replay captured calls (baseline and variants); print verdicts and findings. Exit 1 if anything failed."""
     from moereplay.errors import SettingsError
@@ -73,11 +86,11 @@ def run_command(
     if not file.exists():
         raise SettingsError(f"{file}: no such file")
     mutations = (
-        [f"flip {text}" for text in flip]
-        + [f"set {text}" for text in set_]
-        + [f"cast {text}" for text in cast]
-        + [f"sweep {text}" for text in sweep]
-        + [f"fill {text}" for text in fill]
+        [f"flip {text}" for text in flip or ()]
+        + [f"set {text}" for text in set_ or ()]
+        + [f"cast {text}" for text in cast or ()]
+        + [f"sweep {text}" for text in sweep or ()]
+        + [f"fill {text}" for text in fill or ()]
     )
     indices = select_calls(file, call=call, op=op, layer=layer, every=every)
     reports = [

@@ -49,7 +49,7 @@ from moereplay.replay.mutations import (
     parse_spec,
 )
 from moereplay.replay.results import GuardStatus, ReplayReport, VariantResult, Verdict
-from moereplay.replay.runner import InProcessRunner, Runner, RunRequest, WorkerRunner
+from moereplay.replay.runner import InProcessRunner, Runner, RunRequest, WorkerRunner, pooled_worker
 from moereplay.replay.source import LoadedCall, call_from_memory, load_call
 
 _MUTATION_KINDS = ("flip", "set", "cast", "fill", "sweep")
@@ -118,6 +118,7 @@ class _Session:
         timeout_s: float,
         guard: int,
         kernel_backend: KernelBackend | None,
+        reuse_worker: bool,
     ) -> None:
         self.call = call
         self.op = call.op
@@ -129,8 +130,14 @@ class _Session:
         self.notes: list[str] = []
         self._references: list[tuple[tuple[Any, ...], Args, ReferenceResult]] = []
         self.runner: Runner | None = None
+        self._owns_runner = True
         if spec.runs_kernels:
-            if isolate:
+            if isolate and reuse_worker:
+                self.runner = pooled_worker(
+                    call.capture_path, call.index, spec.text, device, timeout_s=timeout_s, guard=guard
+                )
+                self._owns_runner = False
+            elif isolate:
                 self.runner = WorkerRunner(
                     call.capture_path, call.index, spec.text, device, timeout_s=timeout_s, guard=guard
                 )
@@ -143,7 +150,7 @@ class _Session:
         }
 
     def close(self) -> None:
-        if self.runner is not None:
+        if self.runner is not None and self._owns_runner:
             self.runner.close()
 
     # -- the reference ----------------------------------------------------------------------------------------
@@ -495,6 +502,7 @@ def replay(
     localise_reads: bool = True,
     output: torch.Tensor | None = None,
     guard_bytes: int = DEFAULT_GUARD_BYTES,
+    reuse_worker: bool = True,
 ) -> ReplayReport:
     """Replay one call (baseline + every variant) and return the typed report.
 
@@ -503,7 +511,8 @@ def replay(
     ``mutations``: texts like ``"flip mul_topk_weights"``, ``"set thread_k=128+thread_n=64"``,
     ``"cast topk_weights=float32"``, ``"sweep moe_block_size=8,16,32"``, ``"fill 0xff"``, or :class:`Variant`s.
     ``backend``: ``auto`` | ``reference`` | ``vllm`` | ``pack:DIR``. ``isolate``: run kernels in a worker process
-    (default: yes for kernel backends). ``follow_suggestions``: also run the mutations the findings suggest.
+    (default: yes for kernel backends); ``reuse_worker`` keeps that worker for later calls in this process.
+    ``follow_suggestions``: also run the mutations the findings suggest.
     """
     spec = parse_backend(backend)
     if device is None:
@@ -529,6 +538,7 @@ def replay(
         timeout_s=timeout_s,
         guard=guard_bytes,
         kernel_backend=kernel_backend,
+        reuse_worker=reuse_worker,
     )
     try:
         baseline = session.evaluate(BASELINE)

@@ -126,10 +126,20 @@ class GuardedArgs:
         self._allocations = allocations
 
     def damage(self) -> list[GuardDamage]:
-        """Every changed guard region (out-of-bounds writes). Syncs the device once."""
+        """Every changed guard region (out-of-bounds writes). One device sync when nothing changed."""
+        if not self._allocations:
+            return []
+        counts = torch.stack(
+            [
+                (a.buffer[: a.guard] != a.before).sum()
+                + (a.buffer[a.guard + a.span_bytes :] != a.after).sum()
+                for a in self._allocations
+            ]
+        ).tolist()
         found: list[GuardDamage] = []
-        for allocation in self._allocations:
-            found.extend(allocation.damage())
+        for allocation, count in zip(self._allocations, counts, strict=True):
+            if count:
+                found.extend(allocation.damage())
         return found
 
     def allocation_of(self, name: str) -> _Allocation:

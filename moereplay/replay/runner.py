@@ -8,6 +8,7 @@ becomes a crash too.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -117,6 +118,30 @@ class WorkerRunner:
 
     # -- process management -----------------------------------------------------------------------------------
 
+    def use(self, capture: Path, call: int) -> None:
+        """Serve another call (the worker process, its CUDA context and imports stay)."""
+        self.capture = Path(capture)
+        self.call = call
+        if self._process is not None and self._process.poll() is None:
+            self._init()
+
+    def _init(self) -> None:
+        reply = self._request(
+            {
+                "cmd": "init",
+                "capture": str(self.capture),
+                "call": self.call,
+                "backend": self.backend,
+                "device": str(self.device),
+                "out_dir": str(self.folder),
+                "guard": self.guard,
+            }
+        )
+        if reply is None or reply.get("status") != "ready":
+            detail = (reply or {}).get("error") or self._log_tail()
+            self._stop()
+            raise ReplayError(f"the replay worker did not start: {detail}")
+
     def _start(self) -> None:
         read_fd, write_fd = os.pipe()
         environment = dict(os.environ)
@@ -137,21 +162,7 @@ class WorkerRunner:
         self._reply_fd = read_fd
         self._buffer = b""
         self.starts += 1
-        reply = self._request(
-            {
-                "cmd": "init",
-                "capture": str(self.capture),
-                "call": self.call,
-                "backend": self.backend,
-                "device": str(self.device),
-                "out_dir": str(self.folder),
-                "guard": self.guard,
-            }
-        )
-        if reply is None or reply.get("status") != "ready":
-            detail = (reply or {}).get("error") or self._log_tail()
-            self._stop()
-            raise ReplayError(f"the replay worker did not start: {detail}")
+        self._init()
 
     def _stop(self) -> None:
         process = self._process
@@ -265,3 +276,30 @@ class WorkerRunner:
     def close(self) -> None:
         self._stop()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_POOL: dict[tuple[str, str, int], WorkerRunner] = {}
+
+
+def pooled_worker(
+    capture: Path, call: int, backend: str, device: torch.device, *, timeout_s: float, guard: int
+) -> WorkerRunner:
+    """A worker kept alive across ``replay()`` calls in this process (one per backend, device and guard size), so
+    a second replay pays no start-up. Closed when the process exits."""
+    key = (backend, str(device), guard)
+    runner = _POOL.get(key)
+    if runner is None:
+        if not _POOL:
+            atexit.register(close_pool)
+        runner = WorkerRunner(capture, call, backend, device, timeout_s=timeout_s, guard=guard)
+        _POOL[key] = runner
+    runner.timeout_s = timeout_s
+    runner.use(capture, call)
+    return runner
+
+
+def close_pool() -> None:
+    """Stop every pooled worker."""
+    for runner in _POOL.values():
+        runner.close()
+    _POOL.clear()
