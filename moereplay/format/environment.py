@@ -22,6 +22,10 @@ from moereplay.format.framing import BLOB_HASH, FORMAT_MAJOR, FORMAT_MINOR, MAGI
 
 ENV_PREFIXES = ("MOEREPLAY_", "VLLM_")
 """Environment variables recorded in the header."""
+SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
+"""Variables and ``--options`` whose names contain one of these have their values replaced by REDACTED:
+capture files get attached to bug reports (e.g. ``VLLM_API_KEY``, ``--api-key``, ``--hf-token``)."""
+REDACTED = "<redacted>"
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
@@ -62,6 +66,30 @@ def _gpu() -> dict[str, Any] | None:
     }
 
 
+def _secret(name: str) -> bool:
+    upper = name.upper().replace("-", "_")
+    return any(word in upper for word in SECRET_WORDS)
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """``argv`` with the values of secret-looking options replaced (``--api-key X``, ``--hf-token=X``)."""
+    result: list[str] = []
+    hide_next = False
+    for argument in argv:
+        if hide_next:
+            result.append(REDACTED)
+            hide_next = False
+        elif argument.startswith("--") and _secret(argument.split("=", 1)[0]):
+            if "=" in argument:
+                result.append(argument.split("=", 1)[0] + "=" + REDACTED)
+            else:
+                result.append(argument)
+                hide_next = True
+        else:
+            result.append(argument)
+    return result
+
+
 def collect_environment() -> dict[str, Any]:
     """The automatic part of a capture header (values are msgpack-native: str, int, dicts, lists)."""
     return {
@@ -82,7 +110,11 @@ def collect_environment() -> dict[str, Any]:
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "pid": os.getpid(),
-        "argv": list(sys.argv),
+        "argv": redact_argv(sys.argv),
         "rank": {name.lower(): os.environ[name] for name in RANK_VARIABLES if name in os.environ},
-        "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith(ENV_PREFIXES)},
+        "env": {
+            name: REDACTED if _secret(name) else value
+            for name, value in sorted(os.environ.items())
+            if name.startswith(ENV_PREFIXES)
+        },
     }

@@ -126,10 +126,20 @@ class FrameSink:
     caller's buffer without an extra copy) and one ``write`` per piece.
     """
 
-    def __init__(self, file: IO[bytes], compression_level: int) -> None:
+    def __init__(self, file: IO[bytes], compression_level: int, compression_threads: int = 0) -> None:
         self._file = file
         self._compressor = zstandard.ZstdCompressor(
             level=compression_level, write_checksum=True, write_content_size=True
+        )
+        self._blob_compressor = (
+            zstandard.ZstdCompressor(
+                level=compression_level,
+                write_checksum=True,
+                write_content_size=True,
+                threads=compression_threads,
+            )
+            if compression_threads
+            else self._compressor
         )
         self.position = 0
 
@@ -163,7 +173,7 @@ class FrameSink:
             piece = data[start : start + chunk]
             pieces.append((_bin_header(piece.nbytes), piece))
         total = len(prefix) + sum(len(header) + piece.nbytes for header, piece in pieces)
-        stream = self._compressor.compressobj(size=total)
+        stream = self._blob_compressor.compressobj(size=total)
         compressed = [stream.compress(prefix)]
         step = 8 * 2**20
         for header, piece in pieces:
@@ -355,7 +365,7 @@ class FrameSource:
             raise self.fail(f"{where} lacks a content checksum or needs a dictionary")
         try:
             self._file.seek(envelope.frame_offset)
-            frame = _Bounded(self._file, envelope.frame_length)
+            frame: Any = _Bounded(self._file, envelope.frame_length)
             with self._decompressor.stream_reader(frame, read_size=1 << 20, closefd=False) as stream:
                 _BlobStream(stream, where, self.fail).read_into(
                     digest, length, parameters.content_size, target

@@ -26,6 +26,7 @@ import hashlib
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,10 @@ from moereplay.format.records import COMPLETION_STATUSES
 from moereplay.format.schema import TensorBytes, Unsupported
 from moereplay.format.tensors import dtype_name, span_start, storage_span_to_host, unsupported_reason
 from moereplay.format.values import to_wire
+
+MAX_PENDING_CALLS = 256
+"""Begun, not yet completed calls whose argument storages the writer keeps alive (oldest forgotten first; a
+forgotten call can still be completed, but its outputs are then not matched to its inputs' storages)."""
 
 
 @dataclass
@@ -220,6 +225,8 @@ class CaptureWriter:
     ``header`` is merged (shallowly) over the automatic environment header; ``magic`` and
     ``format_version`` cannot be overridden. ``index_every``: calls between index records (smaller: faster
     recovery of random access, slightly larger files). ``compression_level``: zstd level for every frame.
+    ``compression_threads``: zstd worker threads for blob frames (0: compress on the calling thread; -1: one
+    per CPU) — worth it for large weights on many-core hosts.
     """
 
     def __init__(
@@ -229,6 +236,7 @@ class CaptureWriter:
         *,
         index_every: int = 64,
         compression_level: int = 3,
+        compression_threads: int = 0,
     ) -> None:
         if index_every < 1:
             raise ValueError("index_every must be at least 1")
@@ -246,11 +254,12 @@ class CaptureWriter:
             self._file: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 - closed by close()
         except OSError as error:
             raise CaptureFileError(f"{self.path}: cannot create: {error.strerror or error}") from error
-        self._sink = FrameSink(self._file, compression_level)
+        self._sink = FrameSink(self._file, compression_level, compression_threads)
         self._closed = False
         self._broken: str | None = None
         self._next_call = 0
-        self._pending: dict[int, _CallStorages] = {}
+        self._pending: OrderedDict[int, _CallStorages] = OrderedDict()
+        self._forgotten: dict[int, int] = {}  # call index → storage ids its arguments used
         self._unindexed_calls: list[list[int]] = []
         self._unindexed_done: list[list[int]] = []
         self._last_index: int | None = None
@@ -334,6 +343,9 @@ class CaptureWriter:
             offset = self._guarded(write)
             self._next_call += 1
             self._pending[index] = storages
+            if len(self._pending) > MAX_PENDING_CALLS:
+                forgotten, old = self._pending.popitem(last=False)
+                self._forgotten[forgotten] = old.count
             self._unindexed_calls.append([index, offset])
             if len(self._unindexed_calls) >= self.index_every:
                 self._guarded(self._write_index)
@@ -362,6 +374,9 @@ class CaptureWriter:
         with self._lock:
             self._check_writable()
             storages = self._pending.get(index)
+            if storages is None and index in self._forgotten:
+                # completed very late: recorded, with fresh storage ids (no aliasing to its inputs)
+                storages = _CallStorages(count=self._forgotten[index])
             if storages is None:
                 raise ValueError(f"call {index} was not begun in this file, or was already completed")
             tensors = _TreeTensors(storages, self._static_lengths)
@@ -381,7 +396,8 @@ class CaptureWriter:
                 return self._sink.write_document(RecordKind.COMPLETION, index, document)
 
             offset = self._guarded(write)
-            del self._pending[index]
+            self._pending.pop(index, None)
+            self._forgotten.pop(index, None)
             self._unindexed_done.append([index, offset])
             if status == "completed":
                 self.completed += 1
@@ -409,6 +425,7 @@ class CaptureWriter:
                     self._guarded(lambda: self._finish(clean_counters))
             finally:
                 self._pending.clear()
+                self._forgotten.clear()
                 self._static_cache.clear()
                 self._static_given.clear()
                 self._file.close()
@@ -500,7 +517,7 @@ class CaptureWriter:
             "calls": self._next_call,
             "completed": self.completed,
             "failed": self.failed,
-            "pending": len(self._pending),
+            "pending": len(self._pending) + len(self._forgotten),
             "blobs": self.blob_count,
             "blob_bytes": self.blob_bytes,
             "counters": counters,

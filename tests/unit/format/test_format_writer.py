@@ -19,6 +19,10 @@ def test_header_merges_environment_and_caller_fields(tmp_path: Path, monkeypatch
     monkeypatch.setenv("MOEREPLAY_CAPTURE", "1")
     monkeypatch.setenv("VLLM_USE_V1", "1")
     monkeypatch.setenv("UNRELATED_SECRET", "x")
+    monkeypatch.setenv("VLLM_API_KEY", "sk-secret")
+    monkeypatch.setattr(
+        "sys.argv", ["vllm", "serve", "m", "--api-key", "sk-1", "--hf-token=hf-2", "--port", "8"]
+    )
     path = tmp_path / "h.zst"
     with CaptureWriter(path, {"model": "tiny", "format_version": [9, 9], "magic": "nope"}):
         pass
@@ -26,7 +30,17 @@ def test_header_merges_environment_and_caller_fields(tmp_path: Path, monkeypatch
         header = reader.header
     assert header["model"] == "tiny"
     assert header["format_version"] == [FORMAT_MAJOR, 0] and header["magic"] == "moereplay-capture"
-    assert header["env"] == {"MOEREPLAY_CAPTURE": "1", "VLLM_USE_V1": "1"}
+    assert header["env"] == {"MOEREPLAY_CAPTURE": "1", "VLLM_API_KEY": "<redacted>", "VLLM_USE_V1": "1"}
+    assert header["argv"] == [
+        "vllm",
+        "serve",
+        "m",
+        "--api-key",
+        "<redacted>",
+        "--hf-token=<redacted>",
+        "--port",
+        "8",
+    ]
     assert header["versions"]["torch"] == str(torch.__version__)
     assert header["versions"]["moereplay"]
     assert header["pid"] > 0 and isinstance(header["argv"], list) and header["host"]
@@ -60,6 +74,31 @@ def test_statuses_timings_errors_and_counters(tmp_path: Path) -> None:
     assert records[2].outputs is None
     assert stats.by_op == {"crashed": {"inputs_saved": 1}, "op": {"completed": 1, "failed": 1}}
     assert stats.counters == {"dropped_queue_full": 4}
+
+
+def test_late_completion_of_a_forgotten_call(tmp_path: Path) -> None:
+    from moereplay.format.writer import MAX_PENDING_CALLS
+
+    path = tmp_path / "late.zst"
+    x = torch.ones(2)
+    with CaptureWriter(path) as writer:
+        first = writer.begin_call("op", {"x": x})
+        for _ in range(MAX_PENDING_CALLS):
+            writer.begin_call("op", {})
+        writer.complete_call(first, {"out": x})  # still allowed; aliasing to the input is no longer known
+        with pytest.raises(ValueError):
+            writer.complete_call(first, {})
+    with CaptureReader(path) as reader:
+        assert reader.call(first).status == "completed" and reader.call(first).aliases() == {}
+        assert reader.footer is not None and reader.footer["pending"] == MAX_PENDING_CALLS
+
+
+def test_compression_threads(tmp_path: Path) -> None:
+    weight = torch.randn(512, 1024)
+    with CaptureWriter(tmp_path / "mt.zst", compression_threads=2) as writer:
+        writer.begin_call("op", {"w": weight})
+    with CaptureReader(tmp_path / "mt.zst") as reader:
+        assert torch.equal(reader.load_args(0)["w"], weight)
 
 
 def test_context_manager_closes_on_error(tmp_path: Path) -> None:
