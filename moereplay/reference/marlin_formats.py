@@ -298,7 +298,7 @@ class MarlinExpertWeights:
         )
 
     def dequantize(
-        self, experts: torch.Tensor | None = None, *, max_chunk_elements: int = 1 << 27
+        self, experts: torch.Tensor | None = None, *, max_chunk_elements: int = 1 << 26
     ) -> torch.Tensor:
         """Dense ``float32[len(experts), K, N]`` weights (all experts when ``experts`` is None), original row order.
 
@@ -312,6 +312,8 @@ class MarlinExpertWeights:
             raise ReferenceError_(f"expert index out of range [0, {self.num_experts})")
         per_expert = max(1, self.size_k * self.size_n)
         chunk = max(1, max_chunk_elements // per_expert)
+        if experts.numel() <= chunk:
+            return self._dequantize_chunk(experts)
         out = torch.empty((experts.numel(), self.size_k, self.size_n), dtype=torch.float32, device=device)
         for start in range(0, experts.numel(), chunk):
             selected = experts[start : start + chunk]
@@ -328,6 +330,8 @@ class MarlinExpertWeights:
         del codes
         groups = self.num_groups
         scales = self._logical_scales(experts)  # float32 [e, G, N]
+        if fmt is MarlinWeightFormat.NVFP4:  # fold the per-expert factor into the (small) scale tensor
+            scales = scales * self.expert_multipliers(experts).view(-1, 1, 1)
         zero_points = self._logical_zero_points(experts)  # float32 [e, G, N] or None
         count, k, n = values.shape
         if self.has_act_order:
@@ -351,8 +355,6 @@ class MarlinExpertWeights:
             if zero_points is not None:
                 grouped -= zero_points.unsqueeze(2)
             grouped *= scales.unsqueeze(2)
-        if fmt is MarlinWeightFormat.NVFP4:
-            values *= self.expert_multipliers(experts).view(count, 1, 1)
         return values
 
     def expert_multipliers(self, experts: torch.Tensor) -> torch.Tensor:
@@ -391,7 +393,7 @@ class MarlinExpertWeights:
 def _decode_codes(fmt: MarlinWeightFormat, codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes → float32 values before scales and zero points (integer bias already removed)."""
     if fmt in (MarlinWeightFormat.NVFP4, MarlinWeightFormat.MXFP4):
-        return e2m1_lut(codes.device)[codes.to(torch.int32)]
+        return torch.take(e2m1_lut(codes.device), codes.to(torch.long))
     if fmt in (MarlinWeightFormat.FP8, MarlinWeightFormat.MXFP8):
         return codes.view(torch.float8_e4m3fn).to(torch.float32)
     values = codes.to(torch.float32)
@@ -463,8 +465,9 @@ def dequant_notes(weights: MarlinExpertWeights, experts: torch.Tensor) -> list[t
 class PackedExperts:
     """Kernel-ready weight tensors for one Marlin MoE GEMM, plus the exact weights they stand for.
 
-    ``dense`` is computed in float64 directly from the logical quantised values (never through the Marlin layout), so
-    comparing it with :meth:`MarlinExpertWeights.dequantize` checks the packing and the decoding independently.
+    ``dense`` (float64 ``[E, K, N]``, None when not asked for) is computed directly from the logical quantised values
+    (never through the Marlin layout), so comparing it with :meth:`MarlinExpertWeights.dequantize` checks the packing
+    and the decoding independently.
     """
 
     format: MarlinWeightFormat
@@ -476,20 +479,14 @@ class PackedExperts:
     g_idx: torch.Tensor | None
     perm: torch.Tensor | None
     b_bias: torch.Tensor | None
-    dense: torch.Tensor
+    dense: torch.Tensor | None
     dense_bias: torch.Tensor | None
+    size_k: int
+    size_n: int
 
     @property
     def is_zp_float(self) -> bool:
         return self.format is MarlinWeightFormat.AWQ_INT4_FZP
-
-    @property
-    def size_k(self) -> int:
-        return int(self.dense.shape[1])
-
-    @property
-    def size_n(self) -> int:
-        return int(self.dense.shape[2])
 
     def kernel_kwargs(self) -> dict[str, object]:
         """The weight-side keyword arguments of ``moe_wna16_marlin_gemm``."""
@@ -534,6 +531,7 @@ def pack_experts(
     zero_points: torch.Tensor | None = None,
     g_idx: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    with_dense: bool = True,
 ) -> PackedExperts:
     """Logical quantised experts → the tensors vLLM 0.25.1's preparation code gives the kernel.
 
@@ -554,16 +552,8 @@ def pack_experts(
     grouped = layout.scales_are_grouped(groups)
     bits = fmt.num_bits
     codes = codes.to(torch.uint8)
-    device = codes.device
 
-    # Values before scaling, and the exact scale of every (group, n), both float64.
-    if fmt in (MarlinWeightFormat.NVFP4, MarlinWeightFormat.MXFP4):
-        values = e2m1_lut(device).to(torch.float64)[codes.to(torch.long)]
-    elif fmt in (MarlinWeightFormat.FP8, MarlinWeightFormat.MXFP8):
-        values = codes.view(torch.float8_e4m3fn).to(torch.float64)
-    else:
-        values = codes.to(torch.float64) - float(fmt.scalar_type.bias)
-
+    # The exact scale of every (group, n) in float64 (scale_dense) is worked out along the way.
     global_out: torch.Tensor | None = None
     zp_out: torch.Tensor | None = None
     zp_dense: torch.Tensor | None = None
@@ -609,18 +599,9 @@ def pack_experts(
                 zp_out = layout.pack_zero_points(zero_points.to(torch.uint8), bits)
                 zp_dense = zero_points.to(torch.float64)
 
-    # Dense reference weights, original row order.
-    if g_idx is not None:
-        if not fmt.supports_act_order:
-            raise ReferenceError_(f"act order is not supported for {fmt.value}")
-        group_of_row = g_idx.to(torch.long)
-    else:
-        group_of_row = (torch.arange(k, device=device) // group_size).expand(num_experts, k)
-    index = group_of_row.unsqueeze(-1).expand(num_experts, k, n)
-    dense = values
-    if zp_dense is not None:
-        dense = dense - torch.gather(zp_dense, 1, index)
-    dense = dense * torch.gather(scale_dense, 1, index)
+    if g_idx is not None and not fmt.supports_act_order:
+        raise ReferenceError_(f"act order is not supported for {fmt.value}")
+    dense = _dense_weights(fmt, codes, scale_dense, zp_dense, g_idx, group_size) if with_dense else None
 
     g_idx_out: torch.Tensor | None = None
     perm_out: torch.Tensor | None = None
@@ -649,28 +630,103 @@ def pack_experts(
         b_bias=bias_out,
         dense=dense,
         dense_bias=bias_dense,
+        size_k=k,
+        size_n=n,
     )
 
 
-def random_experts(
+def _dense_weights(
+    fmt: MarlinWeightFormat,
+    codes: torch.Tensor,
+    scale_dense: torch.Tensor,
+    zp_dense: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """float64 ``[E, K, N]`` weights in the original row order, straight from the logical values."""
+    num_experts, k, n = codes.shape
+    if fmt in (MarlinWeightFormat.NVFP4, MarlinWeightFormat.MXFP4):
+        values = e2m1_lut(codes.device).to(torch.float64)[codes.to(torch.long)]
+    elif fmt in (MarlinWeightFormat.FP8, MarlinWeightFormat.MXFP8):
+        values = codes.view(torch.float8_e4m3fn).to(torch.float64)
+    else:
+        values = codes.to(torch.float64) - float(fmt.scalar_type.bias)
+    if g_idx is not None:
+        group_of_row = g_idx.to(torch.long)
+    else:
+        group_of_row = (torch.arange(k, device=codes.device) // group_size).expand(num_experts, k)
+    index = group_of_row.unsqueeze(-1).expand(num_experts, k, n)
+    if zp_dense is not None:
+        values = values - torch.gather(zp_dense, 1, index)
+    return values * torch.gather(scale_dense, 1, index)
+
+
+@dataclass(frozen=True)
+class LogicalExperts:
+    """Quantised experts before any Marlin processing: the arguments of :func:`pack_experts` (see there)."""
+
+    format: MarlinWeightFormat
+    codes: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor | None
+    zero_points: torch.Tensor | None
+    g_idx: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    @property
+    def group_size(self) -> int:
+        return int(self.codes.shape[1] // self.scales.shape[1])
+
+    def to(self, device: torch.device | str) -> LogicalExperts:
+        def move(value: torch.Tensor | None) -> torch.Tensor | None:
+            return None if value is None else value.to(device)
+
+        return LogicalExperts(
+            self.format,
+            self.codes.to(device),
+            self.scales.to(device),
+            move(self.global_scale),
+            move(self.zero_points),
+            move(self.g_idx),
+            move(self.bias),
+        )
+
+    def pack(
+        self, activation_dtype: torch.dtype = torch.bfloat16, *, with_dense: bool = True
+    ) -> PackedExperts:
+        return pack_experts(
+            self.format,
+            self.codes,
+            self.scales,
+            activation_dtype=activation_dtype,
+            global_scale=self.global_scale,
+            zero_points=self.zero_points,
+            g_idx=self.g_idx,
+            bias=self.bias,
+            with_dense=with_dense,
+        )
+
+
+def random_logical_experts(
     fmt: MarlinWeightFormat,
     num_experts: int,
     size_k: int,
     size_n: int,
     *,
     group_size: int | None = None,
-    activation_dtype: torch.dtype = torch.bfloat16,
     act_order: bool = False,
     with_bias: bool = False,
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
-) -> PackedExperts:
-    """Random experts of one format, packed like vLLM (for tests and benchmarks).
+) -> LogicalExperts:
+    """Random quantised experts of one format, drawn on ``device`` (with a ``generator`` of that device).
 
-    ``group_size`` None → the format's fixed size, else channel-wise (integer and FP8 formats accept -1, 32, 64,
-    128; FP8 only -1 and 128 in the kernel).
+    ``group_size`` None → the format's fixed size, else channel-wise (integer formats: -1, 32, 64, 128; FP8: -1
+    or 128 in the kernel). Scales are drawn so that vLLM's processing loses nothing (NVFP4 scales well above the
+    zeroing threshold, e8m0 exponents near 1).
     """
-    gen = generator if generator is not None else torch.Generator().manual_seed(0)
+    device = torch.device(device)
+    gen = generator if generator is not None else torch.Generator(device).manual_seed(0)
     fixed = fmt.fixed_group_size
     if fixed is not None:
         if group_size not in (None, fixed):
@@ -683,71 +739,66 @@ def random_experts(
     shape_scales = (num_experts, groups, size_n)
 
     def uniform(shape: tuple[int, ...], low: float, high: float) -> torch.Tensor:
-        return torch.rand(shape, generator=gen, dtype=torch.float64) * (high - low) + low
+        return torch.rand(shape, generator=gen, dtype=torch.float64, device=device) * (high - low) + low
+
+    def integers(low: int, high: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randint(low, high, shape, generator=gen, dtype=torch.uint8, device=device)
 
     zero_points = None
     global_scale = None
     g_idx = None
     if fmt in (MarlinWeightFormat.NVFP4, MarlinWeightFormat.MXFP4):
-        codes = torch.randint(0, 16, shape_codes, generator=gen, dtype=torch.uint8)
+        codes = integers(0, 16, shape_codes)
     elif fmt in (MarlinWeightFormat.FP8, MarlinWeightFormat.MXFP8):
-        magnitude = torch.randint(0, 0x7F, shape_codes, generator=gen, dtype=torch.uint8)  # no NaN (0x7F)
-        sign = torch.randint(0, 2, shape_codes, generator=gen, dtype=torch.uint8) << 7
-        codes = magnitude | sign
+        codes = integers(0, 0x7F, shape_codes) | (integers(0, 2, shape_codes) << 7)  # no NaN (0x7F, 0xFF)
     else:
-        codes = torch.randint(0, 1 << fmt.num_bits, shape_codes, generator=gen, dtype=torch.uint8)
+        codes = integers(0, 1 << fmt.num_bits, shape_codes)
     if fmt is MarlinWeightFormat.NVFP4:
         scales = uniform(shape_scales, 0.5, 440.0).to(torch.float8_e4m3fn).to(torch.float32)
         global_scale = uniform((num_experts,), 1e-5, 1e-3).to(torch.float32)
     elif fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
-        scales = torch.randint(118, 130, shape_scales, generator=gen, dtype=torch.uint8)
-    elif fmt is MarlinWeightFormat.FP8:
-        scales = uniform(shape_scales, 1e-3, 2e-2)
+        scales = integers(118, 130, shape_scales)
     else:
         scales = uniform(shape_scales, 1e-3, 2e-2)
         if fmt is MarlinWeightFormat.AWQ_INT4:
-            zero_points = torch.randint(0, 16, shape_scales, generator=gen, dtype=torch.uint8)
+            zero_points = integers(0, 16, shape_scales)
         elif fmt is MarlinWeightFormat.AWQ_INT4_FZP:
             zero_points = uniform(shape_scales, 0.0, 15.0)
     if act_order:
         if not fmt.supports_act_order or groups < 2:
             raise ReferenceError_("act order needs a GPTQ format with more than one group")
+        rows = torch.arange(size_k, device=device) // group_size
         g_idx = torch.stack(
-            [
-                (torch.arange(size_k) // group_size)[torch.randperm(size_k, generator=gen)]
-                for _ in range(num_experts)
-            ]
+            [rows[torch.randperm(size_k, generator=gen, device=device)] for _ in range(num_experts)]
         ).to(torch.int32)
     bias = uniform((num_experts, size_n), -1.0, 1.0) if with_bias else None
-    packed = pack_experts(
+    return LogicalExperts(fmt, codes, scales, global_scale, zero_points, g_idx, bias)
+
+
+def random_experts(
+    fmt: MarlinWeightFormat,
+    num_experts: int,
+    size_k: int,
+    size_n: int,
+    *,
+    group_size: int | None = None,
+    activation_dtype: torch.dtype = torch.bfloat16,
+    act_order: bool = False,
+    with_bias: bool = False,
+    with_dense: bool = True,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> PackedExperts:
+    """Random experts of one format, packed like vLLM (for tests and benchmarks); see
+    :func:`random_logical_experts`. Packing runs on ``device``."""
+    logical = random_logical_experts(
         fmt,
-        codes,
-        scales,
-        activation_dtype=activation_dtype,
-        global_scale=global_scale,
-        zero_points=zero_points,
-        g_idx=g_idx,
-        bias=bias,
+        num_experts,
+        size_k,
+        size_n,
+        group_size=group_size,
+        act_order=act_order,
+        with_bias=with_bias,
+        generator=generator,
     )
-    if torch.device(device) == torch.device("cpu"):
-        return packed
-    return _to_device(packed, torch.device(device))
-
-
-def _to_device(packed: PackedExperts, device: torch.device) -> PackedExperts:
-    def move(value: torch.Tensor | None) -> torch.Tensor | None:
-        return None if value is None else value.to(device)
-
-    return PackedExperts(
-        format=packed.format,
-        activation_dtype=packed.activation_dtype,
-        b_qweight=packed.b_qweight.to(device),
-        b_scales=packed.b_scales.to(device),
-        global_scale=move(packed.global_scale),
-        b_qzeros=move(packed.b_qzeros),
-        g_idx=move(packed.g_idx),
-        perm=move(packed.perm),
-        b_bias=move(packed.b_bias),
-        dense=packed.dense.to(device),
-        dense_bias=move(packed.dense_bias),
-    )
+    return logical.to(device).pack(activation_dtype, with_dense=with_dense)

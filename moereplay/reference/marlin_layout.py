@@ -30,6 +30,7 @@ elementwise passes over the data plus one 1024-entry gather per tile.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Literal
 
 import torch
@@ -95,12 +96,35 @@ def _tile_slot_sources_cpu(num_bits: int, is_a_8bit: bool) -> torch.Tensor:
     return sources
 
 
-@functools.lru_cache(maxsize=64)
-def _on_device(table: str, num_bits: int, is_a_8bit: bool, device: torch.device) -> torch.Tensor:
-    sources = _tile_slot_sources_cpu(num_bits, is_a_8bit)
-    if table == "inverse":
-        sources = torch.argsort(sources)
-    return sources.to(device)
+# The same tile permutation as axis shuffles: slot digits (most significant first) and where each digit goes in
+# the tile's (k, n) digits. Derived from the table above; the tests check both agree. Names: c = thread // 4,
+# r = thread % 4, w = warp (w1, w0 its bits), h = which int of a pair, p/q/t = the code's position bits.
+_SLOT_AXES: dict[tuple[int, bool], tuple[tuple[int, ...], tuple[int, ...]]] = {
+    # slot digit sizes, and the order of those digits in the tile (k digits first, then n digits)
+    (4, False): ((8, 4, 4, 2, 2, 2), (5, 1, 3, 2, 4, 0)),  # c r w t q1 q0 → k=(q0 r t) n=(w q1 c)
+    (8, False): ((8, 4, 4, 2, 2, 2), (5, 1, 4, 2, 3, 0)),  # c r w h p1 p0 → k=(p0 r p1) n=(w h c)
+    (4, True): ((8, 4, 2, 2, 4, 2), (5, 1, 4, 2, 3, 0)),  # c r w1 w0 p1 p0 → k=(p0 r p1) n=(w1 w0 c)
+    (8, True): ((8, 4, 2, 2, 2, 4), (4, 1, 5, 2, 3, 0)),  # c r w1 w0 h p → k=(h r p) n=(w1 w0 c)
+}
+
+
+def _slots_to_tiles(slots: torch.Tensor, num_bits: int, is_a_8bit: bool) -> torch.Tensor:
+    """``[..., 1024]`` slot order → ``[..., tile_k * tile_n]`` (k, n) order, by reshapes only."""
+    sizes, order = _SLOT_AXES[(num_bits, is_a_8bit)]
+    lead = slots.shape[:-1]
+    shaped = slots.reshape(*lead, *sizes)
+    base = len(lead)
+    return shaped.permute(*range(base), *(base + axis for axis in order)).reshape(*lead, TILE_CODES)
+
+
+def _tiles_to_slots(tiles: torch.Tensor, num_bits: int, is_a_8bit: bool) -> torch.Tensor:
+    """Inverse of :func:`_slots_to_tiles`."""
+    sizes, order = _SLOT_AXES[(num_bits, is_a_8bit)]
+    lead = tiles.shape[:-1]
+    base = len(lead)
+    shaped = tiles.reshape(*lead, *(sizes[axis] for axis in order))
+    inverse = sorted(range(len(order)), key=lambda position: order[position])
+    return shaped.permute(*range(base), *(base + axis for axis in inverse)).reshape(*lead, TILE_CODES)
 
 
 def tile_slot_sources(num_bits: int, is_a_8bit: bool = False) -> torch.Tensor:
@@ -129,11 +153,23 @@ def _combine(codes: torch.Tensor, num_bits: int) -> torch.Tensor:
 
 
 def _split(words: torch.Tensor, num_bits: int) -> torch.Tensor:
-    """Inverse of :func:`_combine`: ``[..., words]`` int32 → ``[..., words * factor]`` uint8 codes."""
-    factor = 32 // num_bits
-    shifts = torch.arange(factor, device=words.device, dtype=torch.int32) * num_bits
-    codes = (words.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
-    return codes.to(torch.uint8).flatten(-2)
+    """Inverse of :func:`_combine`: ``[..., words]`` int32 → ``[..., words * factor]`` uint8 codes.
+
+    Reads the words' bytes (little-endian, as on every CPU and GPU torch runs on): byte ``j`` holds codes ``2j``
+    (low nibble) and ``2j + 1`` (high nibble) of 4-bit data, code ``j`` of 8-bit data.
+    """
+    if sys.byteorder != "little":  # pragma: no cover
+        raise ReferenceError_("Marlin unpacking assumes a little-endian machine")
+    data = words.to(torch.int32).contiguous().view(torch.uint8)
+    if num_bits == 8:
+        return data
+    return torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(-2)
+
+
+def _tile_axes(num_bits: int, is_a_8bit: bool) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(slot digit sizes, k digit positions among them, n digit positions among them)."""
+    sizes, order = _SLOT_AXES[(num_bits, is_a_8bit)]
+    return sizes, order[:3], order[3:]
 
 
 def pack_weights(codes: torch.Tensor, num_bits: int, is_a_8bit: bool = False) -> torch.Tensor:
@@ -147,16 +183,25 @@ def pack_weights(codes: torch.Tensor, num_bits: int, is_a_8bit: bool = False) ->
     k, n = codes.shape[-2:]
     _check_weight_shape(k, n, is_a_8bit)
     tile_k, tile_n = tile_shape(is_a_8bit)
+    sizes, k_axes, n_axes = _tile_axes(num_bits, is_a_8bit)
     lead = codes.shape[:-2]
-    tiles = codes.reshape(*lead, k // tile_k, tile_k, n // tile_n, tile_n).transpose(-3, -2)
-    tiles = tiles.reshape(*lead, k // tile_k, n // tile_n, TILE_CODES)
-    slots = tiles.index_select(-1, _on_device("forward", num_bits, is_a_8bit, codes.device))
-    words = _combine(slots, num_bits)
+    base = len(lead)
+    # [..., Kt, k digits, Nt, n digits] → [..., Kt, Nt, slot digits]
+    shaped = codes.reshape(
+        *lead, k // tile_k, *(sizes[a] for a in k_axes), n // tile_n, *(sizes[a] for a in n_axes)
+    )
+    source_of = {axis: base + 1 + i for i, axis in enumerate(k_axes)}
+    source_of.update({axis: base + 5 + i for i, axis in enumerate(n_axes)})
+    permuted = shaped.permute(*range(base), base, base + 4, *(source_of[axis] for axis in range(6)))
+    words = _combine(permuted.reshape(*lead, k // tile_k, n // tile_n, TILE_CODES), num_bits)
     return words.reshape(*lead, k // 16, n * 16 // (32 // num_bits))
 
 
 def unpack_weights(packed: torch.Tensor, num_bits: int, is_a_8bit: bool = False) -> torch.Tensor:
-    """Exact inverse of :func:`pack_weights`: ``int32[..., K/16, N*16/pack_factor]`` → ``uint8[..., K, N]`` codes."""
+    """Exact inverse of :func:`pack_weights`: ``int32[..., K/16, N*16/pack_factor]`` → ``uint8[..., K, N]`` codes.
+
+    Cost: one byte split and one strided copy of the ``K * N`` codes.
+    """
     _check_bits(num_bits)
     if packed.dim() < 2 or packed.dtype not in (torch.int32, torch.uint32):
         raise ReferenceError_(
@@ -170,12 +215,17 @@ def unpack_weights(packed: torch.Tensor, num_bits: int, is_a_8bit: bool = False)
     n = cols * factor // 16
     _check_weight_shape(k, n, is_a_8bit)
     tile_k, tile_n = tile_shape(is_a_8bit)
+    sizes, k_axes, n_axes = _tile_axes(num_bits, is_a_8bit)
     lead = packed.shape[:-2]
+    base = len(lead)
     words = packed.reshape(*lead, k // tile_k, n // tile_n, TILE_CODES // factor)
     slots = _split(words.view(torch.int32) if words.dtype == torch.uint32 else words, num_bits)
-    tiles = slots.index_select(-1, _on_device("inverse", num_bits, is_a_8bit, packed.device))
-    tiles = tiles.reshape(*lead, k // tile_k, n // tile_n, tile_k, tile_n).transpose(-3, -2)
-    return tiles.reshape(*lead, k, n)
+    shaped = slots.reshape(*lead, k // tile_k, n // tile_n, *sizes)
+    # [..., Kt, Nt, slot digits] → [..., Kt, k digits, Nt, n digits]
+    permuted = shaped.permute(
+        *range(base), base, *(base + 2 + a for a in k_axes), base + 1, *(base + 2 + a for a in n_axes)
+    )
+    return permuted.reshape(*lead, k, n)
 
 
 def marlin_weight_extent(packed: torch.Tensor, num_bits: int) -> tuple[int, int]:
@@ -227,16 +277,32 @@ def scale_order(grouped: bool) -> tuple[int, ...]:
     return _grouped_scale_order() if grouped else _channel_scale_order()
 
 
+# Every Marlin run order is a transpose of the run's digits: (logical digit sizes, their order in the run).
+_RUN_TRANSPOSES: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+
+def _register_run_order(order: tuple[int, ...], shape: tuple[int, ...], axes: tuple[int, ...]) -> None:
+    logical = torch.arange(len(order)).reshape(shape).permute(*axes).reshape(-1)
+    if tuple(logical.tolist()) != order:  # pragma: no cover - guards the table below
+        raise AssertionError(f"run order {order} is not the transpose {shape} {axes}")
+    _RUN_TRANSPOSES[order] = (shape, axes)
+
+
 def _apply_run_order(values: torch.Tensor, order: tuple[int, ...], inverse: bool) -> torch.Tensor:
+    """Reorder each run of ``len(order)`` along the last dim: position ``j`` takes element ``order[j]``."""
     run = len(order)
     shape = values.shape
     if shape[-1] % run:
         raise ReferenceError_(f"last dimension {shape[-1]} is not a multiple of the Marlin run length {run}")
-    index = torch.tensor(order, dtype=torch.long, device=values.device)
-    if inverse:
-        index = torch.argsort(index)
-    runs = values.reshape(*shape[:-1], shape[-1] // run, run)
-    return runs.index_select(-1, index).reshape(shape)
+    lead = (*shape[:-1], shape[-1] // run)
+    base = len(lead)
+    digits, axes = _RUN_TRANSPOSES[order]
+    if not inverse:
+        shaped = values.reshape(*lead, *digits)
+        return shaped.permute(*range(base), *(base + a for a in axes)).reshape(shape)
+    shaped = values.reshape(*lead, *(digits[a] for a in axes))
+    back = sorted(range(len(axes)), key=lambda position: axes[position])
+    return shaped.permute(*range(base), *(base + a for a in back)).reshape(shape)
 
 
 def scales_are_grouped(num_groups: int, is_a_8bit: bool = False) -> bool:
@@ -271,6 +337,12 @@ def unpermute_bias(bias: torch.Tensor) -> torch.Tensor:
 
 def _zero_point_interleave(num_bits: int) -> tuple[int, ...]:
     return (0, 2, 4, 6, 1, 3, 5, 7) if num_bits == 4 else (0, 2, 1, 3)
+
+
+_register_run_order(_grouped_scale_order(), (8, 8), (1, 0))
+_register_run_order(_channel_scale_order(), (4, 4, 2), (1, 0, 2))
+_register_run_order((0, 2, 1, 3), (2, 2), (1, 0))
+_register_run_order(_zero_point_interleave(4), (4, 2), (1, 0))
 
 
 def pack_zero_points(zero_points: torch.Tensor, num_bits: int, is_a_8bit: bool = False) -> torch.Tensor:

@@ -105,11 +105,14 @@ def test_pack_unpack_identity(num_bits: int, is_a_8bit: bool) -> None:
     assert layout.marlin_weight_extent(packed, num_bits) == (96, 128)
 
 
-def test_tile_tables_are_permutations() -> None:
+def test_tile_tables_are_permutations_and_match_the_axis_shuffle() -> None:
     for bits in (4, 8):
         for a8 in (False, True):
             table = layout.tile_slot_sources(bits, a8)
             assert torch.equal(torch.sort(table).values, torch.arange(1024))
+            # the fast reshape/permute path moves slot s to tile position table[s]
+            assert torch.equal(layout._slots_to_tiles(table, bits, a8), torch.arange(1024))
+            assert torch.equal(layout._tiles_to_slots(torch.arange(1024), bits, a8), table)
 
 
 def test_rows_round_trip_and_fp4_bytes() -> None:
@@ -178,3 +181,17 @@ def test_shape_errors() -> None:
         layout.unpack_weights(torch.zeros(1, 128, dtype=torch.float32), 4)
     with pytest.raises(ReferenceError_):
         layout.permute_scales(torch.zeros(1, 40), grouped=True)
+
+
+def test_run_orders_match_their_index_definition() -> None:
+    values = torch.arange(3 * 128).view(3, 128)
+    for order in [
+        layout.scale_order(True),
+        layout.scale_order(False),
+        (0, 2, 1, 3),
+        (0, 2, 4, 6, 1, 3, 5, 7),
+    ]:
+        index = torch.tensor(order)
+        expected = values.view(3, -1, len(order))[..., index].reshape(3, 128)
+        assert torch.equal(layout._apply_run_order(values, order, inverse=False), expected)
+        assert torch.equal(layout._apply_run_order(expected, order, inverse=True), values)

@@ -1,0 +1,522 @@
+"""Exact fp32 reference for vLLM 0.25.1's ``moe_wna16_marlin_gemm`` (``torch.ops._moe_C``), needing no kernel.
+
+What one call computes (facts from ``csrc/libtorch_stable/moe/marlin_moe_wna16`` and its callers):
+
+- Work is ``num_tokens_past_padded // moe_block_size`` blocks of ``moe_block_size`` entries of
+  ``sorted_token_ids``; block ``b`` uses expert ``expert_ids[b]``. An entry ``id < size_m * top_k`` is a slot:
+  output row ``id`` is written, from input row ``id // top_k`` (``top_k`` > 1: gemm1, one input row per token;
+  ``top_k == 1``: gemm2, pre-expanded rows). Other entries are padding; their rows are not written.
+- ``row = input[id // top_k] @ W[expert]`` with ``W`` the dequantised weight (all scales, zero points and, for
+  NVFP4, the per-expert global scale; act order uses ``perm`` to pick the input columns).
+- Then ``+ b_bias[expert]`` (when given), then ``* topk_weights.flatten()[id]`` when ``mul_topk_weights``:
+  ``output[id] = (row + bias) * weight``. The kernel reads ``topk_weights`` as float32 by flat slot index.
+- Launch and precision arguments (``workspace``, ``use_atomic_add``, ``use_fp32_reduce``, ``thread_k``,
+  ``thread_n``, ``blocks_per_sm``, ``is_k_full``) change how the kernel rounds, not what it means.
+
+The reference computes that mathematics in float32 from the decoded quantised weights (no TF32) and reports which
+rows a correct kernel writes, what each row is made of, and any argument the kernel may read differently from its
+meaning (:class:`ReferenceNote`). It runs on the inputs' device; only experts that some row uses are dequantised,
+and the row GEMMs of all experts run as one batched matmul. Cost: dequantisation of the used experts
+(~``used * K * N`` elements, a few passes) plus ``rows * K * N`` multiply-adds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from moereplay.errors import ReferenceError_
+from moereplay.reference import scalar_types as st
+from moereplay.reference.marlin_formats import (
+    MarlinExpertWeights,
+    MarlinWeightFormat,
+    dequant_notes,
+)
+from moereplay.reference.marlin_layout import unpermute_bias
+
+#: The block sizes the kernel accepts (8, then multiples of 16 up to 64).
+SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 48, 64)
+
+
+@dataclass(frozen=True)
+class ReferenceNote:
+    """An observation about the arguments: something the kernel may read differently from what it means.
+
+    ``code`` is a stable identifier (for findings and tests), ``message`` one human sentence.
+    """
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RowMap:
+    """What each output row is, per row of ``output`` (``size_m * top_k`` rows); -1 where the row is not written.
+
+    ``input_row`` is the row of ``input`` it multiplies (the token for gemm1; the expanded slot for gemm2),
+    ``expert`` the (local) expert, ``k_slot`` the position among the token's ``top_k`` choices (``id % top_k``),
+    ``block`` the moe block that writes it. All int64.
+    """
+
+    input_row: torch.Tensor
+    expert: torch.Tensor
+    k_slot: torch.Tensor
+    block: torch.Tensor
+
+    def as_tensor(self) -> torch.Tensor:
+        """``int64[rows, 3]`` columns (input_row, expert, k_slot)."""
+        return torch.stack((self.input_row, self.expert, self.k_slot), dim=1)
+
+
+@dataclass(frozen=True)
+class MarlinReferenceResult:
+    """The reference outcome of one call. All float tensors are float32 on the inputs' device.
+
+    ``output[r] = (gemm[r] + bias_rows[r]) * row_weights[r]`` for written rows, 0 elsewhere.
+    """
+
+    output: torch.Tensor
+    written: torch.Tensor
+    row_map: RowMap
+    gemm: torch.Tensor
+    bias_rows: torch.Tensor | None
+    row_weights: torch.Tensor
+    format: MarlinWeightFormat
+    activation_dtype: torch.dtype
+    experts_used: torch.Tensor
+    notes: tuple[ReferenceNote, ...]
+
+    def note_codes(self) -> frozenset[str]:
+        return frozenset(note.code for note in self.notes)
+
+
+class ExpertWeightCache:
+    """Keeps dequantised experts between calls on the *same* weight tensor objects (identity + version counter).
+
+    A replay that re-materialises its tensors gets no hits but never stale weights. ``max_bytes`` bounds the
+    float32 data kept (least recently used experts go first).
+    """
+
+    def __init__(self, max_bytes: int = 8 << 30) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[tuple[object, ...], int], torch.Tensor] = OrderedDict()
+        self._sources: dict[int, tuple[weakref.ref[torch.Tensor], ...]] = {}
+        self._bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def _tensors(weights: MarlinExpertWeights) -> tuple[torch.Tensor | None, ...]:
+        return (
+            weights.b_qweight,
+            weights.b_scales,
+            weights.global_scale,
+            weights.b_qzeros,
+            weights.g_idx,
+            weights.perm,
+        )
+
+    def _key(self, weights: MarlinExpertWeights) -> tuple[object, ...]:
+        parts: list[object] = [weights.format, weights.activation_dtype]
+        for tensor in self._tensors(weights):
+            parts.append(None if tensor is None else (id(tensor), tensor._version))
+        return tuple(parts)
+
+    @staticmethod
+    def _identity(key: tuple[object, ...]) -> tuple[object, ...]:
+        return tuple(part[0] if isinstance(part, tuple) else part for part in key)
+
+    def _alive(self, key: tuple[object, ...], weights: MarlinExpertWeights) -> bool:
+        refs = self._sources.get(hash(key))
+        if refs is None:
+            return False
+        current = [t for t in self._tensors(weights) if t is not None]
+        return len(refs) == len(current) and all(ref() is t for ref, t in zip(refs, current, strict=True))
+
+    def get(self, weights: MarlinExpertWeights, experts: torch.Tensor) -> torch.Tensor:
+        """Dense ``float32[len(experts), K, N]``, from the cache where possible."""
+        key = self._key(weights)
+        if not self._alive(key, weights):
+            self._drop_key(key)
+            # entries of the same tensors at an older version counter can never be hit again
+            identity = self._identity(key)
+            for stale in {entry[0] for entry in self._entries if self._identity(entry[0]) == identity}:
+                self._drop_key(stale)
+            self._sources[hash(key)] = tuple(weakref.ref(t) for t in self._tensors(weights) if t is not None)
+        wanted = [int(e) for e in experts.tolist()]
+        missing = [e for e in wanted if (key, e) not in self._entries]
+        self.hits += len(wanted) - len(missing)
+        self.misses += len(missing)
+        if missing:
+            fresh = weights.dequantize(torch.tensor(missing, device=weights.b_qweight.device))
+            for index, expert in enumerate(missing):
+                self._entries[(key, expert)] = fresh[index]
+                self._bytes += fresh[index].numel() * 4
+        for expert in wanted:
+            self._entries.move_to_end((key, expert))
+        result = torch.stack([self._entries[(key, expert)] for expert in wanted]) if wanted else None
+        while self._bytes > self.max_bytes and self._entries:
+            _, evicted = self._entries.popitem(last=False)
+            self._bytes -= evicted.numel() * 4
+        if result is None:
+            return torch.empty(
+                (0, weights.size_k, weights.size_n), dtype=torch.float32, device=weights.b_qweight.device
+            )
+        return result
+
+    def _drop_key(self, key: tuple[object, ...]) -> None:
+        for entry in [entry for entry in self._entries if entry[0] == key]:
+            self._bytes -= self._entries.pop(entry).numel() * 4
+        self._sources.pop(hash(key), None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._sources.clear()
+        self._bytes = 0
+
+
+@contextlib.contextmanager
+def exact_fp32_matmul() -> Iterator[None]:
+    """Run float32 matmuls without TF32 (restoring the caller's setting afterwards)."""
+    previous = torch.get_float32_matmul_precision()
+    if previous == "highest" and not torch.backends.cuda.matmul.allow_tf32:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(previous)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    slot: torch.Tensor  # int64 [R] output row
+    expert: torch.Tensor  # int64 [R]
+    block: torch.Tensor  # int64 [R]
+
+
+def _scalar(value: torch.Tensor | int, name: str) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.numel() < 1:
+            raise ReferenceError_(f"{name} is empty")
+        return int(value.reshape(-1)[0])
+    return int(value)
+
+
+def _route(
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_past_padded: torch.Tensor | int,
+    moe_block_size: int,
+    num_slots: int,
+    num_experts: int,
+    device: torch.device,
+    notes: list[ReferenceNote],
+) -> _Rows:
+    total = _scalar(num_tokens_past_padded, "num_tokens_past_padded")
+    if total % moe_block_size:
+        notes.append(
+            ReferenceNote(
+                "padded_total_not_multiple",
+                f"num_tokens_past_padded={total} is not a multiple of moe_block_size={moe_block_size}; "
+                "the kernel processes only whole blocks",
+            )
+        )
+    blocks = max(total // moe_block_size, 0)
+    available = min(sorted_token_ids.numel() // moe_block_size, expert_ids.numel())
+    if blocks > available:
+        notes.append(
+            ReferenceNote(
+                "padded_total_exceeds_buffers",
+                f"num_tokens_past_padded={total} needs {blocks} blocks but the buffers hold {available}; "
+                "the kernel reads past them",
+            )
+        )
+        blocks = available
+    ids = (
+        sorted_token_ids[: blocks * moe_block_size]
+        .to(device=device, dtype=torch.long)
+        .view(blocks, moe_block_size)
+    )
+    block_experts = expert_ids[:blocks].to(device=device, dtype=torch.long)
+    valid = (ids >= 0) & (ids < num_slots)
+    if bool((ids < 0).any()):
+        notes.append(
+            ReferenceNote(
+                "negative_sorted_id",
+                f"{int((ids < 0).sum())} sorted_token_ids entries are negative; the kernel counts them as rows",
+            )
+        )
+    padding_before = torch.cumsum((~valid).to(torch.int32), dim=1) > 0
+    inner = valid & padding_before
+    if bool(inner.any()):
+        bad_blocks = torch.nonzero(inner.any(dim=1)).reshape(-1)
+        notes.append(
+            ReferenceNote(
+                "padding_inside_block",
+                f"blocks {_short_list(bad_blocks)} have padding before a valid entry; the kernel writes only the "
+                "first `count` entries of a block",
+            )
+        )
+    bad_expert = (block_experts < 0) | (block_experts >= num_experts)
+    dropped = valid & bad_expert.view(-1, 1)
+    if bool(dropped.any()):
+        bad_blocks = torch.nonzero(dropped.any(dim=1)).reshape(-1)
+        notes.append(
+            ReferenceNote(
+                "invalid_block_expert",
+                f"blocks {_short_list(bad_blocks)} name an expert outside [0, {num_experts}) "
+                f"({_short_list(block_experts[bad_blocks])}); their rows are left unwritten here",
+            )
+        )
+        valid = valid & ~bad_expert.view(-1, 1)
+    positions = torch.nonzero(valid.reshape(-1)).reshape(-1)
+    slot = ids.reshape(-1)[positions]
+    block = positions // moe_block_size
+    expert = block_experts[block]
+    if slot.numel():
+        last = torch.full((num_slots,), -1, dtype=torch.long, device=device)
+        last.scatter_reduce_(0, slot, torch.arange(slot.numel(), device=device), reduce="amax")
+        keep = last[last >= 0]
+        if keep.numel() != slot.numel():
+            counts = torch.bincount(slot, minlength=num_slots)
+            notes.append(
+                ReferenceNote(
+                    "duplicate_slot",
+                    f"output rows {_short_list(torch.nonzero(counts > 1).reshape(-1))} are written by more than "
+                    "one block (the kernel's result depends on timing); the last block is used here",
+                )
+            )
+        slot, expert, block = slot[keep], expert[keep], block[keep]
+    return _Rows(slot, expert, block)
+
+
+def _short_list(values: torch.Tensor, limit: int = 8) -> str:
+    items = [int(v) for v in values.reshape(-1)[: limit + 1].tolist()]
+    text = ",".join(str(v) for v in items[:limit])
+    return text + (",…" if len(items) > limit else "")
+
+
+def _row_weights(
+    topk_weights: torch.Tensor,
+    slot: torch.Tensor,
+    num_slots: int,
+    notes: list[ReferenceNote],
+) -> torch.Tensor:
+    if topk_weights.dtype != torch.float32:
+        notes.append(
+            ReferenceNote(
+                "topk_weights_dtype",
+                f"topk_weights is {topk_weights.dtype}; the kernel reads its bytes as float32",
+            )
+        )
+    if not topk_weights.is_contiguous():
+        notes.append(
+            ReferenceNote(
+                "topk_weights_layout", "topk_weights is not contiguous; the kernel reads its storage flat"
+            )
+        )
+    flat = topk_weights.reshape(-1).to(device=slot.device, dtype=torch.float32)
+    if flat.numel() < num_slots:
+        notes.append(
+            ReferenceNote(
+                "topk_weights_short",
+                f"topk_weights has {flat.numel()} values for {num_slots} slots; the kernel reads past it",
+            )
+        )
+    inside = slot < flat.numel()
+    values = torch.full(slot.shape, float("nan"), dtype=torch.float32, device=slot.device)
+    values[inside] = flat[slot[inside]]
+    return values
+
+
+def reference_moe_wna16_marlin_gemm(
+    input: torch.Tensor,
+    output: torch.Tensor | None,
+    b_qweight: torch.Tensor,
+    b_bias: torch.Tensor | None,
+    b_scales: torch.Tensor,
+    a_scales: torch.Tensor | None,
+    global_scale: torch.Tensor | None,
+    b_qzeros: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    workspace: torch.Tensor | None,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_past_padded: torch.Tensor | int,
+    topk_weights: torch.Tensor,
+    moe_block_size: int,
+    top_k: int,
+    mul_topk_weights: bool,
+    b_q_type: int | st.ScalarType | object,
+    size_m: int,
+    size_n: int,
+    size_k: int,
+    is_k_full: bool = True,
+    use_atomic_add: bool = False,
+    use_fp32_reduce: bool = True,
+    is_zp_float: bool = False,
+    thread_k: int = -1,
+    thread_n: int = -1,
+    blocks_per_sm: int = -1,
+    *,
+    weight_cache: ExpertWeightCache | None = None,
+) -> MarlinReferenceResult:
+    """The exact result of one ``moe_wna16_marlin_gemm`` call; the arguments are the kernel's, by name and order.
+
+    ``output``, ``workspace`` and the launch/precision arguments are accepted and ignored. Raises
+    :class:`ReferenceError_` (one line) for calls the reference cannot compute: 8-bit activations, unknown types,
+    inconsistent shapes.
+    """
+    del output, workspace, use_atomic_add, use_fp32_reduce, thread_k, thread_n, blocks_per_sm, is_k_full
+    quant_type = st.as_scalar_type(b_q_type)
+    if a_scales is not None and a_scales.numel() > 0:
+        raise ReferenceError_("8-bit activations (a_scales) are not supported by the Marlin reference")
+    activation_dtype = input.dtype
+    if activation_dtype not in (torch.float16, torch.bfloat16):
+        raise ReferenceError_(f"the Marlin reference needs float16/bfloat16 input, got {activation_dtype}")
+    if moe_block_size < 1:
+        raise ReferenceError_(f"moe_block_size={moe_block_size} must be positive")
+    if top_k < 1 or size_m < 1:
+        raise ReferenceError_(f"top_k={top_k} and size_m={size_m} must be positive")
+    if tuple(input.shape) != (size_m, size_k):
+        raise ReferenceError_(f"input is {tuple(input.shape)}, expected (size_m={size_m}, size_k={size_k})")
+    device = input.device
+    weights = MarlinExpertWeights.from_kernel_args(
+        b_qweight=b_qweight,
+        b_scales=b_scales,
+        b_q_type=quant_type,
+        activation_dtype=activation_dtype,
+        size_k=size_k,
+        size_n=size_n,
+        global_scale=global_scale,
+        b_qzeros=b_qzeros,
+        g_idx=g_idx,
+        perm=perm,
+        is_zp_float=is_zp_float,
+    )
+    if b_qweight.device != device:
+        raise ReferenceError_(f"input is on {device} but b_qweight on {b_qweight.device}")
+    num_experts = weights.num_experts
+    num_slots = size_m * top_k
+    notes: list[ReferenceNote] = []
+    if moe_block_size not in SUPPORTED_BLOCK_SIZES:
+        notes.append(
+            ReferenceNote(
+                "unsupported_block_size",
+                f"moe_block_size={moe_block_size} is not one the kernel accepts {SUPPORTED_BLOCK_SIZES}",
+            )
+        )
+    if is_zp_float and activation_dtype != torch.float16:
+        notes.append(
+            ReferenceNote("zp_float_dtype", "the kernel accepts float zero points with float16 input only")
+        )
+
+    rows = _route(
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_past_padded,
+        moe_block_size,
+        num_slots,
+        num_experts,
+        device,
+        notes,
+    )
+    experts_used = torch.unique(rows.expert)
+    for code, message in dequant_notes(weights, experts_used):
+        notes.append(ReferenceNote(code, message))
+
+    if weight_cache is not None:
+        dense = weight_cache.get(weights, experts_used)
+    else:
+        dense = weights.dequantize(experts_used)
+    gemm_rows = _expert_rows_matmul(input, rows, top_k, experts_used, dense)
+
+    gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
+    gemm[rows.slot] = gemm_rows
+    written = torch.zeros(num_slots, dtype=torch.bool, device=device)
+    written[rows.slot] = True
+
+    bias_rows: torch.Tensor | None = None
+    total = gemm.clone()
+    if b_bias is not None and b_bias.numel() > 0:
+        if b_bias.dim() != 2 or tuple(b_bias.shape) != (num_experts, size_n):
+            raise ReferenceError_(f"b_bias must be [E={num_experts}, N={size_n}], got {tuple(b_bias.shape)}")
+        if b_bias.dtype != activation_dtype:
+            notes.append(
+                ReferenceNote(
+                    "bias_dtype", f"b_bias is {b_bias.dtype}; the kernel reads it as {activation_dtype}"
+                )
+            )
+        bias = unpermute_bias(
+            b_bias.index_select(0, experts_used.to(b_bias.device)).to(device, torch.float32)
+        )
+        bias_rows = torch.zeros_like(gemm)
+        bias_rows[rows.slot] = bias[torch.searchsorted(experts_used, rows.expert)]
+        total += bias_rows
+
+    row_weights = torch.zeros(num_slots, dtype=torch.float32, device=device)
+    if mul_topk_weights:
+        row_weights[rows.slot] = _row_weights(topk_weights, rows.slot, num_slots, notes)
+        total *= row_weights.unsqueeze(1)
+    else:
+        row_weights[rows.slot] = 1.0
+        total[~written] = 0.0
+
+    minus_one = torch.full((num_slots,), -1, dtype=torch.long, device=device)
+    input_row, expert, k_slot, block = (
+        minus_one.clone(),
+        minus_one.clone(),
+        minus_one.clone(),
+        minus_one.clone(),
+    )
+    input_row[rows.slot] = rows.slot // top_k
+    expert[rows.slot] = rows.expert
+    k_slot[rows.slot] = rows.slot % top_k
+    block[rows.slot] = rows.block
+    return MarlinReferenceResult(
+        output=total,
+        written=written,
+        row_map=RowMap(input_row, expert, k_slot, block),
+        gemm=gemm,
+        bias_rows=bias_rows,
+        row_weights=row_weights,
+        format=weights.format,
+        activation_dtype=activation_dtype,
+        experts_used=experts_used,
+        notes=tuple(notes),
+    )
+
+
+def _expert_rows_matmul(
+    input: torch.Tensor, rows: _Rows, top_k: int, experts_used: torch.Tensor, dense: torch.Tensor
+) -> torch.Tensor:
+    """``input[slot // top_k] @ dense[expert]`` for every row, as one padded batched matmul over the used experts."""
+    count = rows.slot.numel()
+    size_n = dense.shape[-1]
+    if count == 0:
+        return torch.zeros((0, size_n), dtype=torch.float32, device=input.device)
+    position = torch.searchsorted(experts_used, rows.expert)
+    per_expert = torch.bincount(position, minlength=experts_used.numel())
+    starts = torch.cumsum(per_expert, 0) - per_expert
+    order = torch.argsort(position, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(count, device=input.device) - starts[position[order]]
+    widest = int(per_expert.max())
+    batch = torch.zeros(
+        (experts_used.numel(), widest, input.shape[1]), dtype=torch.float32, device=input.device
+    )
+    batch[position, rank] = input.index_select(0, rows.slot // top_k).to(torch.float32)
+    with exact_fp32_matmul():
+        product = torch.bmm(batch, dense)
+    return product[position, rank]
