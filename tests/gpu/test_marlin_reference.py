@@ -663,6 +663,23 @@ def test_published_report_case() -> None:
         f"[marlin] {base + ' diagnostic: bf16 weights read as fp32':<70} rows 0-{covered - 1}: "
         f"median rel vs that hypothesis {float(hyp_rel.nanmedian()):.2e}"
     )
+    # diagnostic: the weight each row was actually scaled by (least squares against the flag-off product) and the
+    # slot whose routing weight it matches
+    product = ref_off.output
+    implied = (out_on.float() * product).sum(1) / (product**2).sum(1).clamp_min(1e-30)
+    weights_flat = weights_bf16.reshape(-1).float()
+    matches = []
+    for row in range(min(8, implied.numel())):
+        close = (
+            torch.nonzero((weights_flat - implied[row]).abs() <= 1e-2 * weights_flat.abs())
+            .reshape(-1)
+            .tolist()
+        )
+        matches.append(f"{row}->{close[:3] if close else 'none'}")
+    report(
+        f"[marlin] {base + ' diagnostic: implied weight of rows':<70} "
+        f"row->slots whose weight it matches: {' '.join(matches)}"
+    )
     assert "topk_weights_dtype" in ref_on.note_codes()
     assert_agrees(control, spec, base + " mul=1 w=fp32")
     assert_agrees(reported, spec, base + " mul=1 w=bf16")
