@@ -46,6 +46,7 @@ from moereplay.format.values import ext_hook
 
 _DIGEST_BYTES = 32
 DEFAULT_BLOB_CACHE_BYTES = 256 * 2**20
+_CUT = "the file ends inside a record"
 
 
 @dataclass
@@ -78,6 +79,8 @@ class CaptureReader:
     re-hashes every blob loaded (sha256, ~1.5 GB/s); zstd checksums are always checked.
     ``blob_cache_bytes``: verified blob bytes kept (least recently used first out) so loading many calls that
     share weights decodes them once; every load still gets fresh buffers. 0 disables it.
+
+    One reader is used by one thread at a time (it owns a file position); open one per thread.
     """
 
     def __init__(
@@ -327,7 +330,7 @@ class CaptureReader:
             try:
                 envelope = source.envelope_at(position)
             except TruncatedFileError:
-                stopped = "the file ends inside a record"
+                stopped = _CUT
                 break
             except CaptureFileError as error:
                 stopped = str(error).removeprefix(f"{self.path}: ")
@@ -358,7 +361,8 @@ class CaptureReader:
         recovered = f"recovered {len(slots)} calls ({completed} with outputs)"
         footer_missing = footer is None
         if stopped is not None:
-            message = f"stopped at byte {position} of {source.size}: {stopped}; {recovered}"
+            verb = "truncated" if stopped == _CUT else "stopped"
+            message = f"{verb} at byte {position} of {source.size}: {stopped}; {recovered}"
             if footer_missing:
                 message += "; footer missing"
             return slots, footer, Recovery(False, footer_missing, position, len(slots), message)

@@ -271,7 +271,12 @@ class CaptureWriter:
         self.blob_bytes = 0
         self.completed = 0
         self.failed = 0
-        self._guarded(lambda: self._sink.write_document(RecordKind.HEADER, _version_value(), wire_header))
+        try:
+            self._guarded(lambda: self._sink.write_document(RecordKind.HEADER, _version_value(), wire_header))
+        except BaseException:
+            self._closed = True
+            self._file.close()
+            raise
 
     # ------------------------------------------------------------------------------------------ public
 
