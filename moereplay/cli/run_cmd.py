@@ -112,7 +112,7 @@ def run_command(
         document = {"failed": failed, "reports": [report.to_json() for report in reports]}
         sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
     else:
-        _render(reports)
+        render_reports(reports)
     raise typer.Exit(1 if failed else 0)
 
 
@@ -124,7 +124,8 @@ def _number(value: float | None, digits: int = 2) -> str:
     return f"{value:.{digits}e}"
 
 
-def _render(reports: list[ReplayReport]) -> None:
+def render_reports(reports: list[ReplayReport]) -> None:
+    """The verdict table and findings of each report, for people (rich, to stdout)."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text

@@ -407,7 +407,7 @@ class _Session:
                 where = "past the end" if side == "after" else "before the start"
                 bound = "+" if last >= self.guard - 1 else ""
                 parts.append(f"bytes {first}..{last}{bound} {where}")
-            text = f"{name} is over-read" + (f" ({', '.join(parts)})" if parts else "")
+            text = f"{name} is over-read" + (f" ({', '.join(parts)} affect the output)" if parts else "")
             located.append((text, {"argument": name, "extents": [[s, a, b] for s, (a, b) in sides]}))
         return located
 

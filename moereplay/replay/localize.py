@@ -30,8 +30,8 @@ def _concentration(label: str, values: torch.Tensor, bad: Sequence[int], written
     population = Counter(
         int(v) for v, w in zip(values.tolist(), written.tolist(), strict=True) if w and v >= 0
     )
-    if len(involved) == len(population):
-        return None  # spread over every value: no concentration to report
+    if len(population) < 2 or len(involved) > len(population) // 2:
+        return None  # spread over most values (or one value per row): nothing to localise
     fully = all(involved[k] == population[k] for k in involved)
     names = row_ranges(involved.keys(), limit=8)
     tail = "all of their rows" if fully else "some of their rows"
