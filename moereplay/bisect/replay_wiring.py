@@ -55,18 +55,18 @@ def _experts_in(evidence: Mapping[str, Any]) -> set[int]:
     return {expert for expert in found if expert >= 0}
 
 
-def signature_of(result: Any, findings: Iterable[Any]) -> Signature:
+def signature_of(result: Any, findings: Iterable[Any], inherited: Iterable[Any] = ()) -> Signature:
     """The signature of one variant's failure: its verdict, the kinds of its findings, the experts they name.
 
     ``result`` is a replay ``VariantResult`` (``label``, ``verdict``); ``findings`` the report's findings, of which
     those about this variant count (``finding.variant == result.label``). Affected experts come from each finding's
-    evidence (``experts`` / ``by_expert``, as the replay's localisation writes them).
+    evidence (``experts`` / ``by_expert``, as the replay's localisation writes them). ``inherited`` findings count
+    whatever variant they name (see :meth:`ReplayJudge.__call__`).
     """
     kinds: set[str] = set()
     experts: set[int] = set()
-    for finding in findings:
-        if finding.variant != result.label:
-            continue
+    own = [finding for finding in findings if finding.variant == result.label]
+    for finding in [*own, *inherited]:
         kind = finding.kind.value
         if kind in NOT_SIGNATURE_KINDS:
             continue
@@ -75,7 +75,7 @@ def signature_of(result: Any, findings: Iterable[Any]) -> Signature:
     return Signature(result.verdict.value, frozenset(kinds), frozenset(experts))
 
 
-def observation_of(result: Any, findings: Iterable[Any]) -> Observation:
+def observation_of(result: Any, findings: Iterable[Any], inherited: Iterable[Any] = ()) -> Observation:
     """A variant's verdict as an observation: ``ok`` is good, ``invalid`` unresolved, anything else bad."""
     verdict = result.verdict.value
     if verdict == "ok":
@@ -85,7 +85,7 @@ def observation_of(result: Any, findings: Iterable[Any]) -> Observation:
     note = f"{result.bad_rows}/{result.rows} rows bad" if getattr(result, "rows", 0) else ""
     if result.reason:
         note = f"{note}; {result.reason}" if note else result.reason
-    return Observation.bad(signature_of(result, findings), note)
+    return Observation.bad(signature_of(result, findings, inherited), note)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -160,48 +160,163 @@ class Judge(Protocol):
 
 
 ShapeSource = Callable[[Path, int], tuple[Sequence[Dimension], Callable[[Mapping[str, int]], bool] | None]]
-"""The shrinkable dimensions of one call (and a legal-shape rule across them), as the call's op declares them."""
+"""The shrinkable dimensions of one call (and a legal-shape rule across them)."""
 
 
-def replay_judge(capture: Path) -> Judge:
-    """A judge over ``moereplay.replay``; raises :class:`ReplayUnavailableError` while the engine is missing."""
+def replay_judge(capture: Path, **options: Any) -> ReplayJudge:
+    """A judge over ``moereplay.replay``; raises :class:`ReplayUnavailableError` when the engine cannot be loaded.
+
+    ``options`` go to every ``replay()`` call (``device``, ``isolate``, ``repeat``, ``timeout_s`` …).
+    """
     try:
         engine = importlib.import_module("moereplay.replay")
-    except ImportError as error:
+        replay = engine.replay
+        load_call = engine.load_call
+    except (ImportError, AttributeError) as error:
         raise ReplayUnavailableError(UNAVAILABLE) from error
-    if not callable(getattr(engine, "replay", None)):
-        raise ReplayUnavailableError(UNAVAILABLE)
-    # The engine's entry point exists but no adapter from it to observations is written yet.
-    raise ReplayUnavailableError(f"{UNAVAILABLE} (no bisect adapter for this version of moereplay.replay)")
+    return ReplayJudge(capture, replay, load_call, options)
 
 
-def op_shape_source(
-    capture: Path, call: int
-) -> tuple[Sequence[Dimension], Callable[[Mapping[str, int]], bool] | None]:
-    """The call's op's shrinkable dimensions (``op.shape_dimensions(record)`` and ``op.shape_legal``), if declared."""
-    from moereplay.format.reader import CaptureReader
-    from moereplay.ops import get_op
+@dataclass(frozen=True)
+class _InMemoryCall:
+    """What ``replay()`` accepts beside ``args`` for a call that exists only in memory (a shrunk one)."""
 
-    with CaptureReader(capture) as reader:
-        record = reader.call(call)
-    op = get_op(record.op)
-    declare = getattr(op, "shape_dimensions", None)
-    if declare is None:
-        raise BisectError(
-            f"op {record.op} declares no shrinkable dimensions; --strategy shape cannot run on it"
+    op: str
+
+
+def _dimension(item: Any) -> Dimension:
+    if isinstance(item, Dimension):
+        return item
+    name, values, original = item
+    return Dimension(str(name), tuple(int(value) for value in values), int(original))
+
+
+class ReplayJudge:
+    """Judges probes by replaying one call with ``moereplay.replay.replay``.
+
+    A probe with mutations becomes *one* variant holding all of them (a ddmin subset is applied together); the
+    observation comes from that variant's verdict and findings, or from the baseline's for a probe without
+    mutations. The last loaded call is kept (mutation and pack searches replay one call many times). Each probe
+    is one ``replay()``: the engine runs the baseline beside a variant and, for kernel backends, starts its worker
+    process, so a probe costs about two kernel runs plus the worker's start.
+
+    Shapes: the call's op declares ``shape_dimensions(args)`` → dimensions (:class:`Dimension` or ``(name, legal
+    values, original)``), ``shrink(args, shape)`` → the arguments of a call of that shape, and optionally
+    ``shape_legal(shape)``; a shrunk call is replayed from memory (compared with the reference only).
+    """
+
+    def __init__(
+        self,
+        capture: Path,
+        replay: Callable[..., Any],
+        load_call: Callable[..., Any],
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.capture = capture
+        self._replay = replay
+        self._load_call = load_call
+        self.options = dict(options or {})
+        self._loaded: tuple[int, Any] | None = None
+
+    def loaded(self, call: int) -> Any:
+        """The call's ``LoadedCall`` (arguments decoded, on the device the engine will use)."""
+        if self._loaded is None or self._loaded[0] != call:
+            device = self.options.get("device")
+            if device is None:
+                import torch
+
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            self._loaded = None  # free the previous call's tensors before loading the next
+            self._loaded = (call, self._load_call(self.capture, call, device))
+        return self._loaded[1]
+
+    def variant(self, call: int, mutations: Sequence[str]) -> Any:
+        """One replay ``Variant`` applying every mutation of ``mutations``; malformed specs raise
+        ``InvalidMutationError`` and a spec that makes several variants (a sweep) is refused."""
+        from moereplay.replay.engine import parse_variants
+        from moereplay.replay.mutations import Variant
+
+        op = self.loaded(call).op
+        parts: list[Any] = []
+        for spec in mutations:
+            variants = parse_variants(op, [spec])
+            if len(variants) != 1:
+                raise BisectError(
+                    f"mutation {spec!r} makes {len(variants)} variants; bisect needs single changes"
+                )
+            parts.extend(variants[0].mutations)
+        return Variant(tuple(parts), "; ".join(mutations))
+
+    def flag_flips(self, call: int) -> tuple[str, ...]:
+        """``flip ARG`` for every flag the call's op declares mutable: the default ddmin candidates."""
+        from moereplay.ops.base import ArgKind, argument_spec
+
+        op = self.loaded(call).op
+        return tuple(
+            f"flip {mutable.name}"
+            for mutable in op.mutable
+            if argument_spec(op, mutable.name).kind is ArgKind.FLAG
         )
-    return tuple(declare(record)), getattr(op, "shape_legal", None)
+
+    def shapes(
+        self, capture: Path, call: int
+    ) -> tuple[tuple[Dimension, ...], Callable[[Mapping[str, int]], bool] | None]:
+        """The call's shrinkable dimensions and legal-shape rule, as its op declares them."""
+        loaded = self.loaded(call)
+        op = loaded.op
+        declare = getattr(op, "shape_dimensions", None)
+        if declare is None or getattr(op, "shrink", None) is None:
+            raise BisectError(
+                f"op {op.name} declares no shrinkable dimensions (shape_dimensions / shrink); "
+                "--strategy shape cannot run on it"
+            )
+        return tuple(_dimension(item) for item in declare(loaded.args)), getattr(op, "shape_legal", None)
+
+    def __call__(
+        self, call: int, mutations: Sequence[str], backend: str | None, shape: Mapping[str, int] | None
+    ) -> Observation:
+        loaded = self.loaded(call)
+        options: dict[str, Any] = {**self.options, "backend": backend or "auto"}
+        source: Any = loaded
+        if shape is not None:
+            dimensions, _ = self.shapes(self.capture, call)
+            full = {dimension.name: dimension.original for dimension in dimensions}
+            options["args"] = loaded.op.shrink(loaded.args, {**full, **shape})
+            source = _InMemoryCall(loaded.op.name)
+        if not mutations:
+            report = self._replay(source, **options)
+            return observation_of(report.baseline, report.findings)
+        report = self._replay(source, mutations=[self.variant(call, mutations)], **options)
+        result = report.variants[0]
+        # The engine leaves out of a variant the findings the baseline already reported word for word, so a
+        # variant failing like the baseline inherits the baseline's findings for its signature.
+        inherited: list[Any] = []
+        if result.verdict == report.baseline.verdict:
+            inherited = [finding for finding in report.findings if finding.variant == report.baseline.label]
+        return observation_of(result, report.findings, inherited)
 
 
 class ReplayWiring:
-    """Prepares each strategy over a capture file; ``judge`` / ``shapes`` replace the engine-backed defaults."""
+    """Prepares each strategy over a capture file.
 
-    def __init__(self, judge: Judge | None = None, shapes: ShapeSource | None = None) -> None:
+    ``judge`` / ``shapes`` replace the engine-backed defaults; ``replay_options`` go to every ``replay()`` call of
+    the default judge (e.g. ``device="cpu", isolate=False``).
+    """
+
+    def __init__(
+        self,
+        judge: Judge | None = None,
+        shapes: ShapeSource | None = None,
+        replay_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self._judge = judge
-        self._shapes = shapes if shapes is not None else op_shape_source
+        self._shapes = shapes
+        self._replay_options = dict(replay_options or {})
 
     def prepare(self, request: BisectRequest) -> Prepared:
-        judge = self._judge if self._judge is not None else replay_judge(request.capture)
+        judge = (
+            self._judge if self._judge is not None else replay_judge(request.capture, **self._replay_options)
+        )
         if request.strategy == "calls":
             return self._calls(request, judge)
         call = self._failing_call(request)
@@ -245,15 +360,21 @@ class ReplayWiring:
         return Prepared(search, predicate, f"{len(refs)} calls of {request.capture.name} by step and layer")
 
     def _mutations(self, request: BisectRequest, judge: Judge, call: int) -> Prepared:
-        if not request.mutations:
+        candidates = request.mutations
+        if isinstance(judge, ReplayJudge):
+            if not candidates:
+                candidates = judge.flag_flips(call)
+            for spec in candidates:
+                judge.variant(call, [spec])  # a typo must stop here, not turn every probe unresolved
+        if not candidates:
             raise BisectError("--strategy mutations needs candidate mutations (--mutations 'flip ARG' …)")
-        search = MutationSearch(list(request.mutations), match=request.match)
+        search = MutationSearch(list(candidates), match=request.match)
         backend = request.backend
 
         def predicate(probe: SubsetProbe[str]) -> Observation:
             return judge(call, probe.items, backend, None)
 
-        return Prepared(search, predicate, f"call #{call}, {len(request.mutations)} candidate mutations")
+        return Prepared(search, predicate, f"call #{call}, {len(candidates)} candidate mutations")
 
     def _packs(self, request: BisectRequest, judge: Judge, call: int) -> Prepared:
         labels = [Path(pack).name or pack for pack in request.packs]
@@ -265,7 +386,12 @@ class ReplayWiring:
         return Prepared(search, predicate, f"call #{call} on {len(request.packs)} kernel packs")
 
     def _shape(self, request: BisectRequest, judge: Judge, call: int) -> Prepared:
-        dimensions, legal = self._shapes(request.capture, call)
+        if self._shapes is not None:
+            dimensions, legal = self._shapes(request.capture, call)
+        elif isinstance(judge, ReplayJudge):
+            dimensions, legal = judge.shapes(request.capture, call)
+        else:
+            raise BisectError("--strategy shape needs a source of shrinkable dimensions")
         if request.dimensions:
             known = {dimension.name for dimension in dimensions}
             unknown = sorted(set(request.dimensions) - known)

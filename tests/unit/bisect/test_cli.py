@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -80,8 +81,9 @@ def test_stream_is_ordered_by_step_and_layer_and_skips_parent_calls(capture: Pat
 
 
 def test_without_the_replay_engine_the_command_prints_one_line(
-    capture: Path, capsys: pytest.CaptureFixture[str]
+    capture: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setitem(sys.modules, "moereplay.replay", None)  # as if the engine were not installed
     with pytest.raises(SystemExit) as exit_info:
         main(["bisect", str(capture), "--strategy", "calls", "--no-tui"])
     assert exit_info.value.code == 2
