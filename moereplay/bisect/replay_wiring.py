@@ -352,10 +352,13 @@ class ReplayWiring:
             known_bad=position_of(request.call, "--call"),
             match=request.match,
         )
+        always = request.mutations
+        if always and isinstance(judge, ReplayJudge):
+            judge.variant(refs[search.known_bad].index, always)
         backend = request.backend
 
         def predicate(probe: ItemProbe[CallRef]) -> Observation:
-            return judge(probe.item.index, (), backend, None)
+            return judge(probe.item.index, always, backend, None)
 
         return Prepared(search, predicate, f"{len(refs)} calls of {request.capture.name} by step and layer")
 
@@ -377,11 +380,14 @@ class ReplayWiring:
         return Prepared(search, predicate, f"call #{call}, {len(candidates)} candidate mutations")
 
     def _packs(self, request: BisectRequest, judge: Judge, call: int) -> Prepared:
+        always = request.mutations
+        if always and isinstance(judge, ReplayJudge):
+            judge.variant(call, always)
         labels = [Path(pack).name or pack for pack in request.packs]
         search = PackSearch(list(request.packs), labels=labels, match=request.match)
 
         def predicate(probe: ItemProbe[str]) -> Observation:
-            return judge(call, (), f"pack:{probe.item}", None)
+            return judge(call, always, f"pack:{probe.item}", None)
 
         return Prepared(search, predicate, f"call #{call} on {len(request.packs)} kernel packs")
 
@@ -400,11 +406,14 @@ class ReplayWiring:
                     f"unknown dimension(s) {', '.join(unknown)} (the op declares {', '.join(sorted(known))})"
                 )
             dimensions = [dimension for dimension in dimensions if dimension.name in request.dimensions]
+        always = request.mutations
+        if always and isinstance(judge, ReplayJudge):
+            judge.variant(call, always)
         search = ShapeSearch(dimensions, legal=legal, match=request.match)
         backend = request.backend
 
         def predicate(probe: ShapeProbe) -> Observation:
-            return judge(call, (), backend, probe.shape)
+            return judge(call, always, backend, probe.shape)
 
         names = ", ".join(dimension.name for dimension in dimensions)
         return Prepared(search, predicate, f"call #{call}, shrinking {names}")

@@ -28,7 +28,9 @@ class BisectRequest:
     ``call``: the failing call (``mutations``, ``shape``, ``packs``), or the known-bad end of the stream
     (``calls``; default the last call of the selection). ``good``: a call known good (``calls`` only).
     ``op`` / ``layer``: restrict the stream of calls. ``mutations``: mutation specs as ``moereplay run`` writes them
-    (``flip mul_topk_weights``, ``set moe_block_size=64`` …); empty lets the wiring propose candidates.
+    (``flip mul_topk_weights``, ``set moe_block_size=64``, ``fill 0xff`` …) — for ``mutations`` the candidates
+    (empty: the wiring proposes some), for the other strategies changes applied to every probe (``fill 0xff`` to
+    hunt an out-of-bounds read).
     ``packs``: kernel pack directories, oldest first. ``dimensions``: names of the shape dimensions to shrink
     (empty: all the op declares). ``backend``: as ``moereplay run --backend``.
     """

@@ -66,8 +66,9 @@ def bisect_command(
         typer.Option(
             "--mutations",
             "-m",
-            help="mutations: a candidate mutation as `moereplay run` writes it ('flip mul_topk_weights', "
-            "'set moe_block_size=64'); repeat, or separate with ';'.",
+            help="A mutation as `moereplay run` writes it ('flip mul_topk_weights', 'set moe_block_size=64', "
+            "'fill 0xff'); repeat, or separate with ';'. mutations: the candidates (default: flip each flag); "
+            "other strategies: applied to every probe.",
         ),
     ] = None,
     packs: Annotated[

@@ -75,6 +75,18 @@ def test_first_bad_call_found_by_replaying(
     assert "wrong_coefficient" in result["target"]["finding_kinds"]
 
 
+def test_fill_case_first_call_reading_past_its_weights(
+    capture: Path, toy: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With 0xff guard bands, the bf16 calls' reads past the end of their weights turn into NaNs.
+    code, document = invoke(monkeypatch, toy, str(capture), "--strategy", "calls", "-m", "fill 0xff")
+    assert code == 0, document
+    result = document["summary"]["result"]
+    assert result["first_bad"] == FIRST_BAD
+    assert result["target"]["verdict"] == "nonfinite"
+    assert all(step["probe"]["label"].startswith("#") for step in document["steps"])
+
+
 def test_minimal_fix_found_by_replaying(
     capture: Path, toy: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
