@@ -111,7 +111,8 @@ class ValueCodec(Protocol):
     plain stand-in good enough for the reference.
     """
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def encode(self, value: Any) -> Any: ...
 
@@ -623,8 +624,11 @@ class KernelBackend(Protocol):
     one. ``device`` is where tensors must live for ``run``.
     """
 
-    name: str
-    device: torch.device
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
     def module(self, name: str) -> types.ModuleType: ...
 
@@ -633,14 +637,29 @@ class KernelBackend(Protocol):
 class OpSpec(Protocol):
     """Everything moereplay knows about one kernel family (see the module docstring)."""
 
-    name: str
-    patch_points: tuple[PatchPoint, ...]
-    arguments: tuple[ArgSpec, ...]
-    mutable: tuple[MutableArg, ...]
-    derived: tuple[DerivedArg, ...]
-    contracts: tuple[TensorContract, ...]
-    scratch: tuple[str, ...]
-    output_name: str
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def patch_points(self) -> tuple[PatchPoint, ...]: ...
+
+    @property
+    def arguments(self) -> tuple[ArgSpec, ...]: ...
+
+    @property
+    def mutable(self) -> tuple[MutableArg, ...]: ...
+
+    @property
+    def derived(self) -> tuple[DerivedArg, ...]: ...
+
+    @property
+    def contracts(self) -> tuple[TensorContract, ...]: ...
+
+    @property
+    def scratch(self) -> tuple[str, ...]: ...
+
+    @property
+    def output_name(self) -> str: ...
 
     def rederive(self, args: Args, changed: frozenset[str]) -> dict[str, Any]:
         """``args`` with every derived argument that depends on ``changed`` recomputed (a new dict)."""

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from moereplay.errors import SettingsError
+from moereplay.ops.base import KernelBackend
 
 BackendKind = Literal["reference", "vllm", "pack", "python"]
 
@@ -60,7 +61,7 @@ def parse_backend(text: str) -> BackendSpec:
     for kind in ("pack", "python"):
         prefix = kind + ":"
         if value.startswith(prefix) and value[len(prefix) :].strip():
-            return BackendSpec(kind, value[len(prefix) :].strip())  # type: ignore[arg-type]
+            return BackendSpec("pack" if kind == "pack" else "python", value[len(prefix) :].strip())
     raise SettingsError(f"--backend {text!r}: expected reference, vllm, pack:DIR, python:MODULE or auto")
 
 
@@ -76,7 +77,7 @@ class ModuleBackend:
         return self.importer(name)
 
 
-def load_backend(spec: BackendSpec, device: torch.device | str) -> ModuleBackend:
+def load_backend(spec: BackendSpec, device: torch.device | str) -> KernelBackend:
     """Make ``spec`` usable in this process. The reference spec has no kernel: asking for one is a bug."""
     device = torch.device(device)
     if spec.kind == "vllm":
@@ -94,7 +95,8 @@ def load_backend(spec: BackendSpec, device: torch.device | str) -> ModuleBackend
         factory = getattr(module, "backend", None)
         if not callable(factory):
             raise SettingsError(f"backend module {location} has no backend(device, name) function")
-        return factory(device, name)  # type: ignore[no-any-return]
+        backend: KernelBackend = factory(device, name)
+        return backend
     raise SettingsError("the reference backend runs no kernel")
 
 

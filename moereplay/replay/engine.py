@@ -156,7 +156,7 @@ class _Session:
     # -- the reference ----------------------------------------------------------------------------------------
 
     def reference_for(self, args: Args) -> ReferenceResult:
-        ignores = getattr(self.op, "reference_ignores", frozenset())
+        ignores: frozenset[str] = getattr(self.op, "reference_ignores", frozenset())
         key = tuple(
             (name, id(value) if isinstance(value, torch.Tensor) else repr(value))
             for name, value in sorted(args.items())
@@ -399,7 +399,7 @@ class _Session:
                 continue
             sides = []
             for side in ("after", "before"):
-                extent = self._extent(base, written, name, side, other)  # type: ignore[arg-type]
+                extent = self._extent(base, written, name, side, other)
                 if extent is not None:
                     sides.append((side, extent))
             parts = []

@@ -52,11 +52,11 @@ class GuardDamage:
 def _span_elements(tensor: torch.Tensor) -> tuple[int, int]:
     """(first element offset in storage, number of elements) covered by the view."""
     if tensor.numel() == 0:
-        return tensor.storage_offset(), 0
+        return int(tensor.storage_offset()), 0
     extent = 1 + sum(
         (size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
     )
-    return tensor.storage_offset(), extent
+    return int(tensor.storage_offset()), int(extent)
 
 
 @dataclass
@@ -193,7 +193,7 @@ def materialise(
         if isinstance(value, torch.Tensor):
             storage = value.untyped_storage()
             key = (str(value.device), storage.data_ptr()) if storage.nbytes() else (name, id(value))
-            groups.setdefault(key, []).append(name)  # type: ignore[arg-type]
+            groups.setdefault(key, []).append(name)
     out: dict[str, Any] = dict(args)
     allocations: list[_Allocation] = []
     for names in groups.values():
@@ -221,8 +221,9 @@ def materialise(
         buffer[guard + span_bytes :].copy_(after)
         if span_bytes:
             source = tensors[0]
+            nbytes = source.untyped_storage().nbytes()
             storage_bytes = torch.empty(0, dtype=torch.uint8, device=source.device).set_(
-                source.untyped_storage(), 0, (source.untyped_storage().nbytes(),)
+                source.untyped_storage(), 0, (nbytes,), (1,)
             )
             buffer[guard : guard + span_bytes].copy_(storage_bytes[lo:hi])
         for name, tensor in zip(names, tensors, strict=True):
