@@ -28,7 +28,7 @@ Public API (stable names; other packages code against these):
 - :class:`CaptureWriter` ``(path, header=None, *, index_every=64, compression_level=3)`` — context manager.
   ``begin_call(op, args, *, site="", context=None, parent=None, static=()) -> int``;
   ``complete_call(index, outputs, *, timings=None, status="completed", error=None)``; ``flush()``;
-  ``close(counters=None)``. The header dict is merged over the automatic environment header (format version,
+  ``close(counters=None)``; ``.calls`` (begun so far), ``.bytes_written``. The header dict is merged over the automatic environment header (format version,
   moereplay/torch/triton/vLLM/CUDA/driver versions, GPU name/compute capability/SM count when CUDA is
   initialised, host, pid, rank, argv, ``MOEREPLAY_*``/``VLLM_*`` variables). **The writer copies tensors to
   the host itself** (synchronously), so callers pass device tensors as they are. ``static`` names arguments

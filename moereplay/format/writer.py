@@ -293,6 +293,11 @@ class CaptureWriter:
         """Calls begun so far."""
         return self._next_call
 
+    @property
+    def bytes_written(self) -> int:
+        """Size of the file so far, in bytes (records handed to the file object, flushed or not)."""
+        return self._sink.position
+
     def begin_call(
         self,
         op: str,

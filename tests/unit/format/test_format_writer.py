@@ -172,6 +172,8 @@ def test_index_and_footer_are_used_without_scanning(tmp_path: Path) -> None:
         for step in range(10):
             index = writer.begin_call("op", {"x": torch.full((1000,), float(step))})
             writer.complete_call(index, {"y": step})
+        before_close = writer.bytes_written
+    assert before_close < path.stat().st_size
     kinds = [envelope.kind for envelope in record_layout(path)]
     assert kinds[0] is RecordKind.HEADER and kinds[-2:] == [RecordKind.FOOTER, RecordKind.TAIL]
     assert kinds.count(RecordKind.INDEX) == 3  # after calls 4 and 8, and the last one at close
