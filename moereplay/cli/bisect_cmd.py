@@ -10,7 +10,6 @@ without one (ambiguous, not reproduced, nothing to minimise …) or stopped at `
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from collections.abc import Callable
@@ -135,22 +134,23 @@ def bisect_command(
     )
     prepared = wiring_factory().prepare(request)
     log_path = log if log is not None else default_log_path(file, strategy, request.log_tag)
+    resumed = 0
     if log_path.exists() and not fresh:
         session: Session[Any, Any] = Session.resume(prepared.search, log_path, prepared.predicate)
-        _note(f"resuming {log_path} ({len(session.steps)} steps recorded)")
+        resumed = len(session.steps)
+        _note(f"resuming {log_path} ({resumed} steps recorded)")
     else:
         session = Session(
             prepared.search, prepared.predicate, log_path=log_path, capture=str(file), overwrite=fresh
         )
-    if not json_output:
-        print(f"bisect {strategy}: {prepared.description}")
-        for step in session.steps:
-            _print_step(step, resumed=True)
-
-    in_tui = (
-        not no_tui and not json_output and sys.stdout.isatty() and _run_in_tui(session, prepared.description)
-    )
+    interactive = not no_tui and not json_output and _interactive_terminal()
+    call_shown = None if strategy == "calls" else call
+    in_tui = interactive and _run_in_tui(session, prepared.description, file, call_shown, resumed)
     if not in_tui:
+        if not json_output:
+            print(f"bisect {strategy}: {prepared.description}")
+            for step in session.steps:
+                _print_step(step, resumed=True)
         taken = 0
         while not session.done and (max_steps is None or taken < max_steps):
             step = session.step()
@@ -176,18 +176,23 @@ def _print_step(step: Step, *, resumed: bool = False) -> None:
     print(f"  step {step.number}: {step.label} -> {step.observation}{who}{seconds}{marker}")
 
 
+def _interactive_terminal() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
 def _note(message: str) -> None:
     print(f"moereplay: note: {message}", file=sys.stderr)
 
 
-def _run_in_tui(session: Session[Any, Any], description: str) -> bool:
-    """Hand the session to the TUI's bisect screen when the TUI provides one; ``False`` to run headless."""
+def _run_in_tui(
+    session: Session[Any, Any], description: str, capture: Path, call: int | None, resumed: int
+) -> bool:
+    """Hand the session to the TUI's bisect screen; ``False`` (run headless) when the TUI cannot be loaded."""
     try:
-        tui = importlib.import_module("moereplay.tui")
-    except ImportError:
+        from moereplay.tui.app import MoereplayApp
+        from moereplay.tui.bisect_sessions import BisectLaunch
+    except ImportError as error:
+        _note(f"the TUI is not available ({error}); running headless")
         return False
-    run_bisect_session = getattr(tui, "run_bisect_session", None)
-    if run_bisect_session is None:
-        return False
-    run_bisect_session(session, description)
+    MoereplayApp(bisect=BisectLaunch(session, description, capture, call, resumed)).run()
     return True

@@ -240,3 +240,24 @@ def test_observation_of_replay_results() -> None:
     assert observation_of(ok, found) == Observation.good()
     invalid = results.VariantResult("x", (), results.Verdict.INVALID, reason="moe_block_size 7 not supported")
     assert observation_of(invalid, found) == Observation.unresolved("invalid: moe_block_size 7 not supported")
+
+
+def test_on_a_terminal_the_session_goes_to_the_tui(capture: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    app_module = pytest.importorskip("moereplay.tui.app")
+    launched = []
+
+    def run(self) -> None:  # the person steps through the whole session in the TUI
+        launch = self.initial_bisect
+        launched.append(launch)
+        launch.session.run_to_end()
+
+    monkeypatch.setattr(app_module.MoereplayApp, "run", run)
+    monkeypatch.setattr(bisect_cmd, "_interactive_terminal", lambda: True)
+    use(monkeypatch, Judge({1}))
+    result = CliRunner().invoke(
+        app, ["bisect", str(capture), "--strategy", "mutations", "--call", "1", "-m", "flip mul_topk_weights"]
+    )
+    assert result.exit_code == 0, result.output
+    (launch,) = launched
+    assert (launch.capture, launch.call, launch.resumed_steps) == (capture, 1, 0)
+    assert "minimal passing set: flip mul_topk_weights" in result.output
