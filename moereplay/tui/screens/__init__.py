@@ -1,0 +1,1 @@
+"""One screen per workflow: browser, call view, bisect session, help, and the small dialogs."""

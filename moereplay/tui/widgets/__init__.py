@@ -1,0 +1,1 @@
+"""Widgets, grouped by the screen area that uses them (``browser/``, ``call/``, ``bisect/``)."""
