@@ -11,7 +11,8 @@ is a :class:`Search` a caller drives step by step (``current`` / ``observe``) or
 - :class:`PackSearch` (``packs``): the first kernel pack in an ordered list where the behaviour changes.
 
 A :class:`Session` adds the person (good / bad / skip overrides) and the JSON-lines log beside the capture, from which
-it resumes (:meth:`Session.resume`). ``moereplay.bisect.replay_predicates`` wires predicates to ``moereplay.replay``.
+it resumes (:meth:`Session.resume`). :mod:`moereplay.bisect.replay_wiring` builds searches over a capture file and
+judges their probes with ``moereplay.replay``.
 """
 
 from __future__ import annotations
