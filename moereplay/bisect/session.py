@@ -183,7 +183,11 @@ class Session(Generic[P, R]):
         auto = self.pending
         seconds = self._pending[2] if auto is not None and self._pending is not None else None
         if outcome is Outcome.BAD:
-            observation = Observation.bad(self.search.target, note or "marked bad by a person")
+            # "Bad" means the bug being hunted; before a target exists, the predicate's failure (if it ran) is it.
+            signature = self.search.target
+            if signature is None and auto is not None and auto.outcome is not Outcome.GOOD:
+                signature = auto.signature
+            observation = Observation.bad(signature, note or "marked bad by a person")
         elif outcome is Outcome.GOOD:
             observation = Observation.good(note or "marked good by a person")
         else:

@@ -92,6 +92,24 @@ def test_person_overrides_good_bad_skip(tmp_path: Path) -> None:
     assert person[1]["auto_observation"] is None
 
 
+def test_a_person_confirming_the_first_failure_sets_the_target() -> None:
+    other = Signature("nonfinite", frozenset({"nonfinite"}))
+
+    def predicate(probe: ItemProbe[int]) -> Observation:
+        return (
+            Observation.unresolved("crash of another kind", TARGET)
+            if probe.index == 9
+            else (Observation.bad(other) if probe.index == 4 else stream_predicate(6)(probe))
+        )
+
+    session = Session(FirstBadSearch(list(range(10))), predicate)
+    assert session.evaluate().outcome is Outcome.UNRESOLVED
+    session.decide(Outcome.BAD)  # the person knows this is the bug
+    assert session.search.target == TARGET
+    summary = session.run_to_end()
+    assert summary.result is not None and summary.result.first_bad == 6  # index 4 (another bug) was skipped
+
+
 def test_manual_session_without_predicate(tmp_path: Path) -> None:
     session = Session(FirstBadSearch(list(range(4))))
     with pytest.raises(BisectError, match="no predicate"):
