@@ -518,6 +518,8 @@ def replay(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     target = torch.device(device)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
     if spec.needs_cuda and target.type != "cuda":
         raise ReplayError(
             f"the {spec.text} backend runs CUDA kernels; no CUDA device here (use --backend reference)"

@@ -46,7 +46,7 @@ class _Session:
         from moereplay.replay.source import load_call
 
         self.device = torch.device(request["device"])
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
         # the backend first: loading it may register the op the capture names
         self.backend = load_backend(parse_backend(request["backend"]), self.device)
@@ -109,7 +109,7 @@ def oneshot(capture: str, call: int, backend: str, device: str) -> int:
     from moereplay.replay.source import load_call
 
     target = torch.device(device)
-    if target.type == "cuda":
+    if target.type == "cuda" and target.index is not None:
         torch.cuda.set_device(target)
     kernel = load_backend(parse_backend(backend), target)
     loaded = load_call(capture, call, device=target)
