@@ -14,7 +14,12 @@ TUI know about a kernel comes from that object:
 - ``run(args, backend)``: call the real kernel; ``reference(args)``: an exact fp32 answer needing no kernel;
 - ``output_name`` and the reference's :class:`RowMap`: what each output row means (token / expert / slot);
 - optionally ``reference_ignores``: a frozenset of arguments that do not change the reference's answer (thread
-  configs, workspaces, block sizes whose derived ids are re-derived) so replay reuses one reference across them.
+  configs, workspaces, block sizes whose derived ids are re-derived) so replay reuses one reference across them;
+- optionally, for ops whose opaque arguments hold tensors: ``tensor_leaves(args) -> {path: tensor}``,
+  ``replace_tensor_leaves(args, {path: tensor}) -> args`` (replay guards every leaf, not only top-level tensors) and
+  ``check(args, *, check_device) -> [ContractViolation]`` (contracts over the leaves). :func:`tensor_leaves`,
+  :func:`replace_tensor_leaves` and :func:`contract_violations` fall back to top-level tensors and
+  ``check_contracts`` for ops without them.
 
 Argument values, as the replay engine hands them to an op (``Args``, a name → value mapping):
 tensors are ``torch.Tensor``; scalars ``int``/``float``; flags ``bool``; enums their integer id (e.g. a vLLM
@@ -714,3 +719,30 @@ def positional(op: OpSpec, args: Args) -> list[Any]:
         else:
             raise InvalidMutationError(f"{op.name} call lacks argument {spec.name!r}")
     return values
+
+
+def tensor_leaves(op: OpSpec, args: Args) -> dict[str, torch.Tensor]:
+    """Every tensor of a call by path: the op's ``tensor_leaves`` hook, else the top-level tensor arguments."""
+    hook = getattr(op, "tensor_leaves", None)
+    if hook is not None:
+        leaves: dict[str, torch.Tensor] = hook(args)
+        return leaves
+    return {name: value for name, value in args.items() if isinstance(value, torch.Tensor)}
+
+
+def replace_tensor_leaves(op: OpSpec, args: Args, replacements: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """``args`` with the tensors at the given paths swapped (the op's hook, else top-level names)."""
+    hook = getattr(op, "replace_tensor_leaves", None)
+    if hook is not None:
+        replaced: dict[str, Any] = hook(args, replacements)
+        return replaced
+    return {**args, **replacements}
+
+
+def contract_violations(op: OpSpec, args: Args, *, check_device: bool = True) -> list[ContractViolation]:
+    """Every contract violation of a call: the op's ``check`` hook, else :func:`check_contracts`."""
+    hook = getattr(op, "check", None)
+    if hook is not None:
+        violations: list[ContractViolation] = hook(args, check_device=check_device)
+        return violations
+    return check_contracts(op.contracts, args, check_device=check_device)

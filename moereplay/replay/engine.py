@@ -29,7 +29,14 @@ from typing import Any
 import torch
 
 from moereplay.errors import InvalidMutationError, MoereplayError, ReferenceError_, ReplayError
-from moereplay.ops.base import Args, KernelBackend, OpSpec, ReferenceResult, check_contracts
+from moereplay.ops.base import (
+    Args,
+    KernelBackend,
+    OpSpec,
+    ReferenceResult,
+    contract_violations,
+    tensor_leaves,
+)
 from moereplay.replay import localize
 from moereplay.replay.backends import BackendSpec, load_backend, parse_backend
 from moereplay.replay.decompose import decompose
@@ -146,7 +153,7 @@ class _Session:
                 self.runner = InProcessRunner(self.op, call.args, backend, guard)
         baseline_args = call.args
         self.baseline_violations = {
-            (v.arg, v.aspect) for v in check_contracts(self.op.contracts, baseline_args, check_device=False)
+            (v.arg, v.aspect) for v in contract_violations(self.op, baseline_args, check_device=False)
         }
 
     def close(self) -> None:
@@ -180,7 +187,7 @@ class _Session:
         applied = apply_variant(op, self.call.args, variant)
         if applied.invalid_reason is not None:
             return self._invalid(variant, applied.invalid_reason)
-        violations = check_contracts(op.contracts, applied.args, check_device=False)
+        violations = contract_violations(op, applied.args, check_device=False)
         new_violations = [
             v for v in violations if variant.is_baseline or (v.arg, v.aspect) not in self.baseline_violations
         ]
@@ -391,7 +398,7 @@ class _Session:
             self.notes.append("baseline is not bit-reproducible: out-of-bounds reads not localised")
             return []
         located: list[tuple[str, dict[str, Any]]] = []
-        names = [name for name, value in self.call.args.items() if isinstance(value, torch.Tensor)]
+        names = list(tensor_leaves(self.op, self.call.args))
         names += [name for name in self.op.scratch if name not in names]
         for name in names:
             output = self._output_with(RunRequest(BASELINE, fills={name: other}))

@@ -2,7 +2,8 @@
 
 Used directly for in-process replay and by the worker process (:mod:`moereplay.replay.worker`). Every repeat
 starts from new scratch buffers (zeroed output and workspace, from ``op.make_scratch``) and new guarded copies of
-every tensor, so nothing one run writes can leak into the next.
+every tensor — every tensor *leaf*, inside opaque arguments too, for ops with a ``tensor_leaves`` hook — so nothing
+one run writes can leak into the next.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from moereplay.ops.base import Args, KernelBackend, OpSpec
+from moereplay.ops.base import Args, KernelBackend, OpSpec, replace_tensor_leaves, tensor_leaves
 from moereplay.replay.memory import DEFAULT_GUARD_BYTES, GuardDamage, GuardWindow, materialise
 from moereplay.replay.mutations import FillPattern
 
@@ -83,18 +84,21 @@ def execute(
     for _ in range(max(1, repeat)):
         call: dict[str, Any] = dict(args)
         call.update(op.make_scratch(args, device))
-        guarded = materialise(call, device, fill, guard=guard, fills=fills, windows=list(windows))
+        guarded = materialise(
+            tensor_leaves(op, call), device, fill, guard=guard, fills=fills, windows=list(windows)
+        )
+        run_args = replace_tensor_leaves(op, call, guarded.args)
         try:
             if cuda:
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            result = op.run(guarded.args, backend)
+            result = op.run(run_args, backend)
             if cuda:
                 torch.cuda.synchronize(device)
             elapsed.append(time.perf_counter() - start)
         except Exception as error:  # the kernel's host checks raise; device faults surface here too
             return KernelRun(classify_error(error), tuple(outputs), tuple(damage), first_line(error))
-        out = result if isinstance(result, torch.Tensor) else guarded.args.get(op.output_name)
+        out = result if isinstance(result, torch.Tensor) else run_args.get(op.output_name)
         if not isinstance(out, torch.Tensor):
             return KernelRun(
                 "rejected", tuple(outputs), tuple(damage), f"{op.name} returned no tensor output"

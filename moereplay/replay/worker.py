@@ -103,6 +103,7 @@ def oneshot(capture: str, call: int, backend: str, device: str) -> int:
     """Run the baseline once on unguarded buffers (for compute-sanitizer); print each argument's address."""
     import torch
 
+    from moereplay.ops.base import replace_tensor_leaves, tensor_leaves
     from moereplay.replay.backends import load_backend, parse_backend
     from moereplay.replay.memory import materialise
     from moereplay.replay.mutations import DEFAULT_FILL
@@ -113,14 +114,14 @@ def oneshot(capture: str, call: int, backend: str, device: str) -> int:
         torch.cuda.set_device(target)
     kernel = load_backend(parse_backend(backend), target)
     loaded = load_call(capture, call, device=target)
+    op = loaded.op
     args = dict(loaded.args)
-    args.update(loaded.op.make_scratch(args, target))
-    guarded = materialise(args, target, DEFAULT_FILL, guard=0)
+    args.update(op.make_scratch(args, target))
+    guarded = materialise(tensor_leaves(op, args), target, DEFAULT_FILL, guard=0)
     for name, value in guarded.args.items():
-        if isinstance(value, torch.Tensor):
-            nbytes = value.untyped_storage().nbytes()
-            print(f"MOEREPLAY-ARG {name} {value.untyped_storage().data_ptr():#x} {nbytes}", flush=True)
-    loaded.op.run(guarded.args, kernel)
+        nbytes = value.untyped_storage().nbytes()
+        print(f"MOEREPLAY-ARG {name} {value.untyped_storage().data_ptr():#x} {nbytes}", flush=True)
+    op.run(replace_tensor_leaves(op, args, guarded.args), kernel)
     if target.type == "cuda":
         torch.cuda.synchronize(target)
     print("MOEREPLAY-DONE", flush=True)
