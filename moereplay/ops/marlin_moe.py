@@ -475,12 +475,9 @@ class MarlinMoeOp:
             "use_atomic_add",
             "use_fp32_reduce",
             "is_k_full",
-            "moe_block_size",
-            "sorted_token_ids",
-            "expert_ids",
-            "num_tokens_past_padded",
         }
     )
+    """Launch and precision arguments; the block size stays out: it changes which block writes a row."""
 
     def __init__(self) -> None:
         from moereplay.reference.marlin_moe import ExpertWeightCache
