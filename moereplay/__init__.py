@@ -14,3 +14,12 @@ Only ``cli/`` and ``tui/`` may import typer, rich or textual.
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``moereplay.replay(...)``: the replay API, imported on first use (it pulls in torch)."""
+    if name == "replay":
+        from moereplay.replay.engine import replay
+
+        return replay
+    raise AttributeError(f"module 'moereplay' has no attribute {name!r}")
