@@ -16,10 +16,11 @@ Only ``cli/`` and ``tui/`` may import typer, rich or textual.
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> object:
-    """``moereplay.replay(...)``: the replay API, imported on first use (it pulls in torch)."""
-    if name == "replay":
-        from moereplay.replay.engine import replay
 
-        return replay
+def __getattr__(name: str) -> object:
+    """``moereplay.replay(...)``: the replay subpackage, imported on first use; it is callable (see there)."""
+    if name == "replay":
+        import importlib
+
+        return importlib.import_module("moereplay.replay")
     raise AttributeError(f"module 'moereplay' has no attribute {name!r}")

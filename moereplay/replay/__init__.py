@@ -15,6 +15,8 @@ Modules: ``engine`` (``replay()``), ``mutations`` (variants, parsing, domains ap
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 _EXPORTS = {
@@ -43,3 +45,15 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     return getattr(importlib.import_module(module), name)
+
+
+class _CallableModule(types.ModuleType):
+    """Lets ``moereplay.replay(...)`` call :func:`moereplay.replay.engine.replay` while staying a package."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from moereplay.replay.engine import replay
+
+        return replay(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

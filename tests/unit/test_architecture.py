@@ -62,3 +62,11 @@ def test_plugin_module_import_has_no_side_effects() -> None:
 
 def test_version_is_exposed() -> None:
     assert moereplay.__version__
+
+
+def test_replay_api_is_callable_from_the_package() -> None:
+    """``moereplay.replay(...)`` is the documented API even though ``moereplay.replay`` is a subpackage."""
+    import moereplay.replay.engine
+
+    assert callable(moereplay.replay)
+    assert moereplay.replay.replay is moereplay.replay.engine.replay
