@@ -44,14 +44,14 @@ def observation_text(observation: Observation) -> Text:
     return text
 
 
-def interval_bar(total: int, data: Mapping[str, Any]) -> Text | None:
+def interval_bar(total: int, data: Mapping[str, Any], width: int = BAR_WIDTH) -> Text | None:
     """``━━━━━━████▓▓▓▓`` over ``total`` items: known good, still candidates, known bad (``s``: skipped)."""
     low = data.get("last_good", data.get("last_old"))
     high = data.get("first_known_bad", data.get("first_new"))
     if not isinstance(low, int) or not isinstance(high, int) or total <= 0:
         return None
     skipped = set(data.get("skipped", ()))
-    width = min(BAR_WIDTH, total)
+    width = max(1, min(width, total))
     text = Text("items ")
     for cell in range(width):
         first = cell * total // width
@@ -78,6 +78,7 @@ class BisectScreen(Screen[None]):
         super().__init__()
         self.launch = launch
         self.session = launch.session
+        self.capture = capture_of(launch)
         self.playing = False
         self.evaluating = False
         self.error: str | None = None
@@ -99,7 +100,7 @@ class BisectScreen(Screen[None]):
 
     def on_mount(self) -> None:
         table = self.query_one("#bisect-steps", DataTable)
-        table.add_columns("#", "probe", "observation", "by", "s")
+        table.add_columns("#", "by", "probe", "observation", "s")
         for step in self.session.steps:
             self._add_step(step)
         self.refresh_state()
@@ -115,21 +116,17 @@ class BisectScreen(Screen[None]):
             else Text("auto", style="dim")
         )
         seconds = "" if step.seconds is None else f"{step.seconds:.1f}"
-        table.add_row(str(step.number), step.label, observation_text(step.observation), by, seconds)
+        table.add_row(str(step.number), by, step.label, observation_text(step.observation), seconds)
         table.move_cursor(row=table.row_count - 1)
 
     def refresh_state(self) -> None:
         session = self.session
-        log = session.log_path
-        resumed = f" (resumed {self.launch.resumed_steps} steps)" if self.launch.resumed_steps else ""
-        self.query_one("#bisect-log", Static).update(
-            f"log: {log}{resumed}" if log else "log: none (not saved)"
-        )
+        self.query_one("#bisect-log", Static).update(self._log_text())
         progress = session.search.progress
         lines: list[Text | str] = [Text(progress.line or "starting", style="bold")]
-        bar = interval_bar(
-            len(getattr(session.search, "items", getattr(session.search, "packs", ()))), progress.data
-        )
+        items = getattr(session.search, "items", getattr(session.search, "packs", ()))
+        room = (self.size.width or 80) - 42  # the legend after the bar takes about 40 cells
+        bar = interval_bar(len(items), progress.data, max(8, min(BAR_WIDTH, room)))
         if bar is not None:
             lines.append(bar)
         else:
@@ -149,6 +146,17 @@ class BisectScreen(Screen[None]):
             summary.display = True
         else:
             summary.display = False
+
+    def _log_text(self) -> str:
+        log = self.session.log_path
+        if log is None:
+            return "log: none (this session is not saved)"
+        capture = self.capture
+        beside = capture is not None and capture.resolve().parent == log.resolve().parent
+        where = " (beside the capture)" if beside else ""
+        shown = log.name if where else str(log)
+        resumed = f" · resumed {self.launch.resumed_steps} steps" if self.launch.resumed_steps else ""
+        return f"log: {shown}{where}{resumed}"
 
     def _current_text(self) -> Text:
         session = self.session
@@ -251,7 +259,7 @@ class BisectScreen(Screen[None]):
     # ------------------------------------------------------------------------------------------ the end
 
     def action_export_repro(self) -> None:
-        capture = capture_of(self.launch)
+        capture = self.capture
         call = call_to_export(self.launch)
         if capture is None or call is None:
             self.notify(

@@ -67,7 +67,8 @@ class BrowserScreen(Screen[None]):
         catalog = self.catalog
         shown = len(self.table.rows)
         total = len(catalog)
-        count = f"{total:,} calls" if shown == total else f"{shown:,} of {total:,} calls"
+        noun = "call" if total == 1 else "calls"
+        count = f"{total:,} {noun}" if shown == total else f"{shown:,} of {total:,} {noun}"
         parts = [f"[b]{catalog.path.name}[/b]", count]
         if catalog.rank is not None:
             parts.append(f"rank {catalog.rank}")
@@ -121,8 +122,10 @@ class BrowserScreen(Screen[None]):
 
     def action_clear_filter(self) -> None:
         field = self.query_one("#filter", Input)
-        if field.value:
-            field.value = ""
+        field.value = ""
+        if self._filter_timer is not None:
+            self._filter_timer.stop()
+        self.apply_filter("")
         self.table.focus()
 
     def on_input_changed(self, event: Input.Changed) -> None:
@@ -235,7 +238,7 @@ class BrowserScreen(Screen[None]):
                 app.call_from_thread(self._replay_failed, index, str(error))
                 continue
             app.call_from_thread(self._replay_done, outcome)
-        app.call_from_thread(self._replays_finished, len(calls), failures, worker.is_cancelled)
+        app.call_from_thread(self._replays_finished, calls, failures, worker.is_cancelled)
 
     def _replay_started(self, index: int, number: int, total: int) -> None:
         self.app.verdicts[index] = "running"  # type: ignore[attr-defined]
@@ -257,15 +260,15 @@ class BrowserScreen(Screen[None]):
         if self.table.current == index:
             self.query_one("#call-detail", Static).update(self._detail(self.catalog.summary(index)))
 
-    def _replays_finished(self, total: int, failures: int, cancelled: bool) -> None:
+    def _replays_finished(self, calls: list[int], failures: int, cancelled: bool) -> None:
         for index, verdict in list(self.app.verdicts.items()):  # type: ignore[attr-defined]
             if verdict == "running":
                 del self.app.verdicts[index]  # type: ignore[attr-defined]
         self.table.refresh()
         done = "stopped" if cancelled else "done"
         self._set_status(f"replays {done}" + (f", {failures} could not run" if failures else ""))
-        if failures and total == 1:
-            message = next(iter(self.replay_errors.values()), "")
+        if failures and len(calls) == 1:
+            message = self.replay_errors.get(calls[0], "")
             self.notify(message, title="replay failed", severity="error")
 
     # ------------------------------------------------------------------------------------------ bisect

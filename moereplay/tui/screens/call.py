@@ -151,8 +151,10 @@ class CallScreen(Screen[None]):
 
     def _contracts_checked(self, violations: tuple[ContractViolation, ...]) -> None:
         self.violations = violations
+        count = len(violations)
         note = (
-            f"{len(violations)} contract violation(s): what the kernel reads differs from what was passed"
+            f"{count} contract violation{'s' if count != 1 else ''}: "
+            "what the kernel reads differs from what was passed"
             if violations
             else "every argument matches the op's contracts"
         )
@@ -213,12 +215,14 @@ class CallScreen(Screen[None]):
         self.outcome = outcome
         self.errors = {}
         report = outcome.report
-        failing = sum(result.failed for result in report.results)
-        status = (
-            f"baseline [b]{report.baseline.verdict.value}[/b] · {len(report.variants)} variant(s), "
-            f"{failing} not ok · {len(report.findings)} finding(s) · {report.backend} on {report.device} · "
-            f"{outcome.seconds:.2f}s"
-        )
+        variants = len(report.variants)
+        failing = sum(result.failed for result in report.variants)
+        parts = [f"baseline [b]{report.baseline.verdict.value}[/b]"]
+        if variants:
+            parts.append(f"{variants} variant{'s' if variants != 1 else ''}, {failing} not ok")
+        parts.append(f"{len(report.findings)} finding{'s' if len(report.findings) != 1 else ''}")
+        parts.append(f"{report.backend} on {report.device}")
+        status = " · ".join(parts)
         if outcome.tensors_note:
             status += f" · [$warning]{outcome.tensors_note}[/]"
         self._set_status(status)

@@ -162,8 +162,16 @@ class CallTable(ScrollView, can_focus=True):
         return True
 
     def refresh_call(self, index: int) -> None:
-        """Redraw the line of call ``index`` if it is on screen (a verdict arrived)."""
-        self.refresh()
+        """A verdict for call ``index`` arrived: redraw its line if it is on screen."""
+        try:
+            position = list(self.rows).index(index) if len(self.rows) < 200_000 else None
+        except ValueError:
+            return
+        top = round(self.scroll_y)
+        if position is None:
+            self.refresh()
+        elif top <= position < top + self._page:
+            self.refresh_line(position + 1)  # virtual lines: the header is line 0
 
     def _update_virtual_size(self) -> None:
         self.virtual_size = Size(max(self.size.width, 40), len(self.rows) + 1)

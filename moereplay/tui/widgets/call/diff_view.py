@@ -20,8 +20,8 @@ from moereplay.tui.bindings import bindings_for
 from moereplay.tui.error_grid import ErrorField
 from moereplay.tui.replays import VariantTensors
 
-CELL_WIDTH = 9
-ROW_LABEL_WIDTH = 13
+CELL_WIDTH = 8
+ROW_LABEL_WIDTH = 10
 PANE_GAP = 3
 
 
@@ -43,12 +43,12 @@ def format_value(value: float) -> str:
         return "inf" if value > 0 else "-inf"
     if value == 0:
         return "0"
-    magnitude = abs(value)
-    if 1e-3 <= magnitude < 1e5:
-        text = f"{value:.4g}"
-    else:
-        text = f"{value:.2e}".replace("e-0", "e-").replace("e+0", "e+")
-    return text[:CELL_WIDTH]
+    if 1e-3 <= abs(value) < 1e5:
+        for digits in (4, 3, 2):
+            text = f"{value:.{digits}g}"
+            if len(text) <= CELL_WIDTH:
+                return text
+    return f"{value:.1e}".replace("e-0", "e-").replace("e+0", "e+")
 
 
 def row_label(tensors: VariantTensors, row: int) -> str:
@@ -142,9 +142,10 @@ class DiffView(Widget, can_focus=True):
         )
         table = Table(box=None, padding=(0, 0), pad_edge=False, show_edge=False, collapse_padding=True)
         table.add_column("row", width=ROW_LABEL_WIDTH, no_wrap=True, style="dim", header_style="dim")
+        middle = "variant" if panes.label != "baseline" else "variant = baseline"
         panes_shown = (
             ("baseline", panes.baseline, panes.baseline_errors),
-            ("variant", panes.variant, errors),
+            (middle, panes.variant, errors),
             ("reference", panes.variant, None),
         )
         pane_width = (col1 - col0) * (CELL_WIDTH + 1)
