@@ -52,7 +52,7 @@ class FormatSink:
         )
 
     def bytes_written(self) -> int:
-        return int(self.writer._file.tell()) if not self.writer._file.closed else 0
+        return int(self.writer.bytes_written)
 
     def close(self, counters: dict[str, int]) -> None:
         self.writer.close(counters=counters)
