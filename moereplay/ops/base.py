@@ -16,10 +16,13 @@ TUI know about a kernel comes from that object:
 - optionally ``reference_ignores``: a frozenset of arguments that do not change the reference's answer (thread
   configs, workspaces, block sizes whose derived ids are re-derived) so replay reuses one reference across them;
 - optionally, for ops whose opaque arguments hold tensors: ``tensor_leaves(args) -> {path: tensor}``,
-  ``replace_tensor_leaves(args, {path: tensor}) -> args`` (replay guards every leaf, not only top-level tensors) and
-  ``check(args, *, check_device) -> [ContractViolation]`` (contracts over the leaves). :func:`tensor_leaves`,
-  :func:`replace_tensor_leaves` and :func:`contract_violations` fall back to top-level tensors and
-  ``check_contracts`` for ops without them.
+  ``replace_tensor_leaves(args, {path: tensor}) -> args`` (replay guards every leaf, not only top-level tensors),
+  ``contract_args(args) -> {name or path: value}`` (the arguments plus every leaf, as contracts and findings name
+  them) and ``check(args, *, check_device) -> [ContractViolation]`` (contracts over the leaves).
+  :func:`tensor_leaves`, :func:`replace_tensor_leaves`, :func:`contract_args` and :func:`contract_violations` fall
+  back to top-level tensors, the arguments themselves and ``check_contracts`` for ops without them;
+- optionally, for the shape bisection: ``shape_dimensions(args) -> [(name, legal values, original)]`` and
+  ``shrink(args, {name: value}) -> args`` (a valid call of that shape), and ``shape_legal({name: value}) -> bool``.
 
 Argument values, as the replay engine hands them to an op (``Args``, a name → value mapping):
 tensors are ``torch.Tensor``; scalars ``int``/``float``; flags ``bool``; enums their integer id (e.g. a vLLM
@@ -737,6 +740,16 @@ def replace_tensor_leaves(op: OpSpec, args: Args, replacements: Mapping[str, tor
         replaced: dict[str, Any] = hook(args, replacements)
         return replaced
     return {**args, **replacements}
+
+
+def contract_args(op: OpSpec, args: Args) -> dict[str, Any]:
+    """``args`` plus every tensor inside opaque arguments under its path (the op's ``contract_args`` hook), so a
+    contract or a coefficient source may name ``precision_config.weight_scale.storage`` like ``x``."""
+    hook = getattr(op, "contract_args", None)
+    if hook is not None:
+        merged: dict[str, Any] = hook(args)
+        return merged
+    return dict(args)
 
 
 def contract_violations(op: OpSpec, args: Args, *, check_device: bool = True) -> list[ContractViolation]:

@@ -730,6 +730,33 @@ CONTRACTS: tuple[TensorContract, ...] = (
 )
 
 
+SCALE_STORAGE = "precision_config.weight_scale.storage"
+
+
+def _scale_row_violation(violation: ContractViolation, args: Args) -> ContractViolation:
+    """A short-scale-row shape violation restated as "the kernel reads N bytes per scale row, the tensor holds M"."""
+    if violation.arg != SCALE_STORAGE or violation.aspect != "shape":
+        return violation
+    needed = scale_bytes_read(args)
+    precision = plain_value("precision_config", args.get("precision_config"))
+    scale = None if precision is None else precision.weight_scale
+    if needed is None or not isinstance(scale, LayoutTensor) or scale.storage.dim() < 2:
+        return violation
+    storage = scale.storage
+    transposed = storage.stride(-2) == 1
+    have = int(storage.shape[-2] if transposed else storage.shape[-1])
+    if have >= needed:
+        return violation
+    block_k = predicted_block_k(args)
+    consequence = (
+        f"the kernel reads {needed} bytes per scale row (ceil(K / block_k) · block_k with block_k={block_k}, "
+        f"unmasked), the tensor holds {have}: the last K step of every row reads {needed - have} bytes beyond it "
+        "(the next row's, and past the allocation for the last expert's last row) as scales of masked-out zero "
+        "weights — harmless while finite, NaN where a byte is 0xff"
+    )
+    return dataclasses.replace(violation, consequence=consequence)
+
+
 def contract_args(args: Args) -> dict[str, Any]:
     """``args`` plus every tensor inside the opaque ones under its path, for :data:`CONTRACTS`.
 
@@ -854,8 +881,13 @@ class MatmulOgsOp:
         return contract_args(args)
 
     def check(self, args: Args, *, check_device: bool = True) -> list[ContractViolation]:
-        """Every contract violation of a call, including the tensors inside its opaque arguments."""
-        return check_contracts(self.contracts, contract_args(args), check_device=check_device)
+        """Every contract violation of a call, including the tensors inside its opaque arguments.
+
+        The swizzled scale rows' shortfall is stated in bytes (what the unmasked load reads against what a row
+        holds), the terms in which the over-read shows up in replay's guard bands.
+        """
+        violations = check_contracts(self.contracts, contract_args(args), check_device=check_device)
+        return [_scale_row_violation(violation, args) for violation in violations]
 
     def tensor_leaves(self, args: Args) -> dict[str, torch.Tensor]:
         """Every tensor the call holds, by path (top-level names and ``arg.field…`` inside opaque ones)."""

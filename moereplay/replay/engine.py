@@ -31,9 +31,11 @@ import torch
 from moereplay.errors import InvalidMutationError, MoereplayError, ReferenceError_, ReplayError
 from moereplay.ops.base import (
     Args,
+    ContractViolation,
     KernelBackend,
     OpSpec,
     ReferenceResult,
+    contract_args,
     contract_violations,
     tensor_leaves,
 )
@@ -42,7 +44,7 @@ from moereplay.replay.backends import BackendSpec, load_backend, parse_backend
 from moereplay.replay.decompose import decompose
 from moereplay.replay.execution import KernelRun
 from moereplay.replay.findings import Finding, FindingKind, row_ranges
-from moereplay.replay.memory import DEFAULT_GUARD_BYTES, GuardWindow
+from moereplay.replay.memory import DEFAULT_GUARD_BYTES, GuardWindow, storage_groups
 from moereplay.replay.mutations import (
     BASELINE,
     DEFAULT_FILL,
@@ -151,10 +153,10 @@ class _Session:
             else:
                 backend = kernel_backend if kernel_backend is not None else load_backend(spec, device)
                 self.runner = InProcessRunner(self.op, call.args, backend, guard)
-        baseline_args = call.args
-        self.baseline_violations = {
-            (v.arg, v.aspect) for v in contract_violations(self.op, baseline_args, check_device=False)
-        }
+        self.baseline_contracts: list[ContractViolation] = contract_violations(
+            self.op, call.args, check_device=False
+        )
+        self.baseline_violations = {(v.arg, v.aspect) for v in self.baseline_contracts}
 
     def close(self) -> None:
         if self.runner is not None and self._owns_runner:
@@ -310,7 +312,7 @@ class _Session:
                     actual,
                     reference,
                     bad,
-                    args,
+                    contract_args(self.op, args),
                     contracts=self.op.contracts,
                     output_dtype=actual.dtype,
                     fill=fill,
@@ -398,9 +400,11 @@ class _Session:
             self.notes.append("baseline is not bit-reproducible: out-of-bounds reads not localised")
             return []
         located: list[tuple[str, dict[str, Any]]] = []
-        names = list(tensor_leaves(self.op, self.call.args))
-        names += [name for name in self.op.scratch if name not in names]
-        for name in names:
+        leaves = tensor_leaves(
+            self.op, {**self.call.args, **self.op.make_scratch(self.call.args, self.device)}
+        )
+        for group in storage_groups(leaves):  # one guard band per storage: views of it share it
+            name = group[0]
             output = self._output_with(RunRequest(BASELINE, fills={name: other}))
             if output is None or _written_bytes_equal(output, base, written):
                 continue
@@ -414,8 +418,18 @@ class _Session:
                 where = "past the end" if side == "after" else "before the start"
                 bound = "+" if last >= self.guard - 1 else ""
                 parts.append(f"bytes {first}..{last}{bound} {where}")
-            text = f"{name} is over-read" + (f" ({', '.join(parts)} affect the output)" if parts else "")
-            located.append((text, {"argument": name, "extents": [[s, a, b] for s, (a, b) in sides]}))
+            label = " (= " + ", ".join(group[1:]) + ")" if len(group) > 1 else ""
+            text = f"{name}{label} is over-read" + (
+                f" ({', '.join(parts)} affect the output)" if parts else ""
+            )
+            item: dict[str, Any] = {"argument": name, "extents": [[s, a, b] for s, (a, b) in sides]}
+            if len(group) > 1:
+                item["aliases"] = list(group[1:])
+            predicted = [v for v in self.baseline_contracts if v.arg in group]
+            if predicted:
+                text += f", as its contract predicts: {predicted[0].consequence}"
+                item["contract"] = predicted[0].describe()
+            located.append((text, item))
         return located
 
     def _extent(

@@ -1,7 +1,8 @@
 """Guard-banded materialisation of a call's tensors.
 
-Every tensor argument gets its own allocation: ``guard`` bytes of fill pattern, the bytes of the storage span its
-view covers, ``guard`` bytes of fill pattern. The view keeps its shape, strides and its position relative to the
+Every tensor gets its own allocation — every top-level tensor argument, and every tensor *leaf* inside an opaque
+argument for ops that name them (``op.tensor_leaves``: ``precision_config.weight_scale.storage`` …): ``guard``
+bytes of fill pattern, the bytes of the storage span its view covers, ``guard`` bytes of fill pattern. The view keeps its shape, strides and its position relative to the
 span, so a kernel sees the same layout it saw when captured; what it reads outside the span is the fill pattern,
 and what it writes there shows up in :meth:`GuardedArgs.damage`.
 
@@ -171,6 +172,21 @@ def _guard_pattern(
     return pattern
 
 
+def storage_groups(args: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    """Names of the tensors in ``args`` grouped by the storage they view, in argument order.
+
+    Views of one storage (an output buffer that is also an input, ``gammas`` that *is* ``routing_data.gate_scal``)
+    form one group: replay gives each group one allocation, so one guard band, named by all of its names.
+    """
+    groups: dict[tuple[str, int], list[str]] = {}
+    for name, value in args.items():
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            key = (str(value.device), storage.data_ptr()) if storage.nbytes() else (name, id(value))
+            groups.setdefault(key, []).append(name)
+    return [tuple(names) for names in groups.values()]
+
+
 def materialise(
     args: Mapping[str, Any],
     device: torch.device | str,
@@ -183,20 +199,15 @@ def materialise(
     """Copy every tensor in ``args`` into a guarded allocation on ``device``; other values pass through.
 
     ``fills`` overrides the fill of single arguments (by name); ``windows`` refine the guard content further.
-    Views sharing a storage share one allocation (the fill of the first argument of the group applies).
+    Views sharing a storage share one allocation (see :func:`storage_groups`); a fill given for any of their names
+    applies to it (the first one in argument order when several are given).
     """
     device = torch.device(device)
     fills = dict(fills or {})
     windows = list(windows or [])
-    groups: dict[tuple[str, int], list[str]] = {}
-    for name, value in args.items():
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            key = (str(value.device), storage.data_ptr()) if storage.nbytes() else (name, id(value))
-            groups.setdefault(key, []).append(name)
     out: dict[str, Any] = dict(args)
     allocations: list[_Allocation] = []
-    for names in groups.values():
+    for names in storage_groups(args):
         tensors = [args[name] for name in names]
         # union of the byte spans, in bytes from the storage start
         spans = []
@@ -208,7 +219,7 @@ def materialise(
         span_bytes = hi - lo
         unit = max(t.element_size() for t in tensors)
         padded_span = -(-span_bytes // unit) * unit
-        group_fill = fills.get(names[0], fill)
+        group_fill = next((fills[name] for name in names if name in fills), fill)
         group_windows = [w for w in windows if w.arg in names]
         dtype = tensors[0].dtype
         before = _guard_pattern(dtype, guard, group_fill, group_windows, "before")

@@ -582,6 +582,8 @@ def test_gpt_oss_scales_at_k_2880_break_the_unmasked_scale_load_contract() -> No
     (violation,) = violations
     assert violation.aspect == "shape" and not violation.host_checked
     assert violation.actual == "(4, 2880, 16)" and violation.expected == "(4, 2944, 16)"
+    assert "the kernel reads 2944 bytes per scale row" in violation.consequence
+    assert "the tensor holds 2880" in violation.consequence
     # a K tile that divides K, or a K that is a multiple of 128, keeps the reads inside each row
     assert OP.check({**args, "block_k": 64}, check_device=False) == []
     assert OP.check(gemm1_args(k=2816), check_device=False) == []

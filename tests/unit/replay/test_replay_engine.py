@@ -54,7 +54,10 @@ def test_caller_dtype_bug_is_diagnosed_and_the_cast_confirms_it(tmp_path: Path) 
     assert contract.evidence["argument"] == "weights" and contract.suggestions == ("cast weights=float32",)
     reads = [f for f in report.findings if f.kind is FindingKind.OOB_READ and f.variant == "fill 0xff"]
     (read,) = reads
-    assert read.evidence["arguments"] == [{"argument": "weights", "extents": [["after", 0, 15]]}]
+    (item,) = read.evidence["arguments"]
+    assert (item["argument"], item["extents"]) == ("weights", [["after", 0, 15]])
+    assert item["contract"].startswith("weights: dtype is bfloat16, kernel expects float32")
+    assert "as its contract predicts" in read.message
     summary = next(f for f in report.findings if f.variant == "all")
     assert summary.evidence["confirmed"] == "cast weights=float32"
 
