@@ -56,7 +56,12 @@ def run_command(
         list[str] | None, typer.Option("--sweep", help="One variant per value: ARG=v1,v2[+B=w1,w2] (zipped).")
     ] = None,
     backend: Annotated[
-        str, typer.Option("--backend", help="vllm | pack:DIR | reference | python:MODULE | auto.")
+        str,
+        typer.Option(
+            "--backend",
+            help="vllm | pack:DIR | reference | python:MODULE | auto (auto: the kernel pack $MOEREPLAY_PACK when "
+            "set, else the installed vLLM, else the reference; the reference without CUDA).",
+        ),
     ] = "auto",
     repeat: Annotated[int, typer.Option("--repeat", min=1, help="Run every variant N times.")] = 1,
     sanitize: Annotated[

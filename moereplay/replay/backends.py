@@ -1,7 +1,8 @@
 """Where a replay's kernel comes from: the installed vLLM, a kernel pack, or no kernel at all (the reference).
 
 A backend is named by a short spec — ``reference``, ``vllm``, ``pack:DIR``, ``python:MODULE_OR_FILE[#NAME]`` or
-``auto`` — because specs travel to worker processes as text. ``python:`` loads a module (or a ``.py`` file) whose
+``auto`` (``$MOEREPLAY_PACK``, else the installed vLLM, else the reference; the reference without CUDA) — because
+specs travel to worker processes as text (``auto`` is resolved before they travel). ``python:`` loads a module (or a ``.py`` file) whose
 ``backend(device, name)`` returns a KernelBackend: kernels outside vLLM, and test kernels; importing it may register
 ops. :func:`load_backend` turns a kernel spec into a :class:`~moereplay.ops.base.KernelBackend`
 in the process that will run kernels (loading a pack changes ``sys.path`` and loads CUDA libraries there).
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -48,14 +50,35 @@ class BackendSpec:
         return self.kind != "reference"
 
 
-def parse_backend(text: str) -> BackendSpec:
-    """``reference`` | ``vllm`` | ``pack:DIR`` | ``auto`` (vLLM when CUDA and an importable vLLM exist, else the
-    reference). Raises :class:`SettingsError` with one line otherwise."""
+PACK_VARIABLE = "MOEREPLAY_PACK"
+"""The environment variable naming the kernel pack ``--backend auto`` uses first."""
+
+
+def auto_backend(
+    environ: Mapping[str, str] | None = None, *, cuda: bool | None = None, vllm: bool | None = None
+) -> BackendSpec:
+    """What ``--backend auto`` means here and now: without CUDA the reference (the offline verdict); with CUDA the
+    kernel pack ``$MOEREPLAY_PACK`` when set, else the installed vLLM when importable, else the reference.
+
+    ``environ`` defaults to ``os.environ``, read at call time; ``cuda`` / ``vllm`` override the probes (tests).
+    """
+    environment = os.environ if environ is None else environ
+    has_cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not has_cuda:
+        return BackendSpec("reference")
+    pack = environment.get(PACK_VARIABLE, "").strip()
+    if pack:
+        return BackendSpec("pack", pack)
+    has_vllm = importlib.util.find_spec("vllm") is not None if vllm is None else vllm
+    return BackendSpec("vllm") if has_vllm else BackendSpec("reference")
+
+
+def parse_backend(text: str, environ: Mapping[str, str] | None = None) -> BackendSpec:
+    """``reference`` | ``vllm`` | ``pack:DIR`` | ``python:MODULE_OR_FILE[#NAME]`` | ``auto`` (see
+    :func:`auto_backend`). Raises :class:`SettingsError` with one line otherwise."""
     value = text.strip()
     if value == "auto":
-        if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
-            return BackendSpec("vllm")
-        return BackendSpec("reference")
+        return auto_backend(environ)
     if value in ("reference", "vllm"):
         return BackendSpec(value)  # type: ignore[arg-type]
     for kind in ("pack", "python"):
