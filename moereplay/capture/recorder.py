@@ -67,6 +67,7 @@ class _Plan:
     bound: dict[str, Any] | None = None
     started: float = 0.0
     device_start: Any = None
+    keep: list[torch.Tensor] | None = None  # the copied inputs, alive until the outputs are copied
 
 
 @dataclass
@@ -202,8 +203,9 @@ class Recorder:
         self.counters.selected += 1
         context = where.as_dict(self.tracker.ranks)
         parent_sequence = parent.sequence if parent is not None and parent.recorded else None
+        plan.keep = []
         if self.flight is not None:
-            inputs = snapshot(bound, target.static, to_host=False)
+            inputs = snapshot(bound, target.static, to_host=False, keep=plan.keep)
             begin = Begin(sequence, target.op, target.site, inputs, context, parent_sequence, target.static)
             begin.started = time.time()
             self.flight.add_begin(begin)
@@ -216,7 +218,7 @@ class Recorder:
                     self._recorded -= 1
                 plan.recorded = False
                 return plan if target.role == "parent" else None
-            inputs = snapshot(bound, target.static, to_host=True)
+            inputs = snapshot(bound, target.static, to_host=True, keep=plan.keep)
             begin = Begin(sequence, target.op, target.site, inputs, context, parent_sequence, target.static)
             begin.started = time.time()
             if not self.writer.offer(begin):
@@ -286,10 +288,12 @@ class Recorder:
             complete = Complete(plan.sequence, copied, {"host_s": elapsed}, status, message)
             complete.finished = time.time()
             tensors = [value for value in outputs.values() if isinstance(value, torch.Tensor)]
+            plan.keep = None
             self.flight.add_complete(complete, tensors)
             return
         assert self.writer is not None
         copied: Snapshot = snapshot(outputs, (), to_host=True)
+        plan.keep = None
         complete = Complete(plan.sequence, copied, {"host_s": elapsed}, status, message)
         complete.finished = time.time()
         if plan.device_start is not None and error is None:

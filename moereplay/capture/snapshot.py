@@ -10,12 +10,22 @@ kernel runs). Cost model:
   event recorded after the copies tells the writer thread when the bytes are there. In flight-recorder mode the
   copies stay on the device (``to_host=False``), one device-to-device copy per span.
 - CPU tensors: a plain copy (the caller may overwrite the buffer right after the call).
-- Views of one storage among a call's arguments are copied once, as the union of their spans, so the recorded
-  tensors alias exactly as the originals did (gemm1/gemm2 intermediate caches are views of one buffer).
+- Views of one storage among a call's arguments are copied once, as the union of their spans (widened down to
+  the format's 256-byte span alignment, so replayed views keep their data-pointer alignment and views of other
+  dtypes stay whole elements), so the recorded tensors alias exactly as the originals did (gemm1/gemm2
+  intermediate caches are views of one buffer).
+- Aliasing between a call's inputs and outputs: every copy names its original storage by ``(device, data
+  pointer)``, the writer's storage key (``TensorBytes.storage``). An output written in place over an input has
+  the input's key, so the file records it with the input's storage id and its own original storage offset
+  (``CallRecord.aliases()``). A data pointer names one storage only while that storage lives: the caller keeps
+  the input tensors alive (``keep=``) until the outputs are copied, so a temporary made by a codec and freed
+  before the kernel runs cannot lend its address to an output and fake an alias.
 - Static tensors (weights, scales; the arguments named static per patch point) are not copied here at all: the
   tree keeps the live tensor, and the file writer (``CaptureWriter.begin_call(static=...)``) copies it once per
   file and finds it again by identity. Weights are not written while serving, so reading them later, from the
-  writer thread, sees the same bytes.
+  writer thread, sees the same bytes. Objects with a registered codec are handed over live too (the writer
+  encodes them); other containers and dataclasses holding static tensors are walked here, so a vLLM config
+  object around weights is recorded field by field instead of as unsupported.
 
 Opaque objects become :class:`~moereplay.format.schema.CodecValue` (through the format's codec registry, or
 field by field for dataclasses without one); functions become :class:`~moereplay.format.schema.Unsupported`
@@ -36,6 +46,7 @@ import torch
 
 from moereplay.format.codecs import codec_for
 from moereplay.format.schema import CodecValue, TensorBytes, Unsupported
+from moereplay.format.tensors import span_start
 
 MAX_DEPTH = 8
 """Nesting depth past which an argument is recorded as unsupported (cycles, huge object graphs)."""
@@ -165,31 +176,42 @@ def snapshot(
     *,
     to_host: bool = True,
     codec_lookup: CodecLookup = format_codec,
+    keep: list[torch.Tensor] | None = None,
 ) -> Snapshot:
-    """Copy ``values`` (argument name → value) as described in the module docstring."""
+    """Copy ``values`` (argument name → value) as described in the module docstring.
+
+    ``keep``: when given, every copied original tensor is appended to it; hold the list until the call's
+    outputs are copied (their storage keys are only unambiguous while these storages live).
+    """
     static = frozenset(static_names)
     found: list[torch.Tensor] = []
     tree: dict[str, Any] = {}
     for name, value in values.items():
         if name in static:
-            tree[name] = value  # live: the file writer copies static tensors once, by identity
+            tree[name] = _walk_static(value, codec_lookup, 0)
         else:
             tree[name] = _walk(value, found, codec_lookup, 0)
     result = Snapshot(tree)
     if found:
         copies = _copy(found, result, to_host=to_host)
         result.tree = {name: _fill(item, copies) for name, item in tree.items()}
+        if keep is not None:
+            keep.extend(found)
     return result
 
 
+def _leaf(value: Any) -> bool:
+    return value is None or isinstance(
+        value, (bool, int, float, str, bytes, torch.dtype, torch.device, enum.Enum)
+    )
+
+
 def _walk(value: Any, found: list[torch.Tensor], codec_lookup: CodecLookup, depth: int) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+    if _leaf(value):
         return value
     if isinstance(value, torch.Tensor):
         found.append(value)
         return _Pending(len(found) - 1)
-    if isinstance(value, (torch.dtype, torch.device, enum.Enum)):
-        return value
     if depth >= MAX_DEPTH:
         return Unsupported(qualified_type_name(type(value)), "nested too deeply to record")
     deeper = depth + 1
@@ -203,16 +225,37 @@ def _walk(value: Any, found: list[torch.Tensor], codec_lookup: CodecLookup, dept
     if codec is not None:
         type_name, encode = codec
         return CodecValue(type_name, _walk(encode(value), found, codec_lookup, deeper))
+    return _opaque(value, lambda fields: _walk(fields, found, codec_lookup, deeper))
+
+
+def _walk_static(value: Any, codec_lookup: CodecLookup, depth: int) -> Any:
+    """A static argument: tensors and codec objects stay live (the writer stores their tensors once, by
+    identity); plain containers and dataclasses around them are opened here."""
+    if _leaf(value) or isinstance(value, torch.Tensor):
+        return value
+    if depth >= MAX_DEPTH:
+        return Unsupported(qualified_type_name(type(value)), "nested too deeply to record")
+    deeper = depth + 1
+    if type(value) is list:
+        return [_walk_static(item, codec_lookup, deeper) for item in value]
+    if type(value) is tuple or type(value) is torch.Size:
+        return tuple(_walk_static(item, codec_lookup, deeper) for item in value)
+    if type(value) is dict:
+        return {key: _walk_static(item, codec_lookup, deeper) for key, item in value.items()}
+    if codec_lookup(type(value)) is not None:
+        return value
+    return _opaque(value, lambda fields: _walk_static(fields, codec_lookup, deeper))
+
+
+def _opaque(value: Any, walk_fields: Callable[[dict[str, Any]], Any]) -> Any:
+    """An object without a codec: a dataclass field by field, else unsupported (named)."""
     if isinstance(
         value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
     ):
         return Unsupported(qualified_type_name(type(value)), _callable_name(value))
-    scalar_id = getattr(value, "id", None)
-    if type(value).__name__ == "ScalarType" and isinstance(scalar_id, int):
-        return CodecValue(qualified_type_name(type(value)), {"id": scalar_id, "name": str(value)})
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
-        return CodecValue(qualified_type_name(type(value)), _walk(fields, found, codec_lookup, deeper))
+        return CodecValue(qualified_type_name(type(value)), walk_fields(fields))
     if callable(value):
         return Unsupported(qualified_type_name(type(value)), _callable_name(value))
     try:
@@ -222,17 +265,22 @@ def _walk(value: Any, found: list[torch.Tensor], codec_lookup: CodecLookup, dept
     return Unsupported(qualified_type_name(type(value)), excerpt)
 
 
+def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    """The identity of ``tensor``'s storage while it lives: ``(device, data pointer)``."""
+    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+
+
 def _copy(found: list[torch.Tensor], result: Snapshot, *, to_host: bool) -> list[TensorCopy]:
-    """Copy each storage once (the union of its views' spans); record one CUDA event after all copies."""
-    groups: dict[tuple[Any, ...], list[int]] = {}
+    """Copy each storage once (the union of its views' spans, from a 256-byte boundary); record one CUDA
+    event after all copies."""
+    groups: dict[tuple[str, int], list[int]] = {}
     for position, tensor in enumerate(found):
-        key = (tensor.device.type, tensor.device.index, tensor.untyped_storage().data_ptr())
-        groups.setdefault(key, []).append(position)
+        groups.setdefault(storage_key(tensor), []).append(position)
     copies: list[Any] = [None] * len(found)
     cuda = False
-    for positions in groups.values():
+    for key, positions in groups.items():
         spans = [byte_span(found[p]) for p in positions]
-        start = min(s for s, _ in spans)
+        start = span_start(min(s for s, _ in spans))
         end = max(e for _, e in spans)
         anchor = found[positions[0]]
         data = copy_bytes(_raw_bytes(anchor, start, end), to_host=to_host)
@@ -245,8 +293,8 @@ def _copy(found: list[torch.Tensor], result: Snapshot, *, to_host: bool) -> list
                 shape=tuple(tensor.shape),
                 stride=tuple(tensor.stride()),
                 storage_offset=tensor.storage_offset(),
-                device=str(tensor.device),
-                storage=(str(tensor.device), tensor.untyped_storage().data_ptr()),
+                device=key[0],
+                storage=key,
                 base=start,
                 data=data,
             )
