@@ -26,7 +26,9 @@ is wrapped on its defining module, which reaches callers that look it up after t
 
 triton_kernels state that changes the kernel: ``matmul_ogs`` calls ``make_opt_flags`` (its own module global,
 from ``matmul_ogs_details/opt_flags.py``), which honours the process-wide ``_opt_flags_constraints`` and
-``_opt_flags`` of that module; both, and the flags chosen for the call, are recorded.
+``_opt_flags`` of that module. The constraints are recorded as the call's process-state pseudo-arguments
+(:func:`moereplay.ops.matmul_ogs.process_state`), a manual ``_opt_flags`` override in the call's context, and the
+flags chosen for the call as its ``opt_flags`` output (see :mod:`moereplay.capture.opt_flags`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ GPT_OSS_MODULES = (
     "vllm.model_executor.layers.fused_moe.experts.gpt_oss_triton_kernels_moe",
     "vllm.model_executor.layers.fused_moe.gpt_oss_triton_kernels_moe",
 )
+
+OGS_CODECS = ("moereplay.ops.matmul_ogs",)
+"""Importing the matmul_ogs op registers the triton_kernels codecs (layout Tensor, RoutingData, GatherIndx,
+ScatterIndx, PrecisionConfig, FusedActivation, Epilogue) with the format."""
+VLLM_CODECS = ("moereplay.capture.vllm_codecs",)
+"""vLLM's own value types (``ScalarType``)."""
 
 MARLIN_GEMM_STATIC = ("b_qweight", "b_bias", "b_scales", "global_scale", "b_qzeros", "g_idx", "perm")
 FUSED_MARLIN_STATIC = (
@@ -84,6 +92,8 @@ class CaptureTarget:
     static: tuple[str, ...] = ()
     self_attributes: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
+    codec_modules: tuple[str, ...] = ()
+    opt_flags: bool = False
 
     @property
     def site(self) -> str:
@@ -99,6 +109,7 @@ def _targets() -> tuple[CaptureTarget, ...]:
             "moe_wna16_marlin_gemm",
             static=MARLIN_GEMM_STATIC,
             outputs=("output", "workspace"),
+            codec_modules=VLLM_CODECS,
         )
     ]
     for module in MARLIN_MODULES:
@@ -110,6 +121,7 @@ def _targets() -> tuple[CaptureTarget, ...]:
                 "fused_marlin_moe",
                 static=FUSED_MARLIN_STATIC,
                 outputs=("output",),
+                codec_modules=VLLM_CODECS,
             )
         )
         targets.append(
@@ -120,6 +132,7 @@ def _targets() -> tuple[CaptureTarget, ...]:
                 "batched_fused_marlin_moe",
                 static=FUSED_MARLIN_STATIC,
                 outputs=("output",),
+                codec_modules=VLLM_CODECS,
             )
         )
     for module in GPT_OSS_MODULES:
@@ -131,6 +144,8 @@ def _targets() -> tuple[CaptureTarget, ...]:
                 "matmul_ogs",
                 static=("w", "bias", "precision_config"),
                 outputs=("y",),
+                codec_modules=OGS_CODECS,
+                opt_flags=True,
             )
         )
         targets.append(
@@ -141,6 +156,7 @@ def _targets() -> tuple[CaptureTarget, ...]:
                 "triton_kernel_fused_experts",
                 static=("w1", "w2", "quant_config"),
                 outputs=("output_tensor",),
+                codec_modules=OGS_CODECS,
             )
         )
         targets.append(
@@ -152,6 +168,7 @@ def _targets() -> tuple[CaptureTarget, ...]:
                 static=("w1", "w2", "self.quant_config"),
                 self_attributes=("quant_config",),
                 outputs=("output",),
+                codec_modules=OGS_CODECS,
             )
         )
     targets.append(
@@ -162,6 +179,8 @@ def _targets() -> tuple[CaptureTarget, ...]:
             "matmul",
             static=("b", "bias", "precision_config"),
             outputs=("c",),
+            codec_modules=OGS_CODECS,
+            opt_flags=True,
         )
     )
     return tuple(targets)

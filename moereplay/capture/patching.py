@@ -6,6 +6,9 @@ module can ``from … import`` the name — so arming early (vLLM loads general 
 and arming late both work, and nothing is imported just to be patched.
 
 Every wrapper keeps the original as ``__moereplay_original__`` and :meth:`Patcher.uninstall` restores them.
+Right after wrapping a target the patcher calls the handler's :meth:`CallHandler.prepare` once (the recorder
+registers the codecs the target's values need and hooks triton_kernels' opt_flags there); what it returns is
+undone at uninstall too.
 """
 
 from __future__ import annotations
@@ -28,10 +31,18 @@ logger = logging.getLogger("moereplay.capture")
 ORIGINAL = "__moereplay_original__"
 
 
+Undo = Callable[[], None]
+
+
 class CallHandler:
     """What a wrapper delegates to (the recorder). ``active`` is read on every call: keep it a plain attribute."""
 
     active: bool
+
+    def prepare(self, target: CaptureTarget, original: Callable[..., Any]) -> Undo | None:
+        """Called once when ``target`` is wrapped (``original``: the function now wrapped); may return an
+        action that undoes what it set up. Errors are logged; the wrapper stays."""
+        return None
 
     def call(
         self,
@@ -127,6 +138,7 @@ class Patcher:
         self.targets = tuple(targets)
         self.handler = handler
         self.patched: list[tuple[CaptureTarget, Any, str, Any]] = []  # target, owner, name, original
+        self._undo: list[Undo] = []
         self.watched: set[str] = set()
         self._finder: _PostImportFinder | None = None
         self._lock = threading.RLock()
@@ -160,8 +172,24 @@ class Patcher:
                 setattr(owner, name, make_wrapper(current, target, self.handler))
                 self.patched.append((target, owner, name, current))
                 logger.debug("moereplay: wrapped %s", target.site)
+                self._prepare(target, current)
             if not self.watched and self._finder is not None:
                 self._remove_finder()
+
+    def _prepare(self, target: CaptureTarget, original: Callable[..., Any]) -> None:
+        try:
+            prepare = getattr(self.handler, "prepare", None)
+            undo = prepare(target, original) if prepare is not None else None
+        except Exception as error:
+            logger.warning(
+                "moereplay: preparing %s failed (%s: %s); its calls are recorded without it",
+                target.site,
+                type(error).__name__,
+                error,
+            )
+            return
+        if undo is not None:
+            self._undo.append(undo)
 
     def _remove_finder(self) -> None:
         if self._finder is not None and self._finder in sys.meta_path:
@@ -171,6 +199,12 @@ class Patcher:
     def uninstall(self) -> None:
         """Restore every original (tests; a process that disarms)."""
         with self._lock:
+            for undo in reversed(self._undo):
+                try:
+                    undo()
+                except Exception:
+                    logger.exception("moereplay: undoing a capture hook failed")
+            self._undo.clear()
             for _target, owner, name, original in reversed(self.patched):
                 setattr(owner, name, original)
             self.patched.clear()

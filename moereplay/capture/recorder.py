@@ -12,10 +12,17 @@ real function, call it, snapshot its outputs, and queue both for the writer thre
 
 CUDA graphs: while the current stream is capturing a graph nothing may be copied (and nothing recorded would
 be replayed by later graph launches), so such calls are skipped and counted, with one loud warning.
+
+Codecs: the format codecs for vLLM's ``ScalarType`` are registered when the recorder is built, and a target's
+``codec_modules`` (the triton_kernels codecs of the matmul_ogs op) when the target is wrapped — before any of its
+calls is encoded. triton_kernels GEMMs (``opt_flags`` targets) also record their process state: the opt_flags
+constraints in force as pseudo-arguments, a manual override in the context, the flags chosen as the ``opt_flags``
+output (:mod:`moereplay.capture.opt_flags`).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import time
@@ -28,6 +35,7 @@ import torch
 from moereplay.capture.binding import ArgumentBinder
 from moereplay.capture.context import ContextTracker, Where
 from moereplay.capture.flight import FlightEntry, FlightRecorder
+from moereplay.capture.opt_flags import OptFlagsProbe
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.settings import CaptureSettings, Trigger
 from moereplay.capture.snapshot import Snapshot, estimate, snapshot
@@ -67,6 +75,7 @@ class _Plan:
     bound: dict[str, Any] | None = None
     started: float = 0.0
     device_start: Any = None
+    probe: OptFlagsProbe | None = None
     keep: list[torch.Tensor] | None = None  # the copied inputs, alive until the outputs are copied
 
 
@@ -93,6 +102,8 @@ class Recorder:
         self._per_shape: dict[tuple[Any, ...], int] = {}
         self._graph_warned = False
         self._cuda = torch.cuda.is_available()
+        self._probes: dict[int, OptFlagsProbe] = {}  # id(original function) -> its opt_flags probe
+        importlib.import_module("moereplay.capture.vllm_codecs")  # registers vLLM's ScalarType codec
         self.flight: FlightRecorder | None = None
         if settings.trigger is Trigger.FLIGHT:
             self.flight = FlightRecorder(
@@ -127,6 +138,25 @@ class Recorder:
             values.update(self.flight.as_counters())
         return values
 
+    def prepare(self, target: CaptureTarget, original: Callable[..., Any]) -> Callable[[], None] | None:
+        """Once per wrapped target (from the patcher): register its codecs, hook triton_kernels' opt_flags."""
+        for module in target.codec_modules:
+            importlib.import_module(module)
+        if not target.opt_flags:
+            return None
+        from moereplay.ops.matmul_ogs import process_state
+
+        probe, undo = OptFlagsProbe.install(original, process_state)
+        self._probes[id(original)] = probe
+        original_ref = original  # keeps the id valid while the probe is registered
+
+        def forget() -> None:
+            self._probes.pop(id(original_ref), None)
+            if undo is not None:
+                undo()
+
+        return forget
+
     # --- the wrapped call -------------------------------------------------------------------------------------
 
     def call(
@@ -138,7 +168,7 @@ class Recorder:
         kwargs: dict[str, Any],
     ) -> Any:
         try:
-            plan = self._before(target, binder, args, kwargs)
+            plan = self._before(target, binder, args, kwargs, original)
         except Exception as error:
             self._internal_error(f"{target.op} (before the call)", error)
             plan = None
@@ -167,7 +197,12 @@ class Recorder:
         return result
 
     def _before(
-        self, target: CaptureTarget, binder: ArgumentBinder, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        target: CaptureTarget,
+        binder: ArgumentBinder,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        original: Callable[..., Any] | None = None,
     ) -> _Plan | None:
         if not self.active:
             return None
@@ -202,6 +237,13 @@ class Recorder:
         plan.bound = bound
         self.counters.selected += 1
         context = where.as_dict(self.tracker.ranks)
+        if target.opt_flags:
+            plan.probe = self._probes.get(id(original))
+            if plan.probe is not None:
+                bound.update(plan.probe.state())
+                override = plan.probe.override()
+                if override is not None:
+                    context["opt_flags_override"] = override
         parent_sequence = parent.sequence if parent is not None and parent.recorded else None
         plan.keep = []
         if self.flight is not None:
@@ -230,6 +272,8 @@ class Recorder:
             if self._cuda:
                 plan.device_start = torch.cuda.Event(enable_timing=True)
                 plan.device_start.record()
+        if plan.probe is not None:
+            plan.probe.start()
         plan.started = time.perf_counter()
         return plan
 
@@ -281,6 +325,10 @@ class Recorder:
                 outputs[name] = value
         if error is None and not _is_view_of_any(result, outputs.values()):
             outputs["return"] = result
+        if plan.probe is not None:
+            chosen = plan.probe.chosen()
+            if chosen is not None:
+                outputs["opt_flags"] = chosen
         status = "completed" if error is None else "failed"
         message = None if error is None else f"{type(error).__name__}: {error}"[:2000]
         if self.flight is not None:

@@ -86,7 +86,8 @@ def _close(session: session_module.Session) -> Path:
 
 def test_in_place_output_over_a_view_of_the_input_storage(armed, kernels: types.ModuleType) -> None:
     workspace = torch.arange(64, dtype=torch.float32)
-    source, output = workspace[3:11], workspace[40:48]  # gemm2 reading cache2 and writing cache3 of one buffer
+    # gemm2 reading cache2 and writing cache3 of one workspace
+    source, output = workspace[3:11], workspace[40:48]
     expected_workspace = workspace.clone()
     expected_workspace[40:48] = workspace[3:11] * 3.0
     kernels.scaled_copy(source, output, 3.0)
@@ -108,7 +109,9 @@ def test_in_place_output_over_a_view_of_the_input_storage(armed, kernels: types.
         assert torch.equal(scaled_copy(loaded["source"], loaded["output"], 3.0), expected_workspace[40:48])
 
 
-def test_views_of_other_dtypes_at_unaligned_offsets_share_one_storage(armed, kernels: types.ModuleType) -> None:
+def test_views_of_other_dtypes_at_unaligned_offsets_share_one_storage(
+    armed, kernels: types.ModuleType
+) -> None:
     raw = torch.zeros(96, dtype=torch.uint8)
     halves = raw[2:18].view(torch.bfloat16)  # byte offset 2
     halves.copy_(torch.arange(8, dtype=torch.bfloat16))
