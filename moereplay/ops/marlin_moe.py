@@ -154,6 +154,8 @@ def _b_scales_dtypes(args: Args) -> tuple[torch.dtype, ...]:
     if quant == st.KNOWN_TYPES.get("float4_e2m1f"):
         return (torch.float8_e4m3fn, torch.float8_e8m0fnu)
     dtype = c_dtype(args)
+    if quant == st.KNOWN_TYPES.get("float8_e4m3fn"):  # FP8: 16-bit scales; MXFP8: e8m0 scales
+        return (torch.float8_e8m0fnu,) if dtype is None else (dtype, torch.float8_e8m0fnu)
     return () if dtype is None else (dtype,)
 
 
@@ -163,6 +165,10 @@ def _b_scales_read_as(args: Args) -> torch.dtype | None:
     if isinstance(scales, torch.Tensor) and scales.dtype in accepted:
         return scales.dtype
     return accepted[0] if accepted else None
+
+
+def _b_qzeros_read_as(args: Args) -> torch.dtype | None:
+    return c_dtype(args) if args.get("is_zp_float") else torch.int32
 
 
 def _experts(args: Args) -> int | None:
@@ -242,7 +248,13 @@ CONTRACTS: tuple[TensorContract, ...] = (
         note="NVFP4 only; one value per expert",
         host_checks=frozenset({"dtype", "presence"}),
     ),
-    TensorContract("b_qzeros", read_as=fixed_dtype(torch.int32), host_checked=False, required=False),
+    TensorContract(
+        "b_qzeros",
+        read_as=_b_qzeros_read_as,
+        host_checked=False,
+        required=False,
+        note="packed int32 zero points; with is_zp_float 16-bit zero points read as the c type",
+    ),
     TensorContract(
         "g_idx",
         read_as=fixed_dtype(torch.int32),
@@ -489,6 +501,18 @@ class MarlinMoeOp:
         if "moe_block_size" in changed:
             new_args.update(rederive_alignment(args, int(args["moe_block_size"])))
         return new_args
+
+    def shape_dimensions(self, args: Args) -> list[tuple[str, tuple[int, ...], int]]:
+        """Shrinkable dimensions for the shape bisection (:mod:`moereplay.ops.marlin_shapes`)."""
+        from moereplay.ops.marlin_shapes import shape_dimensions
+
+        return shape_dimensions(args)
+
+    def shrink(self, args: Args, shape: Mapping[str, int]) -> dict[str, Any]:
+        """A valid call of ``shape`` made from this one (:mod:`moereplay.ops.marlin_shapes`)."""
+        from moereplay.ops.marlin_shapes import shrink
+
+        return shrink(args, shape)
 
     def make_scratch(self, args: Args, device: torch.device) -> dict[str, Any]:
         device = torch.device(device)
