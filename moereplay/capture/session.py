@@ -31,6 +31,7 @@ from moereplay.capture.writer_thread import RecordSink, WriterThread
 logger = logging.getLogger("moereplay.capture")
 
 SinkFactory = Callable[[Path, dict[str, Any]], RecordSink]
+"""``(path, header) -> sink`` (tests); the default sink also gets the settings (compression)."""
 
 
 def _vllm_version() -> str | None:
@@ -40,16 +41,21 @@ def _vllm_version() -> str | None:
         return None
 
 
-def default_sink(path: Path, header: dict[str, Any]) -> RecordSink:
-    """The capture file proper."""
-    from moereplay.format import CaptureWriter
-
-    side_stream = None
+def default_sink(path: Path, header: dict[str, Any], *, settings: CaptureSettings | None = None) -> RecordSink:
+    """The capture file proper, compressed as ``settings`` say."""
     import torch
 
-    if torch.cuda.is_available():
-        side_stream = torch.cuda.Stream()
-    return FormatSink(CaptureWriter(path, header), side_stream=side_stream)
+    from moereplay.format import CaptureWriter
+
+    settings = settings if settings is not None else CaptureSettings()
+    side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+    writer = CaptureWriter(
+        path,
+        header,
+        compression_level=settings.compression_level,
+        compression_threads=settings.compression_threads,
+    )
+    return FormatSink(writer, side_stream=side_stream)
 
 
 @dataclass
@@ -132,7 +138,10 @@ def arm(
                 recorder_holder[0].disable(reason)
 
         header = build_header(settings, (t.site for t in targets))
-        sink = sink_factory(path, header)
+        if sink_factory is default_sink:
+            sink = default_sink(path, header, settings=settings)
+        else:
+            sink = sink_factory(path, header)
         writer = WriterThread(
             sink,
             max_calls_queued=settings.queue_calls,

@@ -83,10 +83,12 @@ Message = Begin | Complete | Barrier
 
 @dataclass
 class Counters:
-    """What was dropped and why; written into the file's footer and logged at close."""
+    """What was written and dropped, and why; written into the file's footer and logged at close.
+    ``copied_bytes``: bytes of copied (non-static) tensor spans handed to the file, inputs and outputs."""
 
     recorded: int = 0
     completed: int = 0
+    copied_bytes: int = 0
     dropped_queue_full: int = 0
     dropped_after_failure: int = 0
     dropped_max_bytes: int = 0
@@ -271,6 +273,7 @@ class WriterThread:
             index = self.sink.begin(message, parent)
             self._indices[message.sequence] = index
             self.counters.recorded += 1
+            self.counters.copied_bytes += message.nbytes
             return
         index_or_none = self._indices.pop(message.sequence, None)
         if index_or_none is None:
@@ -287,6 +290,7 @@ class WriterThread:
             return
         self.sink.complete(index_or_none, message)
         self.counters.completed += 1
+        self.counters.copied_bytes += message.nbytes
 
     def _finish(self) -> None:
         counters = self.counters.as_dict()

@@ -144,3 +144,30 @@ def test_disarm_restores_the_original_objects(arm, kernels: types.ModuleType) ->
     session_module.disarm()
     assert kernels.gemm is gemm_before and kernels.fused is fused_before
     assert MODULE in __import__("sys").modules
+
+
+def test_default_sink_compresses_as_the_settings_say(
+    arm, kernels: types.ModuleType, inputs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import moereplay.format as format_module
+
+    made: list[dict] = []
+
+    class Recording(format_module.CaptureWriter):
+        def __init__(self, *args, **kwargs) -> None:
+            made.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(format_module, "CaptureWriter", Recording)
+    session = arm(compression_level="5", compression_threads="2")
+    assert made == [{"compression_level": 5, "compression_threads": 2}]
+    x, w1, w2, weights = inputs()
+    kernels.fused(x, w1, w2, weights)
+    session.flush()
+    session.close()
+    with CaptureReader(session.path) as reader:
+        counters = reader.footer["counters"]
+        # fused: x in, return out; gemm 1: x, cache (before and after); gemm 2: first, weights in, return out
+        floats = 4 * (5 * 8 + 5 * 8 + 5 * 8 + 2 * 5 * 6 + 5 * 6 + 5 * 8)
+        assert counters["copied_bytes"] >= floats
+        assert "zstd=5 zstd_threads=2" in reader.header["capture_settings"]

@@ -54,6 +54,8 @@ def test_every_variable() -> None:
         absmax="1e4",
         queue_calls="16",
         queue_bytes="512MiB",
+        compression_level="3",
+        compression_threads="-1",
     )
     assert settings.directory == Path("/tmp/x") and not settings.directory_was_default
     assert settings.op_selected("moe_wna16_marlin_gemm") and settings.op_selected("matmul_ogs")
@@ -66,7 +68,8 @@ def test_every_variable() -> None:
     assert settings.sample == 0.25 and settings.trigger is Trigger.FLIGHT
     assert (settings.flight_calls, settings.flight_bytes, settings.absmax) == (8, 64 << 20, 1e4)
     assert (settings.queue_calls, settings.queue_bytes) == (16, 512 << 20)
-    assert "trigger=flight" in settings.describe()
+    assert (settings.compression_level, settings.compression_threads) == (3, -1)
+    assert "trigger=flight" in settings.describe() and "zstd=3 zstd_threads=-1" in settings.describe()
 
 
 @pytest.mark.parametrize(
@@ -100,6 +103,9 @@ def test_step_ranges(steps: str, expected: StepRange) -> None:
         ("absmax", "nan", "finite number > 0"),
         ("absmax", "-3", "finite number > 0"),
         ("ops", " , ", "no pattern given"),
+        ("compression_level", "23", "must be in [-5, 22]"),
+        ("compression_threads", "-2", "must be in [-1, 256]"),
+        ("compression_threads", "x", "not an integer"),
     ],
 )
 def test_malformed_values_raise_one_line(variable: str, value: str, fragment: str) -> None:
