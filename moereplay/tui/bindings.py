@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 
 Area = Literal["global", "browser", "table", "call", "diff", "heatmap", "bisect", "modal", "help"]
 
@@ -46,7 +46,7 @@ class Command:
     def area(self) -> Area:
         area = self.id.split(".", 1)[0]
         assert area in AREA_TITLES, area
-        return area  # type: ignore[return-value]
+        return area
 
     def binding(self) -> Binding:
         return Binding(
@@ -131,6 +131,6 @@ def commands_for(*areas: Area) -> tuple[Command, ...]:
     return tuple(command for command in COMMANDS if command.area in areas)
 
 
-def bindings_for(*areas: Area) -> list[Binding]:
+def bindings_for(*areas: Area) -> list[BindingType]:
     """The Textual bindings of ``areas``, for a screen's or widget's ``BINDINGS``."""
     return [command.binding() for command in commands_for(*areas)]

@@ -31,7 +31,7 @@ def find_exporter() -> Callable[..., Any] | ReproUnavailable:
     for name in EXPORTER_NAMES:
         exporter = getattr(module, name, None)
         if callable(exporter):
-            return exporter  # type: ignore[no-any-return]
+            return exporter
     return ReproUnavailable("repro export is not available yet: moereplay.repro has no export function")
 
 

@@ -143,8 +143,10 @@ async def test_bisect_that_cannot_start_says_why(stream_capture: Path) -> None:
         await pilot.click("#bisect-start")
         assert app.screen is dialog
         assert "at least two --pack" in str(dialog.query_one("#bisect-error").render())
-        dialog.query_one("#bisect-strategy").value = "shape"  # type: ignore[attr-defined]
+        dialog.query_one("#bisect-strategy").value = "calls"  # type: ignore[attr-defined]
         dialog.query_one("#bisect-call").focus()
-        await pilot.press("ctrl+u", "1", "enter")  # enter in a field submits the dialog
+        await pilot.press("ctrl+u", "0", "enter")  # enter in a field submits the dialog
         await settle(pilot)
-        assert any("declares no shrinkable dimensions" in message for message in notes.messages)
+        # call #0 is the enclosing fused_marlin_moe call: not in the stream of replayable calls
+        assert any("--call 0 is not among the 8 selected calls" in message for message in notes.messages)
+        assert not isinstance(app.screen, BisectScreen)

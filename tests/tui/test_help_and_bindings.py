@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from textual.widgets import DataTable
 from tui_helpers import make_app, run_async, settle
 
 from moereplay.tui.app import MoereplayApp
@@ -53,8 +52,11 @@ def test_every_action_exists_where_it_is_bound(command) -> None:  # type: ignore
 
 
 def help_ids(app: MoereplayApp) -> list[str]:
-    table = app.screen.query_one("#help-table", DataTable)
-    return [str(table.get_row_at(row)[2]) for row in range(table.row_count) if table.get_row_at(row)[2]]
+    screen = app.screen
+    assert isinstance(screen, HelpScreen)
+    shown = [str(static.render()) for static in screen.query(".help-area")]
+    assert len(shown) == len(screen.areas)
+    return list(screen.listed_ids)
 
 
 @run_async

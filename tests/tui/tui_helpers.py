@@ -28,12 +28,16 @@ def make_app(path: Path, **options: Any) -> MoereplayApp:
     return MoereplayApp.for_capture(path, **options)
 
 
-async def settle(pilot: Pilot[Any], rounds: int = 6) -> None:
-    """Wait until no worker runs (a worker finishing may start another: wait a few rounds)."""
+async def settle(pilot: Pilot[Any], rounds: int = 20) -> None:
+    """Wait until no worker runs twice in a row (a screen mounting starts workers; a worker ending may start
+    another)."""
+    quiet = 0
     for _ in range(rounds):
+        await pilot.pause()
         await pilot.app.workers.wait_for_complete()
         await pilot.pause()
-        if not any(worker.is_running for worker in pilot.app.workers):
+        quiet = quiet + 1 if not any(worker.is_running for worker in pilot.app.workers) else 0
+        if quiet >= 2:
             return
 
 

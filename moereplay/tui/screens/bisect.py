@@ -129,7 +129,7 @@ class BisectScreen(Screen[None]):
         bar = interval_bar(len(items), progress.data, max(8, min(BAR_WIDTH, room)))
         if bar is not None:
             lines.append(bar)
-        else:
+        elif not session.done:
             for key, value in progress.data.items():
                 if isinstance(value, (list, tuple)):
                     value = ", ".join(str(item) for item in value) or "—"
@@ -141,8 +141,10 @@ class BisectScreen(Screen[None]):
         self.query_one("#bisect-current", Static).update(self._current_text())
         summary = self.query_one("#bisect-summary", Static)
         if session.done:
-            result = session.summary()
-            summary.update(Text("\n".join(result.lines()), style="bold"))
+            lines = [
+                line for line in session.summary().lines() if not line.startswith("log: ")
+            ]  # shown above
+            summary.update(Text("\n".join(lines), style="bold"))
             summary.display = True
         else:
             summary.display = False

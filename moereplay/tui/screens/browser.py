@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 from textual import work
 from textual.app import ComposeResult
 from textual.screen import Screen
@@ -15,6 +17,9 @@ from moereplay.tui.catalog import CallCatalog, CallSummary
 from moereplay.tui.filters import FAILING, CallFilter
 from moereplay.tui.replays import ReplayOutcome, ReplayRequest, run_replay
 from moereplay.tui.widgets.browser.call_table import CallTable
+
+if TYPE_CHECKING:
+    from moereplay.tui.app import MoereplayApp
 
 FILTER_DELAY_S = 0.2
 """Typing pauses this long before the filter runs."""
@@ -42,11 +47,15 @@ class BrowserScreen(Screen[None]):
         self._replays: Worker[None] | None = None
         self._replayable = replayable_ops()
 
+    @property
+    def moe(self) -> MoereplayApp:
+        return cast("MoereplayApp", self.app)
+
     # ------------------------------------------------------------------------------------------ layout
 
     def compose(self) -> ComposeResult:
         yield Static(id="browser-title", classes="title-bar")
-        yield CallTable(self.catalog, self.app.verdicts.get, id="calls")  # type: ignore[attr-defined]
+        yield CallTable(self.catalog, self.moe.verdicts.get, id="calls")
         yield Static(id="call-detail", classes="detail-line")
         yield Input(
             placeholder="/ filter: op:marlin* layer:3 step:10-12 verdict:bad words…",
@@ -157,7 +166,7 @@ class BrowserScreen(Screen[None]):
     def _filter(self, query: CallFilter) -> None:
         worker = get_current_worker()
         catalog = self.catalog
-        verdicts = dict(self.app.verdicts)  # type: ignore[attr-defined]
+        verdicts = dict(self.moe.verdicts)
         total = len(catalog)
         matches: list[int] = []
         for number, index in enumerate(catalog.indices, start=1):
@@ -185,7 +194,7 @@ class BrowserScreen(Screen[None]):
 
     def _jump_to_failure(self, direction: int) -> None:
         table = self.table
-        verdicts = self.app.verdicts  # type: ignore[attr-defined]
+        verdicts = self.moe.verdicts
         rows = table.rows
         position = table.cursor + direction
         while 0 <= position < len(rows):
@@ -223,8 +232,8 @@ class BrowserScreen(Screen[None]):
     @work(thread=True, group="replays")
     def _replay_calls(self, calls: list[int]) -> None:
         worker = get_current_worker()
-        app = self.app
-        backend = app.backend  # type: ignore[attr-defined]
+        app = self.moe
+        backend = app.backend
         failures = 0
         for number, index in enumerate(calls, start=1):
             if worker.is_cancelled:
@@ -241,29 +250,29 @@ class BrowserScreen(Screen[None]):
         app.call_from_thread(self._replays_finished, calls, failures, worker.is_cancelled)
 
     def _replay_started(self, index: int, number: int, total: int) -> None:
-        self.app.verdicts[index] = "running"  # type: ignore[attr-defined]
+        self.moe.verdicts[index] = "running"
         self._set_status(f"replaying {number:,}/{total:,} (x stops)" if total > 1 else f"replaying #{index}")
         self.table.refresh_call(index)
 
     def _replay_done(self, outcome: ReplayOutcome) -> None:
         index = outcome.request.call
-        self.app.verdicts[index] = outcome.report.baseline.verdict.value  # type: ignore[attr-defined]
+        self.moe.verdicts[index] = outcome.report.baseline.verdict.value
         self.replay_errors.pop(index, None)
         self.table.refresh_call(index)
         if self.table.current == index:
             self.query_one("#call-detail", Static).update(self._detail(self.catalog.summary(index)))
 
     def _replay_failed(self, index: int, message: str) -> None:
-        self.app.verdicts[index] = "error"  # type: ignore[attr-defined]
+        self.moe.verdicts[index] = "error"
         self.replay_errors[index] = message
         self.table.refresh_call(index)
         if self.table.current == index:
             self.query_one("#call-detail", Static).update(self._detail(self.catalog.summary(index)))
 
     def _replays_finished(self, calls: list[int], failures: int, cancelled: bool) -> None:
-        for index, verdict in list(self.app.verdicts.items()):  # type: ignore[attr-defined]
+        for index, verdict in list(self.moe.verdicts.items()):
             if verdict == "running":
-                del self.app.verdicts[index]  # type: ignore[attr-defined]
+                del self.moe.verdicts[index]
         self.table.refresh()
         done = "stopped" if cancelled else "done"
         self._set_status(f"replays {done}" + (f", {failures} could not run" if failures else ""))
@@ -278,6 +287,6 @@ class BrowserScreen(Screen[None]):
 
         index = self.table.current
         self.app.push_screen(
-            BisectDialog(self.catalog.path, call=index, strategy="calls", backend=self.app.backend),  # type: ignore[attr-defined]
-            self.app.start_bisect,  # type: ignore[attr-defined]
+            BisectDialog(self.catalog.path, call=index, strategy="calls", backend=self.moe.backend),
+            self.moe.start_bisect,
         )

@@ -320,7 +320,12 @@ class CallScreen(Screen[None]):
         if self.op is None:
             self.notify(f"cannot mutate {self.record.op}: no ops module declares it", severity="warning")
             return
-        self.app.push_screen(MutationDialog(self.op.name, mutable_arguments(self.op.name)), self.add_mutation)
+        self.app.push_screen(
+            MutationDialog(self.op.name, mutable_arguments(self.op.name)), self._mutation_chosen
+        )
+
+    def _mutation_chosen(self, text: str | None) -> None:
+        self.add_mutation(text)
 
     def add_mutation(self, text: str | None) -> bool:
         """Add a mutation text (already parsed by the engine) to the matrix; ``False`` if it cannot be added."""

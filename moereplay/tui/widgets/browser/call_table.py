@@ -230,9 +230,9 @@ class CallTable(ScrollView, can_focus=True):
         width = self.scrollable_content_region.width
         columns = layout_columns(width, self._digits)
         if y == 0:
-            style = self.get_component_rich_style("call-table--header")
+            header = self.get_component_rich_style("call-table--header")
             text = " ".join(_cell(column.title, column.width, column.key == "index") for column in columns)
-            return Strip([Segment(_cell(text, width), style)], width)
+            return Strip([Segment(_cell(text, width), header)], width)
         position = round(self.scroll_y) + y - 1
         if position >= len(self.rows):
             return Strip.blank(width, self.rich_style)
