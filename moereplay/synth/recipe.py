@@ -1,0 +1,272 @@
+"""Seeded generator recipes: a tensor recorded as the few numbers that regenerate it, bit for bit, on any machine.
+
+A gpt-oss NVFP4 ``w2`` is 135 MB of random bytes; as a recipe it is a value tree of a few hundred bytes — the
+generator's name, its parameters (shapes, format, seed) and which of its outputs this tensor is — plus the sha256
+of the bytes it expands to. The capture stores the recipe through the format's codec registry (type name
+:data:`RECIPE_TYPE`), so a reader that knows the codec hands back an ordinary tensor: ``CaptureReader.load_args``
+materialises the tensors inside a codec value first (the recipe holds one: a zero-element *anchor* tensor recorded
+on the original device, which comes back on the device the reader was asked for) and then calls the codec's
+``decode``, which expands the recipe on the CPU with a seeded ``torch.Generator`` (the CPU generator's streams are
+what make the expansion machine-independent), checks the digest, and moves the result to the anchor's device.
+
+Recorded tree (msgpack-native values only, plus the anchor)::
+
+    {"v": 1, "generator": "marlin_experts", "params": {...}, "part": "b_qweight",
+     "dtype": "int32", "shape": [E, K/16, N*2], "stride": [...], "sha256": "…", "anchor": <empty tensor>}
+
+Expansion cost is the generator's (drawing and packing a full gpt-oss weight set takes seconds on a few cores); the
+expanded outputs of one generator call are kept in a small in-process cache (:data:`CACHE_BYTES`), so the parts of one
+weight set — and repeated loads of one call — expand once. A digest mismatch (another torch whose CPU generator
+draws differently) raises :class:`~moereplay.errors.CaptureFileError` naming the recipe: silently different inputs
+would make every later verdict meaningless.
+
+Registering: :func:`register` installs the codec in the format registry (idempotent). Importing
+:mod:`moereplay.synth` does it; a process that reads recipe captures must import it (or have the format's registry
+import it on demand) before loading arguments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moereplay.errors import CaptureFileError, UnsupportedValueError
+
+RECIPE_TYPE = "moereplay.synth.recipe.TensorRecipe"
+"""Qualified type name the recipe codec is registered under (the class below)."""
+RECIPE_VERSION = 1
+CACHE_BYTES = 1 << 30
+"""Bytes of expanded generator outputs kept per process (least recently used out first)."""
+
+GeneratorFunction = Callable[[Mapping[str, Any]], dict[str, torch.Tensor]]
+"""A generator: parameters (including ``seed``) → its named CPU tensors, deterministically."""
+
+_GENERATORS: dict[str, GeneratorFunction] = {}
+_lock = threading.Lock()
+_cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+_cache_bytes = 0
+
+
+def register_generator(name: str) -> Callable[[GeneratorFunction], GeneratorFunction]:
+    """Decorator: make a generator function expandable by name (the name is recorded in captures: never rename)."""
+
+    def install(function: GeneratorFunction) -> GeneratorFunction:
+        _GENERATORS[name] = function
+        return function
+
+    return install
+
+
+def generator_names() -> tuple[str, ...]:
+    _ensure_builtin_generators()
+    return tuple(sorted(_GENERATORS))
+
+
+def _ensure_builtin_generators() -> None:
+    from moereplay.synth import generators  # noqa: F401 - registers the built-in generators
+
+
+def _canonical(params: Mapping[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 (hex) of a tensor's elements in row-major order (strides do not matter), computed on the host."""
+    flat = tensor.detach().contiguous().cpu().reshape(-1)
+    raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+    return hashlib.sha256(raw.numpy().data).hexdigest()
+
+
+@dataclass(frozen=True)
+class TensorRecipe:
+    """How to regenerate one tensor: ``generator(params)[part]``, expected to have this dtype, shape, stride and
+    digest. ``device``: where the tensor lived when recorded (the anchor's device at write time)."""
+
+    generator: str
+    params: Mapping[str, Any]
+    part: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    sha256: str
+    device: str = "cpu"
+    _key: str = field(default="", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_key", f"{self.generator}:{_canonical(self.params)}")
+
+    @property
+    def cache_key(self) -> str:
+        """Identifies the generator call (shared by every part of one weight set)."""
+        return self._key
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * getattr(torch, self.dtype).itemsize
+
+    def describe(self) -> str:
+        seed = self.params.get("seed")
+        part = f"[{self.part}]" if self.part else ""
+        return f"{self.generator}{part}(seed={seed}) → {self.dtype}{list(self.shape)}"
+
+
+def recipe_for(
+    tensor: torch.Tensor, generator: str, params: Mapping[str, Any], part: str = ""
+) -> TensorRecipe:
+    """The recipe of a tensor a generator produced (its digest computed now; raises if params are not plain)."""
+    _canonical(params)  # fails early on values a capture cannot hold portably
+    return TensorRecipe(
+        generator,
+        dict(params),
+        part,
+        str(tensor.dtype).removeprefix("torch."),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor_digest(tensor),
+        str(tensor.device),
+    )
+
+
+def generate(generator: str, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Every output of one generator call, on the CPU (cached; callers must not modify the tensors)."""
+    global _cache_bytes
+    _ensure_builtin_generators()
+    function = _GENERATORS.get(generator)
+    if function is None:
+        raise CaptureFileError(
+            f"recipe generator {generator!r} is unknown to this moereplay (known: {', '.join(generator_names())})"
+        )
+    key = f"{generator}:{_canonical(params)}"
+    with _lock:
+        cached = _cache.get(key)
+        if cached is not None:
+            _cache.move_to_end(key)
+            return cached
+    outputs = function(params)
+    size = sum(t.untyped_storage().nbytes() for t in outputs.values())
+    with _lock:
+        if size <= CACHE_BYTES:
+            _cache[key] = outputs
+            _cache_bytes += size
+            while _cache_bytes > CACHE_BYTES and len(_cache) > 1:
+                _, evicted = _cache.popitem(last=False)
+                _cache_bytes -= sum(t.untyped_storage().nbytes() for t in evicted.values())
+    return outputs
+
+
+def clear_cache() -> None:
+    """Forget every cached expansion (tests; freeing memory)."""
+    global _cache_bytes
+    with _lock:
+        _cache.clear()
+        _cache_bytes = 0
+
+
+def expand(recipe: TensorRecipe, device: torch.device | str = "cpu", *, verify: bool = True) -> torch.Tensor:
+    """The tensor a recipe stands for, on ``device``: a fresh tensor with the recorded shape and strides.
+
+    Raises :class:`CaptureFileError` when the generator is unknown, its output does not have the recorded dtype,
+    shape or stride, or (``verify``) its bytes do not hash to the recorded digest.
+    """
+    outputs = generate(recipe.generator, recipe.params)
+    tensor = outputs.get(recipe.part)
+    what = recipe.describe()
+    if tensor is None:
+        raise CaptureFileError(
+            f"recipe {what}: the generator has no output {recipe.part!r} (outputs: {', '.join(sorted(outputs))})"
+        )
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if (
+        dtype != recipe.dtype
+        or tuple(tensor.shape) != recipe.shape
+        or tuple(tensor.stride()) != recipe.stride
+    ):
+        raise CaptureFileError(
+            f"recipe {what}: expanded to {dtype}{list(tensor.shape)} stride {list(tensor.stride())}, the capture "
+            f"recorded {recipe.dtype}{list(recipe.shape)} stride {list(recipe.stride)}"
+        )
+    if verify and tensor_digest(tensor) != recipe.sha256:
+        raise CaptureFileError(
+            f"recipe {what}: this machine expands it to different bytes than the machine that recorded it "
+            f"(torch {torch.__version__}); the recorded digest is {recipe.sha256[:16]}…"
+        )
+    target = torch.device(device)
+    out = torch.empty_strided(recipe.shape, recipe.stride, dtype=tensor.dtype, device=target)
+    out.copy_(tensor)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the codec
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def encode_recipe(recipe: TensorRecipe) -> dict[str, Any]:
+    """The recorded tree (see the module docstring); the anchor is an empty tensor on the original device."""
+    return {
+        "v": RECIPE_VERSION,
+        "generator": recipe.generator,
+        "params": dict(recipe.params),
+        "part": recipe.part,
+        "dtype": recipe.dtype,
+        "shape": list(recipe.shape),
+        "stride": list(recipe.stride),
+        "sha256": recipe.sha256,
+        "anchor": torch.empty(0, dtype=torch.uint8, device=recipe.device),
+    }
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or len(value) > 16:
+        raise UnsupportedValueError(f"recipe {what} is not a short list of ints")
+    if not all(type(item) is int and item >= 0 for item in value):
+        raise UnsupportedValueError(f"recipe {what} holds something other than non-negative ints")
+    return tuple(value)
+
+
+def recipe_from_tree(tree: Any) -> TensorRecipe:
+    """Check a recorded recipe tree and build the :class:`TensorRecipe` (no expansion)."""
+    if not isinstance(tree, Mapping):
+        raise UnsupportedValueError("a recorded recipe is not a map")
+    version = tree.get("v")
+    if version != RECIPE_VERSION:
+        raise UnsupportedValueError(f"recipe format version {version!r} is not {RECIPE_VERSION}")
+    generator, part, dtype, digest = (tree.get(key) for key in ("generator", "part", "dtype", "sha256"))
+    params = tree.get("params")
+    if not (isinstance(generator, str) and isinstance(part, str) and isinstance(dtype, str)):
+        raise UnsupportedValueError("recipe generator, part or dtype is not text")
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise UnsupportedValueError(f"recipe dtype {dtype!r} is not a torch dtype")
+    if not (isinstance(digest, str) and len(digest) == 64):
+        raise UnsupportedValueError("recipe digest is not a sha256 hex string")
+    if not isinstance(params, Mapping):
+        raise UnsupportedValueError("recipe params are not a map")
+    anchor = tree.get("anchor")
+    device = str(anchor.device) if isinstance(anchor, torch.Tensor) else "cpu"
+    shape, stride = _ints(tree.get("shape"), "shape"), _ints(tree.get("stride"), "stride")
+    if len(shape) != len(stride):
+        raise UnsupportedValueError("recipe shape and stride differ in length")
+    return TensorRecipe(generator, dict(params), part, dtype, shape, stride, digest, device)
+
+
+def decode_recipe(tree: Any) -> torch.Tensor:
+    """The codec's ``decode``: expand on the anchor's device (the device the reader was asked for)."""
+    recipe = recipe_from_tree(tree)
+    return expand(recipe, recipe.device)
+
+
+def register() -> None:
+    """Install the recipe codec in the format's registry (idempotent)."""
+    from moereplay.format.codecs import register_codec
+
+    register_codec(RECIPE_TYPE, encode_recipe, decode_recipe)
