@@ -3,11 +3,10 @@
 :func:`run_replay` is blocking (the screens call it from a thread worker): it runs
 :func:`moereplay.replay.replay` for one call and its mutations and returns the engine's
 :class:`~moereplay.replay.ReplayReport` together with the tensors the diff view and the heat map draw — each
-variant's output, the fp32 reference and the rows the kernel writes. When the engine hands its tensors back
-(``replay(..., keep_tensors=True)`` filling ``report.tensors``) those are used. Otherwise, for the ``reference``
-backend, the same pieces are rebuilt from the engine's public parts (the captured output, and ``op.reference`` of
-each variant's arguments); for kernel backends :attr:`ReplayOutcome.tensors_note` says why there is nothing to draw.
-Nothing here judges anything: verdicts and findings are the engine's.
+variant's output, the fp32 reference and the rows the kernel writes. The engine keeps them when asked
+(``replay(..., keep_tensors=True)`` fills ``report.tensors``); an engine without that option leaves
+:attr:`ReplayOutcome.tensors_note` saying why there is nothing to draw. Nothing here judges anything: verdicts,
+findings and the tensors are the engine's.
 
 Heavy imports (torch, the engine) happen inside the functions.
 """
@@ -108,33 +107,6 @@ def _from_engine(report: Any) -> dict[str, VariantTensors] | None:
     return tensors
 
 
-def _rebuilt_for_reference_backend(request: ReplayRequest, report: ReplayReport) -> dict[str, VariantTensors]:
-    """The reference backend judges the captured output against each variant's reference: rebuild those pairs."""
-    from moereplay.replay.engine import parse_variants
-    from moereplay.replay.mutations import BASELINE, apply_variant
-    from moereplay.replay.source import load_call
-
-    loaded = load_call(request.capture, request.call, "cpu")
-    if loaded.captured_output is None:
-        return {}
-    output = _matrix(loaded.captured_output)
-    judged = {result.label for result in report.results if result.rows}
-    tensors: dict[str, VariantTensors] = {}
-    for variant in [BASELINE, *parse_variants(loaded.op, request.mutations)]:
-        if variant.label not in judged:
-            continue
-        applied = apply_variant(loaded.op, loaded.args, variant)
-        if applied.invalid_reason is not None:
-            continue
-        reference = loaded.op.reference(applied.args)
-        if tuple(reference.output.shape) != tuple(output.shape):
-            continue
-        tensors[variant.label] = VariantTensors(
-            output, reference.output.float().cpu(), reference.written.cpu(), reference.rows
-        )
-    return tensors
-
-
 def run_replay(request: ReplayRequest) -> ReplayOutcome:
     """Replay the request's call (baseline and variants) and collect what the call view draws. Blocking."""
     import time
@@ -151,20 +123,14 @@ def run_replay(request: ReplayRequest) -> ReplayOutcome:
         backend=request.backend,
         **options,
     )
-    tensors = _from_engine(report) if keep else None
-    note = ""
     if not request.tensors:
         return ReplayOutcome(request, report, {}, "", time.perf_counter() - start)
+    tensors = _from_engine(report) if keep else None
+    note = ""
     if tensors is None:
-        if report.backend == "reference":
-            tensors = _rebuilt_for_reference_backend(request, report)
-        else:
-            tensors = {}
-            note = (
-                f"the {report.backend} backend's outputs are not returned by this version of the replay engine; "
-                "the diff view and heat map need replay(..., keep_tensors=True)"
-            )
-    if not tensors and not note:
+        tensors = {}
+        note = "this replay engine does not return outputs (replay(..., keep_tensors=True)): nothing to draw"
+    elif not tensors:
         note = "nothing to draw: no variant produced an output to compare"
     return ReplayOutcome(request, report, tensors, note, time.perf_counter() - start)
 
