@@ -4,7 +4,8 @@ The element error is :func:`moereplay.reference.compare.compare`'s — ``|actual
 ``max(row_scale, |reference|)`` with compare's own per-row scale — so a cell is red exactly where the replay's
 comparison found the output bad. :class:`ErrorField` holds that per element (plus NaN / Inf / large-value masks);
 :meth:`ErrorField.grid` reduces it to ``[rows, column blocks]`` maxima and counts for the heat map. Cost: a few
-elementwise passes over the output (milliseconds for ``[128, 2880]``), done once per variant, in a worker.
+elementwise float32 passes over the output after compare's own (milliseconds for ``[128, 2880]``), done once per
+variant, in a worker.
 """
 
 from __future__ import annotations
@@ -62,12 +63,12 @@ class ErrorField:
         except ReferenceError_:  # an output dtype without a profile: judge it as fp32
             profile = profile_for(torch.float32)
         comparison = compare(actual, reference, rows_mask=written, profile=profile)
-        act = actual.to(torch.float64)
-        ref = reference.to(torch.float64)
+        act = actual.to(torch.float32)
+        ref = reference.to(torch.float32)
         rows_mask = written[:, None].expand_as(ref)
         act_finite, ref_finite = torch.isfinite(act), torch.isfinite(ref)
         both = act_finite & ref_finite & rows_mask
-        scale = comparison.row_scale.to(torch.float64)[:, None]
+        scale = comparison.row_scale.to(torch.float32)[:, None]
         denominator = torch.maximum(scale, ref.abs().nan_to_num(posinf=0.0, neginf=0.0))
         relative = torch.where(both, (act - ref).abs() / denominator, torch.zeros_like(ref))
         disagree = rows_mask & (_classes(act) != _classes(ref))
