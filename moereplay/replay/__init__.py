@@ -7,9 +7,16 @@ Public API (imported lazily, so ``import moereplay.replay`` costs nothing)::
                     fills=["0xff"], backend="pack:/opt/kernelpack", repeat=3)
     report.baseline.verdict, [r.verdict for r in report.variants], report.findings
 
-Modules: ``engine`` (``replay()``), ``mutations`` (variants, parsing, domains applied), ``memory`` (guard bands),
-``execution`` / ``runner`` / ``worker`` (running kernels, isolated), ``backends``, ``source`` (loading calls),
-``results`` (verdicts and the report), ``findings``, ``localize`` and ``decompose`` (what the findings say),
+    from moereplay.replay import ReplaySession          # one call loaded once, variants judged one at a time
+    with ReplaySession("run.moe.zst", call=3, backend="auto") as session:
+        session.baseline.verdict
+        session.run("flip mul_topk_weights").findings
+        session.report()
+
+Modules: ``engine`` (``replay()``), ``session`` (``ReplaySession``: judging variants), ``overreads`` (fill
+sensitivity, localising out-of-bounds reads), ``mutations`` (variants, parsing, domains applied), ``memory`` (guard
+bands), ``execution`` / ``runner`` / ``worker`` (running kernels, isolated), ``backends``, ``source`` (loading
+calls), ``results`` (verdicts and the report), ``findings``, ``localize`` and ``decompose`` (what the findings say),
 ``sanitize`` (compute-sanitizer).
 """
 
@@ -21,7 +28,10 @@ from typing import Any
 
 _EXPORTS = {
     "replay": "moereplay.replay.engine",
-    "parse_variants": "moereplay.replay.engine",
+    "parse_variants": "moereplay.replay.mutations",
+    "ReplaySession": "moereplay.replay.session",
+    "VariantOutcome": "moereplay.replay.results",
+    "KeptTensors": "moereplay.replay.results",
     "ReplayReport": "moereplay.replay.results",
     "VariantResult": "moereplay.replay.results",
     "Verdict": "moereplay.replay.results",

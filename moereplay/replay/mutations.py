@@ -395,3 +395,35 @@ def expand(variants: Iterable[Variant]) -> list[Variant]:
         seen.add(variant.specs)
         result.append(variant)
     return result
+
+
+_MUTATION_KINDS = ("flip", "set", "cast", "fill", "sweep")
+
+
+def parse_variants(
+    op: OpSpec, mutations: Sequence[str | Variant], fills: Sequence[str | FillPattern] = ()
+) -> list[Variant]:
+    """Variants from mutation texts (``"flip mul_topk_weights"``, ``"sweep moe_block_size=8,16"`` …), Variant
+    objects and fill patterns, in order, without duplicates and without the baseline."""
+    variants: list[Variant] = []
+    for item in mutations:
+        if isinstance(item, Variant):
+            variants.append(item)
+            continue
+        kind, _, rest = item.strip().partition(" ")
+        if kind.startswith("--"):
+            kind = kind[2:]
+        if kind not in _MUTATION_KINDS or not rest.strip():
+            raise InvalidMutationError(
+                f"mutation {item!r}: expected one of {', '.join(_MUTATION_KINDS)} and a value"
+            )
+        variants.extend(parse_option(op, kind, rest.strip()))
+    for fill in fills:
+        pattern = fill if isinstance(fill, FillPattern) else parse_fill(fill)
+        variants.append(Variant((Fill(pattern),)))
+    return [variant for variant in expand(variants) if not variant.is_baseline]
+
+
+def is_fill_only(variant: Variant) -> bool:
+    """A variant that only changes the guard fill (its story is the output's dependence on guard bytes)."""
+    return bool(variant.mutations) and all(isinstance(m, Fill) for m in variant.mutations)

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moereplay.replay.findings import Finding
+
+if TYPE_CHECKING:
+    import torch
+
+    from moereplay.ops.base import RowMap
 
 
 class Verdict(enum.Enum):
@@ -83,9 +89,47 @@ class VariantResult:
         }
 
 
+@dataclass(frozen=True, eq=False)
+class KeptTensors:
+    """A variant's output beside its reference, kept for front ends that draw them (``keep_tensors=True``).
+
+    ``output``: the kernel's output (or, on the reference backend, the captured one) as ``[rows, cols]`` on the CPU in
+    its own dtype; ``reference``: fp32 ``[rows, cols]``; ``written``: bool ``[rows]``, the rows a correct kernel
+    writes; ``rows``: what each row is (token / expert / slot / block).
+    """
+
+    output: torch.Tensor
+    reference: torch.Tensor
+    written: torch.Tensor
+    rows: RowMap
+
+
+@dataclass(frozen=True)
+class VariantOutcome:
+    """One variant as a :class:`~moereplay.replay.session.ReplaySession` judged it: the verdict row, the findings
+    about this variant (those the baseline already reported word for word are left out, one line says so), and its
+    tensors when the session keeps them."""
+
+    result: VariantResult
+    findings: tuple[Finding, ...] = ()
+    tensors: KeptTensors | None = None
+
+    @property
+    def label(self) -> str:
+        return self.result.label
+
+    @property
+    def verdict(self) -> Verdict:
+        return self.result.verdict
+
+
 @dataclass(frozen=True)
 class ReplayReport:
-    """Everything one replay of one call found. ``variants`` excludes the baseline."""
+    """Everything one replay of one call found. ``variants`` excludes the baseline.
+
+    ``tensors`` (label → :class:`KeptTensors`) is filled only when asked for (``keep_tensors``) and is not part of
+    the JSON form.
+    """
 
     op: str
     call: int | None
@@ -96,6 +140,7 @@ class ReplayReport:
     findings: tuple[Finding, ...] = ()
     site: str = ""
     notes: tuple[str, ...] = field(default=())
+    tensors: Mapping[str, KeptTensors] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def results(self) -> tuple[VariantResult, ...]:

@@ -1,0 +1,578 @@
+"""``ReplaySession``: one call loaded once against one backend, its variants evaluated one at a time.
+
+The shape every client of the replay engine needs: ``replay()`` (run a list of variants, report), the TUI (add a
+mutation, see its row), bisect (judge probe after probe). A session loads the call and decodes its arguments once,
+keeps its kernel worker (or the in-process backend) and its reference cache, evaluates the baseline first (every
+variant is judged beside it), and caches each variant's outcome::
+
+    with ReplaySession("run.moe.zst", call=3, backend="pack:/opt/kernelpack") as session:
+        session.baseline.verdict                          # the call as captured
+        outcome = session.run("flip mul_topk_weights")    # a VariantOutcome: verdict row + its findings
+        report = session.report()                         # every variant run so far + cross-variant findings
+
+Evaluating one variant: apply the mutations (outside the op's domain → ``invalid``), check the kernel's contracts
+over every tensor leaf (a violation the host code rejects → ``invalid``; others become findings and still run), get
+the fp32 reference (cached across variants that change nothing it depends on), run the kernel on fresh guarded
+buffers (in a worker process unless told otherwise: a device fault → ``crash``), compare, judge, and explain bad
+rows (localisation, decomposition, diagnosis). Findings that need several variants — an output that changes with
+the guard fill (then localised to a tensor and bytes, :mod:`moereplay.replay.overreads`), the variants that fix a
+failing baseline — are made by :meth:`ReplaySession.report`.
+
+With the ``reference`` backend no kernel runs: the *captured* output is judged against each variant's reference.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moereplay.errors import InvalidMutationError, MoereplayError, ReferenceError_, ReplayError
+from moereplay.ops.base import (
+    Args,
+    ContractViolation,
+    KernelBackend,
+    OpSpec,
+    ReferenceResult,
+    contract_args,
+    contract_violations,
+)
+from moereplay.replay import localize
+from moereplay.replay.backends import BackendSpec, load_backend, parse_backend
+from moereplay.replay.decompose import decompose
+from moereplay.replay.execution import KernelRun
+from moereplay.replay.findings import Finding, FindingKind, row_ranges
+from moereplay.replay.memory import DEFAULT_GUARD_BYTES
+from moereplay.replay.mutations import (
+    BASELINE,
+    DEFAULT_FILL,
+    Fill,
+    FillPattern,
+    Variant,
+    apply_variant,
+    is_fill_only,
+    parse_spec,
+    parse_variants,
+)
+from moereplay.replay.overreads import ReadLocaliser, differing_rows, written_bytes_equal
+from moereplay.replay.results import (
+    GuardStatus,
+    KeptTensors,
+    ReplayReport,
+    VariantOutcome,
+    VariantResult,
+    Verdict,
+)
+from moereplay.replay.runner import InProcessRunner, Runner, RunRequest, WorkerRunner, pooled_worker
+from moereplay.replay.source import LoadedCall, call_from_memory, load_call, select_calls
+
+
+@dataclass
+class _Evaluation:
+    """What the session keeps about a judged variant. ``output`` is kept for the baseline and fill-only variants
+    (cross-variant analysis) and for every variant when tensors are kept."""
+
+    variant: Variant
+    outcome: VariantOutcome
+    output: torch.Tensor | None
+    reference: ReferenceResult | None
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` → CUDA when available, else the CPU; a bare ``cuda`` gets the current index (set_device needs one)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    return target
+
+
+class ReplaySession:
+    """Replays one call: the baseline and any variant, one at a time, judged against the fp32 reference.
+
+    ``source``: a capture path (with ``call`` = index; a file with one replayable call needs none), a
+    :class:`LoadedCall`, or a ``CallRecord``-like object with an ``op`` name plus ``args`` (and optionally its
+    captured ``output``) — a call that exists only in memory (e.g. a shrunk one), written to a temporary capture the
+    session removes on :meth:`close`. ``backend``: ``auto`` | ``reference`` | ``vllm`` | ``pack:DIR`` |
+    ``python:MODULE``. ``isolate``: run kernels in a worker process (default: yes for kernel backends);
+    ``reuse_worker`` keeps that worker for later sessions in this process (start-up, imports and kernel JIT are paid
+    once). ``timeout_s``: seconds a kernel run (and the worker's start) may take before it counts as a crash — keep
+    it above a first launch's JIT (≈ 90 s for the Marlin MoE kernels on Hopper). ``localise_reads``: localise
+    out-of-bounds reads when a fill variant shows one. ``keep_tensors``: keep every variant's output and reference
+    (``VariantOutcome.tensors``, ``ReplayReport.tensors``).
+    """
+
+    def __init__(
+        self,
+        source: str | Path | LoadedCall | Any,
+        args: Mapping[str, Any] | None = None,
+        *,
+        call: int | None = None,
+        backend: str = "auto",
+        device: str | torch.device | None = None,
+        repeat: int = 1,
+        isolate: bool | None = None,
+        timeout_s: float = 600.0,
+        guard_bytes: int = DEFAULT_GUARD_BYTES,
+        reuse_worker: bool = True,
+        output: torch.Tensor | None = None,
+        localise_reads: bool = True,
+        keep_tensors: bool = False,
+    ) -> None:
+        self.spec: BackendSpec = parse_backend(backend)
+        self.device = resolve_device(device)
+        if self.spec.needs_cuda and self.device.type != "cuda":
+            raise ReplayError(
+                f"the {self.spec.text} backend runs CUDA kernels; no CUDA device here (use --backend reference)"
+            )
+        self.repeat = max(1, repeat)
+        self.guard = guard_bytes
+        self.timeout_s = timeout_s
+        self.localise_reads = localise_reads
+        self.keep_tensors = keep_tensors
+        isolated = self.spec.runs_kernels if isolate is None else isolate
+        kernel_backend: KernelBackend | None = None
+        if self.spec.kind == "python" or (self.spec.runs_kernels and not isolated):
+            kernel_backend = load_backend(self.spec, self.device)  # a python backend may register the op
+        self._temporary: Path | None = None
+        self.call: LoadedCall = self._resolve(source, args, call, output)
+        self.op: OpSpec = self.call.op
+        self.findings: list[Finding] = []
+        self.notes: list[str] = []
+        self._references: list[tuple[tuple[Any, ...], ReferenceResult]] = []
+        self._evaluations: dict[tuple[tuple[str, ...], str], _Evaluation] = {}
+        self._order: list[_Evaluation] = []
+        self._read_findings: dict[str, list[Finding]] = {}
+        self._localised = False
+        self._sanitizer: list[Finding] = []
+        self.runner: Runner | None = None
+        self._owns_runner = True
+        try:
+            if self.spec.runs_kernels:
+                self.runner = self._runner(isolated, reuse_worker, kernel_backend)
+            self.baseline_contracts: list[ContractViolation] = contract_violations(
+                self.op, self.call.args, check_device=False
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    # -- set-up and tear-down ---------------------------------------------------------------------------------
+
+    def _resolve(
+        self,
+        source: str | Path | LoadedCall | Any,
+        args: Mapping[str, Any] | None,
+        call: int | None,
+        output: torch.Tensor | None,
+    ) -> LoadedCall:
+        if isinstance(source, LoadedCall):
+            return source
+        if isinstance(source, (str, Path)):
+            (index,) = select_calls(source, call=call) if call is None else (call,)
+            return load_call(source, index, self.device)
+        op_name = getattr(source, "op", None)
+        if isinstance(op_name, str) and args is not None:
+            self._temporary = Path(tempfile.mkdtemp(prefix="moereplay-call-"))
+            return call_from_memory(op_name, args, output, self.device, self._temporary)
+        raise ReplayError("replay needs a capture path, a LoadedCall, or a CallRecord with its arguments")
+
+    def _runner(self, isolated: bool, reuse_worker: bool, kernel_backend: KernelBackend | None) -> Runner:
+        call = self.call
+        if isolated and reuse_worker:
+            self._owns_runner = False
+            return pooled_worker(
+                call.capture_path,
+                call.index,
+                self.spec.text,
+                self.device,
+                timeout_s=self.timeout_s,
+                guard=self.guard,
+            )
+        if isolated:
+            return WorkerRunner(
+                call.capture_path,
+                call.index,
+                self.spec.text,
+                self.device,
+                timeout_s=self.timeout_s,
+                guard=self.guard,
+            )
+        backend = kernel_backend if kernel_backend is not None else load_backend(self.spec, self.device)
+        return InProcessRunner(self.op, call.args, backend, self.guard)
+
+    def close(self) -> None:
+        """Stop the worker this session started (a pooled one stays) and remove its temporary capture."""
+        if self.runner is not None and self._owns_runner:
+            self.runner.close()
+        self.runner = None
+        if self._temporary is not None:
+            shutil.rmtree(self._temporary, ignore_errors=True)
+            self._temporary = None
+
+    def __enter__(self) -> ReplaySession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- variants ---------------------------------------------------------------------------------------------
+
+    def variants(
+        self, mutations: Sequence[str | Variant] = (), fills: Sequence[str | FillPattern] = ()
+    ) -> list[Variant]:
+        """Variants from mutation texts (sweeps expand), Variant objects and fill patterns; malformed texts raise
+        :class:`~moereplay.errors.InvalidMutationError` before anything runs."""
+        return parse_variants(self.op, mutations, fills)
+
+    def _variant(self, variant: Variant | str) -> Variant:
+        if isinstance(variant, Variant):
+            return variant
+        made = parse_variants(self.op, [variant])
+        if len(made) != 1:
+            raise InvalidMutationError(
+                f"mutation {variant!r} makes {len(made)} variants; run them one at a time (see variants())"
+            )
+        return made[0]
+
+    @property
+    def baseline(self) -> VariantOutcome:
+        """The call as captured (evaluated on first use; every variant is judged beside it)."""
+        return self._evaluate(BASELINE).outcome
+
+    def run(self, variant: Variant | str) -> VariantOutcome:
+        """Judge one variant (a :class:`Variant` or one mutation text); the same variant twice is judged once."""
+        chosen = self._variant(variant)
+        self.baseline  # noqa: B018 - the baseline first: variants are judged beside it
+        return self._evaluate(chosen).outcome
+
+    def run_all(self, variants: Sequence[Variant | str]) -> list[VariantOutcome]:
+        return [self.run(variant) for variant in variants]
+
+    def follow_suggestions(self) -> list[VariantOutcome]:
+        """Run every mutation the findings so far suggest (e.g. the cast a diagnosis proposes) not run yet."""
+        outcomes = []
+        seen = {evaluation.variant.specs for evaluation in self._order}
+        for finding in list(self.findings):
+            for suggestion in finding.suggestions:
+                try:
+                    variant = Variant((parse_spec(self.op, suggestion),))
+                except MoereplayError:
+                    continue
+                if variant.specs not in seen:
+                    seen.add(variant.specs)
+                    outcomes.append(self.run(variant))
+        return outcomes
+
+    def sanitize(self) -> list[Finding]:
+        """Run the baseline under compute-sanitizer memcheck (kernel backends); its findings join the report."""
+        from moereplay.replay.sanitize import sanitize_findings
+
+        if not self.spec.runs_kernels:
+            self.notes.append("--sanitize needs a kernel backend; skipped")
+            return []
+        found = sanitize_findings(self.call, self.spec, self.device, timeout_s=self.timeout_s)
+        self._sanitizer.extend(found)
+        return found
+
+    # -- the reference ----------------------------------------------------------------------------------------
+
+    def reference_for(self, args: Args) -> ReferenceResult:
+        """The reference of ``args``, shared by variants that change only what the op says it ignores."""
+        ignores: frozenset[str] = getattr(self.op, "reference_ignores", frozenset())
+        key = tuple(
+            (name, id(value) if isinstance(value, torch.Tensor) else repr(value))
+            for name, value in sorted(args.items())
+            if name not in ignores
+        )
+        for cached_key, result in self._references:
+            if cached_key == key:
+                return result
+        result = self.op.reference(args)
+        self._references.append((key, result))
+        return result
+
+    # -- one variant ------------------------------------------------------------------------------------------
+
+    def _evaluate(self, variant: Variant) -> _Evaluation:
+        key = (variant.specs, variant.label)
+        cached = self._evaluations.get(key)
+        if cached is not None:
+            return cached
+        start = len(self.findings)
+        result, output, reference = self._judge_variant(variant)
+        outcome = VariantOutcome(result, tuple(self.findings[start:]))
+        keep_output = self.keep_tensors or variant.is_baseline or is_fill_only(variant)
+        if self.keep_tensors and output is not None and reference is not None:
+            outcome = VariantOutcome(
+                result,
+                outcome.findings,
+                KeptTensors(
+                    output.detach().cpu(),
+                    reference.output.detach().float().cpu(),
+                    reference.written.detach().cpu(),
+                    reference.rows,
+                ),
+            )
+        evaluation = _Evaluation(variant, outcome, output if keep_output else None, reference)
+        self._evaluations[key] = evaluation
+        self._order.append(evaluation)
+        return evaluation
+
+    def _invalid(self, variant: Variant, reason: str) -> tuple[VariantResult, None, None]:
+        return VariantResult(variant.label, variant.specs, Verdict.INVALID, reason), None, None
+
+    def _judge_variant(
+        self, variant: Variant
+    ) -> tuple[VariantResult, torch.Tensor | None, ReferenceResult | None]:
+        """The variant's verdict row, its first output and its reference (``None`` when it did not run)."""
+        op = self.op
+        applied = apply_variant(op, self.call.args, variant)
+        if applied.invalid_reason is not None:
+            return self._invalid(variant, applied.invalid_reason)
+        violations = contract_violations(op, applied.args, check_device=False)
+        said = {(v.arg, v.aspect) for v in self.baseline_contracts}
+        fresh = [v for v in violations if variant.is_baseline or (v.arg, v.aspect) not in said]
+        self.findings.extend(localize.contract_violations(fresh, variant.label))
+        rejected = [v for v in violations if v.host_checked]
+        if rejected and self.spec.runs_kernels:
+            return self._invalid(
+                variant, "the kernel's host code rejects it: " + "; ".join(v.describe() for v in rejected)
+            )
+        try:
+            reference = self.reference_for(applied.args)
+        except ReferenceError_ as error:
+            return self._invalid(variant, f"no reference for this call: {error}")
+        run: KernelRun | None = None
+        fill: FillPattern | None
+        if self.spec.runs_kernels:
+            assert self.runner is not None
+            run = self.runner.run(RunRequest(variant, self.repeat))
+            if run.status == "crash":
+                self.findings.append(
+                    Finding(
+                        FindingKind.CRASH,
+                        f"{variant.label}: {run.error}",
+                        variant.label,
+                        {"error": run.error},
+                    )
+                )
+                result = VariantResult(variant.label, variant.specs, Verdict.CRASH, run.error)
+                return result, None, reference
+            if run.status == "rejected" or not run.outputs:
+                return self._invalid(variant, f"the kernel rejected the call: {run.error}")
+            outputs = [output.to(reference.output.device) for output in run.outputs]
+            fill = applied.fill
+        else:
+            if any(isinstance(m, Fill) for m in variant.mutations):
+                return self._invalid(
+                    variant, "guard fills need a kernel backend (the reference reads no memory)"
+                )
+            if self.call.captured_output is None:
+                return self._invalid(
+                    variant, "the capture holds no output for this call and no kernel backend runs"
+                )
+            outputs = [self.call.captured_output.to(reference.output.device)]
+            fill = None
+        result = self._judge(variant, applied.args, reference, outputs, run, fill)
+        if result.verdict is Verdict.INVALID:
+            return result, None, None
+        return result, outputs[0], reference
+
+    def _judge(
+        self,
+        variant: Variant,
+        args: Args,
+        reference: ReferenceResult,
+        outputs: Sequence[torch.Tensor],
+        run: KernelRun | None,
+        fill: FillPattern | None,
+    ) -> VariantResult:
+        from moereplay.reference.compare import compare, profile_for
+
+        label = variant.label
+        actual = outputs[0]
+        if actual.shape != reference.output.shape:
+            return self._invalid(
+                variant,
+                f"output shape {tuple(actual.shape)} differs from the reference's {tuple(reference.output.shape)}",
+            )[0]
+        try:
+            comparison = compare(
+                actual, reference.output, rows_mask=reference.written, profile=profile_for(actual.dtype)
+            )
+        except ReferenceError_ as error:
+            return self._invalid(variant, f"cannot compare: {error}")[0]
+        damage = run.damage if run is not None else ()
+        guard = (
+            GuardStatus.NOT_CHECKED if run is None else (GuardStatus.DAMAGED if damage else GuardStatus.CLEAN)
+        )
+        nonfinite_actual = comparison.nan_actual + comparison.inf_actual
+        if comparison.nonfinite_mismatch and nonfinite_actual:
+            verdict = Verdict.NONFINITE
+        elif comparison.bad_rows or damage:
+            verdict = Verdict.CORRUPT
+        else:
+            verdict = Verdict.OK
+        bit_exact = None
+        captured = self.call.captured_output
+        if run is not None and captured is not None:
+            bit_exact = written_bytes_equal(actual, captured, reference.written)
+        result = VariantResult(
+            label=label,
+            mutations=variant.specs,
+            verdict=verdict,
+            rows=comparison.rows_compared,
+            bad_rows=len(comparison.bad_rows),
+            max_rel=comparison.max_rel,
+            rms_rel=comparison.rms_rel,
+            max_abs=comparison.max_abs,
+            nan=comparison.nan_actual,
+            inf=comparison.inf_actual,
+            bit_exact=bit_exact,
+            guard=guard,
+            elapsed_s=run.elapsed_s if run is not None else None,
+            tolerance=f"{comparison.tolerance.name} max {comparison.tolerance.max_rel:g} rms {comparison.tolerance.rms_rel:g}",
+        )
+        findings: list[Finding] = []
+        bad = list(comparison.bad_rows)
+        corrupt = localize.corrupt_rows(
+            bad, reference.written, reference.rows, actual, label, row_max_rel=comparison.row_max_rel
+        )
+        if corrupt is not None:
+            findings.append(corrupt)
+        nonfinite = localize.nonfinite(actual, reference.written, reference.rows, label)
+        if nonfinite is not None:
+            findings.append(nonfinite)
+        repeats = localize.nondeterminism(outputs, reference.written, label)
+        if repeats is not None:
+            findings.append(repeats)
+        findings.extend(localize.guard_damage(damage, label))
+        if bad and not is_fill_only(variant):  # a fill variant's story is told by the over-read analysis
+            findings.extend(
+                decompose(
+                    actual,
+                    reference,
+                    bad,
+                    contract_args(self.op, args),
+                    contracts=self.op.contracts,
+                    output_dtype=actual.dtype,
+                    fill=fill,
+                    guard_bytes=self.guard,
+                    variant=label,
+                )
+            )
+        if not variant.is_baseline:
+            findings = self._beyond_baseline(findings, variant)
+        self.findings.extend(findings)
+        return result
+
+    def _beyond_baseline(self, findings: list[Finding], variant: Variant) -> list[Finding]:
+        """A variant's findings minus those the baseline already reported word for word (one line says so)."""
+        said = {(f.kind, f.message) for f in self.findings if f.variant == "baseline"}
+        fresh = [f for f in findings if (f.kind, f.message) not in said]
+        if findings and not fresh:
+            return [
+                Finding(
+                    FindingKind.CORRUPT_ROWS,
+                    "the same failure as the baseline: same rows, same explanation",
+                    variant.label,
+                    {"same_as": "baseline"},
+                    rows=findings[0].rows,
+                )
+            ]
+        return fresh
+
+    # -- across variants --------------------------------------------------------------------------------------
+
+    def _over_reads(self) -> list[Finding]:
+        """One finding per fill-only variant whose output differs from the baseline's (localised once)."""
+        baseline = self._evaluate(BASELINE)
+        if baseline.output is None or baseline.reference is None:
+            return []
+        written = baseline.reference.written
+        found: list[Finding] = []
+        for evaluation in self._order:
+            label = evaluation.variant.label
+            if not is_fill_only(evaluation.variant) or evaluation.output is None:
+                continue
+            if label not in self._read_findings:
+                self._read_findings[label] = self._over_read(baseline.output, evaluation, written)
+            found.extend(self._read_findings[label])
+        return found
+
+    def _over_read(self, base: torch.Tensor, evaluation: _Evaluation, written: torch.Tensor) -> list[Finding]:
+        assert evaluation.output is not None
+        if written_bytes_equal(evaluation.output, base, written):
+            return []
+        other = evaluation.variant.fill
+        rows = differing_rows(evaluation.output, base, written)
+        message = (
+            f"output changes with the guard fill ({DEFAULT_FILL.name} → {other.name}) in rows "
+            f"{row_ranges(rows)}: the kernel reads out of bounds"
+        )
+        evidence: dict[str, Any] = {"fills": [DEFAULT_FILL.name, other.name], "rows": len(rows)}
+        if self.localise_reads and self.runner is not None and not self._localised:
+            self._localised = True  # one localisation per session is enough
+            localiser = ReadLocaliser(
+                self.op, self.call.args, self.device, self.guard, self.runner, self.baseline_contracts
+            )
+            located, note = localiser.localise(base, written, other)
+            if note is not None:
+                self.notes.append(note)
+            if located:
+                message += "; " + "; ".join(text for text, _ in located)
+                evidence["arguments"] = [item for _, item in located]
+        return [Finding(FindingKind.OOB_READ, message, evaluation.variant.label, evidence, rows=tuple(rows))]
+
+    def _fixes(self) -> list[Finding]:
+        """Which variants turn a failing baseline into ``ok`` — and whether they confirm a suggested fix."""
+        baseline = self._evaluate(BASELINE).outcome.result
+        if baseline.verdict in (Verdict.OK, Verdict.INVALID):
+            return []
+        evaluations = [e for e in self._order if not e.variant.is_baseline]
+        fixed = [e for e in evaluations if e.outcome.verdict is Verdict.OK and not is_fill_only(e.variant)]
+        still = [e for e in evaluations if e.outcome.verdict not in (Verdict.OK, Verdict.INVALID)]
+        if not fixed:
+            return []
+        suggested = {s for f in self.findings if f.kind is FindingKind.DIAGNOSIS for s in f.suggestions}
+        confirmed = [e for e in fixed if set(e.variant.specs) & suggested]
+        message = "fixed by: " + "; ".join(e.variant.label for e in fixed)
+        if still:
+            message += "; not fixed by: " + "; ".join(e.variant.label for e in still)
+        evidence: dict[str, Any] = {
+            "fixed_by": [e.variant.label for e in fixed],
+            "not_fixed_by": [e.variant.label for e in still],
+        }
+        if confirmed:
+            message += f" — confirms the diagnosis: {confirmed[0].variant.label} alone makes the call correct"
+            evidence["confirmed"] = confirmed[0].variant.label
+        return [
+            Finding(FindingKind.DIAGNOSIS, message, "all", evidence, confidence=1.0 if confirmed else 0.8)
+        ]
+
+    def report(self) -> ReplayReport:
+        """The report over every variant run so far: verdict rows in the order they ran, their findings, then the
+        cross-variant findings (over-reads — localising one may run the kernel — fixes) and any sanitizer report."""
+        baseline = self._evaluate(BASELINE)
+        variants = [e for e in self._order if not e.variant.is_baseline]
+        findings = [*self.findings, *self._over_reads(), *self._fixes(), *self._sanitizer]
+        tensors = {e.variant.label: e.outcome.tensors for e in self._order if e.outcome.tensors is not None}
+        return ReplayReport(
+            op=self.op.name,
+            call=self.call.index,
+            backend=self.spec.text,
+            device=str(self.device) if self.spec.runs_kernels else f"{self.device} (reference only)",
+            baseline=baseline.outcome.result,
+            variants=tuple(e.outcome.result for e in variants),
+            findings=tuple(findings),
+            site=self.call.site,
+            notes=tuple(self.notes),
+            tensors=tensors,
+        )
