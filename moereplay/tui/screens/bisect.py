@@ -141,10 +141,10 @@ class BisectScreen(Screen[None]):
         self.query_one("#bisect-current", Static).update(self._current_text())
         summary = self.query_one("#bisect-summary", Static)
         if session.done:
-            lines = [
+            ended = [
                 line for line in session.summary().lines() if not line.startswith("log: ")
             ]  # shown above
-            summary.update(Text("\n".join(lines), style="bold"))
+            summary.update(Text("\n".join(ended), style="bold"))
             summary.display = True
         else:
             summary.display = False
