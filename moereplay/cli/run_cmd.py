@@ -3,7 +3,7 @@
 A thin front over :func:`moereplay.replay.replay`. Exit status: 0 when every variant of every selected call is
 ``ok``, 1 when anything is not (``corrupt``, ``nonfinite``, ``crash`` or ``invalid``), 2 for usage and file errors
 (one line on stderr, from ``moereplay.cli.main``). Results go to stdout: a rich table for people, one JSON document
-with ``--json``.
+with ``--json``; ``--json-out FILE`` writes that document to a file as well (a script can keep both).
 """
 
 from __future__ import annotations
@@ -79,6 +79,10 @@ def run_command(
     json_output: Annotated[
         bool, typer.Option("--json", help="Print one JSON document instead of tables.")
     ] = False,
+    json_out: Annotated[
+        Path | None,
+        typer.Option("--json-out", help="Also write the JSON document to this file (tables still print)."),
+    ] = None,
 ) -> None:
     """Replay captured calls (baseline and variants); print verdicts and findings. Exit 1 if anything failed."""
     from moereplay.errors import SettingsError
@@ -90,6 +94,8 @@ def run_command(
         raise SettingsError("choose one of --call, --op, --layer, --all")
     if not file.exists():
         raise SettingsError(f"{file}: no such file")
+    if json_out is not None and not json_out.parent.is_dir():
+        raise SettingsError(f"--json-out {json_out}: no such directory {json_out.parent}")
     mutations = (
         [f"flip {text}" for text in flip or ()]
         + [f"set {text}" for text in set_ or ()]
@@ -113,9 +119,15 @@ def run_command(
         for index in indices
     ]
     failed = any(report.failed for report in reports)
+    document = {"failed": failed, "reports": [report.to_json() for report in reports]}
+    text = json.dumps(document, indent=2, default=str) + "\n"
+    if json_out is not None:
+        try:
+            json_out.write_text(text)
+        except OSError as error:
+            raise SettingsError(f"--json-out {json_out}: {error.strerror or error}") from error
     if json_output:
-        document = {"failed": failed, "reports": [report.to_json() for report in reports]}
-        sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+        sys.stdout.write(text)
     else:
         render_reports(reports)
     raise typer.Exit(1 if failed else 0)

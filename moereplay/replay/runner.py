@@ -114,18 +114,29 @@ class WorkerRunner:
         self._reply_fd: int | None = None
         self._buffer = b""
         self._next_id = 0
+        self._serving: tuple[str, int, int, int] | None = None
         self.starts = 0
 
     # -- process management -----------------------------------------------------------------------------------
 
     def use(self, capture: Path, call: int) -> None:
-        """Serve another call (the worker process, its CUDA context and imports stay)."""
+        """Serve another call (the worker process, its CUDA context and imports stay). The call the worker holds
+        already (same file, unchanged, same index) is not loaded again."""
         self.capture = Path(capture)
         self.call = call
-        if self._process is not None and self._process.poll() is None:
+        if self._process is not None and self._process.poll() is None and self._serving != self._identity():
             self._init()
 
+    def _identity(self) -> tuple[str, int, int, int] | None:
+        """(path, call, mtime_ns, size) of the call to serve; ``None`` when the file cannot be read."""
+        try:
+            stat = self.capture.stat()
+        except OSError:
+            return None
+        return (str(self.capture.resolve()), self.call, stat.st_mtime_ns, stat.st_size)
+
     def _init(self) -> None:
+        self._serving = None
         reply = self._request(
             {
                 "cmd": "init",
@@ -141,6 +152,7 @@ class WorkerRunner:
             detail = (reply or {}).get("error") or self._log_tail()
             self._stop()
             raise ReplayError(f"the replay worker did not start: {detail}")
+        self._serving = self._identity()
 
     def _start(self) -> None:
         read_fd, write_fd = os.pipe()
@@ -182,6 +194,7 @@ class WorkerRunner:
             os.close(self._reply_fd)
         self._process = None
         self._reply_fd = None
+        self._serving = None
 
     def _kill(self) -> None:
         if self._process is not None and self._process.poll() is None:

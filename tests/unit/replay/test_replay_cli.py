@@ -11,6 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from moereplay.cli import app, main
+from moereplay.errors import SettingsError
 
 runner = CliRunner()
 
@@ -52,6 +53,27 @@ def test_human_table_lists_findings_and_suggestions(tmp_path: Path) -> None:
     result = runner.invoke(app, ["run", str(path), "--backend", toy.spec("correct"), "--device", "cpu"])
     assert result.exit_code == 1
     assert "findings" in result.output and "try: --cast weights=float32" in result.output
+
+
+def test_json_out_keeps_the_document_beside_the_table(tmp_path: Path) -> None:
+    path = capture(tmp_path, weights_dtype=torch.bfloat16)
+    saved = tmp_path / "report.json"
+    args = [
+        "run",
+        str(path),
+        "--backend",
+        toy.spec("correct"),
+        "--device",
+        "cpu",
+        "--cast",
+        "weights=float32",
+    ]
+    result = runner.invoke(app, [*args, "--json-out", str(saved)])
+    assert result.exit_code == 1 and "findings" in result.output
+    (report,) = json.loads(saved.read_text())["reports"]
+    assert [item["verdict"] for item in report["results"]] == ["corrupt", "ok"]
+    missing = runner.invoke(app, [*args, "--json-out", str(tmp_path / "no" / "such" / "dir.json")])
+    assert isinstance(missing.exception, SettingsError) and "--json-out" in str(missing.exception)
 
 
 @pytest.mark.parametrize(
