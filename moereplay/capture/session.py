@@ -1,7 +1,8 @@
 """One armed capture in this process: settings → file → writer thread → recorder → wrappers.
 
 :func:`arm` is what the plugin's ``register()`` calls when ``MOEREPLAY_CAPTURE`` is on. It opens this process's
-file at once (``rank{r}-pid{p}.zst``, header only until a call arrives, so every vLLM process shows it armed),
+file at once (``rank{r}-pid{p}.zst``, header only until a call arrives, flushed at once, so every vLLM process
+shows it armed — vLLM ends its engine and worker processes without running exit handlers),
 starts the writer thread, installs the wrappers, and closes the file at interpreter exit. A forked child gets
 a fresh session of its own (new pid, new file) on its first use of the wrappers. When the default directory is
 used, ``MOEREPLAY_DIR`` is set to it so that vLLM's child processes write beside this one.
@@ -41,7 +42,9 @@ def _vllm_version() -> str | None:
         return None
 
 
-def default_sink(path: Path, header: dict[str, Any], *, settings: CaptureSettings | None = None) -> RecordSink:
+def default_sink(
+    path: Path, header: dict[str, Any], *, settings: CaptureSettings | None = None
+) -> RecordSink:
     """The capture file proper, compressed as ``settings`` say."""
     import torch
 
@@ -142,6 +145,7 @@ def arm(
             sink = default_sink(path, header, settings=settings)
         else:
             sink = sink_factory(path, header)
+        sink.flush()  # the header is on disk now: the process shows armed even if it is killed later
         writer = WriterThread(
             sink,
             max_calls_queued=settings.queue_calls,

@@ -54,5 +54,9 @@ class FormatSink:
     def bytes_written(self) -> int:
         return int(self.writer.bytes_written)
 
+    def flush(self) -> None:
+        """Hand what is buffered to the operating system (no fsync)."""
+        self.writer.flush()
+
     def close(self, counters: dict[str, int]) -> None:
         self.writer.close(counters=counters)

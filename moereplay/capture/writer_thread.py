@@ -5,7 +5,9 @@ calls or in bytes of copied tensors) the call is dropped and counted. The thread
 event (so copies complete off the serving thread), then hands the record to the file. Any error writing the file
 (a full disk raises ``OSError``) or past ``max_bytes`` stops the writing for good: later records are dropped and
 counted, the file keeps every whole record written so far, and the failure is reported once through
-``on_failure`` — the recorder disables itself, the wrapped functions keep working.
+``on_failure`` — the recorder disables itself, the wrapped functions keep working. Whenever the queue runs empty
+the file is flushed to the operating system, so a process killed without running its exit handlers (vLLM ends
+its engine and worker processes that way) still leaves every record written before its last idle moment.
 
 Messages (in queue order, so a parent's begin precedes its children's):
 
@@ -37,6 +39,8 @@ class RecordSink(Protocol):
     def complete(self, index: int, message: Complete) -> None: ...
 
     def bytes_written(self) -> int: ...
+
+    def flush(self) -> None: ...
 
     def close(self, counters: dict[str, int]) -> None: ...
 
@@ -233,6 +237,7 @@ class WriterThread:
             if message is None:
                 break
             if isinstance(message, Barrier):
+                self._flush_sink()
                 message.done.set()
                 continue
             try:
@@ -252,7 +257,18 @@ class WriterThread:
                 with self._lock:
                     self._queued_calls -= 1
                     self._queued_bytes -= message.nbytes
+            if self._queue.empty():
+                self._flush_sink()
         self._finish()
+
+    def _flush_sink(self) -> None:
+        if self._failed is not None:
+            return
+        try:
+            self.sink.flush()
+        except Exception as error:
+            self.counters.write_errors += 1
+            self._fail(f"flushing the capture file failed: {type(error).__name__}: {error}")
 
     def _run_poll(self) -> None:
         if self._poll is None or self._failed is not None:

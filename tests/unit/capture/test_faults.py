@@ -187,3 +187,27 @@ def test_kill_9_leaves_every_completed_call_readable(tmp_path: Path) -> None:
             out = reader.load_outputs(record.index)["out"]
             assert torch.equal(out, args["x"] @ args["w"])
             assert torch.equal(args["x"], torch.full((8, 64), float(record.context["call"])))
+
+
+def test_the_file_is_on_disk_from_arming_and_after_each_idle_moment(
+    arm, kernels: types.ModuleType, inputs
+) -> None:
+    """vLLM ends its engine and worker processes without exit handlers: what was written must already be on
+    disk — the header from the moment of arming, and the records whenever the writer's queue runs empty."""
+    session = arm()
+    with CaptureReader(session.path) as reader:
+        assert len(reader) == 0 and reader.recovery.footer_missing
+        assert reader.header["tool"] == "moereplay.capture"
+    x, w1, _w2, weights = inputs()
+    for step in range(3):
+        kernels.gemm(x + step, torch.empty(x.shape[0], w1.shape[1]), w1, weights, 1, False)
+    deadline = time.monotonic() + 10
+    completed = 0
+    while (
+        time.monotonic() < deadline and completed < 3
+    ):  # no session.flush(): the idle writer flushed by itself
+        time.sleep(0.05)
+        with CaptureReader(session.path) as reader:
+            completed = sum(record.status == "completed" for record in reader.calls())
+    assert completed == 3
+    session.close()
