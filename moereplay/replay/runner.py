@@ -115,7 +115,8 @@ class WorkerRunner:
         self._buffer = b""
         self._next_id = 0
         self._serving: tuple[str, int, int, int] | None = None
-        self.starts = 0
+        self.starts = 0  # worker processes started
+        self.inits = 0  # calls loaded into a worker
 
     # -- process management -----------------------------------------------------------------------------------
 
@@ -137,6 +138,7 @@ class WorkerRunner:
 
     def _init(self) -> None:
         self._serving = None
+        self.inits += 1
         reply = self._request(
             {
                 "cmd": "init",

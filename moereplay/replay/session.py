@@ -141,8 +141,8 @@ class ReplaySession:
         if self.spec.kind == "python" or (self.spec.runs_kernels and not isolated):
             kernel_backend = load_backend(self.spec, self.device)  # a python backend may register the op
         self._temporary: Path | None = None
-        self.call: LoadedCall = self._resolve(source, args, call, output)
-        self.op: OpSpec = self.call.op
+        self.runner: Runner | None = None
+        self._owns_runner = True
         self.findings: list[Finding] = []
         self.notes: list[str] = []
         self._references: list[tuple[tuple[Any, ...], ReferenceResult]] = []
@@ -151,9 +151,9 @@ class ReplaySession:
         self._read_findings: dict[str, list[Finding]] = {}
         self._localised = False
         self._sanitizer: list[Finding] = []
-        self.runner: Runner | None = None
-        self._owns_runner = True
         try:
+            self.call: LoadedCall = self._resolve(source, args, call, output)
+            self.op: OpSpec = self.call.op
             if self.spec.runs_kernels:
                 self.runner = self._runner(isolated, reuse_worker, kernel_backend)
             self.baseline_contracts: list[ContractViolation] = contract_violations(

@@ -106,3 +106,19 @@ def test_one_worker_serves_every_variant_and_a_memory_call_leaves_no_file(tmp_pa
     finally:
         live.close()
     assert not temporary.exists()
+
+
+def test_a_pooled_worker_loads_a_call_once_across_sessions(tmp_path: Path) -> None:
+    from moereplay.replay.runner import _POOL, close_pool
+
+    first = bf16_capture(tmp_path)
+    second = toy.write_capture(tmp_path / "other.moe.zst", toy.make_args())
+    close_pool()
+    try:
+        for path in (first, first, second, second):
+            report = replay(path, backend=toy.spec("correct"), device="cpu", timeout_s=120)
+            assert report.baseline.verdict in (Verdict.OK, Verdict.CORRUPT)
+        (worker,) = _POOL.values()
+        assert (worker.starts, worker.inits) == (1, 2)
+    finally:
+        close_pool()
