@@ -8,9 +8,15 @@ Semantics of vLLM 0.25.1 (``vllm/model_executor/layers/fused_moe/moe_align_block
   Marlin path). With ``ignore_invalid_experts=False`` every global expert is counted and blocks of unmapped experts
   get id -1 afterwards (vLLM indexes ``expert_map`` with the block ids, so trailing -1 blocks take the map's last
   entry; that is reproduced).
-- Each expert's slots are padded up to a multiple of ``block_size``; experts follow in id order; within an expert
-  slots keep ascending order (the CUDA op's small-batch paths are stable; its large-batch path may order them
-  differently inside one expert, which changes nothing a GEMM computes).
+- Each expert's slots are padded up to a multiple of ``block_size``; experts follow in id order.
+- Order of the slots inside one expert (it changes nothing a GEMM computes, but a capture holds it): when
+  ``numel < 1024`` and ``num_experts <= 64`` the CUDA op runs its one-block "small batch" kernel with
+  ``threads = max(num_experts, 32)`` counting threads; thread ``t`` handles slots ``t, t + threads, …`` and each
+  thread's slots of an expert come after those of lower threads. So an expert's slots are ordered by
+  ``(slot % threads, slot // threads)`` — deterministic, and *not* ascending once ``numel > threads``.
+  Larger calls rank slots with global atomics (``count_and_sort_expert_tokens``): the order inside an expert
+  varies from run to run; ascending order is used for them. ``slot_order="ascending"`` asks for ascending
+  order always.
 - ``sorted_token_ids`` has ``numel + num_experts * (block_size - 1)`` entries (rounded up to ``block_size`` when
   ``pad_sorted_ids``; at most ``numel * block_size`` when ``numel < num_experts``), every unused entry = ``numel``.
 - ``expert_ids`` has ``ceil(len(sorted_token_ids) / block_size)`` entries; blocks past the padded total are -1.
@@ -20,10 +26,32 @@ Semantics of vLLM 0.25.1 (``vllm/model_executor/layers/fused_moe/moe_align_block
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from moereplay.errors import ReferenceError_
+
+#: ``"kernel"``: the order vLLM's CUDA op produces where it is deterministic (see the module docstring);
+#: ``"ascending"``: slots ascending inside each expert.
+SlotOrder = Literal["kernel", "ascending"]
+
+#: The CUDA op's one-block path is taken for fewer slots than this …
+SMALL_BATCH_SLOT_LIMIT = 1024
+#: … and at most this many experts.
+SMALL_BATCH_EXPERT_LIMIT = 64
+#: Threads per warp on NVIDIA GPUs: the small-batch kernel counts with ``max(num_experts, WARP_SIZE)`` threads.
+CUDA_WARP_SIZE = 32
+
+
+def kernel_order_is_deterministic(numel: int, num_experts: int) -> bool:
+    """Whether vLLM's CUDA ``moe_align_block_size`` takes its one-block path (a reproducible slot order)."""
+    return numel < SMALL_BATCH_SLOT_LIMIT and num_experts <= SMALL_BATCH_EXPERT_LIMIT
+
+
+def small_batch_threads(num_experts: int) -> int:
+    """Counting threads of the small-batch kernel (the stride between the slots one thread handles)."""
+    return max(num_experts, CUDA_WARP_SIZE)
 
 
 def sorted_ids_capacity(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False) -> int:
@@ -45,12 +73,16 @@ def moe_align_block_size(
     *,
     pad_sorted_ids: bool = False,
     ignore_invalid_experts: bool = True,
+    slot_order: SlotOrder = "kernel",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sorted_token_ids, expert_ids, num_tokens_post_padded)``, int32, on ``topk_ids``' device.
 
     ``pad_to`` overrides the length of ``sorted_token_ids`` (e.g. to match a captured buffer); it must hold the
-    padded total. Cost: one sort of ``topk_ids.numel()`` values.
+    padded total. ``slot_order`` picks the order inside each expert (module docstring). Cost: one sort of
+    ``topk_ids.numel()`` values.
     """
+    if slot_order not in ("kernel", "ascending"):
+        raise ReferenceError_(f"slot_order must be 'kernel' or 'ascending', got {slot_order!r}")
     if block_size <= 0 or num_experts <= 0:
         raise ReferenceError_(f"block_size and num_experts must be positive, got {block_size}, {num_experts}")
     if topk_ids.dim() != 2:
@@ -82,7 +114,13 @@ def moe_align_block_size(
 
     sorted_token_ids = torch.full((capacity,), numel, dtype=torch.int32, device=device)
     slots = torch.nonzero(valid).reshape(-1)
-    order = torch.argsort(experts[slots], stable=True)
+    if slot_order == "kernel" and kernel_order_is_deterministic(numel, num_experts):
+        threads = small_batch_threads(num_experts)
+        per_thread = -(-numel // threads)
+        within = (slots % threads) * per_thread + slots // threads  # < threads * per_thread
+        order = torch.argsort(experts[slots] * (threads * per_thread) + within)
+    else:
+        order = torch.argsort(experts[slots] * max(numel, 1) + slots)
     slots = slots[order]
     slot_experts = experts[slots]
     rank = torch.arange(slots.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[slot_experts]

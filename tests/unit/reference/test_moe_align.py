@@ -88,3 +88,71 @@ def test_inverse_marks_missing_and_duplicates() -> None:
     # blocks past the padded total are ignored
     routing = routing_from_alignment(sorted_ids, expert_ids, 4, block_size=4, top_k=2, size_m=2)
     assert routing.topk_ids.tolist() == [[3, -1], [3, -1]]
+
+
+def _small_batch_kernel(topk_ids: torch.Tensor, block_size: int, experts: int, expert_map=None) -> list[int]:
+    """A literal Python walk of the CUDA small-batch kernel's ranking: thread t counts slots t, t + T, …; an
+    expert's slots of thread t follow those of threads < t."""
+    flat = topk_ids.reshape(-1).tolist()
+    threads = max(experts, 32)
+
+    def local(i: int) -> int:
+        e = flat[i]
+        if e < 0 or e >= experts:
+            return -1
+        return e if expert_map is None else int(expert_map[e])
+
+    counts = [[0] * experts for _ in range(threads + 1)]
+    for t in range(threads):
+        for i in range(t, len(flat), threads):
+            if local(i) >= 0:
+                counts[t + 1][local(i)] += 1
+    for t in range(1, threads + 1):  # prefix over threads
+        for e in range(experts):
+            counts[t][e] += counts[t - 1][e]
+    cumsum = [0]
+    for e in range(experts):
+        cumsum.append(cumsum[-1] + -(-counts[threads][e] // block_size) * block_size)
+    out = [len(flat)] * cumsum[-1]
+    for t in range(threads):
+        for i in range(t, len(flat), threads):
+            e = local(i)
+            if e >= 0:
+                out[cumsum[e] + counts[t][e]] = i
+                counts[t][e] += 1
+    return out
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "block_size"),
+    [(45, 4, 16, 8), (45, 4, 16, 16), (30, 2, 40, 16), (9, 4, 64, 64), (255, 4, 8, 32)],
+)
+def test_kernel_order_matches_the_small_batch_kernel(
+    tokens: int, top_k: int, experts: int, block_size: int
+) -> None:
+    gen = torch.Generator().manual_seed(tokens * experts + block_size)
+    topk_ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    topk_ids[0, 0] = experts + 3  # an id the op ignores
+    sorted_ids, _, total = moe_align_block_size(topk_ids, block_size, experts)
+    walked = _small_batch_kernel(topk_ids, block_size, experts)
+    assert int(total) == len(walked)
+    assert sorted_ids[: len(walked)].tolist() == walked
+    expert_map = torch.tensor([i // 2 if i % 3 else -1 for i in range(experts)])
+    sorted_ids, _, total = moe_align_block_size(topk_ids, block_size, experts, expert_map)
+    walked = _small_batch_kernel(topk_ids, block_size, experts, expert_map)
+    assert sorted_ids[: len(walked)].tolist() == walked
+
+
+def test_kernel_order_hand_worked() -> None:
+    # 40 slots of one expert, 32 counting threads: thread t holds slots t and t + 32 (t < 8), then t alone
+    topk_ids = torch.zeros((20, 2), dtype=torch.int64)
+    sorted_ids, _, total = moe_align_block_size(topk_ids, 8, 2)
+    expected = [s for t in range(8) for s in (t, t + 32)] + list(range(8, 32))
+    assert int(total) == 40 and sorted_ids[:40].tolist() == expected
+    ascending, _, _ = moe_align_block_size(topk_ids, 8, 2, slot_order="ascending")
+    assert ascending[:40].tolist() == list(range(40))
+    # 1024 slots or more (or more than 64 experts): the op's order is not reproducible; ascending is used
+    big = torch.zeros((512, 2), dtype=torch.int64)
+    assert moe_align_block_size(big, 8, 2)[0][:1024].tolist() == list(range(1024))
+    with pytest.raises(ReferenceError_):
+        moe_align_block_size(topk_ids, 8, 2, slot_order="random")  # type: ignore[arg-type]
