@@ -3,8 +3,9 @@
 Layout: ``plugin`` (the entry point's tiny ``register()``), ``settings`` (``MOEREPLAY_*`` → one typed object),
 ``patch_points`` (where vLLM calls the kernels), ``patching`` (wrappers and the post-import hook),
 ``binding`` (arguments by name), ``context`` (step, layer, ranks), ``snapshot`` (copies at the right moment),
-``recorder`` (filters and the wrapped call), ``flight`` (the flight recorder), ``writer_thread`` and ``sink``
-(bounded queue → capture file), ``session`` (arming one process).
+``recorder`` (filters and the wrapped call), ``flight`` (the flight recorder), ``opt_flags`` (triton_kernels'
+process state around matmul_ogs), ``vllm_codecs`` (format codecs for vLLM's own value types), ``writer_thread``
+and ``sink`` (bounded queue → capture file), ``session`` (arming one process).
 
 Importing this package imports nothing heavy: vLLM imports the plugin in every process.
 """
