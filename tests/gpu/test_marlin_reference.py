@@ -13,6 +13,19 @@ Rows the kernel must not write are pre-filled with NaN and must still be NaN aft
 
 Inputs are prepared by vLLM's own preparation functions (``marlin_inputs.py``); moereplay's packing is checked
 against them bit for bit in separate tests.
+
+Run time: the kernel pack carries the Marlin MoE kernels as sm_80 PTX, so every kernel instantiation the kernel's
+launcher touches is JIT-compiled on first use (the launcher queries each thread config it considers, for one
+weight format, dtype and ``moe_block_size``). The small case matrix therefore runs every format × {gemm1, gemm2} ×
+top_k {1, 4} × ``mul_topk_weights`` × bias at ONE block size per format (the block sizes rotate over the formats,
+so each size is still launched), and only two formats sweep all block sizes.
+
+Known kernel disagreement (marked ``xfail(strict=False)``, nothing else is): NVFP4 with ``mul_topk_weights`` and a
+bias. The kernel (``marlin_template.h``) folds the per-expert global scale into the routing weight when
+``mul_topk_weights`` is on and skips the epilogue's global-scale multiply, but adds the bias before the weight
+multiply — so the bias comes out multiplied by the *processed* global scale (``global_scale`` as the kernel gets
+it: the checkpoint's global scale × 2**(b−7) / scale_factor, b = 126 for bf16, 14 for fp16). Those cases print a
+diagnostic: the kernel output against that hypothesis, rounded the way the kernel rounds.
 """
 
 from __future__ import annotations
@@ -42,8 +55,11 @@ from moereplay.reference.marlin_moe import (  # noqa: E402
     MarlinReferenceResult,
     reference_moe_wna16_marlin_gemm,
 )
+from moereplay.reference.moe_align import (  # noqa: E402
+    kernel_order_is_deterministic,
+    routing_from_alignment,
+)
 from moereplay.reference.moe_align import moe_align_block_size as torch_moe_align  # noqa: E402
-from moereplay.reference.moe_align import routing_from_alignment  # noqa: E402
 
 F = MarlinWeightFormat
 DEVICE = torch.device("cuda")
@@ -95,6 +111,28 @@ SPECS = [
 ]
 
 SMALL_E, SMALL_K, SMALL_N, SMALL_TOKENS = 8, 256, 256, 13
+
+#: The one ``moe_block_size`` each format's small cases use (one kernel load per format). Chosen so that every block
+#: size appears, and so that NVFP4/bf16 and GPTQ-int4-g128/bf16 share the size of the expert-parallel and float64
+#: tests (16), MXFP4/bf16 that of the gpt-oss cases (8).
+SPEC_BLOCK: dict[str, int] = {
+    "nvfp4/bf16": 16,
+    "nvfp4/fp16": 8,
+    "mxfp4/bf16": 8,
+    "mxfp8/bf16": 32,
+    "fp8-ch/bf16": 48,
+    "fp8-g128/fp16": 64,
+    "uint4b8-g128/bf16": 16,
+    "uint4b8-ch/fp16": 32,
+    "uint4b8-g32-act/bf16": 48,
+    "uint8b128-g64/bf16": 64,
+    "uint8b128-g128-act/fp16": 8,
+    "uint4-g32/bf16": 32,
+    "uint4-ch/fp16": 64,
+    "uint4-float-zp-g64/fp16": 16,
+}
+#: Formats that sweep every block size (gemm1, top_k 4, mul and bias): the gpt-oss format and the common GPTQ one.
+SWEEP_SPECS = [SPECS[2], SPECS[6]]
 
 
 # --------------------------------------------------------------------------------------------------- plumbing
@@ -242,14 +280,22 @@ class Comparison:
         return "ok" if ok else "MISMATCH"
 
 
-def compare(kernel_out: torch.Tensor, ref: MarlinReferenceResult, tolerance: Tolerance) -> Comparison:
-    kernel = kernel_out.to(torch.float32)
-    expected = ref.output
+def compare(
+    kernel_out: torch.Tensor,
+    ref: MarlinReferenceResult,
+    tolerance: Tolerance,
+    expected: torch.Tensor | None = None,
+) -> Comparison:
+    """Per-row max and whole-call RMS relative error (in float64: a wrong kernel may write values near 1e31).
+
+    ``expected`` replaces ``ref.output`` (same rows written), e.g. to test a hypothesis about the kernel."""
+    kernel = kernel_out.to(torch.float64)
+    expected = (ref.output if expected is None else expected).to(torch.float64)
     written = ref.written
     problems: list[str] = []
     diff = (kernel - expected).abs()
     scale = expected.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
-    row_rel = torch.full((expected.shape[0],), float("nan"), device=expected.device)
+    row_rel = torch.full((expected.shape[0],), float("nan"), dtype=torch.float64, device=expected.device)
     row_rel[written] = diff[written].amax(dim=1) / scale[written]
     nonfinite = written & ~torch.isfinite(kernel).all(dim=1)
     if bool(nonfinite.any()):
@@ -346,45 +392,136 @@ def assert_agrees(result: Comparison, spec: WeightSpec, label: str) -> None:
 
 
 def test_weight_layout_matches_gptq_marlin_repack() -> None:
-    assert layout_mismatches(DEVICE) == []
+    mismatches = layout_mismatches(DEVICE)
+    assert mismatches == [], (
+        f"moereplay's Marlin weight packing differs from ops.gptq_marlin_repack for {mismatches}"
+    )
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.label)
 def test_our_packing_matches_vllm_preparation(spec: WeightSpec) -> None:
     prepared = prepare(spec, SMALL_E, SMALL_K, SMALL_N, bias=True)
     ours = prepared.logical.pack(spec.dtype, with_dense=False)
-    assert compare_with_ours(prepared.vllm, ours) == []
+    differing = compare_with_ours(prepared.vllm, ours)
+    assert differing == [], (
+        f"{spec.label}: moereplay's packing differs from vLLM's preparation in {differing}"
+    )
 
 
+# ------------------------------------------------------------------------------------------ moe_align_block_size
+
+
+def _first_difference(theirs: torch.Tensor, ours: torch.Tensor, what: str) -> str:
+    differs = torch.nonzero(theirs != ours).reshape(-1)
+    at = int(differs[0])
+    lo, hi = max(0, at - 4), at + 12
+    return (
+        f"{what} differ at {differs.numel()} positions, first {at}: vLLM {theirs[lo:hi].tolist()} vs ours "
+        f"{ours[lo:hi].tolist()} (from position {lo})"
+    )
+
+
+def _align_problems(theirs, ours, *, block: int, numel: int, exact_order: bool) -> list[str]:
+    """Every way vLLM's ``(sorted_token_ids, expert_ids, num_tokens_post_padded)`` differs from ours."""
+    names = ("sorted_token_ids", "expert_ids", "num_tokens_post_padded")
+    problems = [
+        f"{name}: vLLM {a.dtype} {tuple(a.shape)}, ours {b.dtype} {tuple(b.shape)}"
+        for name, a, b in zip(names, theirs, ours, strict=True)
+        if a.shape != b.shape or a.dtype != b.dtype
+    ]
+    if problems:
+        return problems
+    sorted_theirs, experts_theirs = theirs[0].cpu(), theirs[1].cpu()
+    sorted_ours, experts_ours = ours[0].cpu(), ours[1].cpu()
+    total_theirs, total_ours = int(theirs[2][0]), int(ours[2][0])
+    if total_theirs != total_ours:
+        return [f"num_tokens_post_padded: vLLM {total_theirs}, ours {total_ours}"]
+    blocks = total_ours // block
+    if not torch.equal(experts_theirs[:blocks], experts_ours[:blocks]):
+        problems.append(
+            _first_difference(experts_theirs[:blocks], experts_ours[:blocks], "expert_ids of used blocks")
+        )
+    tail = experts_theirs[blocks:]
+    if bool((tail != -1).any()):
+        problems.append(
+            f"vLLM's expert_ids past the {blocks} used blocks are not all -1: {sorted(set(tail.tolist()))}"
+        )
+    padding = sorted_theirs[total_ours:]
+    if bool((padding != numel).any()):
+        problems.append(
+            f"vLLM's sorted_token_ids past the padded total are not all {numel}: {padding[:16].tolist()}"
+        )
+    if exact_order:
+        if not torch.equal(sorted_theirs[:total_ours], sorted_ours[:total_ours]):
+            problems.append(
+                _first_difference(
+                    sorted_theirs[:total_ours], sorted_ours[:total_ours], "sorted_token_ids (exact order)"
+                )
+            )
+        return problems
+    # the op's large-batch path ranks slots with atomics: compare each expert's run of blocks as a set, valid
+    # entries first, padding (= numel) after them
+    for expert in torch.unique(experts_ours[:blocks]).tolist():
+        where = torch.nonzero(experts_ours[:blocks] == expert).reshape(-1)
+        lo, hi = int(where[0]) * block, (int(where[-1]) + 1) * block
+        a, b = sorted_theirs[lo:hi], sorted_ours[lo:hi]
+        count = int((b != numel).sum())
+        if not torch.equal(torch.sort(a[:count]).values, torch.sort(b[:count]).values) or bool(
+            (a[count:] != numel).any()
+        ):
+            problems.append(
+                f"expert {expert} (entries {lo}..{hi - 1}): vLLM holds {sorted(a.tolist())}, ours {sorted(b.tolist())}"
+            )
+    return problems
+
+
+ALIGN_CASES = [
+    # (name, tokens, top_k, experts, expert map): the op's one-block path (< 1024 slots, <= 64 experts) has a
+    # reproducible order; the others rank slots with atomics
+    pytest.param(45, 4, 16, False, id="small"),
+    pytest.param(45, 4, 16, True, id="small-ep"),
+    pytest.param(300, 4, 16, False, id="large"),
+    pytest.param(300, 4, 16, True, id="large-ep"),
+    pytest.param(30, 4, 80, False, id="many-experts"),
+]
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "with_map"), ALIGN_CASES)
 @pytest.mark.parametrize("block", BLOCK_SIZES)
-def test_moe_align_matches_vllm(block: int) -> None:
-    gen = torch.Generator().manual_seed(block)
-    experts, tokens, top_k = 16, 45, 4
+def test_moe_align_matches_vllm(block: int, tokens: int, top_k: int, experts: int, with_map: bool) -> None:
+    gen = torch.Generator().manual_seed(block * 1000 + tokens + experts)
     topk_ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     topk_ids = topk_ids.to(device=DEVICE, dtype=torch.int32)
-    for expert_map in (None, torch.tensor([i if i % 3 else -1 for i in range(experts)], device=DEVICE)):
-        local_map = None if expert_map is None else expert_map.to(torch.int32)
-        theirs = vllm_align(topk_ids, block, experts, local_map)
-        ours = torch_moe_align(topk_ids, block, experts, local_map)
-        assert theirs[0].shape == ours[0].shape and theirs[1].shape == ours[1].shape
-        assert int(theirs[2][0]) == int(ours[2][0])
-        blocks = int(ours[2][0]) // block
-        assert torch.equal(theirs[1][:blocks], ours[1][:blocks])
-        assert (theirs[1][blocks:] == -1).all()
-        # inside one expert the CUDA op may order slots differently: compare each block as a set
-        for b in range(blocks):
-            assert torch.equal(
-                torch.sort(theirs[0][b * block : (b + 1) * block]).values,
-                torch.sort(ours[0][b * block : (b + 1) * block]).values,
-            )
-        assert (theirs[0][blocks * block :] == tokens * top_k).all()
-        recovered = routing_from_alignment(*theirs, block_size=block, top_k=top_k, size_m=tokens)
-        expected = (
-            topk_ids
-            if expert_map is None
-            else torch.where(expert_map[topk_ids.long()] >= 0, expert_map[topk_ids.long()], -1)
+    expert_map = (
+        torch.tensor(
+            [i // 3 * 2 + i % 3 - 1 if i % 3 else -1 for i in range(experts)],
+            dtype=torch.int32,
+            device=DEVICE,
         )
-        assert torch.equal(recovered.topk_ids.to(torch.long), expected.to(torch.long))
+        if with_map
+        else None
+    )
+    numel = tokens * top_k
+    exact = kernel_order_is_deterministic(numel, experts)
+    theirs = vllm_align(topk_ids, block, experts, expert_map)
+    ours = torch_moe_align(topk_ids, block, experts, expert_map)
+    problems = _align_problems(theirs, ours, block=block, numel=numel, exact_order=exact)
+    assert not problems, (
+        f"moe_align_block_size block={block} tokens={tokens} top_k={top_k} experts={experts} "
+        f"map={'yes' if with_map else 'no'} ({'one-block path, exact order' if exact else 'atomic path'}): "
+        + " | ".join(problems)
+    )
+    recovered = routing_from_alignment(*theirs, block_size=block, top_k=top_k, size_m=tokens)
+    ids = topk_ids.long()
+    expected = ids if expert_map is None else expert_map.long()[ids]
+    expected = torch.where(expected >= 0, expected, -1)
+    assert torch.equal(recovered.topk_ids.long(), expected), (
+        f"routing recovered from vLLM's alignment differs from topk_ids at "
+        f"{torch.nonzero(recovered.topk_ids.long() != expected)[:8].tolist()}"
+    )
+    assert recovered.duplicate_slots.numel() == 0, (
+        f"vLLM's alignment lists slots {recovered.duplicate_slots[:8].tolist()} more than once"
+    )
 
 
 # ------------------------------------------------------------------------------------------ kernel vs reference
@@ -392,21 +529,58 @@ def test_moe_align_matches_vllm(block: int) -> None:
 
 STYLES = [("gemm1", 4), ("gemm2", 4), ("gemm1", 1)]
 
+NVFP4_BIAS_MUL_REASON = (
+    "suspected kernel bug (vLLM 0.25.1 marlin_template.h): with NVFP4 weights and mul_topk_weights the kernel "
+    "multiplies the per-expert global scale into the routing weight and skips it in the epilogue, but adds b_bias "
+    "before that weight multiply, so the bias is scaled by the processed global scale "
+    "(out = (acc + bias) * w * gs' instead of (acc * gs' + bias) * w)"
+)
+
+
+class KernelMatchesKnownBug(Exception):
+    """A disagreement that a named kernel behaviour explains quantitatively.
+
+    Deliberately not an AssertionError: only cases marked ``xfail(raises=KernelMatchesKnownBug)`` expect it, and a
+    disagreement the hypothesis does not explain is an ordinary (loud) assertion failure even in those cases.
+    """
+
+
+def _nvfp4_bias_mul_case(spec: WeightSpec, mul: bool, bias: bool) -> bool:
+    return spec.fmt is F.NVFP4 and mul and bias
+
 
 def _small_case_params():
     params = []
-    index = 0
     for spec in SPECS:
+        block = SPEC_BLOCK[spec.label]
         for style, routing_top_k in STYLES:
             for mul in (False, True):
                 for bias in (False, True):
-                    block = BLOCK_SIZES[index % len(BLOCK_SIZES)]
-                    index += 1
                     case_id = (
                         f"{spec.label}-{style}-top{routing_top_k}-mul{int(mul)}-bias{int(bias)}-bs{block}"
                     )
-                    params.append(pytest.param(spec, style, routing_top_k, mul, bias, block, id=case_id))
+                    marks = (
+                        [
+                            pytest.mark.xfail(
+                                strict=False, raises=KernelMatchesKnownBug, reason=NVFP4_BIAS_MUL_REASON
+                            )
+                        ]
+                        if _nvfp4_bias_mul_case(spec, mul, bias)
+                        else []
+                    )
+                    params.append(
+                        pytest.param(spec, style, routing_top_k, mul, bias, block, id=case_id, marks=marks)
+                    )
     return params
+
+
+@dataclass(frozen=True)
+class CaseRun:
+    label: str
+    result: Comparison
+    ref: MarlinReferenceResult
+    args: dict[str, object]
+    out: torch.Tensor
 
 
 def _run_case(
@@ -423,7 +597,7 @@ def _run_case(
     tokens: int = SMALL_TOKENS,
     expert_map: torch.Tensor | None = None,
     seed: int = 0,
-) -> tuple[str, Comparison, MarlinReferenceResult]:
+) -> CaseRun:
     prepared = prepare(spec, experts, size_k, size_n, bias=True)
     topk_weights, topk_ids = routing(tokens, experts, routing_top_k, seed + block)
     aligned = vllm_align(topk_ids, block, experts, expert_map)
@@ -460,36 +634,93 @@ def _run_case(
             )
             pytest.skip(f"kernel rejects is_zp_float: {str(error).splitlines()[0][:200]}")
         raise
-    return label, check_call(label, spec, out, ref), ref
+    return CaseRun(label, check_call(label, spec, out, ref), ref, args, out)
+
+
+def nvfp4_bias_scaled_by_global_scale(run: CaseRun, dtype: torch.dtype) -> torch.Tensor:
+    """What the kernel writes if it scales the bias by the processed global scale, rounded as the kernel rounds.
+
+    From ``marlin_template.h``: the fp32 accumulator ``acc`` holds the GEMM *without* the global scale ``gs'`` (the
+    ``global_scale`` argument, per expert); with ``mul_topk_weights`` the epilogue writes
+    ``dtype(dtype(dtype(acc) + bias) * dtype(w * gs'))`` — ``float2num``, ``__hadd2``, the weight converted once,
+    ``__hmul2``. The reference's ``gemm`` is ``acc * gs'``.
+    """
+    ref = run.ref
+    global_scale = run.args["global_scale"]
+    assert isinstance(global_scale, torch.Tensor) and ref.bias_rows is not None
+    gs = global_scale.to(torch.float32).reshape(-1)[ref.row_map.expert.clamp(min=0)].unsqueeze(1)
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).to(torch.float32)
+
+    acc = ref.gemm / gs
+    summed = rounded(rounded(acc) + ref.bias_rows)
+    weight = rounded(ref.row_weights.unsqueeze(1) * gs)
+    out = rounded(summed * weight)
+    return torch.where(ref.written.unsqueeze(1), out, torch.zeros_like(out))
+
+
+def explain_nvfp4_bias_mul(run: CaseRun, spec: WeightSpec) -> None:
+    """Test the bias-times-global-scale hypothesis on a failing NVFP4 bias+mul case: raise KernelMatchesKnownBug
+    when the kernel agrees with it within the same tolerance, an AssertionError otherwise."""
+    tolerance = TOLERANCES[spec.dtype]
+    hypothesis = nvfp4_bias_scaled_by_global_scale(run, spec.dtype)
+    fit = compare(run.out, run.ref, tolerance, expected=hypothesis)
+    verdict = "fits" if fit.verdict(tolerance) == "ok" else "DOES NOT FIT"
+    report(
+        f"[marlin] {run.label + ' diagnostic: bias x processed global scale':<70} kernel vs hypothesis "
+        f"max_rel={fit.max_rel:.2e} rms_rel={fit.rms_rel:.2e} -> {verdict}"
+    )
+    statement = (
+        f"{run.label}: kernel disagrees with the reference (max {run.result.max_rel:.3g}, rms "
+        f"{run.result.rms_rel:.3g}) and agrees with 'bias scaled by the processed global scale' within tolerance "
+        f"(max {fit.max_rel:.3g}, rms {fit.rms_rel:.3g})"
+    )
+    if verdict == "fits":
+        raise KernelMatchesKnownBug(statement)
+    raise AssertionError(
+        f"{run.label}: kernel disagrees with the reference (max {run.result.max_rel:.3g}) AND with the "
+        f"bias-times-global-scale hypothesis (max {fit.max_rel:.3g}, rms {fit.rms_rel:.3g}): "
+        + " | ".join(run.result.problems + fit.problems)
+    )
+
+
+def _check_case(run: CaseRun, spec: WeightSpec, mul: bool, bias: bool) -> None:
+    if _nvfp4_bias_mul_case(spec, mul, bias) and run.result.verdict(TOLERANCES[spec.dtype]) != "ok":
+        explain_nvfp4_bias_mul(run, spec)
+    assert_agrees(run.result, spec, run.label)
 
 
 @pytest.mark.parametrize(("spec", "style", "routing_top_k", "mul", "bias", "block"), _small_case_params())
 def test_small(spec: WeightSpec, style: str, routing_top_k: int, mul: bool, bias: bool, block: int) -> None:
-    label, result, _ = _run_case(spec, style, routing_top_k, mul, bias, block)
-    assert_agrees(result, spec, label)
+    _check_case(_run_case(spec, style, routing_top_k, mul, bias, block), spec, mul, bias)
 
 
 @pytest.mark.parametrize("block", BLOCK_SIZES)
-@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[6]], ids=lambda s: s.label)
+@pytest.mark.parametrize("spec", SWEEP_SPECS, ids=lambda s: s.label)
 def test_block_sizes(spec: WeightSpec, block: int) -> None:
-    label, result, _ = _run_case(spec, "gemm1", 4, True, True, block, tokens=37, seed=100)
-    assert_agrees(result, spec, label)
+    _check_case(_run_case(spec, "gemm1", 4, True, True, block, tokens=37, seed=100), spec, True, True)
 
 
 @pytest.mark.parametrize("spec", [SPECS[0], SPECS[6]], ids=lambda s: s.label)
 def test_expert_parallel_rows_stay_unwritten(spec: WeightSpec) -> None:
     expert_map = torch.tensor([0, 1, 2, 3, -1, -1, -1, -1], dtype=torch.int32, device=DEVICE)
     # the kernel sees local experts 0-3 only: weights of the first 4 experts
-    label, result, ref = _run_case(spec, "gemm1", 4, True, False, 16, expert_map=expert_map, seed=5)
-    assert not bool(ref.written.all()) and bool(ref.written.any())
-    assert_agrees(result, spec, label)
+    run = _run_case(spec, "gemm1", 4, True, False, 16, expert_map=expert_map, seed=5)
+    written = int(run.ref.written.sum())
+    assert 0 < written < run.ref.written.numel(), (
+        f"{run.label}: expected some but not all rows written with experts 4-7 off this rank, got {written}"
+    )
+    assert_agrees(run.result, spec, run.label)
 
 
 def test_reference_matches_float64_on_gpu() -> None:
     spec = SPECS[0]
     prepared = prepare(spec, SMALL_E, SMALL_K, SMALL_N, bias=True)
     packed = prepared.logical.pack(spec.dtype)
-    assert packed.dense is not None and packed.dense_bias is not None
+    assert packed.dense is not None and packed.dense_bias is not None, (
+        "pack() must return the float64 weights"
+    )
     topk_weights, topk_ids = routing(SMALL_TOKENS, SMALL_E, 4, 1)
     aligned = vllm_align(topk_ids, 16, SMALL_E)
     x = torch.randn(SMALL_TOKENS, SMALL_K, device=DEVICE).to(spec.dtype)
@@ -501,7 +732,9 @@ def test_reference_matches_float64_on_gpu() -> None:
     exact = torch.einsum("mk,mjkn->mjn", x.double(), packed.dense[ids]) + packed.dense_bias[ids]
     exact = exact * topk_weights.double().unsqueeze(-1)
     error = (ref.output.view_as(exact).double() - exact).abs().max() / exact.abs().max()
-    assert float(error) < 1e-5
+    assert float(error) < 1e-5, (
+        f"fp32 reference vs float64 einsum on the GPU: max rel {float(error):.3g} >= 1e-5"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ gpt-oss shapes

@@ -5,6 +5,13 @@ and K=2880 (not a multiple of 128: the last K step is partial). Inputs are built
 (``ogs_inputs``). Every case prints one line (format, shape, max/RMS relative error, verdict) and must agree with
 the reference within the bf16 profile; a disagreement fails with the comparison's one-line summary.
 
+Known kernel bug: at K=2880 the Hopper kernel's scale loads are not masked in K, so each expert's last swizzled
+scale row is read past its end; for the last expert that is past the end of the whole scale tensor, into whatever
+bytes follow the allocation. When a K-not-multiple-of-128 case disagrees *only* in the outputs that read predicts
+(``moereplay.reference.hopper_mxfp4.scale_overrun``: the last expert's rows, the columns whose scales sit in the
+last swizzled row) and agrees everywhere else, the test calls ``pytest.xfail`` with that statement; any other
+disagreement fails.
+
 The fill test puts the swizzled scale tensor at the start of a larger buffer whose trailing bytes are 0x00 or 0xff
 and reports whether the kernel's output changes (the unmasked scale loads past the end at K=2880, see
 ``moereplay.reference.hopper_mxfp4``); it only asserts that the reference itself is finite.
@@ -126,6 +133,59 @@ def _timed_reference(**kwargs: Any) -> tuple[Any, float]:
     return ref, time.perf_counter() - start
 
 
+def _rows_using_expert(ref: Any, expert: int) -> torch.Tensor:
+    """Bool per output row: the row is (or sums) a GEMM row computed with ``expert``'s weight."""
+    row_map = ref.row_map
+    if row_map.sources is not None:  # a top-k sum: any of its sorted source rows
+        sources = row_map.sources
+        used = torch.where(sources >= 0, ref.sorted_expert[sources.clamp(min=0)], -1)
+        return (used == expert).any(dim=1)
+    return row_map.expert == expert
+
+
+def overread_statement(y: torch.Tensor, ref: Any, p: Prepared, k: int, *, swiglu: bool) -> str | None:
+    """The xfail statement when the kernel output differs from the reference ONLY where the unmasked Hopper scale
+    over-read predicts (rows of the last expert, the columns whose scales sit in its last swizzled row, halved by a
+    fused SwiGLU) and agrees within tolerance everywhere else; None when the over-read does not explain it."""
+    overrun = scale_overrun(p.n, k, num_warps=p.scale_layout.num_warps)
+    columns = overrun.last_row_columns
+    if not overrun.overrun or not columns:
+        return None
+    if swiglu:
+        columns = tuple(sorted({c // 2 for c in columns}))
+    last = EXPERTS - 1
+    rows = _rows_using_expert(ref, last).to(y.device)
+    region = torch.zeros(y.shape, dtype=torch.bool, device=y.device)
+    region[:, list(columns)] = True
+    region &= rows.unsqueeze(1)
+    # the rest must agree: put the reference into the predicted region and compare again
+    patched = torch.where(region, ref.output.to(y.device, y.dtype), y)
+    if not compare(patched, ref.output, rows_mask=ref.row_map.written).ok:
+        return None
+    inside = compare(
+        torch.where(region, y, ref.output.to(y.device, y.dtype)), ref.output, rows_mask=ref.row_map.written
+    )
+    bad_rows = inside.bad_rows
+    where = f"rows {bad_rows[0]}..{bad_rows[-1]} ({len(bad_rows)} rows)" if bad_rows else "its rows"
+    return (
+        f"known kernel bug (unmasked Hopper MXFP4 scale loads, K={k} not a multiple of {overrun.block_k}): each "
+        f"scale row is read {overrun.overrun} B past its end, the last expert's past the end of the tensor; the "
+        f"output is wrong only there — expert {last}'s {where}, "
+        f"columns {columns[0]}..{columns[-1]}: nan={inside.nan_actual} inf={inside.inf_actual} "
+        f"elements over tolerance={inside.elements_over}; everything else agrees within {inside.tolerance.name}"
+    )
+
+
+def judge(result: Any, y: torch.Tensor, ref: Any, p: Prepared, k: int, *, swiglu: bool) -> None:
+    """Pass, xfail with the over-read statement, or fail with the comparison's summary."""
+    if result.ok:
+        return
+    statement = overread_statement(y, ref, p, k, swiglu=swiglu)
+    if statement is not None:
+        pytest.xfail(statement)
+    assert result.ok, result.summary()
+
+
 def _strided_specs(p: Prepared) -> tuple[TensorSpec, TensorSpec]:
     """The checkpoint tensors as unswizzled matmul_ogs weights: an independent route to the same dense weight."""
     values = p.ckpt.values.transpose(-2, -1)  # [E, K/2, N], stride 1 along K
@@ -212,7 +272,7 @@ def test_gemm1_gather_bias_swiglu(
         f"max_rel={result.max_rel:.2e} rms_rel={result.rms_rel:.2e}  {'ok' if result.ok else 'DISAGREE'}  "
         f"(reference {seconds * 1e3:.0f} ms)",
     )
-    assert result.ok, result.summary()
+    judge(result, y[0], ref, p, k, swiglu=True)
 
 
 def test_gemm1_gather_bias_no_activation(
@@ -242,7 +302,7 @@ def test_gemm1_gather_bias_no_activation(
         f"max_rel={result.max_rel:.2e} rms_rel={result.rms_rel:.2e}  {'ok' if result.ok else 'DISAGREE'}  "
         f"(reference {seconds * 1e3:.0f} ms)",
     )
-    assert result.ok, result.summary()
+    judge(result, y[0], ref, p, k, swiglu=False)
 
 
 @pytest.mark.parametrize("k", K_VALUES)
@@ -283,7 +343,7 @@ def test_gemm2_scatter_bias_gammas(
         f"max_rel={result.max_rel:.2e} rms_rel={result.rms_rel:.2e}  {'ok' if result.ok else 'DISAGREE'}  "
         f"(reference {seconds * 1e3:.0f} ms)",
     )
-    assert result.ok, result.summary()
+    judge(result, y[0], ref, p, k, swiglu=False)
 
 
 def _describe_difference(a: torch.Tensor, b: torch.Tensor, experts_by_row: torch.Tensor) -> str:
