@@ -4,11 +4,12 @@ The caller thread walks the bound arguments, replaces every tensor by a :class:`
 object by its codec's value tree (codecs run here, because the tensors inside them must be copied before the
 kernel runs). Cost model:
 
-- CUDA tensors: one asynchronous copy per storage span into pinned host memory (PyTorch's caching host
-  allocator, so no ``cudaHostAlloc`` per call), queued on the *current* stream: stream order guarantees the
-  input copy sees the bytes before the kernel and the output copy the bytes after it, with no host sync. A CUDA
-  event recorded after the copies tells the writer thread when the bytes are there. In flight-recorder mode the
-  copies stay on the device (``to_host=False``), one device-to-device copy per span.
+- CUDA tensors: one asynchronous copy per storage span into one pinned host buffer per snapshot (PyTorch's
+  caching host allocator, so no ``cudaHostAlloc`` per call), queued on the *current* stream: stream order
+  guarantees the input copy sees the bytes before the kernel and the output copy the bytes after it, with no
+  host sync. A CUDA event recorded after the copies tells the writer thread when the bytes are there. In
+  flight-recorder mode the copies stay on the device (``to_host=False``): one device buffer per snapshot and one
+  multi-tensor copy kernel for all its spans (``torch._foreach_copy_``), not an allocation and a launch per span.
 - CPU tensors: a plain copy (the caller may overwrite the buffer right after the call).
 - Views of one storage among a call's arguments are copied once, as the union of their spans (widened down to
   the format's 256-byte span alignment, so replayed views keep their data-pointer alignment and views of other
@@ -118,16 +119,28 @@ def _raw_bytes(tensor: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return raw
 
 
-def copy_bytes(source: torch.Tensor, *, to_host: bool) -> torch.Tensor:
-    """An asynchronous copy of a uint8 span, queued on the current stream: pinned host memory for CUDA
-    sources when ``to_host``, else a copy on the source's device. CPU sources are cloned."""
-    if source.device.type == "cpu":
-        return source.clone()
-    if to_host:
-        target = torch.empty(source.shape, dtype=torch.uint8, pin_memory=True)
-        target.copy_(source, non_blocking=True)
-        return target
-    return source.clone()
+def copy_spans(sources: list[torch.Tensor], *, to_host: bool) -> list[torch.Tensor]:
+    """Asynchronous copies of 1-D uint8 spans, queued on the current stream, as views of one new buffer: pinned
+    host memory for CUDA sources when ``to_host``, else memory on the sources' device (one multi-tensor copy).
+    Sources on several devices are copied one by one."""
+    if not sources:
+        return []
+    device = sources[0].device
+    sizes = [int(source.numel()) for source in sources]
+    if any(source.device != device for source in sources):
+        return [copy_spans([source], to_host=to_host)[0] for source in sources]
+    on_device = device.type != "cpu" and not to_host
+    pinned = device.type != "cpu" and to_host
+    flat = torch.empty(
+        sum(sizes), dtype=torch.uint8, device=device if on_device else "cpu", pin_memory=pinned
+    )
+    targets = list(flat.split(sizes))
+    if on_device and len(sources) > 1:
+        torch._foreach_copy_(targets, sources)  # one multi-tensor kernel launch
+    else:
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source, non_blocking=pinned)
+    return targets
 
 
 def _shallow_tensors(value: Any) -> Iterable[torch.Tensor]:
@@ -278,14 +291,19 @@ def _copy(found: list[torch.Tensor], result: Snapshot, *, to_host: bool) -> list
         groups.setdefault(storage_key(tensor), []).append(position)
     copies: list[Any] = [None] * len(found)
     cuda = False
-    for key, positions in groups.items():
+    ranges: list[tuple[int, int]] = []
+    sources: list[torch.Tensor] = []
+    for positions in groups.values():
         spans = [byte_span(found[p]) for p in positions]
         start = span_start(min(s for s, _ in spans))
         end = max(e for _, e in spans)
         anchor = found[positions[0]]
-        data = copy_bytes(_raw_bytes(anchor, start, end), to_host=to_host)
+        ranges.append((start, end))
+        sources.append(_raw_bytes(anchor, start, end))
         cuda = cuda or anchor.is_cuda
         result.copied += end - start
+    copied = copy_spans(sources, to_host=to_host)
+    for (key, positions), (start, _end), data in zip(groups.items(), ranges, copied, strict=True):
         for position in positions:
             tensor = found[position]
             copies[position] = TensorCopy(
