@@ -47,7 +47,7 @@ import torch
 
 from moereplay.format.codecs import codec_for
 from moereplay.format.schema import CodecValue, TensorBytes, Unsupported
-from moereplay.format.tensors import span_start
+from moereplay.format.tensors import SPAN_ALIGNMENT, span_start
 
 MAX_DEPTH = 8
 """Nesting depth past which an argument is recorded as unsupported (cycles, huge object graphs)."""
@@ -78,7 +78,7 @@ class TensorCopy:
         if any(size == 0 for size in self.shape):
             return torch.empty(self.shape, dtype=self.dtype)
         itemsize = result.element_size()
-        offset = (self.storage_offset * itemsize - self.base) // itemsize
+        offset = (data.storage_offset() + self.storage_offset * itemsize - self.base) // itemsize
         result.set_(data.untyped_storage(), offset, self.shape, self.stride)
         return result
 
@@ -131,10 +131,13 @@ def copy_spans(sources: list[torch.Tensor], *, to_host: bool) -> list[torch.Tens
         return [copy_spans([source], to_host=to_host)[0] for source in sources]
     on_device = device.type != "cpu" and not to_host
     pinned = device.type != "cpu" and to_host
-    flat = torch.empty(
-        sum(sizes), dtype=torch.uint8, device=device if on_device else "cpu", pin_memory=pinned
-    )
-    targets = list(flat.split(sizes))
+    starts = []
+    total = 0
+    for size in sizes:  # each span starts on a 256-byte boundary of the buffer, as it did in its storage
+        starts.append(total)
+        total += -(-size // SPAN_ALIGNMENT) * SPAN_ALIGNMENT
+    flat = torch.empty(total, dtype=torch.uint8, device=device if on_device else "cpu", pin_memory=pinned)
+    targets = [flat.narrow(0, start, size) for start, size in zip(starts, sizes, strict=True)]
     if on_device and len(sources) > 1:
         torch._foreach_copy_(targets, sources)  # one multi-tensor kernel launch
     else:

@@ -142,3 +142,27 @@ def test_a_freed_codec_temporary_does_not_alias_a_fresh_output(armed, kernels: t
             assert "holder<Holder>.scratch" in record.arg_tensors
             assert record.aliases() == {}, record.aliases()
             assert torch.equal(reader.load_outputs(record.index)["return"], torch.full((1000,), 2.5))
+
+
+def test_snapshot_copies_share_one_buffer_with_aligned_spans() -> None:
+    from moereplay.capture.snapshot import TensorCopy, snapshot
+
+    workspace = torch.arange(100, dtype=torch.float32)
+    values = {
+        "a": workspace[5:17],
+        "b": workspace[60:70].view(torch.int32),
+        "c": torch.arange(7, dtype=torch.int16),
+        "d": torch.randn(3, 4).t(),  # a transposed view keeps its strides
+        "n": 4,
+    }
+    taken = snapshot(values)
+    copies = {name: value for name, value in taken.tree.items() if isinstance(value, TensorCopy)}
+    assert set(copies) == {"a", "b", "c", "d"} and taken.tree["n"] == 4
+    assert copies["a"].storage == copies["b"].storage != copies["c"].storage
+    buffers = {copy.data.untyped_storage().data_ptr() for copy in copies.values()}
+    assert len(buffers) == 1  # one allocation for the whole snapshot
+    for name, copy in copies.items():
+        assert copy.data.storage_offset() % 256 == 0 and copy.base % 256 == 0
+        assert torch.equal(copy.view(), values[name]) and copy.view().stride() == values[name].stride()
+    workspace.zero_()  # copies, not views of the originals
+    assert torch.equal(copies["a"].view(), torch.arange(5, 17, dtype=torch.float32))
