@@ -178,8 +178,7 @@ class Patcher:
 
     def _prepare(self, target: CaptureTarget, original: Callable[..., Any]) -> None:
         try:
-            prepare = getattr(self.handler, "prepare", None)
-            undo = prepare(target, original) if prepare is not None else None
+            undo = self.handler.prepare(target, original)
         except Exception as error:
             logger.warning(
                 "moereplay: preparing %s failed (%s: %s); its calls are recorded without it",

@@ -37,6 +37,7 @@ from moereplay.capture.context import ContextTracker, Where
 from moereplay.capture.flight import FlightEntry, FlightRecorder
 from moereplay.capture.opt_flags import OptFlagsProbe
 from moereplay.capture.patch_points import CaptureTarget
+from moereplay.capture.patching import CallHandler
 from moereplay.capture.settings import CaptureSettings, Trigger
 from moereplay.capture.snapshot import Snapshot, estimate, snapshot
 from moereplay.capture.writer_thread import Begin, Complete, WriterThread
@@ -84,7 +85,7 @@ class _Local(threading.local):
     parents: list[_Plan] = field(default_factory=list)
 
 
-class Recorder:
+class Recorder(CallHandler):
     """See the module docstring. ``writer`` is ``None`` only in tests that exercise selection alone."""
 
     def __init__(self, settings: CaptureSettings, writer: WriterThread | None) -> None:
@@ -332,8 +333,8 @@ class Recorder:
         status = "completed" if error is None else "failed"
         message = None if error is None else f"{type(error).__name__}: {error}"[:2000]
         if self.flight is not None:
-            copied = snapshot(outputs, (), to_host=False)
-            complete = Complete(plan.sequence, copied, {"host_s": elapsed}, status, message)
+            kept = snapshot(outputs, (), to_host=False)
+            complete = Complete(plan.sequence, kept, {"host_s": elapsed}, status, message)
             complete.finished = time.time()
             tensors = [value for value in outputs.values() if isinstance(value, torch.Tensor)]
             plan.keep = None

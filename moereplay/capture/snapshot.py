@@ -104,11 +104,12 @@ def qualified_type_name(kind: type) -> str:
 def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     """``[start, end)`` bytes of the storage the view touches (strides are never negative in torch)."""
     itemsize = tensor.element_size()
-    start = tensor.storage_offset() * itemsize
+    offset = int(tensor.storage_offset())
+    start = offset * itemsize
     if tensor.numel() == 0:
         return start, start
-    last = tensor.storage_offset() + sum(
-        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    last = offset + sum(
+        (int(size) - 1) * int(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
     )
     return start, (last + 1) * itemsize
 
@@ -313,7 +314,7 @@ def _copy(found: list[torch.Tensor], result: Snapshot, *, to_host: bool) -> list
                 dtype=tensor.dtype,
                 shape=tuple(tensor.shape),
                 stride=tuple(tensor.stride()),
-                storage_offset=tensor.storage_offset(),
+                storage_offset=int(tensor.storage_offset()),
                 device=key[0],
                 storage=key,
                 base=start,
