@@ -4,7 +4,7 @@ big tensors stored as generator recipes that expand bit-identically on any machi
 
 Public API::
 
-    from moereplay.synth import synthesize, presets
+    from moereplay.synth import all_presets, synthesize
     result = synthesize("marlin-nvfp4-report", "report.moe.zst", overrides=["tokens=8"], store="recipe",
                         backend="pack:/opt/kernelpack")
 
@@ -14,27 +14,34 @@ Modules: ``recipe`` (the recipe codec, expansion, digest check), ``generators`` 
 tensors and call records), ``build`` (``synthesize``).
 
 Importing this package registers the recipe codec with the format's registry, so captures holding recipes load as
-ordinary tensors in this process.
+ordinary tensors in this process; everything else is imported on first use.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
+from moereplay.synth.recipe import TensorRecipe, expand  # noqa: F401 - re-exported
 from moereplay.synth.recipe import register as _register_recipe_codec
 
 _register_recipe_codec()
 
-from moereplay.synth.build import STORE_MODES, SynthResult, synthesize  # noqa: E402
-from moereplay.synth.presets import Preset, Setting, get_preset, presets  # noqa: E402
-from moereplay.synth.recipe import TensorRecipe, expand  # noqa: E402
+_EXPORTS = {
+    "STORE_MODES": ".build",
+    "SynthResult": ".build",
+    "synthesize": ".build",
+    "Preset": ".presets",
+    "Setting": ".presets",
+    "get_preset": ".presets",
+    "all_presets": ".presets",
+}
 
-__all__ = [
-    "STORE_MODES",
-    "Preset",
-    "Setting",
-    "SynthResult",
-    "TensorRecipe",
-    "expand",
-    "get_preset",
-    "presets",
-    "synthesize",
-]
+__all__ = sorted([*_EXPORTS, "TensorRecipe", "expand"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moereplay.synth' has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)

@@ -105,7 +105,7 @@ def get_preset(name: str) -> Preset:
     return preset
 
 
-def presets() -> tuple[Preset, ...]:
+def all_presets() -> tuple[Preset, ...]:
     _load()
     return tuple(_PRESETS[name] for name in sorted(_PRESETS))
 

@@ -1,0 +1,134 @@
+"""``export_repro()``: one captured call as a directory a vLLM maintainer can run without moereplay installed.
+
+Layout of the directory::
+
+    repro.py          the script (provenance docstring, the exported variants, one call into the runtime)
+    call.moe.zst      the call, trimmed out of its capture (inputs as recorded — bytes or recipes — and its output)
+    support/moereplay moereplay's own modules the replay needs, copied unmodified (see moereplay.repro.bundle)
+    README.md         what it is, how to run it, what it prints, provenance
+    MANIFEST.sha256   sha256 of every other file (``sha256sum -c``)
+
+The provenance (moereplay version, the exact export command, and from the capture header: vLLM / torch / triton /
+CUDA / driver versions, GPU, when and how it was captured) is written into the script, the README, and printed by
+the script before its table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moereplay.errors import ReplayError, SettingsError
+
+CAPTURE_NAME = "call.moe.zst"
+SCRIPT_NAME = "repro.py"
+HEADER_KEYS = ("versions", "gpu", "created", "argv", "purpose", "synth", "trim", "platform")
+"""Capture-header entries copied into the provenance (not the host name, pid or environment)."""
+
+
+@dataclass(frozen=True)
+class ReproBundle:
+    """What :func:`export_repro` wrote."""
+
+    directory: Path
+    script: Path
+    capture: Path
+    op: str
+    call: int
+    modules: int
+    bundle_bytes: int
+    capture_bytes: int
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def export_repro(
+    capture: str | Path,
+    call: int,
+    directory: str | Path,
+    *,
+    mutations: Sequence[str] = (),
+    fills: Sequence[str] = (),
+    command: str | None = None,
+    overwrite: bool = False,
+) -> ReproBundle:
+    """Write the repro of call ``call`` of ``capture`` into ``directory`` (see the module docstring).
+
+    ``mutations``: texts as ``moereplay run`` takes them (``"flip mul_topk_weights"``, ``"cast topk_weights=float32"``);
+    ``fills``: guard fills (``"0xff"``). Both are checked against the call's op now, so a typo fails here, not in the
+    maintainer's hands. ``command``: the command line to record (default: a reconstruction).
+    """
+    import moereplay
+    from moereplay.format import CaptureReader
+    from moereplay.format.summary import jsonable
+    from moereplay.ops import get_op
+    from moereplay.replay.mutations import parse_variants
+    from moereplay.repro.bundle import RUNTIME_ROOTS, copy_bundle
+    from moereplay.repro.templates import readme_text, script_text
+    from moereplay.trim import trim_capture
+
+    capture, directory = Path(capture), Path(directory)
+    if directory.exists() and any(directory.iterdir()) and not overwrite:
+        raise SettingsError(f"{directory}: exists and is not empty (choose another directory)")
+    with CaptureReader(capture) as reader:
+        if call not in reader.indices:
+            raise SettingsError(f"{capture}: no call {call} (the file holds {len(reader)} calls)")
+        record = reader.call(call)
+        header = reader.header
+    op = get_op(record.op)  # a call of an op moereplay cannot replay fails here (UnknownOpError)
+    parse_variants(op, list(mutations), list(fills))
+    if record.status == "inputs_saved":
+        raise ReplayError(
+            f"{capture}: call {call} has no recorded output (it never completed): nothing to judge"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    trimmed = directory / CAPTURE_NAME
+    trim_capture(capture, [call], trimmed)
+    files = copy_bundle((*RUNTIME_ROOTS, type(op).__module__), directory / "support")
+    if command is None:
+        options = " ".join(f"--{m.split(' ', 1)[0]} {m.split(' ', 1)[1]}" for m in mutations)
+        options += "".join(f" --fill {fill}" for fill in fills)
+        command = f"moereplay repro {capture.name} --call {call} -o {directory.name} {options}".strip()
+    provenance: dict[str, Any] = jsonable(
+        {
+            "op": record.op,
+            "call": call,
+            "site": record.site,
+            "layer": record.layer,
+            "source": capture.name,
+            "moereplay": moereplay.__version__,
+            "exported": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command,
+            "mutations": list(mutations),
+            "fills": list(fills),
+            "capture": {key: header[key] for key in HEADER_KEYS if key in header},
+        }
+    )
+    script = directory / SCRIPT_NAME
+    script.write_text(script_text(provenance, mutations, fills), encoding="utf-8")
+    script.chmod(0o755)
+    capture_bytes = trimmed.stat().st_size
+    readme = directory / "README.md"
+    readme.write_text(
+        readme_text(provenance, mutations, fills, capture_bytes=capture_bytes, module_count=len(files)),
+        encoding="utf-8",
+    )
+    lines = [f"{_sha256(directory / name)}  {name}" for name in (SCRIPT_NAME, CAPTURE_NAME, "README.md")]
+    lines += [f"{item.sha256}  support/{item.path}" for item in files]
+    (directory / "MANIFEST.sha256").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return ReproBundle(
+        directory=directory,
+        script=script,
+        capture=trimmed,
+        op=record.op,
+        call=call,
+        modules=len(files),
+        bundle_bytes=sum(item.size for item in files),
+        capture_bytes=capture_bytes,
+    )
