@@ -454,7 +454,15 @@ def build_layer(ctx: BuildContext) -> list[SynthCall]:
             {**context, "w13_layout": w13_layout.value, "synth_truth": truth},
             static=("w1", "w2", "bias1", "bias2", "w1_scale", "w2_scale", "global_scale1", "global_scale2"),
         ),
-        SynthCall(OP, gemm1, {"output": out1}, site, {**context, "gemm": "gemm1"}, parent=0, static=STATIC),
+        SynthCall(
+            OP,
+            gemm1,
+            {"output": out1},
+            site,
+            {**context, "gemm": "gemm1", "w13_layout": w13_layout.value},
+            parent=0,
+            static=STATIC,
+        ),
         SynthCall(OP, gemm2, {"output": out2}, site, {**context, "gemm": "gemm2"}, parent=0, static=STATIC),
     ]
 

@@ -226,7 +226,13 @@ def build_layer(ctx: BuildContext) -> list[SynthCall]:
             static=("w1", "w2"),
         ),
         SynthCall(
-            OP, first, _outputs(first, out1), site, {**context, "gemm": "w13"}, parent=0, static=STATIC
+            OP,
+            first,
+            _outputs(first, out1),
+            site,
+            {**context, "gemm": "w13", "w13_layout": layout},
+            parent=0,
+            static=STATIC,
         ),
         SynthCall(
             OP, second, _outputs(second, out2), site, {**context, "gemm": "w2"}, parent=0, static=STATIC

@@ -270,3 +270,6 @@ def register() -> None:
     from moereplay.format.codecs import register_codec
 
     register_codec(RECIPE_TYPE, encode_recipe, decode_recipe)
+
+
+register()  # importing this module (by name, e.g. from a codec-provider table) makes recipe captures loadable
