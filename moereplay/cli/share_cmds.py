@@ -76,7 +76,7 @@ def synth_command(
         output,
         overrides=set_ or [],
         bias=bias,
-        store=store,  # type: ignore[arg-type]
+        store=store,
         backend=backend,
         device=device,
         command=_command_line(),

@@ -247,13 +247,14 @@ def probe_layout(
     target = torch.device(device)
     with CaptureReader(path) as reader:
         calls = find_layer(reader, call)
-        parent_record = reader.call(calls.parent) if calls.parent is not None else None
-        parent_args = reader.load_args(calls.parent, device=target) if calls.parent is not None else {}
-        parent_outputs = (
-            reader.load_outputs(calls.parent, device=target)
-            if parent_record is not None and parent_record.status == "completed"
-            else None
-        )
+        parent_record = None
+        parent_args: dict[str, Any] = {}
+        parent_outputs: dict[str, Any] | None = None
+        if calls.parent is not None:
+            parent_record = reader.call(calls.parent)
+            parent_args = reader.load_args(calls.parent, device=target)
+            if parent_record.status == "completed":
+                parent_outputs = reader.load_outputs(calls.parent, device=target)
         first_context = reader.call(calls.gemm1).context
     first = load_call(path, calls.gemm1, target)
     second = load_call(path, calls.gemm2, target)

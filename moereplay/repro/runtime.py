@@ -45,7 +45,7 @@ def _number(value: float | None) -> str:
 
 def table_rows(report: ReplayReport) -> list[tuple[str, ...]]:
     """One tuple of cell texts per variant, in :data:`COLUMNS` order."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for result in report.results:
         rows.append(
             (

@@ -60,12 +60,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--follow-suggestions", action="store_true", help="also run what the findings suggest")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     options = parser.parse_args(argv)
+    sys.path.insert(0, str(HERE / "support"))
+    from moereplay.errors import MoereplayError
+
+    if options.pack:
+        # a pack carries vLLM's Python dependencies (and zstandard): put them on the path before checking
+        from moereplay.pack.load import unpack_pack
+
+        try:
+            sys.path[1:1] = [str(path) for path in unpack_pack(Path(options.pack)).paths]
+        except MoereplayError as error:
+            print(f"repro: {{error}}", file=sys.stderr)
+            return 2
     missing = [name for name in REQUIRED if importlib.util.find_spec(name) is None]
     if missing:
         print(f"repro: please install {{', '.join(missing)}} (pip install {{' '.join(missing)}})", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(HERE / "support"))
-    from moereplay.errors import MoereplayError
     from moereplay.repro.runtime import run_repro
 
     backend = f"pack:{{options.pack}}" if options.pack else options.backend
