@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -68,10 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         from moereplay.pack.load import unpack_pack
 
         try:
-            sys.path[1:1] = [str(path) for path in unpack_pack(Path(options.pack)).paths]
+            paths = [str(path) for path in unpack_pack(Path(options.pack)).paths]
         except MoereplayError as error:
             print(f"repro: {{error}}", file=sys.stderr)
             return 2
+        sys.path[1:1] = paths
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
     missing = [name for name in REQUIRED if importlib.util.find_spec(name) is None]
     if missing:
         print(f"repro: please install {{', '.join(missing)}} (pip install {{' '.join(missing)}})", file=sys.stderr)
@@ -163,7 +166,7 @@ def script_text(provenance: Mapping[str, Any], mutations: Sequence[str], fills: 
         moereplay=provenance["moereplay"],
         exported=provenance["exported"],
         command=provenance["command"],
-        provenance=pprint.pformat(dict(provenance), indent=4, width=110, sort_dicts=True),
+        provenance=pprint.pformat(dict(provenance), width=110, sort_dicts=True),
         mutations=repr(list(mutations)),
         fills=repr(list(fills)),
         **{k: v for k, v in _versions(provenance).items() if k != "created"},
