@@ -5,6 +5,8 @@ Run on the H200 after the prelude (kernel pack carried as ``.kernelpack``)::
 
     source tools/gpu/device_setup.sh && python3 tools/gpu/make_captures.py --out "$OUT"
 
+or in parts (``--only NAME…``; the manifest in ``--out`` accumulates), e.g. into a folder that outlives one command.
+
 Writes into ``--out``: one ``.moe.zst`` per capture (big weights as seeded recipes, real kernel outputs), and
 ``manifest.json`` — per capture: the command that made it, preset and settings, size and sha256, GPU, driver and
 versions, and per kernel call the verdicts of ``moereplay run`` with the variants listed below on this GPU and with
@@ -351,7 +353,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pack", default=os.environ.get("MOEREPLAY_PACK"), help="kernel pack directory")
     parser.add_argument("--backend", help="vllm | pack:DIR | reference (default: the pack, else vllm)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--only", nargs="*", help="make only these captures (names)")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        help="make only these captures (names); earlier parts in --out's manifest are kept",
+    )
     options = parser.parse_args(argv)
     backend = options.backend or (f"pack:{options.pack}" if options.pack else "vllm")
     pack = options.pack if backend.startswith("pack:") else None
@@ -364,11 +370,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"make_captures: backend {backend}, kernel replays {'isolated' if isolate is None else 'in-process'}"
     )
     manifest: dict[str, Any] = {"environment": environment(), "backend": backend, "captures": []}
+    previous = out / "manifest.json"
+    if options.only and previous.is_file():  # a run in parts: keep what earlier parts made
+        earlier = json.loads(previous.read_text(encoding="utf-8"))
+        if earlier.get("backend") == backend:
+            manifest = {**earlier, "environment": manifest["environment"]}
     for spec in CAPTURES:
         if options.only and spec.name not in options.only:
             continue
         entry = make(spec, out, backend, options.device, isolate)
-        manifest["captures"].append(entry)
+        manifest["captures"] = [e for e in manifest["captures"] if e["file"] != entry["file"]] + [entry]
         print(f"{entry['file']}: {entry['bytes']:,} B in {entry['made_s']} s")
         for index, call in entry["calls"].items():
             print(f"  call {index} {call['op']}: {call['verdicts']} (bit-exact {call['baseline_bit_exact']})")
