@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from moereplay.errors import ReferenceError_
+from moereplay.reference import marlin_decode
 from moereplay.reference import marlin_layout as layout
 from moereplay.reference import scalar_types as st
 from moereplay.reference.numerics import decode_e8m0, e2m1_lut
@@ -298,29 +299,73 @@ class MarlinExpertWeights:
         )
 
     def dequantize(
-        self, experts: torch.Tensor | None = None, *, max_chunk_elements: int = 1 << 26
+        self, experts: torch.Tensor | None = None, *, max_chunk_elements: int | None = None
     ) -> torch.Tensor:
         """Dense ``float32[len(experts), K, N]`` weights (all experts when ``experts`` is None), original row order.
 
-        Works expert chunk by expert chunk so that no temporary exceeds ~``max_chunk_elements`` elements.
+        Works expert chunk by expert chunk so that no temporary exceeds ~``max_chunk_elements`` elements (default:
+        2**26 on the CPU, 2**28 on a GPU — fewer, larger launches). Reads ``experts`` once (one device sync).
         """
         device = self.b_qweight.device
         if experts is None:
-            experts = torch.arange(self.num_experts, device=device)
-        experts = experts.to(device=device, dtype=torch.long)
-        if experts.numel() and (int(experts.min()) < 0 or int(experts.max()) >= self.num_experts):
+            experts = torch.arange(self.num_experts)
+        chosen = [int(e) for e in experts.reshape(-1).tolist()]
+        if chosen and (min(chosen) < 0 or max(chosen) >= self.num_experts):
             raise ReferenceError_(f"expert index out of range [0, {self.num_experts})")
-        per_expert = max(1, self.size_k * self.size_n)
-        chunk = max(1, max_chunk_elements // per_expert)
-        if experts.numel() <= chunk:
-            return self._dequantize_chunk(experts)
-        out = torch.empty((experts.numel(), self.size_k, self.size_n), dtype=torch.float32, device=device)
-        for start in range(0, experts.numel(), chunk):
-            selected = experts[start : start + chunk]
-            out[start : start + selected.numel()] = self._dequantize_chunk(selected)
+        if max_chunk_elements is None:
+            max_chunk_elements = 1 << (26 if device.type == "cpu" else 28)
+        chunk = max(1, max_chunk_elements // max(1, self.size_k * self.size_n))
+        out = torch.empty((len(chosen), self.size_k, self.size_n), dtype=torch.float32, device=device)
+        for start in range(0, len(chosen), chunk):
+            selected = chosen[start : start + chunk]
+            self._dequantize_into(out[start : start + len(selected)], selected)
         return out
 
-    def _dequantize_chunk(self, experts: torch.Tensor) -> torch.Tensor:
+    def _fast_kind(self) -> str | None:
+        """The :mod:`marlin_decode` value kind of this format, or None where only the general decoder applies
+        (act order, float zero points)."""
+        if self.has_act_order or self.format is MarlinWeightFormat.AWQ_INT4_FZP:
+            return None
+        return {
+            MarlinWeightFormat.NVFP4: "e2m1",
+            MarlinWeightFormat.MXFP4: "e2m1",
+            MarlinWeightFormat.GPTQ_INT4: "uint4b8",
+            MarlinWeightFormat.AWQ_INT4: "uint4",
+            MarlinWeightFormat.FP8: "e4m3",
+            MarlinWeightFormat.MXFP8: "e4m3",
+            MarlinWeightFormat.GPTQ_INT8: "uint8b128",
+        }[self.format]
+
+    def _dequantize_into(self, out: torch.Tensor, experts: list[int]) -> None:
+        """Dense weights of ``experts`` into ``out`` (``float32[len(experts), K, N]``, contiguous)."""
+        device = self.b_qweight.device
+        run = experts == list(range(experts[0], experts[0] + len(experts)))
+        if run:  # made on the device: no host-to-device copy, no sync
+            index = torch.arange(experts[0], experts[0] + len(experts), device=device)
+        else:
+            index = torch.tensor(experts, dtype=torch.long).to(device, non_blocking=True)
+        kind = self._fast_kind()
+        if kind is None:
+            out.copy_(self._dequantize_general(index))
+            return
+        if run:
+            packed = self.b_qweight.narrow(0, experts[0], len(experts))  # no copy
+        else:
+            packed = self.b_qweight.index_select(0, index)
+        values = marlin_decode.logical_values(packed, self.format.num_bits, kind)
+        scales = self._logical_scales(index)
+        if self.format is MarlinWeightFormat.NVFP4:  # one rounding of the factor product, as the general path
+            scales = scales * self.expert_multipliers(index).view(-1, 1, 1)
+        marlin_decode.dequantize_into(out, values, scales, self._logical_zero_points(index))
+
+    def dequantize_general(self, experts: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`dequantize` by the general (slow, format-agnostic) decoder; for tests of the fast one."""
+        device = self.b_qweight.device
+        if experts is None:
+            experts = torch.arange(self.num_experts, device=device)
+        return self._dequantize_general(experts.to(device=device, dtype=torch.long))
+
+    def _dequantize_general(self, experts: torch.Tensor) -> torch.Tensor:
         fmt = self.format
         bits = fmt.num_bits
         codes = layout.unpack_weights(

@@ -147,9 +147,11 @@ def _words_to_int32(words: torch.Tensor) -> torch.Tensor:
 def _combine(codes: torch.Tensor, num_bits: int) -> torch.Tensor:
     """``[..., words * factor]`` codes → ``[..., words]`` int32, code ``p`` of a word at bits ``num_bits * p``."""
     factor = 32 // num_bits
-    grouped = codes.to(torch.int64).unflatten(-1, (-1, factor))
-    shifts = torch.arange(factor, device=codes.device, dtype=torch.int64) * num_bits
-    return _words_to_int32((grouped << shifts).sum(-1))
+    grouped = codes.unflatten(-1, (-1, factor))
+    words = torch.zeros(grouped.shape[:-1], dtype=torch.int64, device=codes.device)
+    for position in range(factor):  # one position at a time: temporaries of one int64 per word
+        words |= grouped[..., position].to(torch.int64) << (num_bits * position)
+    return _words_to_int32(words)
 
 
 def _split(words: torch.Tensor, num_bits: int) -> torch.Tensor:
@@ -215,17 +217,60 @@ def unpack_weights(packed: torch.Tensor, num_bits: int, is_a_8bit: bool = False)
     n = cols * factor // 16
     _check_weight_shape(k, n, is_a_8bit)
     tile_k, tile_n = tile_shape(is_a_8bit)
-    sizes, k_axes, n_axes = _tile_axes(num_bits, is_a_8bit)
     lead = packed.shape[:-2]
-    base = len(lead)
     words = packed.reshape(*lead, k // tile_k, n // tile_n, TILE_CODES // factor)
     slots = _split(words.view(torch.int32) if words.dtype == torch.uint32 else words, num_bits)
-    shaped = slots.reshape(*lead, k // tile_k, n // tile_n, *sizes)
+    return logical_digit_view(slots, num_bits, is_a_8bit).reshape(*lead, k, n)
+
+
+def logical_digit_view(slots: torch.Tensor, num_bits: int, is_a_8bit: bool = False) -> torch.Tensor:
+    """Tile-ordered values ``[..., Kt, Nt, 1024]`` (slot order, any dtype) as a *view* in logical digit order
+    ``[..., Kt, k digits (3), Nt, n digits (3)]``, most significant digit first: reshaping it to ``[..., K, N]``
+    gives the logical matrix. No data moves; an elementwise op reading this view undoes Marlin's tile permutation
+    in the same pass."""
+    _check_bits(num_bits)
+    sizes, k_axes, n_axes = _tile_axes(num_bits, is_a_8bit)
+    if slots.dim() < 3 or slots.shape[-1] != TILE_CODES:
+        raise ReferenceError_(
+            f"tile-ordered values must be [..., Kt, Nt, {TILE_CODES}], got {tuple(slots.shape)}"
+        )
+    lead = slots.shape[:-3]
+    base = len(lead)
+    shaped = slots.reshape(*lead, slots.shape[-3], slots.shape[-2], *sizes)
     # [..., Kt, Nt, slot digits] → [..., Kt, k digits, Nt, n digits]
-    permuted = shaped.permute(
+    return shaped.permute(
         *range(base), base, *(base + 2 + a for a in k_axes), base + 1, *(base + 2 + a for a in n_axes)
     )
-    return permuted.reshape(*lead, k, n)
+
+
+def logical_byte_view(data: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Packed bytes ``uint8[..., Kt, Nt, 1024 * num_bits / 8]`` (16-bit-activation layout) as a *view* in logical
+    order ``[..., Kt, k digits, Nt, n digits]`` of the bytes themselves.
+
+    8-bit codes: one code per byte, as :func:`logical_digit_view`. 4-bit codes: a byte holds two codes that differ
+    only in the most significant k digit of the tile (code ``2j`` in the low nibble, k, and ``2j + 1`` in the high
+    nibble, k + 8): that digit is left out, so row ``k`` of the view serves rows ``k`` (low nibbles) and ``k + 8``
+    (high nibbles) of each 16-row tile.
+    """
+    if num_bits == 8:
+        return logical_digit_view(data, 8)
+    _check_bits(num_bits)
+    sizes, k_axes, n_axes = _tile_axes(num_bits, False)
+    nibble = len(sizes) - 1  # the last slot digit picks the nibble (code position bit 0)
+    if k_axes[0] != nibble or data.shape[-1] != TILE_CODES // 2:  # pragma: no cover - guards the table
+        raise ReferenceError_("Marlin 4-bit bytes must pair codes of the tile's top k digit")
+    lead = data.shape[:-3]
+    base = len(lead)
+    shaped = data.reshape(*lead, data.shape[-3], data.shape[-2], *sizes[:nibble])
+    return shaped.permute(
+        *range(base), base, *(base + 2 + a for a in k_axes[1:]), base + 1, *(base + 2 + a for a in n_axes)
+    )
+
+
+def logical_digit_sizes(num_bits: int, is_a_8bit: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(k digit sizes, n digit sizes) of :func:`logical_digit_view`, most significant first."""
+    sizes, k_axes, n_axes = _tile_axes(num_bits, is_a_8bit)
+    return tuple(sizes[a] for a in k_axes), tuple(sizes[a] for a in n_axes)
 
 
 def marlin_weight_extent(packed: torch.Tensor, num_bits: int) -> tuple[int, int]:

@@ -15,9 +15,10 @@ What one call computes (facts from ``csrc/libtorch_stable/moe/marlin_moe_wna16``
 
 The reference computes that mathematics in float32 from the decoded quantised weights (no TF32) and reports which
 rows a correct kernel writes, what each row is made of, and any argument the kernel may read differently from its
-meaning (:class:`ReferenceNote`). It runs on the inputs' device; only experts that some row uses are dequantised,
-and the row GEMMs of all experts run as one batched matmul. Cost: dequantisation of the used experts
-(~``used * K * N`` elements, a few passes) plus ``rows * K * N`` multiply-adds.
+meaning (:class:`ReferenceNote`). It runs on the inputs' device; only experts that some row uses are dequantised
+(:mod:`moereplay.reference.marlin_decode`: three narrow passes over ``used * K * N`` elements), then each used
+expert's rows are one float32 matmul (``rows * K * N`` multiply-adds, no TF32). With an :class:`ExpertWeightCache`
+a repeated call on the same weight tensors skips the dequantisation.
 """
 
 from __future__ import annotations
@@ -140,7 +141,17 @@ class ExpertWeightCache:
         return len(refs) == len(current) and all(ref() is t for ref, t in zip(refs, current, strict=True))
 
     def get(self, weights: MarlinExpertWeights, experts: torch.Tensor) -> torch.Tensor:
-        """Dense ``float32[len(experts), K, N]``, from the cache where possible."""
+        """Dense ``float32[len(experts), K, N]``, from the cache where possible (one copy of the selected experts;
+        :meth:`get_each` avoids it)."""
+        each = self.get_each(weights, experts)
+        if not each:
+            return torch.empty(
+                (0, weights.size_k, weights.size_n), dtype=torch.float32, device=weights.b_qweight.device
+            )
+        return torch.stack(each)
+
+    def get_each(self, weights: MarlinExpertWeights, experts: torch.Tensor) -> list[torch.Tensor]:
+        """Dense ``float32[K, N]`` of each expert in ``experts`` (cached tensors, not copies: do not modify)."""
         key = self._key(weights)
         if not self._alive(key, weights):
             self._drop_key(key)
@@ -160,14 +171,10 @@ class ExpertWeightCache:
                 self._bytes += fresh[index].numel() * 4
         for expert in wanted:
             self._entries.move_to_end((key, expert))
-        result = torch.stack([self._entries[(key, expert)] for expert in wanted]) if wanted else None
+        result = [self._entries[(key, expert)] for expert in wanted]
         while self._bytes > self.max_bytes and self._entries:
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.numel() * 4
-        if result is None:
-            return torch.empty(
-                (0, weights.size_k, weights.size_n), dtype=torch.float32, device=weights.b_qweight.device
-            )
         return result
 
     def _drop_key(self, key: tuple[object, ...]) -> None:
@@ -433,14 +440,16 @@ def reference_moe_wna16_marlin_gemm(
         notes,
     )
     experts_used = torch.unique(rows.expert)
+    grouping = _group_rows(rows, experts_used)  # the last sync before the (asynchronous) heavy work
     for code, message in dequant_notes(weights, experts_used):
         notes.append(ReferenceNote(code, message))
 
+    dense: torch.Tensor | list[torch.Tensor]
     if weight_cache is not None:
-        dense = weight_cache.get(weights, experts_used)
+        dense = weight_cache.get_each(weights, experts_used)
     else:
         dense = weights.dequantize(experts_used)
-    gemm_rows = _expert_rows_matmul(input, rows, top_k, experts_used, dense)
+    gemm_rows = _expert_rows_matmul(input, rows, top_k, grouping, dense, size_n)
 
     gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
     gemm[rows.slot] = gemm_rows
@@ -498,25 +507,42 @@ def reference_moe_wna16_marlin_gemm(
     )
 
 
+@dataclass(frozen=True)
+class _Grouping:
+    order: torch.Tensor  # int64 [R]: rows sorted by expert (stable)
+    per_expert: list[int]  # rows of each used expert, in experts_used order
+
+
+def _group_rows(rows: _Rows, experts_used: torch.Tensor) -> _Grouping:
+    position = torch.searchsorted(experts_used, rows.expert)
+    order = torch.argsort(position, stable=True)
+    per_expert = torch.bincount(position, minlength=experts_used.numel()).tolist()
+    return _Grouping(order, [int(c) for c in per_expert])
+
+
 def _expert_rows_matmul(
-    input: torch.Tensor, rows: _Rows, top_k: int, experts_used: torch.Tensor, dense: torch.Tensor
+    input: torch.Tensor,
+    rows: _Rows,
+    top_k: int,
+    grouping: _Grouping,
+    dense: torch.Tensor | list[torch.Tensor],
+    size_n: int,
 ) -> torch.Tensor:
-    """``input[slot // top_k] @ dense[expert]`` for every row, as one padded batched matmul over the used experts."""
+    """``input[slot // top_k] @ dense[expert]`` for every row: the rows grouped by expert, one float32 matmul per
+    used expert (no TF32), reading each expert's dense weight once and copying none. No device sync."""
     count = rows.slot.numel()
-    size_n = dense.shape[-1]
     if count == 0:
         return torch.zeros((0, size_n), dtype=torch.float32, device=input.device)
-    position = torch.searchsorted(experts_used, rows.expert)
-    per_expert = torch.bincount(position, minlength=experts_used.numel())
-    starts = torch.cumsum(per_expert, 0) - per_expert
-    order = torch.argsort(position, stable=True)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(count, device=input.device) - starts[position[order]]
-    widest = int(per_expert.max())
-    batch = torch.zeros(
-        (experts_used.numel(), widest, input.shape[1]), dtype=torch.float32, device=input.device
-    )
-    batch[position, rank] = input.index_select(0, rows.slot // top_k).to(torch.float32)
+    order = grouping.order
+    x_rows = input.index_select(0, rows.slot[order] // top_k).to(torch.float32)
+    grouped = torch.empty((count, size_n), dtype=torch.float32, device=input.device)
+    start = 0
     with exact_fp32_matmul():
-        product = torch.bmm(batch, dense)
-    return product[position, rank]
+        for index, rows_of_expert in enumerate(grouping.per_expert):
+            if rows_of_expert:
+                stop = start + rows_of_expert
+                torch.mm(x_rows[start:stop], dense[index], out=grouped[start:stop])
+                start = stop
+    product = torch.empty_like(grouped)
+    product[order] = grouped
+    return product

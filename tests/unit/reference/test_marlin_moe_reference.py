@@ -271,3 +271,36 @@ def test_rejections() -> None:
     for overrides, message in cases:
         with pytest.raises(ReferenceError_, match=message):
             reference_moe_wna16_marlin_gemm(**_full_kwargs(packed, x, aligned, weights, **overrides))
+
+
+def test_matmuls_run_without_tf32_and_the_setting_is_restored() -> None:
+    """Every matmul the reference issues sees TF32 off, even when the caller turned it on."""
+    import warnings
+
+    from torch.overrides import TorchFunctionMode
+
+    seen: list[bool] = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.mm, torch.bmm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
+                seen.append(bool(torch.backends.cuda.matmul.allow_tf32))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(4)
+    packed = random_experts(F.NVFP4, E, K, N, activation_dtype=torch.bfloat16, with_bias=True, generator=gen)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    weights, ids = _routing(gen, M, TOP_K, E)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")  # TF32 allowed for the caller
+    try:
+        with Spy():
+            _call(packed, x, moe_align_block_size(ids, 16, E), weights, top_k=TOP_K, block=16, mul=True)
+        assert seen and not any(seen), f"matmuls saw allow_tf32={seen}"
+        assert torch.backends.cuda.matmul.allow_tf32, "the caller's TF32 setting was not restored"
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.set_float32_matmul_precision(previous)
