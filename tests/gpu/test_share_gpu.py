@@ -147,7 +147,7 @@ def test_the_failing_marlin_call_fails_and_the_correct_one_does_not(
     by_file = {entry["file"]: entry for entry in manifest["captures"]}
     report_case = by_file["marlin-nvfp4-report.moe.zst"]["calls"]["0"]["verdicts"]
     assert report_case["baseline"] != "ok" and report_case["cast topk_weights=float32"] == "ok"
-    correct = by_file["marlin-nvfp4-gpt-oss-gemm2.moe.zst"]["calls"]["0"]["verdicts"]
+    correct = by_file["marlin-nvfp4-gpt-oss-gemm1.moe.zst"]["calls"]["0"]["verdicts"]
     assert set(correct.values()) == {"ok"}
 
 

@@ -17,8 +17,11 @@ standalone repro) and ``repro-marlin-nvfp4-report.txt`` (its output, run with th
 
 The captures:
 
-- ``marlin-nvfp4-gpt-oss-gemm2`` — a correct Marlin NVFP4 call: gpt-oss-20b gemm2 (E=32, top-4, K 2880 padded to
-  2944, N 2880), float32 routing weights; swept over moe_block_size.
+- ``marlin-nvfp4-gpt-oss-gemm1`` — a correct Marlin NVFP4 call: gpt-oss-20b gemm1 (E=32, top-4, K 2880, N 2·2944
+  padded per gate/up shard), float32 routing weights, expert biases; swept over moe_block_size.
+- ``marlin-nvfp4-gpt-oss-gemm2`` — gpt-oss-20b gemm2 (K 2880 padded to 2944, N 2880) with expert biases and
+  ``mul_topk_weights=True``, and with the flag flipped: whatever the kernel does with the bias when it folds the
+  global scale into the routing weight is recorded as it is.
 - ``marlin-nvfp4-report`` — the published report's call, which goes wrong: bf16 routing weights read as float32.
 - ``ogs-mxfp4-w13-k2880`` — gpt-oss-20b ``matmul_ogs`` w13 on Hopper MXFP4 at K=2880, with 0xff / 0x00 guard fills.
 - ``marlin-gptq-int4`` — a GPTQ uint4b8 Marlin call (group 128, fp16), swept over moe_block_size.
@@ -105,7 +108,11 @@ def vllm_fused_layer(path: Path, backend: str, device: str) -> dict[str, Any]:
         {**common, "seed": seed * 64 + 1, "size_k": hidden, "size_n": 2 * inter, "shards": 2,
          "w13_layout": "gu_interleaved"},
     )  # fmt: skip
-    w2 = drawer.parts("marlin_experts", {**common, "seed": seed * 64 + 4, "size_k": inter, "size_n": hidden})
+    # no w2 bias: with mul_topk_weights the NVFP4 kernel's bias handling is itself under test elsewhere
+    # (tests/gpu/test_marlin_reference.py); the layout probe needs a gemm2 that is right
+    w2 = drawer.parts(
+        "marlin_experts", {**common, "bias": False, "seed": seed * 64 + 4, "size_k": inter, "size_n": hidden}
+    )
     x = drawer.draw(
         "normal", {"seed": seed * 64 + 2, "shape": [tokens, hidden], "dtype": "bfloat16", "std": 0.5}
     )
@@ -135,7 +142,7 @@ def vllm_fused_layer(path: Path, backend: str, device: str) -> dict[str, Any]:
     ops.moe_wna16_marlin_gemm = recording
     try:
         final = marlin_moe.fused_marlin_moe(
-            x, w13["b_qweight"], w2["b_qweight"], w13["b_bias"], w2["b_bias"], w13["b_scales"], w2["b_scales"],
+            x, w13["b_qweight"], w2["b_qweight"], w13["b_bias"], None, w13["b_scales"], w2["b_scales"],
             moved["weights"], moved["ids"], quant_type_id=scalar_types.float4_e2m1f.id,
             activation=activation_module.MoEActivation.SWIGLUOAI,
             global_scale1=w13["global_scale"], global_scale2=w2["global_scale"],
@@ -147,7 +154,7 @@ def vllm_fused_layer(path: Path, backend: str, device: str) -> dict[str, Any]:
         raise RuntimeError(f"fused_marlin_moe made {len(children)} Marlin calls, expected 2")
     parent_args = {
         "hidden_states": x, "w1": w13["b_qweight"], "w2": w2["b_qweight"], "bias1": w13["b_bias"],
-        "bias2": w2["b_bias"], "w1_scale": w13["b_scales"], "w2_scale": w2["b_scales"],
+        "bias2": None, "w1_scale": w13["b_scales"], "w2_scale": w2["b_scales"],
         "topk_weights": moved["weights"], "topk_ids": moved["ids"], "quant_type_id": scalar_types.float4_e2m1f.id,
         "apply_router_weight_on_input": False, "global_num_experts": -1,
         "activation": EnumValue(MOE_ACTIVATION, "SWIGLUOAI", "swigluoai"),
@@ -189,11 +196,18 @@ def synth_layer(path: Path, backend: str, device: str) -> dict[str, Any]:
 
 CAPTURES: tuple[CaptureSpec, ...] = (
     CaptureSpec(
-        "marlin-nvfp4-gpt-oss-gemm2",
-        "a correct Marlin NVFP4 call: gpt-oss-20b gemm2 (E=32, top-4, K 2880 padded to 2944, N 2880), fp32 routing "
-        "weights, expert biases",
-        preset="gpt-oss-20b-nvfp4-gemm2",
+        "marlin-nvfp4-gpt-oss-gemm1",
+        "a correct Marlin NVFP4 call: gpt-oss-20b gemm1 (E=32, top-4, K 2880, N 2·2944 padded per shard), fp32 "
+        "routing weights, expert biases",
+        preset="gpt-oss-20b-nvfp4-gemm1",
         mutations=("sweep moe_block_size=8,16,32,48,64",),
+    ),
+    CaptureSpec(
+        "marlin-nvfp4-gpt-oss-gemm2",
+        "gpt-oss-20b gemm2 (K 2880 padded to 2944, N 2880) with expert biases and mul_topk_weights — the case where "
+        "tests/gpu/test_marlin_reference.py saw the kernel scale the bias by the processed global scale",
+        preset="gpt-oss-20b-nvfp4-gemm2",
+        mutations=("flip mul_topk_weights",),
     ),
     CaptureSpec(
         "marlin-nvfp4-report",
