@@ -15,6 +15,7 @@ The registry is process-global; registering the same name again replaces the ear
 from __future__ import annotations
 
 import enum
+import importlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,8 +82,20 @@ def unregister_codec(type_or_qualname: type | str) -> None:
         _codecs.pop(_key(type_or_qualname), None)
 
 
+#: moereplay's own codecs that register themselves when their module is imported. A reader may import these
+#: (a fixed allow-list of this package's modules) on meeting the type name; it never imports a module a file names.
+BUILTIN_CODEC_PROVIDERS: dict[str, str] = {
+    "moereplay.synth.recipe.TensorRecipe": "moereplay.synth.recipe",
+}
+
+
 def codec_for(type_name: str) -> Codec | None:
-    return _codecs.get(type_name)
+    """The codec registered for ``type_name``; moereplay's built-in codecs are registered on first need."""
+    codec = _codecs.get(type_name)
+    if codec is None and type_name in BUILTIN_CODEC_PROVIDERS:
+        importlib.import_module(BUILTIN_CODEC_PROVIDERS[type_name])
+        codec = _codecs.get(type_name)
+    return codec
 
 
 def register_enum(enum_class: type[enum.Enum]) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 import moereplay
 
-CORE_PACKAGES = ("format", "capture", "reference", "ops", "replay", "pack", "bisect")
+CORE_PACKAGES = ("format", "capture", "reference", "ops", "replay", "pack", "bisect", "synth", "repro", "layout")
 FORBIDDEN = ("textual", "rich", "typer", "click")
 
 
