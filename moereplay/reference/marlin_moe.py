@@ -529,20 +529,34 @@ def _expert_rows_matmul(
     size_n: int,
 ) -> torch.Tensor:
     """``input[slot // top_k] @ dense[expert]`` for every row: the rows grouped by expert, one float32 matmul per
-    used expert (no TF32), reading each expert's dense weight once and copying none. No device sync."""
+    used expert (no TF32), reading each expert's dense weight once and copying none. No device sync.
+
+    A row's result should not depend on which other rows the call has (the shape bisection compares rows across
+    calls): BLAS libraries compute a one-row product on a GEMV path that sums differently from their GEMM path, so a
+    lone row is multiplied as a two-row matrix with a zero row.
+    """
     count = rows.slot.numel()
     if count == 0:
         return torch.zeros((0, size_n), dtype=torch.float32, device=input.device)
     order = grouping.order
     x_rows = input.index_select(0, rows.slot[order] // top_k).to(torch.float32)
     grouped = torch.empty((count, size_n), dtype=torch.float32, device=input.device)
+    lone = torch.empty((2, size_n), dtype=torch.float32, device=input.device)
+    pair = torch.zeros((2, input.shape[1]), dtype=torch.float32, device=input.device)
     start = 0
     with exact_fp32_matmul():
         for index, rows_of_expert in enumerate(grouping.per_expert):
-            if rows_of_expert:
-                stop = start + rows_of_expert
-                torch.mm(x_rows[start:stop], dense[index], out=grouped[start:stop])
-                start = stop
+            if rows_of_expert == 1:
+                pair[0] = x_rows[start]
+                torch.mm(pair, dense[index], out=lone)
+                grouped[start] = lone[0]
+            elif rows_of_expert:
+                torch.mm(
+                    x_rows[start : start + rows_of_expert],
+                    dense[index],
+                    out=grouped[start : start + rows_of_expert],
+                )
+            start += rows_of_expert
     product = torch.empty_like(grouped)
     product[order] = grouped
     return product

@@ -304,3 +304,27 @@ def test_matmuls_run_without_tf32_and_the_setting_is_restored() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.set_float32_matmul_precision(previous)
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
+    """The shape bisection compares rows across calls: a row computed alone (an expert with one row) or among
+    many must come out bit-identical."""
+    gen = torch.Generator().manual_seed(8)
+    packed = random_experts(F.MXFP4, E, K, N, activation_dtype=torch.bfloat16, with_bias=True, generator=gen)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    weights, ids = _routing(gen, M, TOP_K, E)
+    full = _call(packed, x, moe_align_block_size(ids, 8, E), weights, top_k=TOP_K, block=8, mul=True)
+    for tokens in (1, 2, 3):
+        part = _call(
+            packed,
+            x[:tokens],
+            moe_align_block_size(ids[:tokens], 8, E),
+            weights[:tokens],
+            top_k=TOP_K,
+            block=8,
+            mul=True,
+        )
+        rows = tokens * TOP_K
+        assert torch.equal(part.output[:rows], full.output[:rows]), (
+            f"rows of the first {tokens} tokens changed"
+        )
