@@ -14,11 +14,13 @@ Rows the kernel must not write are pre-filled with NaN and must still be NaN aft
 Inputs are prepared by vLLM's own preparation functions (``marlin_inputs.py``); moereplay's packing is checked
 against them bit for bit in separate tests.
 
-Run time: the kernel pack carries the Marlin MoE kernels as sm_80 PTX, so every kernel instantiation the kernel's
-launcher touches is JIT-compiled on first use (the launcher queries each thread config it considers, for one
-weight format, dtype and ``moe_block_size``). The small case matrix therefore runs every format × {gemm1, gemm2} ×
-top_k {1, 4} × ``mul_topk_weights`` × bias at ONE block size per format (the block sizes rotate over the formats,
-so each size is still launched), and only two formats sweep all block sizes.
+Run time: the kernel pack carries the Marlin MoE kernels as sm_80 PTX, which the driver JIT-compiles for the H200
+on first use (kept in ~/.nv/ComputeCache: a warm cache makes the whole file take seconds). The launcher asks for the
+attributes of every thread config it considers (three at these shapes) for the format, dtype and
+``moe_block_size`` at hand, so each (format, block size) pair costs its own kernels. The small case matrix
+therefore runs every format × {gemm1, gemm2} × top_k {1, 4} × ``mul_topk_weights`` × bias at ONE block size per
+format (the block sizes rotate over the formats, so each size is still launched), and only two formats sweep all
+block sizes. ``--durations=20`` shows where a cold run spends its time.
 
 Known kernel disagreement (marked ``xfail(strict=False)``, nothing else is): NVFP4 with ``mul_topk_weights`` and a
 bias. The kernel (``marlin_template.h``) folds the per-expert global scale into the routing weight when

@@ -229,6 +229,22 @@ def measure(case: Case, device: torch.device, *, gpu: bool, cpu: bool, repeats: 
     return Row(kernel, reference, cached, cpu_time, error)
 
 
+def profile_reference(case: Case, device: torch.device) -> None:
+    """Where one reference call spends its time: the top ops by device (GPU) or CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    args = build_call(case, device)
+    reference_moe_wna16_marlin_gemm(**args)  # warm-up
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        reference_moe_wna16_marlin_gemm(**args)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"--- {case.name}: reference profile ({key})")
+    print(prof.key_averages().table(sort_by=key, row_limit=12))
+
+
 def _cell(value: float | None, width: int, digits: int = 3) -> str:
     return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
@@ -243,6 +259,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20, help="GPU timings per measurement (median)")
     parser.add_argument("--cpu-repeats", type=int, default=1, help="CPU reference runs per case (best)")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU reference")
+    parser.add_argument(
+        "--profile", action="store_true", help="also print the reference's top ops (torch.profiler) per case"
+    )
     options = parser.parse_args()
     chosen = [c for c in CASES if c.name in options.cases.split(",")]
     if not chosen:
@@ -272,6 +291,8 @@ def main() -> int:
             repeats=options.repeats,
             cpu_repeats=options.cpu_repeats,
         )
+        if options.profile:
+            profile_reference(case, device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         print(
