@@ -98,7 +98,8 @@ def collect_environment() -> dict[str, Any]:
         "blob_hash": BLOB_HASH,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {
-            "moereplay": _version("moereplay"),
+            # run from a source tree (PYTHONPATH, no dist-info) the package still knows its own version
+            "moereplay": _version("moereplay") or _own_version(),
             "torch": str(torch.__version__),
             "triton": _version("triton"),
             "vllm": _version("vllm"),
@@ -118,3 +119,9 @@ def collect_environment() -> dict[str, Any]:
             if name.startswith(ENV_PREFIXES)
         },
     }
+
+
+def _own_version() -> str:
+    from moereplay import __version__
+
+    return __version__
