@@ -16,7 +16,6 @@ Only ``cli/`` and ``tui/`` may import typer, rich or textual.
 __version__ = "0.1.0"
 
 
-
 def __getattr__(name: str) -> object:
     """``moereplay.replay(...)``: the replay subpackage, imported on first use; it is callable (see there)."""
     if name == "replay":

@@ -20,6 +20,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
 @app.callback()
 def _root() -> None:
     """Capture-and-replay debugger for the MoE GPU kernels inside vLLM."""

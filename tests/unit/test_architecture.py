@@ -14,7 +14,18 @@ import pytest
 
 import moereplay
 
-CORE_PACKAGES = ("format", "capture", "reference", "ops", "replay", "pack", "bisect", "synth", "repro", "layout")
+CORE_PACKAGES = (
+    "format",
+    "capture",
+    "reference",
+    "ops",
+    "replay",
+    "pack",
+    "bisect",
+    "synth",
+    "repro",
+    "layout",
+)
 FORBIDDEN = ("textual", "rich", "typer", "click")
 
 
@@ -48,11 +59,7 @@ def test_core_package_imports_no_ui_library(package: str) -> None:
 
 def test_plugin_module_import_has_no_side_effects() -> None:
     """vLLM imports the plugin in every process: importing it must not import torch or patch anything."""
-    script = (
-        "import sys\n"
-        "import moereplay.capture.plugin\n"
-        "print('torch' in sys.modules)\n"
-    )
+    script = "import sys\nimport moereplay.capture.plugin\nprint('torch' in sys.modules)\n"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     if "No module named 'moereplay.capture.plugin'" in result.stderr:
         pytest.skip("capture plugin not written yet")

@@ -34,11 +34,15 @@ TOP_K = 4
 BLOCK = 64
 
 
-def weights(experts: int, hidden: int, intermediate: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+def weights(
+    experts: int, hidden: int, intermediate: int, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
     """Packed int4 (8 per int32) gate/up and down projections with bf16 group scales."""
 
     def packed(rows: int, columns: int) -> torch.Tensor:
-        return torch.randint(-(2**31), 2**31 - 1, (experts, rows, columns // 8), dtype=torch.int32, generator=generator)
+        return torch.randint(
+            -(2**31), 2**31 - 1, (experts, rows, columns // 8), dtype=torch.int32, generator=generator
+        )
 
     def scales(rows: int, columns: int) -> torch.Tensor:
         return (torch.rand(experts, rows, columns // GROUP, generator=generator) / 64).to(torch.bfloat16)
@@ -57,7 +61,9 @@ def call_tensors(
     """One call's own arguments (activations, routing, block alignment) and outputs."""
     hidden_states = torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16)
     topk_weights = torch.rand(tokens, TOP_K, generator=generator)
-    topk_ids = torch.stack([torch.randperm(experts, generator=generator)[:TOP_K] for _ in range(tokens)]).to(torch.int32)
+    topk_ids = torch.stack([torch.randperm(experts, generator=generator)[:TOP_K] for _ in range(tokens)]).to(
+        torch.int32
+    )
     flat = topk_ids.flatten()
     order = torch.argsort(flat, stable=True).to(torch.int32)
     padded = ((tokens * TOP_K + BLOCK - 1) // BLOCK + experts) * BLOCK
@@ -80,7 +86,9 @@ def call_tensors(
 
 
 def tensor_bytes(tree: dict[str, Any]) -> int:
-    return sum(value.numel() * value.element_size() for value in tree.values() if isinstance(value, torch.Tensor))
+    return sum(
+        value.numel() * value.element_size() for value in tree.values() if isinstance(value, torch.Tensor)
+    )
 
 
 def main() -> None:
@@ -145,12 +153,17 @@ def main() -> None:
         args, outputs = calls[-1]
         with CaptureReader(path) as reader:
             check = reader.load_args(len(calls) - 1)
-            assert all(torch.equal(check[name], value) for name, value in {**weight_set, **args}.items()
-                       if isinstance(value, torch.Tensor))
+            assert all(
+                torch.equal(check[name], value)
+                for name, value in {**weight_set, **args}.items()
+                if isinstance(value, torch.Tensor)
+            )
 
     mb = 1e6
-    print(f"synthetic MoE capture: {options.calls} calls, {options.experts} experts, hidden {options.hidden}, "
-          f"intermediate {options.intermediate}, torch {torch.__version__}")
+    print(
+        f"synthetic MoE capture: {options.calls} calls, {options.experts} experts, hidden {options.hidden}, "
+        f"intermediate {options.intermediate}, torch {torch.__version__}"
+    )
     print(f"  weight set (stored once)       {weight_bytes / mb:10.1f} MB")
     print(f"  per-call tensors (all calls)   {own_bytes / mb:10.1f} MB")
     print(f"  unique tensor bytes            {unique_bytes / mb:10.1f} MB")
@@ -158,12 +171,16 @@ def main() -> None:
     print(f"  file ÷ unique tensor bytes     {file_bytes / unique_bytes:10.3f}×   (target ≤ 1.05×)")
     print(f"  per-call torch.save total      {save_bytes / mb:10.1f} MB   ({save_seconds:.1f} s)")
     print(f"  torch.save ÷ capture file      {save_bytes / file_bytes:10.1f}×   (target ≥ 10×)")
-    print(f"  write                          {unique_bytes / mb / write_seconds:10.1f} MB/s ({write_seconds:.2f} s)")
+    print(
+        f"  write                          {unique_bytes / mb / write_seconds:10.1f} MB/s ({write_seconds:.2f} s)"
+    )
     print(f"  list {listed} calls (no blobs)     {list_seconds * 1e3:10.1f} ms")
     print(f"  dedup ratio (reader stats)     {stats.dedup_ratio:10.1f}×")
     for label, (materialised, seconds) in read_results.items():
-        print(f"  read, {label:<6} (all calls)      {materialised / mb / seconds:10.1f} MB/s "
-              f"({materialised / mb:.0f} MB materialised in {seconds:.2f} s)")
+        print(
+            f"  read, {label:<6} (all calls)      {materialised / mb / seconds:10.1f} MB/s "
+            f"({materialised / mb:.0f} MB materialised in {seconds:.2f} s)"
+        )
 
 
 if __name__ == "__main__":
