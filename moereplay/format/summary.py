@@ -15,7 +15,7 @@ import torch
 
 from moereplay.format.reader import CaptureReader
 from moereplay.format.records import CallRecord, CaptureStats, Recovery
-from moereplay.format.schema import CodecValue, EnumValue, TensorMeta, Unsupported
+from moereplay.format.schema import CodecValue, EnumValue, TensorMeta, Unsupported, iter_tensor_metas
 
 KEY_TENSORS = 3
 """Tensors shown per call in the human listing (the JSON listing has them all)."""
@@ -63,12 +63,15 @@ class CallRow:
             record.parent,
             record.context,
             record.arg_tensors,
+            tuple(describe_tensors(record.args)),
         )
 
+    described: tuple[tuple[str, str], ...] = ()
+
     def key_tensors(self, count: int = KEY_TENSORS) -> str:
-        """``a=bfloat16[64,2880] b=int32[32,1440,368] …+9``."""
-        items = list(self.tensors.items())
-        text = " ".join(f"{path}={meta.describe()}" for path, meta in items[:count])
+        """``a=bfloat16[64,2880] b=int32[32,1440,368] …+9``; generated tensors read ``b=int32[…] (recipe)``."""
+        items = list(self.described) or [(path, meta.describe()) for path, meta in self.tensors.items()]
+        text = " ".join(f"{path}={description}" for path, description in items[:count])
         return text + (f" …+{len(items) - count}" if len(items) > count else "")
 
     def to_json(self) -> dict[str, Any]:
@@ -82,6 +85,44 @@ class CallRow:
             "context": jsonable(self.context),
             "tensors": {path: jsonable(meta) for path, meta in self.tensors.items()},
         }
+
+
+def _generated_tensor(value: CodecValue) -> str | None:
+    """``int32[32,184,5888] (recipe)`` for a codec value that stands for a tensor generated at load time.
+
+    Such values (moereplay's seeded recipes) record the tensor's ``dtype`` and ``shape`` and hold only a
+    zero-element anchor tensor; listing the anchor would say nothing about the argument.
+    """
+    tree = value.value
+    if not isinstance(tree, dict):
+        return None
+    dtype, shape = tree.get("dtype"), tree.get("shape")
+    anchors = [meta for _, meta in iter_tensor_metas(tree)]
+    if not (
+        isinstance(dtype, str) and isinstance(shape, (list, tuple)) and all(m.numel == 0 for m in anchors)
+    ):
+        return None
+    short = value.type_name.rsplit(".", 1)[-1].lower().replace("tensor", "") or "generated"
+    return f"{dtype}[{','.join(str(size) for size in shape)}] ({short})"
+
+
+def describe_tensors(tree: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """Every tensor of a recorded value tree as ``(path, "dtype[shape]")``, generated tensors included."""
+    if isinstance(tree, TensorMeta):
+        yield path, tree.describe()
+    elif isinstance(tree, CodecValue):
+        generated = _generated_tensor(tree)
+        if generated is not None:
+            yield path, generated
+        else:
+            for inner, meta in iter_tensor_metas(tree, path):
+                yield inner, meta.describe()
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from describe_tensors(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(tree, (list, tuple)):
+        for position, value in enumerate(tree):
+            yield from describe_tensors(value, f"{path}[{position}]")
 
 
 def capture_info(path: str | Path) -> CaptureInfo:

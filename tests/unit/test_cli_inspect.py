@@ -154,3 +154,18 @@ def test_bad_file_in_a_subprocess(tmp_path: Path, command: str) -> None:
     assert "Traceback" not in result.stderr
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"moereplay: {bad}:")
     assert result.stdout == ""
+
+
+def test_ls_describes_generated_tensors_by_their_dtype_and_shape() -> None:
+    """Recipe-stored weights list as the tensor they expand to, not as their zero-element anchor."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from moereplay.cli import app
+
+    capture = Path(__file__).resolve().parents[2] / "captures" / "marlin-nvfp4-report.moe.zst"
+    result = CliRunner().invoke(app, ["ls", str(capture)])
+    assert result.exit_code == 0, result.output
+    assert "b_qweight=int32[32,184,5760] (recipe)" in result.output
+    assert "anchor" not in result.output
