@@ -110,7 +110,7 @@ class _Copier:
         if storage.digest not in self.written:
             data = self.current.get(storage.digest)
             if data is None:
-                data = self.reader._blob(storage)  # verified fresh bytes of the recorded span
+                data = self.reader.storage_bytes(storage)  # verified fresh bytes of the recorded span
                 self.current[storage.digest] = data
         return TensorBytes(
             dtype,
@@ -173,7 +173,7 @@ def trim_capture(
         renumbered: dict[int, int] = {}
         with CaptureWriter(output, header=header) as writer:
             for index in kept:
-                call, completion = reader._documents(index)  # the raw documents: no codec runs
+                call, completion = reader.raw_documents(index)  # the raw documents: no codec runs
                 where = f"{source}: call {index}"
                 args = {
                     name: copier.tree(value, call["storages"], where) for name, value in call["args"].items()

@@ -379,6 +379,18 @@ class CaptureReader:
 
     # ------------------------------------------------------------------------------------ documents
 
+    def raw_documents(self, index: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Call ``index``'s call and completion documents exactly as recorded (checked, no codec runs).
+
+        For tools that copy calls between files without decoding them (``moereplay trim``); tensors appear as
+        their recorded descriptions and storages, whose bytes :meth:`storage_bytes` reads.
+        """
+        return self._documents(index)
+
+    def storage_bytes(self, storage: _Storage) -> torch.Tensor:
+        """A fresh host uint8 buffer holding a recorded storage's bytes (hash-verified when verification is on)."""
+        return self._blob(storage)
+
     def _blob(self, storage: _Storage) -> torch.Tensor:
         """A fresh host uint8 buffer holding the storage's recorded bytes."""
         cached = self._cache.get(storage.offset)
