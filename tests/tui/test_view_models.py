@@ -16,7 +16,7 @@ from moereplay.tui.catalog import CallCatalog
 from moereplay.tui.error_grid import LARGE_RELATIVE_ERROR, ErrorField
 from moereplay.tui.filters import CallFilter
 from moereplay.tui.replays import ReplayRequest, VariantTensors, mutation_labels, run_replay
-from moereplay.tui.repro import ReproUnavailable, export_repro, find_exporter
+from moereplay.tui.repro import ReproUnavailable, export_repro
 
 
 def test_catalog_reads_the_index_first_and_rows_on_demand(synthetic_capture: Path) -> None:
@@ -148,9 +148,16 @@ def test_replay_outcome_holds_the_tensors_the_diff_view_draws(marlin_capture: Pa
     assert quick.tensors == {} and quick.report.baseline.verdict.value == "corrupt"
 
 
-def test_repro_export_says_when_it_is_missing(marlin_capture: Path) -> None:
-    if not isinstance(find_exporter(), ReproUnavailable):
-        pytest.skip("this moereplay has a repro exporter")
-    result = export_repro(marlin_capture, 0)
+def test_repro_export_writes_beside_the_capture_and_replaces_on_re_export(marlin_capture: Path) -> None:
+    first = export_repro(marlin_capture, 0)
+    assert isinstance(first, Path), first
+    assert first == marlin_capture.with_name(f"{marlin_capture.name}.repro-call0")
+    assert (first / "repro.py").is_file()
+    again = export_repro(marlin_capture, 0)  # the TUI may export the same call twice
+    assert again == first and (again / "repro.py").is_file()
+
+
+def test_repro_export_of_a_missing_call_says_why(marlin_capture: Path) -> None:
+    result = export_repro(marlin_capture, 99)
     assert isinstance(result, ReproUnavailable)
-    assert "repro export is not available yet" in result.reason
+    assert result.reason.startswith("repro export failed:") and "99" in result.reason
