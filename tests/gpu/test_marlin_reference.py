@@ -47,6 +47,8 @@ ops = pytest.importorskip("vllm._custom_ops", reason="needs vLLM 0.25.1 (a kerne
 
 from marlin_inputs import VllmWeights, compare_with_ours, layout_mismatches, vllm_prepare  # noqa: E402
 
+from moereplay.ops.base import positional  # noqa: E402
+from moereplay.ops.marlin_moe import MARLIN_MOE  # noqa: E402
 from moereplay.reference.marlin_formats import (  # noqa: E402
     LogicalExperts,
     MarlinWeightFormat,
@@ -232,40 +234,9 @@ def kernel_args(
     }
 
 
-_ORDER = [
-    "input",
-    "output",
-    "b_qweight",
-    "b_bias",
-    "b_scales",
-    "a_scales",
-    "global_scale",
-    "b_qzeros",
-    "g_idx",
-    "perm",
-    "workspace",
-    "sorted_token_ids",
-    "expert_ids",
-    "num_tokens_past_padded",
-    "topk_weights",
-    "moe_block_size",
-    "top_k",
-    "mul_topk_weights",
-    "b_q_type",
-    "size_m",
-    "size_n",
-    "size_k",
-    "is_k_full",
-    "use_atomic_add",
-    "use_fp32_reduce",
-    "is_zp_float",
-]
-
-
 def run_kernel(args: dict[str, object]) -> torch.Tensor:
     """The real op, called like vLLM's wrapper does (b_q_type as its integer id); returns the output buffer."""
-    positional = [args[name] for name in _ORDER]
-    out = torch.ops._moe_C.moe_wna16_marlin_gemm(*positional, -1, -1, -1)
+    out = torch.ops._moe_C.moe_wna16_marlin_gemm(*positional(MARLIN_MOE, args))
     torch.cuda.synchronize()
     return out
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from moereplay.ops.base import positional
+from moereplay.ops.marlin_moe import MARLIN_MOE
 from moereplay.reference.marlin_formats import MarlinWeightFormat, random_logical_experts
 from moereplay.reference.marlin_moe import ExpertWeightCache, reference_moe_wna16_marlin_gemm
 from moereplay.reference.moe_align import moe_align_block_size
@@ -115,39 +117,9 @@ def build_call(case: Case, device: torch.device) -> dict[str, Any]:
     return args
 
 
-_ORDER = (
-    "input",
-    "output",
-    "b_qweight",
-    "b_bias",
-    "b_scales",
-    "a_scales",
-    "global_scale",
-    "b_qzeros",
-    "g_idx",
-    "perm",
-    "workspace",
-    "sorted_token_ids",
-    "expert_ids",
-    "num_tokens_past_padded",
-    "topk_weights",
-    "moe_block_size",
-    "top_k",
-    "mul_topk_weights",
-    "b_q_type",
-    "size_m",
-    "size_n",
-    "size_k",
-    "is_k_full",
-    "use_atomic_add",
-    "use_fp32_reduce",
-    "is_zp_float",
-)
-
-
 def run_kernel(args: dict[str, Any]) -> torch.Tensor:
     """``torch.ops._moe_C.moe_wna16_marlin_gemm`` as vLLM's wrapper calls it (b_q_type as its id)."""
-    return torch.ops._moe_C.moe_wna16_marlin_gemm(*(args[name] for name in _ORDER), -1, -1, -1)
+    return torch.ops._moe_C.moe_wna16_marlin_gemm(*positional(MARLIN_MOE, args))
 
 
 def gpu_ms(fn: Callable[[], object], repeats: int) -> float:
