@@ -3,7 +3,8 @@
 The plugin is armed through vLLM's own plugin loader (``vllm.plugins.load_general_plugins`` finding the
 ``vllm.general_plugins`` entry point), then vLLM's real MoE code runs exactly as its model layers call it:
 
-- Marlin: ``fused_marlin_moe`` at gpt-oss NVFP4 shapes (E = 32, top-4, hidden = intermediate = 2880; M = 1, 8, 64)
+- Marlin: ``fused_marlin_moe`` at gpt-oss NVFP4 shapes (E = 32, top-4, hidden = 2880, intermediate 2880 padded to
+  2944 as vLLM pads it for Marlin — the kernel has no tile for N = K = 2880; M = 1, 8, 64)
   and GPTQ int4 (uint4b8, group 128; M = 4, 33) — two ``moe_wna16_marlin_gemm`` calls per layer;
 - gpt-oss Triton: ``triton_kernel_fused_experts`` with MXFP4 weights prepared by vLLM's ``_swizzle_mxfp4`` (Hopper
   value/scale layouts, num_warps 8; it pins the opt_flags constraint ``split_k=1``), biases and a
@@ -48,6 +49,9 @@ ENTRY_POINTS = "[vllm.general_plugins]\nmoereplay = moereplay.capture.plugin:reg
 MARLIN_MODULE = "vllm.model_executor.layers.fused_moe.experts.marlin_moe"
 GPT_OSS_MODULE = "vllm.model_executor.layers.fused_moe.experts.gpt_oss_triton_kernels_moe"
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 32, 4, 2880, 2880
+# vLLM rounds the intermediate size up to a multiple of 128 for its Marlin MoE backends (an unpadded 2880 × 2880
+# gemm2 has no legal thread tile: the kernel raises "Invalid thread config"); the triton path keeps 2880.
+INTERMEDIATE_MARLIN = 2944
 
 
 @dataclass(frozen=True)
@@ -239,8 +243,8 @@ def test_marlin_capture_replays_bit_exactly(loaded_plugin) -> None:
     from vllm.scalar_type import scalar_types
 
     torch.manual_seed(0)
-    w1, s1, g1 = _nvfp4_experts(EXPERTS, 2 * INTERMEDIATE, HIDDEN)
-    w2, s2, g2 = _nvfp4_experts(EXPERTS, HIDDEN, INTERMEDIATE)
+    w1, s1, g1 = _nvfp4_experts(EXPERTS, 2 * INTERMEDIATE_MARLIN, HIDDEN)
+    w2, s2, g2 = _nvfp4_experts(EXPERTS, HIDDEN, INTERMEDIATE_MARLIN)
     for m in (1, 8, 64):
         x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
         weights, ids = _topk(m, EXPERTS, TOP_K)

@@ -1,5 +1,5 @@
 """Capture overhead on the GPU: vLLM's real ``fused_marlin_moe`` (NVFP4, gpt-oss shapes: E = 32, top-k 4,
-hidden = intermediate = 2880) at decode M = 1, 8, 64 and prefill M = 2048, measured in one run with capture off,
+hidden = 2880, intermediate 2880 padded to 2944) at decode M = 1, 8, 64 and prefill M = 2048, measured in one run with capture off,
 the flight recorder armed, and full capture (once per compression setting asked for).
 
 Per M and mode it prints the serving-side time per layer call and its ratio to "off", and for full capture the
@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-EXPERTS, TOP_K, HIDDEN, INNER = 32, 4, 2880, 2880
+# intermediate 2880 padded to 2944 as vLLM pads it for its Marlin MoE backends (no Marlin tile fits N = K = 2880)
+EXPERTS, TOP_K, HIDDEN, INNER = 32, 4, 2880, 2944
 QUEUE = {"MOEREPLAY_QUEUE_BYTES": "12G", "MOEREPLAY_QUEUE_CALLS": "100000"}
 
 
