@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -130,3 +131,46 @@ def scale_in_filled_buffer(tk: ModuleType, scale: Any, fill: int, extra: int = 4
     block.copy_(raw)
     storage = tensor.Storage(block.view(base.dtype).mT, scale.storage.layout)
     return tensor.Tensor(storage, dtype=scale.dtype, shape=list(scale.shape), shape_max=list(scale.shape_max))
+
+
+@dataclass(frozen=True)
+class GptOssMxfp4Layer:
+    """One gpt-oss MoE layer's MXFP4 weights as vLLM 0.25.1 prepares them on Hopper, and its quant config."""
+
+    w13: Any
+    w2: Any
+    quant_config: Any
+
+
+def gpt_oss_mxfp4_layer(
+    module: Callable[[str], ModuleType],
+    experts: int,
+    hidden: int,
+    intermediate: int,
+    generator: torch.Generator,
+) -> GptOssMxfp4Layer:
+    """Checkpoint-form random MXFP4 w13 / w2 (scales 2^-6 … 2^-1: no 0x00 / 0xff) and fp32 biases, swizzled by vLLM's
+    ``_swizzle_mxfp4`` (num_warps 8) and wrapped in ``mxfp4_w4a16_moe_quant_config``. ``module`` imports a module by
+    name (``importlib.import_module``, or a kernel backend's ``module``)."""
+    mxfp4_utils = module("vllm.model_executor.layers.quantization.utils.mxfp4_utils")
+    config = module("vllm.model_executor.layers.fused_moe.config")
+    matmul = module("triton_kernels.matmul_ogs")
+
+    def checkpoint(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        values = torch.randint(0, 256, (experts, n, k // 2), device="cuda", generator=generator)
+        scales = torch.randint(121, 127, (experts, n, k // 32), device="cuda", generator=generator)
+        return values.to(torch.uint8), scales.to(torch.uint8)
+
+    w13_values, w13_scales = checkpoint(2 * intermediate, hidden)
+    w2_values, w2_scales = checkpoint(hidden, intermediate)
+    w13_bias = torch.randn(experts, 2 * intermediate, device="cuda", generator=generator) * 0.1
+    w2_bias = torch.randn(experts, hidden, device="cuda", generator=generator) * 0.1
+    w13, w13_flex, w13_scale = mxfp4_utils._swizzle_mxfp4(w13_values, w13_scales, num_warps=8)
+    w2, w2_flex, w2_scale = mxfp4_utils._swizzle_mxfp4(w2_values, w2_scales, num_warps=8)
+    quant_config = config.mxfp4_w4a16_moe_quant_config(
+        w1_scale=matmul.PrecisionConfig(weight_scale=w13_scale, flex_ctx=matmul.FlexCtx(rhs_data=w13_flex)),
+        w2_scale=matmul.PrecisionConfig(weight_scale=w2_scale, flex_ctx=matmul.FlexCtx(rhs_data=w2_flex)),
+        w1_bias=w13_bias,
+        w2_bias=w2_bias,
+    )
+    return GptOssMxfp4Layer(w13, w2, quant_config)

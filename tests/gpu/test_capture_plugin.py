@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 import torch
+from ogs_inputs import gpt_oss_mxfp4_layer
 
 vllm = pytest.importorskip("vllm")
 
@@ -273,35 +274,15 @@ def test_marlin_capture_replays_bit_exactly(loaded_plugin) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _checkpoint_mxfp4(experts: int, n: int, k: int, generator: torch.Generator):
-    """Random e2m1 bytes ``[E, N, K/2]`` and e8m0 scales ``[E, N, K/32]`` in a sane range (2^-6 … 2^-1)."""
-    values = torch.randint(0, 256, (experts, n, k // 2), device="cuda", generator=generator).to(torch.uint8)
-    scales = torch.randint(121, 127, (experts, n, k // 32), device="cuda", generator=generator)
-    return values, scales.to(torch.uint8)
-
-
 def test_gpt_oss_triton_capture_replays_with_its_process_state(loaded_plugin) -> None:
     from moereplay.format import CaptureReader, CodecValue, Unsupported
 
-    mxfp4_utils = importlib.import_module("vllm.model_executor.layers.quantization.utils.mxfp4_utils")
     moe = importlib.import_module(GPT_OSS_MODULE)
-    config = importlib.import_module("vllm.model_executor.layers.fused_moe.config")
     activation = importlib.import_module("vllm.model_executor.layers.fused_moe.activation")
-    matmul = importlib.import_module("triton_kernels.matmul_ogs")
 
     g = torch.Generator(device="cuda").manual_seed(2880)
-    w13_values, w13_scales = _checkpoint_mxfp4(EXPERTS, 2 * INTERMEDIATE, HIDDEN, g)
-    w2_values, w2_scales = _checkpoint_mxfp4(EXPERTS, HIDDEN, INTERMEDIATE, g)
-    w13_bias = torch.randn(EXPERTS, 2 * INTERMEDIATE, device="cuda", generator=g) * 0.1
-    w2_bias = torch.randn(EXPERTS, HIDDEN, device="cuda", generator=g) * 0.1
-    w13, w13_flex, w13_scale = mxfp4_utils._swizzle_mxfp4(w13_values, w13_scales, num_warps=8)
-    w2, w2_flex, w2_scale = mxfp4_utils._swizzle_mxfp4(w2_values, w2_scales, num_warps=8)
-    quant_config = config.mxfp4_w4a16_moe_quant_config(
-        w1_scale=matmul.PrecisionConfig(weight_scale=w13_scale, flex_ctx=matmul.FlexCtx(rhs_data=w13_flex)),
-        w2_scale=matmul.PrecisionConfig(weight_scale=w2_scale, flex_ctx=matmul.FlexCtx(rhs_data=w2_flex)),
-        w1_bias=w13_bias,
-        w2_bias=w2_bias,
-    )
+    layer = gpt_oss_mxfp4_layer(importlib.import_module, EXPERTS, HIDDEN, INTERMEDIATE, g)
+    w13, w2, quant_config = layer.w13, layer.w2, layer.quant_config
     expected_layers = 0
     for tokens in (1, 64):
         hidden = (torch.randn(tokens, HIDDEN, device="cuda", generator=g) * 0.5).to(torch.bfloat16)

@@ -38,6 +38,7 @@ from typing import Any
 
 import pytest
 import torch
+from ogs_inputs import gpt_oss_mxfp4_layer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::Warning:vllm.*"),
@@ -84,17 +85,6 @@ def backend() -> Backend:
     return Backend("vllm", torch.device("cuda"), importlib.import_module)
 
 
-def checkpoint_mxfp4(
-    experts: int, n: int, k: int, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random e2m1 bytes ``[E, N, K/2]`` and e8m0 scales ``[E, N, K/32]`` (2^-6 … 2^-1: no 0x00 / 0xff)."""
-    values = torch.randint(0, 256, (experts, n, k // 2), device="cuda", generator=generator).to(torch.uint8)
-    scales = torch.randint(121, 127, (experts, n, k // 32), device="cuda", generator=generator).to(
-        torch.uint8
-    )
-    return values, scales
-
-
 @pytest.fixture(scope="module")
 def capture(backend: Backend, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Both matmul_ogs calls of one gpt-oss MoE layer, made by vLLM and captured; returns the capture file."""
@@ -102,26 +92,13 @@ def capture(backend: Backend, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from moereplay.format import CaptureWriter
     from moereplay.ops.matmul_ogs import process_state
 
-    mxfp4_utils = backend.module("vllm.model_executor.layers.quantization.utils.mxfp4_utils")
     moe = backend.module("vllm.model_executor.layers.fused_moe.experts.gpt_oss_triton_kernels_moe")
-    config = backend.module("vllm.model_executor.layers.fused_moe.config")
     activation = backend.module("vllm.model_executor.layers.fused_moe.activation")
-    matmul = backend.module("triton_kernels.matmul_ogs")
     opt_flags = backend.module("triton_kernels.matmul_ogs_details.opt_flags")
 
     g = torch.Generator(device="cuda").manual_seed(2880)
-    w13_values, w13_scales = checkpoint_mxfp4(EXPERTS, 2 * INTERMEDIATE, HIDDEN, g)
-    w2_values, w2_scales = checkpoint_mxfp4(EXPERTS, HIDDEN, INTERMEDIATE, g)
-    w13_bias = torch.randn(EXPERTS, 2 * INTERMEDIATE, device="cuda", generator=g) * 0.1
-    w2_bias = torch.randn(EXPERTS, HIDDEN, device="cuda", generator=g) * 0.1
-    w13, w13_flex, w13_scale = mxfp4_utils._swizzle_mxfp4(w13_values, w13_scales, num_warps=8)
-    w2, w2_flex, w2_scale = mxfp4_utils._swizzle_mxfp4(w2_values, w2_scales, num_warps=8)
-    quant_config = config.mxfp4_w4a16_moe_quant_config(
-        w1_scale=matmul.PrecisionConfig(weight_scale=w13_scale, flex_ctx=matmul.FlexCtx(rhs_data=w13_flex)),
-        w2_scale=matmul.PrecisionConfig(weight_scale=w2_scale, flex_ctx=matmul.FlexCtx(rhs_data=w2_flex)),
-        w1_bias=w13_bias,
-        w2_bias=w2_bias,
-    )
+    layer = gpt_oss_mxfp4_layer(backend.module, EXPERTS, HIDDEN, INTERMEDIATE, g)
+    w13, w2, quant_config = layer.w13, layer.w2, layer.quant_config
     hidden = (torch.randn(TOKENS, HIDDEN, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
     logits = torch.randn(TOKENS, EXPERTS, device="cuda", generator=g)
     topk_weights, topk_ids = torch.topk(torch.softmax(logits, dim=-1), TOP_K, dim=-1)
