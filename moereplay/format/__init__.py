@@ -62,12 +62,17 @@ share it. Loading rebuilds one buffer per storage id holding the union of the re
 of it. Arguments and outputs are loaded separately (outputs hold the bytes after the call); an output that was
 written in place over an argument has the argument's storage id (``CallRecord.aliases()``).
 
+Importing this package, opening a reader and listing calls do not import torch (about 200 MB resident):
+``CaptureWriter`` and the tensor helpers load it on first use, and the reader when it loads tensors.
+
 The byte layout is described in :mod:`moereplay.format.framing` (records), :mod:`moereplay.format.values`
 (value encoding), :mod:`moereplay.format.tensors` (tensor spans) and :mod:`moereplay.format.writer` (record
 order, index and footer).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from moereplay.errors import CaptureFileError, TruncatedFileError, UnsupportedValueError
 from moereplay.format.codecs import (
@@ -81,7 +86,19 @@ from moereplay.format.framing import FORMAT_MAJOR, FORMAT_MINOR
 from moereplay.format.reader import CaptureReader
 from moereplay.format.records import CallRecord, CallStatus, CaptureStats, Recovery
 from moereplay.format.schema import CodecValue, EnumValue, TensorBytes, TensorMeta, Unsupported
-from moereplay.format.writer import CaptureWriter
+
+if TYPE_CHECKING:
+    from moereplay.format.writer import CaptureWriter
+
+
+def __getattr__(name: str) -> Any:
+    """``CaptureWriter`` is imported on first use: it needs torch, and reading a capture does not."""
+    if name == "CaptureWriter":
+        from moereplay.format.writer import CaptureWriter
+
+        return CaptureWriter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "FORMAT_MAJOR",

@@ -4,6 +4,9 @@ Opening reads the header and then either the footer and its chain of index recor
 or — when the footer is missing or unreadable — walks the record envelopes (32 bytes each, nothing
 decompressed) to find every whole call and completion record. Listing decompresses call and completion
 records only; blob frames are read only by :meth:`CaptureReader.load_args` / :meth:`load_outputs`.
+
+Opening and listing do not import torch (≈200 MB resident, ≈1 s): it is imported when tensors are loaded, or
+when a record holds a dtype, device or ``torch.Size`` value (see :mod:`moereplay.format.values`).
 """
 
 from __future__ import annotations
@@ -14,9 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from moereplay.errors import CaptureFileError, TruncatedFileError, UnsupportedValueError
 from moereplay.format.codecs import codec_for
@@ -41,8 +42,10 @@ from moereplay.format.records import (
     Recovery,
 )
 from moereplay.format.schema import CodecValue, TensorMeta, iter_tensor_metas
-from moereplay.format.tensors import DTYPES, empty_buffer, view_of
 from moereplay.format.values import ext_hook
+
+if TYPE_CHECKING:
+    import torch
 
 _DIGEST_BYTES = 32
 DEFAULT_BLOB_CACHE_BYTES = 256 * 2**20
@@ -393,6 +396,8 @@ class CaptureReader:
 
     def _blob(self, storage: _Storage) -> torch.Tensor:
         """A fresh host uint8 buffer holding the storage's recorded bytes."""
+        from moereplay.format.tensors import empty_buffer  # torch: paid only when bytes are loaded
+
         cached = self._cache.get(storage.offset)
         if cached is not None and cached.numel() == storage.length:
             self._cache.move_to_end(storage.offset)
@@ -428,14 +433,23 @@ class CaptureReader:
     def _materialise(
         self, index: int, what: str, phase: _Phase, device: str | torch.device
     ) -> dict[str, Any]:
+        import torch
+
+        from moereplay.format.tensors import DTYPES, empty_buffer, view_of
+
         target = torch.device(device)
         source = self._source
         where = f"call {index} {what}"
         buffers: dict[int, torch.Tensor] = {}
         for path, meta in iter_tensor_metas(phase.tree):
-            if DTYPES.get(meta.dtype) is None:
+            known = DTYPES.get(meta.dtype)
+            if known is None:
                 raise CaptureFileError(
                     f"{self.path}: {where}: tensor {path} has dtype {meta.dtype}, unknown to torch {torch.__version__}"
+                )
+            if known.itemsize != meta.itemsize:  # names missing from format.dtypes were not checked at decode
+                raise source.fail(
+                    f"{where}: tensor {path} has dtype {meta.dtype} of item size {known.itemsize}, the file says {meta.itemsize}"
                 )
             if meta.numel == 0 or meta.storage in buffers:
                 continue
@@ -488,7 +502,7 @@ def _rebuild(
         }
     if isinstance(tree, list):
         return [_rebuild(value, f"{path}[{position}]", tensor, error) for position, value in enumerate(tree)]
-    if isinstance(tree, tuple) and not isinstance(tree, torch.Size):
+    if type(tree) is tuple:  # decoded tuples are plain; a torch.Size (a tuple subclass) is kept as it is
         return tuple(
             _rebuild(value, f"{path}[{position}]", tensor, error) for position, value in enumerate(tree)
         )

@@ -1,17 +1,16 @@
 """Typed summaries of a capture file for ``moereplay info`` and ``moereplay ls`` (and anything else that
-lists calls): what the commands print, computed without reading a single blob."""
+lists calls): what the commands print, computed without reading a single blob — or importing torch."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 import math
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from moereplay.format.reader import CaptureReader
 from moereplay.format.records import CallRecord, CaptureStats, Recovery
@@ -168,7 +167,8 @@ def jsonable(value: Any) -> Any:
         return {"enum": value.type_name, "name": value.name, "value": jsonable(value.value)}
     if isinstance(value, enum.Enum):
         return {"enum": f"{type(value).__module__}.{type(value).__qualname__}", "name": value.name}
-    if isinstance(value, (torch.dtype, torch.device)):
+    torch = sys.modules.get("torch")  # a dtype or device exists only once torch is imported
+    if torch is not None and isinstance(value, (torch.dtype, torch.device)):
         return str(value)
     return repr(value)
 

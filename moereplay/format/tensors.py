@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
+from moereplay.format.dtypes import dtype_name
 from moereplay.format.schema import TensorMeta
 
 SPAN_ALIGNMENT = 256
@@ -33,11 +34,6 @@ def _dtype_table() -> dict[str, torch.dtype]:
         if isinstance(value, torch.dtype):
             table[dtype_name(value)] = value
     return table
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float8_e4m3fn`` → ``"float8_e4m3fn"`` (the canonical name, never an alias like ``half``)."""
-    return str(dtype).removeprefix("torch.")
 
 
 DTYPES: Mapping[str, torch.dtype] = _dtype_table()

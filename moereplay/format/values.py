@@ -22,22 +22,29 @@ code  name        payload
 
 Map keys may be any hashable value (str and int in practice). Types are matched exactly: a subclass of a
 builtin container (``OrderedDict``, a namedtuple) needs a codec, or it is recorded as unsupported.
+
+Importing this module does not import torch, and neither does reading a tree without dtype, device or size
+values (tensors decode to :class:`TensorMeta`): listing a capture stays free of torch's import cost. Decoding a
+dtype, device or ``torch.Size`` imports torch then.
 """
 
 from __future__ import annotations
 
 import enum
+import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
 
 from moereplay.errors import UnsupportedValueError
 from moereplay.format.codecs import codec_for, enum_for, qualified_name
+from moereplay.format.dtypes import ITEMSIZES, dtype_name
 from moereplay.format.schema import CodecValue, EnumValue, TensorBytes, TensorMeta, Unsupported
-from moereplay.format.tensors import DTYPES, dtype_name
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Ext(enum.IntEnum):
@@ -115,7 +122,9 @@ def to_wire(value: Any, tensor_hook: TensorHook | None, depth: int = 0) -> Any:
                 f"codec for {codec.type_name} failed to encode a value: {type(error).__name__}: {error}"
             ) from error
         return _ext(Ext.CODEC, [codec.type_name, to_wire(tree, tensor_hook, deeper)])
-    if isinstance(value, torch.Tensor) or kind is TensorBytes:
+    # Without torch imported no tensor, dtype, device or Size can exist, so the checks need not import it.
+    torch_module = sys.modules.get("torch")
+    if kind is TensorBytes or (torch_module is not None and isinstance(value, torch_module.Tensor)):
         if tensor_hook is None:
             return _unsupported_wire(Unsupported("torch.Tensor", "tensors are not allowed here"))
         payload = tensor_hook(value)
@@ -124,12 +133,13 @@ def to_wire(value: Any, tensor_hook: TensorHook | None, depth: int = 0) -> Any:
         return _ext(Ext.TENSOR, payload)
     if isinstance(value, enum.Enum):
         return _ext(Ext.ENUM, [qualified_name(kind), value.name, to_wire(value.value, None, deeper)])
-    if kind is torch.dtype:
-        return _ext(Ext.DTYPE, dtype_name(value))
-    if kind is torch.device:
-        return _ext(Ext.DEVICE, str(value))
-    if kind is torch.Size:
-        return _ext(Ext.SIZE, list(value))
+    if torch_module is not None:
+        if kind is torch_module.dtype:
+            return _ext(Ext.DTYPE, dtype_name(value))
+        if kind is torch_module.device:
+            return _ext(Ext.DEVICE, str(value))
+        if kind is torch_module.Size:
+            return _ext(Ext.SIZE, list(value))
     if kind is set or kind is frozenset:
         code = Ext.SET if kind is set else Ext.FROZENSET
         return _ext(code, [to_wire(item, tensor_hook, deeper) for item in value])
@@ -195,9 +205,9 @@ def _tensor_meta(payload: Any) -> TensorMeta:
     stride = _ints(payload.get("st"), "tensor stride")
     if len(shape) != len(stride):
         raise WireError("tensor shape and stride differ in length")
-    known = DTYPES.get(dtype)
-    if known is not None and known.itemsize != itemsize:
-        raise WireError(f"tensor dtype {dtype} has item size {known.itemsize}, the file says {itemsize}")
+    known = ITEMSIZES.get(dtype)
+    if known is not None and known != itemsize:
+        raise WireError(f"tensor dtype {dtype} has item size {known}, the file says {itemsize}")
     return TensorMeta(dtype, itemsize, shape, stride, offset, device, storage, payload.get("cj") is True)
 
 
@@ -228,11 +238,15 @@ def ext_hook(code: int, data: bytes) -> Any:
     if code == Ext.DTYPE:
         if not isinstance(payload, str):
             raise WireError("dtype payload is not a string")
+        from moereplay.format.tensors import DTYPES  # imports torch: only trees holding dtypes pay for it
+
         dtype = DTYPES.get(payload)
         return dtype if dtype is not None else Unsupported("torch.dtype", payload[:REPR_EXCERPT])
     if code == Ext.DEVICE:
         if not isinstance(payload, str) or len(payload) > 64:
             raise WireError("device payload is not a short string")
+        import torch
+
         try:
             return torch.device(payload)
         except (RuntimeError, ValueError) as error:
@@ -252,5 +266,7 @@ def ext_hook(code: int, data: bytes) -> Any:
             raise WireError("set payload is not an array")
         return set(payload) if code == Ext.SET else frozenset(payload)
     if code == Ext.SIZE:
+        import torch
+
         return torch.Size(_ints(payload, "torch.Size", limit=4096))
     raise WireError(f"unknown extension type {code}")

@@ -36,6 +36,7 @@ from typing import IO, Any
 import torch
 
 from moereplay.errors import CaptureFileError, UnsupportedValueError
+from moereplay.format.dtypes import dtype_name
 from moereplay.format.environment import collect_environment
 from moereplay.format.framing import (
     BLOB_HASH,
@@ -47,7 +48,7 @@ from moereplay.format.framing import (
 )
 from moereplay.format.records import COMPLETION_STATUSES
 from moereplay.format.schema import TensorBytes, Unsupported
-from moereplay.format.tensors import dtype_name, span_start, storage_span_to_host, unsupported_reason
+from moereplay.format.tensors import span_start, storage_span_to_host, unsupported_reason
 from moereplay.format.values import to_wire
 
 MAX_PENDING_CALLS = 256
