@@ -7,7 +7,10 @@ tensor; here the default takes it per row (``scale="row"``), because MoE output 
 routing weights and a row-level bug ("row 0 was scaled by row 1's weight") should be visible in that row's terms.
 A row whose reference RMS is below ``ROW_SCALE_FLOOR`` of the tensor's RMS (an all-zero row, say) is measured against
 that floor instead. Over the compared elements we report the maximum and the RMS of these relative errors, as
-triton_kernels does, and judge them against a :class:`Tolerance` chosen by output dtype.
+triton_kernels does, and judge them against a :class:`Tolerance` chosen by output dtype. An op whose launch rounds
+partial sums to 16 bits (split-K with atomics, 16-bit reductions) passes a per-element absolute ``allowance``
+(:mod:`moereplay.reference.tolerance`): elements are then judged by their error beyond it, while the errors reported
+stay the raw ones.
 
 Non-finite values are classified (finite, NaN, +Inf, −Inf) in both tensors; an element where both agree on a
 non-finite class has error 0, one where they disagree is a *non-finite mismatch* and is always bad. RMS and max
@@ -153,6 +156,8 @@ class Comparison:
     nonfinite_mismatch: int
     first_bad: BadElement | None
     bit_exact: bool
+    judged: tuple[float, float] | None = None
+    """With an allowance: max and RMS relative error beyond it (what ``ok`` and ``bad_rows`` judge); else None."""
 
     @property
     def nonfinite_positions_agree(self) -> bool:
@@ -161,11 +166,12 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        """Within tolerance everywhere compared, with NaN/Inf agreement."""
+        """Within tolerance everywhere compared (beyond the allowance, if any), with NaN/Inf agreement."""
+        max_rel, rms_rel = self.judged if self.judged is not None else (self.max_rel, self.rms_rel)
         return (
             self.nonfinite_mismatch == 0
-            and self.max_rel <= self.tolerance.max_rel
-            and self.rms_rel <= self.tolerance.rms_rel
+            and max_rel <= self.tolerance.max_rel
+            and rms_rel <= self.tolerance.rms_rel
         )
 
     def summary(self) -> str:
@@ -228,11 +234,14 @@ def compare(
     rows_mask: torch.Tensor | None = None,
     profile: Tolerance | None = None,
     scale: Literal["row", "tensor"] = "row",
+    allowance: torch.Tensor | None = None,
 ) -> Comparison:
     """Compare ``actual`` (a kernel output, any float dtype) with ``reference`` (fp32/fp64, same shape).
 
     ``rows_mask`` (bool, one entry per row of the ``[rows, cols]`` view) limits the comparison to the rows a kernel
     is meant to write; other rows count nowhere. ``profile`` defaults to :func:`profile_for` of ``actual.dtype``.
+    ``allowance`` (finite, ≥ 0, the shape of the ``[rows, cols]`` view): absolute error each element may show on
+    top of ``profile``; an element is judged by ``max(0, |actual − reference| − allowance)`` over its scale.
     """
     if actual.shape != reference.shape:
         raise ReferenceError_(
@@ -272,6 +281,13 @@ def compare(
     denom = torch.maximum(row_scale[:, None], ref.abs().nan_to_num(posinf=0.0, neginf=0.0))
     rel = diff / denom
     rel_bad = torch.where(mismatch, torch.full_like(rel, float("inf")), rel)
+    judged, judged_bad = rel, rel_bad  # what the bounds judge: the error beyond the allowance, if any
+    if allowance is not None:
+        allow = _as_matrix(allowance.detach()).to(device=device, dtype=torch.float64)
+        if allow.shape != rel.shape or not bool(torch.isfinite(allow).all()) or bool((allow < 0).any()):
+            raise ReferenceError_(f"the error allowance must be finite, >= 0 and {rows}x{cols}")
+        judged = (diff - allow).clamp(min=0) / denom
+        judged_bad = torch.where(mismatch, torch.full_like(judged, float("inf")), judged)
 
     n_finite = int(both_finite.sum())
     max_abs = float(diff.max()) if diff.numel() else 0.0
@@ -281,12 +297,16 @@ def compare(
     finite_per_row = both_finite.sum(dim=1).clamp(min=1)
     row_max_rel = rel_bad.amax(dim=1) if cols else torch.zeros(rows, dtype=torch.float64, device=device)
     row_rms_rel = torch.sqrt(rel.square().sum(dim=1) / finite_per_row)
+    row_max_judged, row_rms_judged = row_max_rel, row_rms_rel
+    if allowance is not None:
+        row_max_judged = judged_bad.amax(dim=1) if cols else row_max_rel
+        row_rms_judged = torch.sqrt(judged.square().sum(dim=1) / finite_per_row)
     row_bad = mask & (
-        (row_max_rel > tolerance.max_rel) | (row_rms_rel > tolerance.rms_rel) | mismatch.any(dim=1)
+        (row_max_judged > tolerance.max_rel) | (row_rms_judged > tolerance.rms_rel) | mismatch.any(dim=1)
     )
     bad_rows = tuple(int(i) for i in torch.nonzero(row_bad).reshape(-1).tolist())
 
-    over = rel_bad > tolerance.max_rel
+    over = judged_bad > tolerance.max_rel
     elements_over = int(over.sum())
     first_bad = None
     if elements_over:
@@ -332,4 +352,10 @@ def compare(
         nonfinite_mismatch=int(mismatch.sum()),
         first_bad=first_bad,
         bit_exact=bit_exact(actual, reference),
+        judged=None
+        if allowance is None
+        else (
+            float(judged.max()) if judged.numel() else 0.0,
+            float(torch.sqrt(judged.square().sum() / max(n_finite, 1))),
+        ),
     )
