@@ -911,6 +911,19 @@ class MatmulOgsOp:
                 out["precision_config"] = relayout_scales(precision, int(args["num_warps"]))
         return out
 
+    def shape_dimensions(self, args: Args) -> list[Any]:
+        """Shrinkable dimensions for the shape bisection (:mod:`moereplay.ops.ogs_shapes`), as bisect dimensions."""
+        from moereplay.bisect.shape import Dimension
+        from moereplay.ops.ogs_shapes import shape_dimensions
+
+        return [Dimension(d.name, d.values, d.original, d.modulus) for d in shape_dimensions(args)]
+
+    def shrink(self, args: Args, shape: Mapping[str, int]) -> dict[str, Any]:
+        """A valid call of ``shape`` made from this one (:mod:`moereplay.ops.ogs_shapes`)."""
+        from moereplay.ops.ogs_shapes import shrink
+
+        return shrink(args, shape)
+
     def make_scratch(self, args: Args, device: torch.device) -> dict[str, Any]:
         y = args.get("y")
         if not isinstance(y, torch.Tensor):
