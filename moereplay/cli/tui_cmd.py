@@ -22,8 +22,12 @@ def tui_command(
     ] = "auto",
 ) -> None:
     """Browse a capture's calls; replay, diff and bisect them interactively (Textual; ? lists the keys)."""
-    from moereplay.replay.backends import parse_backend
     from moereplay.tui import run_tui
 
-    parse_backend(backend)  # a malformed --backend is one line and exit 2, before the screen changes
+    if (
+        backend.strip() != "auto"
+    ):  # auto is always well formed; resolving it here would import torch (CUDA probe)
+        from moereplay.replay.backends import parse_backend
+
+        parse_backend(backend)  # a malformed --backend is one line and exit 2, before the screen changes
     run_tui(file, backend=backend)
