@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,6 +75,9 @@ from moereplay.ops.base import (
     dtype_of,
     fixed_dtype,
 )
+
+if TYPE_CHECKING:
+    from moereplay.reference.tolerance import ErrorAllowance
 
 NAME = "moe_wna16_marlin_gemm"
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 48, 64)
@@ -540,6 +543,15 @@ class MarlinMoeOp:
         kwargs = {spec.name: args.get(spec.name, spec.default) for spec in self.arguments}
         kwargs["b_q_type"] = scalar_type.ScalarType.from_id(scalar_type_id(args["b_q_type"]))
         return ops.moe_wna16_marlin_gemm(**kwargs)
+
+    def error_allowance(
+        self, args: Args, reference: ReferenceResult, output_dtype: torch.dtype
+    ) -> ErrorAllowance | None:
+        """The rounding a 16-bit combination of split-K partial sums adds (``use_atomic_add``,
+        ``use_fp32_reduce=False``), per element; ``None`` for the float32 reduction (:mod:`.marlin_rounding`)."""
+        from moereplay.ops.marlin_rounding import marlin_error_allowance
+
+        return marlin_error_allowance(args, reference, output_dtype, self._weights)
 
     def reference(self, args: Args) -> ReferenceResult:
         from moereplay.reference.marlin_moe import reference_moe_wna16_marlin_gemm

@@ -81,3 +81,20 @@ def row_ranges(rows: Iterable[int], *, limit: int = 12) -> str:
     if len(ranges) > limit:
         return ", ".join(ranges[:limit]) + f", … ({len(ordered)} in all)"
     return ", ".join(ranges)
+
+
+def expected_nondeterminism(finding: Finding, cause: str) -> Finding:
+    """``finding`` (a :attr:`FindingKind.NONDETERMINISM`) restated as expected: the launch reduces in an order that
+    varies between runs (``cause``, e.g. ``"atomic add"``) and every repeat stayed within the rounding bound.
+    ``evidence["expected"]`` is True; the kind stays, so a reader filtering on it still sees the fact."""
+    return Finding(
+        finding.kind,
+        f"{cause}: reduction order varies between runs, expected; differences within the rounding bound "
+        f"({finding.message})",
+        finding.variant,
+        {**finding.evidence, "expected": True, "cause": cause},
+        rows=finding.rows,
+        columns=finding.columns,
+        confidence=finding.confidence,
+        suggestions=finding.suggestions,
+    )

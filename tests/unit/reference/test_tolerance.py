@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -32,10 +34,12 @@ def _slices(slices: int, g: torch.Generator) -> list[tuple[int, int]]:
     """``slices`` contiguous K ranges of whole tiles, at random boundaries."""
     cuts = sorted((torch.randperm(TILES - 1, generator=g)[: slices - 1] + 1).tolist())
     bounds = [0, *cuts, TILES]
-    return [(a * TILE, b * TILE) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [(a * TILE, b * TILE) for a, b in itertools.pairwise(bounds)]
 
 
-def _atomic_add(x: torch.Tensor, w: torch.Tensor, coefficient: torch.Tensor, slices: int, seed: int) -> torch.Tensor:
+def _atomic_add(
+    x: torch.Tensor, w: torch.Tensor, coefficient: torch.Tensor, slices: int, seed: int
+) -> torch.Tensor:
     """Each slice's float32 partial, times the coefficient, rounded to bf16 and added into a zeroed bf16 output in
     a random order (each add rounds to bf16) — what Marlin's ``use_atomic_add`` does."""
     g = torch.Generator().manual_seed(seed)
@@ -49,7 +53,9 @@ def _atomic_add(x: torch.Tensor, w: torch.Tensor, coefficient: torch.Tensor, sli
     return out
 
 
-def _half_reduce(x: torch.Tensor, w: torch.Tensor, coefficient: torch.Tensor, slices: int, seed: int) -> torch.Tensor:
+def _half_reduce(
+    x: torch.Tensor, w: torch.Tensor, coefficient: torch.Tensor, slices: int, seed: int
+) -> torch.Tensor:
     """Blocks of a slice in turn: the running sum passes through bf16 between them; the last applies the
     coefficient and rounds once more — Marlin's ``use_fp32_reduce=False``."""
     g = torch.Generator().manual_seed(seed)
@@ -87,7 +93,9 @@ def test_simulated_atomic_add_is_ok_where_the_plain_bf16_tolerance_may_not_be(sl
     for seed in range(3):
         actual = _atomic_add(x, w, coefficient, slices, seed)
         assert _judge(actual, reference, allowance) == ()
-    if slices == TILES:  # many bf16 roundings: the single-rounding tolerance calls this correct result corrupt
+    if (
+        slices == TILES
+    ):  # many bf16 roundings: the single-rounding tolerance calls this correct result corrupt
         assert compare(_atomic_add(x, w, coefficient, slices, 0), reference).bad_rows != ()
 
 
@@ -133,9 +141,16 @@ def test_bound_arithmetic_and_bad_allowances() -> None:
     atomic = split_k_allowance(total, subset, slices=5, atomic=True, dtype=torch.bfloat16)
     assert torch.allclose(atomic, torch.full((2, 3), u * (4.0 + 4 * 3.0)))
     reduce16 = split_k_allowance(
-        total, subset, slices=5, atomic=False, dtype=torch.float16, coefficient=torch.tensor([2.0, float("nan")])
+        total,
+        subset,
+        slices=5,
+        atomic=False,
+        dtype=torch.float16,
+        coefficient=torch.tensor([2.0, float("nan")]),
     )
-    assert float(reduce16[0, 0]) == pytest.approx(2 * 4 * 3.0 * 2.0**-11, rel=1e-4) and float(reduce16[1, 0]) > 0
+    assert (
+        float(reduce16[0, 0]) == pytest.approx(2 * 4 * 3.0 * 2.0**-11, rel=1e-4) and float(reduce16[1, 0]) > 0
+    )
     assert float(reduce16[1, 0]) < 1e-6  # a row with a non-finite coefficient gets no rounding allowance
     assert roundings_of(5, atomic=True) == 9 and roundings_of(5, atomic=False) == 4
     reference = torch.ones(2, 3)

@@ -1,0 +1,154 @@
+"""The Marlin op's rounding allowance for its reduction modes, end to end on a CPU stand-in of the kernel that
+rounds split-K partial sums as ``use_atomic_add`` / ``use_fp32_reduce=False`` do (``marlin_atomic_emulator``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import marlin_atomic_emulator
+import pytest
+import torch
+
+from moereplay.ops import get_op
+from moereplay.ops.marlin_rounding import reduction_mode, tile_k
+from moereplay.reference.marlin_formats import MarlinWeightFormat, random_experts
+from moereplay.reference.moe_align import moe_align_block_size
+
+OP = get_op("moe_wna16_marlin_gemm")
+ATOMIC = "set use_atomic_add=true"
+HALF_REDUCE = "set use_fp32_reduce=false"
+
+
+def gemm2_call(
+    *, tokens: int = 8, top_k: int = 4, experts: int = 4, k: int = 1024, n: int = 128
+) -> dict[str, Any]:
+    """A gemm2 call on random NVFP4 experts with float32 routing weights (a correct call)."""
+    generator = torch.Generator().manual_seed(3)
+    packed = random_experts(MarlinWeightFormat.NVFP4, experts, k, n, generator=generator)
+    router = torch.randn(tokens, experts, generator=generator)
+    topk_weights, topk_ids = torch.topk(torch.softmax(router, -1), top_k, dim=-1)
+    sorted_ids, expert_ids, padded = moe_align_block_size(topk_ids.to(torch.int32), 16, experts)
+    rows = tokens * top_k
+    args: dict[str, Any] = dict(packed.kernel_kwargs())
+    args.update(
+        input=torch.randn(rows, k, generator=generator).to(torch.bfloat16),
+        output=torch.zeros(rows, n, dtype=torch.bfloat16),
+        a_scales=None,
+        workspace=torch.zeros(132 * 4, dtype=torch.int32),
+        sorted_token_ids=sorted_ids,
+        expert_ids=expert_ids,
+        num_tokens_past_padded=padded,
+        topk_weights=topk_weights.reshape(-1).to(torch.float32),
+        moe_block_size=16,
+        top_k=1,
+        mul_topk_weights=True,
+        size_m=rows,
+        is_k_full=True,
+        use_atomic_add=False,
+        use_fp32_reduce=True,
+        thread_k=-1,
+        thread_n=-1,
+        blocks_per_sm=-1,
+    )
+    return args
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from moereplay.format import CaptureWriter
+
+    args = gemm2_call()
+    output = marlin_atomic_emulator.moe_wna16_marlin_gemm(**{**args, "output": args["output"].clone()})
+    path = tmp_path_factory.mktemp("rounding") / "correct.moe.zst"
+    with CaptureWriter(path) as writer:
+        index = writer.begin_call(OP.name, args, site="tests:gemm2")
+        writer.complete_call(index, {"output": output, "return": output})
+    return path
+
+
+def test_modes_and_tiles() -> None:
+    args = gemm2_call(k=1024)
+    assert reduction_mode(args) is None
+    assert reduction_mode({**args, "use_atomic_add": True, "use_fp32_reduce": False}) == "atomic add"
+    assert reduction_mode({**args, "use_fp32_reduce": False}) == "16-bit reduce"
+    assert (
+        tile_k(args) == 64
+        and tile_k({**args, "thread_k": 128}) == 128
+        and tile_k({**args, "size_k": 96}) == 32
+    )
+    reference = OP.reference(args)
+    assert OP.error_allowance(args, reference, torch.bfloat16) is None
+    allowance = OP.error_allowance({**args, "use_atomic_add": True}, reference, torch.bfloat16)
+    assert allowance is not None and allowance.order_dependent and allowance.cause == "atomic add"
+    assert allowance.roundings == 2 * 16 - 1 and "≤16 bfloat16 partial sums" in allowance.label
+    scale = reference.output.square().mean().sqrt()
+    assert bool((allowance.absolute >= 0).all()) and float(allowance.absolute.max()) < float(scale)
+    explicit = OP.error_allowance(
+        {**args, "use_fp32_reduce": False, "thread_k": 128, "thread_n": 128}, reference, torch.bfloat16
+    )
+    assert explicit is not None and not explicit.order_dependent and explicit.roundings == 8 - 1
+
+
+def test_reduction_modes_of_a_correct_call_are_ok_and_atomic_repeats_are_expected(capture: Path) -> None:
+    from moereplay.replay import FindingKind, Verdict, replay
+
+    report = replay(
+        capture,
+        backend=marlin_atomic_emulator.SPEC,
+        device="cpu",
+        mutations=[ATOMIC, HALF_REDUCE, "set use_atomic_add=true+use_fp32_reduce=false"],
+        repeat=3,
+        isolate=False,
+    )
+    assert [r.verdict for r in report.results] == [Verdict.OK] * 4, [r.tolerance for r in report.results]
+    assert "atomic add" in report.variants[0].tolerance and "16-bit reduce" in report.variants[1].tolerance
+    repeats = [f for f in report.findings if f.kind is FindingKind.NONDETERMINISM]
+    assert {f.variant for f in repeats} == {report.variants[0].label, report.variants[2].label}
+    for finding in repeats:
+        assert finding.evidence["expected"] is True
+        assert finding.message.startswith("atomic add: reduction order varies between runs, expected")
+
+
+def test_a_wrong_coefficient_in_atomic_mode_is_still_corrupt_and_its_repeats_an_alarm(
+    capture: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from moereplay.replay import FindingKind, Verdict, replay
+
+    monkeypatch.setenv("MARLIN_EMULATOR_CORRUPT_ROW", "5")
+    report = replay(
+        capture,
+        backend=marlin_atomic_emulator.SPEC,
+        device="cpu",
+        mutations=[ATOMIC],
+        repeat=2,
+        isolate=False,
+    )
+    (variant,) = report.variants
+    assert variant.verdict is Verdict.CORRUPT and variant.bad_rows == 1, variant.tolerance
+    assert "atomic add" in variant.tolerance
+    corrupt = [
+        f for f in report.findings if f.kind is FindingKind.CORRUPT_ROWS
+    ]  # the variant's = the baseline's
+    assert corrupt and all(f.rows == (5,) for f in corrupt)
+    (repeats,) = [f for f in report.findings if f.kind is FindingKind.NONDETERMINISM]
+    assert "expected" not in repeats.evidence and "expected" not in repeats.message
+
+
+def test_nondeterminism_of_a_16_bit_reduction_stays_an_alarm(
+    capture: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from moereplay.replay import FindingKind, Verdict, replay
+
+    monkeypatch.setenv("MARLIN_EMULATOR_RANDOM_CUTS", "1")
+    report = replay(
+        capture,
+        backend=marlin_atomic_emulator.SPEC,
+        device="cpu",
+        mutations=[HALF_REDUCE],
+        repeat=3,
+        isolate=False,
+    )
+    assert report.variants[0].verdict is Verdict.OK
+    (repeats,) = [f for f in report.findings if f.kind is FindingKind.NONDETERMINISM]
+    assert repeats.variant == report.variants[0].label and "expected" not in repeats.evidence
