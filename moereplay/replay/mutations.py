@@ -25,6 +25,7 @@ import torch
 
 from moereplay.errors import InvalidMutationError
 from moereplay.ops.base import ArgKind, Args, OpSpec, argument_spec, derived_names, mutable_arg
+from moereplay.replay.memo import ArgsCache, args_key
 
 # --------------------------------------------------------------------------------------------------------------
 # fill patterns for guard bands
@@ -331,11 +332,15 @@ class AppliedVariant:
     notes: tuple[str, ...] = field(default=())
 
 
-def apply_variant(op: OpSpec, args: Args, variant: Variant) -> AppliedVariant:
+def apply_variant(
+    op: OpSpec, args: Args, variant: Variant, *, derived_cache: ArgsCache[dict[str, Any]] | None = None
+) -> AppliedVariant:
     """Apply ``variant`` to a copy of ``args``, check every changed argument's domain against the *final* call
     (rules may relate arguments, e.g. ``thread_k`` with ``thread_n``), then re-derive derived arguments.
 
-    Tensors are not copied unless cast. Cost: one ``rederive`` when a dependency changed.
+    Tensors are not copied unless cast. Cost: one ``rederive`` when a dependency changed — none when
+    ``derived_cache`` (see :mod:`moereplay.replay.memo`) already holds it for these exact arguments; the derived
+    tensors are then shared between variants (nothing writes them: kernels get guarded copies).
     """
     new_args = dict(args)
     changed: set[str] = set()
@@ -381,8 +386,25 @@ def apply_variant(op: OpSpec, args: Args, variant: Variant) -> AppliedVariant:
             )
     frozen_changed = frozenset(changed)
     if any(frozen_changed & set(derived.depends_on) for derived in op.derived):
-        new_args = op.rederive(new_args, frozen_changed)
+        new_args = _rederive(op, new_args, frozen_changed, derived_cache)
     return AppliedVariant(variant, new_args, frozen_changed, variant.fill)
+
+
+def _rederive(
+    op: OpSpec, args: dict[str, Any], changed: frozenset[str], cache: ArgsCache[dict[str, Any]] | None
+) -> dict[str, Any]:
+    if cache is None:
+        return op.rederive(args, changed)
+    key, pins = args_key(args)
+    full_key = (key, tuple(sorted(changed)))
+    made = cache.get(full_key)
+    if made is None:
+        result = op.rederive(args, changed)
+        made = {name: value for name, value in result.items() if name not in args or value is not args[name]}
+        if len(result) != len(args) or any(name not in result for name in args):
+            return result  # a rederive that drops arguments is not a delta: no caching
+        cache.put(full_key, pins, made)
+    return {**args, **made}
 
 
 def expand(variants: Iterable[Variant]) -> list[Variant]:

@@ -128,7 +128,8 @@ class ReplayReport:
     """Everything one replay of one call found. ``variants`` excludes the baseline.
 
     ``tensors`` (label → :class:`KeptTensors`) is filled only when asked for (``keep_tensors``) and is not part of
-    the JSON form.
+    the JSON form; nor is ``phases``: seconds per phase of the session's work (see
+    :class:`~moereplay.replay.timing.PhaseTimes`), for benchmarks.
     """
 
     op: str
@@ -141,6 +142,7 @@ class ReplayReport:
     site: str = ""
     notes: tuple[str, ...] = field(default=())
     tensors: Mapping[str, KeptTensors] = field(default_factory=dict, compare=False, repr=False)
+    phases: Mapping[str, float] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def results(self) -> tuple[VariantResult, ...]:

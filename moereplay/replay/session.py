@@ -47,6 +47,7 @@ from moereplay.replay.backends import BackendSpec, load_backend, parse_backend
 from moereplay.replay.decompose import decompose
 from moereplay.replay.execution import KernelRun
 from moereplay.replay.findings import Finding, FindingKind, expected_nondeterminism, row_ranges
+from moereplay.replay.memo import CallMemos, args_key, memos_for
 from moereplay.replay.memory import DEFAULT_GUARD_BYTES
 from moereplay.replay.mutations import (
     BASELINE,
@@ -69,7 +70,8 @@ from moereplay.replay.results import (
     Verdict,
 )
 from moereplay.replay.runner import InProcessRunner, Runner, RunRequest, WorkerRunner, pooled_worker
-from moereplay.replay.source import LoadedCall, call_from_memory, load_call, select_calls
+from moereplay.replay.source import LoadedCall, call_from_memory, load_call_cached, select_calls
+from moereplay.replay.timing import PhaseTimes
 
 
 @dataclass
@@ -145,17 +147,22 @@ class ReplaySession:
         self._owns_runner = True
         self.findings: list[Finding] = []
         self.notes: list[str] = []
-        self._references: list[tuple[tuple[Any, ...], ReferenceResult]] = []
+        self.phases = PhaseTimes()
+        """Seconds per phase of this session's work (``load``, ``apply``, ``reference``, ``kernel_roundtrip``,
+        ``judge``, and the worker's own ``worker.*`` phases)."""
         self._evaluations: dict[tuple[tuple[str, ...], str], _Evaluation] = {}
         self._order: list[_Evaluation] = []
         self._read_findings: dict[str, list[Finding]] = {}
         self._localised = False
         self._sanitizer: list[Finding] = []
         try:
-            self.call: LoadedCall = self._resolve(source, args, call, output)
+            with self.phases.phase("load"):
+                self.call: LoadedCall = self._resolve(source, args, call, output)
             self.op: OpSpec = self.call.op
+            self._memos: CallMemos = memos_for(self.call)
             if self.spec.runs_kernels:
-                self.runner = self._runner(isolated, reuse_worker, kernel_backend)
+                with self.phases.phase("worker_start"):
+                    self.runner = self._runner(isolated, reuse_worker, kernel_backend)
             self.baseline_contracts: list[ContractViolation] = contract_violations(
                 self.op, self.call.args, check_device=False
             )
@@ -176,7 +183,7 @@ class ReplaySession:
             return source
         if isinstance(source, (str, Path)):
             (index,) = select_calls(source, call=call) if call is None else (call,)
-            return load_call(source, index, self.device)
+            return load_call_cached(source, index, self.device)
         op_name = getattr(source, "op", None)
         if isinstance(op_name, str) and args is not None:
             self._temporary = Path(tempfile.mkdtemp(prefix="moereplay-call-"))
@@ -284,18 +291,17 @@ class ReplaySession:
     # -- the reference ----------------------------------------------------------------------------------------
 
     def reference_for(self, args: Args) -> ReferenceResult:
-        """The reference of ``args``, shared by variants that change only what the op says it ignores."""
+        """The reference of ``args``, shared by variants that change only what the op says it ignores (launch
+        configs, atomics, workspaces …) and by every session over the same loaded call. Keyed by value for plain
+        arguments and small tensors, by identity + version for large ones (:mod:`moereplay.replay.memo`): a
+        mutation that changes the reference (a flag flip, a cast, a re-derived routing) always misses."""
         ignores: frozenset[str] = getattr(self.op, "reference_ignores", frozenset())
-        key = tuple(
-            (name, id(value) if isinstance(value, torch.Tensor) else repr(value))
-            for name, value in sorted(args.items())
-            if name not in ignores
-        )
-        for cached_key, result in self._references:
-            if cached_key == key:
-                return result
-        result = self.op.reference(args)
-        self._references.append((key, result))
+        key, pins = args_key(args, ignores)
+        cache = self._memos.references
+        result: ReferenceResult | None = cache.get(key)
+        if result is None:
+            result = self.op.reference(args)
+            cache.put(key, pins, result)
         return result
 
     # -- one variant ------------------------------------------------------------------------------------------
@@ -314,9 +320,9 @@ class ReplaySession:
                 result,
                 outcome.findings,
                 KeptTensors(
-                    output.detach().cpu(),
-                    reference.output.detach().float().cpu(),
-                    reference.written.detach().cpu(),
+                    output.detach().cpu().clone(),
+                    reference.output.detach().float().cpu().clone(),  # references are cached: hand out copies
+                    reference.written.detach().cpu().clone(),
                     reference.rows,
                 ),
             )
@@ -333,10 +339,13 @@ class ReplaySession:
     ) -> tuple[VariantResult, torch.Tensor | None, ReferenceResult | None]:
         """The variant's verdict row, its first output and its reference (``None`` when it did not run)."""
         op = self.op
-        applied = apply_variant(op, self.call.args, variant)
+        phases = self.phases
+        with phases.phase("apply"):
+            applied = apply_variant(op, self.call.args, variant, derived_cache=self._memos.derived)
         if applied.invalid_reason is not None:
             return self._invalid(variant, applied.invalid_reason)
-        violations = contract_violations(op, applied.args, check_device=False)
+        with phases.phase("contracts"):
+            violations = contract_violations(op, applied.args, check_device=False)
         said = {(v.arg, v.aspect) for v in self.baseline_contracts}
         fresh = [v for v in violations if variant.is_baseline or (v.arg, v.aspect) not in said]
         self.findings.extend(localize.contract_violations(fresh, variant.label))
@@ -346,14 +355,17 @@ class ReplaySession:
                 variant, "the kernel's host code rejects it: " + "; ".join(v.describe() for v in rejected)
             )
         try:
-            reference = self.reference_for(applied.args)
+            with phases.phase("reference"):
+                reference = self.reference_for(applied.args)
         except ReferenceError_ as error:
             return self._invalid(variant, f"no reference for this call: {error}")
         run: KernelRun | None = None
         fill: FillPattern | None
         if self.spec.runs_kernels:
             assert self.runner is not None
-            run = self.runner.run(RunRequest(variant, self.repeat))
+            with phases.phase("kernel_roundtrip"):
+                run = self.runner.run(RunRequest(variant, self.repeat))
+            phases.merge(run.phases, "worker.")
             if run.status == "crash":
                 self.findings.append(
                     Finding(
@@ -367,7 +379,8 @@ class ReplaySession:
                 return result, None, reference
             if run.status == "rejected" or not run.outputs:
                 return self._invalid(variant, f"the kernel rejected the call: {run.error}")
-            outputs = [output.to(reference.output.device) for output in run.outputs]
+            with phases.phase("output_to_device"):
+                outputs = [output.to(reference.output.device) for output in run.outputs]
             fill = applied.fill
         else:
             if any(isinstance(m, Fill) for m in variant.mutations):
@@ -380,7 +393,8 @@ class ReplaySession:
                 )
             outputs = [self.call.captured_output.to(reference.output.device)]
             fill = None
-        result = self._judge(variant, applied.args, reference, outputs, run, fill)
+        with phases.phase("judge"):
+            result = self._judge(variant, applied.args, reference, outputs, run, fill)
         if result.verdict is Verdict.INVALID:
             return result, None, None
         return result, outputs[0], reference
@@ -455,9 +469,12 @@ class ReplaySession:
         )
         if corrupt is not None:
             findings.append(corrupt)
-        nonfinite = localize.nonfinite(actual, reference.written, reference.rows, label)
-        if nonfinite is not None:
-            findings.append(nonfinite)
+        # the comparison counted NaN/Inf in the written rows already: localise only when it found some (a float64
+        # output is always localised: localize's float32 view may overflow where the comparison saw finite values)
+        if nonfinite_actual or actual.dtype == torch.float64:
+            nonfinite = localize.nonfinite(actual, reference.written, reference.rows, label)
+            if nonfinite is not None:
+                findings.append(nonfinite)
         repeats = localize.nondeterminism(outputs, reference.written, label)
         if (
             repeats is not None
@@ -591,4 +608,5 @@ class ReplaySession:
             site=self.call.site,
             notes=tuple(self.notes),
             tensors=tensors,
+            phases=self.phases.snapshot(),
         )
