@@ -9,6 +9,15 @@ and what it writes there shows up in :meth:`GuardedArgs.damage`.
 Arguments that are views of one storage (aliasing) share one allocation covering the union of their spans, so
 aliasing survives the replay. Cost: one allocation + one copy per storage; the guard check is two comparisons per
 allocation on the allocation's device (one host sync for all of them).
+
+A :class:`BufferPool` makes a sweep cheap without weakening "every run starts from fresh buffers": allocations are
+reused across runs (no allocator calls, no host→device guard copies — the guard patterns stay on the device), but
+every byte of a reused allocation is rewritten before the kernel sees it: both guard bands from the pattern, the
+span from the argument's source tensor (the loaded call's pristine copy, never handed to a kernel). So a kernel that
+scribbles on an input, inside its span or in its guards, changes nothing the next run sees; its guard writes are
+still reported by :meth:`GuardedArgs.damage` of the run that made them. Re-copying every input (weights included)
+is deliberate: a device-to-device copy costs about what a checksum proving "unchanged" would (both read every
+byte), and unlike a checksum it cannot miss a write.
 """
 
 from __future__ import annotations
@@ -119,12 +128,70 @@ class GuardWindow:
     pattern: FillPattern
 
 
+class BufferPool:
+    """Guarded allocations and guard patterns kept on one device between runs (see the module docstring).
+
+    :func:`materialise` takes buffers of the exact size it needs from here and :meth:`GuardedArgs.release` gives
+    them back once the run's output and guards have been read. ``reused``/``allocated`` count buffers.
+    """
+
+    def __init__(self, max_bytes: int = 16 << 30) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._patterns: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._bytes = 0
+        self.reused = 0
+        self.allocated = 0
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        free = self._free.get((str(device), nbytes))
+        if free:
+            self.reused += 1
+            self._bytes -= nbytes
+            return free.pop()
+        self.allocated += 1
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        nbytes = buffer.numel()
+        if self._bytes + nbytes > self.max_bytes:
+            return  # over budget: let the allocator have it back
+        self._free.setdefault((str(buffer.device), nbytes), []).append(buffer)
+        self._bytes += nbytes
+
+    def pattern(self, key: tuple[Any, ...], make: Any, device: torch.device) -> torch.Tensor:
+        """The guard pattern ``make()`` on ``device``, made once per ``key`` (never written: compared and copied)."""
+        full = (*key, str(device))
+        found = self._patterns.get(full)
+        if found is None:
+            found = make().to(device)
+            self._patterns[full] = found
+        return found
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._patterns.clear()
+        self._bytes = 0
+
+
 class GuardedArgs:
     """A call's arguments with every tensor in a guarded allocation on ``device``."""
 
-    def __init__(self, args: dict[str, Any], allocations: list[_Allocation]) -> None:
+    def __init__(
+        self, args: dict[str, Any], allocations: list[_Allocation], pool: BufferPool | None = None
+    ) -> None:
         self.args = args
         self._allocations = allocations
+        self._pool = pool
+
+    def release(self) -> None:
+        """Give the allocations back to the pool they came from (after the run's output was copied out and its
+        guards checked); this object's tensors must not be used afterwards."""
+        if self._pool is not None:
+            for allocation in self._allocations:
+                self._pool.give(allocation.buffer)
+        self._allocations = []
+        self.args = {}
 
     def damage(self) -> list[GuardDamage]:
         """Every changed guard region (out-of-bounds writes). One device sync when nothing changed."""
@@ -195,12 +262,15 @@ def materialise(
     guard: int = DEFAULT_GUARD_BYTES,
     fills: Mapping[str, FillPattern] | None = None,
     windows: list[GuardWindow] | None = None,
+    pool: BufferPool | None = None,
 ) -> GuardedArgs:
     """Copy every tensor in ``args`` into a guarded allocation on ``device``; other values pass through.
 
     ``fills`` overrides the fill of single arguments (by name); ``windows`` refine the guard content further.
     Views sharing a storage share one allocation (see :func:`storage_groups`); a fill given for any of their names
-    applies to it (the first one in argument order when several are given).
+    applies to it (the first one in argument order when several are given). With ``pool`` the allocations and the
+    device copies of the guard patterns come from (and go back to, :meth:`GuardedArgs.release`) the pool; every
+    byte of each allocation is rewritten here either way.
     """
     device = torch.device(device)
     fills = dict(fills or {})
@@ -222,12 +292,34 @@ def materialise(
         group_fill = next((fills[name] for name in names if name in fills), fill)
         group_windows = [w for w in windows if w.arg in names]
         dtype = tensors[0].dtype
-        before = _guard_pattern(dtype, guard, group_fill, group_windows, "before")
         after_len = guard + padded_span - span_bytes
-        after = _guard_pattern(dtype, guard, group_fill, group_windows, "after")
-        if after_len != guard:
-            after = torch.cat([group_fill.pattern(torch.uint8, after_len - guard), after])
-        buffer = torch.empty(guard + span_bytes + after_len, dtype=torch.uint8, device=device)
+
+        def make_before(
+            dtype: torch.dtype = dtype,
+            fill: FillPattern = group_fill,
+            windows: list[GuardWindow] = group_windows,
+        ) -> torch.Tensor:
+            return _guard_pattern(dtype, guard, fill, windows, "before")
+
+        def make_after(
+            dtype: torch.dtype = dtype,
+            fill: FillPattern = group_fill,
+            windows: list[GuardWindow] = group_windows,
+            after_len: int = after_len,
+        ) -> torch.Tensor:
+            after = _guard_pattern(dtype, guard, fill, windows, "after")
+            if after_len != guard:
+                after = torch.cat([fill.pattern(torch.uint8, after_len - guard), after])
+            return after
+
+        if pool is not None:
+            pattern_key = (dtype, guard, group_fill, tuple(group_windows))
+            before = pool.pattern(("before", *pattern_key), make_before, device)
+            after = pool.pattern(("after", after_len, *pattern_key), make_after, device)
+            buffer = pool.take(guard + span_bytes + after_len, device)
+        else:
+            before, after = make_before(), make_after()
+            buffer = torch.empty(guard + span_bytes + after_len, dtype=torch.uint8, device=device)
         buffer[:guard].copy_(before)
         buffer[guard + span_bytes :].copy_(after)
         if span_bytes:
@@ -249,4 +341,4 @@ def materialise(
         allocations.append(
             _Allocation(tuple(names), buffer, guard, span_bytes, before.to(device), after.to(device))
         )
-    return GuardedArgs(out, allocations)
+    return GuardedArgs(out, allocations, pool)

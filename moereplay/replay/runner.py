@@ -27,7 +27,8 @@ import torch
 from moereplay.errors import ReplayError
 from moereplay.ops.base import Args, KernelBackend, OpSpec
 from moereplay.replay.execution import KernelRun, execute
-from moereplay.replay.memory import DEFAULT_GUARD_BYTES, GuardDamage, GuardWindow
+from moereplay.replay.memo import ArgsCache
+from moereplay.replay.memory import DEFAULT_GUARD_BYTES, BufferPool, GuardDamage, GuardWindow
 from moereplay.replay.mutations import FillPattern, Variant, apply_variant
 
 
@@ -61,9 +62,11 @@ class InProcessRunner:
         self.backend = backend
         self.device = backend.device
         self.guard = guard
+        self.pool = BufferPool()
+        self._derived: ArgsCache[dict[str, Any]] = ArgsCache()
 
     def run(self, request: RunRequest) -> KernelRun:
-        applied = apply_variant(self.op, self.args, request.variant)
+        applied = apply_variant(self.op, self.args, request.variant, derived_cache=self._derived)
         if applied.invalid_reason is not None:
             return KernelRun("rejected", error=applied.invalid_reason)
         return execute(
@@ -75,10 +78,11 @@ class InProcessRunner:
             windows=request.windows,
             repeat=request.repeat,
             guard=self.guard,
+            pool=self.pool,
         )
 
     def close(self) -> None:
-        return None
+        self.pool.clear()
 
 
 def _scratch_dir() -> Path:
@@ -276,7 +280,8 @@ class WorkerRunner:
         )
         if status == "crash":
             self._kill()  # the context is gone; the next run starts a new worker
-        return KernelRun(status, outputs, damage, str(reply.get("error", "")), reply.get("elapsed_s"))  # type: ignore[arg-type]
+        phases = {str(name): float(value) for name, value in (reply.get("phases") or {}).items()}
+        return KernelRun(status, outputs, damage, str(reply.get("error", "")), reply.get("elapsed_s"), phases)  # type: ignore[arg-type]
 
     def _read_output(self, item: Mapping[str, Any]) -> torch.Tensor:
         path = Path(item["path"])

@@ -18,7 +18,10 @@ guard bands, printing ``MOEREPLAY-ARG NAME ADDRESS BYTES`` for every tensor firs
 
 Replies: ``{"status": "ready"}`` / ``{"status": "error", "error": TEXT}`` to init; to run: ``{"id": K, "status":
 "ran"|"rejected"|"crash"|"invalid", "error": TEXT, "elapsed_s": S, "outputs": [{"path", "dtype", "shape"}],
-"damage": [[ARG, SIDE, FIRST, LAST, COUNT, SPAN], ...]}``.
+"damage": [[ARG, SIDE, FIRST, LAST, COUNT, SPAN], ...], "phases": {PHASE: SECONDS}}``.
+
+The worker keeps a :class:`~moereplay.replay.memory.BufferPool` (guarded allocations reused between runs, every byte
+rewritten before each) and the call's re-derived arguments (:mod:`moereplay.replay.memo`) while it serves one call.
 """
 
 from __future__ import annotations
@@ -54,17 +57,25 @@ class _Session:
         self.out_dir = Path(request["out_dir"])
         self.guard = int(request.get("guard", 4096))
         self.counter = 0
+        from moereplay.replay.memo import ArgsCache
+        from moereplay.replay.memory import BufferPool
+
+        self.pool = BufferPool()
+        self.derived: ArgsCache[dict[str, Any]] = ArgsCache()
 
     def run(self, request: dict[str, Any]) -> dict[str, Any]:
+        import time
+
         import torch
 
         from moereplay.replay.execution import execute
         from moereplay.replay.memory import GuardWindow
         from moereplay.replay.mutations import apply_variant, parse_fill, variant_from_specs
 
+        start = time.perf_counter()
         op = self.call.op
         variant = variant_from_specs(op, request.get("variant", []))
-        applied = apply_variant(op, self.call.args, variant)
+        applied = apply_variant(op, self.call.args, variant, derived_cache=self.derived)
         if applied.invalid_reason is not None:
             return {"status": "invalid", "error": applied.invalid_reason}
         fill = parse_fill(request["fill"]) if request.get("fill") else applied.fill
@@ -82,7 +93,10 @@ class _Session:
             windows=windows,
             repeat=int(request.get("repeat", 1)),
             guard=self.guard,
+            pool=self.pool,
         )
+        clock = time.perf_counter()
+        phases = {"apply": clock - start - sum(run.phases.values()), **run.phases}
         outputs = []
         for tensor in run.outputs:
             self.counter += 1
@@ -90,12 +104,14 @@ class _Session:
             data = tensor.contiguous().cpu()
             path.write_bytes(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
             outputs.append({"path": str(path), "dtype": dtype_name(data.dtype), "shape": list(data.shape)})
+        phases["write_outputs"] = time.perf_counter() - clock
         return {
             "status": run.status,
             "error": run.error,
             "elapsed_s": run.elapsed_s,
             "outputs": outputs,
             "damage": [[d.arg, d.side, d.first, d.last, d.count, d.span_bytes] for d in run.damage],
+            "phases": phases,
         }
 
 
