@@ -10,6 +10,14 @@ with its defaults (kernel in a pooled worker process, guard bands, fp32 referenc
 - sweep: a replay with 40 distinct variants (block size × atomic add × fp32 reduce × tile), run twice; the second
   run's variants ÷ its wall time (target ≥ 100/s).
 
+Each sweep prints where its time went (``ReplayReport.phases``, ms and ms per variant): ``load`` (capture → device;
+a second session over an unchanged file reuses the loaded call), ``apply`` / ``contracts`` (mutations, re-derived
+routing), ``reference`` (computed once per distinct reference-relevant input, then cached per loaded call),
+``kernel_roundtrip`` (request → reply from the worker; minus the ``worker.*`` phases it is IPC), ``worker.apply`` /
+``worker.scratch`` / ``worker.materialise`` (guarded buffers: pooled allocations, guards re-filled, spans re-copied) /
+``worker.kernel`` / ``worker.check`` (guard check, output copy-out) / ``worker.write_outputs``, ``output_to_device``,
+``judge`` (compare + findings), and ``unaccounted`` (the rest of the wall time).
+
 Usage (GPU machine)::
 
     python tools/bench/replay_bench.py --pack /path/to/pack      # or with vLLM importable: no --pack
@@ -118,6 +126,21 @@ def sweep_variants() -> list[Any]:
     return variants
 
 
+def print_phases(title: str, phases: dict[str, float] | Any, wall_s: float | None, evaluations: int) -> None:
+    """One line per phase: total ms and ms per evaluation (variants + baseline); worker IPC and the unaccounted
+    rest derived from the totals."""
+    rows = dict(phases)
+    worker = sum(seconds for name, seconds in rows.items() if name.startswith("worker."))
+    if "kernel_roundtrip" in rows:
+        rows["ipc (roundtrip - worker.*)"] = rows["kernel_roundtrip"] - worker
+    if wall_s is not None:
+        accounted = sum(seconds for name, seconds in phases.items() if not name.startswith("worker."))
+        rows["unaccounted"] = wall_s - accounted
+    print(f"{title}: where the time went ({evaluations} evaluations)")
+    for name, seconds in rows.items():
+        print(f"  {name:<28} {seconds * 1e3:9.1f} ms {seconds * 1e3 / max(1, evaluations):8.2f} ms/eval")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pack", default=None, help="kernel pack directory (else the installed vLLM)")
@@ -163,6 +186,8 @@ def main() -> int:
     for item in second.variants:
         verdicts[item.verdict.value] = verdicts.get(item.verdict.value, 0) + 1
     rate = len(second.variants) / sweep_s
+    print_phases("first sweep", first.phases, None, len(first.variants) + 1)
+    print_phases("second sweep", second.phases, sweep_s, len(second.variants) + 1)
     print(
         f"sweep: {len(second.variants)} variants (+ baseline) in {sweep_s:.3f} s = {rate:.1f} variants/s "
         f"(target >= 100/s); first pass {sum(1 for v in first.variants if v.verdict is Verdict.OK)} ok; "
