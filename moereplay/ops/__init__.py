@@ -7,9 +7,12 @@ costs nothing. A third-party or test op registers itself with ``register_op``.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from moereplay.errors import UnknownOpError
-from moereplay.ops.base import OpSpec
+
+if TYPE_CHECKING:  # ops.base imports torch; listing op names must not
+    from moereplay.ops.base import OpSpec
 
 _BUILTIN_MODULES: dict[str, str] = {
     "moe_wna16_marlin_gemm": "moereplay.ops.marlin_moe",

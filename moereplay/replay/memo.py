@@ -108,6 +108,7 @@ class CallMemos:
 
     references: ArgsCache[Any] = field(default_factory=lambda: ArgsCache(limit=32))
     derived: ArgsCache[dict[str, Any]] = field(default_factory=lambda: ArgsCache(limit=64))
+    allowances: ArgsCache[Any] = field(default_factory=lambda: ArgsCache(limit=32))
 
 
 _MEMOS: dict[int, CallMemos] = {}

@@ -304,6 +304,29 @@ class ReplaySession:
             cache.put(key, pins, result)
         return result
 
+    def allowance_for(self, args: Args, reference: ReferenceResult, dtype: torch.dtype) -> Any:
+        """The op's rounding allowance for ``args`` (``None`` when it declares none), shared like the reference:
+        keyed by what keys the reference plus the plain values among the arguments the reference ignores (reduction
+        mode, tile sizes); the tensors it ignores (output buffer, workspace) cannot change the bound."""
+        from moereplay.reference.tolerance import op_error_allowance
+
+        if getattr(self.op, "error_allowance", None) is None:
+            return None
+        ignores: frozenset[str] = getattr(self.op, "reference_ignores", frozenset())
+        key, pins = args_key(args, ignores)
+        launch = tuple(
+            (name, args[name])
+            for name in sorted(ignores)
+            if name in args and isinstance(args[name], (bool, int, float, str, type(None)))
+        )
+        full_key = (key, launch, str(dtype))
+        cache = self._memos.allowances
+        cached = cache.get(full_key)
+        if cached is None:
+            cached = (op_error_allowance(self.op, args, reference, dtype),)
+            cache.put(full_key, pins, cached)
+        return cached[0]
+
     # -- one variant ------------------------------------------------------------------------------------------
 
     def _evaluate(self, variant: Variant) -> _Evaluation:
@@ -409,7 +432,6 @@ class ReplaySession:
         fill: FillPattern | None,
     ) -> VariantResult:
         from moereplay.reference.compare import Comparison, compare, profile_for
-        from moereplay.reference.tolerance import op_error_allowance
 
         label = variant.label
         actual = outputs[0]
@@ -419,7 +441,7 @@ class ReplaySession:
                 f"output shape {tuple(actual.shape)} differs from the reference's {tuple(reference.output.shape)}",
             )[0]
         try:  # a launch that rounds partial sums to 16 bits is judged beyond its rounding bound
-            allowance = op_error_allowance(self.op, args, reference, actual.dtype)
+            allowance = self.allowance_for(args, reference, actual.dtype)
             profile = profile_for(actual.dtype) if allowance is None else allowance.profile(actual.dtype)
             absolute = None if allowance is None else allowance.absolute
 

@@ -42,12 +42,19 @@ def test_vllm_serve_arms_the_plugin_in_every_process(tmp_path: Path) -> None:
     print(f"\nvllm serve: ready in {summary.ready_s:.1f} s, stopped in {summary.stop_s:.1f} s")
     for item in summary.files:
         print(
-            f"  pid {item.pid} [{item.title[:50]}] calls={item.calls} footer={item.footer}: {item.recovery}"
+            f"  pid {item.pid} [{item.title[:110]}] calls={item.calls} footer={item.footer}: {item.recovery}"
         )
     assert len(summary.pids) >= 3 and len(summary.files) == len(summary.pids)
     assert any("EngineCore" in title for title in titles) and any("Worker" in title for title in titles)
     assert summary.server_pid in summary.pids
-    assert set(summary.armed_log_pids) == summary.pids  # each process logged its arming, one file each
+    # Each process armed and wrote one file (headers checked below). The API server, EngineCore and Worker log their
+    # arming on the server's stderr; a helper process whose output vLLM redirects itself (it runs a script from the
+    # vllm package — its model-registry inspection subprocess) arms as well, and only its file shows it.
+    assert set(summary.armed_log_pids) <= summary.pids
+    serving = {summary.server_pid} | {
+        item.pid for item in summary.files if "EngineCore" in item.title or "Worker" in item.title
+    }
+    assert serving <= set(summary.armed_log_pids)
     for item in summary.files:
         assert item.calls == 0  # on CPU the MoE runs cpu_fused_moe: none of the wrapped GPU kernels
         with CaptureReader(item.path) as reader:

@@ -99,11 +99,6 @@ def test_browsing_a_capture_imports_no_torch(capture: Path) -> None:
     assert found["screen"] == "BrowserScreen"
     assert found["decoded"] == 60  # the filter walked every row
     assert found["shown"] == 10  # layer 1 of 0..5
-    if found["torch"] and any("moereplay/ops/__init__.py" in frame for frame in found["first_importer"]):
-        pytest.xfail(
-            "moereplay.ops imports ops.base (torch) at package import; the browser asks it for the op names "
-            "it can replay — move that import in moereplay/ops/__init__.py under TYPE_CHECKING"
-        )
     assert found["torch"] is False, f"torch imported via {found['first_importer']}"
 
 
