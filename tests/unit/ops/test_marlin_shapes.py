@@ -194,7 +194,8 @@ def test_fewer_rows_and_choices_keep_the_same_rows_and_their_weights() -> None:
     for token in range(5):
         for choice in range(3):
             old, new = token * 4 + choice, token * 3 + choice
-            assert torch.equal(after.output[new], before.output[old])
+            # the same fp32 sums; BLAS may block a 5-row product differently from a 32-row one
+            torch.testing.assert_close(after.output[new], before.output[old], rtol=1e-5, atol=1e-6)
             assert int(after.rows.expert[new]) == int(before.rows.expert[old])
 
 
