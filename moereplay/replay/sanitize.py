@@ -73,6 +73,10 @@ def parse_report(log: str, stdout: str) -> tuple[list[SanitizerError], int | Non
             total = int(summary.group(1))
             continue
         error = _ERROR.match(line.strip())
+        if error and "ERROR SUMMARY" not in line and "Target application returned an error" in line:
+            close()  # the worker's exit status after memcheck's errors, not an error of its own
+            current = None
+            continue
         if error and "ERROR SUMMARY" not in line:
             close()
             current = {"kind": error.group(1).strip()}

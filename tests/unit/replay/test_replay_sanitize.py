@@ -18,6 +18,7 @@ LOG = """========= COMPUTE-SANITIZER
 =========     Address 0x7f000011fc is out of bounds
 =========     and is 252 bytes after the nearest allocation at 0x7f00001000 of size 256 bytes
 =========
+========= Target application returned an error
 ========= ERROR SUMMARY: 2 errors
 """
 STDOUT = (
