@@ -11,8 +11,11 @@ Dimensions (:func:`shape_dimensions`, in the order the search shrinks them):
   loaded unmasked in whole K tiles, so the failure may depend on ``K % block_k`` rather than on K's size (see
   :mod:`moereplay.bisect.shape`).
 - ``N``: multiples of 64 (and of the activation's ``reduction_n``; gpt-oss's w13 interleaves gate and up columns,
-  so a prefix of columns keeps whole pairs). With Hopper-swizzled scales N carries the modulus ``32 · num_warps``,
-  the N rows of one swizzled scale slab (which columns an unmasked scale over-read lands on depends on it).
+  so a prefix of columns keeps whole pairs). With Hopper-swizzled scales only the N whose ``block_n`` (as the
+  nvidia heuristics pick it: 128 for 4 warps, else 256 above N = 128, else ``next_pow2(N)``) is a multiple of
+  ``32 · num_warps`` — the kernel's in-register scale unswizzle asserts it at compile time, so with vLLM's 8 warps
+  N starts at 192 — and N carries the modulus ``32 · num_warps``, the N rows of one swizzled scale slab (which
+  columns an unmasked scale over-read lands on depends on it).
 - ``tokens``: rows of ``x`` for a gathering call (gemm1), rows of ``y`` for a scattering one (gemm2).
 - ``top_k``: 1 … ``n_expts_act``. Any combination is a legal call: top_k may exceed experts (a token then has
   several slots on one expert, rows the kernel computes like any other), so there is no cross-dimension rule.
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,17 +184,51 @@ def _k_modulus(args: Args, call: _Call, step: int) -> int | None:
 
 def _n_modulus(args: Args, call: _Call, step: int) -> int | None:
     """The N rows of one Hopper scale slab (``32 · num_warps``)."""
-    layout = _scale_layout(call)
-    if layout is None or layout.kind != "HOPPER_SCALE":
+    warps = _hopper_scale_warps(args, call)
+    if warps is None:
         return None
-    warps = args.get("num_warps") or layout.num_warps or 8
-    slab = 32 * int(warps)
+    slab = 32 * warps
     return slab if slab > step and slab % step == 0 else None
 
 
-def _stepped(name: str, original: int, step: int, modulus: int | None = None) -> ShapeDimension | None:
-    """Values ``step, 2·step, …`` below ``original``, then ``original``; ``None`` when nothing is smaller."""
-    values = list(range(step, original, step))
+def _hopper_scale_warps(args: Args, call: _Call) -> int | None:
+    """The warp count the Hopper scale layout is swizzled for (the ``num_warps`` pseudo-argument re-lays it out)."""
+    layout = _scale_layout(call)
+    if layout is None or layout.kind != "HOPPER_SCALE":
+        return None
+    return int(args.get("num_warps") or layout.num_warps or 8)
+
+
+def _n_compiles(args: Args, call: _Call) -> Callable[[int], bool]:
+    """Whether the kernel compiles for an N: with Hopper scales ``block_n % (32 · num_warps) == 0``
+    (``_matmul_ogs``' static assert), with ``block_n`` as ``opt_flags_nvidia.compute_block_n`` picks it."""
+    warps = _hopper_scale_warps(args, call)
+    if warps is None:
+        return lambda n: True
+    precision = call.plain.get("precision_config")
+    imprecise = precision.max_num_imprecise_acc if isinstance(precision, PrecisionSpec) else None
+
+    def compiles(n: int) -> bool:
+        if warps == 4:
+            block_n = 128
+        elif imprecise is None and n > 128:
+            block_n = 256
+        else:
+            block_n = max(16, min(128, 1 << (n - 1).bit_length()))
+        return block_n % (32 * warps) == 0
+
+    return compiles
+
+
+def _stepped(
+    name: str,
+    original: int,
+    step: int,
+    modulus: int | None = None,
+    legal: Callable[[int], bool] = lambda value: True,
+) -> ShapeDimension | None:
+    """Legal values ``step, 2·step, …`` below ``original``, then ``original``; ``None`` when nothing is smaller."""
+    values = [value for value in range(step, original, step) if legal(value)]
     if not values:
         return None
     return ShapeDimension(name, (*values, original), original, modulus)
@@ -205,7 +242,7 @@ def shape_dimensions(args: Args) -> list[ShapeDimension]:
     found = {
         "experts": _stepped("experts", call.experts, 1),
         "K": _stepped("K", call.k, k_step, _k_modulus(args, call, k_step)),
-        "N": _stepped("N", call.n, n_step, _n_modulus(args, call, n_step)),
+        "N": _stepped("N", call.n, n_step, _n_modulus(args, call, n_step), _n_compiles(args, call)),
         "tokens": _stepped("tokens", call.tokens, 1),
         "top_k": _stepped("top_k", call.top_k, 1),
     }

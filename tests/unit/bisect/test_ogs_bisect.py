@@ -31,7 +31,7 @@ from moereplay.ops.matmul_ogs import plain_args, problem_of, scale_bytes_read
 from moereplay.reference.hopper_mxfp4 import scale_overrun
 
 OP = get_op("matmul_ogs")
-EXPERTS, K, N, TOKENS, TOP_K = 8, 320, 384, 6, 4
+EXPERTS, K, N, TOKENS, TOP_K = 8, 320, 640, 6, 4
 SIGNATURE = Signature("corrupt", frozenset({"corrupt_rows", "oob_read"}), frozenset({EXPERTS - 1}))
 
 
@@ -69,8 +69,9 @@ def test_a_synthetic_misaligned_k_failure_is_reported_by_alignment(w13: dict[str
         return Observation.bad(SIGNATURE) if shape["K"] % 128 else Observation.good()
 
     result = run_to_end(ShapeSearch(OP.shape_dimensions(w13)), predicate)  # type: ignore[attr-defined]
-    # N keeps its residue (384 % 256 = 128) while it shrinks; its residue probes then show it does not matter
-    assert dict(result.minimal) == {"experts": 1, "K": 64, "N": 128, "tokens": 1, "top_k": 1}
+    # N keeps its residue (640 % 256 = 128) while it shrinks (N = 128 does not compile with 8 warps); its residue
+    # probes then show that the residue does not matter here
+    assert dict(result.minimal) == {"experts": 1, "K": 64, "N": 384, "tokens": 1, "top_k": 1}
     reports = {report.name: report for report in result.dimensions}
     assert reports["K"].by_alignment and reports["K"].role == "matters"
     assert reports["K"].alignment is not None
@@ -147,7 +148,7 @@ def test_the_over_read_model_under_fill_0xff_shrinks_to_a_tiny_call_and_k_matter
     assert code == 0, document
     result = document["summary"]["result"]
     assert result["status"] == "shrunk"
-    assert result["minimal"] == {"experts": 1, "K": 64, "N": 128, "tokens": 1, "top_k": 1}
+    assert result["minimal"] == {"experts": 1, "K": 64, "N": 384, "tokens": 1, "top_k": 1}
     reports = {report["name"]: report for report in result["dimensions"]}
     k = reports["K"]
     assert k["role"] == "matters" and k["by_alignment"]
@@ -156,6 +157,7 @@ def test_the_over_read_model_under_fill_0xff_shrinks_to_a_tiny_call_and_k_matter
     assert k["alignment"]["passing_residues"] == [0, 96]
     # the over-read lands on real columns only when the last swizzled N slab reaches column 112
     assert reports["N"]["by_alignment"] and reports["N"]["alignment"]["passing_residues"] == [64]
+    assert reports["N"]["alignment"]["failing_residues"] == [0, 128, 192]
     assert {name: reports[name]["role"] for name in ("experts", "tokens", "top_k")} == dict.fromkeys(
         ("experts", "tokens", "top_k"), "free"
     )

@@ -79,8 +79,8 @@ def same_call(shrunk: dict[str, Any], direct: dict[str, Any]) -> None:
 
 
 SHAPES = [
-    {"experts": 3, "K": 192, "N": 128, "tokens": 4, "top_k": 2},  # fewer experts than used: routes fold
-    {"experts": 1, "K": 64, "N": 64, "tokens": 1, "top_k": 1},  # the smallest call
+    {"experts": 3, "K": 192, "N": 256, "tokens": 4, "top_k": 2},  # fewer experts than used: routes fold
+    {"experts": 1, "K": 32, "N": 192, "tokens": 1, "top_k": 1},  # the smallest call
     {"experts": 8, "K": 256, "N": 384, "tokens": 6, "top_k": 4},  # only K (now aligned)
     {"experts": 6, "K": 320, "N": 256, "tokens": 2, "top_k": 4},  # more experts than the kept slots use
     {"experts": 2, "K": 96, "N": 192, "tokens": 5, "top_k": 3},
@@ -111,7 +111,8 @@ def test_dimensions_of_a_hopper_mxfp4_call(problem: ogs_calls.Logical) -> None:
     assert list(dimensions) == ["experts", "K", "N", "tokens", "top_k"]
     assert dimensions["experts"].values == tuple(range(1, EXPERTS + 1))
     assert dimensions["K"].values == tuple(range(32, K + 1, 32)) and dimensions["K"].modulus == 128
-    assert dimensions["N"].values == tuple(range(64, N + 1, 64)) and dimensions["N"].modulus == 256
+    # block_n 256 (N > 128) is the only one that compiles with the 8-warp scale unswizzle
+    assert dimensions["N"].values == tuple(range(192, N + 1, 64)) and dimensions["N"].modulus == 256
     assert dimensions["tokens"].values == tuple(range(1, TOKENS + 1))
     assert dimensions["top_k"].values == tuple(range(1, TOP_K + 1))
     w2 = {d.name: d for d in shape_dimensions(ogs_calls.w2_call(problem))}
@@ -125,6 +126,14 @@ def test_dimensions_of_a_hopper_mxfp4_call(problem: ogs_calls.Logical) -> None:
         ("tokens", None),
         ("top_k", None),
     ]
+
+
+def test_with_4_warps_every_n_compiles_and_the_slab_is_128_rows(problem: ogs_calls.Logical) -> None:
+    args = {**ogs_calls.w13_call(problem), "num_warps": 4}  # the scales re-laid out for 4 warps
+    n = next(d for d in shape_dimensions(args) if d.name == "N")
+    assert n.values == tuple(range(64, N + 1, 64)) and n.modulus == 128
+    with pytest.raises(InvalidMutationError):
+        shrink(ogs_calls.w13_call(problem), {"N": 128})  # 8 warps: block_n 128 does not compile
 
 
 def test_a_constrained_block_k_is_the_k_modulus(problem: ogs_calls.Logical) -> None:
@@ -154,7 +163,15 @@ def test_the_original_shape_is_the_call_and_illegal_values_are_refused(problem: 
     original = {"experts": EXPERTS, "K": K, "N": N, "tokens": TOKENS, "top_k": TOP_K}
     same = shrink(args, original)
     assert all(same[name] is args[name] for name in args)
-    for bad in ({"K": 100}, {"K": 352}, {"N": 96}, {"experts": 0}, {"tokens": TOKENS + 1}, {"top_k": 5}):
+    for bad in (
+        {"K": 100},
+        {"K": 352},
+        {"N": 96},
+        {"N": 64},
+        {"experts": 0},
+        {"tokens": TOKENS + 1},
+        {"top_k": 5},
+    ):
         with pytest.raises(InvalidMutationError):
             shrink(args, bad)
     with pytest.raises(InvalidMutationError, match="unknown"):
