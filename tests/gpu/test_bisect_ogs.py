@@ -12,10 +12,19 @@ Asserted: the bisect reaches a shrunk shape that is smaller than the captured on
 smaller) and K keeps its misalignment (K % 128 = 64) and is reported as mattering — by alignment, with an aligned
 K passing. The whole log (every probe, the minimal shape and the report per dimension) is printed for the issue.
 
+Expected from the kernel source (``_matmul_ogs.py`` and :mod:`moereplay.reference.hopper_mxfp4`), not asserted
+beyond the above: minimal ``experts=1 K=64 N=384 tokens=1 top_k=1`` (N = 128 keeps N % 256 but does not compile
+with 8 warps); K fails when K % 128 is 32 or 64 (rows of ``32 · ceil_even(K / 32)`` bytes, whole 128-byte tiles
+read) and passes when it is 0 or 96; N fails when N % 256 is 0, 128 or 192 and passes when it is 64 (the over-read
+scales then belong to padding columns of the last slab); experts, tokens and top_k free.
+
 Run on the GPU machine after the prelude (about 20 probes, most of them tiny calls; the first replays the full
 call)::
 
     source tools/gpu/device_setup.sh && python3 -m pytest tests/gpu/test_bisect_ogs.py -q -rA -s
+
+With ``MOEREPLAY_BISECT_LOG=PATH`` the session is logged there and *resumed* when the file exists (no ``--fresh``),
+so a run cut by the device's time limit continues where it stopped.
 """
 
 from __future__ import annotations
@@ -64,9 +73,11 @@ def test_shape_bisect_of_the_k2880_capture_under_fill_0xff(
         pytest.skip("needs a Hopper (sm_90+) GPU")
     backend = _backend()
     capture = _capture()
+    kept_log = os.environ.get("MOEREPLAY_BISECT_LOG")
+    log = Path(kept_log) if kept_log else tmp_path / "bisect.jsonl"
     command = [
         sys.executable, "-m", "moereplay", "bisect", str(capture), "--strategy", "shape", "--call", "0",
-        "--no-tui", "--fresh", "--backend", backend, "-m", "fill 0xff", "--log", str(tmp_path / "bisect.jsonl"),
+        "--no-tui", *([] if kept_log else ["--fresh"]), "--backend", backend, "-m", "fill 0xff", "--log", str(log),
     ]  # fmt: skip
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO)
@@ -79,7 +90,9 @@ def test_shape_bisect_of_the_k2880_capture_under_fill_0xff(
         print(f"\n$ {shlex.join(command)}\n{stdout}")
         if stderr.strip():
             print(f"--- stderr (last 4000 characters) ---\n{stderr[-4000:]}")
-    assert code is not None, f"the bisect did not finish within {TIMEOUT_S} s (resume it without --fresh)"
+    assert code is not None, (
+        f"the bisect did not finish within {TIMEOUT_S} s (MOEREPLAY_BISECT_LOG resumes it)"
+    )
     assert code == 0, f"moereplay bisect exited with {code}"
 
     found = re.search(r"^minimal failing shape: (.*)$", stdout, re.MULTILINE)
