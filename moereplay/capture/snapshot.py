@@ -29,7 +29,7 @@ kernel runs). Cost model:
   object around weights is recorded field by field instead of as unsupported.
 
 - Buffers: with a :class:`BufferPool` the copies land in buffers taken from the pool (pinned host or device,
-  sizes rounded up to eighths of a power of two) and given back with :meth:`Snapshot.release` once the bytes were
+  sizes rounded up to sixteenths of a power of two) and given back with :meth:`Snapshot.release` once the bytes were
   written or dropped — no allocation (``cudaHostAlloc`` for pinned memory) per call once warm.
 - Lazy records: the :class:`TensorCopy` objects and the filled tree are built when :attr:`Snapshot.tree` is first
   read (the writer thread, or a flight-recorder trigger), not on the serving thread.
@@ -154,10 +154,11 @@ def _raw_bytes(tensor: torch.Tensor, start: int, end: int) -> torch.Tensor:
 
 
 def bucket_size(nbytes: int) -> int:
-    """The pool's size class for ``nbytes``: rounded up to an eighth of its power of two (≤ 12.5 % slack)."""
+    """The pool's size class for ``nbytes``: rounded up to a sixteenth of the next power of two (≤ 12.5 %
+    slack)."""
     if nbytes <= 4096:
         return 4096
-    step = 1 << max((nbytes - 1).bit_length() - 3, 0)
+    step = 1 << max((nbytes - 1).bit_length() - 4, 0)
     return -(-nbytes // step) * step
 
 
