@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import sys
 import tempfile
@@ -168,6 +169,43 @@ def measure(mode: str, env: dict[str, str], module, w, inputs, calls: int, out: 
     return per_layer, copied, drained
 
 
+def writer_throughput(settings: list[tuple[int, int, int]], megabytes: int, out: Path) -> None:
+    """MB/s the file writer sustains on prefill-like calls (random bf16 activations, M = 2048 spans: hidden
+    states, the gemm1 and gemm2 caches), handed over as already-copied host bytes, as the writer thread does."""
+    from moereplay.format import CaptureWriter
+    from moereplay.format.schema import TensorBytes
+
+    m = 2048
+    sizes = [m * HIDDEN * 2, m * TOP_K * 2 * INNER * 2, m * TOP_K * INNER * 2]
+    calls = []
+    total = 0
+    while total < megabytes * 2**20:
+        call = {}
+        for position, size in enumerate(sizes):
+            data = torch.randn(size // 2, dtype=torch.bfloat16).view(torch.uint8)
+            call[f"t{position}"] = TensorBytes(
+                torch.bfloat16, (size // 2,), (1,), 0, "cpu", (len(calls), position), 0, data
+            )
+            total += size
+        calls.append(call)
+    for level, threads, hashers in settings:
+        path = out / f"writer-z{level}t{threads}.zst"
+        started = time.perf_counter()
+        with CaptureWriter(
+            path, compression_level=level, compression_threads=threads, hash_threads=hashers
+        ) as writer:
+            for call in calls:
+                writer.begin_call("bench", call)
+        elapsed = time.perf_counter() - started
+        size = path.stat().st_size
+        print(
+            f"  writer zstd {level:>3}:{threads:<2} hash threads {hashers}: {total / 1e6 / elapsed:8.1f} MB/s copied  "
+            f"ratio {size / total:.3f}  ({total / 1e6:.0f} MB in {elapsed:.2f} s)",
+            flush=True,
+        )
+        path.unlink()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000, help="layer calls per mode")
@@ -175,6 +213,10 @@ def main() -> int:
     parser.add_argument("--weight-mb", type=int, default=64, help="size of each of w1, w2")
     parser.add_argument("--compression", default="1:0", help="LEVEL:THREADS of the full-capture run")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of each armed mode")
+    parser.add_argument(
+        "--writer", default="", help="LEVEL:THREADS[:HASH_THREADS],... : also time the file writer alone per setting"
+    )
+    parser.add_argument("--writer-mb", type=int, default=512, help="bytes written per writer setting")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the serving thread's view)")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
@@ -214,6 +256,13 @@ def main() -> int:
             flush=True,
         )
     sys.modules.pop(MODULE, None)
+    if options.writer:
+        print(f"file writer alone, prefill-like calls ({os.cpu_count()} CPUs):")
+        settings = []
+        for item in options.writer.split(","):
+            level_text, threads_text, hash_text = [*item.split(":"), "0", "0"][:3]
+            settings.append((int(level_text), int(threads_text or 0), int(hash_text or 0)))
+        writer_throughput(settings, options.writer_mb, out)
     return 0
 
 

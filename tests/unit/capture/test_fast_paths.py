@@ -177,3 +177,26 @@ def test_full_capture_staging_buffers_are_reused_and_every_call_keeps_its_bytes(
             assert torch.equal(
                 reader.load_outputs(record.index)["return"], kernels.fused(x + step, w1, w2, weights)
             )
+
+
+def test_writer_hash_threads_store_the_same_verified_and_deduplicated_blobs(tmp_path) -> None:
+    from moereplay.format import CaptureWriter
+    from moereplay.format.schema import TensorBytes
+
+    generator = torch.Generator().manual_seed(1)
+    spans = [torch.randint(0, 255, (n,), dtype=torch.uint8, generator=generator) for n in (3 << 20, 1 << 20)]
+    spans.append(spans[0].clone())  # same bytes, another storage: one blob
+    args = {
+        f"t{i}": TensorBytes(torch.uint8, (span.numel(),), (1,), 0, "cpu", ("s", i), 0, span)
+        for i, span in enumerate(spans)
+    }
+    files = {}
+    for hash_threads in (0, 2):
+        path = tmp_path / f"h{hash_threads}.zst"
+        with CaptureWriter(path, hash_threads=hash_threads) as writer:
+            writer.begin_call("op", args)
+            files[hash_threads] = writer.blob_count
+        with CaptureReader(path) as reader:
+            loaded = reader.load_args(0)  # every blob's sha256 is checked on load
+            assert all(torch.equal(loaded[f"t{i}"], span) for i, span in enumerate(spans))
+    assert files == {0: 2, 2: 2}
