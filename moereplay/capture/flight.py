@@ -24,7 +24,7 @@ ring holds then. On CPU the value is known at once.
 The ring is bounded by entry count (``MOEREPLAY_FLIGHT_CALLS``) and device bytes (``MOEREPLAY_FLIGHT_BYTES``);
 oldest entries are evicted first. A trigger detected after its call was evicted (a very large call, or a check
 lagging more than K calls) is counted as ``flight_lost`` and logged; a check lagging so far that its slot was
-reused (more than :attr:`MagnitudeSlots.count` calls) is counted as ``flight_overrun``.
+reused (more than :attr:`MagnitudeSlots.count` calls) is counted as ``flight_overrun`` (unchecked).
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ logger = logging.getLogger("moereplay.capture")
 
 SENTINEL = -1.0
 """Host value of a magnitude slot whose device value has not arrived yet (magnitudes are >= 0 or NaN)."""
+SLOTS = 4096
+"""Magnitude slots per device (16 KiB of device memory and of pinned host memory)."""
 
 
 class DeviceSync:
@@ -61,15 +63,24 @@ class DeviceSync:
 
 
 class _DeviceSlots:
-    """One device's magnitude vector and its pinned host mirror, with per-slot views made once."""
+    """One device's magnitude vector and its pinned host mirror, with per-slot views made on first use."""
 
     def __init__(self, device: torch.device, count: int) -> None:
         self.values = torch.zeros(count, dtype=torch.float32, device=device)
         self.host = torch.full((count,), SENTINEL, dtype=torch.float32, pin_memory=True)
         self.host_array = self.host.numpy()
-        self.device_views = [self.values[i] for i in range(count)]
-        self.host_views = [self.host[i : i + 1] for i in range(count)]
-        self.device_slices = [self.values[i : i + 1] for i in range(count)]
+        self.views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * count
+
+    def view(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(0-d device value, 1-element device slice, 1-element pinned host slice) of ``slot``."""
+        views = self.views[slot]
+        if views is None:
+            views = self.views[slot] = (
+                self.values[slot],
+                self.values[slot : slot + 1],
+                self.host[slot : slot + 1],
+            )
+        return views
 
 
 class MagnitudeSlots:
@@ -102,11 +113,11 @@ class MagnitudeSlots:
         if slots is None:
             slots = self._devices[device] = _DeviceSlots(device, self.count)
         slots.host_array[slot] = SENTINEL
-        out = slots.device_views[slot]
+        out, device_slice, host_slice = slots.view(slot)
         torch.linalg.vector_norm(floats[0], ord=math.inf, dtype=torch.float32, out=out)
         for tensor in floats[1:]:
             torch.maximum(out, _magnitude(tensor), out=out)
-        slots.host_views[slot].copy_(slots.device_slices[slot], non_blocking=True)
+        host_slice.copy_(device_slice, non_blocking=True)
         return slots, slot
 
     def read(self, sequence: int, ticket: tuple[Any, int]) -> float | None:
@@ -195,7 +206,9 @@ class FlightRecorder:
 
     def __post_init__(self) -> None:
         if self.slots is None:
-            self.slots = MagnitudeSlots(4 * self.max_calls + 64)
+            # a slot is refilled only after this many later calls: far more than the device ever lags behind
+            # the host (a whole forward pass of a large MoE model is ~100 wrapped calls)
+            self.slots = MagnitudeSlots(max(SLOTS, 8 * self.max_calls))
 
     def add_begin(self, begin: Begin) -> None:
         entry = FlightEntry(begin)
