@@ -355,10 +355,14 @@ def snapshot(
     found: list[torch.Tensor] = []
     tree: dict[str, Any] = {}
     for name, value in values.items():
-        if type(value) is torch.Tensor and name not in static:  # the common case, without the walk
-            found.append(value)
-            tree[name] = _Pending(len(found) - 1)
-        elif _leaf(value):
+        kind = type(value)
+        if kind is torch.Tensor:  # the common cases first, without the walk
+            if name in static:
+                tree[name] = value
+            else:
+                found.append(value)
+                tree[name] = _Pending(len(found) - 1)
+        elif kind in _PLAIN or _leaf(value):
             tree[name] = value
         elif name in static:
             tree[name] = _walk_static(value, codec_lookup, 0)
@@ -370,6 +374,10 @@ def snapshot(
         if keep is not None:
             keep.extend(found)
     return result
+
+
+_PLAIN = frozenset({type(None), bool, int, float, str, bytes, torch.dtype, torch.device})
+_DEVICE_NAMES: dict[torch.device, str] = {}
 
 
 def _leaf(value: Any) -> bool:
@@ -487,10 +495,13 @@ def _copy(
     cuda = False
     for tensor in found:
         device = tensor.device
-        key = (str(device), tensor.untyped_storage().data_ptr())
-        shape = tuple(tensor.shape)
-        stride = tensor.stride()
-        offset = tensor.storage_offset()
+        device_name = _DEVICE_NAMES.get(device)
+        if device_name is None:
+            device_name = _DEVICE_NAMES[device] = str(device)
+        key = (device_name, tensor.untyped_storage().data_ptr())
+        shape: tuple[int, ...] = tuple(tensor.shape)
+        stride: tuple[int, ...] = tensor.stride()
+        offset = int(tensor.storage_offset())
         itemsize = tensor.element_size()
         start = offset * itemsize
         if 0 in shape:

@@ -523,7 +523,7 @@ class CaptureWriter:
         }
 
     def _store_given(
-        self, given: TensorBytes, base: int, length: int, digest: Future[bytes] | None = None
+        self, given: TensorBytes, base: int, length: int, hashing: Future[bytes] | None = None
     ) -> dict[str, Any]:
         key = given.static_key
         cached = self._static_given.get(key) if key is not None else None
@@ -533,7 +533,7 @@ class CaptureWriter:
             if given.data is None:
                 raise UnsupportedValueError(f"TensorBytes without data for static key {key!r}")
             host = given.data if given.data.device.type == "cpu" else given.data.cpu()
-            digest, offset = self._blob(host.numpy().data.cast("B"), digest)
+            digest, offset = self._blob(host.numpy().data.cast("B"), hashing)
             if key is not None:
                 self._static_given[key] = (digest, offset, length)
                 self._static_lengths[key] = length

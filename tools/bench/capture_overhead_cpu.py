@@ -214,10 +214,14 @@ def main() -> int:
     parser.add_argument("--compression", default="1:0", help="LEVEL:THREADS of the full-capture run")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of each armed mode")
     parser.add_argument(
-        "--writer", default="", help="LEVEL:THREADS[:HASH_THREADS],... : also time the file writer alone per setting"
+        "--writer",
+        default="",
+        help="LEVEL:THREADS[:HASH_THREADS],... : also time the file writer alone per setting",
     )
     parser.add_argument("--writer-mb", type=int, default=512, help="bytes written per writer setting")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the serving thread's view)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (the serving thread's view)"
+    )
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     torch.manual_seed(0)
