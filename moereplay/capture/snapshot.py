@@ -271,7 +271,9 @@ def copy_spans(
     # each span starts on a 256-byte boundary of the buffer, as it did in its storage
     total = sum(-(-size // SPAN_ALIGNMENT) * SPAN_ALIGNMENT for size in sizes)
     if pool is not None:
-        stream = torch.cuda.current_stream(device).cuda_stream if on_device else 0
+        # keyed by the stream copying into it: a buffer given back before its copy ran (a dropped message) is
+        # refilled only behind that copy
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         lease = pool.take(device if on_device else torch.device("cpu"), total, pinned=pinned, stream=stream)
         if leases is not None:
             leases.append(lease)
