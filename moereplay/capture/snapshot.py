@@ -118,6 +118,15 @@ class Snapshot:
         self._tree = value
         self._pending = None
 
+    def file_tree(self) -> dict[str, Any]:
+        """The tree as the file writer records it (:func:`materialize`), built in one pass when the tree was
+        never read."""
+        pending = self._pending
+        if pending is None:
+            return {name: materialize(item) for name, item in self._tree.items()}
+        copies = [found.tensor_bytes(pending[1]) for found in pending[0]]
+        return {name: _fill(item, copies) for name, item in self._tree.items()}
+
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
@@ -473,6 +482,18 @@ class _Found:
         self.base = 0
         self.group = 0
 
+    def tensor_bytes(self, data: list[torch.Tensor]) -> TensorBytes:
+        return TensorBytes(
+            dtype=self.dtype,
+            shape=self.shape,
+            stride=self.stride,
+            storage_offset=self.offset,
+            device=self.key[0],
+            storage=self.key,
+            base=self.base,
+            data=data[self.group],
+        )
+
     def copy(self, data: list[torch.Tensor]) -> TensorCopy:
         return TensorCopy(
             dtype=self.dtype,
@@ -541,7 +562,7 @@ def _copy(
         result.event = done
 
 
-def _fill(tree: Any, copies: list[TensorCopy]) -> Any:
+def _fill(tree: Any, copies: list[Any]) -> Any:
     if isinstance(tree, _Pending):
         return copies[tree.index]
     if type(tree) is list:
