@@ -96,8 +96,9 @@ class MagnitudeSlots:
         self._cpu_values = [SENTINEL] * count
 
     def record(self, sequence: int, tensors: Iterable[torch.Tensor]) -> tuple[Any, int] | None:
-        """Queue the reduction of ``tensors`` (floating point, non-empty; others are ignored) for call
-        ``sequence``; return its ticket for :meth:`read`, or ``None`` when there is nothing to check."""
+        """Queue the reduction of ``tensors`` (floating point, non-empty, on the first such tensor's device;
+        others are ignored) for call ``sequence``; return its ticket for :meth:`read`, or ``None`` when there
+        is nothing to check."""
         floats = [t for t in tensors if (t.is_floating_point() or t.is_complex()) and t.numel()]
         if not floats:
             return None
@@ -105,7 +106,8 @@ class MagnitudeSlots:
         self._next = slot + 1 if slot + 1 < self.count else 0
         self._owners[slot] = sequence
         device = floats[0].device
-        if device.type == "cpu" or any(t.device != device for t in floats):
+        floats = [t for t in floats if t.device == device]  # outputs on another device go unchecked
+        if device.type == "cpu":
             values = [_magnitude(t).item() for t in floats]  # CPU: nothing to overlap with
             self._cpu_values[slot] = math.nan if any(math.isnan(v) for v in values) else max(values)
             return None, slot
