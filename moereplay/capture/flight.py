@@ -99,7 +99,7 @@ class MagnitudeSlots:
         """Queue the reduction of ``tensors`` (floating point, non-empty, on the first such tensor's device;
         others are ignored) for call ``sequence``; return its ticket for :meth:`read`, or ``None`` when there
         is nothing to check."""
-        floats = [t for t in tensors if (t.is_floating_point() or t.is_complex()) and t.numel()]
+        floats = [t for t in tensors if t.is_floating_point() and t.numel()]
         if not floats:
             return None
         slot = self._next
@@ -116,7 +116,7 @@ class MagnitudeSlots:
             slots = self._devices[device] = _DeviceSlots(device, self.count)
         slots.host_array[slot] = SENTINEL
         out, device_slice, host_slice = slots.view(slot)
-        torch.linalg.vector_norm(floats[0], ord=math.inf, dtype=torch.float32, out=out)
+        torch.linalg.vector_norm(_reducible(floats[0]), ord=math.inf, dtype=torch.float32, out=out)
         for tensor in floats[1:]:
             torch.maximum(out, _magnitude(tensor), out=out)
         host_slice.copy_(device_slice, non_blocking=True)
@@ -134,8 +134,16 @@ class MagnitudeSlots:
         return value
 
 
+_REDUCIBLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _reducible(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a float32 copy of it for dtypes the reduction does not take (float8 variants)."""
+    return tensor if tensor.dtype in _REDUCIBLE else tensor.float()
+
+
 def _magnitude(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(tensor, ord=math.inf, dtype=torch.float32)
+    return torch.linalg.vector_norm(_reducible(tensor), ord=math.inf, dtype=torch.float32)
 
 
 def output_magnitude(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
@@ -143,7 +151,7 @@ def output_magnitude(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
     ``None`` when there is nothing to check."""
     result: torch.Tensor | None = None
     for tensor in tensors:
-        if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0:
+        if not tensor.is_floating_point() or tensor.numel() == 0:
             continue
         value = _magnitude(tensor)
         result = value if result is None else torch.maximum(result, value)

@@ -99,16 +99,18 @@ def test_snapshots_in_reused_buffers_hold_each_calls_own_bytes() -> None:
 
 
 def test_magnitude_slots_on_cpu_propagate_nan_and_detect_reuse() -> None:
-    slots = MagnitudeSlots(3)
+    slots = MagnitudeSlots(4)  # call 3 takes no slot
     finite = slots.record(0, [torch.tensor([1.0, -5.0]), torch.tensor([2], dtype=torch.int32)])
     nan = slots.record(1, [torch.tensor([7.0]), torch.tensor([float("nan"), 1.0])])
     inf = slots.record(2, [torch.tensor([float("-inf")], dtype=torch.bfloat16)])
     assert slots.record(3, [torch.tensor([1, 2])]) is None  # nothing floating point to check
+    fp8 = slots.record(4, [torch.tensor([2.0, -4.0]).to(torch.float8_e4m3fn)])
+    assert fp8 is not None and slots.read(4, fp8) == 4.0
     assert finite is not None and nan is not None and inf is not None
     assert slots.read(0, finite) == 5.0
     assert math.isnan(slots.read(1, nan))  # type: ignore[arg-type]
     assert slots.read(2, inf) == math.inf
-    slots.record(3, [torch.tensor([1.0])])  # wraps around onto call 0's slot
+    slots.record(5, [torch.tensor([1.0])])  # wraps around onto call 0's slot
     with pytest.raises(LookupError):
         slots.read(0, finite)
 
