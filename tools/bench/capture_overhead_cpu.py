@@ -7,10 +7,13 @@ the time measured is the capture's own Python and copy cost. The weights are lar
 be found by identity, not hashed or copied per call.
 
 Prints µs per wrapped call (3 wrapped calls per layer call) per mode, and with ``--profile`` the top of a
-cProfile of each armed mode. Also: full-capture writer throughput on random bf16 activations per zstd
-level:threads setting (``--compression``), i.e. what the writer thread sustains on this CPU. No assertions.
+cProfile of each armed mode. On a CPU the copies and the magnitude reduction are real CPU work (a launch each on a
+GPU), so the armed modes cost more here than their host overhead on a GPU host. ``--writer`` also times the file
+writer alone on prefill-like calls (random bf16, M = 2048 spans) per zstd level:threads:hash-threads setting: what
+the writer thread sustains on this CPU. No assertions.
 
-    python tools/bench/capture_overhead_cpu.py [--calls 2000] [--tokens 1] [--profile]
+    python tools/bench/capture_overhead_cpu.py [--calls 2000] [--tokens 1] [--profile] [--compression 1:8]
+        [--writer 1:0:0,1:8:4,-1:8:4 --writer-mb 512]
 """
 
 from __future__ import annotations
