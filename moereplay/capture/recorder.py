@@ -34,12 +34,12 @@ import torch
 
 from moereplay.capture.binding import ArgumentBinder
 from moereplay.capture.context import ContextTracker, Where
-from moereplay.capture.flight import DeviceSync, FlightEntry, FlightRecorder
+from moereplay.capture.flight import FlightEntry, FlightRecorder
 from moereplay.capture.opt_flags import OptFlagsProbe
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.patching import CallHandler
 from moereplay.capture.settings import CaptureSettings, Trigger
-from moereplay.capture.snapshot import BufferPool, Snapshot, estimate, snapshot
+from moereplay.capture.snapshot import Snapshot, estimate, snapshot
 from moereplay.capture.writer_thread import Begin, Complete, WriterThread
 
 logger = logging.getLogger("moereplay.capture")
@@ -104,11 +104,6 @@ class Recorder(CallHandler):
         self._graph_warned = False
         self._cuda = torch.cuda.is_available()
         self._probes: dict[int, OptFlagsProbe] = {}  # id(original function) -> its opt_flags probe
-        self._static: dict[int, frozenset[str]] = {}  # id(target) -> its static names
-        # copy buffers: device ring buffers (flight) or pinned host staging (full capture), reused once warm
-        self.pool = BufferPool(
-            settings.flight_bytes if settings.trigger is Trigger.FLIGHT else settings.queue_bytes
-        )
         importlib.import_module("moereplay.capture.vllm_codecs")  # registers vLLM's ScalarType codec
         self.flight: FlightRecorder | None = None
         if settings.trigger is Trigger.FLIGHT:
@@ -252,30 +247,24 @@ class Recorder(CallHandler):
                     context["opt_flags_override"] = override
         parent_sequence = parent.sequence if parent is not None and parent.recorded else None
         plan.keep = []
-        static = self._static.get(id(target))
-        if static is None:
-            static = self._static[id(target)] = frozenset(target.static)
         if self.flight is not None:
-            inputs = snapshot(bound, static, to_host=False, keep=plan.keep, pool=self.pool, event=False)
-            if inputs.copied and self._cuda:
-                inputs.event = _device_sync(plan.keep)
+            inputs = snapshot(bound, target.static, to_host=False, keep=plan.keep)
             begin = Begin(sequence, target.op, target.site, inputs, context, parent_sequence, target.static)
             begin.started = time.time()
             self.flight.add_begin(begin)
         else:
             assert self.writer is not None
-            if not self.writer.has_room(estimate(bound, static)):
+            if not self.writer.has_room(estimate(bound, target.static)):
                 self.counters.dropped_queue_full += 1
                 self.writer.drop(sequence)
                 with self._lock:
                     self._recorded -= 1
                 plan.recorded = False
                 return plan if target.role == "parent" else None
-            inputs = snapshot(bound, static, to_host=True, keep=plan.keep, pool=self.pool)
+            inputs = snapshot(bound, target.static, to_host=True, keep=plan.keep)
             begin = Begin(sequence, target.op, target.site, inputs, context, parent_sequence, target.static)
             begin.started = time.time()
             if not self.writer.offer(begin):
-                inputs.release()
                 self.counters.dropped_queue_full += 1
                 with self._lock:
                     self._recorded -= 1
@@ -344,17 +333,15 @@ class Recorder(CallHandler):
         status = "completed" if error is None else "failed"
         message = None if error is None else f"{type(error).__name__}: {error}"[:2000]
         if self.flight is not None:
-            kept = snapshot(outputs, (), to_host=False, pool=self.pool, event=False)
-            tensors = [value for value in outputs.values() if isinstance(value, torch.Tensor)]
-            if kept.copied and self._cuda:
-                kept.event = _device_sync(tensors)
+            kept = snapshot(outputs, (), to_host=False)
             complete = Complete(plan.sequence, kept, {"host_s": elapsed}, status, message)
             complete.finished = time.time()
+            tensors = [value for value in outputs.values() if isinstance(value, torch.Tensor)]
             plan.keep = None
             self.flight.add_complete(complete, tensors)
             return
         assert self.writer is not None
-        copied: Snapshot = snapshot(outputs, (), to_host=True, pool=self.pool)
+        copied: Snapshot = snapshot(outputs, (), to_host=True)
         plan.keep = None
         complete = Complete(plan.sequence, copied, {"host_s": elapsed}, status, message)
         complete.finished = time.time()
@@ -362,8 +349,7 @@ class Recorder(CallHandler):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             complete.device_timing = (plan.device_start, end)
-        if not self.writer.offer(complete):
-            copied.release()
+        self.writer.offer(complete)
 
     # --- flight recorder → writer ---------------------------------------------------------------------------
 
@@ -390,13 +376,6 @@ class Recorder(CallHandler):
         """Called by the writer thread between messages: run the flight recorder's pending checks."""
         if self.flight is not None and self.active:
             self.flight.poll()
-
-
-def _device_sync(tensors: list[torch.Tensor] | None) -> DeviceSync | None:
-    for tensor in tensors or ():
-        if tensor.is_cuda:
-            return DeviceSync(tensor.device)
-    return None
 
 
 def shape_signature(op: str, bound: dict[str, Any]) -> tuple[Any, ...]:

@@ -31,9 +31,6 @@ from moereplay.capture.writer_thread import RecordSink, WriterThread
 
 logger = logging.getLogger("moereplay.capture")
 
-HASH_THREADS = 4
-"""Threads hashing a call's large spans ahead of their compression (see ``CaptureWriter(hash_threads=)``)."""
-
 SinkFactory = Callable[[Path, dict[str, Any]], RecordSink]
 """``(path, header) -> sink`` (tests); the default sink also gets the settings (compression)."""
 
@@ -60,7 +57,6 @@ def default_sink(
         header,
         compression_level=settings.compression_level,
         compression_threads=settings.compression_threads,
-        hash_threads=min(HASH_THREADS, os.cpu_count() or 1),
     )
     return FormatSink(writer, side_stream=side_stream)
 

@@ -26,16 +26,14 @@ Variables (all optional; every value is validated, a malformed one raises :class
 ``MOEREPLAY_QUEUE_CALLS``  writer queue depth in calls (default 64); a full queue drops and counts
 ``MOEREPLAY_QUEUE_BYTES``  host memory the writer queue may hold (default 2G); past it: drop and count
 ``MOEREPLAY_COMPRESSION_LEVEL``    zstd level of the file (default 1; -5 … 22)
-``MOEREPLAY_COMPRESSION_THREADS``  zstd worker threads for tensor bytes (default 8; 0: the writer thread
-                           compresses alone; -1: one per CPU)
+``MOEREPLAY_COMPRESSION_THREADS``  zstd worker threads for tensor bytes (default 0: the writer thread compresses
+                           alone; -1: one per CPU)
 =========================  =================================================================================
 
-Compression: the writer hashes (sha256, for deduplication) and compresses every tensor span it stores. bf16
-activations compress to ~78 % at zstd level 1 and at level 3 alike, level 1 being ~1.3× faster (negative, "fast"
-levels store them uncompressed, at ~2× level 1's speed per core); worker threads parallelise the compression,
-and a call's large spans are hashed on hash threads ahead of their compression (one blob's hash overlaps the
-previous blob's compression), at the cost of CPU taken from the serving process. Copies to the host land in
-pinned staging buffers reused once the writer has written them.
+Compression: the writer thread hashes (sha256, for deduplication) and compresses every tensor span it stores, one
+after the other, so its sustained rate is bounded by both. bf16 activations compress to ~78 % at zstd level 1 and
+at level 3 alike, level 1 being ~1.3× faster; worker threads parallelise the compression (not the hash) at the
+cost of CPU taken from the serving process.
 
 Flight recorder: every selected call's inputs and outputs are kept in a bounded ring *on the device*; each
 output's largest magnitude is reduced on the device and checked asynchronously (no host sync). Only when an
@@ -162,7 +160,7 @@ class CaptureSettings:
     queue_calls: int = 64
     queue_bytes: int = 2 << 30
     compression_level: int = 1
-    compression_threads: int = 8
+    compression_threads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_calls", "max_bytes", "per_shape"):

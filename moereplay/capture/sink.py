@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moereplay.capture.snapshot import materialize
 from moereplay.capture.writer_thread import Begin, Complete
 
 
@@ -28,7 +29,7 @@ class FormatSink:
             return action()
 
     def begin(self, message: Begin, parent: int | None) -> int:
-        args = message.snapshot.file_tree()
+        args = materialize(message.snapshot.tree)
         return int(
             self._on_side_stream(
                 lambda: self.writer.begin_call(
@@ -43,7 +44,7 @@ class FormatSink:
         )
 
     def complete(self, index: int, message: Complete) -> None:
-        outputs = message.outputs.file_tree() if message.outputs is not None else {}
+        outputs = materialize(message.outputs.tree) if message.outputs is not None else {}
         self._on_side_stream(
             lambda: self.writer.complete_call(
                 index, outputs, timings=message.timings, status=message.status, error=message.error

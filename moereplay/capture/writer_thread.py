@@ -254,7 +254,6 @@ class WriterThread:
                     f"recording a {type(message).__name__.lower()} failed: {type(error).__name__}: {error}"
                 )
             finally:
-                _release(message)
                 with self._lock:
                     self._queued_calls -= 1
                     self._queued_bytes -= message.nbytes
@@ -325,13 +324,6 @@ class WriterThread:
         }
         if dropped:
             logger.warning("moereplay: capture closed with drops: %s", dropped)
-
-
-def _release(message: Begin | Complete) -> None:
-    """Give a written (or dropped) message's copy buffers back to their pool."""
-    snapshot = message.snapshot if isinstance(message, Begin) else message.outputs
-    if snapshot is not None:
-        snapshot.release()
 
 
 def monotonic() -> float:

@@ -28,7 +28,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -228,9 +227,7 @@ class CaptureWriter:
     ``format_version`` cannot be overridden. ``index_every``: calls between index records (smaller: faster
     recovery of random access, slightly larger files). ``compression_level``: zstd level for every frame.
     ``compression_threads``: zstd worker threads for blob frames (0: compress on the calling thread; -1: one
-    per CPU) — worth it for large weights on many-core hosts. ``hash_threads``: threads that hash a call's
-    given host bytes (1 MiB and more) ahead of their compression, so one blob's hash overlaps the previous
-    blob's compression (both release the GIL); 0: hash each blob on the calling thread just before writing it.
+    per CPU) — worth it for large weights on many-core hosts.
     """
 
     def __init__(
@@ -241,7 +238,6 @@ class CaptureWriter:
         index_every: int = 64,
         compression_level: int = 3,
         compression_threads: int = 0,
-        hash_threads: int = 0,
     ) -> None:
         if index_every < 1:
             raise ValueError("index_every must be at least 1")
@@ -260,8 +256,6 @@ class CaptureWriter:
         except OSError as error:
             raise CaptureFileError(f"{self.path}: cannot create: {error.strerror or error}") from error
         self._sink = FrameSink(self._file, compression_level, compression_threads)
-        self._hash_threads = max(hash_threads, 0)
-        self._hasher: ThreadPoolExecutor | None = None
         self._closed = False
         self._broken: str | None = None
         self._next_call = 0
@@ -446,8 +440,6 @@ class CaptureWriter:
                 self._static_cache.clear()
                 self._static_given.clear()
                 self._file.close()
-                if self._hasher is not None:
-                    self._hasher.shutdown(wait=True)
 
     # ----------------------------------------------------------------------------------------- private
 
@@ -473,12 +465,9 @@ class CaptureWriter:
     def _store(self, tensors: _TreeTensors) -> dict[int, dict[str, Any]]:
         """Write the blobs a tree needs; return its storage table (storage id → where its bytes are)."""
         entries: dict[int, dict[str, Any]] = {}
-        digests = self._prehash(tensors)
         for storage_id, use in tensors.uses.items():
             if use.given is not None:
-                entries[storage_id] = self._store_given(
-                    use.given, use.start, use.given_length, digests.get(storage_id)
-                )
+                entries[storage_id] = self._store_given(use.given, use.start, use.given_length)
                 continue
             assert use.tensor is not None
             base = span_start(use.start)
@@ -500,31 +489,7 @@ class CaptureWriter:
             }
         return entries
 
-    def _prehash(self, tensors: _TreeTensors) -> dict[int, Future[bytes]]:
-        """Start hashing a tree's given host bytes on the hash threads (see ``hash_threads``)."""
-        if not self._hash_threads:
-            return {}
-        work: dict[int, torch.Tensor] = {}
-        for storage_id, use in tensors.uses.items():
-            given = use.given
-            if given is None or given.data is None or given.data.device.type != "cpu":
-                continue
-            if given.static_key is not None and given.static_key in self._static_given:
-                continue
-            if given.data.numel() >= 1 << 20:
-                work[storage_id] = given.data
-        if len(work) < 2:
-            return {}
-        if self._hasher is None:
-            self._hasher = ThreadPoolExecutor(self._hash_threads, thread_name_prefix="moereplay-hash")
-        return {
-            storage_id: self._hasher.submit(_digest, data.numpy().data.cast("B"))
-            for storage_id, data in work.items()
-        }
-
-    def _store_given(
-        self, given: TensorBytes, base: int, length: int, hashing: Future[bytes] | None = None
-    ) -> dict[str, Any]:
+    def _store_given(self, given: TensorBytes, base: int, length: int) -> dict[str, Any]:
         key = given.static_key
         cached = self._static_given.get(key) if key is not None else None
         if cached is not None and cached[2] == length:
@@ -533,16 +498,15 @@ class CaptureWriter:
             if given.data is None:
                 raise UnsupportedValueError(f"TensorBytes without data for static key {key!r}")
             host = given.data if given.data.device.type == "cpu" else given.data.cpu()
-            digest, offset = self._blob(host.numpy().data.cast("B"), hashing)
+            digest, offset = self._blob(host.numpy().data.cast("B"))
             if key is not None:
                 self._static_given[key] = (digest, offset, length)
                 self._static_lengths[key] = length
         return {"h": digest, "at": offset, "base": base, "n": length, "dev": given.device}
 
-    def _blob(self, data: memoryview, hashing: Future[bytes] | None = None) -> tuple[bytes, int]:
-        """Hash ``data`` (or take the hash ``hashing`` computes); write it unless this file already holds
-        those bytes. Returns (digest, offset)."""
-        digest = hashing.result() if hashing is not None else _digest(data)
+    def _blob(self, data: memoryview) -> tuple[bytes, int]:
+        """Hash ``data``; write it unless this file already holds those bytes. Returns (digest, offset)."""
+        digest = hashlib.new(BLOB_HASH, data).digest()
         offset = self._blobs.get(digest)
         if offset is None:
             offset = self._sink.write_blob(digest, data)
@@ -573,10 +537,6 @@ class CaptureWriter:
         offset = self._sink.write_document(RecordKind.FOOTER, self._next_call, footer)
         self._sink.write_tail(offset)
         self._file.flush()
-
-
-def _digest(data: memoryview) -> bytes:
-    return hashlib.new(BLOB_HASH, data).digest()
 
 
 def _version_value() -> int:
