@@ -207,7 +207,8 @@ class Recorder(CallHandler):
     ) -> _Plan | None:
         if not self.active:
             return None
-        if self.flight is not None:
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        if self.flight is not None and not capturing:  # its event queries would break the graph capture
             self.flight.poll()
         parents = self._local.parents
         parent = parents[-1] if parents else None
@@ -217,7 +218,7 @@ class Recorder(CallHandler):
             self._sequence += 1
         self.counters.seen += 1
         plan = _Plan(target, where, sequence, recorded=False)
-        if self._cuda and torch.cuda.is_current_stream_capturing():
+        if capturing:
             self.counters.skipped_graph_capture += 1
             if not self._graph_warned:
                 self._graph_warned = True

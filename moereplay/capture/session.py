@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from moereplay.capture.context import process_rank
+from moereplay.capture.graph_gate import GraphGate
+from moereplay.capture.graph_gate import install as install_graph_gate
 from moereplay.capture.patch_points import TARGETS, CaptureTarget, vllm_series_known
 from moereplay.capture.patching import Patcher
 from moereplay.capture.recorder import Recorder
@@ -61,6 +63,10 @@ def default_sink(
     return FormatSink(writer, side_stream=side_stream)
 
 
+def _nothing() -> None:
+    return None
+
+
 @dataclass
 class Session:
     settings: CaptureSettings
@@ -69,6 +75,8 @@ class Session:
     writer: WriterThread
     patcher: Patcher
     pid: int
+    gate: GraphGate | None = None
+    unhook_graphs: Callable[[], None] = _nothing
 
     def close(self) -> None:
         """Stop recording, write what is queued and the footer (counters included), restore nothing."""
@@ -146,6 +154,7 @@ def arm(
         else:
             sink = sink_factory(path, header)
         sink.flush()  # the header is on disk now: the process shows armed even if it is killed later
+        gate = GraphGate()
         writer = WriterThread(
             sink,
             max_calls_queued=settings.queue_calls,
@@ -153,6 +162,7 @@ def arm(
             max_file_bytes=settings.max_bytes,
             on_failure=on_failure,
             poll=None,
+            gate=gate,
         )
         recorder = Recorder(settings, writer)
         recorder_holder.append(recorder)
@@ -161,7 +171,8 @@ def arm(
         writer.extra_counters = recorder.counter_values  # footer gets the recorder's counters too
         patcher = Patcher(targets, recorder)
         patcher.install()
-        session = Session(settings, path, recorder, writer, patcher, pid)
+        unhook_graphs = install_graph_gate(gate)
+        session = Session(settings, path, recorder, writer, patcher, pid, gate, unhook_graphs)
         _session = session
     _report_patch_points(patcher)
     logger.warning("moereplay: capture armed in pid %d → %s (%s)", pid, path, settings.describe())
@@ -201,6 +212,7 @@ def disarm() -> None:
     if session is None:
         return
     session.patcher.uninstall()
+    session.unhook_graphs()
     if session.pid == os.getpid():
         session.close()
 
@@ -215,6 +227,7 @@ def _after_fork_in_child() -> None:
     session.recorder.active = False
     try:
         session.patcher.uninstall()
+        session.unhook_graphs()
         arm()
     except Exception as error:  # never break the child
         logger.error("moereplay: could not re-arm capture after fork: %s", error)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from moereplay.capture.graph_gate import GraphGate
 from moereplay.capture.snapshot import Snapshot
 
 logger = logging.getLogger("moereplay.capture")
@@ -117,7 +118,9 @@ class WriterThread:
         poll: Callable[[], None] | None = None,
         poll_interval: float = 0.005,
         name: str = "moereplay-writer",
+        gate: GraphGate | None = None,
     ) -> None:
+        self._gate = gate
         self._poll = poll
         self._poll_interval = poll_interval
         self.extra_counters: Callable[[], dict[str, int]] | None = None
@@ -242,7 +245,11 @@ class WriterThread:
                 continue
             try:
                 if self._failed is None:
-                    self._write(message)
+                    if self._gate is None:
+                        self._write(message)
+                    else:
+                        with self._gate.device_work():  # never inside another thread's CUDA graph capture
+                            self._write(message)
                 elif isinstance(message, Begin):
                     self.counters.dropped_after_failure += 1
             except OSError as error:
@@ -274,7 +281,11 @@ class WriterThread:
         if self._poll is None or self._failed is not None:
             return
         try:
-            self._poll()
+            if self._gate is None:
+                self._poll()
+            else:
+                with self._gate.device_work():
+                    self._poll()
         except Exception as error:
             self._fail(f"the flight recorder check failed: {type(error).__name__}: {error}")
 
