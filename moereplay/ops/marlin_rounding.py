@@ -22,6 +22,10 @@ just made them), ``|bias|`` (added into one partial) and the row's coefficient.
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
+from typing import Any
+
 import torch
 
 from moereplay.ops.base import Args, ReferenceResult
@@ -32,6 +36,45 @@ from moereplay.reference.tolerance import ErrorAllowance, roundings_of, split_k_
 
 #: The smallest ``thread_k`` any instantiated Marlin MoE tile has (the kernel's own choice is one of them).
 MIN_THREAD_K = 64
+
+#: The tile partial-product magnitudes depend on the input, the weights, which rows each expert computes and the
+#: K tile — not on the moe block size, thread_n, blocks per SM or the reduction mode — so a sweep over launch
+#: configs computes them once per tile. Keyed by tensor identity + version (the tensors are pinned by the entry,
+#: so an id cannot be reused) and the row map's content; a few entries only (they pin the call's weights).
+_MAGNITUDES: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]] = OrderedDict()
+_MAGNITUDES_KEPT = 4
+_WEIGHT_ARGUMENTS = (
+    "input",
+    "b_qweight",
+    "b_scales",
+    "global_scale",
+    "b_qzeros",
+    "g_idx",
+    "perm",
+    "b_q_type",
+)
+
+
+def _magnitudes_key(
+    args: Args,
+    tile: int,
+    live: torch.Tensor,
+    expert_of_row: torch.Tensor,
+    input_row: torch.Tensor,
+    shape: torch.Size,
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    parts: list[Any] = [tile, tuple(shape), bool(args.get("is_zp_float", False)), args.get("size_k")]
+    pins: list[Any] = []
+    for name in _WEIGHT_ARGUMENTS:
+        value = args.get(name)
+        if isinstance(value, torch.Tensor):
+            parts.append((name, id(value), value._version, tuple(value.shape), str(value.dtype)))
+            pins.append(value)
+        else:
+            parts.append((name, repr(value)))
+    row_map = torch.stack([live.to(torch.int64), expert_of_row.to(torch.int64), input_row.to(torch.int64)])
+    parts.append(hashlib.sha256(row_map.cpu().numpy().tobytes()).hexdigest())
+    return tuple(parts), tuple(pins)
 
 
 def reduction_mode(args: Args) -> str | None:
@@ -90,19 +133,28 @@ def marlin_error_allowance(
     expert_of_row = reference.rows.expert.to(device)
     input_row = reference.rows.token.to(device)
     live = written & (expert_of_row >= 0)
-    experts_used = torch.unique(expert_of_row[live])
-    dense = cache.get_each(weights, experts_used)
-    perm = weights.perm if weights.has_act_order else None
-    for index, expert in enumerate(experts_used.tolist()):
-        rows = torch.nonzero(live & (expert_of_row == expert)).reshape(-1)
-        x = input_.index_select(0, input_row[rows].to(input_.device)).to(device, torch.float32)
-        weight = dense[index].to(device)
-        if perm is not None:
-            order = perm[expert].to(device=device, dtype=torch.long)
-            x, weight = x.index_select(1, order), weight.index_select(0, order)
-        magnitudes = split_k_magnitudes(x, weight, tile)
-        total[rows] = magnitudes.total
-        subset[rows] = magnitudes.subset
+    key, pins = _magnitudes_key(args, tile, live, expert_of_row, input_row, output.shape)
+    remembered = _MAGNITUDES.get(key)
+    if remembered is not None:  # another launch config (block size, tile n, reduce mode) of the same product
+        _MAGNITUDES.move_to_end(key)
+        total, subset = remembered[0].clone(), remembered[1].clone()
+    else:
+        experts_used = torch.unique(expert_of_row[live])
+        dense = cache.get_each(weights, experts_used)
+        perm = weights.perm if weights.has_act_order else None
+        for index, expert in enumerate(experts_used.tolist()):
+            rows = torch.nonzero(live & (expert_of_row == expert)).reshape(-1)
+            x = input_.index_select(0, input_row[rows].to(input_.device)).to(device, torch.float32)
+            weight = dense[index].to(device)
+            if perm is not None:
+                order = perm[expert].to(device=device, dtype=torch.long)
+                x, weight = x.index_select(1, order), weight.index_select(0, order)
+            magnitudes = split_k_magnitudes(x, weight, tile)
+            total[rows] = magnitudes.total
+            subset[rows] = magnitudes.subset
+        _MAGNITUDES[key] = (total.clone(), subset.clone(), pins)
+        while len(_MAGNITUDES) > _MAGNITUDES_KEPT:
+            _MAGNITUDES.popitem(last=False)
     bias = reference.terms.get("bias")
     if bias is not None:
         magnitude = bias.to(device, torch.float32).abs()
