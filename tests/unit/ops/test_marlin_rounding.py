@@ -9,11 +9,10 @@ from typing import Any
 import marlin_atomic_emulator
 import pytest
 import torch
+from test_marlin_op import gemm2_call as marlin_op_call
 
 from moereplay.ops import get_op
 from moereplay.ops.marlin_rounding import reduction_mode, tile_k
-from moereplay.reference.marlin_formats import MarlinWeightFormat, random_experts
-from moereplay.reference.moe_align import moe_align_block_size
 
 OP = get_op("moe_wna16_marlin_gemm")
 ATOMIC = "set use_atomic_add=true"
@@ -23,34 +22,9 @@ HALF_REDUCE = "set use_fp32_reduce=false"
 def gemm2_call(
     *, tokens: int = 8, top_k: int = 4, experts: int = 4, k: int = 1024, n: int = 128
 ) -> dict[str, Any]:
-    """A gemm2 call on random NVFP4 experts with float32 routing weights (a correct call)."""
-    generator = torch.Generator().manual_seed(3)
-    packed = random_experts(MarlinWeightFormat.NVFP4, experts, k, n, generator=generator)
-    router = torch.randn(tokens, experts, generator=generator)
-    topk_weights, topk_ids = torch.topk(torch.softmax(router, -1), top_k, dim=-1)
-    sorted_ids, expert_ids, padded = moe_align_block_size(topk_ids.to(torch.int32), 16, experts)
-    rows = tokens * top_k
-    args: dict[str, Any] = dict(packed.kernel_kwargs())
-    args.update(
-        input=torch.randn(rows, k, generator=generator).to(torch.bfloat16),
-        output=torch.zeros(rows, n, dtype=torch.bfloat16),
-        a_scales=None,
-        workspace=torch.zeros(132 * 4, dtype=torch.int32),
-        sorted_token_ids=sorted_ids,
-        expert_ids=expert_ids,
-        num_tokens_past_padded=padded,
-        topk_weights=topk_weights.reshape(-1).to(torch.float32),
-        moe_block_size=16,
-        top_k=1,
-        mul_topk_weights=True,
-        size_m=rows,
-        is_k_full=True,
-        use_atomic_add=False,
-        use_fp32_reduce=True,
-        thread_k=-1,
-        thread_n=-1,
-        blocks_per_sm=-1,
-    )
+    """A correct gemm2 call on random NVFP4 experts with float32 routing weights (test_marlin_op's builder)."""
+    args = marlin_op_call(tokens=tokens, top_k=top_k, experts=experts, k=k, n=n, seed=3)
+    args["topk_weights"] = args["topk_weights"].reshape(-1)
     return args
 
 
