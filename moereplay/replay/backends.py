@@ -99,6 +99,22 @@ class ModuleBackend:
     def module(self, name: str) -> types.ModuleType:
         return self.importer(name)
 
+    @classmethod
+    def of_modules(
+        cls, name: str, device: torch.device | str, modules: Mapping[str, types.ModuleType]
+    ) -> ModuleBackend:
+        """A backend serving exactly ``modules`` by name (``python:`` backends of stand-in kernels); any other
+        name raises ``ImportError``, as a missing library module would."""
+        table = dict(modules)
+
+        def importer(module_name: str) -> types.ModuleType:
+            try:
+                return table[module_name]
+            except KeyError:
+                raise ImportError(module_name) from None
+
+        return cls(name, torch.device(device), importer)
+
 
 def load_backend(spec: BackendSpec, device: torch.device | str) -> KernelBackend:
     """Make ``spec`` usable in this process. The reference spec has no kernel: asking for one is a bug."""

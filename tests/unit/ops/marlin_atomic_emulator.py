@@ -95,10 +95,4 @@ def backend(device: torch.device, name: str) -> KernelBackend:
     scalar_type = types.ModuleType("vllm.scalar_type")
     scalar_type.ScalarType = ScalarType  # type: ignore[attr-defined]
     modules = {"vllm._custom_ops": ops, "vllm.scalar_type": scalar_type}
-
-    def importer(module_name: str) -> types.ModuleType:
-        if module_name not in modules:
-            raise ImportError(module_name)
-        return modules[module_name]
-
-    return ModuleBackend("marlin-atomic-emulator", torch.device(device), importer)
+    return ModuleBackend.of_modules("marlin-atomic-emulator", device, modules)

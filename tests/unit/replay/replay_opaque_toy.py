@@ -200,13 +200,7 @@ def backend(device: torch.device, name: str) -> KernelBackend:
     kernel_name = name or "unmasked"
     module = types.ModuleType("toy_boxed_kernels")
     module.boxed_scales = lambda args: _kernel(kernel_name, args)  # type: ignore[attr-defined]
-
-    def importer(module_name: str) -> types.ModuleType:
-        if module_name != "toy_boxed_kernels":
-            raise ImportError(module_name)
-        return module
-
-    return ModuleBackend(f"toy-boxed:{kernel_name}", torch.device(device), importer)
+    return ModuleBackend.of_modules(f"toy-boxed:{kernel_name}", device, {"toy_boxed_kernels": module})
 
 
 def make_args(*, rows: int = 6, k: int = 8, n: int = 5, extra: int = 4, seed: int = 0) -> dict[str, Any]:

@@ -156,13 +156,7 @@ def backend(device: torch.device, name: str) -> KernelBackend:
     kernel_name = name or "correct"
     module = types.ModuleType("toy_kernels")
     module.scaled_rows = lambda args: _kernel(kernel_name, args)  # type: ignore[attr-defined]
-
-    def importer(module_name: str) -> types.ModuleType:
-        if module_name != "toy_kernels":
-            raise ImportError(module_name)
-        return module
-
-    return ModuleBackend(f"toy:{kernel_name}", torch.device(device), importer)
+    return ModuleBackend.of_modules(f"toy:{kernel_name}", device, {"toy_kernels": module})
 
 
 def make_args(

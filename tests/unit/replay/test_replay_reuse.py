@@ -44,13 +44,7 @@ def _scribbling_kernel(args: dict[str, Any]) -> torch.Tensor:
 def backend(device: torch.device, name: str) -> KernelBackend:
     module = types.ModuleType("toy_kernels")
     module.scaled_rows = _scribbling_kernel  # type: ignore[attr-defined]
-
-    def importer(module_name: str) -> types.ModuleType:
-        if module_name != "toy_kernels":
-            raise ImportError(module_name)
-        return module
-
-    return ModuleBackend("toy:scribble", torch.device(device), importer)
+    return ModuleBackend.of_modules("toy:scribble", device, {"toy_kernels": module})
 
 
 def capture(tmp_path: Path, name: str = "toy.moe.zst", **settings: Any) -> Path:
