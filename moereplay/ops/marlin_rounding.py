@@ -137,7 +137,7 @@ def marlin_error_allowance(
     remembered = _MAGNITUDES.get(key)
     if remembered is not None:  # another launch config (block size, tile n, reduce mode) of the same product
         _MAGNITUDES.move_to_end(key)
-        total, subset = remembered[0].clone(), remembered[1].clone()
+        total, subset = remembered[0], remembered[1]  # read only below: bias and bound make new tensors
     else:
         experts_used = torch.unique(expert_of_row[live])
         dense = cache.get_each(weights, experts_used)
@@ -152,7 +152,7 @@ def marlin_error_allowance(
             magnitudes = split_k_magnitudes(x, weight, tile)
             total[rows] = magnitudes.total
             subset[rows] = magnitudes.subset
-        _MAGNITUDES[key] = (total.clone(), subset.clone(), pins)
+        _MAGNITUDES[key] = (total, subset, pins)
         while len(_MAGNITUDES) > _MAGNITUDES_KEPT:
             _MAGNITUDES.popitem(last=False)
     bias = reference.terms.get("bias")
