@@ -126,6 +126,7 @@ class WriterThread:
         self.extra_counters: Callable[[], dict[str, int]] | None = None
         self.sink = sink
         self.counters = Counters()
+        self.seconds = {"wait": 0.0, "sink": 0.0}  # writer-thread time: waiting for copies, writing the file
         self.max_calls_queued = max_calls_queued
         self.max_bytes_queued = max_bytes_queued
         self.max_file_bytes = max_file_bytes
@@ -295,9 +296,13 @@ class WriterThread:
                 self.counters.dropped_max_bytes += 1
                 self._fail(f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}")
                 return
+            started = time.perf_counter()
             message.snapshot.wait()
+            waited = time.perf_counter()
             parent = None if message.parent_sequence is None else self._indices.get(message.parent_sequence)
             index = self.sink.begin(message, parent)
+            self.seconds["wait"] += waited - started
+            self.seconds["sink"] += time.perf_counter() - waited
             self._indices[message.sequence] = index
             self.counters.recorded += 1
             self.counters.copied_bytes += message.nbytes
@@ -305,8 +310,10 @@ class WriterThread:
         index_or_none = self._indices.pop(message.sequence, None)
         if index_or_none is None:
             return
+        started = time.perf_counter()
         if message.outputs is not None:
             message.outputs.wait()
+        self.seconds["wait"] += time.perf_counter() - started
         if message.device_timing is not None:
             start, end = message.device_timing
             end.synchronize()
@@ -315,7 +322,9 @@ class WriterThread:
             self.counters.outputs_dropped += 1
             self._fail(f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}")
             return
+        started = time.perf_counter()
         self.sink.complete(index_or_none, message)
+        self.seconds["sink"] += time.perf_counter() - started
         self.counters.completed += 1
         self.counters.copied_bytes += message.nbytes
 

@@ -299,6 +299,11 @@ class CaptureWriter:
         """Size of the file so far, in bytes (records handed to the file object, flushed or not)."""
         return self._sink.position
 
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Cumulative seconds spent hashing, compressing and writing blobs and records (for benchmarks)."""
+        return dict(self._sink.seconds)
+
     def begin_call(
         self,
         op: str,
@@ -506,7 +511,9 @@ class CaptureWriter:
 
     def _blob(self, data: memoryview) -> tuple[bytes, int]:
         """Hash ``data``; write it unless this file already holds those bytes. Returns (digest, offset)."""
+        started = time.perf_counter()
         digest = hashlib.new(BLOB_HASH, data).digest()
+        self._sink.seconds["hash"] = self._sink.seconds.get("hash", 0.0) + time.perf_counter() - started
         offset = self._blobs.get(digest)
         if offset is None:
             offset = self._sink.write_blob(digest, data)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -440,8 +441,10 @@ class ReplaySession:
                 variant,
                 f"output shape {tuple(actual.shape)} differs from the reference's {tuple(reference.output.shape)}",
             )[0]
+        phases = self.phases
         try:  # a launch that rounds partial sums to 16 bits is judged beyond its rounding bound
-            allowance = self.allowance_for(args, reference, actual.dtype)
+            with phases.phase("judge/allowance"):
+                allowance = self.allowance_for(args, reference, actual.dtype)
             profile = profile_for(actual.dtype) if allowance is None else allowance.profile(actual.dtype)
             absolute = None if allowance is None else allowance.absolute
 
@@ -450,7 +453,8 @@ class ReplaySession:
                     output, reference.output, rows_mask=reference.written, profile=profile, allowance=absolute
                 )
 
-            comparison = judged(actual)
+            with phases.phase("judge/compare"):
+                comparison = judged(actual)
         except ReferenceError_ as error:
             return self._invalid(variant, f"cannot compare: {error}")[0]
         damage = run.damage if run is not None else ()
@@ -467,7 +471,8 @@ class ReplaySession:
         bit_exact = None
         captured = self.call.captured_output
         if run is not None and captured is not None:
-            bit_exact = written_bytes_equal(actual, captured, reference.written)
+            with phases.phase("judge/bit_exact"):
+                bit_exact = written_bytes_equal(actual, captured, reference.written)
         result = VariantResult(
             label=label,
             mutations=variant.specs,
@@ -485,6 +490,7 @@ class ReplaySession:
             tolerance=f"{comparison.tolerance.name} max {comparison.tolerance.max_rel:g} rms {comparison.tolerance.rms_rel:g}",
         )
         findings: list[Finding] = []
+        localizing = time.perf_counter()
         bad = list(comparison.bad_rows)
         corrupt = localize.corrupt_rows(
             bad, reference.written, reference.rows, actual, label, row_max_rel=comparison.row_max_rel
@@ -509,6 +515,7 @@ class ReplaySession:
         if repeats is not None:
             findings.append(repeats)
         findings.extend(localize.guard_damage(damage, label))
+        phases.add("judge/localize", time.perf_counter() - localizing)
         if bad and not is_fill_only(variant):  # a fill variant's story is told by the over-read analysis
             findings.extend(
                 decompose(

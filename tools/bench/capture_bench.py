@@ -91,6 +91,9 @@ def main() -> int:
     parser.add_argument("--compression", default="1:0,1:8", help="LEVEL:THREADS of each full-capture run")
     parser.add_argument("--sizes", default="1,8,64,2048")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile the first M's flight-armed loop; print writer phases"
+    )
     options = parser.parse_args()
     compression = parse_compression(options.compression)
     sizes = [int(m) for m in options.sizes.split(",")]
@@ -142,10 +145,27 @@ def main() -> int:
             }
             session = session_module.arm(env)
             assert session is not None
+            profiler = None
+            if options.profile and mode == "flight" and m == sizes[0]:
+                import cProfile
+
+                profiler = cProfile.Profile()
+                profiler.enable()
             started = time.perf_counter()
             per_call = timed(call, iterations)
+            if profiler is not None:
+                profiler.disable()
             assert session.flush(timeout=900)
             drained = time.perf_counter() - started
+            if profiler is not None:
+                import pstats
+
+                print(f"--- cProfile of the serving thread, flight recorder armed, M={m}, {iterations} calls")
+                pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+            if mode.startswith("full"):
+                phases = dict(session.writer.seconds)
+                phases.update(session.writer.sink.writer.phase_seconds)
+                result[f"{mode} writer s"] = {key: round(value, 3) for key, value in phases.items()}
             writer = session.writer.counters
             recorder = session.recorder.counters
             disabled = session.recorder.disabled_reason

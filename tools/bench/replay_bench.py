@@ -134,7 +134,9 @@ def print_phases(title: str, phases: dict[str, float] | Any, wall_s: float | Non
     if "kernel_roundtrip" in rows:
         rows["ipc (roundtrip - worker.*)"] = rows["kernel_roundtrip"] - worker
     if wall_s is not None:
-        accounted = sum(seconds for name, seconds in phases.items() if not name.startswith("worker."))
+        accounted = sum(
+            seconds for name, seconds in phases.items() if not name.startswith("worker.") and "/" not in name
+        )  # judge/* are parts of judge
         rows["unaccounted"] = wall_s - accounted
     print(f"{title}: where the time went ({evaluations} evaluations)")
     for name, seconds in rows.items():
