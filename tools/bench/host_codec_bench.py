@@ -64,8 +64,8 @@ def main() -> int:
             rate(
                 f"zstd level {level} (4 MiB frames, {options.threads} py threads)",
                 nbytes,
-                lambda single=single: list(
-                    pool.map(lambda p: zstandard.ZstdCompressor(level=level).compress(p), pieces)
+                lambda level=level: list(
+                    pool.map(lambda p, level=level: zstandard.ZstdCompressor(level=level).compress(p), pieces)
                 ),
             )
     for level in (1, -1, -5):
