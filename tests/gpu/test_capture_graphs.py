@@ -72,6 +72,7 @@ def test_a_graph_captured_while_the_writer_is_busy_succeeds(
         "MOEREPLAY_CAPTURE": "1",
         "MOEREPLAY_DIR": str(tmp_path / "captures"),
         "MOEREPLAY_TRIGGER": trigger,
+        "MOEREPLAY_QUEUE_CALLS": "100000",  # 40 eager layers queue 240 messages: keep them all (default 64 drops)
     }
     session = session_module.arm(env, targets=TARGETS)
     assert session is not None and session.gate is not None
@@ -99,6 +100,7 @@ def test_a_graph_captured_while_the_writer_is_busy_succeeds(
     assert session.recorder.active, session.recorder.disabled_reason
     assert session.flush(timeout=120)
     print(f"\n{trigger}: gate waits {session.gate.waits}, timeouts {session.gate.timeouts}")
+    assert session.writer.counters.dropped_queue_full == session.writer.counters.outputs_dropped == 0
     session_module.disarm()
     with CaptureReader(session.path) as reader:
         layers = [record for record in reader.calls() if record.op == "layer"]
