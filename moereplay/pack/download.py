@@ -54,6 +54,9 @@ VLLM_IMPORT_REQUIREMENTS: tuple[str, ...] = (
     "httpcore2==2.16.2",
     "truststore==0.10.5",
     "sniffio==1.3.1",
+    # vLLM's general-plugin loader imports its LoRA resolver plugins, which import msgspec; without it every
+    # plugin load (the capture plugin's too) logs two import tracebacks (seen on the H200, 2026-12-02)
+    "msgspec==0.23.0",
 )
 
 #: moereplay's own runtime needs that the GPU machine lacks (its image has msgpack, typer, rich, click, numpy).

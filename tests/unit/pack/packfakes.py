@@ -154,6 +154,7 @@ EXTRA_WHEELS: tuple[tuple[str, str], ...] = (
     ("httpcore2-2.16.2-py3-none-any.whl", "httpcore2/__init__.py"),
     ("truststore-0.10.5-py3-none-any.whl", "truststore/__init__.py"),
     ("sniffio-1.3.1-py3-none-any.whl", "sniffio/__init__.py"),
+    ("msgspec-0.23.0-cp312-cp312-manylinux_2_17_x86_64.whl", "msgspec/__init__.py"),
     ("zstandard-0.25.0-cp312-cp312-manylinux_2_17_x86_64.whl", "zstandard/__init__.py"),
 )
 
