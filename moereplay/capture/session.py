@@ -59,6 +59,7 @@ def default_sink(
         header,
         compression_level=settings.compression_level,
         compression_threads=settings.compression_threads,
+        workers=settings.resolved_writer_threads(),
     )
     return FormatSink(writer, side_stream=side_stream)
 

@@ -26,14 +26,18 @@ Variables (all optional; every value is validated, a malformed one raises :class
 ``MOEREPLAY_QUEUE_CALLS``  writer queue depth in calls (default 64); a full queue drops and counts
 ``MOEREPLAY_QUEUE_BYTES``  host memory the writer queue may hold (default 2G); past it: drop and count
 ``MOEREPLAY_COMPRESSION_LEVEL``    zstd level of the file (default 1; -5 … 22)
-``MOEREPLAY_COMPRESSION_THREADS``  zstd worker threads for tensor bytes (default 0: the writer thread compresses
-                           alone; -1: one per CPU)
+``MOEREPLAY_COMPRESSION_THREADS``  zstd worker threads inside each tensor blob's frame (default 0; -1: one per
+                           CPU)
+``MOEREPLAY_WRITER_THREADS``  threads that hash and compress tensor blobs (default -1: half the CPUs, at most 8;
+                           0: the writer thread alone, one blob after the other)
 =========================  =================================================================================
 
-Compression: the writer thread hashes (sha256, for deduplication) and compresses every tensor span it stores, one
-after the other, so its sustained rate is bounded by both. bf16 activations compress to ~78 % at zstd level 1 and
-at level 3 alike, level 1 being ~1.3× faster; worker threads parallelise the compression (not the hash) at the
-cost of CPU taken from the serving process.
+Compression: every tensor span stored is hashed (sha256, for deduplication) and compressed into one zstd frame.
+With writer threads (the default) the blobs of the calls waiting in the queue are hashed and compressed several at
+once, ahead of the writer thread, which only writes the finished frames in order; without, the writer thread does
+it all, one blob after the other, at about the rate of sha256 and zstd on one core together. bf16 activations
+compress to ~78 % at zstd level 1 and at level 3 alike, level 1 being ~1.3× faster. Both kinds of threads take CPU
+from the serving process.
 
 Flight recorder: every selected call's inputs and outputs are kept in a bounded ring *on the device*; each
 output's largest magnitude is reduced on the device and checked asynchronously (no host sync). Only when an
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import enum
 import fnmatch
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -79,6 +84,7 @@ KNOWN_VARIABLES = (
     "QUEUE_BYTES",
     "COMPRESSION_LEVEL",
     "COMPRESSION_THREADS",
+    "WRITER_THREADS",
 )
 
 
@@ -161,6 +167,7 @@ class CaptureSettings:
     queue_bytes: int = 2 << 30
     compression_level: int = 1
     compression_threads: int = 0
+    writer_threads: int = -1
 
     def __post_init__(self) -> None:
         for name in ("max_calls", "max_bytes", "per_shape"):
@@ -176,6 +183,14 @@ class CaptureSettings:
             raise ValueError("absmax must be > 0")
         if not -5 <= self.compression_level <= 22 or self.compression_threads < -1:
             raise ValueError("compression_level must be in [-5, 22] and compression_threads >= -1")
+        if self.writer_threads < -1:
+            raise ValueError("writer_threads must be >= -1")
+
+    def resolved_writer_threads(self) -> int:
+        """``writer_threads`` with -1 replaced by the default for this machine (half the CPUs, at most 8)."""
+        if self.writer_threads >= 0:
+            return self.writer_threads
+        return max(1, min(8, (os.cpu_count() or 2) // 2))
 
     def op_selected(self, op: str) -> bool:
         """Whether calls of ``op`` are recorded at all (include patterns, then exclude patterns)."""
@@ -212,6 +227,7 @@ class CaptureSettings:
         parts.append(f"zstd={self.compression_level}")
         if self.compression_threads:
             parts.append(f"zstd_threads={self.compression_threads}")
+        parts.append(f"writer_threads={self.resolved_writer_threads()}")
         return " ".join(parts)
 
 
@@ -409,6 +425,8 @@ def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None
         values["compression_level"] = parse_int_range("COMPRESSION_LEVEL", text, -5, 22)
     if (text := get("COMPRESSION_THREADS")) is not None:
         values["compression_threads"] = parse_int_range("COMPRESSION_THREADS", text, -1, 256)
+    if (text := get("WRITER_THREADS")) is not None:
+        values["writer_threads"] = parse_int_range("WRITER_THREADS", text, -1, 256)
     return CaptureSettings(**values)  # type: ignore[arg-type]
 
 

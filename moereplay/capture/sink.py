@@ -3,14 +3,19 @@
 Runs on the writer thread only. Copied tensors become host tensor views; static tensors are handed to the file
 writer live, with their argument names as ``static=`` so it copies each weight once per file (by identity).
 On CUDA those first copies run on a side stream of the writer thread, never on the serving stream.
+
+``prefetch`` hands a queued message's host copies to the file writer's worker pool (``CaptureWriter.prefetch``)
+before the message is written; ``materialize`` keeps the very same data tensors, which is how the writer finds the
+work again. ``release`` drops what the message did not use (it was not written, or its storages were deduplicated).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from moereplay.capture.snapshot import materialize
+from moereplay.capture.snapshot import TensorCopy, materialize
 from moereplay.capture.writer_thread import Begin, Complete
+from moereplay.format.schema import CodecValue
 
 
 class FormatSink:
@@ -19,6 +24,7 @@ class FormatSink:
     def __init__(self, writer: Any, *, side_stream: Any = None) -> None:
         self.writer = writer
         self._side_stream = side_stream
+        self._prefetched: dict[int, list[Any]] = {}  # id(message) -> data tensors handed to the writer
 
     def _on_side_stream(self, action: Any) -> Any:
         if self._side_stream is None:
@@ -51,6 +57,23 @@ class FormatSink:
             )
         )
 
+    def prefetch(self, message: Begin | Complete) -> None:
+        """Start hashing and compressing ``message``'s host copies on the writer's pool (copies must have landed)."""
+        start = getattr(self.writer, "prefetch", None)
+        copies = message.snapshot if isinstance(message, Begin) else message.outputs
+        if start is None or copies is None or id(message) in self._prefetched:
+            return
+        started: list[Any] = []
+        for data in _copied_data(copies.tree):
+            if start(data):
+                started.append(data)
+        self._prefetched[id(message)] = started
+
+    def release(self, message: Begin | Complete) -> None:
+        """Drop prefetched work ``message`` did not use."""
+        for data in self._prefetched.pop(id(message), ()):
+            self.writer.forget(data)
+
     def bytes_written(self) -> int:
         return int(self.writer.bytes_written)
 
@@ -60,3 +83,21 @@ class FormatSink:
 
     def close(self, counters: dict[str, int]) -> None:
         self.writer.close(counters=counters)
+
+
+def _copied_data(tree: Any) -> list[Any]:
+    """The distinct host data tensors of the :class:`TensorCopy` leaves of a snapshot tree, in tree order."""
+    found: dict[int, Any] = {}
+    stack = [tree]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, TensorCopy):
+            if value.data.device.type == "cpu":
+                found.setdefault(id(value.data), value.data)
+        elif type(value) is dict:
+            stack.extend(reversed(list(value.values())))
+        elif type(value) in (list, tuple):
+            stack.extend(reversed(value))
+        elif isinstance(value, CodecValue):
+            stack.append(value.value)
+    return list(found.values())

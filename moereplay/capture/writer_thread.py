@@ -9,6 +9,11 @@ counted, the file keeps every whole record written so far, and the failure is re
 the file is flushed to the operating system, so a process killed without running its exit handlers (vLLM ends
 its engine and worker processes that way) still leaves every record written before its last idle moment.
 
+Look-ahead: before writing a message the thread offers the messages queued behind it whose copies have landed
+(their CUDA event has completed: a non-blocking query, inside the graph gate like every CUDA call of this
+thread) to the sink's ``prefetch``, at most ``prefetch_bytes`` of copied tensors ahead, so the file writer's pool
+hashes and compresses them while earlier records are written. ``release`` gives back what a message did not use.
+
 Messages (in queue order, so a parent's begin precedes its children's):
 
 - :class:`Begin`: a call's inputs (file status ``inputs_saved``); its ``sequence`` names it for later messages;
@@ -19,11 +24,12 @@ Messages (in queue order, so a parent's begin precedes its children's):
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Protocol
 
 from moereplay.capture.graph_gate import GraphGate
@@ -44,6 +50,14 @@ class RecordSink(Protocol):
     def flush(self) -> None: ...
 
     def close(self, counters: dict[str, int]) -> None: ...
+
+
+class PrefetchingSink(RecordSink, Protocol):
+    """A sink that can start work on a queued message early (optional: the thread checks with ``hasattr``)."""
+
+    def prefetch(self, message: Begin | Complete) -> None: ...
+
+    def release(self, message: Begin | Complete) -> None: ...
 
 
 @dataclass
@@ -85,6 +99,12 @@ class Barrier:
 
 Message = Begin | Complete | Barrier
 
+DEFAULT_PREFETCH_BYTES = 1 << 30
+"""Copied bytes of queued messages the thread may hand to the sink's ``prefetch`` ahead of writing them (their
+compressed frames wait in host memory until written)."""
+_PREFETCH_MESSAGES = 32
+_EMPTY = object()
+
 
 @dataclass
 class Counters:
@@ -119,6 +139,7 @@ class WriterThread:
         poll_interval: float = 0.005,
         name: str = "moereplay-writer",
         gate: GraphGate | None = None,
+        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
     ) -> None:
         self._gate = gate
         self._poll = poll
@@ -126,12 +147,17 @@ class WriterThread:
         self.extra_counters: Callable[[], dict[str, int]] | None = None
         self.sink = sink
         self.counters = Counters()
-        self.seconds = {"wait": 0.0, "sink": 0.0}  # writer-thread time: waiting for copies, writing the file
+        # writer-thread time: waiting for copies, writing the file, looking ahead (prefetch)
+        self.seconds = {"wait": 0.0, "sink": 0.0, "prefetch": 0.0}
         self.max_calls_queued = max_calls_queued
         self.max_bytes_queued = max_bytes_queued
         self.max_file_bytes = max_file_bytes
         self._on_failure = on_failure
-        self._queue: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self._queue: deque[Message | None] = deque()
+        self._ready = threading.Condition()
+        self.prefetch_bytes = prefetch_bytes
+        self._prefetched: dict[int, int] = {}  # id(message) -> its bytes, for messages handed to prefetch
+        self._prefetched_bytes = 0
         self._lock = threading.Lock()
         self._queued_calls = 0
         self._queued_bytes = 0
@@ -185,7 +211,7 @@ class WriterThread:
             if not accepted and isinstance(message, Begin):
                 self._dropped_sequences.add(message.sequence)
         if accepted:
-            self._queue.put(message)
+            self._put(message)
         return accepted
 
     def set_poll(self, poll: Callable[[], None]) -> None:
@@ -202,7 +228,7 @@ class WriterThread:
         if self._closed or not self._thread.is_alive():
             return True
         barrier = Barrier()
-        self._queue.put(barrier)
+        self._put(barrier)
         return barrier.done.wait(timeout)
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -211,11 +237,23 @@ class WriterThread:
             if self._stopping:
                 return
             self._stopping = True
-        self._queue.put(None)
+        self._put(None)
         self._thread.join(timeout)
         self._closed = True
 
+    def _put(self, item: Message | None) -> None:
+        with self._ready:
+            self._queue.append(item)
+            self._ready.notify()
+
     # --- consumer side (writer thread) ----------------------------------------------------------------------
+
+    def _get(self, timeout: float | None) -> Message | object | None:
+        """The next queued item, or ``_EMPTY`` after ``timeout`` seconds without one."""
+        with self._ready:
+            if not self._ready.wait_for(lambda: self._queue, timeout):
+                return _EMPTY
+            return self._queue.popleft()
 
     def _fail(self, reason: str) -> None:
         with self._lock:
@@ -230,22 +268,20 @@ class WriterThread:
 
     def _run(self) -> None:
         while True:
-            if self._poll is None:
-                message = self._queue.get()
-            else:
-                try:
-                    message = self._queue.get(timeout=self._poll_interval)
-                except queue.Empty:
-                    self._run_poll()
-                    continue
-            if message is None:
+            item = self._get(None if self._poll is None else self._poll_interval)
+            if item is _EMPTY:
+                self._run_poll()
+                continue
+            if item is None:
                 break
+            message: Message = item  # type: ignore[assignment]
             if isinstance(message, Barrier):
                 self._flush_sink()
                 message.done.set()
                 continue
             try:
                 if self._failed is None:
+                    self._prefetch_ahead(message)
                     if self._gate is None:
                         self._write(message)
                     else:
@@ -262,12 +298,57 @@ class WriterThread:
                     f"recording a {type(message).__name__.lower()} failed: {type(error).__name__}: {error}"
                 )
             finally:
+                self._release(message)
                 with self._lock:
                     self._queued_calls -= 1
                     self._queued_bytes -= message.nbytes
-            if self._queue.empty():
+            if not self._queue:
                 self._flush_sink()
         self._finish()
+
+    def _prefetch_ahead(self, current: Begin | Complete) -> None:
+        """Hand ``current`` and the messages queued behind it whose copies are done to the sink's prefetch, in
+        queue order, within ``prefetch_bytes`` (see the module docstring)."""
+        prefetch = getattr(self.sink, "prefetch", None)
+        if prefetch is None or self.prefetch_bytes <= 0:
+            return
+        started = time.perf_counter()
+        with self._ready:
+            ahead = list(islice(self._queue, _PREFETCH_MESSAGES))
+        for item in [current, *ahead]:
+            if item is None or isinstance(item, Barrier):
+                continue
+            if id(item) in self._prefetched:
+                continue
+            copies = item.snapshot if isinstance(item, Begin) else item.outputs
+            if copies is None or not item.nbytes:
+                continue
+            if item is not current and self._prefetched_bytes + item.nbytes > self.prefetch_bytes:
+                break
+            if copies.event is not None:
+                if self._gate is None:
+                    landed = bool(copies.event.query())
+                else:
+                    with self._gate.device_work():  # never inside another thread's CUDA graph capture
+                        landed = bool(copies.event.query())
+                if not landed:
+                    break  # later messages were copied later: keep the order
+            self._prefetched[id(item)] = item.nbytes
+            self._prefetched_bytes += item.nbytes
+            prefetch(item)
+        self.seconds["prefetch"] += time.perf_counter() - started
+
+    def _release(self, message: Begin | Complete) -> None:
+        nbytes = self._prefetched.pop(id(message), None)
+        if nbytes is None:
+            return
+        self._prefetched_bytes -= nbytes
+        release = getattr(self.sink, "release", None)
+        if release is not None:
+            try:
+                release(message)
+            except Exception:
+                logger.exception("moereplay: releasing prefetched capture work failed")
 
     def _flush_sink(self) -> None:
         if self._failed is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -120,11 +121,83 @@ class ReadLimits:
             raise ValueError("read limits must be positive")
 
 
+@dataclass(frozen=True)
+class EncodedBlob:
+    """A blob record's zstd frame, compressed ahead of writing: ``pieces`` concatenated are the frame.
+
+    The frame is a pure function of (digest, bytes, compression level): it can be made on any thread, before
+    the record's offset in the file is known, and written later by :meth:`FrameSink.write_encoded`.
+    """
+
+    digest: bytes
+    length: int
+    pieces: tuple[bytes, ...]
+
+    @property
+    def frame_length(self) -> int:
+        return sum(len(piece) for piece in self.pieces)
+
+
+class BlobEncoder:
+    """Compresses blob documents ``{"h": digest, "n": length, "d": bytes}`` into one zstd frame each.
+
+    Thread-safe: every thread gets its own compressor (``zstandard`` compressors must not be shared by threads
+    running at once), so a pool of threads can compress several blobs at once; zstd releases the GIL while it
+    works. ``threads``: zstd worker threads inside each frame (0: none; -1: one per CPU). ``seconds``: cumulative
+    seconds spent compressing, summed over the threads that did it (CPU-seconds, not wall time).
+    """
+
+    def __init__(self, compression_level: int, threads: int = 0) -> None:
+        self.level = compression_level
+        self.threads = threads
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.seconds = 0.0
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        engine = getattr(self._local, "compressor", None)
+        if engine is None:
+            engine = zstandard.ZstdCompressor(
+                level=self.level, write_checksum=True, write_content_size=True, threads=self.threads
+            )
+            self._local.compressor = engine
+        return engine
+
+    def encode(self, digest: bytes, data: memoryview) -> EncodedBlob:
+        """The frame of ``data``'s blob record. ``d`` is one msgpack bin, or for blobs over 4 GiB (msgpack's bin
+        limit) an array of bins of :data:`BLOB_CHUNK` bytes. Streams from ``data``: no copy of the input."""
+        length = data.nbytes
+        packer = msgpack.Packer(use_bin_type=True)
+        prefix = packer.pack_map_header(3) + packer.pack("h") + packer.pack(digest)
+        prefix += packer.pack("n") + packer.pack(length) + packer.pack("d")
+        chunk = length if length <= _BIN_MAX else BLOB_CHUNK
+        if chunk != length:
+            prefix += packer.pack_array_header(-(-length // chunk))
+        chunks: list[tuple[bytes, memoryview]] = []
+        for start in range(0, max(length, 1), max(chunk, 1)):
+            piece = data[start : start + chunk]
+            chunks.append((_bin_header(piece.nbytes), piece))
+        total = len(prefix) + sum(len(header) + piece.nbytes for header, piece in chunks)
+        started = time.perf_counter()
+        stream = self._compressor().compressobj(size=total)
+        pieces = [stream.compress(prefix)]
+        for header, piece in chunks:
+            pieces.append(stream.compress(header))
+            pieces.append(stream.compress(piece))  # one call: zstd's worker threads see the whole input
+        pieces.append(stream.flush())
+        elapsed = time.perf_counter() - started
+        with self._lock:
+            self.seconds += elapsed
+        return EncodedBlob(digest, length, tuple(piece for piece in pieces if piece))
+
+
 class FrameSink:
     """Appends records to an open binary file and tracks the offset of the next one.
 
     Cost: one zstd compression per record (metadata frames are small; blob frames are streamed from the
-    caller's buffer without an extra copy) and one ``write`` per piece.
+    caller's buffer without an extra copy, or compressed beforehand on other threads through ``encoder``) and
+    one ``write`` per piece. ``seconds``: cumulative ``write`` (this thread) and ``compress`` (CPU-seconds of
+    every thread that compressed blobs for this sink) seconds, for benchmarks.
     """
 
     def __init__(self, file: IO[bytes], compression_level: int, compression_threads: int = 0) -> None:
@@ -132,23 +205,20 @@ class FrameSink:
         self._compressor = zstandard.ZstdCompressor(
             level=compression_level, write_checksum=True, write_content_size=True
         )
-        self._blob_compressor = (
-            zstandard.ZstdCompressor(
-                level=compression_level,
-                write_checksum=True,
-                write_content_size=True,
-                threads=compression_threads,
-            )
-            if compression_threads
-            else self._compressor
-        )
+        self.encoder = BlobEncoder(compression_level, compression_threads)
         self.position = 0
-        self.seconds = {"compress": 0.0, "write": 0.0}  # cumulative (benchmarks print where the time went)
+        self._write_seconds = 0.0
+        self.extra_seconds: dict[str, float] = {}
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Where the time went (cumulative): ``compress`` (CPU-seconds), ``write`` and any ``extra_seconds``."""
+        return {"compress": self.encoder.seconds, "write": self._write_seconds, **self.extra_seconds}
 
     def _write(self, data: bytes | memoryview) -> None:
         started = time.perf_counter()
         self._file.write(data)
-        self.seconds["write"] += time.perf_counter() - started
+        self._write_seconds += time.perf_counter() - started
         self.position += len(data)
 
     def write_document(self, kind: RecordKind, value: int, document: Any) -> int:
@@ -160,37 +230,16 @@ class FrameSink:
         return offset
 
     def write_blob(self, digest: bytes, data: memoryview) -> int:
-        """Write a blob record ``{"h": digest, "n": length, "d": bytes}``; return its offset.
+        """Write a blob record ``{"h": digest, "n": length, "d": bytes}``; return its offset (see
+        :meth:`BlobEncoder.encode`)."""
+        return self.write_encoded(self.encoder.encode(digest, data))
 
-        ``d`` is one msgpack bin, or for blobs over 4 GiB (msgpack's bin limit) an array of bins of
-        :data:`BLOB_CHUNK` bytes. The bytes are streamed into one zstd frame without an extra copy.
-        """
-        length = data.nbytes
-        packer = msgpack.Packer(use_bin_type=True)
-        prefix = packer.pack_map_header(3) + packer.pack("h") + packer.pack(digest)
-        prefix += packer.pack("n") + packer.pack(length) + packer.pack("d")
-        chunk = length if length <= _BIN_MAX else BLOB_CHUNK
-        if chunk != length:
-            prefix += packer.pack_array_header(-(-length // chunk))
-        pieces: list[tuple[bytes, memoryview]] = []
-        for start in range(0, max(length, 1), max(chunk, 1)):
-            piece = data[start : start + chunk]
-            pieces.append((_bin_header(piece.nbytes), piece))
-        total = len(prefix) + sum(len(header) + piece.nbytes for header, piece in pieces)
-        started = time.perf_counter()
-        stream = self._blob_compressor.compressobj(size=total)
-        compressed = [stream.compress(prefix)]
-        step = 8 * 2**20
-        for header, piece in pieces:
-            compressed.append(stream.compress(header))
-            for start in range(0, piece.nbytes, step):
-                compressed.append(stream.compress(piece[start : start + step]))
-        compressed.append(stream.flush())
-        frame = b"".join(compressed)
-        self.seconds["compress"] += time.perf_counter() - started
+    def write_encoded(self, blob: EncodedBlob) -> int:
+        """Write a blob record compressed beforehand; return its offset."""
         offset = self.position
-        self._write(pack_envelope(RecordKind.BLOB, len(frame), length))
-        self._write(frame)
+        self._write(pack_envelope(RecordKind.BLOB, blob.frame_length, blob.length))
+        for piece in blob.pieces:
+            self._write(piece)
         return offset
 
     def write_tail(self, footer_offset: int) -> None:

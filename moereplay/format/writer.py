@@ -17,6 +17,14 @@ skips the device copy and the hash after the first time: those storages are cach
 pointer, storage size, span, version counter where torch tracks one — inference tensors do not) and kept alive
 by the cache. Marking a tensor static promises its bytes do not change while it lives; mark only weights.
 
+Hashing and compression can run on a pool of ``workers`` threads (hashlib and zstd release the GIL): the
+blobs of one call are hashed and compressed at once and written in order as they finish, and
+:meth:`CaptureWriter.prefetch` starts that work for host bytes a *later* call will store (the capture writer
+thread does so for the calls waiting in its queue), so hashing and compression overlap each other, the file
+writes and earlier calls. The file is the same either way: a blob frame depends only on its bytes and the
+compression level, and records are written in the order of the serial writer. A prefetched blob whose digest
+the file already holds when its hash is done is not compressed.
+
 Thread-safe (one lock); not async. Not for concurrent writers on one path.
 """
 
@@ -24,10 +32,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -43,6 +53,7 @@ from moereplay.format.framing import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
     MAGIC,
+    EncodedBlob,
     FrameSink,
     RecordKind,
 )
@@ -51,9 +62,36 @@ from moereplay.format.schema import TensorBytes, Unsupported
 from moereplay.format.tensors import span_start, storage_span_to_host, unsupported_reason
 from moereplay.format.values import to_wire
 
+DEFAULT_MAX_WORKERS = 8
+"""Cap of :func:`default_workers`."""
+
 MAX_PENDING_CALLS = 256
 """Begun, not yet completed calls whose argument storages the writer keeps alive (oldest forgotten first; a
 forgotten call can still be completed, but its outputs are then not matched to its inputs' storages)."""
+
+
+def default_workers() -> int:
+    """Hash/compress worker threads when asked for "one per CPU, within reason": half the CPUs (the serving
+    process keeps the rest), at least 1, at most :data:`DEFAULT_MAX_WORKERS`."""
+    return max(1, min(DEFAULT_MAX_WORKERS, (os.cpu_count() or 2) // 2))
+
+
+_Encoded = tuple[bytes, EncodedBlob | None]
+"""A blob's digest and its compressed frame (``None``: the file already held that digest when it was hashed)."""
+
+
+def _done(value: _Encoded) -> Future[_Encoded]:
+    future: Future[_Encoded] = Future()
+    future.set_result(value)
+    return future
+
+
+@dataclass
+class _Prefetched:
+    """Work started by :meth:`CaptureWriter.prefetch` for one host tensor (kept alive, so its identity holds)."""
+
+    tensor: torch.Tensor
+    future: Future[_Encoded]
 
 
 @dataclass
@@ -226,8 +264,9 @@ class CaptureWriter:
     ``header`` is merged (shallowly) over the automatic environment header; ``magic`` and
     ``format_version`` cannot be overridden. ``index_every``: calls between index records (smaller: faster
     recovery of random access, slightly larger files). ``compression_level``: zstd level for every frame.
-    ``compression_threads``: zstd worker threads for blob frames (0: compress on the calling thread; -1: one
-    per CPU) — worth it for large weights on many-core hosts.
+    ``compression_threads``: zstd worker threads inside each blob frame (0: none; -1: one per CPU).
+    ``workers``: threads that hash and compress blobs (0: the calling thread does, one blob after the other;
+    -1: :func:`default_workers`) — see the module docstring.
     """
 
     def __init__(
@@ -238,9 +277,12 @@ class CaptureWriter:
         index_every: int = 64,
         compression_level: int = 3,
         compression_threads: int = 0,
+        workers: int = 0,
     ) -> None:
         if index_every < 1:
             raise ValueError("index_every must be at least 1")
+        if workers < -1:
+            raise ValueError("workers must be >= -1")
         self.path = Path(path)
         self.index_every = index_every
         self._lock = threading.Lock()
@@ -256,6 +298,14 @@ class CaptureWriter:
         except OSError as error:
             raise CaptureFileError(f"{self.path}: cannot create: {error.strerror or error}") from error
         self._sink = FrameSink(self._file, compression_level, compression_threads)
+        self.workers = default_workers() if workers == -1 else workers
+        self._pool = (
+            ThreadPoolExecutor(self.workers, thread_name_prefix="moereplay-blob") if self.workers else None
+        )
+        self._prefetched: dict[int, _Prefetched] = {}
+        self._hash_lock = threading.Lock()
+        self._hash_seconds = 0.0
+        self._wait_seconds = 0.0
         self._closed = False
         self._broken: str | None = None
         self._next_call = 0
@@ -277,6 +327,7 @@ class CaptureWriter:
         except BaseException:
             self._closed = True
             self._file.close()
+            self._stop_pool()
             raise
 
     # ------------------------------------------------------------------------------------------ public
@@ -301,8 +352,43 @@ class CaptureWriter:
 
     @property
     def phase_seconds(self) -> dict[str, float]:
-        """Cumulative seconds spent hashing, compressing and writing blobs and records (for benchmarks)."""
-        return dict(self._sink.seconds)
+        """Cumulative seconds (for benchmarks): ``hash`` and ``compress`` are CPU-seconds summed over the threads
+        that did them (with ``workers`` they overlap each other and the rest); ``write`` is the calling thread's
+        time in file writes; ``pool_wait`` the calling thread's time waiting for the workers' results."""
+        seconds = self._sink.seconds
+        seconds["hash"] = self._hash_seconds
+        seconds["pool_wait"] = self._wait_seconds
+        return seconds
+
+    def prefetch(self, data: torch.Tensor) -> bool:
+        """Start hashing and compressing ``data`` (a contiguous 1-D uint8 CPU tensor whose bytes no longer
+        change) on the worker pool, for a later ``begin_call``/``complete_call`` that stores it as
+        ``TensorBytes.data`` — the very same tensor object. Returns whether work was started (no pool, an
+        empty, non-CPU or already prefetched tensor: no). Release what a call will not use with :meth:`forget`.
+        """
+        if (
+            self._pool is None
+            or data.device.type != "cpu"
+            or data.dtype is not torch.uint8
+            or data.dim() != 1
+            or not data.is_contiguous()
+            or data.numel() == 0
+        ):
+            return False
+        with self._lock:
+            if self._closed or self._broken is not None or id(data) in self._prefetched:
+                return False
+            future = self._pool.submit(self._encode, data.numpy().data.cast("B"), True)
+            self._prefetched[id(data)] = _Prefetched(data, future)
+            return True
+
+    def forget(self, data: torch.Tensor) -> None:
+        """Drop the prefetched work for ``data`` (if any), e.g. when its call is not going to be written."""
+        with self._lock:
+            entry = self._prefetched.get(id(data))
+            if entry is not None and entry.tensor is data:
+                del self._prefetched[id(data)]
+                entry.future.cancel()
 
     def begin_call(
         self,
@@ -444,7 +530,9 @@ class CaptureWriter:
                 self._forgotten.clear()
                 self._static_cache.clear()
                 self._static_given.clear()
+                self._prefetched.clear()
                 self._file.close()
+                self._stop_pool()
 
     # ----------------------------------------------------------------------------------------- private
 
@@ -461,62 +549,123 @@ class CaptureWriter:
             return action()
         except OSError as error:
             self._broken = error.strerror or str(error)
+            for entry in self._prefetched.values():
+                entry.future.cancel()
+            self._prefetched.clear()
             raise CaptureFileError(f"{self.path}: write failed: {self._broken}") from error
         except (TypeError, ValueError, OverflowError) as error:  # msgpack refused a value (e.g. a surrogate)
             raise UnsupportedValueError(
                 f"{self.path}: cannot encode: {type(error).__name__}: {error}"
             ) from error
 
+    def _stop_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
     def _store(self, tensors: _TreeTensors) -> dict[int, dict[str, Any]]:
-        """Write the blobs a tree needs; return its storage table (storage id → where its bytes are)."""
+        """Write the blobs a tree needs; return its storage table (storage id → where its bytes are).
+
+        Every blob's hash and compression is started first (on the pool, if any), then the blobs are written
+        in storage order as their results arrive."""
         entries: dict[int, dict[str, Any]] = {}
+        static_keys: dict[int, tuple[Any, ...]] = {}
+        given_keys: dict[int, tuple[Any, int]] = {}
+        work: list[tuple[int, memoryview, Future[_Encoded]]] = []  # (storage id, bytes, digest and frame)
         for storage_id, use in tensors.uses.items():
             if use.given is not None:
-                entries[storage_id] = self._store_given(use.given, use.start, use.given_length)
+                given, key, length = use.given, use.given.static_key, use.given_length
+                cached = self._static_given.get(key) if key is not None else None
+                if cached is not None and cached[2] == length:
+                    entries[storage_id] = self._given_entry(given, use.start, length, cached[0], cached[1])
+                    continue
+                if given.data is None:
+                    raise UnsupportedValueError(f"TensorBytes without data for static key {key!r}")
+                host = given.data if given.data.device.type == "cpu" else given.data.cpu()
+                data = host.numpy().data.cast("B")
+                prefetched = self._prefetched.pop(id(host), None)
+                if prefetched is not None and prefetched.tensor is host:
+                    future = prefetched.future
+                else:
+                    future = self._submit(data)
+                if key is not None:
+                    given_keys[storage_id] = (key, length)
+                work.append((storage_id, data, future))
                 continue
             assert use.tensor is not None
             base = span_start(use.start)
-            key = (use.device, use.address, use.storage_bytes, base, use.end, use.version)
-            cached = self._static_cache.get(key) if use.static else None
-            if cached is not None:
-                digest, offset = cached[0], cached[1]
+            static_key = (use.device, use.address, use.storage_bytes, base, use.end, use.version)
+            cached_static = self._static_cache.get(static_key) if use.static else None
+            if cached_static is not None:
+                entries[storage_id] = self._storage_entry(use, base, cached_static[0], cached_static[1])
+                continue
+            if use.static:
+                static_keys[storage_id] = static_key
+            host_view = storage_span_to_host(use.tensor, base, use.end)
+            work.append((storage_id, host_view, self._submit(host_view)))
+        for storage_id, data, future in work:
+            length = data.nbytes
+            digest, offset = self._write_encoded(future, data)
+            use = tensors.uses[storage_id]
+            if use.given is not None:
+                entries[storage_id] = self._given_entry(use.given, use.start, length, digest, offset)
+                if storage_id in given_keys:
+                    key, _ = given_keys[storage_id]
+                    self._static_given[key] = (digest, offset, length)
+                    self._static_lengths[key] = length
             else:
-                digest, offset = self._blob(storage_span_to_host(use.tensor, base, use.end))
-                if use.static:
-                    self._static_cache[key] = (digest, offset, use.storage)
-            entries[storage_id] = {
-                "h": digest,
-                "at": offset,
-                "base": base,
-                "n": use.end - base,
-                "sz": use.storage_bytes,
-                "dev": use.device,
-            }
-        return entries
+                base = span_start(use.start)
+                entries[storage_id] = self._storage_entry(use, base, digest, offset)
+                if storage_id in static_keys:
+                    self._static_cache[static_keys[storage_id]] = (digest, offset, use.storage)
+        return {storage_id: entries[storage_id] for storage_id in tensors.uses}
 
-    def _store_given(self, given: TensorBytes, base: int, length: int) -> dict[str, Any]:
-        key = given.static_key
-        cached = self._static_given.get(key) if key is not None else None
-        if cached is not None and cached[2] == length:
-            digest, offset = cached[0], cached[1]
-        else:
-            if given.data is None:
-                raise UnsupportedValueError(f"TensorBytes without data for static key {key!r}")
-            host = given.data if given.data.device.type == "cpu" else given.data.cpu()
-            digest, offset = self._blob(host.numpy().data.cast("B"))
-            if key is not None:
-                self._static_given[key] = (digest, offset, length)
-                self._static_lengths[key] = length
+    @staticmethod
+    def _storage_entry(use: _StorageUse, base: int, digest: bytes, offset: int) -> dict[str, Any]:
+        return {
+            "h": digest,
+            "at": offset,
+            "base": base,
+            "n": use.end - base,
+            "sz": use.storage_bytes,
+            "dev": use.device,
+        }
+
+    @staticmethod
+    def _given_entry(
+        given: TensorBytes, base: int, length: int, digest: bytes, offset: int
+    ) -> dict[str, Any]:
         return {"h": digest, "at": offset, "base": base, "n": length, "dev": given.device}
 
-    def _blob(self, data: memoryview) -> tuple[bytes, int]:
-        """Hash ``data``; write it unless this file already holds those bytes. Returns (digest, offset)."""
+    def _submit(self, data: memoryview) -> Future[_Encoded]:
+        """Hash and (unless the file holds it already) compress ``data`` on the pool; without a pool, hash it
+        here and now (the blob is compressed when it is written, if it is new)."""
+        if self._pool is None:
+            return _done(self._encode(data, False))
+        return self._pool.submit(self._encode, data, True)
+
+    def _encode(self, data: memoryview, compress: bool) -> _Encoded:
+        """Runs on a worker (or the calling thread without a pool). Bytes whose digest the file already holds
+        are not compressed (a dict lookup is safe while the writing thread adds to the dict)."""
         started = time.perf_counter()
         digest = hashlib.new(BLOB_HASH, data).digest()
-        self._sink.seconds["hash"] = self._sink.seconds.get("hash", 0.0) + time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        with self._hash_lock:
+            self._hash_seconds += elapsed
+        if not compress or digest in self._blobs:
+            return digest, None
+        return digest, self._sink.encoder.encode(digest, data)
+
+    def _write_encoded(self, future: Future[_Encoded], data: memoryview) -> tuple[bytes, int]:
+        """Wait for a blob's digest and frame; write the frame unless this file already holds those bytes.
+        Returns (digest, offset)."""
+        started = time.perf_counter()
+        digest, encoded = future.result()
+        self._wait_seconds += time.perf_counter() - started
         offset = self._blobs.get(digest)
         if offset is None:
-            offset = self._sink.write_blob(digest, data)
+            if encoded is None:  # no pool: compress here
+                encoded = self._sink.encoder.encode(digest, data)
+            offset = self._sink.write_encoded(encoded)
             self._blobs[digest] = offset
             self.blob_count += 1
             self.blob_bytes += data.nbytes

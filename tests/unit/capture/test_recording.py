@@ -159,8 +159,8 @@ def test_default_sink_compresses_as_the_settings_say(
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(format_module, "CaptureWriter", Recording)
-    session = arm(compression_level="5", compression_threads="2")
-    assert made == [{"compression_level": 5, "compression_threads": 2}]
+    session = arm(compression_level="5", compression_threads="2", writer_threads="3")
+    assert made == [{"compression_level": 5, "compression_threads": 2, "workers": 3}]
     x, w1, w2, weights = inputs()
     kernels.fused(x, w1, w2, weights)
     session.flush()
@@ -170,4 +170,4 @@ def test_default_sink_compresses_as_the_settings_say(
         # fused: x in, return out; gemm 1: x, cache (before and after); gemm 2: first, weights in, return out
         floats = 4 * (5 * 8 + 5 * 8 + 5 * 8 + 2 * 5 * 6 + 5 * 6 + 5 * 8)
         assert counters["copied_bytes"] >= floats
-        assert "zstd=5 zstd_threads=2" in reader.header["capture_settings"]
+        assert "zstd=5 zstd_threads=2 writer_threads=3" in reader.header["capture_settings"]
