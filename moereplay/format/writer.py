@@ -64,6 +64,9 @@ from moereplay.format.values import to_wire
 
 DEFAULT_MAX_WORKERS = 8
 """Cap of :func:`default_workers`."""
+POOL_MIN_BYTES = 256 * 1024
+"""Blobs smaller than this are hashed and compressed on the calling thread even with a pool: handing them over
+would cost more than the work (decode-sized activations are a few kB)."""
 
 MAX_PENDING_CALLS = 256
 """Begun, not yet completed calls whose argument storages the writer keeps alive (oldest forgotten first; a
@@ -363,8 +366,8 @@ class CaptureWriter:
     def prefetch(self, data: torch.Tensor) -> bool:
         """Start hashing and compressing ``data`` (a contiguous 1-D uint8 CPU tensor whose bytes no longer
         change) on the worker pool, for a later ``begin_call``/``complete_call`` that stores it as
-        ``TensorBytes.data`` — the very same tensor object. Returns whether work was started (no pool, an
-        empty, non-CPU or already prefetched tensor: no). Release what a call will not use with :meth:`forget`.
+        ``TensorBytes.data`` — the very same tensor object. Returns whether work was started (no pool, a
+        tensor under :data:`POOL_MIN_BYTES`, on another device or already prefetched: no). Release what a call will not use with :meth:`forget`.
         """
         if (
             self._pool is None
@@ -372,7 +375,7 @@ class CaptureWriter:
             or data.dtype is not torch.uint8
             or data.dim() != 1
             or not data.is_contiguous()
-            or data.numel() == 0
+            or data.numel() < POOL_MIN_BYTES
         ):
             return False
         with self._lock:
@@ -639,7 +642,7 @@ class CaptureWriter:
     def _submit(self, data: memoryview) -> Future[_Encoded]:
         """Hash and (unless the file holds it already) compress ``data`` on the pool; without a pool, hash it
         here and now (the blob is compressed when it is written, if it is new)."""
-        if self._pool is None:
+        if self._pool is None or data.nbytes < POOL_MIN_BYTES:
             return _done(self._encode(data, False))
         return self._pool.submit(self._encode, data, True)
 
