@@ -15,6 +15,12 @@ TUI know about a kernel comes from that object:
 - ``output_name`` and the reference's :class:`RowMap`: what each output row means (token / expert / slot);
 - optionally ``reference_ignores``: a frozenset of arguments that do not change the reference's answer (thread
   configs, workspaces, block sizes whose derived ids are re-derived) so replay reuses one reference across them;
+- optionally ``derivation_inputs``: a frozenset of every argument ``rederive`` reads (the derived arguments'
+  dependencies and whatever else it derives them from), so replay keys re-derived arguments by those alone and a
+  sweep over launch flags re-derives the routing once per block size, not once per variant;
+- optionally ``error_allowance(args, reference, output_dtype)`` (a rounding allowance for launch modes that round
+  partial sums, :mod:`moereplay.reference.tolerance`) and ``error_allowance_key(args)``: the hashable launch values
+  it reads among ``reference_ignores`` (replay caches allowances by the reference's key plus this);
 - optionally, for ops whose opaque arguments hold tensors: ``tensor_leaves(args) -> {path: tensor}``,
   ``replace_tensor_leaves(args, {path: tensor}) -> args`` (replay guards every leaf, not only top-level tensors),
   ``contract_args(args) -> {name or path: value}`` (the arguments plus every leaf, as contracts and findings name

@@ -493,6 +493,19 @@ class MarlinMoeOp:
         }
     )
     """Launch and precision arguments; the block size stays out: it changes which block writes a row."""
+    derivation_inputs = frozenset(
+        {
+            "moe_block_size",
+            "sorted_token_ids",
+            "expert_ids",
+            "num_tokens_past_padded",
+            "size_m",
+            "top_k",
+            "b_qweight",
+        }
+    )
+    """What :func:`rederive_alignment` reads: the captured alignment, the row count and the experts (b_qweight's
+    first dimension); launch flags, tiles and every other tensor cannot change the re-derived routing."""
 
     def __init__(self) -> None:
         from moereplay.reference.marlin_moe import ExpertWeightCache
@@ -552,6 +565,13 @@ class MarlinMoeOp:
         from moereplay.ops.marlin_rounding import marlin_error_allowance
 
         return marlin_error_allowance(args, reference, output_dtype, self._weights)
+
+    def error_allowance_key(self, args: Args) -> tuple[str | None, int]:
+        """What :meth:`error_allowance` reads among the launch arguments the reference ignores: the reduction mode
+        and the K tile (thread_n, blocks per SM and is_k_full change nothing in the bound)."""
+        from moereplay.ops.marlin_rounding import reduction_mode, tile_k
+
+        return reduction_mode(args), tile_k(args)
 
     def reference(self, args: Args) -> ReferenceResult:
         from moereplay.reference.marlin_moe import reference_moe_wna16_marlin_gemm

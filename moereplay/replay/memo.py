@@ -7,6 +7,13 @@ strong reference kept next to the entry (a freed object's id can never be reused
 and an in-place change bumps the version). A changed argument therefore never hits a stale entry; the worst a key
 can do is miss (an equal tensor under another identity).
 
+A content key's digest is remembered per tensor object (:func:`tensor_key`): the same object at the same version
+counter and data pointer is not copied to the host and hashed again, so keying a sweep's unchanged arguments costs
+dictionary look-ups, not a device→host copy and a SHA-1 per argument and variant (on a GPU each copy is also a host
+sync). An in-place change bumps the version (→ hashed again); a new tensor with equal bytes gets an equal digest.
+This trusts the version counter as the identity keys of large tensors do (a write through ``.data`` or a raw
+storage alias is invisible to both).
+
 :func:`memos_for` gives each :class:`~moereplay.replay.source.LoadedCall` one set of caches, shared by every session
 that replays that same loaded call (:func:`~moereplay.replay.source.load_call_cached` hands the same object to later
 sessions while the file and the tensors are unchanged), so a second sweep over one call computes no reference twice.
@@ -41,14 +48,57 @@ def _plain(value: Any) -> bool:
     return False
 
 
+class _Digests:
+    """Content keys remembered per tensor object: ``id → (weak reference, version, data pointer, key)``; an entry
+    is used only while its tensor is alive and at the same version and address, and leaves when the tensor dies."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], int, int, Key]] = {}
+        self.hashed = 0  # tensors copied to the host and hashed (a test sees a changed tensor hashed again)
+
+    def get(self, tensor: torch.Tensor) -> Key | None:
+        entry = self._entries.get(id(tensor))
+        if entry is None:
+            return None
+        ref, version, pointer, key = entry
+        if ref() is not tensor or version != tensor._version or pointer != tensor.data_ptr():
+            return None
+        return key
+
+    def put(self, tensor: torch.Tensor, key: Key) -> None:
+        identity = id(tensor)
+        entries = self._entries
+
+        def forget(ref: weakref.ref[torch.Tensor]) -> None:
+            current = entries.get(identity)
+            if current is not None and current[0] is ref:
+                del entries[identity]
+
+        entries[identity] = (weakref.ref(tensor, forget), tensor._version, tensor.data_ptr(), key)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_DIGESTS = _Digests()
+
+
 def tensor_key(tensor: torch.Tensor) -> tuple[Key, Any]:
-    """``(key, pin)``: a content key for a small tensor (pin ``None``), an identity key for a large one (pin: it)."""
+    """``(key, pin)``: a content key for a small tensor (pin ``None``), an identity key for a large one (pin: it).
+    A content key is computed once per tensor object and version (see the module docstring)."""
     nbytes = tensor.numel() * tensor.element_size()
-    layout = (str(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.device))
     if nbytes <= CONTENT_KEY_BYTES:
+        known = _DIGESTS.get(tensor)
+        if known is not None:
+            return known, None
+        layout = (str(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.device))
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
         digest = hashlib.sha1(data.numpy().tobytes()).hexdigest() if nbytes else ""
-        return ("content", *layout, digest), None
+        key: Key = ("content", *layout, digest)
+        _DIGESTS.hashed += 1
+        _DIGESTS.put(tensor, key)
+        return key, None
+    layout = (str(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.device))
     return ("identity", *layout, id(tensor), tensor._version), tensor
 
 
@@ -108,7 +158,8 @@ class CallMemos:
 
     references: ArgsCache[Any] = field(default_factory=lambda: ArgsCache(limit=32))
     derived: ArgsCache[dict[str, Any]] = field(default_factory=lambda: ArgsCache(limit=64))
-    allowances: ArgsCache[Any] = field(default_factory=lambda: ArgsCache(limit=32))
+    allowances: ArgsCache[Any] = field(default_factory=lambda: ArgsCache(limit=64))
+    """Keyed by reference and launch (reduction mode, tile …): a sweep of 5 block sizes × 3 modes × 2 tiles is 30."""
 
 
 _MEMOS: dict[int, CallMemos] = {}

@@ -339,8 +339,9 @@ def apply_variant(
     (rules may relate arguments, e.g. ``thread_k`` with ``thread_n``), then re-derive derived arguments.
 
     Tensors are not copied unless cast. Cost: one ``rederive`` when a dependency changed — none when
-    ``derived_cache`` (see :mod:`moereplay.replay.memo`) already holds it for these exact arguments; the derived
-    tensors are then shared between variants (nothing writes them: kernels get guarded copies).
+    ``derived_cache`` (see :mod:`moereplay.replay.memo`) already holds it for these arguments (all of them, or the
+    op's ``derivation_inputs`` when it declares them); the derived tensors are then shared between variants
+    (nothing writes them: kernels get guarded copies).
     """
     new_args = dict(args)
     changed: set[str] = set()
@@ -395,8 +396,14 @@ def _rederive(
 ) -> dict[str, Any]:
     if cache is None:
         return op.rederive(args, changed)
-    key, pins = args_key(args)
-    full_key = (key, tuple(sorted(changed)))
+    inputs: frozenset[str] | None = getattr(op, "derivation_inputs", None)
+    if inputs is None:
+        key, pins = args_key(args)
+        full_key = (key, tuple(sorted(changed)))
+    else:  # rederive reads only ``inputs``, and of ``changed`` only what a derived argument depends on
+        key, pins = args_key({name: args[name] for name in inputs if name in args})
+        depends = {name for derived in op.derived for name in derived.depends_on}
+        full_key = (key, tuple(sorted(changed & depends)))
     made = cache.get(full_key)
     if made is None:
         result = op.rederive(args, changed)

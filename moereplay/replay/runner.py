@@ -63,7 +63,7 @@ class InProcessRunner:
         self.device = backend.device
         self.guard = guard
         self.pool = BufferPool()
-        self._derived: ArgsCache[dict[str, Any]] = ArgsCache()
+        self._derived: ArgsCache[dict[str, Any]] = ArgsCache(limit=64)
 
     def run(self, request: RunRequest) -> KernelRun:
         applied = apply_variant(self.op, self.args, request.variant, derived_cache=self._derived)

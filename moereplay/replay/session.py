@@ -48,7 +48,7 @@ from moereplay.replay.backends import BackendSpec, load_backend, parse_backend
 from moereplay.replay.decompose import decompose
 from moereplay.replay.execution import KernelRun
 from moereplay.replay.findings import Finding, FindingKind, expected_nondeterminism, row_ranges
-from moereplay.replay.memo import CallMemos, args_key, memos_for
+from moereplay.replay.memo import CallMemos, Key, args_key, memos_for
 from moereplay.replay.memory import DEFAULT_GUARD_BYTES
 from moereplay.replay.mutations import (
     BASELINE,
@@ -291,36 +291,52 @@ class ReplaySession:
 
     # -- the reference ----------------------------------------------------------------------------------------
 
-    def reference_for(self, args: Args) -> ReferenceResult:
+    def _reference_key(self, args: Args) -> tuple[Key, tuple[Any, ...]]:
+        ignores: frozenset[str] = getattr(self.op, "reference_ignores", frozenset())
+        return args_key(args, ignores)
+
+    def reference_for(self, args: Args, key: tuple[Key, tuple[Any, ...]] | None = None) -> ReferenceResult:
         """The reference of ``args``, shared by variants that change only what the op says it ignores (launch
         configs, atomics, workspaces …) and by every session over the same loaded call. Keyed by value for plain
         arguments and small tensors, by identity + version for large ones (:mod:`moereplay.replay.memo`): a
-        mutation that changes the reference (a flag flip, a cast, a re-derived routing) always misses."""
-        ignores: frozenset[str] = getattr(self.op, "reference_ignores", frozenset())
-        key, pins = args_key(args, ignores)
+        mutation that changes the reference (a flag flip, a cast, a re-derived routing) always misses. ``key``: this
+        session's reference key of ``args``, when the caller has it already."""
+        reference_key, pins = self._reference_key(args) if key is None else key
         cache = self._memos.references
-        result: ReferenceResult | None = cache.get(key)
+        result: ReferenceResult | None = cache.get(reference_key)
         if result is None:
             result = self.op.reference(args)
-            cache.put(key, pins, result)
+            cache.put(reference_key, pins, result)
         return result
 
-    def allowance_for(self, args: Args, reference: ReferenceResult, dtype: torch.dtype) -> Any:
+    def allowance_for(
+        self,
+        args: Args,
+        reference: ReferenceResult,
+        dtype: torch.dtype,
+        key: tuple[Key, tuple[Any, ...]] | None = None,
+    ) -> Any:
         """The op's rounding allowance for ``args`` (``None`` when it declares none), shared like the reference:
-        keyed by what keys the reference plus the plain values among the arguments the reference ignores (reduction
-        mode, tile sizes); the tensors it ignores (output buffer, workspace) cannot change the bound."""
+        keyed by what keys the reference (``key``, when the caller has it) plus the launch values the allowance
+        reads among the arguments the reference ignores — the op's ``error_allowance_key(args)`` when it declares
+        one (Marlin: reduction mode and K tile), else every plain one (reduction flags, tile sizes …); the tensors
+        it ignores (output buffer, workspace) cannot change the bound."""
         from moereplay.reference.tolerance import op_error_allowance
 
         if getattr(self.op, "error_allowance", None) is None:
             return None
-        ignores: frozenset[str] = getattr(self.op, "reference_ignores", frozenset())
-        key, pins = args_key(args, ignores)
-        launch = tuple(
-            (name, args[name])
-            for name in sorted(ignores)
-            if name in args and isinstance(args[name], (bool, int, float, str, type(None)))
-        )
-        full_key = (key, launch, str(dtype))
+        reference_key, pins = self._reference_key(args) if key is None else key
+        launch_key = getattr(self.op, "error_allowance_key", None)
+        if launch_key is not None:
+            launch: Any = ("op", launch_key(args))
+        else:
+            ignores: frozenset[str] = getattr(self.op, "reference_ignores", frozenset())
+            launch = tuple(
+                (name, args[name])
+                for name in sorted(ignores)
+                if name in args and isinstance(args[name], (bool, int, float, str, type(None)))
+            )
+        full_key = (reference_key, launch, str(dtype))
         cache = self._memos.allowances
         cached = cache.get(full_key)
         if cached is None:
@@ -380,7 +396,8 @@ class ReplaySession:
             )
         try:
             with phases.phase("reference"):
-                reference = self.reference_for(applied.args)
+                reference_key = self._reference_key(applied.args)
+                reference = self.reference_for(applied.args, reference_key)
         except ReferenceError_ as error:
             return self._invalid(variant, f"no reference for this call: {error}")
         run: KernelRun | None = None
@@ -418,7 +435,7 @@ class ReplaySession:
             outputs = [self.call.captured_output.to(reference.output.device)]
             fill = None
         with phases.phase("judge"):
-            result = self._judge(variant, applied.args, reference, outputs, run, fill)
+            result = self._judge(variant, applied.args, reference, outputs, run, fill, reference_key)
         if result.verdict is Verdict.INVALID:
             return result, None, None
         return result, outputs[0], reference
@@ -431,6 +448,7 @@ class ReplaySession:
         outputs: Sequence[torch.Tensor],
         run: KernelRun | None,
         fill: FillPattern | None,
+        reference_key: tuple[Key, tuple[Any, ...]] | None = None,
     ) -> VariantResult:
         from moereplay.reference.compare import Comparison, compare, profile_for
 
@@ -444,7 +462,7 @@ class ReplaySession:
         phases = self.phases
         try:  # a launch that rounds partial sums to 16 bits is judged beyond its rounding bound
             with phases.phase("judge/allowance"):
-                allowance = self.allowance_for(args, reference, actual.dtype)
+                allowance = self.allowance_for(args, reference, actual.dtype, reference_key)
             profile = profile_for(actual.dtype) if allowance is None else allowance.profile(actual.dtype)
             absolute = None if allowance is None else allowance.absolute
 

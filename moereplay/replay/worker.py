@@ -61,7 +61,7 @@ class _Session:
         from moereplay.replay.memory import BufferPool
 
         self.pool = BufferPool()
-        self.derived: ArgsCache[dict[str, Any]] = ArgsCache()
+        self.derived: ArgsCache[dict[str, Any]] = ArgsCache(limit=64)
 
     def run(self, request: dict[str, Any]) -> dict[str, Any]:
         import time
