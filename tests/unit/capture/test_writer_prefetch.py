@@ -3,9 +3,12 @@ within the byte budget, and whatever a message did not use is released."""
 
 from __future__ import annotations
 
+import errno
+import io
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from moereplay.capture.sink import FormatSink
@@ -93,3 +96,56 @@ def test_no_prefetch_without_a_pool_or_budget(tmp_path: Path) -> None:
     assert not serial._prefetched
     with CaptureReader(tmp_path / "s.zst") as reader:
         assert len(reader) == 3
+
+
+class FullDisk(io.RawIOBase):
+    """Accepts ``room`` bytes, then fails every write with ENOSPC."""
+
+    def __init__(self, path: Path, room: int) -> None:
+        self.inner = open(path, "wb")  # noqa: SIM115
+        self.room = room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:  # type: ignore[no-untyped-def]
+        size = len(memoryview(data))
+        if size > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= size
+        return self.inner.write(data)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def close(self) -> None:
+        self.inner.close()
+        super().close()
+
+
+def test_a_full_disk_with_work_prefetched_fails_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        "moereplay.format.writer.open", lambda path, mode: FullDisk(Path(path), 1_500_000), raising=False
+    )
+    sink = WatchedSink(tmp_path / "f.zst")
+    sink.gate.set()
+    failures: list[str] = []
+    thread = WriterThread(sink, max_calls_queued=100, max_bytes_queued=1 << 30, on_failure=failures.append)
+    values = [torch.randn(100_000) for _ in range(12)]  # 400 kB each, ~360 kB compressed
+    for sequence, value in enumerate(values):
+        assert thread.offer(begin(sequence, value))
+    assert thread.flush(timeout=30)
+    thread.close()
+    assert len(failures) == 1 and "No space left on device" in failures[0]
+    counters = thread.counters
+    assert counters.write_errors == 1 and counters.recorded >= 1
+    assert counters.recorded + counters.dropped_after_failure + 1 == len(values)
+    assert sorted(sink.released) == sorted(sink.prefetched)
+    assert not sink._prefetched and not sink.writer._prefetched
+    with CaptureReader(tmp_path / "f.zst") as reader:
+        assert reader.recovery.footer_missing
+        assert len(reader) == counters.recorded
+        for record in reader.calls():
+            assert torch.equal(reader.load_args(record.index)["x"], values[record.index])
