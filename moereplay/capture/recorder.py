@@ -39,7 +39,7 @@ from moereplay.capture.opt_flags import OptFlagsProbe
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.patching import CallHandler
 from moereplay.capture.settings import CaptureSettings, Trigger
-from moereplay.capture.snapshot import Snapshot, estimate, snapshot
+from moereplay.capture.snapshot import Snapshot, estimate, record_cuda_event, snapshot
 from moereplay.capture.writer_thread import Begin, Complete, WriterThread
 
 logger = logging.getLogger("moereplay.capture")
@@ -249,7 +249,7 @@ class Recorder(CallHandler):
         parent_sequence = parent.sequence if parent is not None and parent.recorded else None
         plan.keep = []
         if self.flight is not None:
-            inputs = snapshot(bound, target.static, to_host=False, keep=plan.keep)
+            inputs = snapshot(bound, target.static, to_host=False, keep=plan.keep, record_event=False)
             begin = Begin(sequence, target.op, target.site, inputs, context, parent_sequence, target.static)
             begin.started = time.time()
             self.flight.add_begin(begin)
@@ -272,8 +272,7 @@ class Recorder(CallHandler):
                 plan.recorded = False
                 return plan if target.role == "parent" else None
             if self._cuda:
-                plan.device_start = torch.cuda.Event(enable_timing=True)
-                plan.device_start.record()
+                plan.device_start = record_cuda_event(timing=True)
         if plan.probe is not None:
             plan.probe.start()
         plan.started = time.perf_counter()
@@ -334,7 +333,7 @@ class Recorder(CallHandler):
         status = "completed" if error is None else "failed"
         message = None if error is None else f"{type(error).__name__}: {error}"[:2000]
         if self.flight is not None:
-            kept = snapshot(outputs, (), to_host=False)
+            kept = snapshot(outputs, (), to_host=False, record_event=False)
             complete = Complete(plan.sequence, kept, {"host_s": elapsed}, status, message)
             complete.finished = time.time()
             tensors = [value for value in outputs.values() if isinstance(value, torch.Tensor)]
@@ -347,8 +346,7 @@ class Recorder(CallHandler):
         complete = Complete(plan.sequence, copied, {"host_s": elapsed}, status, message)
         complete.finished = time.time()
         if plan.device_start is not None and error is None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
+            end = record_cuda_event(timing=True)
             complete.device_timing = (plan.device_start, end)
         self.writer.offer(complete)
 
@@ -376,7 +374,7 @@ class Recorder(CallHandler):
     def poll(self) -> None:
         """Called by the writer thread between messages: run the flight recorder's pending checks."""
         if self.flight is not None and self.active:
-            self.flight.poll()
+            self.flight.poll(flush=True)
 
 
 def shape_signature(op: str, bound: dict[str, Any]) -> tuple[Any, ...]:

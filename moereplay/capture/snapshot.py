@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import threading
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -47,13 +48,13 @@ import torch
 
 from moereplay.format.codecs import codec_for
 from moereplay.format.schema import CodecValue, TensorBytes, Unsupported
-from moereplay.format.tensors import SPAN_ALIGNMENT, span_start
+from moereplay.format.tensors import SPAN_ALIGNMENT
 
 MAX_DEPTH = 8
 """Nesting depth past which an argument is recorded as unsupported (cycles, huge object graphs)."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TensorCopy:
     """One recorded tensor view: its original metadata and the copied bytes of (a superset of) its span.
 
@@ -115,6 +116,7 @@ def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def _raw_bytes(tensor: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Bytes ``[start, end)`` of ``tensor``'s storage as a 1-D uint8 tensor (no copy)."""
     raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
     raw.set_(tensor.untyped_storage(), start, (end - start,), (1,))
     return raw
@@ -187,6 +189,9 @@ def format_codec(kind: type) -> tuple[str, Callable[[Any], Any]] | None:
     return None if codec is None else (codec.type_name, codec.encode)
 
 
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes, torch.dtype, torch.device})
+
+
 def snapshot(
     values: dict[str, Any],
     static_names: Iterable[str] = (),
@@ -194,24 +199,49 @@ def snapshot(
     to_host: bool = True,
     codec_lookup: CodecLookup = format_codec,
     keep: list[torch.Tensor] | None = None,
+    record_event: bool = True,
 ) -> Snapshot:
     """Copy ``values`` (argument name → value) as described in the module docstring.
 
     ``keep``: when given, every copied original tensor is appended to it; hold the list until the call's
     outputs are copied (their storage keys are only unambiguous while these storages live).
+    ``record_event``: record the CUDA event after the copies (the flight recorder passes ``False`` and sets
+    :attr:`Snapshot.event` itself, one event per batch of snapshots).
+
+    Fast path: a top-level tensor, ``None`` or plain scalar (every Marlin argument) costs a type check; only
+    containers and opaque objects go through the generic walk.
     """
-    static = frozenset(static_names)
+    static = static_names if isinstance(static_names, frozenset) else frozenset(static_names)
     found: list[torch.Tensor] = []
+    top: list[tuple[str, int]] = []  # (name, index in found) of top-level non-static tensors
+    walked: list[str] = []  # names whose tree holds _Pending placeholders
     tree: dict[str, Any] = {}
+    plain = _PLAIN_TYPES
     for name, value in values.items():
-        if name in static:
+        kind = type(value)
+        if kind in plain:
+            tree[name] = value
+        elif isinstance(value, torch.Tensor):
+            if name in static:
+                tree[name] = value
+            else:
+                top.append((name, len(found)))
+                found.append(value)
+                tree[name] = None
+        elif name in static:
             tree[name] = _walk_static(value, codec_lookup, 0)
         else:
+            before = len(found)
             tree[name] = _walk(value, found, codec_lookup, 0)
+            if len(found) != before:
+                walked.append(name)
     result = Snapshot(tree)
     if found:
-        copies = _copy(found, result, to_host=to_host)
-        result.tree = {name: _fill(item, copies) for name, item in tree.items()}
+        copies = _copy(found, result, to_host=to_host, record_event=record_event)
+        for name, index in top:
+            tree[name] = copies[index]
+        for name in walked:
+            tree[name] = _fill(tree[name], copies)
         if keep is not None:
             keep.extend(found)
     return result
@@ -284,47 +314,212 @@ def _opaque(value: Any, walk_fields: Callable[[dict[str, Any]], Any]) -> Any:
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     """The identity of ``tensor``'s storage while it lives: ``(device, data pointer)``."""
-    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+    return (_device_name(tensor.device), tensor.untyped_storage().data_ptr())
 
 
-def _copy(found: list[torch.Tensor], result: Snapshot, *, to_host: bool) -> list[TensorCopy]:
-    """Copy each storage once (the union of its views' spans, from a 256-byte boundary); record one CUDA
-    event after all copies."""
-    groups: dict[tuple[str, int], list[int]] = {}
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return name
+
+
+_STAGE_LIMIT = 16 << 20
+"""Full capture of CUDA tensors: snapshots up to this many bytes are gathered on the device by one multi-tensor
+copy and moved to pinned host memory in one transfer (two launches, whatever the number of spans); larger ones
+are copied span by span straight into pinned memory (no transient device buffer)."""
+
+
+def _copy(
+    found: list[torch.Tensor], result: Snapshot, *, to_host: bool, record_event: bool = True
+) -> list[TensorCopy]:
+    """Copy each storage once (the union of its views' spans, from a 256-byte boundary) into one new buffer;
+    record one CUDA event after all copies (when ``record_event``).
+
+    Per view: a handful of metadata reads (no storage object, no ``str(device)``: the storage key is the data
+    pointer less the view's offset, the device name is cached). Per storage: one uint8 view of its span. Per
+    snapshot: one allocation, one split into destination views, one copy launch (two for pinned host copies of
+    at most ``_STAGE_LIMIT`` bytes)."""
+    # per storage key: [start, end, anchor tensor, views as (position in found, storage offset), ...]
+    groups: dict[tuple[str, int], list[Any]] = {}
+    names = _DEVICE_NAMES
+    first_device = found[0].device
+    several_devices = False
     for position, tensor in enumerate(found):
-        groups.setdefault(storage_key(tensor), []).append(position)
+        itemsize = tensor.element_size()
+        offset: int = tensor.storage_offset()  # type: ignore[assignment]  # never symbolic here
+        start = offset * itemsize
+        numel = tensor.numel()
+        if numel == 0:
+            end = start
+        elif tensor.is_contiguous():
+            end = start + numel * itemsize
+        else:
+            last = offset
+            for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+                last += (size - 1) * stride
+            end = (last + 1) * itemsize
+        device = tensor.device
+        name = names.get(device)
+        if name is None:
+            name = _device_name(device)
+        if device != first_device:
+            several_devices = True
+        key = (name, tensor.data_ptr() - start)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [start, end, tensor, position, offset]
+        else:
+            if start < group[0]:
+                group[0] = start
+            if end > group[1]:
+                group[1] = end
+            group.append(position)
+            group.append(offset)
+    if several_devices:
+        return _copy_per_device(found, result, to_host=to_host, record_event=record_event)
     copies: list[Any] = [None] * len(found)
-    cuda = False
-    ranges: list[tuple[int, int]] = []
-    sources: list[torch.Tensor] = []
-    for positions in groups.values():
-        spans = [byte_span(found[p]) for p in positions]
-        start = span_start(min(s for s, _ in spans))
-        end = max(e for _, e in spans)
-        anchor = found[positions[0]]
-        ranges.append((start, end))
-        sources.append(_raw_bytes(anchor, start, end))
-        cuda = cuda or anchor.is_cuda
-        result.copied += end - start
-    copied = copy_spans(sources, to_host=to_host)
-    for (key, positions), (start, _end), data in zip(groups.items(), ranges, copied, strict=True):
-        for position in positions:
-            tensor = found[position]
-            copies[position] = TensorCopy(
-                dtype=tensor.dtype,
-                shape=tuple(tensor.shape),
-                stride=tuple(tensor.stride()),
-                storage_offset=int(tensor.storage_offset()),
-                device=key[0],
-                storage=key,
-                base=start,
-                data=data,
+    spans: list[tuple[Any, int, int]] = []  # (anchor, start, end) per storage
+    sizes: list[int] = []
+    total = 0
+    copied = 0
+    for group in groups.values():
+        start = group[0] - group[0] % SPAN_ALIGNMENT
+        group[0] = start
+        size = group[1] - start
+        padded = -(-size // SPAN_ALIGNMENT) * SPAN_ALIGNMENT
+        spans.append((group[2], start, group[1]))
+        sizes.append(size)
+        sizes.append(padded - size)
+        total += padded
+        copied += size
+    result.copied = copied
+    device = first_device
+    cuda = device.type == "cuda"
+    pinned = cuda and to_host
+    staged = pinned and total <= _STAGE_LIMIT and len(spans) > 1
+    on_device = device.type != "cpu" and (not to_host or staged)
+    flat = torch.empty(
+        total, dtype=torch.uint8, device=device if on_device else "cpu", pin_memory=pinned and not staged
+    )
+    single = len(spans) == 1 and sizes[1] == 0
+    targets = [flat] if single else flat.split_with_sizes(sizes)[0::2]
+    sources = _span_views(spans, device)
+    if len(sources) > 1 and not (pinned and not staged):
+        torch._foreach_copy_(targets, sources)  # one multi-tensor kernel launch
+    else:
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source, non_blocking=pinned)
+    if staged:
+        host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        targets = [host] if single else host.split_with_sizes(sizes)[0::2]
+    for (key, group), data in zip(groups.items(), targets, strict=True):
+        base = group[0]
+        name = key[0]
+        for index in range(3, len(group), 2):
+            tensor = found[group[index]]
+            copies[group[index]] = TensorCopy(
+                tensor.dtype, tuple(tensor.shape), tensor.stride(), group[index + 1], name, key, base, data
             )
-    if cuda:
-        event = torch.cuda.Event()
-        event.record()
-        result.event = event
+    if cuda and record_event:
+        result.event = record_cuda_event(device)
     return copies
+
+
+def _copy_per_device(
+    found: list[torch.Tensor], result: Snapshot, *, to_host: bool, record_event: bool
+) -> list[TensorCopy]:
+    """Tensors on several devices: one copy per device (rare: a call's arguments normally share one)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for position, tensor in enumerate(found):
+        by_device.setdefault(tensor.device, []).append(position)
+    copies: list[Any] = [None] * len(found)
+    events = []
+    copied = 0
+    for positions in by_device.values():
+        part = Snapshot({})
+        part_copies = _copy([found[p] for p in positions], part, to_host=to_host, record_event=record_event)
+        copied += part.copied
+        if part.event is not None:
+            events.append(part.event)
+        for position, copy in zip(positions, part_copies, strict=True):
+            copies[position] = copy
+    result.copied = copied
+    if events:
+        result.event = events[-1] if len(events) == 1 else _EventGroup(events)
+    return copies
+
+
+class _EventGroup:
+    """Several devices' events behind the one ``synchronize`` a snapshot offers."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = events
+
+    def synchronize(self) -> None:
+        for event in self.events:
+            event.synchronize()
+
+    def query(self) -> bool:
+        return all(event.query() for event in self.events)
+
+
+class _ViewPool(threading.local):
+    """Per thread and device: uint8 tensors re-pointed (``set_``) at each snapshot's source spans, so a span
+    view costs one ``set_`` instead of an empty tensor plus a ``set_``. A pooled view keeps the last storage
+    it named alive until the next snapshot of the thread re-points it (the recorder keeps inputs alive that
+    long anyway)."""
+
+    def __init__(self) -> None:
+        self.views: dict[torch.device, list[torch.Tensor]] = {}
+
+
+_POOL = _ViewPool()
+
+
+def _span_views(spans: list[tuple[torch.Tensor, int, int]], device: torch.device) -> list[torch.Tensor]:
+    """One uint8 view of bytes ``[start, end)`` of each ``(tensor, start, end)``'s storage (no copy)."""
+    pool = _POOL.views.get(device)
+    if pool is None:
+        pool = _POOL.views[device] = []
+    while len(pool) < len(spans):
+        pool.append(torch.empty(0, dtype=torch.uint8, device=device))
+    views = []
+    for view, (tensor, start, end) in zip(pool, spans, strict=False):
+        view.set_(tensor.untyped_storage(), start, (end - start,), (1,))
+        views.append(view)
+    return views
+
+
+_STREAMS: dict[tuple[int, int], Any] = {}
+
+
+def current_stream(device_index: int) -> Any:
+    """``torch.cuda.current_stream(device_index)`` without building a Stream object per call: the current raw
+    stream handle is read (cheap) and the Stream object for it cached (a stream's handle and object do not
+    change while it exists; a recycled handle is the stream it names now, so caching by handle stays right)."""
+    raw = torch._C._cuda_getCurrentRawStream(device_index)
+    key = (device_index, raw)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = torch.cuda.current_stream(device_index)
+        if len(_STREAMS) > 256:
+            _STREAMS.clear()
+        _STREAMS[key] = stream
+    return stream
+
+
+def record_cuda_event(device: torch.device | None = None, *, timing: bool = False) -> Any:
+    """A CUDA event recorded now on ``device``'s (default: the current device's) current stream, without a
+    ``torch.cuda.current_stream()`` call per event."""
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    event = torch.cuda.Event(enable_timing=timing)
+    torch._C._CudaEventBase.record(event, current_stream(index))
+    return event
 
 
 def _fill(tree: Any, copies: list[TensorCopy]) -> Any:

@@ -13,6 +13,12 @@ Usage (GPU machine, vLLM 0.25.1 importable, e.g. ``source tools/gpu/device_setup
     python tools/bench/capture_bench.py [--iterations 200] [--prefill-iterations 20]
         [--compression 1:0,1:8] [--out DIR]
 
+Floor, in the same run: ``bare×`` is the ratio with a plain Python pass-through wrapper on the same three patch
+points (``fused_marlin_moe`` and its two ``moe_wna16_marlin_gemm`` calls) and ``+launch×`` with that wrapper
+launching one tiny kernel per wrapped call (``scratch.add_(1)``): what any capture that launches even one copy
+per call cannot beat at CPU-launch-bound decode. ``flight×`` minus ``+launch×`` is what the recorder's Python
+and its own launches add beyond that floor.
+
 ``--compression LEVEL:THREADS,...``: zstd level and worker threads (``MOEREPLAY_COMPRESSION_LEVEL`` /
 ``MOEREPLAY_COMPRESSION_THREADS``) of each full-capture run. Targets (issue 4): armed ≤ 1.05×, full capture
 ≥ 1 GB/s sustained.
@@ -76,6 +82,28 @@ def timed(call: Callable[[int], object], iterations: int, warmup: int = 3) -> fl
     return (time.perf_counter() - start) / iterations
 
 
+def plain_wrappers(marlin, launch: torch.Tensor | None) -> Callable[[], None]:
+    """Wrap the three patch points with a pass-through (plus one tiny kernel per call when ``launch``);
+    returns the undo."""
+    ops = importlib.import_module("vllm._custom_ops")
+    originals = [(marlin, "fused_marlin_moe"), (ops, "moe_wna16_marlin_gemm")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in originals]
+    for owner, name, original in saved:
+
+        def wrapper(*args, __original=original, **kwargs):
+            if launch is not None:
+                launch.add_(1)
+            return __original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+
+    def undo() -> None:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+    return undo
+
+
 def parse_compression(text: str) -> list[tuple[int, int]]:
     settings = []
     for item in text.split(","):
@@ -136,6 +164,12 @@ def main() -> int:
         timed(call, 3)
         result: dict[str, object] = {"M": m, "iterations": iterations}
         result["off_ms"] = timed(call, iterations) * 1e3
+        for floor, launch in (("bare", None), ("+launch", torch.zeros(1, device="cuda"))):
+            undo = plain_wrappers(marlin, launch)
+            try:
+                result[f"{floor} ratio"] = timed(call, iterations) * 1e3 / float(result["off_ms"])
+            finally:
+                undo()
         for mode, extra in modes:
             env = {
                 "MOEREPLAY_CAPTURE": "1",
@@ -188,12 +222,15 @@ def main() -> int:
         print(json.dumps(result), flush=True)
 
     full_modes = [mode for mode, _ in modes if mode.startswith("full")]
-    header = f"{'M':>5} {'off ms':>8} {'flight×':>8}"
+    header = f"{'M':>5} {'off ms':>8} {'bare×':>7} {'+launch×':>8} {'flight×':>8}"
     for mode in full_modes:
         header += f" | {mode + ' ×':>13} {'MB/s copied':>11} {'MB/s file':>9} {'drops':>5}"
     print("\n" + header)
     for row in rows:
-        line = f"{row['M']:>5} {row['off_ms']:8.3f} {row['flight ratio']:8.3f}"
+        line = (
+            f"{row['M']:>5} {row['off_ms']:8.3f} {row['bare ratio']:7.3f} {row['+launch ratio']:8.3f} "
+            f"{row['flight ratio']:8.3f}"
+        )
         for mode in full_modes:
             line += (
                 f" | {row[f'{mode} ratio']:13.3f} {row[f'{mode} MB/s copied']:11.1f} "
@@ -201,6 +238,9 @@ def main() -> int:
             )
         print(line)
     print("targets: flight× ≤ 1.05; full capture ≥ 1000 MB/s copied (sustained, prefill M = 2048)")
+    print(
+        "floor: bare× = a pass-through wrapper per wrapped call; +launch× = that plus one tiny kernel launch each"
+    )
     return 0
 
 
