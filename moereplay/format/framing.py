@@ -144,7 +144,7 @@ class BlobEncoder:
     Thread-safe: every thread gets its own compressor (``zstandard`` compressors must not be shared by threads
     running at once), so a pool of threads can compress several blobs at once; zstd releases the GIL while it
     works. ``threads``: zstd worker threads inside each frame (0: none; -1: one per CPU). ``seconds``: cumulative
-    seconds spent compressing, summed over the threads that did it (CPU-seconds, not wall time).
+    seconds spent compressing, summed over the threads that did it (thread-seconds, not wall time).
     """
 
     def __init__(self, compression_level: int, threads: int = 0) -> None:
@@ -196,7 +196,7 @@ class FrameSink:
 
     Cost: one zstd compression per record (metadata frames are small; blob frames are streamed from the
     caller's buffer without an extra copy, or compressed beforehand on other threads through ``encoder``) and
-    one ``write`` per piece. ``seconds``: cumulative ``write`` (this thread) and ``compress`` (CPU-seconds of
+    one ``write`` per piece. ``seconds``: cumulative ``write`` (this thread) and ``compress`` (thread-seconds of
     every thread that compressed blobs for this sink) seconds, for benchmarks.
     """
 
@@ -208,12 +208,11 @@ class FrameSink:
         self.encoder = BlobEncoder(compression_level, compression_threads)
         self.position = 0
         self._write_seconds = 0.0
-        self.extra_seconds: dict[str, float] = {}
 
     @property
     def seconds(self) -> dict[str, float]:
-        """Where the time went (cumulative): ``compress`` (CPU-seconds), ``write`` and any ``extra_seconds``."""
-        return {"compress": self.encoder.seconds, "write": self._write_seconds, **self.extra_seconds}
+        """Where the time went (cumulative): ``compress`` (thread-seconds) and ``write``."""
+        return {"compress": self.encoder.seconds, "write": self._write_seconds}
 
     def _write(self, data: bytes | memoryview) -> None:
         started = time.perf_counter()

@@ -355,9 +355,10 @@ class CaptureWriter:
 
     @property
     def phase_seconds(self) -> dict[str, float]:
-        """Cumulative seconds (for benchmarks): ``hash`` and ``compress`` are CPU-seconds summed over the threads
-        that did them (with ``workers`` they overlap each other and the rest); ``write`` is the calling thread's
-        time in file writes; ``pool_wait`` the calling thread's time waiting for the workers' results."""
+        """Cumulative seconds (for benchmarks): ``hash`` and ``compress`` are thread-seconds summed over the
+        threads that did them (with ``workers`` they overlap each other and the rest, and count time slices lost
+        to other threads when CPUs are short); ``write`` is the calling thread's time in file writes;
+        ``pool_wait`` the calling thread's time waiting for the workers' results."""
         seconds = self._sink.seconds
         seconds["hash"] = self._hash_seconds
         seconds["pool_wait"] = self._wait_seconds

@@ -5,8 +5,9 @@ Each call is a Begin with blobs of ``--begin-mib`` sizes (activations, intermedi
 buffers) and a Complete with blobs of ``--complete-mib`` sizes (outputs), random bf16 values (what activations
 look like to zstd), every blob distinct (so deduplication cannot flatter the rate). The producer offers calls as
 fast as the queue admits them (``--queue-mib`` of host memory, like ``MOEREPLAY_QUEUE_BYTES``) and the rate is
-copied bytes ÷ wall time from the first offer until the writer has drained its queue. No GPU is used: on the GPU
-machine this isolates the host side (hash, zstd, file writes) of ``capture_bench``'s full-capture rate.
+copied bytes ÷ wall time from the first offer until the writer has drained its queue; "process CPU s" is the
+user + system CPU time of the whole process meanwhile (the producer's copies included). No GPU is used: on the
+GPU machine this isolates the host side (hash, zstd, file writes) of ``capture_bench``'s full-capture rate.
 
 Usage::
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -68,6 +70,7 @@ def run(options: argparse.Namespace, workers: int, out_dir: Path) -> dict[str, A
         FormatSink(writer), max_calls_queued=100_000, max_bytes_queued=options.queue_mib * 2**20
     )
     offered = 0
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     for call in range(options.calls):
         for message_kind in ("begin", "complete"):
@@ -83,6 +86,8 @@ def run(options: argparse.Namespace, workers: int, out_dir: Path) -> dict[str, A
             offered += taken.copied
     assert thread.flush(timeout=3600)
     drained = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
     phases = dict(thread.seconds)
     phases.update(writer.phase_seconds)
     thread.close()
@@ -100,6 +105,7 @@ def run(options: argparse.Namespace, workers: int, out_dir: Path) -> dict[str, A
         "file MB": round(size / 1e6, 1),
         "drain s": round(drained, 3),
         "MB/s copied": round(offered / 1e6 / drained, 1),
+        "process CPU s": round(cpu, 2),
         "writer s": {key: round(value, 3) for key, value in phases.items()},
     }
 

@@ -135,7 +135,7 @@ def test_a_full_disk_with_work_prefetched_fails_cleanly(
     thread = WriterThread(sink, max_calls_queued=100, max_bytes_queued=1 << 30, on_failure=failures.append)
     values = [torch.randn(100_000) for _ in range(12)]  # 400 kB each, ~360 kB compressed
     for sequence, value in enumerate(values):
-        assert thread.offer(begin(sequence, value))
+        thread.offer(begin(sequence, value))  # refused (and counted) once the disk is full
     assert thread.flush(timeout=30)
     thread.close()
     assert len(failures) == 1 and "No space left on device" in failures[0]
