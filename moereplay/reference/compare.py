@@ -18,11 +18,13 @@ relative error are taken over elements where both are finite.
 
 Tensors are compared as matrices ``[rows, cols]``: the last dimension is ``cols``, all others flatten into rows
 (a 1-D tensor is one row). Pure torch on the tensors' device; the per-row results come back on the CPU. Cost: a few
-elementwise passes and one sort of the relative errors (for the quantiles) — milliseconds for ``[128, 2880]``.
+elementwise passes and one sort of the relative errors (for the quantiles), and one device→host copy of everything
+(statistics and per-row vectors packed together: one host sync on a GPU, not one per statistic).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -220,11 +222,21 @@ def _classes(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(t), 3, cls).to(torch.int8)
 
 
-def _quantile(sorted_values: torch.Tensor, q: float) -> float:
-    n = sorted_values.numel()
-    if n == 0:
-        return 0.0
-    return float(sorted_values[min(n - 1, int(q * (n - 1) + 0.5))])
+_QUANTILES = (0.5, 0.9, 0.99)
+
+
+_QUANTILE_TENSORS: dict[torch.device, torch.Tensor] = {}
+
+
+def _quantile_positions(count: torch.Tensor) -> torch.Tensor:
+    """``min(n - 1, int(q·(n - 1) + 0.5))`` for each of :data:`_QUANTILES`, of a device count ``n`` (float64; 0
+    when ``n`` is 0), without a sync (the quantiles are copied to each device once)."""
+    quantiles = _QUANTILE_TENSORS.get(count.device)
+    if quantiles is None:
+        quantiles = torch.tensor(_QUANTILES, dtype=torch.float64).to(count.device)
+        _QUANTILE_TENSORS[count.device] = quantiles
+    last = (count - 1).clamp(min=0)
+    return torch.minimum(last, torch.floor(quantiles * last + 0.5)).to(torch.int64)
 
 
 def compare(
@@ -242,12 +254,17 @@ def compare(
     is meant to write; other rows count nowhere. ``profile`` defaults to :func:`profile_for` of ``actual.dtype``.
     ``allowance`` (finite, ≥ 0, the shape of the ``[rows, cols]`` view): absolute error each element may show on
     top of ``profile``; an element is judged by ``max(0, |actual − reference| − allowance)`` over its scale.
+
+    Every statistic is computed on the reference's device and comes back in one device→host copy (one sync on a
+    GPU): the scalars and the per-row vectors packed into one float64 tensor.
     """
     if actual.shape != reference.shape:
         raise ReferenceError_(
             f"cannot compare shapes {tuple(actual.shape)} (actual) and {tuple(reference.shape)} (reference)"
         )
     tolerance = profile if profile is not None else profile_for(actual.dtype)
+    if scale not in ("row", "tensor"):
+        raise ReferenceError_(f"scale must be 'row' or 'tensor', got {scale!r}")
     device = reference.device
     act = _as_matrix(actual.detach()).to(device=device, dtype=torch.float64)
     ref = _as_matrix(reference.detach()).to(torch.float64)
@@ -258,45 +275,49 @@ def compare(
         mask = rows_mask.to(device=device, dtype=torch.bool).reshape(-1)
         if mask.numel() != rows:
             raise ReferenceError_(f"rows_mask has {mask.numel()} entries for {rows} rows")
-    row_sel = mask[:, None].expand(rows, cols)
+    row_sel = mask[:, None]
+    zero = torch.zeros((), dtype=torch.float64, device=device)
 
     cls_act, cls_ref = _classes(act), _classes(ref)
-    both_finite = (cls_act == 0) & (cls_ref == 0) & row_sel
+    ref_counted = (cls_ref == 0) & row_sel
+    both_finite = (cls_act == 0) & ref_counted
     mismatch = (cls_act != cls_ref) & row_sel
-    ref_finite = torch.where((cls_ref == 0) & row_sel, ref, torch.zeros_like(ref))
+    ref_finite = torch.where(ref_counted, ref, zero)
 
-    counted = ((cls_ref == 0) & row_sel).sum(dim=1)
-    row_ms = ref_finite.square().sum(dim=1) / counted.clamp(min=1)
-    total = counted.sum().clamp(min=1)
-    tensor_rms = torch.sqrt(ref_finite.square().sum() / total)
+    counted = ref_counted.sum(dim=1)
+    ref_square = ref_finite.square()
+    row_ms = ref_square.sum(dim=1) / counted.clamp(min=1)
+    tensor_rms = torch.sqrt(ref_square.sum() / counted.sum().clamp(min=1))
     if scale == "row":
         row_scale = torch.maximum(torch.sqrt(row_ms), tensor_rms * ROW_SCALE_FLOOR)
-    elif scale == "tensor":
-        row_scale = tensor_rms.expand(rows)
     else:
-        raise ReferenceError_(f"scale must be 'row' or 'tensor', got {scale!r}")
+        row_scale = tensor_rms.expand(rows)
     row_scale = row_scale.clamp(min=_TINY)
 
-    diff = torch.where(both_finite, (act - ref).abs(), torch.zeros_like(ref))
+    diff = torch.where(both_finite, (act - ref).abs(), zero)
     denom = torch.maximum(row_scale[:, None], ref.abs().nan_to_num(posinf=0.0, neginf=0.0))
     rel = diff / denom
-    rel_bad = torch.where(mismatch, torch.full_like(rel, float("inf")), rel)
+    infinite = torch.full((), float("inf"), dtype=torch.float64, device=device)
+    rel_bad = torch.where(mismatch, infinite, rel)
     judged, judged_bad = rel, rel_bad  # what the bounds judge: the error beyond the allowance, if any
+    allowance_ok = None
     if allowance is not None:
         allow = _as_matrix(allowance.detach()).to(device=device, dtype=torch.float64)
-        if allow.shape != rel.shape or not bool(torch.isfinite(allow).all()) or bool((allow < 0).any()):
+        if allow.shape != rel.shape:
             raise ReferenceError_(f"the error allowance must be finite, >= 0 and {rows}x{cols}")
+        # checked once the results are on the host
+        allowance_ok = (torch.isfinite(allow) & (allow >= 0)).all()
         judged = (diff - allow).clamp(min=0) / denom
-        judged_bad = torch.where(mismatch, torch.full_like(judged, float("inf")), judged)
+        judged_bad = torch.where(mismatch, infinite, judged)
 
-    n_finite = int(both_finite.sum())
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    max_rel = float(rel.max()) if rel.numel() else 0.0
-    rms_rel = float(torch.sqrt(rel.square().sum() / max(n_finite, 1)))
-
+    n_finite = both_finite.sum()
+    finite_count = n_finite.to(torch.float64)
+    elements = rel.numel()
+    rel_square = rel.square()
+    rel_square_rows = rel_square.sum(dim=1)
     finite_per_row = both_finite.sum(dim=1).clamp(min=1)
     row_max_rel = rel_bad.amax(dim=1) if cols else torch.zeros(rows, dtype=torch.float64, device=device)
-    row_rms_rel = torch.sqrt(rel.square().sum(dim=1) / finite_per_row)
+    row_rms_rel = torch.sqrt(rel_square_rows / finite_per_row)
     row_max_judged, row_rms_judged = row_max_rel, row_rms_rel
     if allowance is not None:
         row_max_judged = judged_bad.amax(dim=1) if cols else row_max_rel
@@ -304,58 +325,123 @@ def compare(
     row_bad = mask & (
         (row_max_judged > tolerance.max_rel) | (row_rms_judged > tolerance.rms_rel) | mismatch.any(dim=1)
     )
-    bad_rows = tuple(int(i) for i in torch.nonzero(row_bad).reshape(-1).tolist())
 
-    over = judged_bad > tolerance.max_rel
-    elements_over = int(over.sum())
+    over = (judged_bad > tolerance.max_rel).reshape(-1)
+    first = over.to(torch.uint8).argmax() if elements else torch.zeros((), dtype=torch.int64, device=device)
+    exact = _same_bytes(actual, reference)
+    no = torch.zeros((), dtype=torch.int64, device=device)
+    counts = torch.stack(
+        [
+            n_finite,
+            mask.sum(),
+            over.sum(),
+            first,
+            ((cls_act == 1) & row_sel).sum(),
+            ((cls_ref == 1) & row_sel).sum(),
+            ((cls_act >= 2) & row_sel).sum(),
+            ((cls_ref >= 2) & row_sel).sum(),
+            mismatch.sum(),
+            no if exact is None else exact.to(torch.int64),
+            no if allowance_ok is None else allowance_ok.to(torch.int64),
+        ]
+    ).to(torch.float64)
+    if elements:
+        # quantiles of the relative error over the finite elements: sorted with every other element last (+inf);
+        # picked with index_select (indexing by a device scalar would read it on the host)
+        ordered = torch.where(both_finite, rel, infinite).reshape(-1).sort().values
+        picked = [
+            ordered.index_select(0, _quantile_positions(finite_count)),
+            torch.stack([diff.max(), rel_max := rel.max(), rel_max if allowance is None else judged.max()]),
+            *(values.reshape(-1).index_select(0, first.reshape(1)) for values in (act, ref, rel_bad)),
+        ]
+    else:
+        picked = [torch.zeros(len(_QUANTILES) + 6, dtype=torch.float64, device=device)]
+    rel_square_total = rel_square.sum()
+    judged_square = rel_square_total if allowance is None else judged.square().sum()
+    sums = torch.stack([rel_square_total, rel.sum(), judged_square])
+    packed = torch.cat(
+        [
+            counts,
+            *picked,
+            sums,
+            row_scale,
+            torch.where(mask, row_max_rel, zero),
+            torch.where(mask, row_rms_rel, zero),
+            row_bad.to(torch.float64),
+        ]
+    ).cpu()  # the one device→host copy
+    scalars = counts.numel() + sum(item.numel() for item in picked) + sums.numel()
+    (
+        count,
+        rows_compared,
+        elements_over,
+        first_index,
+        nan_actual,
+        nan_reference,
+        inf_actual,
+        inf_reference,
+        nonfinite_mismatch,
+        exact_bytes,
+        allowance_valid,
+        p50,
+        p90,
+        p99,
+        max_abs,
+        max_rel,
+        judged_max,
+        first_actual,
+        first_expected,
+        first_rel,
+        rel_square_sum,
+        rel_sum,
+        judged_square_sum,
+    ) = packed[:scalars].tolist()
+    if allowance is not None and not allowance_valid:
+        raise ReferenceError_(f"the error allowance must be finite, >= 0 and {rows}x{cols}")
+    per_row = packed[scalars:].reshape(4, rows)
+    n = int(count)
     first_bad = None
     if elements_over:
-        flat = int(torch.nonzero(over.reshape(-1))[0])
-        r, c = divmod(flat, cols)
-        first_bad = BadElement(
-            row=r,
-            col=c,
-            actual=float(act[r, c]),
-            expected=float(ref[r, c]),
-            rel_err=float(rel_bad[r, c]),
-        )
-
-    values = torch.sort(rel[both_finite]).values
+        r, c = divmod(int(first_index), cols)
+        first_bad = BadElement(row=r, col=c, actual=first_actual, expected=first_expected, rel_err=first_rel)
     stats = RelErrorStats(
-        count=n_finite,
-        mean=float(values.mean()) if n_finite else 0.0,
-        p50=_quantile(values, 0.5),
-        p90=_quantile(values, 0.9),
-        p99=_quantile(values, 0.99),
+        count=n,
+        mean=rel_sum / n if n else 0.0,
+        p50=p50 if n else 0.0,
+        p90=p90 if n else 0.0,
+        p99=p99 if n else 0.0,
         max=max_rel,
     )
-    sel_act = cls_act[row_sel]
-    sel_ref = cls_ref[row_sel]
     return Comparison(
         shape=(rows, cols),
         tolerance=tolerance,
         scale_mode=scale,
-        rows_compared=int(mask.sum()),
+        rows_compared=int(rows_compared),
         max_abs=max_abs,
         max_rel=max_rel,
-        rms_rel=rms_rel,
+        rms_rel=math.sqrt(rel_square_sum / max(n, 1)),
         element_stats=stats,
-        elements_over=elements_over,
-        row_scale=row_scale.to(torch.float32).cpu(),
-        row_max_rel=torch.where(mask, row_max_rel, torch.zeros_like(row_max_rel)).to(torch.float32).cpu(),
-        row_rms_rel=torch.where(mask, row_rms_rel, torch.zeros_like(row_rms_rel)).to(torch.float32).cpu(),
-        bad_rows=bad_rows,
-        nan_actual=int((sel_act == 1).sum()),
-        nan_reference=int((sel_ref == 1).sum()),
-        inf_actual=int((sel_act >= 2).sum()),
-        inf_reference=int((sel_ref >= 2).sum()),
-        nonfinite_mismatch=int(mismatch.sum()),
+        elements_over=int(elements_over),
+        row_scale=per_row[0].to(torch.float32),
+        row_max_rel=per_row[1].to(torch.float32),
+        row_rms_rel=per_row[2].to(torch.float32),
+        bad_rows=tuple(index for index, bad in enumerate(per_row[3].tolist()) if bad),
+        nan_actual=int(nan_actual),
+        nan_reference=int(nan_reference),
+        inf_actual=int(inf_actual),
+        inf_reference=int(inf_reference),
+        nonfinite_mismatch=int(nonfinite_mismatch),
         first_bad=first_bad,
-        bit_exact=bit_exact(actual, reference),
-        judged=None
-        if allowance is None
-        else (
-            float(judged.max()) if judged.numel() else 0.0,
-            float(torch.sqrt(judged.square().sum() / max(n_finite, 1))),
-        ),
+        bit_exact=bool(exact_bytes) if exact is not None else bit_exact(actual, reference),  # no sync then
+        judged=None if allowance is None else (judged_max, math.sqrt(judged_square_sum / max(n, 1))),
     )
+
+
+def _same_bytes(actual: torch.Tensor, other: torch.Tensor) -> torch.Tensor | None:
+    """:func:`bit_exact` as a device bool, without a sync; ``None`` when dtype or shape differ or nothing is to
+    compare (then :func:`bit_exact` answers without reading any element)."""
+    if actual.dtype != other.dtype or actual.shape != other.shape or actual.numel() == 0:
+        return None
+    a = actual.detach().contiguous().reshape(-1).view(torch.uint8)
+    b = other.detach().contiguous().reshape(-1).view(torch.uint8).to(a.device)
+    return (a == b).all().to(other.device)
