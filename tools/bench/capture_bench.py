@@ -19,8 +19,9 @@ launching one tiny kernel per wrapped call (``scratch.add_(1)``): what any captu
 per call cannot beat at CPU-launch-bound decode. ``flight×`` minus ``+launch×`` is what the recorder's Python
 and its own launches add beyond that floor.
 
-``--compression LEVEL:THREADS,...``: zstd level and worker threads (``MOEREPLAY_COMPRESSION_LEVEL`` /
-``MOEREPLAY_COMPRESSION_THREADS``) of each full-capture run. Targets (issue 4): armed ≤ 1.05×, full capture
+``--compression LEVEL:THREADS[:WRITER_THREADS],...``: zstd level, zstd threads per frame and writer pool threads
+(``MOEREPLAY_COMPRESSION_LEVEL`` / ``MOEREPLAY_COMPRESSION_THREADS`` / ``MOEREPLAY_WRITER_THREADS``) of each
+full-capture run. Targets (issue 4): armed ≤ 1.05×, full capture
 ≥ 1 GB/s sustained.
 """
 
@@ -104,11 +105,15 @@ def plain_wrappers(marlin, launch: torch.Tensor | None) -> Callable[[], None]:
     return undo
 
 
-def parse_compression(text: str) -> list[tuple[int, int]]:
-    settings = []
+def parse_compression(text: str) -> list[tuple[int, int, int | None]]:
+    """``LEVEL:THREADS[:WORKERS]`` items: zstd level, zstd threads per frame, writer pool threads (default: the
+    setting's default)."""
+    settings: list[tuple[int, int, int | None]] = []
     for item in text.split(","):
-        level, _, threads = item.strip().partition(":")
-        settings.append((int(level), int(threads or 0)))
+        parts = item.strip().split(":")
+        level, threads = int(parts[0]), int(parts[1]) if len(parts) > 1 and parts[1] else 0
+        workers = int(parts[2]) if len(parts) > 2 and parts[2] else None
+        settings.append((level, threads, workers))
     return settings
 
 
@@ -116,7 +121,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=200, help="timed calls per decode M")
     parser.add_argument("--prefill-iterations", type=int, default=20, help="timed calls at M = 2048")
-    parser.add_argument("--compression", default="1:0,1:8", help="LEVEL:THREADS of each full-capture run")
+    parser.add_argument(
+        "--compression", default="1:0,1:8", help="LEVEL:THREADS[:WRITER_THREADS] of each full-capture run"
+    )
     parser.add_argument("--sizes", default="1,8,64,2048")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
@@ -141,13 +148,13 @@ def main() -> int:
         flush=True,
     )
     modes: list[tuple[str, dict[str, str]]] = [("flight", {"MOEREPLAY_TRIGGER": "flight"})]
-    for level, threads in compression:
-        modes.append(
-            (
-                f"full z{level}t{threads}",
-                {"MOEREPLAY_COMPRESSION_LEVEL": str(level), "MOEREPLAY_COMPRESSION_THREADS": str(threads)},
-            )
-        )
+    for level, threads, workers in compression:
+        extra = {"MOEREPLAY_COMPRESSION_LEVEL": str(level), "MOEREPLAY_COMPRESSION_THREADS": str(threads)}
+        label = f"full z{level}t{threads}"
+        if workers is not None:
+            extra["MOEREPLAY_WRITER_THREADS"] = str(workers)
+            label += f"w{workers}"
+        modes.append((label, extra))
     rows = []
     for m in sizes:
         iterations = options.iterations if m < 2048 else options.prefill_iterations
