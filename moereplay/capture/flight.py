@@ -1,26 +1,33 @@
 """The flight recorder: keep the last K calls on the device, write them only when an output goes bad.
 
 Per call (serving thread): the inputs and outputs are copied device-to-device into a ring entry (no host
-transfer, one multi-tensor copy each), and each floating-point output is reduced on the device to its largest
-magnitude (``torch.linalg.vector_norm(ord=inf)``, which propagates NaN) straight into a slot of a preallocated
-device ring of float32 magnitudes — one small kernel, no allocation, no event, no host copy. Every
-:data:`FLUSH_EVERY` calls (and whenever the writer thread polls, every few ms while serving is idle) the slots
-written since the last flush go to pinned host memory in one asynchronous copy followed by one CUDA event, on the
-stream the calls ran on; that event also stands for every snapshot taken before it (their copies were queued
-earlier on the same stream), so the writer waits on it before reading a written entry. Nothing waits on the
-serving thread: a batch is checked once its event has completed, from :meth:`FlightRecorder.poll` (called by the
-writer thread between messages and by the serving thread on each new call) — ``event.query()`` and one read of
-pinned memory per batch.
+transfer, one multi-tensor copy each) and the entry is queued for its check. Nothing else touches the device on
+the serving thread: no reduction, no event, no host copy (Python bookkeeping only). The check runs on the
+writer thread (:meth:`FlightRecorder.poll` with ``launch=True``, from ``WriterThread._run_poll`` inside the
+graph gate's ``device_work()``, every ``poll_interval`` ≈ 5 ms while its queue is idle): it records one CUDA
+event on the serving stream after every snapshot registered so far (that event also stands for those snapshots
+when the writer later reads them), makes a side stream of its own wait for it (``wait_event``: no host
+block), reduces the *ring copies* of the queued outputs there to their largest magnitudes (one
+``torch._foreach_norm(ord=inf, dtype=float32)`` per output dtype over all queued entries — ``max_propagate_nan``
+in the CUDA kernel, so NaN propagates; inf-norm is exact in any float dtype — then one stack and one copy to
+pinned host memory) and records one event on the side stream. A later poll, from either thread (the serving
+thread's poll on each new call only queries events and reads pinned memory: it launches nothing), reads the
+magnitudes once that event has completed and checks them in call order.
 
-When a value is non-finite or above ``absmax``, the ring's entries up to and including the offending call are
-handed to the writer (their device copies are moved to the host there); enclosing calls still running (the
-parent of the offending kernel call) are written with their completion when it comes. The recorder stays
-armed: the next bad output (often the same incident's next call) triggers again with what the ring holds then.
-On CPU the check is immediate (there is nothing to overlap with).
+Detection lag: a call is checked at most about two writer polls after it completed (≈ 2 × 5 ms, more while
+the writer is busy writing a trigger) plus the device time for the serving stream to reach the call and the
+side stream to reduce it. While unchecked, an entry stays in the ring even past ``MOEREPLAY_FLIGHT_CALLS``
+(by at most :data:`LAG_CALLS` entries), so a lagging check still finds its call and the calls before it; the
+byte bound (``MOEREPLAY_FLIGHT_BYTES``) is never exceeded by the ring. An entry evicted by the byte bound keeps
+its output copies (not its inputs) until its check ran; a bad value found then counts as ``flight_lost``.
+Evicted entries still waiting for their check launch are dropped past another ``max_bytes`` of held outputs
+and counted as ``flight_unchecked`` (the writer thread stalled).
 
-The ring is bounded by entry count (``MOEREPLAY_FLIGHT_CALLS``) and device bytes (``MOEREPLAY_FLIGHT_BYTES``);
-oldest entries are evicted first. A trigger detected after its call was evicted (a very large call, or a check
-lagging more than K calls) is counted as ``flight_lost`` and logged.
+When a value is non-finite or above ``absmax``, the ring's entries up to and including the offending call (at
+most ``MOEREPLAY_FLIGHT_CALLS`` of them) are handed to the writer (their device copies are moved to the host
+there); enclosing calls still running (the parent of the offending kernel call) are written with their
+completion when it comes. The recorder stays armed: the next bad output (often the same incident's next call)
+triggers again with what the ring holds then. On CPU the check is immediate (there is nothing to overlap with).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,20 +49,20 @@ from moereplay.format.schema import CodecValue
 logger = logging.getLogger("moereplay.capture")
 
 
-FLUSH_EVERY = 4
-"""Calls whose magnitudes are moved to the host together (one copy + one event per batch)."""
-
-SLOTS = 4096
-"""Device magnitude slots per device (a ring). A slot is reused only after its batch was checked."""
+LAG_CALLS = 1024
+"""Entries past ``max_calls`` an unchecked suffix of the ring may hold (the byte bound still applies)."""
 
 _NORM_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_FOREACH_FLOAT32 = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
 
 @dataclass(eq=False)
 class FlightEntry:
-    begin: Begin | None  # None: the call's inputs left the ring before it completed
+    begin: Begin | None  # None: left the ring (evicted or written), or its inputs left before it completed
     complete: Complete | None = None
-    slots: list[int] | None = None  # magnitude slots of its floating-point outputs (CUDA)
+    pending: bool = False  # CUDA: queued for its check, or its check launched and not read yet
+    queued: bool = False  # CUDA: its check is not launched yet
+    evicted: bool = False
     checked: bool = False
     value: float | None = None
     emitted: bool = False  # handed to the writer by a trigger (its own check no longer matters)
@@ -68,36 +75,17 @@ class FlightEntry:
 
 @dataclass(eq=False)
 class _Batch:
-    """Entries whose magnitudes are ready together: ``values`` (CPU) or, once ``event`` completed,
-    ``host[first:first + count]`` of the pinned mirror (CUDA; ``count`` slots from ``first``, ring order)."""
+    """Entries whose magnitudes are ready together: ``values`` (CPU, or once read), or, once ``event`` (side
+    stream) completed, ``host`` (pinned float32: ``counts[i]`` magnitudes per entry, in order). ``keep`` holds
+    the reduced device tensors until then (their memory is not reused while the side stream reads it)."""
 
     entries: list[FlightEntry]
-    event: Any = None
-    slots: _Slots | None = None
-    first: int = 0
-    count: int = 0
     values: list[float] | None = None
+    event: Any = None
+    host: torch.Tensor | None = None
+    counts: list[int] | None = None
+    keep: list[torch.Tensor] | None = None
     position: int = 0  # entries before this one were checked (a trigger stops a batch midway)
-
-
-class _Slots:
-    """One device's magnitude ring: ``SLOTS`` float32 on the device, its pinned host mirror, 0-d views of the
-    device slots (made on first use)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.values = torch.full((SLOTS,), float("nan"), dtype=torch.float32, device=device)
-        self.host = torch.empty(SLOTS, dtype=torch.float32, pin_memory=True)
-        self.views: list[torch.Tensor | None] = [None] * SLOTS
-        self.next = 0  # next slot to write
-        self.flushed = 0  # slots before this one (ring order, counted from 0) are in a batch
-        self.outstanding = 0  # slots written and not yet checked
-
-    def view(self, index: int) -> torch.Tensor:
-        view = self.views[index]
-        if view is None:
-            view = self.views[index] = self.values[index]
-        return view
 
 
 @dataclass
@@ -107,6 +95,7 @@ class FlightCounters:
     written: int = 0
     lost: int = 0
     evicted: int = 0
+    unchecked: int = 0
 
 
 def _magnitude_source(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -120,22 +109,37 @@ def _magnitude_source(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor.float()
 
 
-def output_magnitude(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
-    """Largest |value| over the floating-point tensors, as a 0-d float32 on their device (NaN if any NaN);
-    ``None`` when there is nothing to check. Launches one reduction per tensor (plus a max when several)."""
-    result: torch.Tensor | None = None
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    for tensor in tensors:
-        source = _magnitude_source(tensor)
-        if source is None:
+def _checkable(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and not tensor.is_complex() and tensor.numel() > 0
+
+
+def _device_view(copy: TensorCopy) -> torch.Tensor:
+    """The original view over a device ring copy (no host transfer, no launch)."""
+    data = copy.data
+    itemsize = copy.dtype.itemsize
+    offset = (data.storage_offset() + copy.storage_offset * itemsize - copy.base) // itemsize
+    result = torch.empty(0, dtype=copy.dtype, device=data.device)
+    result.set_(data.untyped_storage(), offset, copy.shape, copy.stride)
+    return result
+
+
+def _output_copies(complete: Complete) -> list[TensorCopy]:
+    """The checked outputs of a call: its top-level floating-point output copies on CUDA, each view once."""
+    found: list[TensorCopy] = []
+    seen: set[tuple[Any, ...]] = set()
+    if complete.outputs is None:
+        return found
+    for value in complete.outputs.tree.values():
+        if not isinstance(value, TensorCopy) or value.data.device.type != "cuda":
             continue
-        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if not value.dtype.is_floating_point or value.dtype.is_complex or 0 in value.shape:
+            continue
+        key = (value.storage, value.storage_offset, value.shape, value.stride, value.dtype)
         if key in seen:
             continue
         seen.add(key)
-        value = torch.linalg.vector_norm(source, ord=math.inf, dtype=torch.float32)
-        result = value if result is None else torch.maximum(result, value)
-    return result
+        found.append(value)
+    return found
 
 
 def _index(device: torch.device) -> int:
@@ -181,22 +185,18 @@ class FlightRecorder:
     emit: Callable[[FlightEntry], bool]
     emit_complete: Callable[[Complete], None]
     counters: FlightCounters = field(default_factory=FlightCounters)
-    flush_every: int = 0  # 0: FLUSH_EVERY, fewer for small rings (a check must land before its call leaves)
     _ring: deque[FlightEntry] = field(default_factory=deque)
     _by_sequence: dict[int, FlightEntry] = field(default_factory=dict)
     _forward: set[int] = field(default_factory=set)  # written before they completed (open parents)
     _bytes: int = 0
     _lock: threading.RLock = field(default_factory=threading.RLock)
-    _slots: dict[torch.device, _Slots] = field(default_factory=dict)
-    _open: list[FlightEntry] = field(default_factory=list)  # entries with magnitudes launched, not flushed
-    _open_device: _Slots | None = None
-    _open_stream: Any = None
-    _unflushed: list[Snapshot] = field(default_factory=list)  # CUDA snapshots waiting for a batch event
-    _batches: deque[_Batch] = field(default_factory=deque)  # flushed, not yet checked, in stream order
-
-    def __post_init__(self) -> None:
-        if self.flush_every <= 0:
-            self.flush_every = max(1, min(FLUSH_EVERY, self.max_calls // 4))
+    _waiting: deque[FlightEntry] = field(default_factory=deque)  # CUDA entries whose check is not launched
+    _held: int = 0  # output bytes of evicted entries in ``_waiting``
+    _stream: Any = None  # the stream of the snapshots in ``_unflushed``
+    _unflushed: list[Snapshot] = field(default_factory=list)  # CUDA snapshots waiting for an event
+    _batches: deque[_Batch] = field(default_factory=deque)  # not yet checked, in launch order
+    _sides: dict[torch.device, Any] = field(default_factory=dict)  # the writer thread's side streams
+    _launching: threading.Lock = field(default_factory=threading.Lock)  # one launcher at a time, in order
 
     def add_begin(self, begin: Begin) -> None:
         entry = FlightEntry(begin)
@@ -208,7 +208,7 @@ class FlightRecorder:
             self._evict()
 
     def add_complete(self, complete: Complete, outputs: list[torch.Tensor]) -> None:
-        """Attach a call's outputs and launch its check (immediate on CPU). A call already written (a parent
+        """Attach a call's outputs and queue its check (immediate on CPU). A call already written (a parent
         whose child triggered) has its completion written straight away."""
         with self._lock:
             forward = complete.sequence in self._forward
@@ -224,156 +224,193 @@ class FlightRecorder:
         with self._lock:
             entry = self._by_sequence.get(complete.sequence)
             if entry is None:  # evicted already (larger than the ring): still check the call
-                entry = FlightEntry(None)
+                entry = FlightEntry(None, evicted=True)
             entry.complete = complete
             if entry.begin is not None:
                 self._bytes += complete.nbytes
-            check_now = self._launch_check(entry, outputs)
+            check_now = self._queue_check(entry, outputs)
             self._evict()
-            if len(self._open) >= self.flush_every or len(self._unflushed) >= 4 * self.flush_every:
-                self._flush()
         if check_now:
             self.poll()
 
     def _register(self, snapshot: Snapshot) -> None:
-        """A CUDA snapshot taken without an event waits for the next batch event (lock held)."""
+        """A CUDA snapshot taken without an event waits for the next event on its stream (lock held). A
+        snapshot of another stream first gives the pending ones their event (rare: one serving stream)."""
         if snapshot.event is not None or not snapshot.copied:
             return
         device = _snapshot_device(snapshot)
         if device is None or device.type != "cuda":
             return
-        self._join(current_stream(_index(device)), None)
+        stream = current_stream(_index(device))
+        if self._unflushed and stream is not self._stream:
+            self._flush()
+        self._stream = stream
         self._unflushed.append(snapshot)
 
-    def _join(self, stream: Any, slots: _Slots | None) -> None:
-        """Make the pending batch the one of ``stream`` (and of ``slots``' device), flushing the pending one if
-        it belongs elsewhere: one batch event covers one stream's work (lock held)."""
-        pending = self._open or self._unflushed
-        if pending and (
-            stream is not self._open_stream
-            or (slots is not None and self._open_device is not None and self._open_device is not slots)
-        ):
-            self._flush()
-        self._open_stream = stream
-        if slots is not None:
-            self._open_device = slots
-
-    def _launch_check(self, entry: FlightEntry, outputs: list[torch.Tensor]) -> bool:
-        """Queue ``entry``'s magnitude reduction (lock held). Returns whether it is ready now (CPU)."""
-        sources: list[torch.Tensor] = []
+    def _queue_check(self, entry: FlightEntry, outputs: list[torch.Tensor]) -> bool:
+        """Check ``entry`` now (CPU: returns True) or queue it for the writer thread (CUDA; lock held)."""
+        first = None
+        for tensor in outputs:
+            if _checkable(tensor):
+                first = tensor
+                break
+        if first is None:
+            return False
+        if first.device.type == "cuda":
+            entry.pending = entry.queued = True
+            self._waiting.append(entry)
+            if entry.evicted and entry.complete is not None:
+                self._held += entry.complete.nbytes
+            return False
+        values: list[float] = []
         seen: set[tuple[int, tuple[int, ...]]] = set()
         for tensor in outputs:
             source = _magnitude_source(tensor)
-            if source is None:
+            if source is None or source.device.type == "cuda":
                 continue
             key = (tensor.data_ptr(), tuple(tensor.shape))
             if key in seen:
                 continue
             seen.add(key)
-            sources.append(source)
-        if not sources:
-            return False
-        device = sources[0].device
-        if device.type != "cuda":
-            values = [
-                float(torch.linalg.vector_norm(source, ord=math.inf, dtype=torch.float32))
-                for source in sources
-            ]
-            self._batches.append(_Batch([entry], values=[_largest(values)]))
-            return True
-        slots = self._slots.get(device)
-        if slots is None:
-            slots = self._slots[device] = _Slots(device)
-        self._join(current_stream(_index(device)), slots)
-        if slots.outstanding + len(sources) > SLOTS:
-            self._drain()
-            self._join(current_stream(_index(device)), slots)
-        indices = []
-        for source in sources:
-            if source.device != device:
-                continue  # another device than the call's first output: left unchecked
-            index = slots.next
-            slots.next = (index + 1) % SLOTS
-            slots.outstanding += 1
-            torch.linalg.vector_norm(source, ord=math.inf, dtype=torch.float32, out=slots.view(index))
-            indices.append(index)
-        entry.slots = indices
-        self._open.append(entry)
-        return False
+            values.append(float(torch.linalg.vector_norm(source, ord=math.inf, dtype=torch.float32)))
+        self._batches.append(_Batch([entry], values=[_largest(values)], counts=[len(values)]))
+        return True
 
     def _flush(self) -> None:
-        """Move the open entries' magnitudes to the host and record one event after them and after every
-        snapshot registered so far (lock held). Runs on the stream they ran on, from either thread."""
-        if not self._open and not self._unflushed:
+        """Record one event on the serving stream after every snapshot registered so far (lock held)."""
+        if not self._unflushed:
             return
-        slots = self._open_device
-        stream = self._open_stream
-        first = count = 0
-        with torch.cuda.stream(stream):
-            if slots is not None and self._open:
-                first = slots.flushed
-                count = (slots.next - first) % SLOTS
-                if count == 0:
-                    count = SLOTS  # a whole lap of slots written since the last flush
-                end = first + count
-                if end <= SLOTS:
-                    slots.host[first:end].copy_(slots.values[first:end], non_blocking=True)
-                else:
-                    slots.host[first:].copy_(slots.values[first:], non_blocking=True)
-                    slots.host[: end - SLOTS].copy_(slots.values[: end - SLOTS], non_blocking=True)
-                slots.flushed = slots.next
-            event = torch.cuda.Event()
-            torch._C._CudaEventBase.record(event, stream)
+        event = torch.cuda.Event()
+        torch._C._CudaEventBase.record(event, self._stream)
         for snapshot in self._unflushed:
             snapshot.event = event
         self._unflushed = []
-        if self._open:
-            self._batches.append(_Batch(self._open, event=event, slots=slots, first=first, count=count))
-            self._open = []
-        self._open_device = None
-        self._open_stream = None
-
-    def _drain(self) -> None:
-        """More than ``SLOTS`` magnitudes outstanding (the device is thousands of calls behind): flush, wait for
-        the batches and read their magnitudes so their slots can be reused. Never happens in steady serving."""
-        self._flush()
-        for batch in self._batches:
-            if batch.event is not None and batch.values is None:
-                batch.event.synchronize()
-        self._materialize()
+        self._stream = None
 
     def _evict(self) -> None:
-        while self._ring and (len(self._ring) > self.max_calls or self._bytes > self.max_bytes):
-            old = self._ring.popleft()
-            if old.begin is not None:
-                self._by_sequence.pop(old.begin.sequence, None)
-            self._bytes -= old.nbytes
-            self.counters.evicted += 1
+        """Oldest first, while the ring is over its bounds; an unchecked suffix stays past ``max_calls`` (up to
+        :data:`LAG_CALLS` more), never past ``max_bytes`` (lock held)."""
+        ring = self._ring
+        while ring:
+            over_bytes = self._bytes > self.max_bytes
+            if not over_bytes and len(ring) <= self.max_calls:
+                break
+            old = ring[0]
+            if not over_bytes and old.pending and len(ring) <= self.max_calls + LAG_CALLS:
+                break
+            self._drop(ring.popleft())
+        while self._held > self.max_bytes and self._waiting and self._waiting[0].evicted:
+            dropped = self._waiting.popleft()
+            dropped.pending = dropped.queued = False
+            self._held -= dropped.complete.nbytes if dropped.complete is not None else 0
+            self.counters.unchecked += 1
+
+    def _drop(self, old: FlightEntry) -> None:
+        """``old`` leaves the ring unwritten: its inputs are released; its outputs stay with a pending check."""
+        if old.begin is not None:
+            self._by_sequence.pop(old.begin.sequence, None)
+        self._bytes -= old.nbytes
+        self.counters.evicted += 1
+        old.begin = None
+        old.evicted = True
+        if old.queued and old.complete is not None:
+            self._held += old.complete.nbytes
+
+    def _side(self, device: torch.device) -> Any:
+        side = self._sides.get(device)
+        if side is None:
+            side = self._sides[device] = torch.cuda.Stream(device)
+        return side
+
+    def _launch(self) -> None:
+        """Writer thread: give the registered snapshots their event and reduce the queued entries' output
+        copies on a side stream after it; one batch (one side event, one pinned result) per device."""
+        with self._lock:
+            self._flush()
+            entries = list(self._waiting)
+            self._waiting.clear()
+            self._held = 0
+            for entry in entries:
+                entry.queued = False
+        if not entries:
+            return
+        by_device: dict[torch.device, list[tuple[FlightEntry, list[TensorCopy]]]] = {}
+        for entry in entries:
+            copies = _output_copies(entry.complete) if entry.complete is not None else []
+            device = copies[0].data.device if copies else torch.device("cuda", torch.cuda.current_device())
+            by_device.setdefault(device, []).append((entry, [c for c in copies if c.data.device == device]))
+        for device, items in by_device.items():
+            self._launch_on(device, items)
+
+    def _launch_on(self, device: torch.device, items: list[tuple[FlightEntry, list[TensorCopy]]]) -> None:
+        side = self._side(device)
+        events: dict[int, Any] = {}
+        for entry, _ in items:
+            outputs = entry.complete.outputs if entry.complete is not None else None
+            event = outputs.event if outputs is not None else None
+            if event is not None:
+                for one in getattr(event, "events", (event,)):
+                    events[id(one)] = one
+        for event in events.values():
+            side.wait_event(event)
+        counts: list[int] = []
+        groups: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+        keep: list[torch.Tensor] = []
+        total = 0
+        with torch.cuda.stream(side):
+            for _, copies in items:
+                counts.append(len(copies))
+                for copy in copies:
+                    view = _device_view(copy)
+                    keep.append(view)
+                    if copy.dtype not in _NORM_DTYPES:
+                        view = view.float()  # float8 and other narrow floats (on the side stream)
+                    groups.setdefault(view.dtype, []).append((total, view))
+                    total += 1
+            if total == 0:
+                batch = _Batch([entry for entry, _ in items], values=[math.nan] * len(items), counts=counts)
+            else:
+                results: list[Any] = [None] * total
+                for dtype, members in groups.items():
+                    tensors = [tensor for _, tensor in members]
+                    norms: Sequence[torch.Tensor]
+                    if dtype in _FOREACH_FLOAT32:
+                        norms = torch._foreach_norm(tensors, math.inf, dtype=torch.float32)
+                    else:  # float64: no narrowing inside the reduction
+                        norms = [norm.float() for norm in torch._foreach_norm(tensors, math.inf)]
+                    for (position, _), norm in zip(members, norms, strict=True):
+                        results[position] = norm
+                host = torch.empty(total, dtype=torch.float32, pin_memory=True)
+                host.copy_(torch.stack(results), non_blocking=True)
+                event = torch.cuda.Event()
+                torch._C._CudaEventBase.record(event, side)
+                entries = [entry for entry, _ in items]
+                batch = _Batch(entries, event=event, host=host, counts=counts, keep=keep)
+        with self._lock:
+            self._batches.append(batch)
 
     def _is_bad(self, value: float) -> bool:
         return not math.isfinite(value) or (self.absmax is not None and value > self.absmax)
 
     def _materialize(self) -> None:
-        """Read the magnitudes of every batch whose event has completed from the pinned mirror (lock held),
-        oldest first; their slots may be written again from then on."""
+        """Read the magnitudes of every batch whose side event has completed (lock held), oldest first."""
         for batch in self._batches:
             if batch.values is not None:
                 continue
             if not batch.event.query():
-                return  # later batches were recorded after this one on the same stream, or wait their turn
-            slots = batch.slots
-            assert slots is not None
-            end = batch.first + batch.count
-            if end <= SLOTS:
-                raw = slots.host[batch.first : end].tolist()
-            else:
-                raw = slots.host[batch.first :].tolist() + slots.host[: end - SLOTS].tolist()
-            slots.outstanding -= batch.count
-            by_slot = {(batch.first + i) % SLOTS: value for i, value in enumerate(raw)}
-            batch.values = [
-                _largest([by_slot[i] for i in entry.slots]) if entry.slots else math.nan
-                for entry in batch.entries
-            ]
+                return
+            assert batch.host is not None and batch.counts is not None
+            raw = batch.host.tolist()
+            values = []
+            at = 0
+            for count in batch.counts:
+                values.append(_largest(raw[at : at + count]) if count else math.nan)
+                at += count
+            batch.values = values
+            batch.host = None
+            batch.keep = None  # the side stream is done with the copies
+            for entry in batch.entries:
+                entry.pending = False
 
     def _check_ready(self) -> FlightEntry | None:
         """Check the batches whose magnitudes are on the host, oldest first (lock held); stop at the first bad
@@ -385,11 +422,14 @@ class FlightRecorder:
             values = batch.values
             if values is None:
                 return None
+            counts = batch.counts
             while batch.position < len(batch.entries):
                 entry = batch.entries[batch.position]
                 value = values[batch.position]
+                counted = counts[batch.position] if counts is not None else 1
                 batch.position += 1
-                if entry.emitted or (batch.event is not None and not entry.slots):
+                entry.pending = False
+                if entry.emitted or not counted:
                     continue  # written already by an earlier trigger, or nothing of it checked
                 entry.checked = True
                 entry.value = value
@@ -407,16 +447,19 @@ class FlightRecorder:
                     entry.complete.sequence if entry.complete else "?",
                 )
             batches.popleft()
+        self._evict()  # checked entries past max_calls may leave now
         return None
 
-    def poll(self, *, flush: bool = False) -> None:
+    def poll(self, *, launch: bool = False) -> None:
         """Check every batch whose magnitudes have arrived; write the ring on a trigger. Never blocks.
-        ``flush``: first move the open magnitudes to the host (the writer thread, while serving is idle)."""
-        if not self._batches and not (flush and (self._open or self._unflushed)):
+        ``launch`` (the writer thread only, inside the graph gate): first launch the queued checks. Without
+        it nothing is launched (the serving thread: event queries and pinned reads only)."""
+        if launch and (self._waiting or self._unflushed):
+            with self._launching:
+                self._launch()
+        if not self._batches:
             return
         with self._lock:
-            if flush:
-                self._flush()
             trigger = self._check_ready()
             if trigger is None:
                 return
@@ -424,13 +467,17 @@ class FlightRecorder:
             batch: list[FlightEntry] = []
             while self._ring:
                 entry = self._ring.popleft()
+                if entry is trigger:
+                    batch.append(entry)
+                    break
+                batch.append(entry)
+            while len(batch) > self.max_calls:  # an unchecked suffix may have kept more: K calls at most
+                self._drop(batch.pop(0))
+            for entry in batch:
                 if entry.begin is not None:
                     self._by_sequence.pop(entry.begin.sequence, None)
                 self._bytes -= entry.nbytes
                 entry.emitted = True
-                batch.append(entry)
-                if entry is trigger:
-                    break
             # calls after the trigger stay in the ring: they are the next incident's history
         assert trigger.begin is not None
         logger.error(

@@ -374,7 +374,7 @@ class Recorder(CallHandler):
     def poll(self) -> None:
         """Called by the writer thread between messages: run the flight recorder's pending checks."""
         if self.flight is not None and self.active:
-            self.flight.poll(flush=True)
+            self.flight.poll(launch=True)
 
 
 def shape_signature(op: str, bound: dict[str, Any]) -> tuple[Any, ...]:

@@ -1,6 +1,7 @@
 """The capture hot path on CUDA: device snapshots without per-snapshot events (flight), pinned host snapshots
-(staged through one device gather, or span by span past the staging limit), and the flight recorder's device
-magnitude slots flushed in batches — every recorded call still bit-exact."""
+(staged through one device gather, or span by span past the staging limit), and the flight recorder's checks
+launched by the writer thread's poll on a side stream over the ring copies — every recorded call still
+bit-exact."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import torch
 
 from moereplay.capture import session as session_module
 from moereplay.capture import snapshot as snapshot_module
-from moereplay.capture.flight import SLOTS
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.snapshot import TensorCopy, snapshot
 from moereplay.format import CaptureReader
@@ -132,6 +132,14 @@ def _run(kernels: types.ModuleType, steps: int, bad_step: int | None):
     return inputs
 
 
+def _check_all(session: session_module.Session) -> None:
+    """What the writer thread's polls do, done here to the end: launch the checks of every completed call
+    (side stream), then read them (a poll on the serving thread would only read)."""
+    for _ in range(2):
+        torch.cuda.synchronize()
+        session.recorder.poll()
+
+
 def _arm(tmp_path: Path, **settings: str) -> session_module.Session:
     env = {
         "MOEREPLAY_CAPTURE": "1",
@@ -147,23 +155,20 @@ def _arm(tmp_path: Path, **settings: str) -> session_module.Session:
 def test_flight_without_a_bad_output_writes_nothing_and_checks_every_call(kernels, tmp_path: Path) -> None:
     session = _arm(tmp_path, flight_calls="6")
     _run(kernels, 40, None)
-    torch.cuda.synchronize()
     session.flush()
-    session.recorder.poll()  # the writer thread's poll: flushes and checks what is left
-    torch.cuda.synchronize()
-    session.recorder.poll()
+    _check_all(session)
     session.close()
     with CaptureReader(session.path) as reader:
         assert len(reader) == 0
         counters = reader.footer["counters"]
         assert counters["flight_triggers"] == 0 and counters["flight_checked"] == 120
+        assert counters["flight_unchecked"] == 0 and counters["flight_lost"] == 0
 
 
 def test_flight_nan_writes_exact_calls_ending_with_the_offending_one(kernels, tmp_path: Path) -> None:
     session = _arm(tmp_path, flight_calls="16")
     inputs = _run(kernels, 12, bad_step=7)
-    torch.cuda.synchronize()
-    session.recorder.poll()
+    _check_all(session)
     session.flush()
     session.close()
     with CaptureReader(session.path) as reader:
@@ -185,16 +190,16 @@ def test_flight_nan_writes_exact_calls_ending_with_the_offending_one(kernels, tm
                 assert torch.equal(recorded.view(torch.uint8), inputs[step].cpu().view(torch.uint8))
 
 
-def test_magnitude_slots_wrap_around_without_losing_checks(kernels, tmp_path: Path) -> None:
+def test_the_ring_wraps_around_without_losing_checks(kernels, tmp_path: Path) -> None:
     session = _arm(tmp_path, flight_calls="16")
-    steps = SLOTS // 3 + 40  # more magnitudes than slots
+    steps = 1500  # the ring wraps hundreds of times while the writer thread checks in the background
     _run(kernels, steps, bad_step=steps - 2)
-    torch.cuda.synchronize()
-    session.recorder.poll()
+    _check_all(session)
     session.flush()
     session.close()
     with CaptureReader(session.path) as reader:
         counters = reader.footer["counters"]
         assert counters["flight_triggers"] >= 1 and counters["flight_lost"] == 0
+        assert counters["flight_unchecked"] == 0 and counters["flight_checked"] >= 3 * (steps - 2)
         triggers = [r for r in reader.calls() if r.context["flight"]["trigger"]]
         assert triggers[0].context["call"] == 3 * (steps - 2) + 1
