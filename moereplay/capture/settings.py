@@ -26,10 +26,10 @@ Variables (all optional; every value is validated, a malformed one raises :class
 ``MOEREPLAY_QUEUE_CALLS``  writer queue depth in calls (default 64); a full queue drops and counts
 ``MOEREPLAY_QUEUE_BYTES``  host memory the writer queue may hold (default 2G); past it: drop and count
 ``MOEREPLAY_COMPRESSION_LEVEL``    zstd level of the file (default 1; -5 … 22)
-``MOEREPLAY_COMPRESSION_THREADS``  zstd worker threads inside each tensor blob's frame (default 0; -1: one per
-                           CPU)
-``MOEREPLAY_WRITER_THREADS``  threads that hash and compress tensor blobs (default -1: half the CPUs, at most 8;
-                           0: the writer thread alone, one blob after the other)
+``MOEREPLAY_COMPRESSION_THREADS``  zstd worker threads inside each tensor blob's frame (default 2; 0: none;
+                           -1: one per CPU)
+``MOEREPLAY_WRITER_THREADS``  threads that hash and compress tensor blobs (default -1: a quarter of the CPUs,
+                           1 to 4; 0: the writer thread alone, one blob after the other)
 =========================  =================================================================================
 
 Compression: every tensor span stored is hashed (sha256, for deduplication) and compressed into one zstd frame.
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import enum
 import fnmatch
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -166,7 +165,7 @@ class CaptureSettings:
     queue_calls: int = 64
     queue_bytes: int = 2 << 30
     compression_level: int = 1
-    compression_threads: int = 0
+    compression_threads: int = 2
     writer_threads: int = -1
 
     def __post_init__(self) -> None:
@@ -187,10 +186,12 @@ class CaptureSettings:
             raise ValueError("writer_threads must be >= -1")
 
     def resolved_writer_threads(self) -> int:
-        """``writer_threads`` with -1 replaced by the default for this machine (half the CPUs, at most 8)."""
+        """``writer_threads`` with -1 replaced by the default for this machine (a quarter of the CPUs, 1 to 4)."""
         if self.writer_threads >= 0:
             return self.writer_threads
-        return max(1, min(8, (os.cpu_count() or 2) // 2))
+        from moereplay.format.writer import default_workers
+
+        return default_workers()
 
     def op_selected(self, op: str) -> bool:
         """Whether calls of ``op`` are recorded at all (include patterns, then exclude patterns)."""
