@@ -154,6 +154,10 @@ def main() -> int:
         if workers is not None:
             extra["MOEREPLAY_WRITER_THREADS"] = str(workers)
             label += f"w{workers}"
+        taken = sum(1 for name, _ in modes if name == label or name.startswith(label + "#"))
+        # the same setting again (e.g. once cold, once with the pinned host pool warm) gets its own column
+        if taken:
+            label += f"#{taken + 1}"
         modes.append((label, extra))
     rows = []
     for m in sizes:
