@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -496,6 +497,28 @@ class FlightRecorder:
                 if entry.complete is None:
                     with self._lock:
                         self._forward.add(entry.begin.sequence)
+
+    @property
+    def settled(self) -> bool:
+        """Whether every call seen so far has been checked (nothing queued, launched or unread)."""
+        return not (self._waiting or self._unflushed or self._batches)
+
+    def settle(self, timeout: float, device_work: Callable[[], Any] | None = None) -> bool:
+        """At close: launch and read the remaining checks, so a bad output in the last few calls still triggers.
+        Polls (never blocks on the device) until :attr:`settled` or ``timeout`` seconds; ``device_work`` is the
+        graph gate's context manager factory for the launches. Returns whether everything was checked."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if device_work is None:
+                self.poll(launch=True)
+            else:
+                with device_work():
+                    self.poll(launch=True)
+            if self.settled:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
 
     def as_counters(self) -> dict[str, int]:
         return {f"flight_{key}": value for key, value in self.counters.__dict__.items()}

@@ -33,6 +33,10 @@ from moereplay.capture.writer_thread import RecordSink, WriterThread
 
 logger = logging.getLogger("moereplay.capture")
 
+FLIGHT_SETTLE_S = 2.0
+"""At close, how long the flight recorder may keep launching and reading its last checks (a bad output in the last
+calls before exit still triggers; a hung device cannot stall the exit longer than this)."""
+
 SinkFactory = Callable[[Path, dict[str, Any]], RecordSink]
 """``(path, header) -> sink`` (tests); the default sink also gets the settings (compression)."""
 
@@ -80,8 +84,24 @@ class Session:
     unhook_graphs: Callable[[], None] = _nothing
 
     def close(self) -> None:
-        """Stop recording, write what is queued and the footer (counters included), restore nothing."""
+        """Stop recording, finish the flight recorder's last checks (bounded: it never waits on a hung device),
+        write what is queued and the footer (counters included), restore nothing."""
+        was_active = self.recorder.active
         self.recorder.active = False
+        flight = self.recorder.flight
+        if flight is not None and was_active and self.writer.failed is None:
+            try:
+                if not flight.settle(
+                    FLIGHT_SETTLE_S, self.gate.device_work if self.gate is not None else None
+                ):
+                    logger.warning(
+                        "moereplay: flight recorder: the last calls' checks did not finish within %.0f s at close",
+                        FLIGHT_SETTLE_S,
+                    )
+            except Exception as error:  # closing must not raise into the process's exit
+                logger.error(
+                    "moereplay: flight recorder: final check failed: %s: %s", type(error).__name__, error
+                )
         self.writer.flush(timeout=30.0)
         self.writer.close()
 

@@ -190,6 +190,18 @@ def test_flight_nan_writes_exact_calls_ending_with_the_offending_one(kernels, tm
                 assert torch.equal(recorded.view(torch.uint8), inputs[step].cpu().view(torch.uint8))
 
 
+def test_a_bad_output_just_before_close_still_triggers(kernels, tmp_path: Path) -> None:
+    """No poll after the last calls: close itself launches and reads the remaining checks (bounded wait)."""
+    session = _arm(tmp_path, flight_calls="16")
+    _run(kernels, 6, bad_step=5)  # the last step goes bad; nobody polls before close
+    session.close()
+    with CaptureReader(session.path) as reader:
+        counters = reader.footer["counters"]
+        assert counters["flight_triggers"] >= 1 and counters["flight_lost"] == 0
+        triggers = [r for r in reader.calls() if r.context["flight"]["trigger"]]
+        assert triggers and triggers[0].context["call"] == 3 * 5 + 1  # step 5's first gemm
+
+
 def test_the_ring_wraps_around_without_losing_checks(kernels, tmp_path: Path) -> None:
     session = _arm(tmp_path, flight_calls="16")
     steps = 1500  # the ring wraps hundreds of times while the writer thread checks in the background
