@@ -95,13 +95,17 @@ class KeptTensors:
 
     ``output``: the kernel's output (or, on the reference backend, the captured one) as ``[rows, cols]`` on the CPU in
     its own dtype; ``reference``: fp32 ``[rows, cols]``; ``written``: bool ``[rows]``, the rows a correct kernel
-    writes; ``rows``: what each row is (token / expert / slot / block).
+    writes; ``rows``: what each row is (token / expert / slot / block). ``allowance``: the per-element absolute
+    rounding bound the variant was judged beyond (float32 ``[rows, cols]``; launches that round partial sums to 16
+    bits), named by ``allowance_label``; ``None`` when it was judged by its dtype's tolerance alone.
     """
 
     output: torch.Tensor
     reference: torch.Tensor
     written: torch.Tensor
     rows: RowMap
+    allowance: torch.Tensor | None = None
+    allowance_label: str | None = None
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,9 @@ class ReplaySession:
         """Seconds per phase of this session's work (``load``, ``apply``, ``reference``, ``kernel_roundtrip``,
         ``judge``, and the worker's own ``worker.*`` phases)."""
         self._evaluations: dict[tuple[tuple[str, ...], str], _Evaluation] = {}
+        self._judged_allowances: dict[
+            str, Any
+        ] = {}  # label -> the ErrorAllowance the variant was judged with
         self._order: list[_Evaluation] = []
         self._read_findings: dict[str, list[Finding]] = {}
         self._localised = False
@@ -353,6 +356,7 @@ class ReplaySession:
             return cached
         start = len(self.findings)
         result, output, reference = self._judge_variant(variant)
+        allowance = self._judged_allowances.pop(variant.label, None)
         outcome = VariantOutcome(result, tuple(self.findings[start:]))
         keep_output = self.keep_tensors or variant.is_baseline or is_fill_only(variant)
         if self.keep_tensors and output is not None and reference is not None:
@@ -364,6 +368,8 @@ class ReplaySession:
                     reference.output.detach().float().cpu().clone(),  # references are cached: hand out copies
                     reference.written.detach().cpu().clone(),
                     reference.rows,
+                    None if allowance is None else allowance.absolute.detach().float().cpu().clone(),
+                    None if allowance is None else allowance.label,
                 ),
             )
         evaluation = _Evaluation(variant, outcome, output if keep_output else None, reference)
@@ -463,6 +469,8 @@ class ReplaySession:
         try:  # a launch that rounds partial sums to 16 bits is judged beyond its rounding bound
             with phases.phase("judge/allowance"):
                 allowance = self.allowance_for(args, reference, actual.dtype, reference_key)
+            if allowance is not None:
+                self._judged_allowances[variant.label] = allowance  # kept beside the tensors for front ends
             profile = profile_for(actual.dtype) if allowance is None else allowance.profile(actual.dtype)
             absolute = None if allowance is None else allowance.absolute
 

@@ -1,6 +1,7 @@
 """What the heat map and the diff view colour: each element's relative error, binned into a grid.
 
-The element error is :func:`moereplay.reference.compare.compare`'s — ``|actual − reference|`` over
+The element error is :func:`moereplay.reference.compare.compare`'s — ``|actual − reference|`` (minus the variant's
+rounding allowance, when its launch rounds partial sums to 16 bits and the replay judged it beyond that bound) over
 ``max(row_scale, |reference|)`` with compare's own per-row scale — so a cell is red exactly where the replay's
 comparison found the output bad. :class:`ErrorField` holds that per element (plus NaN / Inf / large-value masks);
 :meth:`ErrorField.grid` reduces it to ``[rows, column blocks]`` maxima and counts for the heat map. Cost: a few
@@ -10,6 +11,7 @@ variant, in a worker.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -62,7 +64,12 @@ class ErrorField:
             profile = profile_for(actual.dtype)
         except ReferenceError_:  # an output dtype without a profile: judge it as fp32
             profile = profile_for(torch.float32)
-        comparison = compare(actual, reference, rows_mask=written, profile=profile)
+        allowance = tensors.allowance
+        if allowance is not None and tuple(allowance.shape) != tuple(reference.shape):
+            allowance = None  # not this view's: colour by the dtype's tolerance alone
+        if allowance is not None and tensors.allowance_label:  # the replay judged beyond the rounding bound
+            profile = dataclasses.replace(profile, name=f"{profile.name}+{tensors.allowance_label}")
+        comparison = compare(actual, reference, rows_mask=written, profile=profile, allowance=allowance)
         act = actual.to(torch.float32)
         ref = reference.to(torch.float32)
         rows_mask = written[:, None].expand_as(ref)
@@ -70,7 +77,10 @@ class ErrorField:
         both = act_finite & ref_finite & rows_mask
         scale = comparison.row_scale.to(torch.float32)[:, None]
         denominator = torch.maximum(scale, ref.abs().nan_to_num(posinf=0.0, neginf=0.0))
-        relative = torch.where(both, (act - ref).abs() / denominator, torch.zeros_like(ref))
+        error = (act - ref).abs()
+        if allowance is not None:  # as compare judges it: only the error beyond the allowance counts
+            error = (error - allowance.to(torch.float32)).clamp_min(0.0)
+        relative = torch.where(both, error / denominator, torch.zeros_like(ref))
         disagree = rows_mask & (_classes(act) != _classes(ref))
         relative = torch.where(disagree, torch.full_like(relative, math.inf), relative)
         return cls(

@@ -45,13 +45,17 @@ class VariantTensors:
     """A variant's output next to its reference, as ``[rows, cols]`` CPU tensors.
 
     ``output`` keeps the kernel's dtype; ``reference`` is fp32; ``written`` (bool ``[rows]``) marks the rows the
-    kernel writes (others mean nothing); ``rows`` says what each row is (token / expert / slot), when known.
+    kernel writes (others mean nothing); ``rows`` says what each row is (token / expert / slot), when known;
+    ``allowance`` (float32 ``[rows, cols]``, named ``allowance_label``): the absolute rounding bound the variant
+    was judged beyond, when its launch rounds partial sums to 16 bits.
     """
 
     output: torch.Tensor
     reference: torch.Tensor
     written: torch.Tensor
     rows: RowMap | None = None
+    allowance: torch.Tensor | None = None
+    allowance_label: str | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -98,11 +102,14 @@ def _from_engine(report: Any) -> dict[str, VariantTensors] | None:
         output, reference = getattr(item, "output", None), getattr(item, "reference", None)
         if output is None or reference is None:
             continue
+        allowance = getattr(item, "allowance", None)
         tensors[str(label)] = VariantTensors(
             _matrix(output).cpu(),
             _matrix(reference).float().cpu(),
             item.written.cpu(),
             getattr(item, "rows", None),
+            None if allowance is None else _matrix(allowance).float().cpu(),
+            getattr(item, "allowance_label", None),
         )
     return tensors
 

@@ -161,3 +161,32 @@ def test_repro_export_of_a_missing_call_says_why(marlin_capture: Path) -> None:
     result = export_repro(marlin_capture, 99)
     assert isinstance(result, ReproUnavailable)
     assert result.reason.startswith("repro export failed:") and "99" in result.reason
+
+
+def test_error_field_judges_beyond_the_rounding_allowance_as_the_replay_does() -> None:
+    reference = torch.ones(3, 8)
+    output = reference.clone()
+    output[0, 1] = 1.04  # 0.04 off: inside a 0.05 allowance
+    output[1, 2] = 1.30  # 0.30 off: 0.25 beyond it
+    allowance = torch.full((3, 8), 0.05)
+    plain = ErrorField.of(tensors(output, reference))
+    allowed = ErrorField.of(
+        VariantTensors(output, reference, torch.ones(3, dtype=torch.bool), None, allowance, "atomic add")
+    )
+    assert bool(plain.bad()[0, 1]) and bool(plain.bad()[1, 2])
+    assert not bool(allowed.bad()[0, 1]) and float(allowed.relative[0, 1]) == 0.0
+    assert bool(allowed.bad()[1, 2]) and float(allowed.relative[1, 2]) == pytest.approx(0.25, rel=1e-4)
+    assert allowed.tolerance_name == "fp32+atomic add" and allowed.first_bad() == (1, 2)
+    wrong_shape = VariantTensors(
+        output, reference, torch.ones(3, dtype=torch.bool), None, torch.zeros(2, 2), "x"
+    )
+    assert ErrorField.of(wrong_shape).tolerance_name == "fp32"  # an allowance of another view is not used
+
+
+def test_a_variant_judged_beyond_a_rounding_bound_hands_it_to_the_heat_map(marlin_capture: Path) -> None:
+    outcome = run_replay(ReplayRequest(marlin_capture, 0, ("set use_atomic_add=true",), "reference"))
+    atomic = outcome.tensors["set use_atomic_add=true"]
+    assert outcome.tensors["baseline"].allowance is None
+    assert atomic.allowance is not None and atomic.allowance.shape == atomic.reference.shape
+    assert atomic.allowance_label and bool((atomic.allowance >= 0).all())
+    assert ErrorField.of(atomic).tolerance_name.endswith("+" + atomic.allowance_label)
