@@ -1,6 +1,11 @@
-"""Shared pytest configuration: GPU tests skip cleanly where CUDA is absent."""
+"""Shared pytest configuration: GPU tests skip cleanly where CUDA is absent; stand-in kernel modules."""
 
 from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -20,3 +25,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def stand_in_module() -> Iterator[Callable[..., types.ModuleType]]:
+    """``stand_in_module(name, **functions)``: a module of stand-in functions registered in ``sys.modules`` (patch
+    points look their targets up there by module name), removed at teardown — after the fixtures that asked for
+    it have finished theirs (disarming a capture first)."""
+    names: list[str] = []
+
+    def install(name: str, **functions: Any) -> types.ModuleType:
+        module = types.ModuleType(name)
+        for attribute, function in functions.items():
+            setattr(module, attribute, function)
+        sys.modules[name] = module
+        names.append(name)
+        return module
+
+    yield install
+    for name in names:
+        sys.modules.pop(name, None)

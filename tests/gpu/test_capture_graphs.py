@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -50,18 +50,13 @@ TARGETS = (
 
 
 @pytest.fixture
-def kernels() -> Iterator[types.ModuleType]:
+def kernels(stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.ModuleType]:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    module = types.ModuleType(MODULE)
-    module.gemm = gemm  # type: ignore[attr-defined]
-    module.layer = layer  # type: ignore[attr-defined]
-    sys.modules[MODULE] = module
     try:
-        yield module
+        yield stand_in_module(MODULE, gemm=gemm, layer=layer)
     finally:
         session_module.disarm()
-        sys.modules.pop(MODULE, None)
 
 
 @pytest.mark.parametrize("trigger", ["always", "flight"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -53,16 +53,11 @@ TARGETS = (
 
 
 @pytest.fixture
-def kernels() -> Iterator[types.ModuleType]:
-    module = types.ModuleType(MODULE)
-    module.gemm = gemm  # type: ignore[attr-defined]
-    module.fused = fused  # type: ignore[attr-defined]
-    sys.modules[MODULE] = module
+def kernels(stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.ModuleType]:
     try:
-        yield module
+        yield stand_in_module(MODULE, gemm=gemm, fused=fused)
     finally:
         session_module.disarm()
-        sys.modules.pop(MODULE, None)
 
 
 @pytest.fixture

@@ -4,9 +4,8 @@ one buffer — and a temporary freed before the kernel runs never makes a fresh 
 
 from __future__ import annotations
 
-import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -47,19 +46,14 @@ HOLDER = f"{__name__}.Holder"
 
 
 @pytest.fixture
-def kernels() -> Iterator[types.ModuleType]:
-    module = types.ModuleType(MODULE)
-    module.scaled_copy = scaled_copy  # type: ignore[attr-defined]
-    module.mixed_views = mixed_views  # type: ignore[attr-defined]
-    module.fresh = fresh  # type: ignore[attr-defined]
-    sys.modules[MODULE] = module
+def kernels(stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.ModuleType]:
+    module = stand_in_module(MODULE, scaled_copy=scaled_copy, mixed_views=mixed_views, fresh=fresh)
     register_codec(HOLDER, lambda holder: {"scratch": holder.data * 1.0}, lambda tree: tree)
     try:
         yield module
     finally:
         session_module.disarm()
         unregister_codec(HOLDER)
-        sys.modules.pop(MODULE, None)
 
 
 TARGETS = (

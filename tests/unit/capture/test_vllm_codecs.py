@@ -3,9 +3,8 @@ replay hands to the kernel, which the reference reads as the same scalar type.""
 
 from __future__ import annotations
 
-import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -42,10 +41,8 @@ def gemm(input: torch.Tensor, b_q_type: ScalarType, size_n: int) -> torch.Tensor
 
 
 @pytest.fixture
-def armed(tmp_path: Path) -> Iterator[types.ModuleType]:
-    module = types.ModuleType(MODULE)
-    module.gemm = gemm  # type: ignore[attr-defined]
-    sys.modules[MODULE] = module
+def armed(tmp_path: Path, stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.ModuleType]:
+    module = stand_in_module(MODULE, gemm=gemm)
     env = {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_DIR": str(tmp_path / "captures")}
     targets = (CaptureTarget("gemm", "kernel", MODULE, "gemm", codec_modules=VLLM_CODECS),)
     try:
@@ -53,7 +50,6 @@ def armed(tmp_path: Path) -> Iterator[types.ModuleType]:
         yield module
     finally:
         session_module.disarm()
-        sys.modules.pop(MODULE, None)
 
 
 def test_scalar_type_is_recorded_as_id_and_name_and_loaded_as_the_id(armed: types.ModuleType) -> None:
