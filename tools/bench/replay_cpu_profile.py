@@ -96,37 +96,32 @@ def backend(device: torch.device, name: str) -> Any:
 
 
 def build_call(experts: int) -> dict[str, Any]:
+    """A gpt-oss-style gemm2 call (rows pre-expanded, ``top_k=1``) on random NVFP4 experts, with the arguments the
+    synthetic captures use (:func:`moereplay.synth.marlin_presets.marlin_args`)."""
     from moereplay.reference.marlin_formats import MarlinWeightFormat, random_experts
-    from moereplay.reference.moe_align import moe_align_block_size
+    from moereplay.synth.marlin_presets import marlin_args
+    from moereplay.synth.routing import TopK
 
     generator = torch.Generator().manual_seed(0)
     packed = random_experts(MarlinWeightFormat.NVFP4, experts, K, N, generator=generator, with_dense=False)
     router = torch.randn(TOKENS, experts, generator=generator)
     topk_weights, topk_ids = torch.topk(torch.softmax(router, -1), TOP_K, dim=-1)
-    sorted_ids, expert_ids, padded = moe_align_block_size(topk_ids.to(torch.int32), BLOCK, experts)
     rows = TOKENS * TOP_K
-    args: dict[str, Any] = dict(packed.kernel_kwargs())
-    args.update(
-        input=(torch.randn(rows, K, generator=generator) * 0.5).to(torch.bfloat16),
-        output=torch.zeros(rows, N, dtype=torch.bfloat16),
-        a_scales=None,
-        workspace=torch.zeros(132 * 4, dtype=torch.int32),
-        sorted_token_ids=sorted_ids,
-        expert_ids=expert_ids,
-        num_tokens_past_padded=padded,
+    return marlin_args(
+        x=(torch.randn(rows, K, generator=generator) * 0.5).to(torch.bfloat16),
+        weights=packed.kernel_kwargs(),  # type: ignore[arg-type]
+        fmt=MarlinWeightFormat.NVFP4,
+        topk=TopK(topk_weights, topk_ids.to(torch.int32)),
         topk_weights=topk_weights.reshape(-1).to(torch.float32),
-        moe_block_size=BLOCK,
+        block=BLOCK,
+        experts=experts,
         top_k=1,
         mul_topk_weights=True,
         size_m=rows,
-        is_k_full=True,
-        use_atomic_add=False,
-        use_fp32_reduce=True,
-        thread_k=-1,
-        thread_n=-1,
-        blocks_per_sm=-1,
+        size_n=N,
+        size_k=K,
+        device=torch.device("cpu"),
     )
-    return args
 
 
 def record(path: Path, args: dict[str, Any]) -> None:
