@@ -114,16 +114,6 @@ def _checkable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() and not tensor.is_complex() and tensor.numel() > 0
 
 
-def _device_view(copy: TensorCopy) -> torch.Tensor:
-    """The original view over a device ring copy (no host transfer, no launch)."""
-    data = copy.data
-    itemsize = copy.dtype.itemsize
-    offset = (data.storage_offset() + copy.storage_offset * itemsize - copy.base) // itemsize
-    result = torch.empty(0, dtype=copy.dtype, device=data.device)
-    result.set_(data.untyped_storage(), offset, copy.shape, copy.stride)
-    return result
-
-
 def _output_copies(complete: Complete) -> list[TensorCopy]:
     """The checked outputs of a call: its top-level floating-point output copies on CUDA, each view once."""
     found: list[TensorCopy] = []
@@ -362,7 +352,7 @@ class FlightRecorder:
             for _, copies in items:
                 counts.append(len(copies))
                 for copy in copies:
-                    view = _device_view(copy)
+                    view = copy.view(on_host=False)
                     keep.append(view)
                     if copy.dtype not in _NORM_DTYPES:
                         view = view.float()  # float8 and other narrow floats (on the side stream)

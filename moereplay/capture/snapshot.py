@@ -71,13 +71,14 @@ class TensorCopy:
     base: int
     data: torch.Tensor
 
-    def view(self) -> torch.Tensor:
+    def view(self, *, on_host: bool = True) -> torch.Tensor:
         """A tensor with the original dtype, shape and stride over the copied bytes (offset relative to
-        ``base``). Moves device copies to the host first (flight recorder entries)."""
-        data = self.data if self.data.device.type == "cpu" else self.data.cpu()
-        result = torch.empty(0, dtype=self.dtype)
+        ``base``). ``on_host``: move device copies to the host first (flight recorder entries being written);
+        else the view stays over the copy where it is (no transfer, no launch: the flight recorder's checks)."""
+        data = self.data if self.data.device.type == "cpu" or not on_host else self.data.cpu()
+        result = torch.empty(0, dtype=self.dtype, device=data.device)
         if any(size == 0 for size in self.shape):
-            return torch.empty(self.shape, dtype=self.dtype)
+            return torch.empty(self.shape, dtype=self.dtype, device=data.device)
         itemsize = result.element_size()
         offset = (data.storage_offset() + self.storage_offset * itemsize - self.base) // itemsize
         result.set_(data.untyped_storage(), offset, self.shape, self.stride)
