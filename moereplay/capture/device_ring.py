@@ -1,0 +1,285 @@
+"""A circular device buffer that the layer-scope flight recorder copies into with ONE kernel launch per call.
+
+Why: at decode a fused MoE call is a few hundred microseconds of host time; every torch operation added on the
+serving thread (an allocation, a view, a multi-tensor copy) costs 5–40 µs there. This ring keeps the per-call
+cost to Python arithmetic on data pointers plus one launch of a small Triton kernel through its compiled
+launcher (no argument binding, no specialisation lookup, no tensor objects made):
+
+- copy up to :data:`MAX_SPANS` byte spans (the call's dynamic inputs and its outputs) into the ring, 8 bytes at a
+  time when every address and size allows it, else byte by byte;
+- reduce one floating-point output (contiguous float16 / bfloat16 / float32) to its largest magnitude and fold it
+  into the entry's 64-bit *tag word* with ``atomic_max``: ``generation << 32 | bits(max |x|)``. Magnitudes are
+  non-negative, so their float32 bit patterns order as the values do and a NaN (positive after ``abs``) orders
+  above +Inf: the word says "NaN" or "Inf" or the largest finite magnitude, without a second pass. The
+  generation (how many times the tag slot has been used) tells a reader whether the word belongs to the entry it
+  expects, to an older one (not run yet) or to a newer one (overwritten: lost).
+
+Positions are absolute byte counts (``head`` only grows); an allocation never straddles the end of the buffer
+(the rest of the lap is skipped), and an entry ``[start, end)`` is intact while ``head <= start + capacity``
+(checked after copying it out: anything launched later that could overwrite it has moved ``head`` first).
+
+Without Triton (CPU, tests) the same contract is kept with torch operations (several launches: no speed claim).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MAX_SPANS = 8
+"""Spans one launch copies; a call with more is copied by several launches (rare: four for a Marlin layer)."""
+
+ALIGNMENT = 256
+"""Every span starts on a 256-byte boundary of the ring, as the capture format aligns copied spans."""
+
+_CHECK_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+_WORD = struct.Struct("<f")
+
+
+def checkable_by_kernel(tensor: torch.Tensor) -> bool:
+    """Whether the fused kernel can reduce ``tensor`` (contiguous float16 / bfloat16 / float32)."""
+    return tensor.dtype in _CHECK_CODES and tensor.is_contiguous()
+
+
+def decode_word(word: int, generation: int) -> tuple[str, float]:
+    """``(state, magnitude)`` of a tag word read for an entry of ``generation``: ``"ok"`` (``magnitude`` is the
+    largest |x|, NaN or Inf included), ``"pending"`` (an older generation: the kernel has not run yet) or
+    ``"lost"`` (a newer generation overwrote it)."""
+    found = word >> 32
+    expected = generation & 0x7FFFFFFF
+    if found != expected:
+        ahead = (found - expected) % (1 << 31)
+        return ("lost", math.nan) if 0 < ahead < (1 << 30) else ("pending", math.nan)
+    bits = word & 0xFFFFFFFF
+    (value,) = _WORD.unpack(struct.pack("<I", bits))
+    return "ok", value
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Bytes ``[start, start + size)`` of ``tensor``'s storage (absolute address ``address``)."""
+
+    tensor: torch.Tensor
+    address: int
+    size: int
+
+
+def storage_span(tensor: torch.Tensor) -> Span:
+    """The bytes a view touches, from its storage (strides are never negative in torch)."""
+    itemsize = tensor.element_size()
+    numel = tensor.numel()
+    address = tensor.data_ptr()
+    if numel == 0:
+        return Span(tensor, address, 0)
+    if tensor.is_contiguous():
+        return Span(tensor, address, numel * itemsize)
+    last = 0
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        last += (size - 1) * stride
+    return Span(tensor, address, (last + 1) * itemsize)
+
+
+class DeviceRing:
+    """See the module docstring. ``capacity``: bytes of the buffer; ``tags``: tag words (entries whose check is
+    outstanding at once, at most)."""
+
+    def __init__(
+        self, capacity: int, device: torch.device, *, tags: int = 1 << 14, use_kernel: bool | None = None
+    ):
+        if capacity < ALIGNMENT:
+            raise ValueError("ring capacity must be at least 256 bytes")
+        self.device = device
+        self.capacity = capacity - capacity % ALIGNMENT
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
+        self.tags = tags
+        self.words = torch.zeros(tags, dtype=torch.int64, device=device)
+        self.head = 0  # absolute: bytes ever allocated (skipped lap ends included)
+        self.issued = 0  # tag words ever handed out
+        self._base = self.buffer.data_ptr()
+        self._words = self.words.data_ptr()
+        self._lock = threading.Lock()
+        cuda = device.type == "cuda"
+        if use_kernel is None:
+            use_kernel = cuda and _kernel_available()
+        self.launcher: _Launcher | None = _Launcher(device) if use_kernel else None
+
+    # --- allocation -------------------------------------------------------------------------------------------
+
+    def intact(self, start: int) -> bool:
+        """Whether bytes from absolute ``start`` can still hold what was copied there (nothing allocated since
+        has reached them)."""
+        return self.head <= start + self.capacity
+
+    def view(self, start: int, size: int) -> torch.Tensor:
+        """The ring's bytes ``[start, start + size)`` (absolute start) as a uint8 tensor (no copy)."""
+        physical = start % self.capacity
+        return self.buffer.narrow(0, physical, size)
+
+    # --- the per-call copy ------------------------------------------------------------------------------------
+
+    def record(
+        self, tensors: list[torch.Tensor], check: torch.Tensor | None, tagged: bool
+    ) -> tuple[list[int], list[int], list[int], tuple[int, int] | None]:
+        """Copy the storage spans of ``tensors`` (each from its first byte rounded down to 256 bytes of its
+        storage) into the ring and, when ``tagged``, fold the largest magnitude of ``check`` (or nothing) into a
+        new tag word — queued on the current stream. Returns ``(starts, leads, sizes, tag)``: each copy's
+        absolute ring start, how many bytes before the tensor's first byte it begins, its size, and the tag
+        ``(slot, generation)``. Raises ``ValueError`` (nothing launched) when the spans exceed the ring.
+
+        The hot path of the layer-scope flight recorder: per tensor a few metadata reads, then one launch."""
+        addresses = []
+        leads = []
+        sizes = []
+        total = 0
+        for tensor in tensors:
+            address = tensor.data_ptr()
+            offset: int = tensor.storage_offset()  # type: ignore[assignment]  # never symbolic here
+            lead = (offset * tensor.element_size()) % ALIGNMENT if offset else 0
+            size: int = (tensor.nbytes if tensor.is_contiguous() else storage_span(tensor).size) + lead
+            addresses.append(address - lead)
+            leads.append(lead)
+            sizes.append(size)
+            total += -(-size // ALIGNMENT) * ALIGNMENT
+        capacity = self.capacity
+        if total > capacity:
+            raise ValueError(f"{total} bytes do not fit a ring of {capacity}")
+        with self._lock:
+            head = self.head
+            lap_left = capacity - head % capacity
+            if total > lap_left:
+                head += lap_left  # never straddle the end
+            self.head = head + total
+            tag = None
+            if tagged:
+                issued = self.issued
+                self.issued = issued + 1
+                tag = (issued % self.tags, issued // self.tags)
+        starts = []
+        at = head
+        for size in sizes:
+            starts.append(at)
+            at += -(-size // ALIGNMENT) * ALIGNMENT
+        launcher = self.launcher
+        if launcher is not None and (check is None or checkable_by_kernel(check)):
+            base = self._base + head % capacity
+            triples = []
+            offset = 0
+            for address, size in zip(addresses, sizes, strict=True):
+                triples.append((address, base + offset, size))
+                offset += -(-size // ALIGNMENT) * ALIGNMENT
+            word = (self._words + 8 * tag[0], tag[1]) if tag is not None else None
+            for first in range(0, max(len(triples), 1), MAX_SPANS):
+                last = first + MAX_SPANS >= len(triples)
+                launcher.launch(
+                    triples[first : first + MAX_SPANS], check if last else None, word if last else None
+                )
+            return starts, leads, sizes, tag
+        for tensor, start, lead, size in zip(tensors, starts, leads, sizes, strict=True):
+            if size:
+                self.view(start, size).copy_(_raw(tensor, lead, size))
+        if tag is not None:
+            self._fold(check, tag)
+        return starts, leads, sizes, tag
+
+    def _fold(self, check: torch.Tensor | None, tag: tuple[int, int]) -> None:
+        """The tag word with torch operations (no kernel): the same encoding as the kernel's."""
+        slot, generation = tag
+        high = (generation & 0x7FFFFFFF) << 32
+        word = self.words.narrow(0, slot, 1)
+        if check is None or not check.is_floating_point() or check.is_complex() or check.numel() == 0:
+            word.fill_(high)
+            return
+        magnitude = torch.linalg.vector_norm(check.detach(), ord=math.inf, dtype=torch.float32).reshape(1)
+        bits = magnitude.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        word.copy_(bits + high)
+
+
+def _raw(tensor: torch.Tensor, lead: int, size: int) -> torch.Tensor:
+    """``size`` bytes of ``tensor``'s storage from ``lead`` bytes before its first byte (no copy)."""
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    raw.set_(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size() - lead, (size,), (1,))
+    return raw
+
+
+# --- the Triton kernel ------------------------------------------------------------------------------------------
+
+_KERNEL: Any = None
+_KERNEL_ERROR: str | None = None
+
+
+def _kernel_available() -> bool:
+    global _KERNEL, _KERNEL_ERROR
+    if _KERNEL is not None:
+        return True
+    if _KERNEL_ERROR is not None:
+        return False
+    try:
+        from moereplay.capture import ring_kernel
+
+        _KERNEL = ring_kernel
+        return True
+    except Exception as error:  # no triton, or one whose language differs
+        _KERNEL_ERROR = f"{type(error).__name__}: {error}"
+        return False
+
+
+class _Launcher:
+    """Compiled variants of the ring kernel (alignment × check dtype), launched through Triton's compiled
+    launcher with positional arguments only. Compiles lazily, once per variant, on first use."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.programs = torch.cuda.get_device_properties(self.index).multi_processor_count * 2
+        self._variants: dict[tuple[int, int, int], Any] = {}
+        self._get_stream = torch._C._cuda_getCurrentRawStream
+
+    def launch(
+        self,
+        addresses: list[tuple[int, int, int]],
+        check: torch.Tensor | None,
+        word: tuple[int, int] | None,
+    ) -> None:
+        aligned = 1
+        total = 0
+        args: list[int] = []
+        for source, target, size in addresses:
+            if (source | target | size) & 7:
+                aligned = 0
+            total += size
+            args.append(source)
+            args.append(target)
+            args.append(size)
+        for _ in range(MAX_SPANS - len(addresses)):
+            args.extend((0, 0, 0))
+        code = 0
+        if check is not None and word is not None:
+            code = _CHECK_CODES[check.dtype]
+            args.append(check.data_ptr())
+            numel = check.numel()
+            args.append(numel)
+            total += numel * check.element_size()
+        else:
+            args.append(0)
+            args.append(0)
+        if word is not None:
+            args.append(word[0])
+            args.append(word[1] & 0x7FFFFFFF)
+            mode = 1 if code == 0 else 2
+        else:
+            args.append(0)
+            args.append(0)
+            mode = 0
+        variant = self._variants.get((aligned, code, mode))
+        if variant is None:
+            variant = self._variants[(aligned, code, mode)] = _KERNEL.compile_variant(
+                aligned, code, mode, self.index
+            )
+        block = _KERNEL.BLOCK * (8 if aligned else 1)
+        programs = max(1, min(self.programs, -(-total // block)))
+        variant(programs, self._get_stream(self.index), args)
