@@ -73,6 +73,10 @@ FUSED_MARLIN_STATIC = (
     "w2_zeros",
 )
 
+FUSED_MARLIN_SCRATCH = ("workspace", "intermediate_cache13", "intermediate_cache2")
+"""fused_marlin_moe's work buffers: the Marlin lock workspace and the two intermediate caches (the function
+allocates its own when they are None)."""
+
 
 @dataclass(frozen=True)
 class CaptureTarget:
@@ -83,6 +87,10 @@ class CaptureTarget:
     again by identity. ``self_attributes``: for methods, attributes of ``self`` recorded as extra arguments
     (``self.<name>``). ``outputs``: argument names the call writes into, recorded after the call besides the
     return value.
+    ``scratch``: arguments that are work buffers (their bytes before the call do not matter): the layer-scope
+    flight recorder does not keep them. ``inputs_intact``: the call writes none of its arguments but its
+    ``outputs`` and ``scratch`` (read from the vLLM source for the Marlin layer), so the layer-scope recorder may
+    copy its inputs after the call, with its outputs, in one launch.
     """
 
     op: str
@@ -94,6 +102,8 @@ class CaptureTarget:
     outputs: tuple[str, ...] = ()
     codec_modules: tuple[str, ...] = ()
     opt_flags: bool = False
+    scratch: tuple[str, ...] = ()
+    inputs_intact: bool = False
 
     @property
     def site(self) -> str:
@@ -122,6 +132,8 @@ def _targets() -> tuple[CaptureTarget, ...]:
                 static=FUSED_MARLIN_STATIC,
                 outputs=("output",),
                 codec_modules=VLLM_CODECS,
+                scratch=FUSED_MARLIN_SCRATCH,
+                inputs_intact=True,
             )
         )
         targets.append(
@@ -133,6 +145,8 @@ def _targets() -> tuple[CaptureTarget, ...]:
                 static=FUSED_MARLIN_STATIC,
                 outputs=("output",),
                 codec_modules=VLLM_CODECS,
+                scratch=FUSED_MARLIN_SCRATCH,
+                inputs_intact=True,
             )
         )
     for module in GPT_OSS_MODULES:
@@ -157,6 +171,7 @@ def _targets() -> tuple[CaptureTarget, ...]:
                 static=("w1", "w2", "quant_config"),
                 outputs=("output_tensor",),
                 codec_modules=OGS_CODECS,
+                scratch=("intermediate_cache",),
             )
         )
         targets.append(
@@ -169,6 +184,7 @@ def _targets() -> tuple[CaptureTarget, ...]:
                 self_attributes=("quant_config",),
                 outputs=("output",),
                 codec_modules=OGS_CODECS,
+                scratch=("workspace13", "workspace2"),
             )
         )
     targets.append(

@@ -35,6 +35,7 @@ import torch
 from moereplay.capture.binding import ArgumentBinder
 from moereplay.capture.context import ContextTracker, Where
 from moereplay.capture.flight import FlightEntry, FlightRecorder
+from moereplay.capture.flight_layer import LayerCall, LayerFlight, is_capturing
 from moereplay.capture.opt_flags import OptFlagsProbe
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.patching import CallHandler
@@ -80,6 +81,10 @@ class _Plan:
     keep: list[torch.Tensor] | None = None  # the copied inputs, alive until the outputs are copied
 
 
+_OUTERMOST: Any = object()
+"""Stands on the parent stack while a layer-scope outermost call runs (its calls inside pass through)."""
+
+
 @dataclass
 class _Local(threading.local):
     parents: list[_Plan] = field(default_factory=list)
@@ -105,8 +110,17 @@ class Recorder(CallHandler):
         self._cuda = torch.cuda.is_available()
         self._probes: dict[int, OptFlagsProbe] = {}  # id(original function) -> its opt_flags probe
         importlib.import_module("moereplay.capture.vllm_codecs")  # registers vLLM's ScalarType codec
-        self.flight: FlightRecorder | None = None
-        if settings.trigger is Trigger.FLIGHT:
+        self.flight: FlightRecorder | LayerFlight | None = None
+        self.layer_scope = settings.trigger is Trigger.FLIGHT and settings.flight_scope == "layer"
+        if self.layer_scope:
+            self.flight = LayerFlight(
+                max_calls=settings.flight_calls,
+                max_bytes=settings.flight_bytes,
+                absmax=settings.absmax,
+                emit=self._emit_layer_call,
+                ranks=lambda: self.tracker.ranks,
+            )
+        elif settings.trigger is Trigger.FLIGHT:
             self.flight = FlightRecorder(
                 max_calls=settings.flight_calls,
                 max_bytes=settings.flight_bytes,
@@ -168,6 +182,8 @@ class Recorder(CallHandler):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
+        if self.layer_scope:
+            return self._layer_call(target, binder, original, args, kwargs)
         try:
             plan = self._before(target, binder, args, kwargs, original)
         except Exception as error:
@@ -197,6 +213,119 @@ class Recorder(CallHandler):
                 self._internal_error(f"{target.op} (after the call)", error)
         return result
 
+    # --- the layer-scope flight recorder (one ring copy per outermost call) ---------------------------------
+
+    def _layer_call(
+        self,
+        target: CaptureTarget,
+        binder: ArgumentBinder,
+        original: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The serving-thread path of ``MOEREPLAY_FLIGHT_SCOPE=layer``: calls inside an outermost call pass
+        straight through; the outermost call is bound, its dynamic tensors collected, and copied (with its
+        output and the output's check) by one ring launch after it returns."""
+        parents = self._local.parents
+        if parents:
+            return original(*args, **kwargs)
+        try:
+            call = self._layer_before(target, binder, args, kwargs, original)
+        except ValueError as error:  # the call does not fit the ring: not kept, counted
+            assert isinstance(self.flight, LayerFlight)
+            self.flight.too_large(error)
+            call = None
+        except Exception as error:
+            self._internal_error(f"{target.op} (before the call)", error)
+            call = None
+        parents.append(_OUTERMOST)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as error:
+            if call is not None:
+                self._layer_after(call, None, error)
+            raise
+        finally:
+            parents.pop()
+        if call is not None:
+            self._layer_after(call, result, None)
+        return result
+
+    def _layer_before(
+        self,
+        target: CaptureTarget,
+        binder: ArgumentBinder,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        original: Callable[..., Any],
+    ) -> LayerCall | None:
+        if not self.active:
+            return None
+        flight = self.flight
+        assert isinstance(flight, LayerFlight)
+        if self._cuda and is_capturing():
+            self.counters.skipped_graph_capture += 1
+            if not self._graph_warned:
+                self._graph_warned = True
+                logger.warning(GRAPH_WARNING)
+            return None
+        where = self.tracker.where(parent=None, is_parent=target.role == "parent")
+        sequence = self._sequence
+        self._sequence = sequence + 1
+        self.counters.seen += 1
+        if not self._selected(target, where):
+            self.counters.skipped_filters += 1
+            return None
+        bound = binder.bind(args, kwargs)
+        if target.self_attributes and args:
+            owner = args[0]
+            bound.pop(binder.positional[0] if binder.positional else "self", None)
+            for name in target.self_attributes:
+                bound[f"self.{name}"] = getattr(owner, name, None)
+        if (self.settings.per_shape or self.settings.sample < 1.0) and not self._admit(target, bound):
+            return None
+        self.counters.selected += 1
+        probe = self._probes.get(id(original)) if target.opt_flags else None
+        if probe is not None:
+            bound.update(probe.state())
+        call = flight.before(target, bound, where, sequence)
+        if probe is not None:
+            override = probe.override()
+            if override is not None:
+                call.extra_context["opt_flags_override"] = override
+            call.probe = probe
+            probe.start()
+        return call
+
+    def _layer_after(self, call: LayerCall, result: Any, error: BaseException | None) -> None:
+        flight = self.flight
+        assert isinstance(flight, LayerFlight)
+        try:
+            if call.probe is not None and error is None:
+                chosen = call.probe.chosen()
+                if chosen is not None:
+                    call.extra_outputs["opt_flags"] = chosen
+            flight.after(call, result, error)
+        except ValueError as too_large:
+            flight.too_large(too_large)
+        except Exception as internal:
+            self._internal_error(f"{call.target.op} (after the call)", internal)
+
+    def _emit_layer_call(self, begin: Begin, complete: Complete | None) -> bool:
+        if self.writer is None:
+            return False
+        settings = self.settings
+        with self._lock:
+            if settings.max_calls and self._recorded >= settings.max_calls:
+                self.counters.skipped_limit += 1
+                return False
+            self._recorded += 1
+        if not self.writer.offer(begin):
+            return False
+        if complete is not None:
+            self.writer.offer(complete)
+        return True
+
     def _before(
         self,
         target: CaptureTarget,
@@ -209,7 +338,7 @@ class Recorder(CallHandler):
             return None
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
         if self.flight is not None and not capturing:  # its event queries would break the graph capture
-            self.flight.poll()
+            self.flight.poll()  # the kernel-scope recorder reads finished checks here (launches nothing)
         parents = self._local.parents
         parent = parents[-1] if parents else None
         where = self.tracker.where(parent=parent.where if parent else None, is_parent=target.role == "parent")
@@ -248,7 +377,7 @@ class Recorder(CallHandler):
                     context["opt_flags_override"] = override
         parent_sequence = parent.sequence if parent is not None and parent.recorded else None
         plan.keep = []
-        if self.flight is not None:
+        if isinstance(self.flight, FlightRecorder):
             inputs = snapshot(bound, target.static, to_host=False, keep=plan.keep, record_event=False)
             begin = Begin(sequence, target.op, target.site, inputs, context, parent_sequence, target.static)
             begin.started = time.time()
@@ -332,7 +461,7 @@ class Recorder(CallHandler):
                 outputs["opt_flags"] = chosen
         status = "completed" if error is None else "failed"
         message = None if error is None else f"{type(error).__name__}: {error}"[:2000]
-        if self.flight is not None:
+        if isinstance(self.flight, FlightRecorder):
             kept = snapshot(outputs, (), to_host=False, record_event=False)
             complete = Complete(plan.sequence, kept, {"host_s": elapsed}, status, message)
             complete.finished = time.time()

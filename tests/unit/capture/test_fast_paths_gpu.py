@@ -140,6 +140,7 @@ def _arm(tmp_path: Path, **settings: str) -> session_module.Session:
         "MOEREPLAY_CAPTURE": "1",
         "MOEREPLAY_DIR": str(tmp_path / "captures"),
         "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_SCOPE": "kernel",  # these tests check the exact per-kernel ring; the layer scope's: below
     }
     env.update({f"MOEREPLAY_{key.upper()}": value for key, value in settings.items()})
     session = session_module.arm(env, targets=TARGETS)

@@ -1,4 +1,4 @@
-"""MOEREPLAY_TRIGGER=flight: nothing is written until an output goes bad; then the ring up to the bad call."""
+"""MOEREPLAY_TRIGGER=flight, MOEREPLAY_FLIGHT_SCOPE=kernel: nothing is written until an output goes bad; then the ring up to the bad call."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def run(
 
 
 def test_no_trigger_writes_nothing(arm, kernels: types.ModuleType, inputs) -> None:
-    session = arm(trigger="flight", flight_calls="6")
+    session = arm(trigger="flight", flight_scope="kernel", flight_calls="6")
     run(kernels, inputs, bad_step=None)
     session.flush()
     session.close()
@@ -35,7 +35,7 @@ def test_no_trigger_writes_nothing(arm, kernels: types.ModuleType, inputs) -> No
 
 
 def test_nan_writes_the_ring_ending_with_the_offending_call(arm, kernels: types.ModuleType, inputs) -> None:
-    session = arm(trigger="flight", flight_calls="6")
+    session = arm(trigger="flight", flight_scope="kernel", flight_calls="6")
     run(kernels, inputs, bad_step=7)
     session.flush()
     session.close()
@@ -56,7 +56,7 @@ def test_nan_writes_the_ring_ending_with_the_offending_call(arm, kernels: types.
 
 
 def test_absmax_triggers_on_large_finite_outputs(arm, kernels: types.ModuleType, inputs) -> None:
-    session = arm(trigger="flight", flight_calls="3", absmax="1e5")
+    session = arm(trigger="flight", flight_scope="kernel", flight_calls="3", absmax="1e5")
     run(kernels, inputs, bad_step=None, huge_step=4)
     session.flush()
     session.close()

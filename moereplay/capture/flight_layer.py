@@ -1,0 +1,660 @@
+"""The layer-scope flight recorder: one ring copy per MoE layer call, kernel calls regenerated later.
+
+``MOEREPLAY_TRIGGER=flight`` with ``MOEREPLAY_FLIGHT_SCOPE=layer`` (the default scope). The kernel-scope recorder
+(:mod:`moereplay.capture.flight`) copies every kernel call's inputs and outputs: exact, but at decode it costs
+several times the call, because every copy is a launch and a launch costs as much host time as the kernels it
+watches. Here only the *outermost* recorded call — the fused MoE layer (``fused_marlin_moe``,
+``triton_kernel_fused_experts`` …), or a kernel call made outside any layer — is kept, and with ONE launch
+(:class:`~moereplay.capture.device_ring.DeviceRing`): its dynamic inputs (hidden states, routing; not weights,
+which are stored once per file, and not scratch buffers, whose bytes before the call mean nothing) and its output
+go into a circular device buffer, and the same launch folds the output's largest magnitude into a tag word.
+Kernel calls inside a layer call pass straight through. When a layer's output turns bad, the layer calls up to and
+including it are written as parent records without children; ``moereplay expand`` re-runs them with the real
+kernels to regenerate (and prove) the kernel calls.
+
+Threads. Serving thread (per layer call): bind the arguments, collect the dynamic tensors, call, one ring launch,
+append to a queue (no event, no host transfer, no allocation). Writer thread (:meth:`LayerFlight.poll` with
+``launch=True``, inside the graph gate, every ≈ 5 ms while idle): describe the new calls (tensor metadata, the
+argument tree; the references to the live tensors are dropped then), read the tag words of the unchecked ones
+(one event on the serving stream, one small copy on a side stream), and on a bad word copy the ring regions of the
+offending call and the K calls before it to the host, check that nothing overwrote them meanwhile (the ring's
+``head`` had not lapped them when the copy finished) and hand them to the writer.
+
+Scratch buffers are recorded as :class:`~moereplay.format.schema.Unsupported` (``"scratch …"``); an output
+buffer passed in (``output``) is recorded as an input with its bytes *after* the call when the call may be
+copied after it (the target declares its inputs intact) — its bytes before the call are not used by the kernels.
+A target that may write its inputs, or whose output overlaps an input, gets a second launch before the call.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import math
+import threading
+import time
+import types
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moereplay.capture.context import Ranks, Where
+from moereplay.capture.device_ring import DeviceRing, decode_word
+from moereplay.capture.patch_points import CaptureTarget
+from moereplay.capture.snapshot import (
+    Snapshot,
+    TensorCopy,
+    _fill,
+    _Pending,
+    _walk,
+    _walk_static,
+    format_codec,
+    qualified_type_name,
+)
+from moereplay.capture.writer_thread import Begin, Complete
+from moereplay.format.schema import Unsupported
+
+logger = logging.getLogger("moereplay.capture")
+
+_PLAIN = frozenset({type(None), bool, int, float, str, bytes, torch.dtype, torch.device})
+_LATER = (
+    enum.Enum,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    functools.partial,
+)  # values without tensors inside: recorded from the live object when the call is described
+_get_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
+def scratch_marker(value: torch.Tensor) -> Unsupported:
+    return Unsupported(
+        "torch.Tensor",
+        f"scratch buffer {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}: "
+        "not kept by the layer-scope flight recorder (moereplay expand passes None)",
+    )
+
+
+@dataclass(eq=False, slots=True)
+class _Copied:
+    """Where one copied tensor's bytes are in the ring, and what it was."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    device: str
+    storage: tuple[str, int]
+    start: int  # absolute ring position of the copy (``lead`` bytes before the tensor's first byte)
+    lead: int
+    size: int
+
+
+@dataclass(eq=False, slots=True)
+class LayerCall:
+    """One recorded outermost call. Serving-thread fields first; ``described`` on, the writer thread's."""
+
+    target: CaptureTarget
+    where: Where
+    sequence: int
+    bound: dict[str, Any] | None
+    trees: dict[str, Any]  # dynamic argument name -> tree with _Pending(index into ``tensors``)
+    tensors: list[torch.Tensor] | None  # the dynamic inputs (index order), then the outputs
+    n_inputs: int
+    outputs: dict[str, int] = field(default_factory=dict)  # output name -> index into ``tensors``
+    input_copy: tuple[list[int], list[int], list[int]] | None = None  # (starts, leads, sizes) of inputs
+    output_copy: tuple[list[int], list[int], list[int]] | None = None  # of outputs (or inputs + outputs)
+    tag: tuple[int, int] | None = None
+    ring: DeviceRing | None = None
+    stream: int = 0
+    device_index: int = -1
+    host_s: float = 0.0
+    started: float = 0.0
+    finished: float = 0.0
+    status: str = "completed"
+    error: str | None = None
+    probe: Any = None  # the triton_kernels opt_flags probe of a matmul_ogs call made outside a layer
+    extra_context: dict[str, Any] = field(default_factory=dict)
+    extra_outputs: dict[str, Any] = field(default_factory=dict)  # values, not tensors (the chosen opt_flags)
+    # writer thread
+    copies: list[_Copied] | None = None
+    input_tree: dict[str, Any] | None = None
+    output_tree: dict[str, Any] | None = None
+    checked: bool = False
+    value: float | None = None
+    emitted: bool = False
+
+    @property
+    def first_start(self) -> int:
+        starts = [c.start for c in self.copies or ()]
+        return min(starts) if starts else 0
+
+
+@dataclass
+class LayerCounters:
+    checked: int = 0
+    triggers: int = 0
+    written: int = 0
+    lost: int = 0
+    evicted: int = 0
+    unchecked: int = 0
+    too_large: int = 0
+
+
+@dataclass(eq=False)
+class _Plan:
+    """Per target and argument layout: the names to look at for dynamic tensors, the scratch and static ones."""
+
+    candidates: tuple[str, ...]
+    scratch: tuple[str, ...]
+
+
+@dataclass(eq=False)
+class _WordRead:
+    calls: list[LayerCall]
+    event: Any
+    host: torch.Tensor
+    ring: DeviceRing
+
+
+@dataclass(eq=False)
+class _CopyOut:
+    calls: list[LayerCall]
+    trigger: LayerCall
+    event: Any
+    hosts: list[torch.Tensor]  # per call: its copied bytes, regions back to back in ``copies`` order
+
+
+class LayerFlight:
+    """See the module docstring. ``emit(begin, complete)`` hands one written call to the writer (False: dropped).
+    ``ranks``: called on the writer thread for the context's ranks."""
+
+    scope = "layer"
+
+    def __init__(
+        self,
+        *,
+        max_calls: int,
+        max_bytes: int,
+        absmax: float | None,
+        emit: Callable[[Begin, Complete | None], bool],
+        ranks: Callable[[], Ranks | None] = lambda: None,
+    ) -> None:
+        self.max_calls = max_calls
+        self.max_bytes = max_bytes
+        self.absmax = absmax
+        self.emit = emit
+        self.ranks = ranks
+        self.counters = LayerCounters()
+        self._rings: dict[torch.device, DeviceRing] = {}
+        self._plans: dict[tuple[int, tuple[str, ...]], _Plan] = {}
+        self._new: deque[LayerCall] = deque()  # serving thread appends, writer thread pops
+        self._history: deque[LayerCall] = deque()  # described, in call order
+        self._unchecked: deque[LayerCall] = deque()  # described, no word read launched yet
+        self._reads: deque[_WordRead] = deque()
+        self._copy_outs: deque[_CopyOut] = deque()
+        self._sides: dict[int, Any] = {}
+        self._streams: dict[tuple[int, int], Any] = {}
+        self._lock = threading.Lock()  # the writer-side state (poll may run from settle on another thread)
+        self._warned_large = False
+
+    # --- serving thread ---------------------------------------------------------------------------------------
+
+    def _plan(self, target: CaptureTarget, bound: dict[str, Any]) -> _Plan:
+        key = (id(target), tuple(bound))
+        plan = self._plans.get(key)
+        if plan is None:
+            static = frozenset(target.static)
+            scratch = tuple(name for name in bound if name in target.scratch)
+            candidates = tuple(name for name in bound if name not in static and name not in target.scratch)
+            plan = self._plans[key] = _Plan(candidates, scratch)
+        return plan
+
+    def _ring(self, device: torch.device) -> DeviceRing:
+        ring = self._rings.get(device)
+        if ring is None:
+            ring = self._rings[device] = DeviceRing(self.max_bytes, device)
+        return ring
+
+    def before(self, target: CaptureTarget, bound: dict[str, Any], where: Where, sequence: int) -> LayerCall:
+        """Collect the dynamic inputs; copy them now when the call may write them (else after the call)."""
+        plan = self._plan(target, bound)
+        tensors: list[torch.Tensor] = []
+        trees: dict[str, Any] = {}
+        for name in plan.candidates:
+            value = bound[name]
+            kind = type(value)
+            if kind in _PLAIN:
+                continue
+            if isinstance(value, torch.Tensor):
+                trees[name] = _Pending(len(tensors))
+                tensors.append(value)
+            elif not isinstance(value, _LATER):
+                before = len(tensors)
+                tree = _walk(value, tensors, format_codec, 0)
+                if len(tensors) != before:
+                    trees[name] = tree
+        call = LayerCall(target, where, sequence, bound, trees, tensors, len(tensors))
+        if tensors and (not target.inputs_intact or _outputs_overlap(target, bound, tensors)):
+            ring = self._ring(tensors[0].device)
+            call.ring = ring
+            call.input_copy = ring.record(tensors, None, False)[:3]
+        call.started = time.perf_counter()
+        return call
+
+    def after(self, call: LayerCall, result: Any, error: BaseException | None) -> None:
+        """Copy the outputs (and the inputs, unless copied before) and fold the check: one launch."""
+        call.host_s = time.perf_counter() - call.started
+        call.finished = time.time()
+        bound = call.bound
+        assert bound is not None and call.tensors is not None
+        tensors = call.tensors
+        outputs: list[torch.Tensor] = []
+        check = None
+        if error is None:
+            for name in call.target.outputs:
+                value = bound.get(name)
+                if isinstance(value, torch.Tensor):
+                    call.outputs[name] = len(tensors) + len(outputs)
+                    outputs.append(value)
+            if isinstance(result, torch.Tensor) and not _among(result, outputs):
+                call.outputs["return"] = len(tensors) + len(outputs)
+                outputs.append(result)
+            for value in outputs:
+                if value.is_floating_point() and not value.is_complex() and value.numel():
+                    check = value
+                    break
+        else:
+            call.status = "failed"
+            call.error = f"{type(error).__name__}: {error}"[:2000]
+        copied = outputs if call.input_copy is not None else tensors + outputs
+        tensors.extend(outputs)
+        if copied:
+            ring = call.ring or self._ring(copied[0].device)
+            call.ring = ring
+            if ring.device.type == "cuda":
+                index = ring.device.index if ring.device.index is not None else torch.cuda.current_device()
+                call.device_index = index
+                call.stream = _get_stream(index) if _get_stream is not None else 0
+            starts, leads, sizes, tag = ring.record(copied, check, error is None)
+            call.output_copy = (starts, leads, sizes)
+            call.tag = tag
+        self._new.append(call)
+
+    def too_large(self, error: ValueError) -> None:
+        self.counters.too_large += 1
+        if not self._warned_large:
+            self._warned_large = True
+            logger.warning(
+                "moereplay: flight recorder: a call's copies do not fit the ring (%s); such calls are not kept "
+                "(raise MOEREPLAY_FLIGHT_BYTES)",
+                error,
+            )
+
+    # --- writer thread ----------------------------------------------------------------------------------------
+
+    def poll(self, *, launch: bool = False) -> None:
+        """Describe new calls, read tag words, handle triggers and finished copy-outs. Launches (word reads,
+        copy-outs) only with ``launch`` (the writer thread, inside the graph gate)."""
+        if not launch:
+            return
+        with self._lock:
+            self._describe_new()
+            self._finish_copy_outs()
+            self._read_words()
+            self._launch_reads()
+            self._evict()
+
+    @property
+    def settled(self) -> bool:
+        return not (self._new or self._unchecked or self._reads or self._copy_outs)
+
+    def settle(self, timeout: float, device_work: Callable[[], Any] | None = None) -> bool:
+        """At close: poll until every call is checked and every copy-out written, or ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if device_work is None:
+                self.poll(launch=True)
+            else:
+                with device_work():
+                    self.poll(launch=True)
+            if self.settled:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+
+    def as_counters(self) -> dict[str, int]:
+        return {f"flight_{key}": value for key, value in self.counters.__dict__.items()}
+
+    def _describe_new(self) -> None:
+        while self._new:
+            call = self._new.popleft()
+            self._describe(call)
+            self._history.append(call)
+            if call.tag is None:  # failed calls: nothing to check
+                call.checked = True
+            else:
+                self._unchecked.append(call)
+
+    def _describe(self, call: LayerCall) -> None:
+        """Tensor metadata and argument trees; the live dynamic tensors are let go."""
+        bound = call.bound or {}
+        tensors = call.tensors or []
+        copies: list[_Copied] = []
+        regions: list[tuple[int, int, int]] = []
+        for copy in (call.input_copy, call.output_copy):
+            if copy is not None:
+                regions.extend(zip(*copy, strict=True))
+        for tensor, (start, lead, size) in zip(tensors, regions, strict=True):
+            itemsize = tensor.element_size()
+            offset = int(tensor.storage_offset())
+            name = str(tensor.device)
+            copies.append(
+                _Copied(
+                    tensor.dtype,
+                    tuple(tensor.shape),
+                    tuple(tensor.stride()),
+                    offset,
+                    name,
+                    (name, tensor.data_ptr() - offset * itemsize),
+                    start,
+                    lead,
+                    size,
+                )
+            )
+        static = frozenset(call.target.static)
+        scratch = frozenset(call.target.scratch)
+        tree: dict[str, Any] = {}
+        for name, value in bound.items():
+            if name in call.trees:
+                tree[name] = call.trees[name]
+            elif name in static:
+                tree[name] = (
+                    value if isinstance(value, torch.Tensor) else _walk_static(value, format_codec, 0)
+                )
+            elif name in scratch and isinstance(value, torch.Tensor):
+                tree[name] = scratch_marker(value)
+            elif isinstance(value, torch.Tensor):  # cannot happen: every dynamic tensor is in ``trees``
+                tree[name] = Unsupported("torch.Tensor", "not copied")
+            else:
+                tree[name] = _walk(value, [], format_codec, 0)
+        call.copies = copies
+        call.input_tree = tree
+        outputs: dict[str, Any] = {name: _Pending(index) for name, index in call.outputs.items()}
+        for name, value in call.extra_outputs.items():
+            outputs[name] = _walk(value, [], format_codec, 0)
+        call.output_tree = outputs
+        call.bound = None
+        call.tensors = None
+
+    def _stream(self, device_index: int, raw: int) -> Any:
+        key = (device_index, raw)
+        stream = self._streams.get(key)
+        if stream is None:
+            if len(self._streams) > 64:
+                self._streams.clear()
+            stream = self._streams[key] = torch.cuda.ExternalStream(raw, device=device_index)
+        return stream
+
+    def _side(self, device_index: int) -> Any:
+        side = self._sides.get(device_index)
+        if side is None:
+            side = self._sides[device_index] = torch.cuda.Stream(device_index)
+        return side
+
+    def _launch_reads(self) -> None:
+        """One read of the tag words per ring, after an event on each serving stream the calls were made on."""
+        if not self._unchecked:
+            return
+        by_ring: dict[int, list[LayerCall]] = {}
+        rings: dict[int, DeviceRing] = {}
+        while self._unchecked:
+            call = self._unchecked.popleft()
+            assert call.ring is not None
+            by_ring.setdefault(id(call.ring), []).append(call)
+            rings[id(call.ring)] = call.ring
+        for key, calls in by_ring.items():
+            ring = rings[key]
+            if ring.device.type != "cuda":
+                self._reads.append(_WordRead(calls, None, ring.words.clone(), ring))
+                continue
+            index = calls[0].device_index
+            side = self._side(index)
+            for raw in {call.stream for call in calls}:
+                event = torch.cuda.Event()
+                event.record(self._stream(index, raw))
+                side.wait_event(event)
+            host = torch.empty(ring.tags, dtype=torch.int64, pin_memory=True)
+            with torch.cuda.stream(side):
+                host.copy_(ring.words, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            self._reads.append(_WordRead(calls, done, host, ring))
+
+    def _read_words(self) -> None:
+        while self._reads:
+            read = self._reads[0]
+            if read.event is not None and not read.event.query():
+                return
+            self._reads.popleft()
+            words = read.host.tolist()
+            for call in read.calls:
+                assert call.tag is not None
+                state, value = decode_word(words[call.tag[0]], call.tag[1])
+                if state == "pending":  # not possible after the event; read again later
+                    self._unchecked.append(call)
+                    continue
+                if state == "lost":
+                    self.counters.unchecked += 1
+                    call.checked = True
+                    continue
+                call.checked = True
+                call.value = value
+                self.counters.checked += 1
+                if not math.isfinite(value) or (self.absmax is not None and value > self.absmax):
+                    self._trigger(call)
+
+    def _trigger(self, trigger: LayerCall) -> None:
+        self.counters.triggers += 1
+        calls: list[LayerCall] = []
+        for call in self._history:
+            if call.emitted:
+                continue
+            call.emitted = True  # written now, or too old to be written by a later trigger
+            calls.append(call)
+            if call is trigger:
+                break
+        self.counters.evicted += max(0, len(calls) - self.max_calls)
+        calls = calls[-self.max_calls :]
+        logger.error(
+            "moereplay: flight recorder triggered by %s call %d (largest |output| = %s): writing %d layer call(s)",
+            trigger.target.op,
+            trigger.where.call,
+            trigger.value,
+            len(calls),
+        )
+        hosts: list[torch.Tensor] = []
+        ring = trigger.ring
+        assert ring is not None
+        cuda = ring.device.type == "cuda"
+        side = self._side(trigger.device_index) if cuda else None
+        with torch.cuda.stream(side) if side is not None else _null():
+            for call in calls:
+                total = sum(copy.size for copy in call.copies or ())
+                host = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+                at = 0
+                for copy in call.copies or ():
+                    assert call.ring is not None
+                    host.narrow(0, at, copy.size).copy_(
+                        call.ring.view(copy.start, copy.size), non_blocking=cuda
+                    )
+                    at += copy.size
+                hosts.append(host)
+            event = None
+            if side is not None:
+                event = torch.cuda.Event()
+                event.record(side)
+        self._copy_outs.append(_CopyOut(calls, trigger, event, hosts))
+        self._finish_copy_outs()
+
+    def _finish_copy_outs(self) -> None:
+        while self._copy_outs:
+            out = self._copy_outs[0]
+            if out.event is not None and not out.event.query():
+                return
+            self._copy_outs.popleft()
+            for call, host in zip(out.calls, out.hosts, strict=True):
+                ring = call.ring
+                if call.copies and ring is not None and not ring.intact(call.first_start):
+                    self.counters.lost += 1
+                    logger.error(
+                        "moereplay: flight recorder: %s call %d was overwritten in the ring before it could be "
+                        "written (raise MOEREPLAY_FLIGHT_BYTES)",
+                        call.target.op,
+                        call.where.call,
+                    )
+                    continue
+                begin, complete = self._messages(call, host, call is out.trigger)
+                if self.emit(begin, complete):
+                    self.counters.written += 1
+
+    def _messages(self, call: LayerCall, host: torch.Tensor, trigger: bool) -> tuple[Begin, Complete | None]:
+        copies: list[TensorCopy] = []
+        at = 0
+        for copy in call.copies or ():
+            data = host.narrow(0, at, copy.size)
+            at += copy.size
+            base = copy.storage_offset * _itemsize(copy.dtype) - copy.lead
+            copies.append(
+                TensorCopy(
+                    copy.dtype,
+                    copy.shape,
+                    copy.stride,
+                    copy.storage_offset,
+                    copy.device,
+                    copy.storage,
+                    base,
+                    data,
+                )
+            )
+        n_inputs = len(call.copies or ()) - len(call.outputs)
+        inputs_copies, output_copies = copies[:n_inputs], copies[n_inputs:]
+        _share_storages(inputs_copies)  # per snapshot: an output written over an input keeps its own bytes
+        _share_storages(output_copies)
+        copies = inputs_copies + output_copies
+        context = call.where.as_dict(self.ranks())
+        context.update(call.extra_context)
+        context["flight"] = {"scope": "layer", "trigger": trigger, "magnitude": call.value}
+        inputs = Snapshot(
+            _fill(call.input_tree, copies), copied=sum(c.size for c in (call.copies or ())[:n_inputs])
+        )
+        target = call.target
+        begin = Begin(call.sequence, target.op, target.site, inputs, context, None, target.static)
+        begin.started = call.finished - call.host_s
+        outputs = Snapshot(
+            _fill(call.output_tree, copies), copied=sum(c.size for c in (call.copies or ())[n_inputs:])
+        )
+        complete = Complete(call.sequence, outputs, {"host_s": call.host_s}, call.status, call.error)
+        complete.finished = call.finished
+        return begin, complete
+
+    def _evict(self) -> None:
+        """Keep the last ``max_calls`` checked calls (and every unchecked one) for the next trigger."""
+        history = self._history
+        while history and (history[0].emitted or history[0].checked) and len(history) > self.max_calls:
+            old = history.popleft()
+            if not old.emitted:
+                self.counters.evicted += 1
+        while history and history[0].emitted and history[0].checked:
+            history.popleft()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _share_storages(copies: list[TensorCopy]) -> None:
+    """Copies of one original storage in one call get one data buffer (the union of their spans), as the
+    snapshot module gives them: the file records views of one storage over one storage."""
+    by_storage: dict[tuple[str, int], list[int]] = {}
+    for position, copy in enumerate(copies):
+        by_storage.setdefault(copy.storage, []).append(position)
+    for positions in by_storage.values():
+        if len(positions) < 2:
+            continue
+        low = min(copies[p].base for p in positions)
+        high = max(copies[p].base + copies[p].data.numel() for p in positions)
+        union = torch.zeros(high - low, dtype=torch.uint8)
+        for p in positions:
+            copy = copies[p]
+            union.narrow(0, copy.base - low, copy.data.numel()).copy_(copy.data)
+        for p in positions:
+            copy = copies[p]
+            copies[p] = TensorCopy(
+                copy.dtype,
+                copy.shape,
+                copy.stride,
+                copy.storage_offset,
+                copy.device,
+                copy.storage,
+                low,
+                union,
+            )
+
+
+def _among(result: torch.Tensor, outputs: list[torch.Tensor]) -> bool:
+    """Whether ``result`` is one of ``outputs`` or a view of one (cheap checks first)."""
+    for value in outputs:
+        if result is value:
+            return True
+    if not outputs:
+        return False
+    address = result.data_ptr()
+    for value in outputs:
+        if value.device == result.device and value.numel():
+            start = value.data_ptr()
+            if start <= address < start + value.untyped_storage().nbytes():
+                return True
+    return False
+
+
+def _outputs_overlap(target: CaptureTarget, bound: dict[str, Any], inputs: list[torch.Tensor]) -> bool:
+    """Whether an output buffer passed in shares bytes with a dynamic input (then the inputs are copied before
+    the call)."""
+    for name in target.outputs:
+        out = bound.get(name)
+        if not isinstance(out, torch.Tensor) or not out.numel():
+            continue
+        low = out.data_ptr()
+        high = low + out.nbytes
+        for tensor in inputs:
+            if tensor is out:
+                return True
+            start = tensor.data_ptr()
+            if start < high and low < start + max(tensor.nbytes, 1) and tensor.device == out.device:
+                return True
+    return False
+
+
+def is_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (a direct C call where torch has one)."""
+    if _is_capturing is not None:
+        return bool(_is_capturing())
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+__all__ = ["LayerCall", "LayerFlight", "is_capturing", "qualified_type_name", "scratch_marker"]

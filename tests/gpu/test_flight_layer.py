@@ -1,0 +1,212 @@
+"""The layer-scope flight recorder on the GPU: the ring's Triton kernel (one launch per layer call) and vLLM's real
+``fused_marlin_moe`` (kernel pack, gpt-oss NVFP4 shapes).
+
+- stand-in CUDA layers: a NaN at step k writes the layer calls up to it, bit for bit; thousands of steps through
+  a small ring (it laps hundreds of times) lose no check and never write a call whose bytes were overwritten;
+- vLLM 0.25.1's ``fused_marlin_moe`` at decode (M = 8) with the capture armed as the plugin arms it
+  (``MOEREPLAY_TRIGGER=flight``, default scope ``layer``): no kernel call is copied; a NaN entering layer call 15
+  writes calls 0–15 as parent records without children, each input and output bit-exact with what vLLM saw.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from moereplay.capture import session as session_module
+from moereplay.capture.patch_points import CaptureTarget
+from moereplay.format import CaptureReader
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+MODULE = "moereplay_gpu_layer_kernels"
+MARLIN_MODULE = "vllm.model_executor.layers.fused_moe.experts.marlin_moe"
+
+
+def gemm(input, output, weight, topk_weights, top_k, mul_topk_weights, scale=1.0):
+    torch.matmul(input, weight, out=output)
+    if mul_topk_weights:
+        output.mul_(topk_weights.reshape(-1, 1)[: output.shape[0]])
+    output.mul_(scale)
+    return output
+
+
+def fused(hidden, w1, w2, topk_weights, output):
+    module = sys.modules[MODULE]
+    cache = torch.empty(hidden.shape[0], w1.shape[1], device=hidden.device)
+    first = module.gemm(hidden, cache, w1, topk_weights, 1, False)
+    return module.gemm(first, output, w2, topk_weights, 1, True, scale=0.5)
+
+
+TARGETS = (
+    CaptureTarget("gemm", "kernel", MODULE, "gemm", static=("weight",), outputs=("output",)),
+    CaptureTarget(
+        "fused", "parent", MODULE, "fused", static=("w1", "w2"), outputs=("output",), inputs_intact=True
+    ),
+)
+
+
+@pytest.fixture
+def kernels(stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.ModuleType]:
+    try:
+        yield stand_in_module(MODULE, gemm=gemm, fused=fused)
+    finally:
+        session_module.disarm()
+
+
+def _arm(tmp_path: Path, targets=TARGETS, **settings: str) -> session_module.Session:
+    env = {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_DIR": str(tmp_path / "captures"),
+        "MOEREPLAY_TRIGGER": "flight",
+    }
+    env.update({f"MOEREPLAY_{key.upper()}": value for key, value in settings.items()})
+    session = session_module.arm(env, targets=targets)
+    assert session is not None and session.recorder.layer_scope
+    return session
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().cpu().view(torch.uint8)
+
+
+def _run(kernels, steps: int, bad_step: int | None, tokens: int = 5):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, 8, device="cuda", generator=generator)
+    w1 = torch.randn(8, 6, device="cuda", generator=generator)
+    w2 = torch.randn(6, 8, device="cuda", generator=generator)
+    weights = torch.rand(tokens, device="cuda", generator=generator)
+    out = torch.empty(
+        tokens, 8, device="cuda"
+    )  # one output buffer, overwritten every step (as vLLM's workspace)
+    seen = []
+    for step in range(steps):
+        value = x + step
+        if step == bad_step:
+            value[1, 2] = float("nan")
+        result = kernels.fused(value, w1, w2, weights, out)
+        seen.append((value.clone(), result.clone()))
+    return seen
+
+
+def test_the_ring_kernel_is_what_copies(kernels, tmp_path: Path) -> None:
+    session = _arm(tmp_path)
+    _run(kernels, 2, None)
+    torch.cuda.synchronize()
+    rings = list(session.recorder.flight._rings.values())  # type: ignore[union-attr]
+    assert rings and rings[0].launcher is not None, "Triton ring kernel not in use on this GPU"
+    session.flush()
+    session.close()
+
+
+def test_nan_writes_the_layer_calls_bit_exact(kernels, tmp_path: Path) -> None:
+    session = _arm(tmp_path, flight_calls="6")
+    seen = _run(kernels, 40, bad_step=30)
+    session.flush()
+    session.close()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        assert [r.context["call"] for r in records] == list(range(25, 31)), counters
+        assert {r.op for r in records} == {"fused"} and all(r.parent is None for r in records)
+        assert records[-1].context["flight"]["trigger"] and counters["flight_lost"] == 0
+        assert counters["flight_checked"] == 40 and counters["recorder_seen"] == 40
+        for record in records:
+            value, result = seen[record.context["call"]]
+            args = reader.load_args(record.index)
+            outputs = reader.load_outputs(record.index)
+            assert torch.equal(_bits(args["hidden"]), _bits(value))
+            assert torch.equal(_bits(outputs["output"]), _bits(result))
+
+
+def test_a_lapping_ring_loses_no_check_and_writes_nothing_overwritten(kernels, tmp_path: Path) -> None:
+    # one layer call = hidden + topk + output, three 256-byte spans (tokens 5 × 8 floats): a 16 KiB ring laps
+    # every ~21 calls; 3000 steps lap it ~140 times while the writer polls
+    session = _arm(tmp_path, flight_calls="8", flight_bytes="16K")
+    seen = _run(kernels, 3000, bad_step=2999)
+    session.flush()
+    session.close()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        assert counters["flight_checked"] == 3000 and counters["flight_unchecked"] == 0, counters
+        assert records and records[-1].context["call"] == 2999 and records[-1].context["flight"]["trigger"]
+        for record in records:  # whatever was written is exact (overwritten calls are counted lost instead)
+            value, result = seen[record.context["call"]]
+            assert torch.equal(_bits(reader.load_args(record.index)["hidden"]), _bits(value))
+            assert torch.equal(_bits(reader.load_outputs(record.index)["output"]), _bits(result))
+        assert len(records) + counters["flight_lost"] == 8
+
+
+# --- vLLM's real fused_marlin_moe ----------------------------------------------------------------------------------
+
+
+def test_real_fused_marlin_moe_layer_calls_are_kept_bit_exact(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper (sm_90+) GPU")
+    marlin = importlib.import_module(MARLIN_MODULE)
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import rand_marlin_weight_nvfp4_like
+    from vllm.scalar_type import scalar_types
+
+    def experts(n: int, k: int):
+        q, s, g = [], [], []
+        for _ in range(32):
+            _ref, qweight, scale, global_scale = rand_marlin_weight_nvfp4_like(
+                torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 20, 16
+            )
+            q.append(qweight)
+            s.append(scale)
+            g.append(global_scale)
+        return torch.stack(q), torch.stack(s), torch.stack(g).reshape(32)
+
+    torch.manual_seed(0)
+    (w1, s1, g1), (w2, s2, g2) = experts(2 * 2944, 2880), experts(2880, 2944)
+    session = session_module.arm(
+        {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_DIR": str(tmp_path / "captures"), "MOEREPLAY_TRIGGER": "flight"}
+    )
+    assert session is not None
+    try:
+        assert session.recorder.layer_scope
+        out = torch.empty(8, 2880, device="cuda", dtype=torch.bfloat16)
+        seen = []
+        for step in range(20):
+            x = torch.randn(8, 2880, device="cuda", dtype=torch.bfloat16)
+            if step == 15:
+                x[3, 7] = float("nan")
+            scores = torch.randn(8, 32, device="cuda")
+            weights, ids = torch.softmax(scores, -1).topk(4)
+            weights, ids = weights.contiguous(), ids.to(torch.int32).contiguous()
+            result = marlin.fused_marlin_moe(
+                x, w1, w2, None, None, s1, s2, weights, ids, scalar_types.float4_e2m1f.id,
+                global_scale1=g1, global_scale2=g2, output=out,
+            )  # fmt: skip
+            seen.append((x.clone(), weights.clone(), ids.clone(), result.clone()))
+        torch.cuda.synchronize()
+        assert session.flush(timeout=120)
+    finally:
+        session_module.disarm()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        print(
+            f"\nlayer-scope flight, real fused_marlin_moe: {len(records)} layer calls written, counters {counters}"
+        )
+        assert [r.op for r in records] == ["fused_marlin_moe"] * 16
+        assert records[-1].context["flight"]["trigger"] and records[-1].context["call"] == 15
+        assert counters["recorder_seen"] == 20 and counters["flight_checked"] == 20
+        for record in records:
+            x, weights, ids, result = seen[record.context["call"]]
+            args = reader.load_args(record.index)
+            outputs = reader.load_outputs(record.index)
+            assert torch.equal(_bits(args["hidden_states"]), _bits(x))
+            assert torch.equal(_bits(args["topk_weights"]), _bits(weights))
+            assert torch.equal(_bits(args["topk_ids"]), _bits(ids))
+            assert torch.equal(_bits(outputs["output"]), _bits(result))
+            assert args["w1"].shape == w1.shape  # weights: stored once per file

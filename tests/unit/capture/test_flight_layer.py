@@ -1,0 +1,253 @@
+"""MOEREPLAY_FLIGHT_SCOPE=layer (the default flight scope): one ring copy per outermost call; on a bad output the
+layer calls up to it are written as parents without children, bit for bit (CPU: the ring's torch path)."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from moereplay.capture import session as session_module
+from moereplay.capture.device_ring import ALIGNMENT, DeviceRing, decode_word
+from moereplay.capture.patch_points import CaptureTarget
+from moereplay.format import CaptureReader
+from moereplay.format.schema import Unsupported
+
+
+def run(kernels: types.ModuleType, inputs, *, bad_step=None, huge_step=None, steps: int = 12):
+    x, w1, w2, weights = inputs()
+    outputs = []
+    for step in range(steps):
+        value = x + step
+        if step == bad_step:
+            value[1, 2] = float("nan")
+        if step == huge_step:
+            value = value * 1e6
+        outputs.append((value.clone(), kernels.fused(value, w1, w2, weights).clone()))
+    return outputs
+
+
+def close(session: session_module.Session) -> None:
+    session.flush()
+    session.close()
+
+
+def test_no_trigger_writes_nothing_and_checks_every_layer_call(arm, kernels, inputs) -> None:
+    session = arm(trigger="flight", flight_calls="6")
+    assert session.recorder.layer_scope
+    run(kernels, inputs)
+    close(session)
+    with CaptureReader(session.path) as reader:
+        assert len(reader) == 0
+        counters = reader.footer["counters"]
+        # 12 layer calls checked; their 24 kernel calls passed straight through (not seen, not copied)
+        assert counters["flight_checked"] == 12 and counters["flight_triggers"] == 0
+        assert counters["recorder_seen"] == 12
+
+
+def test_nan_writes_the_layer_calls_ending_with_the_offending_one(arm, kernels, inputs) -> None:
+    session = arm(trigger="flight", flight_calls="6")
+    calls = run(kernels, inputs, bad_step=7)
+    close(session)
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        assert [r.op for r in records] == ["fused"] * 6
+        assert [r.context["call"] for r in records] == [2, 3, 4, 5, 6, 7]
+        assert [r.context["flight"]["trigger"] for r in records] == [False] * 5 + [True]
+        assert all(r.context["flight"]["scope"] == "layer" for r in records)
+        assert all(r.parent is None and r.status == "completed" for r in records)
+        assert counters["flight_triggers"] == 1 and counters["flight_lost"] == 0
+        assert math.isnan(records[-1].context["flight"]["magnitude"])
+        for record, (hidden, output) in zip(records, calls[2:8], strict=True):
+            args = reader.load_args(record.index)
+            recorded = reader.load_outputs(record.index)["return"]
+            # bit for bit (NaN included): compare the bytes
+            assert torch.equal(args["hidden"].view(torch.uint8), hidden.view(torch.uint8))
+            assert torch.equal(recorded.view(torch.uint8), output.view(torch.uint8))
+            assert args["w1"].shape == (8, 6)  # static: stored once per file, found by identity
+
+
+def test_absmax_triggers_on_a_large_finite_output(arm, kernels, inputs) -> None:
+    session = arm(trigger="flight", flight_calls="3", absmax="1e5")
+    run(kernels, inputs, huge_step=4)
+    close(session)
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        assert [r.context["call"] for r in records] == [2, 3, 4]
+        flight = records[-1].context["flight"]
+        assert flight["trigger"] and flight["magnitude"] > 1e5
+
+
+def test_a_kernel_call_outside_any_layer_is_kept_itself(arm, kernels, inputs) -> None:
+    session = arm(trigger="flight", flight_calls="4")
+    x, w1, _w2, weights = inputs()
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    out = torch.empty(5, 6)
+    kernels.gemm(x, out, w1, weights, 1, False)
+    kernels.gemm(bad, out, w1, weights, 1, False)
+    close(session)
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        assert [r.op for r in records] == ["gemm", "gemm"]
+        last = reader.load_args(records[1].index)
+        # gemm writes its ``output`` argument: the inputs were copied before the call (a second launch)
+        assert torch.isinf(last["input"]).any()
+        assert not torch.isfinite(reader.load_outputs(records[1].index)["output"]).all()
+
+
+def scale_in_place(x: torch.Tensor, factor: float) -> torch.Tensor:
+    x.mul_(factor)
+    return x
+
+
+def layer_with_scratch(hidden: torch.Tensor, w1: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    torch.matmul(hidden, w1, out=cache)
+    return cache.sum(dim=1, keepdim=True) * hidden
+
+
+def test_inputs_written_in_place_are_recorded_as_they_were_before_the_call(
+    arm, stand_in_module, inputs
+) -> None:
+    stand_in_module("moereplay_test_inplace", scale=scale_in_place)
+    targets = (CaptureTarget("scale", "parent", "moereplay_test_inplace", "scale"),)
+    session = arm(targets=targets, trigger="flight", flight_calls="4")
+    module = sys.modules["moereplay_test_inplace"]
+    x = torch.full((3, 4), 2.0)
+    module.scale(x, 3.0)
+    y = torch.full((3, 4), float("nan"))
+    module.scale(y, 1.0)
+    close(session)
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        assert len(records) == 2
+        first = reader.load_args(records[0].index)["x"]
+        assert torch.equal(first, torch.full((3, 4), 2.0))  # before the call, not 6.0
+        assert torch.equal(reader.load_outputs(records[0].index)["return"], torch.full((3, 4), 6.0))
+
+
+def test_scratch_buffers_are_not_kept(arm, stand_in_module, inputs) -> None:
+    stand_in_module("moereplay_test_scratch", layer=layer_with_scratch)
+    targets = (
+        CaptureTarget(
+            "layer",
+            "parent",
+            "moereplay_test_scratch",
+            "layer",
+            static=("w1",),
+            scratch=("cache",),
+            inputs_intact=True,
+        ),
+    )
+    session = arm(targets=targets, trigger="flight", flight_calls="4")
+    module = sys.modules["moereplay_test_scratch"]
+    x, w1, _w2, _weights = inputs()
+    x[0, 0] = float("nan")
+    module.layer(x, w1, torch.empty(5, 6))
+    close(session)
+    with CaptureReader(session.path) as reader:
+        (record,) = list(reader.calls())
+        cache = reader.load_args(record.index)["cache"]
+        assert isinstance(cache, Unsupported) and cache.repr_excerpt.startswith(
+            "scratch buffer (5, 6) float32"
+        )
+
+
+def test_calls_too_large_for_the_ring_are_counted_and_serving_goes_on(arm, kernels, inputs) -> None:
+    # the stand-in layer may write its inputs: they are copied before the call, two 256-byte spans > the ring
+    session = arm(trigger="flight", flight_calls="4", flight_bytes="300")
+    outputs = run(kernels, inputs, bad_step=3, steps=5)
+    close(session)
+    assert len(outputs) == 5  # every call returned
+    with CaptureReader(session.path) as reader:
+        counters = reader.footer["counters"]
+        assert len(reader) == 0 and counters["flight_too_large"] == 5
+    assert session.recorder.disabled_reason is None
+
+
+def test_calls_overwritten_in_the_ring_are_lost_not_written_wrong(arm, kernels, inputs) -> None:
+    # each layer call copies hidden (160 B) + topk (20 B) + output (160 B): three 256-byte spans; a 2 KiB ring
+    # holds two calls, so of the six kept before the trigger the oldest are overwritten by the time it fires
+    session = arm(trigger="flight", flight_calls="6", flight_bytes="2048")
+    calls = run(kernels, inputs, bad_step=11)
+    close(session)
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        assert counters["flight_lost"] >= 1
+        assert records and records[-1].context["flight"]["trigger"]
+        for record in records:
+            step = record.context["call"]
+            hidden, output = calls[step]
+            args = reader.load_args(record.index)
+            recorded = reader.load_outputs(record.index)["return"]
+            assert torch.equal(args["hidden"].view(torch.uint8), hidden.view(torch.uint8))
+            assert torch.equal(recorded.view(torch.uint8), output.view(torch.uint8))
+
+
+def test_exceptions_propagate_and_capture_stays_armed(arm, stand_in_module) -> None:
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("kernel says no")
+
+    stand_in_module("moereplay_test_broken", broken=broken)
+    targets = (CaptureTarget("broken", "parent", "moereplay_test_broken", "broken"),)
+    session = arm(targets=targets, trigger="flight")
+    with pytest.raises(RuntimeError, match="kernel says no"):
+        sys.modules["moereplay_test_broken"].broken(torch.ones(3))
+    assert session.recorder.active
+    close(session)
+
+
+# --- the ring itself ---------------------------------------------------------------------------------------------
+
+
+def test_ring_words_say_pending_ok_or_lost() -> None:
+    ring = DeviceRing(4096, torch.device("cpu"), tags=4)
+    x = torch.tensor([1.0, -3.5, 2.0])
+    starts, leads, sizes, tag = ring.record([x], x, True)
+    assert tag is not None
+    word = int(ring.words[tag[0]])
+    assert decode_word(word, tag[1]) == ("ok", 3.5)
+    assert decode_word(word, tag[1] + 1)[0] == "pending"  # this slot's next use has not run yet
+    assert decode_word(word, tag[1] - 1)[0] == "lost"  # an older entry of this slot was overwritten
+    assert torch.equal(ring.view(starts[0] + leads[0], x.nbytes), x.view(torch.uint8))
+    assert sizes == [x.nbytes]
+
+
+def test_ring_never_straddles_its_end_and_knows_what_is_intact() -> None:
+    ring = DeviceRing(4 * ALIGNMENT, torch.device("cpu"))
+    a = torch.zeros(64)  # 256 bytes
+    b = torch.zeros(128)  # 512 bytes
+    first = ring.record([a, a, a], None, False)[0]
+    assert first == [0, 256, 512]
+    second = ring.record([b], None, False)[0]
+    assert second == [1024]  # 256 bytes left in the lap: skipped
+    # [1024, 1536) is physical [0, 512): what was at 0 and 256 is gone, 512 and 768 are not
+    assert not ring.intact(0) and not ring.intact(256) and ring.intact(512) and ring.intact(1024)
+    with pytest.raises(ValueError):
+        ring.record([torch.zeros(2048)], None, False)
+
+
+def test_ring_copies_views_from_their_storage_offset() -> None:
+    ring = DeviceRing(8192, torch.device("cpu"))
+    base = torch.arange(200, dtype=torch.float32)
+    view = base[70:90]  # 280 bytes in: lead 24 bytes
+    starts, leads, sizes, _ = ring.record([view], None, False)
+    assert leads == [280 % ALIGNMENT] and sizes == [view.nbytes + leads[0]]
+    assert torch.equal(ring.view(starts[0] + leads[0], view.nbytes), view.view(torch.uint8))
+
+
+@pytest.mark.parametrize("special", [math.nan, math.inf, -math.inf])
+def test_ring_magnitude_word_orders_nan_above_inf(special: float) -> None:
+    ring = DeviceRing(4096, torch.device("cpu"))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        x = torch.tensor([1.0, special, -2.0], dtype=dtype)
+        _, _, _, tag = ring.record([x], x, True)
+        assert tag is not None
+        state, value = decode_word(int(ring.words[tag[0]]), tag[1])
+        assert state == "ok"
+        assert math.isnan(value) if math.isnan(special) else value == math.inf
