@@ -136,15 +136,27 @@ class DeviceRing:
         leads = []
         sizes = []
         total = 0
-        for tensor in tensors:
-            address = tensor.data_ptr()
-            offset: int = tensor.storage_offset()  # type: ignore[assignment]  # never symbolic here
-            lead = (offset * tensor.element_size()) % ALIGNMENT if offset else 0
-            size: int = (tensor.nbytes if tensor.is_contiguous() else storage_span(tensor).size) + lead
-            addresses.append(address - lead)
-            leads.append(lead)
-            sizes.append(size)
-            total += -(-size // ALIGNMENT) * ALIGNMENT
+        if self.launcher is not None:
+            # CUDA: storages come from the caching allocator, 512-byte aligned, so the lead is the address's
+            # remainder (no storage_offset() call: every torch call here costs ~0.5 µs of host time)
+            for tensor in tensors:
+                address = tensor.data_ptr()
+                lead = address % ALIGNMENT
+                size: int = (tensor.nbytes if tensor.is_contiguous() else storage_span(tensor).size) + lead
+                addresses.append(address - lead)
+                leads.append(lead)
+                sizes.append(size)
+                total += -(-size // ALIGNMENT) * ALIGNMENT
+        else:
+            for tensor in tensors:
+                address = tensor.data_ptr()
+                offset: int = tensor.storage_offset()  # type: ignore[assignment]  # never symbolic here
+                lead = (offset * tensor.element_size()) % ALIGNMENT if offset else 0
+                size = (tensor.nbytes if tensor.is_contiguous() else storage_span(tensor).size) + lead
+                addresses.append(address - lead)
+                leads.append(lead)
+                sizes.append(size)
+                total += -(-size // ALIGNMENT) * ALIGNMENT
         capacity = self.capacity
         if total > capacity:
             raise ValueError(f"{total} bytes do not fit a ring of {capacity}")

@@ -14,11 +14,13 @@ kernels to regenerate (and prove) the kernel calls.
 
 Threads. Serving thread (per layer call): bind the arguments, collect the dynamic tensors, call, one ring launch,
 append to a queue (no event, no host transfer, no allocation). Writer thread (:meth:`LayerFlight.poll` with
-``launch=True``, inside the graph gate, every ≈ 5 ms while idle): describe the new calls (tensor metadata, the
-argument tree; the references to the live tensors are dropped then), read the tag words of the unchecked ones
-(one event on the serving stream, one small copy on a side stream), and on a bad word copy the ring regions of the
-offending call and the K calls before it to the host, check that nothing overwrote them meanwhile (the ring's
-``head`` had not lapped them when the copy finished) and hand them to the writer.
+``launch=True``, inside the graph gate, every ≈ 5 ms while idle): read the tag words of the new calls (one event
+on the serving stream, one small copy on a side stream, one integer decode per call — its Python time is GIL time
+taken from the serving thread, so it does nothing else per call), and on a bad word describe the offending call
+and the K calls before it (tensor metadata, argument trees), copy their ring regions to the host, check that
+nothing overwrote them meanwhile (the ring's ``head`` had not lapped them when the copy finished) and hand them to
+the writer. Until a call leaves the history (K calls later, once checked) its argument references are held — not
+copies: the allocator reuses those tensors' memory K calls later than it would have.
 
 Scratch buffers are recorded as :class:`~moereplay.format.schema.Unsupported` (``"scratch …"``); an output
 buffer passed in (``output``) is recorded as an input with its bytes *after* the call when the call may be
@@ -37,7 +39,7 @@ import time
 import types
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -95,20 +97,14 @@ class _Copied:
     size: int
 
 
-@dataclass(eq=False, slots=True)
 class LayerCall:
-    """One recorded outermost call. Serving-thread fields first; ``described`` on, the writer thread's."""
+    """One recorded outermost call. The serving thread sets the first group of attributes; the rest are class
+    defaults until the writer thread (or the call's completion) sets them — a plain ``__init__`` of eight
+    assignments keeps the per-call cost down."""
 
-    target: CaptureTarget
-    where: Where
-    sequence: int
-    bound: dict[str, Any] | None
-    trees: dict[str, Any]  # dynamic argument name -> tree with _Pending(index into ``tensors``)
-    tensors: list[torch.Tensor] | None  # the dynamic inputs (index order), then the outputs
-    n_inputs: int
-    outputs: dict[str, int] = field(default_factory=dict)  # output name -> index into ``tensors``
-    input_copy: tuple[list[int], list[int], list[int]] | None = None  # (starts, leads, sizes) of inputs
-    output_copy: tuple[list[int], list[int], list[int]] | None = None  # of outputs (or inputs + outputs)
+    # completion (serving thread, after the call)
+    input_copy: tuple[list[int], list[int], list[int]] | None = None  # (starts, leads, sizes) of the inputs
+    output_copy: tuple[list[int], list[int], list[int]] | None = None  # of the outputs (or inputs + outputs)
     tag: tuple[int, int] | None = None
     ring: DeviceRing | None = None
     stream: int = 0
@@ -119,8 +115,8 @@ class LayerCall:
     status: str = "completed"
     error: str | None = None
     probe: Any = None  # the triton_kernels opt_flags probe of a matmul_ogs call made outside a layer
-    extra_context: dict[str, Any] = field(default_factory=dict)
-    extra_outputs: dict[str, Any] = field(default_factory=dict)  # values, not tensors (the chosen opt_flags)
+    extra_context: dict[str, Any] | None = None
+    extra_outputs: dict[str, Any] | None = None  # values, not tensors (the chosen opt_flags)
     # writer thread
     copies: list[_Copied] | None = None
     input_tree: dict[str, Any] | None = None
@@ -128,6 +124,26 @@ class LayerCall:
     checked: bool = False
     value: float | None = None
     emitted: bool = False
+
+    def __init__(
+        self,
+        target: CaptureTarget,
+        where: Where,
+        sequence: int,
+        bound: dict[str, Any],
+        trees: dict[str, Any],
+        tensors: list[torch.Tensor],
+    ) -> None:
+        self.target = target
+        self.where = where
+        self.sequence = sequence
+        self.bound: dict[str, Any] | None = bound
+        self.trees = trees  # dynamic argument name -> tree with _Pending(index into ``tensors``)
+        self.tensors: list[torch.Tensor] | None = (
+            tensors  # the dynamic inputs (index order), then the outputs
+        )
+        self.n_inputs = len(tensors)
+        self.outputs: dict[str, int] = {}  # output name -> index into ``tensors``
 
     @property
     def first_start(self) -> int:
@@ -192,7 +208,7 @@ class LayerFlight:
         self.ranks = ranks
         self.counters = LayerCounters()
         self._rings: dict[torch.device, DeviceRing] = {}
-        self._plans: dict[tuple[int, tuple[str, ...]], _Plan] = {}
+        self._plans: dict[tuple[int, int], _Plan] = {}
         self._new: deque[LayerCall] = deque()  # serving thread appends, writer thread pops
         self._history: deque[LayerCall] = deque()  # described, in call order
         self._unchecked: deque[LayerCall] = deque()  # described, no word read launched yet
@@ -206,7 +222,7 @@ class LayerFlight:
     # --- serving thread ---------------------------------------------------------------------------------------
 
     def _plan(self, target: CaptureTarget, bound: dict[str, Any]) -> _Plan:
-        key = (id(target), tuple(bound))
+        key = (id(target), len(bound))  # the names of a target's bound call differ only with unknown keywords
         plan = self._plans.get(key)
         if plan is None:
             static = frozenset(target.static)
@@ -227,7 +243,7 @@ class LayerFlight:
         tensors: list[torch.Tensor] = []
         trees: dict[str, Any] = {}
         for name in plan.candidates:
-            value = bound[name]
+            value = bound.get(name)
             kind = type(value)
             if kind in _PLAIN:
                 continue
@@ -239,7 +255,7 @@ class LayerFlight:
                 tree = _walk(value, tensors, format_codec, 0)
                 if len(tensors) != before:
                     trees[name] = tree
-        call = LayerCall(target, where, sequence, bound, trees, tensors, len(tensors))
+        call = LayerCall(target, where, sequence, bound, trees, tensors)
         if tensors and (not target.inputs_intact or _outputs_overlap(target, bound, tensors)):
             ring = self._ring(tensors[0].device)
             call.ring = ring
@@ -304,7 +320,7 @@ class LayerFlight:
         if not launch:
             return
         with self._lock:
-            self._describe_new()
+            self._take_new()
             self._finish_copy_outs()
             self._read_words()
             self._launch_reads()
@@ -332,10 +348,11 @@ class LayerFlight:
     def as_counters(self) -> dict[str, int]:
         return {f"flight_{key}": value for key, value in self.counters.__dict__.items()}
 
-    def _describe_new(self) -> None:
+    def _take_new(self) -> None:
+        """New calls join the history (described only if a trigger writes them: until then a call costs this
+        thread nothing but the read of its tag word — Python time here is GIL time taken from serving)."""
         while self._new:
             call = self._new.popleft()
-            self._describe(call)
             self._history.append(call)
             if call.tag is None:  # failed calls: nothing to check
                 call.checked = True
@@ -387,7 +404,7 @@ class LayerFlight:
         call.copies = copies
         call.input_tree = tree
         outputs: dict[str, Any] = {name: _Pending(index) for name, index in call.outputs.items()}
-        for name, value in call.extra_outputs.items():
+        for name, value in (call.extra_outputs or {}).items():
             outputs[name] = _walk(value, [], format_codec, 0)
         call.output_tree = outputs
         call.bound = None
@@ -443,10 +460,10 @@ class LayerFlight:
             if read.event is not None and not read.event.query():
                 return
             self._reads.popleft()
-            words = read.host.tolist()
+            words = read.host.numpy()  # a view: only the calls' own slots become Python integers
             for call in read.calls:
                 assert call.tag is not None
-                state, value = decode_word(words[call.tag[0]], call.tag[1])
+                state, value = decode_word(int(words[call.tag[0]]), call.tag[1])
                 if state == "pending":  # not possible after the event; read again later
                     self._unchecked.append(call)
                     continue
@@ -472,6 +489,9 @@ class LayerFlight:
                 break
         self.counters.evicted += max(0, len(calls) - self.max_calls)
         calls = calls[-self.max_calls :]
+        for call in calls:
+            if call.copies is None:
+                self._describe(call)
         logger.error(
             "moereplay: flight recorder triggered by %s call %d (largest |output| = %s): writing %d layer call(s)",
             trigger.target.op,
@@ -531,6 +551,9 @@ class LayerFlight:
             data = host.narrow(0, at, copy.size)
             at += copy.size
             base = copy.storage_offset * _itemsize(copy.dtype) - copy.lead
+            if base < 0:  # the copy began before its storage (a storage base not 256-byte aligned): trim
+                data = data.narrow(0, -base, copy.size + base)
+                base = 0
             copies.append(
                 TensorCopy(
                     copy.dtype,
@@ -549,7 +572,7 @@ class LayerFlight:
         _share_storages(output_copies)
         copies = inputs_copies + output_copies
         context = call.where.as_dict(self.ranks())
-        context.update(call.extra_context)
+        context.update(call.extra_context or {})
         context["flight"] = {"scope": "layer", "trigger": trigger, "magnitude": call.value}
         inputs = Snapshot(
             _fill(call.input_tree, copies), copied=sum(c.size for c in (call.copies or ())[:n_inputs])

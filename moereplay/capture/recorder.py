@@ -292,7 +292,7 @@ class Recorder(CallHandler):
         if probe is not None:
             override = probe.override()
             if override is not None:
-                call.extra_context["opt_flags_override"] = override
+                call.extra_context = {"opt_flags_override": override}
             call.probe = probe
             probe.start()
         return call
@@ -304,7 +304,7 @@ class Recorder(CallHandler):
             if call.probe is not None and error is None:
                 chosen = call.probe.chosen()
                 if chosen is not None:
-                    call.extra_outputs["opt_flags"] = chosen
+                    call.extra_outputs = {"opt_flags": chosen}
             flight.after(call, result, error)
         except ValueError as too_large:
             flight.too_large(too_large)

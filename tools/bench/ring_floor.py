@@ -91,7 +91,21 @@ def main() -> int:
     four = [a] * 4
     scratch = torch.zeros(1, device="cuda")
     ring_launch = lambda i: ring.record(four, a, True)  # noqa: E731
-    for name, fn in (("ring.copy (4 spans + check)", ring_launch), ("torch add_", lambda i: scratch.add_(1))):
+    launcher = ring.launcher
+    assert launcher is not None
+    variant = next(iter(launcher._variants.values()))
+    stream = torch.cuda.current_stream().cuda_stream
+    args = [a.data_ptr(), ring._base, 2048] * 8 + [0, 0, 0, 0]
+    parts = (
+        ("ring.record (4 tensors + check)", ring_launch),
+        ("launch only (prepared arguments)", lambda i: variant(4, stream, args)),
+        ("t.data_ptr()", lambda i: a.data_ptr()),
+        ("t.nbytes", lambda i: a.nbytes),
+        ("t.is_contiguous()", lambda i: a.is_contiguous()),
+        ("raw stream handle", lambda i: torch._C._cuda_getCurrentRawStream(0)),
+        ("torch add_", lambda i: scratch.add_(1)),
+    )
+    for name, fn in parts:
         for _ in range(3):
             per_call(fn, 200)
         samples = [per_call(fn, 2000) * 1e6 for _ in range(5)]
