@@ -94,6 +94,8 @@ class DeviceRing:
         if capacity < ALIGNMENT:
             raise ValueError("ring capacity must be at least 256 bytes")
         self.device = device
+        cuda = device.type == "cuda"
+        self.index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else -1
         self.capacity = capacity - capacity % ALIGNMENT
         self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
         self.tags = tags
@@ -103,7 +105,6 @@ class DeviceRing:
         self._base = self.buffer.data_ptr()
         self._words = self.words.data_ptr()
         self._lock = threading.Lock()
-        cuda = device.type == "cuda"
         if use_kernel is None:
             use_kernel = cuda and _kernel_available()
         self.launcher: _Launcher | None = _Launcher(device) if use_kernel else None

@@ -207,7 +207,7 @@ class LayerFlight:
         self.emit = emit
         self.ranks = ranks
         self.counters = LayerCounters()
-        self._rings: dict[torch.device, DeviceRing] = {}
+        self._rings: dict[int, DeviceRing] = {}
         self._plans: dict[tuple[int, int], _Plan] = {}
         self._new: deque[LayerCall] = deque()  # serving thread appends, writer thread pops
         self._history: deque[LayerCall] = deque()  # described, in call order
@@ -231,10 +231,12 @@ class LayerFlight:
             plan = self._plans[key] = _Plan(candidates, scratch)
         return plan
 
-    def _ring(self, device: torch.device) -> DeviceRing:
-        ring = self._rings.get(device)
+    def _ring(self, tensor: torch.Tensor) -> DeviceRing:
+        """The ring of ``tensor``'s device (keyed by ``get_device()``: an int, no device object per call)."""
+        key = tensor.get_device()
+        ring = self._rings.get(key)
         if ring is None:
-            ring = self._rings[device] = DeviceRing(self.max_bytes, device)
+            ring = self._rings[key] = DeviceRing(self.max_bytes, tensor.device)
         return ring
 
     def before(self, target: CaptureTarget, bound: dict[str, Any], where: Where, sequence: int) -> LayerCall:
@@ -257,7 +259,7 @@ class LayerFlight:
                     trees[name] = tree
         call = LayerCall(target, where, sequence, bound, trees, tensors)
         if tensors and (not target.inputs_intact or _outputs_overlap(target, bound, tensors)):
-            ring = self._ring(tensors[0].device)
+            ring = self._ring(tensors[0])
             call.ring = ring
             call.input_copy = ring.record(tensors, None, False)[:3]
         call.started = time.perf_counter()
@@ -282,7 +284,7 @@ class LayerFlight:
                 call.outputs["return"] = len(tensors) + len(outputs)
                 outputs.append(result)
             for value in outputs:
-                if value.is_floating_point() and not value.is_complex() and value.numel():
+                if value.is_floating_point() and value.numel() and not value.is_complex():
                     check = value
                     break
         else:
@@ -291,10 +293,10 @@ class LayerFlight:
         copied = outputs if call.input_copy is not None else tensors + outputs
         tensors.extend(outputs)
         if copied:
-            ring = call.ring or self._ring(copied[0].device)
+            ring = call.ring or self._ring(copied[0])
             call.ring = ring
-            if ring.device.type == "cuda":
-                index = ring.device.index if ring.device.index is not None else torch.cuda.current_device()
+            index = ring.index
+            if index >= 0:
                 call.device_index = index
                 call.stream = _get_stream(index) if _get_stream is not None else 0
             starts, leads, sizes, tag = ring.record(copied, check, error is None)
@@ -660,15 +662,17 @@ def _outputs_overlap(target: CaptureTarget, bound: dict[str, Any], inputs: list[
     the call)."""
     for name in target.outputs:
         out = bound.get(name)
-        if not isinstance(out, torch.Tensor) or not out.numel():
+        if not isinstance(out, torch.Tensor):
             continue
         low = out.data_ptr()
         high = low + out.nbytes
+        if high == low:
+            continue
         for tensor in inputs:
             if tensor is out:
                 return True
-            start = tensor.data_ptr()
-            if start < high and low < start + max(tensor.nbytes, 1) and tensor.device == out.device:
+            start = tensor.data_ptr()  # device addresses are unique in the process (unified addressing)
+            if start < high and low < start + max(tensor.nbytes, 1):
                 return True
     return False
 

@@ -106,6 +106,7 @@ class Recorder(CallHandler):
         self._recorded = 0
         self._eligible = 0
         self._per_shape: dict[tuple[Any, ...], int] = {}
+        self._ops_selected: dict[str, bool] = {}
         self._graph_warned = False
         self._cuda = torch.cuda.is_available()
         self._probes: dict[int, OptFlagsProbe] = {}  # id(original function) -> its opt_flags probe
@@ -409,7 +410,10 @@ class Recorder(CallHandler):
 
     def _selected(self, target: CaptureTarget, where: Where) -> bool:
         settings = self.settings
-        if not settings.op_selected(target.op):
+        selected = self._ops_selected.get(target.op)
+        if selected is None:  # fnmatch once per op, not per call
+            selected = self._ops_selected[target.op] = settings.op_selected(target.op)
+        if not selected:
             return False
         if not settings.steps.unbounded and (where.step is None or not settings.steps.contains(where.step)):
             return False
