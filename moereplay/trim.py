@@ -16,7 +16,7 @@ Cost: every kept blob is read, verified and written once; nothing is decompresse
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,14 +61,53 @@ class TrimResult:
     file_bytes: int
 
 
-class _Copier:
-    """Turns one recorded tree into a tree the writer accepts: tensor metas → :class:`TensorBytes` carrying the
-    stored bytes of their storage (each blob read once per file; later uses refer to it by digest)."""
+class CallCopier:
+    """Copies recorded calls from one reader into one writer, undecoded (``moereplay trim``, ``moereplay expand``).
+
+    Trees become trees the writer accepts: tensor metas → :class:`TensorBytes` carrying the stored bytes of their
+    storage (each blob read once per output file; later uses refer to it by digest)."""
 
     def __init__(self, reader: Any) -> None:
         self.reader = reader
         self.written: set[bytes] = set()  # digests the writer holds (committed calls)
         self.current: dict[bytes, torch.Tensor] = {}  # bytes read for the call being copied
+
+    def copy(
+        self,
+        writer: Any,
+        index: int,
+        *,
+        parent: int | None,
+        extra_context: Mapping[Any, Any] | None = None,
+    ) -> int:
+        """Write call ``index`` of the reader (and its completion, if recorded) into ``writer``; return its new
+        index. ``parent``: the enclosing call's index *in the writer's file*; ``extra_context`` is merged over the
+        recorded context."""
+        call, completion = self.reader.raw_documents(index)  # the raw documents: no codec runs
+        where = f"{self.reader.path}: call {index}"
+        args = {name: self.tree(value, call["storages"], where) for name, value in call["args"].items()}
+        context = dict(call["ctx"])
+        context.update(extra_context or {})
+        new = int(
+            writer.begin_call(
+                call["op"], args, site=call["site"], context=context, parent=parent, static=call["static"]
+            )
+        )
+        self.commit()
+        if completion is not None:
+            outputs = {
+                name: self.tree(value, completion["storages"], where)
+                for name, value in completion["outputs"].items()
+            }
+            writer.complete_call(
+                new,
+                outputs,
+                timings=completion["timings"],
+                status=completion["status"],
+                error=completion["error"],
+            )
+            self.commit()
+        return new
 
     def commit(self) -> None:
         """The call being copied was written: its blobs can be referred to by digest from now on."""
@@ -160,7 +199,7 @@ def trim_capture(
                 else f"{source}: the file holds no calls"
             )
         kept = _with_ancestors(reader, wanted) if parents else wanted
-        copier = _Copier(reader)
+        copier = CallCopier(reader)
         header = dict(reader.header)
         header["trim"] = {
             "source": source.name,
@@ -173,39 +212,16 @@ def trim_capture(
         renumbered: dict[int, int] = {}
         with CaptureWriter(output, header=header) as writer:
             for index in kept:
-                call, completion = reader.raw_documents(index)  # the raw documents: no codec runs
-                where = f"{source}: call {index}"
-                args = {
-                    name: copier.tree(value, call["storages"], where) for name, value in call["args"].items()
-                }
-                context = dict(call["ctx"])
-                context["trimmed_from"] = index
-                parent = call["parent"]
+                parent = reader.call(index).parent
+                extra: dict[str, Any] = {"trimmed_from": index}
                 if parent is not None and parent not in renumbered:
-                    context["trimmed_parent"] = parent
-                new = writer.begin_call(
-                    call["op"],
-                    args,
-                    site=call["site"],
-                    context=context,
+                    extra["trimmed_parent"] = parent
+                renumbered[index] = copier.copy(
+                    writer,
+                    index,
                     parent=renumbered.get(parent) if parent is not None else None,
-                    static=call["static"],
+                    extra_context=extra,
                 )
-                renumbered[index] = new
-                copier.commit()
-                if completion is not None:
-                    outputs = {
-                        name: copier.tree(value, completion["storages"], where)
-                        for name, value in completion["outputs"].items()
-                    }
-                    writer.complete_call(
-                        new,
-                        outputs,
-                        timings=completion["timings"],
-                        status=completion["status"],
-                        error=completion["error"],
-                    )
-                    copier.commit()
             writer.close(counters={str(k): int(v) for k, v in counters.items() if isinstance(v, int)})
         source_calls, source_bytes = len(reader), reader.file_bytes
     return TrimResult(source, output, tuple(kept), source_calls, source_bytes, output.stat().st_size)
