@@ -36,6 +36,7 @@ def version_command() -> None:
 
 # Command modules register themselves on ``app`` when imported.
 from moereplay.cli import bisect_cmd as _bisect_cmd  # noqa: E402,F401
+from moereplay.cli import expand_cmd as _expand_cmd  # noqa: E402,F401
 from moereplay.cli import inspect_cmds as _inspect_cmds  # noqa: E402,F401
 from moereplay.cli import pack_cmds as _pack_cmds  # noqa: E402,F401
 from moereplay.cli import run_cmd as _run_cmd  # noqa: E402,F401

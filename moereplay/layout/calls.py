@@ -72,7 +72,8 @@ def find_layer(reader: Any, call: int) -> LayerCalls:
         if len(children) < 2:
             raise ReplayError(
                 f"{reader.path}: the layer of call {parent} ({reader.call(parent).op}) has {len(children)} recorded "
-                "kernel calls; the layout probe needs gemm1 and gemm2"
+                f"kernel calls; the layout probe needs gemm1 and gemm2 — run `moereplay expand {reader.path} -o OUT` "
+                "first and probe the expanded layer in OUT"
             )
         first, second = children[0], children[1]
         family = _family(first.op)

@@ -75,18 +75,29 @@ def select_calls(
     (one-line :class:`ReplayError` listing how).
     """
     from moereplay.format import CaptureReader
+    from moereplay.layout.calls import PARENT_OPS
 
     with CaptureReader(path) as reader:
         if call is not None:
             if call not in reader.indices:
                 raise ReplayError(f"{path}: no call {call} (calls: {_index_summary(reader.indices)})")
+            record = reader.call(call)
+            if record.op in PARENT_OPS:
+                raise _layer_call_error(path, reader, [record])
             return [call]
         if op is not None or layer is not None:
-            chosen = [record.index for record in reader.select(op=op, layer=layer)]
-            if not chosen:
+            records = list(reader.select(op=op, layer=layer))
+            if not records:
                 raise ReplayError(f"{path}: no call matches op={op!r} layer={layer!r}")
+            chosen = [record.index for record in records if record.op not in PARENT_OPS]
+            if not chosen:  # layer calls only: their kernel calls are what replays
+                raise _layer_call_error(path, reader, records)
             return chosen
         known = [record.index for record in reader.calls() if _replayable(record.op)]
+        if not known:
+            layers = [record for record in reader.calls() if record.op in PARENT_OPS]
+            if layers:
+                raise _layer_call_error(path, reader, layers)
         if every:
             if not known:
                 raise ReplayError(f"{path}: no call of an op moereplay can replay")
@@ -97,6 +108,27 @@ def select_calls(
             f"{path} holds {len(known)} replayable calls ({_index_summary(known)}); choose with --call N, --op, "
             "--layer or --all"
         )
+
+
+def _layer_call_error(path: str | Path, reader: Any, records: list[Any]) -> ReplayError:
+    """Layer (parent) calls are not kernel calls: name their kernel calls, or say to expand them first."""
+    first = records[0]
+    wanted = {record.index for record in records}
+    children = [record.index for record in reader.calls() if record.parent in wanted]
+    what = (
+        f"call {first.index} is a {first.op} layer call"
+        if len(records) == 1
+        else f"calls {_index_summary([record.index for record in records])} are layer calls ({first.op} …)"
+    )
+    if children:
+        return ReplayError(
+            f"{path}: {what}; replay the kernel calls ({_index_summary(children)}), e.g. "
+            f"moereplay run {path} --call {children[0]}"
+        )
+    return ReplayError(
+        f"{path}: {what} recorded without kernel calls; run `moereplay expand {path} -o OUT` first and replay the "
+        "kernel calls in OUT"
+    )
 
 
 def _replayable(op_name: str) -> bool:
