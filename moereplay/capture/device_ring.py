@@ -38,6 +38,7 @@ ALIGNMENT = 256
 """Every span starts on a 256-byte boundary of the ring, as the capture format aligns copied spans."""
 
 _CHECK_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+_ITEMSIZE = {1: 2, 2: 2, 3: 4}
 _WORD = struct.Struct("<f")
 
 
@@ -95,7 +96,9 @@ class DeviceRing:
             raise ValueError("ring capacity must be at least 256 bytes")
         self.device = device
         cuda = device.type == "cuda"
-        self.index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else -1
+        self.index = (
+            (device.index if device.index is not None else torch.cuda.current_device()) if cuda else -1
+        )
         self.capacity = capacity - capacity % ALIGNMENT
         self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
         self.tags = tags
@@ -137,17 +140,31 @@ class DeviceRing:
         leads = []
         sizes = []
         total = 0
+        check_info: tuple[int, int, int] | None = None  # (address, numel, dtype code) for the kernel's check
+        kernel_check = check is None
         if self.launcher is not None:
             # CUDA: storages come from the caching allocator, 512-byte aligned, so the lead is the address's
-            # remainder (no storage_offset() call: every torch call here costs ~0.5 µs of host time)
+            # remainder (no storage_offset() call: every torch call here costs ~0.5 µs of host time); the check
+            # tensor is normally one of the copied ones, whose address and size are known by then
             for tensor in tensors:
                 address = tensor.data_ptr()
                 lead = address % ALIGNMENT
-                size: int = (tensor.nbytes if tensor.is_contiguous() else storage_span(tensor).size) + lead
+                contiguous = tensor.is_contiguous()
+                nbytes: int = tensor.nbytes if contiguous else storage_span(tensor).size
+                if tensor is check and contiguous:
+                    code = _CHECK_CODES.get(check.dtype)
+                    if code is not None:
+                        check_info = (address, nbytes // _ITEMSIZE[code], code)
+                        kernel_check = True
+                size = nbytes + lead
                 addresses.append(address - lead)
                 leads.append(lead)
                 sizes.append(size)
                 total += -(-size // ALIGNMENT) * ALIGNMENT
+            if check is not None and not kernel_check and checkable_by_kernel(check):
+                code = _CHECK_CODES[check.dtype]
+                check_info = (check.data_ptr(), check.numel(), code)
+                kernel_check = True
         else:
             for tensor in tensors:
                 address = tensor.data_ptr()
@@ -171,14 +188,15 @@ class DeviceRing:
             if tagged:
                 issued = self.issued
                 self.issued = issued + 1
-                tag = (issued % self.tags, issued // self.tags)
+                # generations start at 1: a word never written (0) reads as "pending", never as "ok, 0.0"
+                tag = (issued % self.tags, issued // self.tags + 1)
         starts = []
         at = head
         for size in sizes:
             starts.append(at)
             at += -(-size // ALIGNMENT) * ALIGNMENT
         launcher = self.launcher
-        if launcher is not None and (check is None or checkable_by_kernel(check)):
+        if launcher is not None and kernel_check:
             base = self._base + head % capacity
             triples = []
             offset = 0
@@ -186,11 +204,17 @@ class DeviceRing:
                 triples.append((address, base + offset, size))
                 offset += -(-size // ALIGNMENT) * ALIGNMENT
             word = (self._words + 8 * tag[0], tag[1]) if tag is not None else None
-            for first in range(0, max(len(triples), 1), MAX_SPANS):
-                last = first + MAX_SPANS >= len(triples)
-                launcher.launch(
-                    triples[first : first + MAX_SPANS], check if last else None, word if last else None
-                )
+            count = len(triples)
+            if count <= MAX_SPANS:
+                launcher.launch(triples, check_info, word)
+            else:
+                for first in range(0, count, MAX_SPANS):
+                    last = first + MAX_SPANS >= count
+                    launcher.launch(
+                        triples[first : first + MAX_SPANS],
+                        check_info if last else None,
+                        word if last else None,
+                    )
             return starts, leads, sizes, tag
         for tensor, start, lead, size in zip(tensors, starts, leads, sizes, strict=True):
             if size:
@@ -234,11 +258,17 @@ def _kernel_available() -> bool:
     try:
         from moereplay.capture import ring_kernel
 
+        if ring_kernel.BLOCK != _BLOCK_BYTES[0]:
+            raise ImportError("ring_kernel.BLOCK does not match the launcher's block size")
         _KERNEL = ring_kernel
         return True
     except Exception as error:  # no triton, or one whose language differs
         _KERNEL_ERROR = f"{type(error).__name__}: {error}"
         return False
+
+
+_PADDING = [(0, 0, 0) * (MAX_SPANS - n) for n in range(MAX_SPANS + 1)]
+_BLOCK_BYTES = {0: 1024, 1: 8 * 1024}  # ring_kernel.BLOCK elements of a byte / of 8 bytes (checked at import)
 
 
 class _Launcher:
@@ -255,9 +285,11 @@ class _Launcher:
     def launch(
         self,
         addresses: list[tuple[int, int, int]],
-        check: torch.Tensor | None,
+        check: tuple[int, int, int] | None,
         word: tuple[int, int] | None,
     ) -> None:
+        """``addresses``: (source, target, size) spans; ``check``: (address, numel, dtype code) of the tensor to
+        reduce, or None; ``word``: (address, generation) of the tag word, or None."""
         aligned = 1
         total = 0
         args: list[int] = []
@@ -265,34 +297,26 @@ class _Launcher:
             if (source | target | size) & 7:
                 aligned = 0
             total += size
-            args.append(source)
-            args.append(target)
-            args.append(size)
-        for _ in range(MAX_SPANS - len(addresses)):
-            args.extend((0, 0, 0))
+            args += (source, target, size)
+        if len(addresses) < MAX_SPANS:
+            args += _PADDING[len(addresses)]
         code = 0
         if check is not None and word is not None:
-            code = _CHECK_CODES[check.dtype]
-            args.append(check.data_ptr())
-            numel = check.numel()
-            args.append(numel)
-            total += numel * check.element_size()
+            address, numel, code = check
+            args += (address, numel)
+            total += numel * _ITEMSIZE[code]
         else:
-            args.append(0)
-            args.append(0)
+            args += (0, 0)
         if word is not None:
-            args.append(word[0])
-            args.append(word[1] & 0x7FFFFFFF)
+            args += (word[0], word[1] & 0x7FFFFFFF)
             mode = 1 if code == 0 else 2
         else:
-            args.append(0)
-            args.append(0)
+            args += (0, 0)
             mode = 0
-        variant = self._variants.get((aligned, code, mode))
+        key = (aligned, code, mode)
+        variant = self._variants.get(key)
         if variant is None:
-            variant = self._variants[(aligned, code, mode)] = _KERNEL.compile_variant(
-                aligned, code, mode, self.index
-            )
-        block = _KERNEL.BLOCK * (8 if aligned else 1)
+            variant = self._variants[key] = _KERNEL.compile_variant(aligned, code, mode, self.index)
+        block = _BLOCK_BYTES[aligned]
         programs = max(1, min(self.programs, -(-total // block)))
         variant(programs, self._get_stream(self.index), args)

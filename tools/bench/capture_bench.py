@@ -133,6 +133,9 @@ def main() -> int:
     )
     parser.add_argument("--sizes", default="1,8,64,2048")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the ratio measurements")
+    parser.add_argument(
+        "--diagnose", action="store_true", help="also time armed-none and layer-nopoll (see code)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--profile",
@@ -161,6 +164,11 @@ def main() -> int:
         "flight-layer": {"MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_FLIGHT_SCOPE": "layer"},
         "flight-kernel": {"MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_FLIGHT_SCOPE": "kernel"},
     }
+    if options.diagnose:
+        # where the layer scope's time goes: the recorder's bookkeeping with nothing selected, and the layer
+        # scope with the writer thread's polls switched off (its Python holds the GIL the serving thread needs)
+        flights["armed-none"] = {"MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_OPS_EXCLUDE": "*"}
+        flights["layer-nopoll"] = {"MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_FLIGHT_SCOPE": "layer"}
     modes: list[tuple[str, dict[str, str]]] = []
     for level, threads, workers in compression:
         extra = {"MOEREPLAY_COMPRESSION_LEVEL": str(level), "MOEREPLAY_COMPRESSION_THREADS": str(threads)}
@@ -209,8 +217,10 @@ def main() -> int:
                 }
                 session = session_module.arm(env)
                 assert session is not None
+                if name == "layer-nopoll":
+                    session.writer._poll = None
                 profiler = None
-                if options.profile and m == sizes[0] and round_index == rounds - 1:
+                if options.profile and m == sizes[0] and round_index == rounds - 1 and name == "flight-layer":
                     import cProfile
 
                     profiler = cProfile.Profile()
@@ -283,6 +293,9 @@ def main() -> int:
             f"{row['M']:>5} {row['off_ms']:8.3f} {row['bare ratio']:7.3f} {row['+launch ratio']:8.3f} "
             f"{row['flight-layer ratio']:13.3f} {row['flight-kernel ratio']:14.3f}"
         )
+        for name in ("armed-none", "layer-nopoll"):
+            if f"{name} ratio" in row:
+                line += f" {name}× {row[f'{name} ratio']:.3f}"
         for mode in full_modes:
             line += (
                 f" | {row[f'{mode} ratio']:13.3f} {row[f'{mode} MB/s copied']:11.1f} "

@@ -93,12 +93,17 @@ def main() -> int:
     ring_launch = lambda i: ring.record(four, a, True)  # noqa: E731
     launcher = ring.launcher
     assert launcher is not None
-    variant = next(iter(launcher._variants.values()))
+    variant = launcher._variants[(1, 2, 2)]  # aligned, bfloat16 check, tag word: what ring_launch compiled
     stream = torch.cuda.current_stream().cuda_stream
-    args = [a.data_ptr(), ring._base, 2048] * 8 + [0, 0, 0, 0]
+    args = [a.data_ptr(), ring._base, 2048] + [0, 0, 0] * 7 + [a.data_ptr(), 1024, ring._words, 1]
+    triples = [(a.data_ptr(), ring._base, 2048)] * 4
     parts = (
         ("ring.record (4 tensors + check)", ring_launch),
-        ("launch only (prepared arguments)", lambda i: variant(4, stream, args)),
+        (
+            "launcher.launch (4 spans + check)",
+            lambda i: launcher.launch(triples, (a.data_ptr(), 1024, 2), (ring._words, 1)),
+        ),
+        ("cuLaunchKernel only (prepared arguments)", lambda i: variant(4, stream, args)),
         ("t.data_ptr()", lambda i: a.data_ptr()),
         ("t.nbytes", lambda i: a.nbytes),
         ("t.is_contiguous()", lambda i: a.is_contiguous()),
