@@ -136,16 +136,16 @@ class DeviceRing:
         ``(slot, generation)``. Raises ``ValueError`` (nothing launched) when the spans exceed the ring.
 
         The hot path of the layer-scope flight recorder: per tensor a few metadata reads, then one launch."""
+        launcher = self.launcher
+        if launcher is not None and len(tensors) <= MAX_SPANS:
+            return self._record_one_launch(launcher, tensors, check, tagged)
         addresses = []
         leads = []
         sizes = []
         total = 0
         check_info: tuple[int, int, int] | None = None  # (address, numel, dtype code) for the kernel's check
         kernel_check = check is None
-        if self.launcher is not None:
-            # CUDA: storages come from the caching allocator, 512-byte aligned, so the lead is the address's
-            # remainder (no storage_offset() call: every torch call here costs ~0.5 µs of host time); the check
-            # tensor is normally one of the copied ones, whose address and size are known by then
+        if launcher is not None:
             for tensor in tensors:
                 address = tensor.data_ptr()
                 lead = address % ALIGNMENT
@@ -223,6 +223,104 @@ class DeviceRing:
             self._fold(check, tag)
         return starts, leads, sizes, tag
 
+    def _record_one_launch(
+        self, launcher: _Launcher, tensors: list[torch.Tensor], check: torch.Tensor | None, tagged: bool
+    ) -> tuple[list[int], list[int], list[int], tuple[int, int] | None]:
+        """:meth:`record` for at most :data:`MAX_SPANS` CUDA tensors: one pass over the tensors, the kernel's
+        arguments built in place (the per-layer-call hot path; every line here is serving-thread time)."""
+        leads = []
+        sizes = []
+        spans = []
+        total = 0
+        aligned = 1
+        check_info = None
+        for tensor in tensors:
+            address = tensor.data_ptr()
+            lead = (
+                address & 255
+            )  # storages are 512-byte aligned (caching allocator): the remainder is the lead
+            if tensor.is_contiguous():
+                nbytes = tensor.nbytes
+                if tensor is check:
+                    code = _CHECK_CODES.get(tensor.dtype)
+                    if code is not None:
+                        check_info = (address, nbytes // _ITEMSIZE[code], code)
+            else:
+                nbytes = storage_span(tensor).size
+            size = nbytes + lead
+            if size & 7:
+                aligned = 0
+            leads.append(lead)
+            sizes.append(size)
+            spans.append(address - lead)
+            total += (size + 255) & ~255
+        if check is not None and check_info is None:
+            if not checkable_by_kernel(check):  # a strided or narrow output: the torch path checks it
+                return self._record_torch(tensors, check, tagged, leads, sizes, total)
+            check_info = (check.data_ptr(), check.numel(), _CHECK_CODES[check.dtype])
+        capacity = self.capacity
+        if total > capacity:
+            raise ValueError(f"{total} bytes do not fit a ring of {capacity}")
+        with self._lock:
+            head = self.head
+            lap_left = capacity - head % capacity
+            if total > lap_left:
+                head += lap_left  # never straddle the end
+            self.head = head + total
+            tag = None
+            if tagged:
+                issued = self.issued
+                self.issued = issued + 1
+                tag = (issued % self.tags, issued // self.tags + 1)
+        starts = []
+        at = head
+        target = self._base + head % capacity
+        args: list[int] = []
+        for source, size in zip(spans, sizes, strict=True):
+            starts.append(at)
+            args += (source, target, size)
+            padded = (size + 255) & ~255
+            at += padded
+            target += padded
+        launcher.launch_prepared(
+            args, len(spans), aligned, total, check_info, (self._words + 8 * tag[0], tag[1]) if tag else None
+        )
+        return starts, leads, sizes, tag
+
+    def _record_torch(
+        self,
+        tensors: list[torch.Tensor],
+        check: torch.Tensor,
+        tagged: bool,
+        leads: list[int],
+        sizes: list[int],
+        total: int,
+    ) -> tuple[list[int], list[int], list[int], tuple[int, int] | None]:
+        """Copies with torch operations and the check by :meth:`_fold` (outputs the kernel cannot reduce)."""
+        if total > self.capacity:
+            raise ValueError(f"{total} bytes do not fit a ring of {self.capacity}")
+        with self._lock:
+            head = self.head
+            lap_left = self.capacity - head % self.capacity
+            if total > lap_left:
+                head += lap_left
+            self.head = head + total
+            tag = None
+            if tagged:
+                issued = self.issued
+                self.issued = issued + 1
+                tag = (issued % self.tags, issued // self.tags + 1)
+        starts = []
+        at = head
+        for tensor, lead, size in zip(tensors, leads, sizes, strict=True):
+            starts.append(at)
+            if size:
+                self.view(at, size).copy_(_raw_at(tensor, lead, size))
+            at += (size + 255) & ~255
+        if tag is not None:
+            self._fold(check, tag)
+        return starts, leads, sizes, tag
+
     def _fold(self, check: torch.Tensor | None, tag: tuple[int, int]) -> None:
         """The tag word with torch operations (no kernel): the same encoding as the kernel's."""
         slot, generation = tag
@@ -234,6 +332,15 @@ class DeviceRing:
         magnitude = torch.linalg.vector_norm(check.detach(), ord=math.inf, dtype=torch.float32).reshape(1)
         bits = magnitude.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         word.copy_(bits + high)
+
+
+def _raw_at(tensor: torch.Tensor, lead: int, size: int) -> torch.Tensor:
+    """``size`` bytes from ``lead`` bytes before ``tensor``'s first byte, found by address (the CUDA lead is the
+    address's remainder, which the storage offset need not show when a storage is not 256-byte aligned)."""
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    offset = tensor.data_ptr() - tensor.untyped_storage().data_ptr()
+    raw.set_(tensor.untyped_storage(), offset - lead, (size,), (1,))
+    return raw
 
 
 def _raw(tensor: torch.Tensor, lead: int, size: int) -> torch.Tensor:
@@ -258,7 +365,7 @@ def _kernel_available() -> bool:
     try:
         from moereplay.capture import ring_kernel
 
-        if ring_kernel.BLOCK != _BLOCK_BYTES[0]:
+        if _BLOCK_BYTES[0] != ring_kernel.BLOCK:
             raise ImportError("ring_kernel.BLOCK does not match the launcher's block size")
         _KERNEL = ring_kernel
         return True
@@ -281,6 +388,38 @@ class _Launcher:
         self.programs = torch.cuda.get_device_properties(self.index).multi_processor_count * 2
         self._variants: dict[tuple[int, int, int], Any] = {}
         self._get_stream = torch._C._cuda_getCurrentRawStream
+
+    def launch_prepared(
+        self,
+        args: list[int],
+        count: int,
+        aligned: int,
+        total: int,
+        check: tuple[int, int, int] | None,
+        word: tuple[int, int] | None,
+    ) -> None:
+        """``args``: ``count`` (source, target, size) triples, flattened (extended here); the rest as
+        :meth:`launch`."""
+        if count < MAX_SPANS:
+            args += _PADDING[count]
+        code = 0
+        if check is not None and word is not None:
+            address, numel, code = check
+            args += (address, numel, word[0], word[1] & 0x7FFFFFFF)
+            total += numel * _ITEMSIZE[code]
+            mode = 2
+        elif word is not None:
+            args += (0, 0, word[0], word[1] & 0x7FFFFFFF)
+            mode = 1
+        else:
+            args += (0, 0, 0, 0)
+            mode = 0
+        key = (aligned, code, mode)
+        variant = self._variants.get(key)
+        if variant is None:
+            variant = self._variants[key] = _KERNEL.compile_variant(aligned, code, mode, self.index)
+        programs = max(1, min(self.programs, -(-total // _BLOCK_BYTES[aligned])))
+        variant(programs, self._get_stream(self.index), args)
 
     def launch(
         self,

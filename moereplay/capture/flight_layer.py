@@ -227,7 +227,12 @@ class LayerFlight:
         if plan is None:
             static = frozenset(target.static)
             scratch = tuple(name for name in bound if name in target.scratch)
-            candidates = tuple(name for name in bound if name not in static and name not in target.scratch)
+            # an intact-inputs target's output buffers are copied once, after the call, as outputs (their bytes
+            # before it are not read): the input tree names that copy
+            later = frozenset(target.outputs) if target.inputs_intact else frozenset()
+            candidates = tuple(
+                name for name in bound if name not in static and name not in target.scratch and name not in later
+            )
             plan = self._plans[key] = _Plan(candidates, scratch)
         return plan
 
@@ -390,9 +395,12 @@ class LayerFlight:
         static = frozenset(call.target.static)
         scratch = frozenset(call.target.scratch)
         tree: dict[str, Any] = {}
+        later = call.target.outputs if call.target.inputs_intact else ()
         for name, value in bound.items():
             if name in call.trees:
                 tree[name] = call.trees[name]
+            elif name in later and name in call.outputs:  # the buffer as the call left it (see _plan)
+                tree[name] = _Pending(call.outputs[name])
             elif name in static:
                 tree[name] = (
                     value if isinstance(value, torch.Tensor) else _walk_static(value, format_codec, 0)
