@@ -264,16 +264,16 @@ class Recorder(CallHandler):
             return None
         flight = self.flight
         assert isinstance(flight, LayerFlight)
-        if self._cuda and is_capturing():
+        where = self.tracker.where(parent=None, is_parent=target.role == "parent")
+        sequence = self._sequence
+        self._sequence = sequence + 1
+        self.counters.seen += 1
+        if self._cuda and is_capturing():  # nothing launched into the graph; its calls inside pass through
             self.counters.skipped_graph_capture += 1
             if not self._graph_warned:
                 self._graph_warned = True
                 logger.warning(GRAPH_WARNING)
             return None
-        where = self.tracker.where(parent=None, is_parent=target.role == "parent")
-        sequence = self._sequence
-        self._sequence = sequence + 1
-        self.counters.seen += 1
         if not self._selected(target, where):
             self.counters.skipped_filters += 1
             return None

@@ -59,14 +59,15 @@ def kernels(stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.
         session_module.disarm()
 
 
-@pytest.mark.parametrize("trigger", ["always", "flight"])
+@pytest.mark.parametrize("trigger", ["always", "flight-kernel", "flight-layer"])
 def test_a_graph_captured_while_the_writer_is_busy_succeeds(
     tmp_path: Path, kernels: types.ModuleType, trigger: str
 ) -> None:
     env = {
         "MOEREPLAY_CAPTURE": "1",
         "MOEREPLAY_DIR": str(tmp_path / "captures"),
-        "MOEREPLAY_TRIGGER": trigger,
+        "MOEREPLAY_TRIGGER": trigger.split("-")[0],
+        "MOEREPLAY_FLIGHT_SCOPE": trigger.split("-")[-1] if trigger.startswith("flight") else "layer",
         "MOEREPLAY_QUEUE_CALLS": "100000",  # 40 eager layers queue 240 messages: keep them all (default 64 drops)
     }
     session = session_module.arm(env, targets=TARGETS)
@@ -87,7 +88,9 @@ def test_a_graph_captured_while_the_writer_is_busy_succeeds(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # global capture mode: any unsafe CUDA call from any thread breaks it
         result = kernels.layer(static_input, w1, w2)
-    assert session.recorder.counters.skipped_graph_capture == session.recorder.counters.seen - seen == 3
+    # the layer scope sees the layer call only (its two kernel calls pass straight through)
+    skipped = 1 if trigger == "flight-layer" else 3
+    assert session.recorder.counters.skipped_graph_capture == session.recorder.counters.seen - seen == skipped
     static_input.copy_(x + 1)
     graph.replay()
     torch.cuda.synchronize()
