@@ -251,3 +251,42 @@ def test_ring_magnitude_word_orders_nan_above_inf(special: float) -> None:
         state, value = decode_word(int(ring.words[tag[0]]), tag[1])
         assert state == "ok"
         assert math.isnan(value) if math.isnan(special) else value == math.inf
+
+
+def layer_into(hidden: torch.Tensor, w1: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    torch.matmul(hidden, w1, out=output)
+    return output
+
+
+def test_an_intact_layer_copies_its_output_buffer_once_after_the_call(arm, stand_in_module, inputs) -> None:
+    stand_in_module("moereplay_test_into", layer=layer_into)
+    targets = (
+        CaptureTarget(
+            "layer",
+            "parent",
+            "moereplay_test_into",
+            "layer",
+            static=("w1",),
+            outputs=("output",),
+            inputs_intact=True,
+        ),
+    )
+    session = arm(targets=targets, trigger="flight", flight_calls="4")
+    module = sys.modules["moereplay_test_into"]
+    x, w1, _w2, _weights = inputs()
+    out = torch.full((5, 6), 7.0)  # stale bytes before the call: not what is recorded
+    x[0, 0] = float("nan")
+    module.layer(x, w1, out)
+    flight = session.recorder.flight
+    ring = next(iter(flight._rings.values()))  # type: ignore[union-attr]
+    assert (
+        ring.head == 2 * 256
+    )  # hidden and output, one copy each: the output buffer was not copied as an input
+    close(session)
+    with CaptureReader(session.path) as reader:
+        (record,) = list(reader.calls())
+        args = reader.load_args(record.index)
+        outputs = reader.load_outputs(record.index)
+        assert torch.equal(args["output"].view(torch.uint8), out.view(torch.uint8))  # as the call left it
+        assert torch.equal(outputs["output"].view(torch.uint8), out.view(torch.uint8))
+        assert record.aliases() == {"output": ("output",)}  # one storage, as in a full capture
