@@ -110,8 +110,8 @@ class LayerCall:
     stream: int = 0
     device_index: int = -1
     host_s: float = 0.0
-    started: float = 0.0
-    finished: float = 0.0
+    started: float = 0.0  # perf_counter() before the call
+    ended: float = 0.0  # perf_counter() after it
     status: str = "completed"
     error: str | None = None
     probe: Any = None  # the triton_kernels opt_flags probe of a matmul_ogs call made outside a layer
@@ -138,7 +138,7 @@ class LayerCall:
         self.where = where
         self.sequence = sequence
         self.bound: dict[str, Any] | None = bound
-        self.trees = trees  # dynamic argument name -> tree with _Pending(index into ``tensors``)
+        self.trees = trees  # dynamic argument name -> index into ``tensors``, or a tree with _Pending indices
         self.tensors: list[torch.Tensor] | None = (
             tensors  # the dynamic inputs (index order), then the outputs
         )
@@ -164,10 +164,12 @@ class LayerCounters:
 
 @dataclass(eq=False)
 class _Plan:
-    """Per target and argument layout: the names to look at for dynamic tensors, the scratch and static ones."""
+    """Per target and argument layout: the names to look at for dynamic tensors, the scratch ones, and the output
+    buffers that may be passed in (checked for overlap with the inputs)."""
 
     candidates: tuple[str, ...]
     scratch: tuple[str, ...]
+    outputs: tuple[str, ...] = ()
 
 
 @dataclass(eq=False)
@@ -231,9 +233,12 @@ class LayerFlight:
             # before it are not read): the input tree names that copy
             later = frozenset(target.outputs) if target.inputs_intact else frozenset()
             candidates = tuple(
-                name for name in bound if name not in static and name not in target.scratch and name not in later
+                name
+                for name in bound
+                if name not in static and name not in target.scratch and name not in later
             )
-            plan = self._plans[key] = _Plan(candidates, scratch)
+            outputs = tuple(name for name in target.outputs if name in bound)
+            plan = self._plans[key] = _Plan(candidates, scratch, outputs)
         return plan
 
     def _ring(self, tensor: torch.Tensor) -> DeviceRing:
@@ -245,17 +250,20 @@ class LayerFlight:
         return ring
 
     def before(self, target: CaptureTarget, bound: dict[str, Any], where: Where, sequence: int) -> LayerCall:
-        """Collect the dynamic inputs; copy them now when the call may write them (else after the call)."""
-        plan = self._plan(target, bound)
+        """Collect the dynamic inputs; copy them now when the call may write them (else after the call).
+        Top-level tensors are remembered by name only (their trees are built if a trigger writes the call)."""
+        plan = self._plans.get((id(target), len(bound)))
+        if plan is None:
+            plan = self._plan(target, bound)
         tensors: list[torch.Tensor] = []
         trees: dict[str, Any] = {}
+        plain = _PLAIN
         for name in plan.candidates:
             value = bound.get(name)
-            kind = type(value)
-            if kind in _PLAIN:
+            if value is None or type(value) in plain:
                 continue
             if isinstance(value, torch.Tensor):
-                trees[name] = _Pending(len(tensors))
+                trees[name] = len(tensors)
                 tensors.append(value)
             elif not isinstance(value, _LATER):
                 before = len(tensors)
@@ -263,7 +271,9 @@ class LayerFlight:
                 if len(tensors) != before:
                     trees[name] = tree
         call = LayerCall(target, where, sequence, bound, trees, tensors)
-        if tensors and (not target.inputs_intact or _outputs_overlap(target, bound, tensors)):
+        if tensors and (
+            not target.inputs_intact or (plan.outputs and _outputs_overlap(plan.outputs, bound, tensors))
+        ):
             ring = self._ring(tensors[0])
             call.ring = ring
             call.input_copy = ring.record(tensors, None, False)[:3]
@@ -272,21 +282,23 @@ class LayerFlight:
 
     def after(self, call: LayerCall, result: Any, error: BaseException | None) -> None:
         """Copy the outputs (and the inputs, unless copied before) and fold the check: one launch."""
-        call.host_s = time.perf_counter() - call.started
-        call.finished = time.time()
+        now = time.perf_counter()
+        call.host_s = now - call.started
+        call.ended = now  # the wall-clock time is derived when the call is written (one clock read less here)
         bound = call.bound
-        assert bound is not None and call.tensors is not None
         tensors = call.tensors
+        assert bound is not None and tensors is not None
         outputs: list[torch.Tensor] = []
         check = None
         if error is None:
+            named = call.outputs
             for name in call.target.outputs:
                 value = bound.get(name)
-                if isinstance(value, torch.Tensor):
-                    call.outputs[name] = len(tensors) + len(outputs)
+                if value is not None and isinstance(value, torch.Tensor):
+                    named[name] = len(tensors) + len(outputs)
                     outputs.append(value)
             if isinstance(result, torch.Tensor) and not _among(result, outputs):
-                call.outputs["return"] = len(tensors) + len(outputs)
+                named["return"] = len(tensors) + len(outputs)
                 outputs.append(result)
             for value in outputs:
                 if value.is_floating_point() and value.numel() and not value.is_complex():
@@ -295,11 +307,16 @@ class LayerFlight:
         else:
             call.status = "failed"
             call.error = f"{type(error).__name__}: {error}"[:2000]
-        copied = outputs if call.input_copy is not None else tensors + outputs
-        tensors.extend(outputs)
+        if call.input_copy is not None:
+            copied = outputs
+            tensors.extend(outputs)
+        else:
+            tensors.extend(outputs)
+            copied = tensors
         if copied:
-            ring = call.ring or self._ring(copied[0])
-            call.ring = ring
+            ring = call.ring
+            if ring is None:
+                ring = call.ring = self._ring(copied[0])
             index = ring.index
             if index >= 0:
                 call.device_index = index
@@ -398,7 +415,8 @@ class LayerFlight:
         later = call.target.outputs if call.target.inputs_intact else ()
         for name, value in bound.items():
             if name in call.trees:
-                tree[name] = call.trees[name]
+                found = call.trees[name]
+                tree[name] = _Pending(found) if type(found) is int else found
             elif name in later and name in call.outputs:  # the buffer as the call left it (see _plan)
                 tree[name] = _Pending(call.outputs[name])
             elif name in static:
@@ -589,12 +607,13 @@ class LayerFlight:
         )
         target = call.target
         begin = Begin(call.sequence, target.op, target.site, inputs, context, None, target.static)
-        begin.started = call.finished - call.host_s
+        finished = time.time() - (time.perf_counter() - call.ended)
+        begin.started = finished - call.host_s
         outputs = Snapshot(
             _fill(call.output_tree, copies), copied=sum(c.size for c in (call.copies or ())[n_inputs:])
         )
         complete = Complete(call.sequence, outputs, {"host_s": call.host_s}, call.status, call.error)
-        complete.finished = call.finished
+        complete.finished = finished
         return begin, complete
 
     def _evict(self) -> None:
@@ -665,10 +684,10 @@ def _among(result: torch.Tensor, outputs: list[torch.Tensor]) -> bool:
     return False
 
 
-def _outputs_overlap(target: CaptureTarget, bound: dict[str, Any], inputs: list[torch.Tensor]) -> bool:
-    """Whether an output buffer passed in shares bytes with a dynamic input (then the inputs are copied before
-    the call)."""
-    for name in target.outputs:
+def _outputs_overlap(names: tuple[str, ...], bound: dict[str, Any], inputs: list[torch.Tensor]) -> bool:
+    """Whether an output buffer passed in (``names``) shares bytes with a dynamic input (then the inputs are copied
+    before the call)."""
+    for name in names:
         out = bound.get(name)
         if not isinstance(out, torch.Tensor):
             continue

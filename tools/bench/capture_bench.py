@@ -116,6 +116,8 @@ def parse_compression(text: str) -> list[tuple[int, int, int | None]]:
     """``LEVEL:THREADS[:WORKERS]`` items: zstd level, zstd threads per frame, writer pool threads (default: the
     setting's default)."""
     settings: list[tuple[int, int, int | None]] = []
+    if text.strip().lower() == "none":  # the ratio columns only
+        return settings
     for item in text.split(","):
         parts = item.strip().split(":")
         level, threads = int(parts[0]), int(parts[1]) if len(parts) > 1 and parts[1] else 0
@@ -129,7 +131,9 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=200, help="timed calls per decode M")
     parser.add_argument("--prefill-iterations", type=int, default=20, help="timed calls at M = 2048")
     parser.add_argument(
-        "--compression", default="1:0,1:8", help="LEVEL:THREADS[:WRITER_THREADS] of each full-capture run"
+        "--compression",
+        default="1:0,1:8",
+        help="LEVEL:THREADS[:WRITER_THREADS] of each full-capture run, or none",
     )
     parser.add_argument("--sizes", default="1,8,64,2048")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the ratio measurements")
