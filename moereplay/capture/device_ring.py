@@ -42,6 +42,10 @@ _ITEMSIZE = {1: 2, 2: 2, 3: 4}
 _WORD = struct.Struct("<f")
 
 
+class TooLarge(ValueError):
+    """A call's copies do not fit the ring (nothing was launched)."""
+
+
 def checkable_by_kernel(tensor: torch.Tensor) -> bool:
     """Whether the fused kernel can reduce ``tensor`` (contiguous float16 / bfloat16 / float32)."""
     return tensor.dtype in _CHECK_CODES and tensor.is_contiguous()
@@ -133,7 +137,7 @@ class DeviceRing:
         storage) into the ring and, when ``tagged``, fold the largest magnitude of ``check`` (or nothing) into a
         new tag word — queued on the current stream. Returns ``(starts, leads, sizes, tag)``: each copy's
         absolute ring start, how many bytes before the tensor's first byte it begins, its size, and the tag
-        ``(slot, generation)``. Raises ``ValueError`` (nothing launched) when the spans exceed the ring.
+        ``(slot, generation)``. Raises :class:`TooLarge` (nothing launched) when the spans exceed the ring.
 
         The hot path of the layer-scope flight recorder: per tensor a few metadata reads, then one launch."""
         launcher = self.launcher
@@ -177,7 +181,7 @@ class DeviceRing:
                 total += -(-size // ALIGNMENT) * ALIGNMENT
         capacity = self.capacity
         if total > capacity:
-            raise ValueError(f"{total} bytes do not fit a ring of {capacity}")
+            raise TooLarge(f"{total} bytes do not fit a ring of {capacity}")
         with self._lock:
             head = self.head
             lap_left = capacity - head % capacity
@@ -260,7 +264,7 @@ class DeviceRing:
             check_info = (check.data_ptr(), check.numel(), _CHECK_CODES[check.dtype])
         capacity = self.capacity
         if total > capacity:
-            raise ValueError(f"{total} bytes do not fit a ring of {capacity}")
+            raise TooLarge(f"{total} bytes do not fit a ring of {capacity}")
         with self._lock:
             head = self.head
             lap_left = capacity - head % capacity
@@ -298,7 +302,7 @@ class DeviceRing:
     ) -> tuple[list[int], list[int], list[int], tuple[int, int] | None]:
         """Copies with torch operations and the check by :meth:`_fold` (outputs the kernel cannot reduce)."""
         if total > self.capacity:
-            raise ValueError(f"{total} bytes do not fit a ring of {self.capacity}")
+            raise TooLarge(f"{total} bytes do not fit a ring of {self.capacity}")
         with self._lock:
             head = self.head
             lap_left = self.capacity - head % self.capacity

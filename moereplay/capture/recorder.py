@@ -34,6 +34,7 @@ import torch
 
 from moereplay.capture.binding import ArgumentBinder
 from moereplay.capture.context import ContextTracker, Where
+from moereplay.capture.device_ring import TooLarge
 from moereplay.capture.flight import FlightEntry, FlightRecorder
 from moereplay.capture.flight_layer import LayerCall, LayerFlight, is_capturing
 from moereplay.capture.opt_flags import OptFlagsProbe
@@ -232,7 +233,7 @@ class Recorder(CallHandler):
             return original(*args, **kwargs)
         try:
             call = self._layer_before(target, binder, args, kwargs, original)
-        except ValueError as error:  # the call does not fit the ring: not kept, counted
+        except TooLarge as error:  # the call does not fit the ring: not kept, counted
             assert isinstance(self.flight, LayerFlight)
             self.flight.too_large(error)
             call = None
@@ -307,7 +308,7 @@ class Recorder(CallHandler):
                 if chosen is not None:
                     call.extra_outputs = {"opt_flags": chosen}
             flight.after(call, result, error)
-        except ValueError as too_large:
+        except TooLarge as too_large:
             flight.too_large(too_large)
         except Exception as internal:
             self._internal_error(f"{call.target.op} (after the call)", internal)
