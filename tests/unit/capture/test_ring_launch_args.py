@@ -1,0 +1,211 @@
+"""The host side of the ring's one-launch path, on the CPU: :meth:`DeviceRing.record` builds the Triton kernel's
+28 integer arguments (8 × source/target/size, check address and length, tag word address and generation) and picks
+its variant; here the "kernel" is an emulator that does what ``ring_kernel.ring_copy`` does, on host memory through
+those very addresses (``ctypes.memmove``; NumPy views for the check). The device side of the same contract is
+``tests/gpu/test_flight_layer_gpu.py`` and ``tools/bench/ring_floor.py``'s correctness pass on the H200."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import struct
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from moereplay.capture import device_ring
+from moereplay.capture.device_ring import ALIGNMENT, MAX_SPANS, DeviceRing, decode_word
+
+_DTYPES = {1: np.float16, 3: np.float32}
+
+
+class Emulator:
+    """One compiled variant: ``(aligned, code, mode)``; records each launch's arguments."""
+
+    def __init__(self, aligned: int, code: int, mode: int, launches: list) -> None:
+        self.aligned, self.code, self.mode = aligned, code, mode
+        self.launches = launches
+
+    def __call__(self, programs: int, stream: int, args: list[int]) -> None:
+        assert len(args) == 3 * MAX_SPANS + 4 and programs >= 1
+        self.launches.append((self.aligned, self.code, self.mode, list(args)))
+        for i in range(MAX_SPANS):
+            source, target, size = args[3 * i : 3 * i + 3]
+            if self.aligned:
+                assert (source | target | size) % 8 == 0, "an aligned variant got unaligned spans"
+            if size:
+                ctypes.memmove(target, source, size)
+        check, numel, word, generation = args[3 * MAX_SPANS :]
+        if self.mode == 0:
+            return
+        best = 0
+        if self.mode == 2:
+            if self.code == 2:  # bfloat16: widen through the upper half of a float32
+                raw = np.ctypeslib.as_array((ctypes.c_uint16 * numel).from_address(check))
+                values = (raw.astype(np.uint32) << 16).view(np.float32)
+            else:
+                values = (
+                    np.ctypeslib.as_array(
+                        (ctypes.c_uint8 * (numel * (2 if self.code == 1 else 4))).from_address(check)
+                    )
+                    .view(_DTYPES[self.code])
+                    .astype(np.float32)
+                )
+            bits = np.abs(values).view(np.int32)
+            best = int(bits.max()) if numel else 0
+        slot = ctypes.c_int64.from_address(word)
+        slot.value = max(slot.value, (generation << 32) | best)
+
+
+@pytest.fixture
+def emulated(monkeypatch: pytest.MonkeyPatch):
+    launches: list = []
+    kernel = types.SimpleNamespace(
+        BLOCK=1024, compile_variant=lambda aligned, code, mode, index: Emulator(aligned, code, mode, launches)
+    )
+    monkeypatch.setattr(device_ring, "_KERNEL", kernel)
+
+    def make(capacity: int = 1 << 16) -> DeviceRing:
+        ring = DeviceRing(capacity, torch.device("cpu"), use_kernel=False)
+        launcher = object.__new__(device_ring._Launcher)
+        launcher.device, launcher.index, launcher.programs = torch.device("cpu"), 0, 8
+        launcher._variants = {}
+        launcher._get_stream = lambda index: 0
+        ring.launcher = launcher
+        return ring
+
+    make.launches = launches  # type: ignore[attr-defined]
+    return make
+
+
+_POOL = torch.zeros(1 << 20, dtype=torch.uint8)
+_AT = [0]
+
+
+def aligned(count: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+    """A fresh tensor whose first byte is ``offset`` past a 256-byte boundary (as CUDA storages are aligned)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    start = -(-(_POOL.data_ptr() + _AT[0]) // ALIGNMENT) * ALIGNMENT - _POOL.data_ptr() + offset
+    _AT[0] = start + count * itemsize + ALIGNMENT
+    assert _AT[0] < _POOL.numel()
+    return _POOL[start : start + count * itemsize].view(dtype)
+
+
+def test_one_launch_copies_every_span_and_folds_the_check(emulated) -> None:
+    ring = emulated()
+    hidden = aligned(2880 * 2, torch.bfloat16).copy_(torch.randn(2880 * 2))
+    weights = aligned(8, torch.float32).copy_(torch.rand(8))
+    ids = aligned(8, torch.int32).copy_(torch.arange(8))
+    out = aligned(2880 * 2, torch.bfloat16).copy_(torch.randn(2880 * 2) * 3)
+    out[17] = -1000.0
+    starts, leads, sizes, tag = ring.record([hidden, weights, ids, out], out, True)
+    assert len(emulated.launches) == 1 and tag is not None
+    aligned_flag, code, mode, args = emulated.launches[0]
+    assert (aligned_flag, code, mode) == (1, 2, 2)  # 8-byte words, bfloat16 check, tag word
+    assert leads == [0, 0, 0, 0] and sizes == [t.nbytes for t in (hidden, weights, ids, out)]
+    for i, (tensor, start) in enumerate(zip((hidden, weights, ids, out), starts, strict=True)):
+        assert args[3 * i : 3 * i + 3] == [
+            tensor.data_ptr(),
+            ring._base + start % ring.capacity,
+            tensor.nbytes,
+        ]
+    assert args[12:24] == [0] * 12  # four unused span slots
+    assert args[24:] == [out.data_ptr(), out.numel(), ring._words + 8 * tag[0], tag[1]]
+    assert all(start % ALIGNMENT == 0 for start in starts)
+    for tensor, start in zip((hidden, weights, ids, out), starts, strict=True):
+        assert torch.equal(ring.view(start, tensor.nbytes), tensor.view(torch.uint8))
+    assert tag is not None
+    assert decode_word(int(ring.words[tag[0]]), tag[1]) == ("ok", 1000.0)
+
+
+@pytest.mark.parametrize("special", [math.nan, math.inf])
+def test_non_finite_outputs_read_back_as_such(emulated, special: float) -> None:
+    ring = emulated()
+    out = aligned(64, torch.float16).copy_(torch.randn(64))
+    out[5] = special
+    _, _, _, tag = ring.record([out], out, True)
+    assert tag is not None
+    state, value = decode_word(int(ring.words[tag[0]]), tag[1])
+    assert state == "ok" and (math.isnan(value) if math.isnan(special) else value == math.inf)
+
+
+def test_views_off_a_boundary_copy_from_the_boundary_and_odd_sizes_use_bytes(emulated) -> None:
+    ring = emulated()
+    odd = aligned(38, torch.uint8, offset=3).copy_(torch.arange(38, dtype=torch.uint8))
+    starts, leads, sizes, tag = ring.record([odd], None, True)
+    aligned_flag, _code, mode, _ = emulated.launches[-1]
+    assert (aligned_flag, mode) == (0, 1)  # byte copies; a tag word without a check
+    assert leads == [3] and sizes == [41]  # from the boundary: 3 + 38 bytes, not a multiple of 8
+    assert torch.equal(ring.view(starts[0] + 3, 38), odd)
+    assert tag is not None and decode_word(int(ring.words[tag[0]]), tag[1]) == ("ok", 0.0)
+
+
+def test_more_than_eight_spans_take_several_launches_and_check_in_the_last(emulated) -> None:
+    ring = emulated()
+    tensors = [aligned(16, torch.float32).fill_(float(i)) for i in range(MAX_SPANS + 3)]
+    starts, _, _, tag = ring.record(tensors, tensors[-1], True)
+    modes = [launch[2] for launch in emulated.launches]
+    assert modes == [0, 2]
+    for tensor, start in zip(tensors, starts, strict=True):
+        assert torch.equal(ring.view(start, 64), tensor.view(torch.uint8))
+    assert tag is not None and decode_word(int(ring.words[tag[0]]), tag[1]) == ("ok", float(MAX_SPANS + 2))
+
+
+def test_a_strided_output_is_checked_by_the_torch_path(emulated) -> None:
+    ring = emulated()
+    base = aligned(64, torch.float32).copy_(torch.arange(64, dtype=torch.float32))
+    strided = base.view(8, 8).t()  # not contiguous: the kernel's check cannot read it
+    strided[3, 2] = float("nan")  # base[2 * 8 + 3]
+    starts, leads, sizes, tag = ring.record([strided], strided, True)
+    assert emulated.launches == []  # copied and checked with torch operations instead
+    assert sizes == [256] and leads == [0]
+    assert torch.equal(ring.view(starts[0], 256), base.view(torch.uint8))
+    assert tag is not None and math.isnan(decode_word(int(ring.words[tag[0]]), tag[1])[1])
+
+
+def test_tag_generations_wrap_their_slots_and_never_read_zero_as_done(emulated) -> None:
+    ring = emulated()
+    ring.tags = 2
+    ring.words = torch.zeros(2, dtype=torch.int64)
+    ring._words = ring.words.data_ptr()
+    x = aligned(4, torch.float32).fill_(1.0)
+    tags = [ring.record([x], x, True)[3] for _ in range(5)]
+    assert tags == [(0, 1), (1, 1), (0, 2), (1, 2), (0, 3)]
+    assert decode_word(0, 1)[0] == "pending"
+    assert decode_word(int(ring.words[0]), 2)[0] == "lost"  # slot 0 holds generation 3 now
+    word = struct.unpack("<q", struct.pack("<q", int(ring.words[0])))[0]
+    assert decode_word(word, 3) == ("ok", 1.0)
+
+
+def test_layer_calls_written_through_the_launch_path_are_exact(
+    emulated, arm, kernels, inputs, monkeypatch
+) -> None:
+    """The whole layer scope over the one-launch path: leads taken from addresses (as on CUDA), so views whose
+    storage does not start on a 256-byte boundary are trimmed back when written — the file still holds the bytes."""
+    from moereplay.capture import flight_layer
+    from moereplay.format import CaptureReader
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    session = arm(trigger="flight", flight_calls="3")
+    x, w1, w2, weights = inputs()
+    seen = []
+    for step in range(6):
+        value = x + step
+        if step == 4:
+            value[0, 1] = float("inf")
+        seen.append((value.clone(), kernels.fused(value, w1, w2, weights).clone()))
+    session.flush()
+    session.close()
+    assert emulated.launches  # the one-launch path ran
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        assert [r.context["call"] for r in records] == [2, 3, 4]
+        assert records[-1].context["flight"]["trigger"]
+        for record in records:
+            hidden, output = seen[record.context["call"]]
+            recorded = reader.load_args(record.index)["hidden"]
+            result = reader.load_outputs(record.index)["return"]
+            assert torch.equal(recorded.view(torch.uint8), hidden.view(torch.uint8))  # bytes: NaN included
+            assert torch.equal(result.view(torch.uint8), output.view(torch.uint8))
