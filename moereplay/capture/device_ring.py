@@ -26,10 +26,11 @@ from __future__ import annotations
 import math
 import struct
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from moereplay.capture.snapshot import byte_span
 
 MAX_SPANS = 8
 """Spans one launch copies; a call with more is copied by several launches (rare: four for a Marlin layer)."""
@@ -63,30 +64,6 @@ def decode_word(word: int, generation: int) -> tuple[str, float]:
     bits = word & 0xFFFFFFFF
     (value,) = _WORD.unpack(struct.pack("<I", bits))
     return "ok", value
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """Bytes ``[start, start + size)`` of ``tensor``'s storage (absolute address ``address``)."""
-
-    tensor: torch.Tensor
-    address: int
-    size: int
-
-
-def storage_span(tensor: torch.Tensor) -> Span:
-    """The bytes a view touches, from its storage (strides are never negative in torch)."""
-    itemsize = tensor.element_size()
-    numel = tensor.numel()
-    address = tensor.data_ptr()
-    if numel == 0:
-        return Span(tensor, address, 0)
-    if tensor.is_contiguous():
-        return Span(tensor, address, numel * itemsize)
-    last = 0
-    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
-        last += (size - 1) * stride
-    return Span(tensor, address, (last + 1) * itemsize)
 
 
 class DeviceRing:
@@ -139,110 +116,72 @@ class DeviceRing:
         absolute ring start, how many bytes before the tensor's first byte it begins, its size, and the tag
         ``(slot, generation)``. Raises :class:`TooLarge` (nothing launched) when the spans exceed the ring.
 
-        The hot path of the layer-scope flight recorder: per tensor a few metadata reads, then one launch."""
+        The hot path of the layer-scope flight recorder: per tensor a few metadata reads, then one launch (one
+        per :data:`MAX_SPANS` spans). Without the kernel, or for an output it cannot reduce (strided, another
+        dtype), the copies and the check are torch operations."""
         launcher = self.launcher
-        if launcher is not None and len(tensors) <= MAX_SPANS:
-            return self._record_one_launch(launcher, tensors, check, tagged)
-        addresses = []
-        leads = []
-        sizes = []
-        total = 0
-        check_info: tuple[int, int, int] | None = None  # (address, numel, dtype code) for the kernel's check
-        kernel_check = check is None
-        if launcher is not None:
-            for tensor in tensors:
-                address = tensor.data_ptr()
-                lead = address % ALIGNMENT
-                contiguous = tensor.is_contiguous()
-                nbytes: int = tensor.nbytes if contiguous else storage_span(tensor).size
-                if tensor is check and contiguous:
-                    code = _CHECK_CODES.get(check.dtype)
-                    if code is not None:
-                        check_info = (address, nbytes // _ITEMSIZE[code], code)
-                        kernel_check = True
-                size = nbytes + lead
-                addresses.append(address - lead)
-                leads.append(lead)
-                sizes.append(size)
-                total += -(-size // ALIGNMENT) * ALIGNMENT
-            if check is not None and not kernel_check and checkable_by_kernel(check):
-                code = _CHECK_CODES[check.dtype]
-                check_info = (check.data_ptr(), check.numel(), code)
-                kernel_check = True
-        else:
-            for tensor in tensors:
-                address = tensor.data_ptr()
-                offset: int = tensor.storage_offset()  # type: ignore[assignment]  # never symbolic here
-                lead = (offset * tensor.element_size()) % ALIGNMENT if offset else 0
-                size = (tensor.nbytes if tensor.is_contiguous() else storage_span(tensor).size) + lead
-                addresses.append(address - lead)
-                leads.append(lead)
-                sizes.append(size)
-                total += -(-size // ALIGNMENT) * ALIGNMENT
-        capacity = self.capacity
-        if total > capacity:
-            raise TooLarge(f"{total} bytes do not fit a ring of {capacity}")
-        with self._lock:
-            head = self.head
-            lap_left = capacity - head % capacity
-            if total > lap_left:
-                head += lap_left  # never straddle the end
-            self.head = head + total
-            tag = None
-            if tagged:
-                issued = self.issued
-                self.issued = issued + 1
-                # generations start at 1: a word never written (0) reads as "pending", never as "ok, 0.0"
-                tag = (issued % self.tags, issued // self.tags + 1)
+        sources, leads, sizes, total, check_info = self._measure(tensors, check, launcher is not None)
+        head, tag = self._reserve(total, tagged)
         starts = []
         at = head
         for size in sizes:
             starts.append(at)
-            at += -(-size // ALIGNMENT) * ALIGNMENT
-        launcher = self.launcher
-        if launcher is not None and kernel_check:
-            base = self._base + head % capacity
-            triples = []
-            offset = 0
-            for address, size in zip(addresses, sizes, strict=True):
-                triples.append((address, base + offset, size))
-                offset += -(-size // ALIGNMENT) * ALIGNMENT
-            word = (self._words + 8 * tag[0], tag[1]) if tag is not None else None
-            count = len(triples)
-            if count <= MAX_SPANS:
-                launcher.launch(triples, check_info, word)
-            else:
-                for first in range(0, count, MAX_SPANS):
-                    last = first + MAX_SPANS >= count
-                    launcher.launch(
-                        triples[first : first + MAX_SPANS],
-                        check_info if last else None,
-                        word if last else None,
-                    )
+            at += (size + 255) & ~255
+        if launcher is None or (check is not None and check_info is None):
+            for tensor, start, lead, size in zip(tensors, starts, leads, sizes, strict=True):
+                if size:
+                    self.view(start, size).copy_(_raw_at(tensor, lead, size))
+            if tag is not None:
+                self._fold(check, tag)
             return starts, leads, sizes, tag
-        for tensor, start, lead, size in zip(tensors, starts, leads, sizes, strict=True):
-            if size:
-                self.view(start, size).copy_(_raw(tensor, lead, size))
-        if tag is not None:
-            self._fold(check, tag)
+        word = (self._words + 8 * tag[0], tag[1]) if tag is not None else None
+        target = self._base + head % self.capacity
+        count = len(sources)
+        for first in range(0, max(count, 1), MAX_SPANS):
+            last = first + MAX_SPANS >= count
+            args: list[int] = []
+            aligned = 1
+            chunk = 0
+            for source, size in zip(
+                sources[first : first + MAX_SPANS], sizes[first : first + MAX_SPANS], strict=True
+            ):
+                args += (source, target, size)
+                if size & 7:
+                    aligned = (
+                        0  # sources and targets are 256-byte aligned: only the size can break 8-byte words
+                    )
+                chunk += size
+                target += (size + 255) & ~255
+            launcher.launch_prepared(
+                args,
+                min(MAX_SPANS, count - first),
+                aligned,
+                chunk,
+                check_info if last else None,
+                word if last else None,
+            )
         return starts, leads, sizes, tag
 
-    def _record_one_launch(
-        self, launcher: _Launcher, tensors: list[torch.Tensor], check: torch.Tensor | None, tagged: bool
-    ) -> tuple[list[int], list[int], list[int], tuple[int, int] | None]:
-        """:meth:`record` for at most :data:`MAX_SPANS` CUDA tensors: one pass over the tensors, the kernel's
-        arguments built in place (the per-layer-call hot path; every line here is serving-thread time)."""
+    @staticmethod
+    def _measure(
+        tensors: list[torch.Tensor], check: torch.Tensor | None, by_address: bool
+    ) -> tuple[list[int], list[int], list[int], int, tuple[int, int, int] | None]:
+        """Per tensor the copy's source address, lead and size; the ring bytes they take; and ``(address, numel,
+        dtype code)`` of ``check`` when the kernel can reduce it. ``by_address`` (CUDA): storages come from the
+        caching allocator, 512-byte aligned, so the lead is the address's remainder — no storage_offset() call
+        (every torch call here costs ~0.2 µs of host time); on the CPU it comes from the storage offset."""
+        sources = []
         leads = []
         sizes = []
-        spans = []
         total = 0
-        aligned = 1
         check_info = None
         for tensor in tensors:
             address = tensor.data_ptr()
-            lead = (
-                address & 255
-            )  # storages are 512-byte aligned (caching allocator): the remainder is the lead
+            if by_address:
+                lead = address & 255
+            else:
+                offset: int = tensor.storage_offset()  # type: ignore[assignment]  # never symbolic here
+                lead = (offset * tensor.element_size()) % ALIGNMENT if offset else 0
             if tensor.is_contiguous():
                 nbytes = tensor.nbytes
                 if tensor is check:
@@ -250,18 +189,21 @@ class DeviceRing:
                     if code is not None:
                         check_info = (address, nbytes // _ITEMSIZE[code], code)
             else:
-                nbytes = storage_span(tensor).size
+                start, end = byte_span(tensor)
+                nbytes = end - start
             size = nbytes + lead
-            if size & 7:
-                aligned = 0
+            sources.append(address - lead)
             leads.append(lead)
             sizes.append(size)
-            spans.append(address - lead)
             total += (size + 255) & ~255
-        if check is not None and check_info is None:
-            if not checkable_by_kernel(check):  # a strided or narrow output: the torch path checks it
-                return self._record_torch(tensors, check, tagged, leads, sizes, total)
+        if check is not None and check_info is None and checkable_by_kernel(check):  # not among ``tensors``
             check_info = (check.data_ptr(), check.numel(), _CHECK_CODES[check.dtype])
+        return sources, leads, sizes, total, check_info
+
+    def _reserve(self, total: int, tagged: bool) -> tuple[int, tuple[int, int] | None]:
+        """The absolute start of ``total`` bytes (never straddling the end: the rest of a lap is skipped) and,
+        when ``tagged``, a new tag ``(slot, generation)``; raises :class:`TooLarge` when ``total`` exceeds the
+        ring."""
         capacity = self.capacity
         if total > capacity:
             raise TooLarge(f"{total} bytes do not fit a ring of {capacity}")
@@ -269,61 +211,15 @@ class DeviceRing:
             head = self.head
             lap_left = capacity - head % capacity
             if total > lap_left:
-                head += lap_left  # never straddle the end
-            self.head = head + total
-            tag = None
-            if tagged:
-                issued = self.issued
-                self.issued = issued + 1
-                tag = (issued % self.tags, issued // self.tags + 1)
-        starts = []
-        at = head
-        target = self._base + head % capacity
-        args: list[int] = []
-        for source, size in zip(spans, sizes, strict=True):
-            starts.append(at)
-            args += (source, target, size)
-            padded = (size + 255) & ~255
-            at += padded
-            target += padded
-        launcher.launch_prepared(
-            args, len(spans), aligned, total, check_info, (self._words + 8 * tag[0], tag[1]) if tag else None
-        )
-        return starts, leads, sizes, tag
-
-    def _record_torch(
-        self,
-        tensors: list[torch.Tensor],
-        check: torch.Tensor,
-        tagged: bool,
-        leads: list[int],
-        sizes: list[int],
-        total: int,
-    ) -> tuple[list[int], list[int], list[int], tuple[int, int] | None]:
-        """Copies with torch operations and the check by :meth:`_fold` (outputs the kernel cannot reduce)."""
-        if total > self.capacity:
-            raise TooLarge(f"{total} bytes do not fit a ring of {self.capacity}")
-        with self._lock:
-            head = self.head
-            lap_left = self.capacity - head % self.capacity
-            if total > lap_left:
                 head += lap_left
             self.head = head + total
             tag = None
             if tagged:
                 issued = self.issued
                 self.issued = issued + 1
+                # generations start at 1: a word never written (0) reads as "pending", never as "ok, 0.0"
                 tag = (issued % self.tags, issued // self.tags + 1)
-        starts = []
-        at = head
-        for tensor, lead, size in zip(tensors, leads, sizes, strict=True):
-            starts.append(at)
-            if size:
-                self.view(at, size).copy_(_raw_at(tensor, lead, size))
-            at += (size + 255) & ~255
-        if tag is not None:
-            self._fold(check, tag)
-        return starts, leads, sizes, tag
+        return head, tag
 
     def _fold(self, check: torch.Tensor | None, tag: tuple[int, int]) -> None:
         """The tag word with torch operations (no kernel): the same encoding as the kernel's."""
@@ -344,13 +240,6 @@ def _raw_at(tensor: torch.Tensor, lead: int, size: int) -> torch.Tensor:
     raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
     offset = tensor.data_ptr() - tensor.untyped_storage().data_ptr()
     raw.set_(tensor.untyped_storage(), offset - lead, (size,), (1,))
-    return raw
-
-
-def _raw(tensor: torch.Tensor, lead: int, size: int) -> torch.Tensor:
-    """``size`` bytes of ``tensor``'s storage from ``lead`` bytes before its first byte (no copy)."""
-    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-    raw.set_(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size() - lead, (size,), (1,))
     return raw
 
 
@@ -402,8 +291,9 @@ class _Launcher:
         check: tuple[int, int, int] | None,
         word: tuple[int, int] | None,
     ) -> None:
-        """``args``: ``count`` (source, target, size) triples, flattened (extended here); the rest as
-        :meth:`launch`."""
+        """One launch. ``args``: ``count`` (source, target, size) triples, flattened (extended here); ``aligned``:
+        every size a multiple of 8 (8-byte words); ``total``: bytes copied; ``check``: (address, numel, dtype
+        code) of the tensor to reduce, or None; ``word``: (address, generation) of the tag word, or None."""
         if count < MAX_SPANS:
             args += _PADDING[count]
         code = 0
@@ -423,43 +313,4 @@ class _Launcher:
         if variant is None:
             variant = self._variants[key] = _KERNEL.compile_variant(aligned, code, mode, self.index)
         programs = max(1, min(self.programs, -(-total // _BLOCK_BYTES[aligned])))
-        variant(programs, self._get_stream(self.index), args)
-
-    def launch(
-        self,
-        addresses: list[tuple[int, int, int]],
-        check: tuple[int, int, int] | None,
-        word: tuple[int, int] | None,
-    ) -> None:
-        """``addresses``: (source, target, size) spans; ``check``: (address, numel, dtype code) of the tensor to
-        reduce, or None; ``word``: (address, generation) of the tag word, or None."""
-        aligned = 1
-        total = 0
-        args: list[int] = []
-        for source, target, size in addresses:
-            if (source | target | size) & 7:
-                aligned = 0
-            total += size
-            args += (source, target, size)
-        if len(addresses) < MAX_SPANS:
-            args += _PADDING[len(addresses)]
-        code = 0
-        if check is not None and word is not None:
-            address, numel, code = check
-            args += (address, numel)
-            total += numel * _ITEMSIZE[code]
-        else:
-            args += (0, 0)
-        if word is not None:
-            args += (word[0], word[1] & 0x7FFFFFFF)
-            mode = 1 if code == 0 else 2
-        else:
-            args += (0, 0)
-            mode = 0
-        key = (aligned, code, mode)
-        variant = self._variants.get(key)
-        if variant is None:
-            variant = self._variants[key] = _KERNEL.compile_variant(aligned, code, mode, self.index)
-        block = _BLOCK_BYTES[aligned]
-        programs = max(1, min(self.programs, -(-total // block)))
         variant(programs, self._get_stream(self.index), args)

@@ -96,12 +96,13 @@ def main() -> int:
     variant = launcher._variants[(1, 2, 2)]  # aligned, bfloat16 check, tag word: what ring_launch compiled
     stream = torch.cuda.current_stream().cuda_stream
     args = [a.data_ptr(), ring._base, 2048] + [0, 0, 0] * 7 + [a.data_ptr(), 1024, ring._words, 1]
-    triples = [(a.data_ptr(), ring._base, 2048)] * 4
     parts = (
         ("ring.record (4 tensors + check)", ring_launch),
         (
-            "launcher.launch (4 spans + check)",
-            lambda i: launcher.launch(triples, (a.data_ptr(), 1024, 2), (ring._words, 1)),
+            "launcher.launch_prepared (4 spans + check)",
+            lambda i: launcher.launch_prepared(
+                [a.data_ptr(), ring._base, 2048] * 4, 4, 1, 8192, (a.data_ptr(), 1024, 2), (ring._words, 1)
+            ),
         ),
         ("cuLaunchKernel only (prepared arguments)", lambda i: variant(4, stream, args)),
         ("t.data_ptr()", lambda i: a.data_ptr()),
