@@ -166,8 +166,43 @@ def _largest(values: list[float]) -> float:
     return largest
 
 
+class PollingRecorder:
+    """What both flight recorders (this kernel-scope one and :class:`~moereplay.capture.flight_layer.LayerFlight`)
+    share: closing by polling, and their counters under ``flight_`` names. Subclasses provide ``poll``,
+    ``settled`` and ``counters``."""
+
+    counters: Any
+
+    def poll(self, *, launch: bool = False) -> None:
+        raise NotImplementedError
+
+    @property
+    def settled(self) -> bool:
+        raise NotImplementedError
+
+    def settle(self, timeout: float, device_work: Callable[[], Any] | None = None) -> bool:
+        """At close: launch and read the remaining checks, so a bad output in the last few calls still triggers.
+        Polls (never blocks on the device) until :attr:`settled` or ``timeout`` seconds; ``device_work`` is the
+        graph gate's context manager factory for the launches. Returns whether everything was checked."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if device_work is None:
+                self.poll(launch=True)
+            else:
+                with device_work():
+                    self.poll(launch=True)
+            if self.settled:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+
+    def as_counters(self) -> dict[str, int]:
+        return {f"flight_{key}": value for key, value in self.counters.__dict__.items()}
+
+
 @dataclass
-class FlightRecorder:
+class FlightRecorder(PollingRecorder):
     """See the module docstring. ``emit`` hands an entry's Begin and Complete to the writer."""
 
     max_calls: int
@@ -492,23 +527,3 @@ class FlightRecorder:
     def settled(self) -> bool:
         """Whether every call seen so far has been checked (nothing queued, launched or unread)."""
         return not (self._waiting or self._unflushed or self._batches)
-
-    def settle(self, timeout: float, device_work: Callable[[], Any] | None = None) -> bool:
-        """At close: launch and read the remaining checks, so a bad output in the last few calls still triggers.
-        Polls (never blocks on the device) until :attr:`settled` or ``timeout`` seconds; ``device_work`` is the
-        graph gate's context manager factory for the launches. Returns whether everything was checked."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if device_work is None:
-                self.poll(launch=True)
-            else:
-                with device_work():
-                    self.poll(launch=True)
-            if self.settled:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.001)
-
-    def as_counters(self) -> dict[str, int]:
-        return {f"flight_{key}": value for key, value in self.counters.__dict__.items()}

@@ -46,6 +46,7 @@ import torch
 
 from moereplay.capture.context import Ranks, Where
 from moereplay.capture.device_ring import DeviceRing, decode_word
+from moereplay.capture.flight import FlightCounters, PollingRecorder
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.snapshot import (
     Snapshot,
@@ -152,13 +153,7 @@ class LayerCall:
 
 
 @dataclass
-class LayerCounters:
-    checked: int = 0
-    triggers: int = 0
-    written: int = 0
-    lost: int = 0
-    evicted: int = 0
-    unchecked: int = 0
+class LayerCounters(FlightCounters):
     too_large: int = 0
 
 
@@ -188,7 +183,7 @@ class _CopyOut:
     hosts: list[torch.Tensor]  # per call: its copied bytes, regions back to back in ``copies`` order
 
 
-class LayerFlight:
+class LayerFlight(PollingRecorder):
     """See the module docstring. ``emit(begin, complete)`` hands one written call to the writer (False: dropped).
     ``ranks``: called on the writer thread for the context's ranks."""
 
@@ -353,24 +348,6 @@ class LayerFlight:
     @property
     def settled(self) -> bool:
         return not (self._new or self._unchecked or self._reads or self._copy_outs)
-
-    def settle(self, timeout: float, device_work: Callable[[], Any] | None = None) -> bool:
-        """At close: poll until every call is checked and every copy-out written, or ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if device_work is None:
-                self.poll(launch=True)
-            else:
-                with device_work():
-                    self.poll(launch=True)
-            if self.settled:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.001)
-
-    def as_counters(self) -> dict[str, int]:
-        return {f"flight_{key}": value for key, value in self.counters.__dict__.items()}
 
     def _take_new(self) -> None:
         """New calls join the history (described only if a trigger writes them: until then a call costs this
