@@ -30,6 +30,7 @@ A target that may write its inputs, or whose output overlaps an input, gets a se
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import logging
@@ -56,7 +57,6 @@ from moereplay.capture.snapshot import (
     _walk,
     _walk_static,
     format_codec,
-    qualified_type_name,
 )
 from moereplay.capture.writer_thread import Begin, Complete
 from moereplay.format.schema import Unsupported
@@ -159,11 +159,10 @@ class LayerCounters(FlightCounters):
 
 @dataclass(eq=False)
 class _Plan:
-    """Per target and argument layout: the names to look at for dynamic tensors, the scratch ones, and the output
-    buffers that may be passed in (checked for overlap with the inputs)."""
+    """Per target and argument layout: the names to look at for dynamic tensors, and the output buffers that may
+    be passed in (checked for overlap with the inputs)."""
 
     candidates: tuple[str, ...]
-    scratch: tuple[str, ...]
     outputs: tuple[str, ...] = ()
 
 
@@ -172,7 +171,6 @@ class _WordRead:
     calls: list[LayerCall]
     event: Any
     host: torch.Tensor
-    ring: DeviceRing
 
 
 @dataclass(eq=False)
@@ -186,8 +184,6 @@ class _CopyOut:
 class LayerFlight(PollingRecorder):
     """See the module docstring. ``emit(begin, complete)`` hands one written call to the writer (False: dropped).
     ``ranks``: called on the writer thread for the context's ranks."""
-
-    scope = "layer"
 
     def __init__(
         self,
@@ -218,22 +214,18 @@ class LayerFlight(PollingRecorder):
 
     # --- serving thread ---------------------------------------------------------------------------------------
 
-    def _plan(self, target: CaptureTarget, bound: dict[str, Any]) -> _Plan:
-        key = (id(target), len(bound))  # the names of a target's bound call differ only with unknown keywords
-        plan = self._plans.get(key)
-        if plan is None:
-            static = frozenset(target.static)
-            scratch = tuple(name for name in bound if name in target.scratch)
-            # an intact-inputs target's output buffers are copied once, after the call, as outputs (their bytes
-            # before it are not read): the input tree names that copy
-            later = frozenset(target.outputs) if target.inputs_intact else frozenset()
-            candidates = tuple(
-                name
-                for name in bound
-                if name not in static and name not in target.scratch and name not in later
-            )
-            outputs = tuple(name for name in target.outputs if name in bound)
-            plan = self._plans[key] = _Plan(candidates, scratch, outputs)
+    def _new_plan(self, target: CaptureTarget, bound: dict[str, Any]) -> _Plan:
+        """The plan of ``target``'s calls bound to ``bound``'s names, cached under ``(id(target), len(bound))``
+        (the names of a target's bound call differ only with unknown keywords)."""
+        static = frozenset(target.static)
+        # an intact-inputs target's output buffers are copied once, after the call, as outputs (their bytes
+        # before it are not read): the input tree names that copy
+        later = frozenset(target.outputs) if target.inputs_intact else frozenset()
+        candidates = tuple(
+            name for name in bound if name not in static and name not in target.scratch and name not in later
+        )
+        outputs = tuple(name for name in target.outputs if name in bound)
+        plan = self._plans[(id(target), len(bound))] = _Plan(candidates, outputs)
         return plan
 
     def _ring(self, tensor: torch.Tensor) -> DeviceRing:
@@ -249,7 +241,7 @@ class LayerFlight(PollingRecorder):
         Top-level tensors are remembered by name only (their trees are built if a trigger writes the call)."""
         plan = self._plans.get((id(target), len(bound)))
         if plan is None:
-            plan = self._plan(target, bound)
+            plan = self._new_plan(target, bound)
         tensors: list[torch.Tensor] = []
         trees: dict[str, Any] = {}
         plain = _PLAIN
@@ -444,7 +436,7 @@ class LayerFlight(PollingRecorder):
         for key, calls in by_ring.items():
             ring = rings[key]
             if ring.device.type != "cuda":
-                self._reads.append(_WordRead(calls, None, ring.words.clone(), ring))
+                self._reads.append(_WordRead(calls, None, ring.words.clone()))
                 continue
             index = calls[0].device_index
             side = self._side(index)
@@ -457,7 +449,7 @@ class LayerFlight(PollingRecorder):
                 host.copy_(ring.words, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(side)
-            self._reads.append(_WordRead(calls, done, host, ring))
+            self._reads.append(_WordRead(calls, done, host))
 
     def _read_words(self) -> None:
         while self._reads:
@@ -509,7 +501,7 @@ class LayerFlight(PollingRecorder):
         assert ring is not None
         cuda = ring.device.type == "cuda"
         side = self._side(trigger.device_index) if cuda else None
-        with torch.cuda.stream(side) if side is not None else _null():
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for call in calls:
                 total = sum(copy.size for copy in call.copies or ())
                 host = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
@@ -555,7 +547,7 @@ class LayerFlight(PollingRecorder):
         for copy in call.copies or ():
             data = host.narrow(0, at, copy.size)
             at += copy.size
-            base = copy.storage_offset * _itemsize(copy.dtype) - copy.lead
+            base = copy.storage_offset * copy.dtype.itemsize - copy.lead
             if base < 0:  # the copy began before its storage (a storage base not 256-byte aligned): trim
                 data = data.narrow(0, -base, copy.size + base)
                 base = 0
@@ -602,18 +594,6 @@ class LayerFlight(PollingRecorder):
                 self.counters.evicted += 1
         while history and history[0].emitted and history[0].checked:
             history.popleft()
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _share_storages(copies: list[TensorCopy]) -> None:
@@ -686,6 +666,3 @@ def is_capturing() -> bool:
     if _is_capturing is not None:
         return bool(_is_capturing())
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-__all__ = ["LayerCall", "LayerFlight", "is_capturing", "qualified_type_name", "scratch_marker"]
