@@ -57,6 +57,7 @@ from moereplay.capture.snapshot import (
     _walk,
     _walk_static,
     format_codec,
+    storage_key,
 )
 from moereplay.capture.writer_thread import Begin, Complete
 from moereplay.format.schema import Unsupported
@@ -362,17 +363,15 @@ class LayerFlight(PollingRecorder):
             if copy is not None:
                 regions.extend(zip(*copy, strict=True))
         for tensor, (start, lead, size) in zip(tensors, regions, strict=True):
-            itemsize = tensor.element_size()
-            offset = int(tensor.storage_offset())
-            name = str(tensor.device)
+            key = storage_key(tensor)
             copies.append(
                 _Copied(
                     tensor.dtype,
                     tuple(tensor.shape),
                     tuple(tensor.stride()),
-                    offset,
-                    name,
-                    (name, tensor.data_ptr() - offset * itemsize),
+                    int(tensor.storage_offset()),
+                    key[0],
+                    key,
                     start,
                     lead,
                     size,
@@ -386,7 +385,7 @@ class LayerFlight(PollingRecorder):
             if name in call.trees:
                 found = call.trees[name]
                 tree[name] = _Pending(found) if type(found) is int else found
-            elif name in later and name in call.outputs:  # the buffer as the call left it (see _plan)
+            elif name in later and name in call.outputs:  # the buffer as the call left it (see _new_plan)
                 tree[name] = _Pending(call.outputs[name])
             elif name in static:
                 tree[name] = (
