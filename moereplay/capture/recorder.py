@@ -270,20 +270,12 @@ class Recorder(CallHandler):
         self._sequence = sequence + 1
         self.counters.seen += 1
         if self._cuda and is_capturing():  # nothing launched into the graph; its calls inside pass through
-            self.counters.skipped_graph_capture += 1
-            if not self._graph_warned:
-                self._graph_warned = True
-                logger.warning(GRAPH_WARNING)
+            self._skipped_graph_capture()
             return None
         if not self._selected(target, where):
             self.counters.skipped_filters += 1
             return None
-        bound = binder.bind(args, kwargs)
-        if target.self_attributes and args:
-            owner = args[0]
-            bound.pop(binder.positional[0] if binder.positional else "self", None)
-            for name in target.self_attributes:
-                bound[f"self.{name}"] = getattr(owner, name, None)
+        bound = _bind(target, binder, args, kwargs)
         if (self.settings.per_shape or self.settings.sample < 1.0) and not self._admit(target, bound):
             return None
         self.counters.selected += 1
@@ -350,20 +342,12 @@ class Recorder(CallHandler):
         self.counters.seen += 1
         plan = _Plan(target, where, sequence, recorded=False)
         if capturing:
-            self.counters.skipped_graph_capture += 1
-            if not self._graph_warned:
-                self._graph_warned = True
-                logger.warning(GRAPH_WARNING)
+            self._skipped_graph_capture()
             return plan if target.role == "parent" else None
         if not self._selected(target, where):
             self.counters.skipped_filters += 1
             return plan if target.role == "parent" else None
-        bound = binder.bind(args, kwargs)
-        if target.self_attributes and args:
-            owner = args[0]
-            bound.pop(binder.positional[0] if binder.positional else "self", None)
-            for name in target.self_attributes:
-                bound[f"self.{name}"] = getattr(owner, name, None)
+        bound = _bind(target, binder, args, kwargs)
         if not self._admit(target, bound):
             return plan if target.role == "parent" else None
         plan.recorded = True
@@ -408,6 +392,12 @@ class Recorder(CallHandler):
             plan.probe.start()
         plan.started = time.perf_counter()
         return plan
+
+    def _skipped_graph_capture(self) -> None:
+        self.counters.skipped_graph_capture += 1
+        if not self._graph_warned:
+            self._graph_warned = True
+            logger.warning(GRAPH_WARNING)
 
     def _selected(self, target: CaptureTarget, where: Where) -> bool:
         settings = self.settings
@@ -509,6 +499,19 @@ class Recorder(CallHandler):
         """Called by the writer thread between messages: run the flight recorder's pending checks."""
         if self.flight is not None and self.active:
             self.flight.poll(launch=True)
+
+
+def _bind(
+    target: CaptureTarget, binder: ArgumentBinder, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The call's arguments by name; for a method target, ``self`` replaced by the attributes it records."""
+    bound = binder.bind(args, kwargs)
+    if target.self_attributes and args:
+        owner = args[0]
+        bound.pop(binder.positional[0] if binder.positional else "self", None)
+        for name in target.self_attributes:
+            bound[f"self.{name}"] = getattr(owner, name, None)
+    return bound
 
 
 def shape_signature(op: str, bound: dict[str, Any]) -> tuple[Any, ...]:
