@@ -76,6 +76,11 @@ _get_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_get
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 
 
+def is_scratch_marker(value: Any) -> bool:
+    """Whether ``value`` is what :func:`scratch_marker` records (``moereplay expand`` passes ``None`` for it)."""
+    return isinstance(value, Unsupported) and value.repr_excerpt.lstrip().lower().startswith("scratch")
+
+
 def scratch_marker(value: torch.Tensor) -> Unsupported:
     return Unsupported(
         "torch.Tensor",

@@ -49,7 +49,6 @@ from moereplay.replay.expand_args import (
     LIBRARY_PACKAGES,
     Rebuilder,
     attribute_of,
-    is_scratch,
     plan_arguments,
     resolve_function,
     unsupported_text,
@@ -75,7 +74,6 @@ __all__ = [
     "compare_bytes",
     "compare_outputs",
     "expand_capture",
-    "is_scratch",
     "unsupported_text",
 ]
 

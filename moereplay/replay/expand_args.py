@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from moereplay.capture.flight_layer import is_scratch_marker
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.errors import PackError, ReplayError
 from moereplay.format.schema import CodecValue, EnumValue, Unsupported
@@ -31,13 +32,7 @@ the parent function's own package."""
 
 def unsupported_text(value: Unsupported) -> str:
     """Why a value was not recorded (the recorder's text)."""
-    reason = getattr(value, "reason", None)
-    return str(reason) if reason else value.repr_excerpt
-
-
-def is_scratch(value: Any) -> bool:
-    """A scratch buffer the layer-scope flight recorder did not keep (``Unsupported("…", "scratch …")``)."""
-    return isinstance(value, Unsupported) and unsupported_text(value).lstrip().lower().startswith("scratch")
+    return value.repr_excerpt
 
 
 def resolve_function(backend: KernelBackend, site: str) -> tuple[types.ModuleType, str]:
@@ -205,7 +200,7 @@ def plan_arguments(
             raise ReplayError(f"{where}: parameter {name} of {record.site} is positional-only")
         if not isinstance(value, Unsupported):
             continue
-        if is_scratch(value) or (name in declared_scratch and value.type_name == "torch.Tensor"):
+        if is_scratch_marker(value) or (name in declared_scratch and value.type_name == "torch.Tensor"):
             scratch.append(name)
         elif parameter is not None and parameter.default is not parameter.empty:
             omitted.append(name)
