@@ -57,6 +57,7 @@ from moereplay.capture.snapshot import (
     _walk,
     _walk_static,
     format_codec,
+    is_view_of_any,
     storage_key,
 )
 from moereplay.capture.writer_thread import Begin, Complete
@@ -290,7 +291,7 @@ class LayerFlight(PollingRecorder):
                 if value is not None and isinstance(value, torch.Tensor):
                     named[name] = len(tensors) + len(outputs)
                     outputs.append(value)
-            if isinstance(result, torch.Tensor) and not _among(result, outputs):
+            if isinstance(result, torch.Tensor) and not is_view_of_any(result, outputs):
                 named["return"] = len(tensors) + len(outputs)
                 outputs.append(result)
             for value in outputs:
@@ -627,22 +628,6 @@ def _share_storages(copies: list[TensorCopy]) -> None:
                 low,
                 union,
             )
-
-
-def _among(result: torch.Tensor, outputs: list[torch.Tensor]) -> bool:
-    """Whether ``result`` is one of ``outputs`` or a view of one (cheap checks first)."""
-    for value in outputs:
-        if result is value:
-            return True
-    if not outputs:
-        return False
-    address = result.data_ptr()
-    for value in outputs:
-        if value.device == result.device and value.numel():
-            start = value.data_ptr()
-            if start <= address < start + value.untyped_storage().nbytes():
-                return True
-    return False
 
 
 def _outputs_overlap(names: tuple[str, ...], bound: dict[str, Any], inputs: list[torch.Tensor]) -> bool:

@@ -41,7 +41,7 @@ from moereplay.capture.opt_flags import OptFlagsProbe
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.patching import CallHandler
 from moereplay.capture.settings import CaptureSettings, Trigger
-from moereplay.capture.snapshot import Snapshot, estimate, record_cuda_event, snapshot
+from moereplay.capture.snapshot import Snapshot, estimate, is_view_of_any, record_cuda_event, snapshot
 from moereplay.capture.writer_thread import Begin, Complete, WriterThread
 
 logger = logging.getLogger("moereplay.capture")
@@ -448,7 +448,7 @@ class Recorder(CallHandler):
             value = bound.get(name)
             if isinstance(value, torch.Tensor):
                 outputs[name] = value
-        if error is None and not _is_view_of_any(result, outputs.values()):
+        if error is None and not is_view_of_any(result, outputs.values()):
             outputs["return"] = result
         if plan.probe is not None:
             chosen = plan.probe.chosen()
@@ -523,21 +523,3 @@ def shape_signature(op: str, bound: dict[str, Any]) -> tuple[Any, ...]:
         elif value is None or isinstance(value, (bool, int, float, str)):
             parts.append((name, value))
     return tuple(parts)
-
-
-def _is_view_of_any(result: Any, outputs: Any) -> bool:
-    """Whether ``result`` is one of the recorded output buffers or a view of one (then it is not copied again:
-    vLLM's wrappers return ``output`` or ``output.view(...)``)."""
-    if not isinstance(result, torch.Tensor):
-        return False
-    for value in outputs:
-        if result is value:
-            return True
-        if (
-            isinstance(value, torch.Tensor)
-            and result.device == value.device
-            and result.numel()
-            and result.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
-        ):
-            return True
-    return False

@@ -569,3 +569,21 @@ def _callable_name(value: Any) -> str:
         getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or type(value).__qualname__
     )
     return f"{module}.{name}" if module else str(name)
+
+
+def is_view_of_any(result: Any, outputs: Any) -> bool:
+    """Whether ``result`` is one of the recorded output buffers or a view of one (then it is not copied again:
+    vLLM's wrappers return ``output`` or ``output.view(...)``)."""
+    if not isinstance(result, torch.Tensor):
+        return False
+    for value in outputs:
+        if result is value:
+            return True
+        if (
+            isinstance(value, torch.Tensor)
+            and result.device == value.device
+            and result.numel()
+            and result.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
+        ):
+            return True
+    return False
