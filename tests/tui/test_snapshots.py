@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from textual.pilot import Pilot
+from textual.widgets import Input
 from tui_helpers import make_app, settle
 
 from moereplay.bisect import FirstBadSearch, Observation, Session, Signature
@@ -14,6 +16,20 @@ from moereplay.tui.app import MoereplayApp
 from moereplay.tui.bisect_sessions import BisectLaunch
 
 SIZE = (80, 24)
+
+
+def steady(run_before: Callable[[Pilot[Any]], Awaitable[None]]) -> Callable[[Pilot[Any]], Awaitable[None]]:
+    """``run_before``, then stop every text cursor blinking (shown, steady): a blink timer that fires between the last
+    key and the screenshot made the mutation-dialog snapshot fail on a loaded CI machine."""
+
+    async def run(pilot: Pilot[Any]) -> None:
+        await run_before(pilot)
+        for screen in pilot.app.screen_stack:
+            for field in screen.query(Input):
+                field.cursor_blink = False
+        await pilot.pause()
+
+    return run
 
 
 async def quiet(pilot: Pilot[Any]) -> None:
@@ -28,7 +44,7 @@ def test_browser_with_verdicts(snap_compare: Any, stream_capture: Path) -> None:
         await quiet(pilot)
         await pilot.press("home", "n")
 
-    assert snap_compare(make_app(stream_capture), terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(make_app(stream_capture), terminal_size=SIZE, run_before=steady(run_before))
 
 
 def test_browser_filtered(snap_compare: Any, synthetic_capture: Path) -> None:
@@ -37,7 +53,7 @@ def test_browser_filtered(snap_compare: Any, synthetic_capture: Path) -> None:
         await pilot.press("enter")
         await quiet(pilot)
 
-    assert snap_compare(make_app(synthetic_capture), terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(make_app(synthetic_capture), terminal_size=SIZE, run_before=steady(run_before))
 
 
 async def open_with_variant(pilot: Pilot[Any]) -> None:
@@ -49,7 +65,7 @@ async def open_with_variant(pilot: Pilot[Any]) -> None:
 
 
 def test_call_view_variant_matrix(snap_compare: Any, marlin_capture: Path) -> None:
-    assert snap_compare(make_app(marlin_capture), terminal_size=SIZE, run_before=open_with_variant)
+    assert snap_compare(make_app(marlin_capture), terminal_size=SIZE, run_before=steady(open_with_variant))
 
 
 def test_call_view_diff(snap_compare: Any, marlin_capture: Path) -> None:
@@ -59,7 +75,7 @@ def test_call_view_diff(snap_compare: Any, marlin_capture: Path) -> None:
         await pilot.press("3", "f")
         await pilot.pause()
 
-    assert snap_compare(make_app(marlin_capture), terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(make_app(marlin_capture), terminal_size=SIZE, run_before=steady(run_before))
 
 
 def test_call_view_heat_map(snap_compare: Any, marlin_capture: Path) -> None:
@@ -69,7 +85,7 @@ def test_call_view_heat_map(snap_compare: Any, marlin_capture: Path) -> None:
         await pilot.press("4", "down")
         await pilot.pause()
 
-    assert snap_compare(make_app(marlin_capture), terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(make_app(marlin_capture), terminal_size=SIZE, run_before=steady(run_before))
 
 
 def test_call_view_arguments_with_a_violation(snap_compare: Any, violation_capture: Path) -> None:
@@ -79,7 +95,7 @@ def test_call_view_arguments_with_a_violation(snap_compare: Any, violation_captu
         await pilot.press("1")
         await pilot.pause()
 
-    assert snap_compare(make_app(violation_capture), terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(make_app(violation_capture), terminal_size=SIZE, run_before=steady(run_before))
 
 
 def test_call_view_findings(snap_compare: Any, marlin_capture: Path) -> None:
@@ -89,7 +105,7 @@ def test_call_view_findings(snap_compare: Any, marlin_capture: Path) -> None:
         await pilot.press("5")
         await pilot.pause()
 
-    assert snap_compare(make_app(marlin_capture), terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(make_app(marlin_capture), terminal_size=SIZE, run_before=steady(run_before))
 
 
 def test_mutation_dialog(snap_compare: Any, marlin_capture: Path) -> None:
@@ -99,7 +115,7 @@ def test_mutation_dialog(snap_compare: Any, marlin_capture: Path) -> None:
         await pilot.press("a", *"mul_topk")
         await pilot.pause()
 
-    assert snap_compare(make_app(marlin_capture), terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(make_app(marlin_capture), terminal_size=SIZE, run_before=steady(run_before))
 
 
 def test_bisect_dialog(snap_compare: Any, stream_capture: Path) -> None:
@@ -107,7 +123,7 @@ def test_bisect_dialog(snap_compare: Any, stream_capture: Path) -> None:
         await pilot.press("end", "b")
         await pilot.pause()
 
-    assert snap_compare(make_app(stream_capture), terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(make_app(stream_capture), terminal_size=SIZE, run_before=steady(run_before))
 
 
 def test_bisect_session_with_a_person_override(snap_compare: Any, workdir: Path) -> None:
@@ -127,7 +143,7 @@ def test_bisect_session_with_a_person_override(snap_compare: Any, workdir: Path)
             await pilot.press(key)
             await settle(pilot)
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(app, terminal_size=SIZE, run_before=steady(run_before))
 
 
 def test_help(snap_compare: Any, marlin_capture: Path) -> None:
