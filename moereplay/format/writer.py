@@ -25,6 +25,11 @@ writes and earlier calls. The file is the same either way: a blob frame depends 
 compression level, and records are written in the order of the serial writer. A prefetched blob whose digest
 the file already holds when its hash is done is not compressed.
 
+A pool that refuses work never loses a record: ``concurrent.futures`` makes every pool refuse new work once the
+interpreter's shutdown has begun (its ``threading._register_atexit`` hook runs before any ``atexit`` handler), and a
+broken pool refuses too. From the first refusal on, this writer hashes and compresses on the calling thread, as
+without a pool (``prefetch`` then starts nothing); the file is the same.
+
 Thread-safe (one lock); not async. Not for concurrent writers on one path.
 """
 
@@ -306,6 +311,7 @@ class CaptureWriter:
         self._pool = (
             ThreadPoolExecutor(self.workers, thread_name_prefix="moereplay-blob") if self.workers else None
         )
+        self._pool_refused: str | None = None  # why the pool refused work (from then on: no pool)
         self._prefetched: dict[int, _Prefetched] = {}
         self._hash_lock = threading.Lock()
         self._hash_seconds = 0.0
@@ -383,7 +389,9 @@ class CaptureWriter:
         with self._lock:
             if self._closed or self._broken is not None or id(data) in self._prefetched:
                 return False
-            future = self._pool.submit(self._encode, data.numpy().data.cast("B"), True)
+            future = self._pool_submit(data.numpy().data.cast("B"))
+            if future is None:
+                return False
             self._prefetched[id(data)] = _Prefetched(data, future)
             return True
 
@@ -642,11 +650,28 @@ class CaptureWriter:
         return {"h": digest, "at": offset, "base": base, "n": length, "dev": given.device}
 
     def _submit(self, data: memoryview) -> Future[_Encoded]:
-        """Hash and (unless the file holds it already) compress ``data`` on the pool; without a pool, hash it
-        here and now (the blob is compressed when it is written, if it is new)."""
-        if self._pool is None or data.nbytes < POOL_MIN_BYTES:
+        """Hash and (unless the file holds it already) compress ``data`` on the pool; without a pool (or once it
+        refused work), hash it here and now (the blob is compressed when it is written, if it is new)."""
+        future = self._pool_submit(data) if data.nbytes >= POOL_MIN_BYTES else None
+        if future is None:
             return _done(self._encode(data, False))
-        return self._pool.submit(self._encode, data, True)
+        return future
+
+    def _pool_submit(self, data: memoryview) -> Future[_Encoded] | None:
+        """``data``'s hash and compression started on the pool, or ``None`` when there is no pool or it refuses
+        work (interpreter shutdown, a broken pool): the caller then does the work itself (lock held)."""
+        if self._pool is None or self._pool_refused is not None:
+            return None
+        try:
+            return self._pool.submit(self._encode, data, True)
+        except RuntimeError as error:  # "cannot schedule new futures after interpreter shutdown", BrokenExecutor
+            self._pool_refused = str(error)
+            return None
+
+    @property
+    def pool_refused(self) -> str | None:
+        """Why the worker pool refused work (hashing and compression moved to the calling thread), or ``None``."""
+        return self._pool_refused
 
     def _encode(self, data: memoryview, compress: bool) -> _Encoded:
         """Runs on a worker (or the calling thread without a pool). Bytes whose digest the file already holds

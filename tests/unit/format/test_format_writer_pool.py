@@ -131,3 +131,31 @@ def test_zstd_cli_reads_a_pooled_file(tmp_path: Path) -> None:
     unpacker.feed(result.stdout)
     documents = list(unpacker)
     assert sorted(documents[1]) == ["d", "h", "n"] and documents[1]["d"] == bytes(data.numpy())
+
+
+def test_a_pool_that_refuses_work_loses_no_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the interpreter's shutdown has begun, concurrent.futures' pools refuse new work (its threading atexit
+    hook runs before any atexit handler, so a capture closed at exit meets refusing pools): the writer then hashes
+    and compresses on the calling thread and writes the same blob frames."""
+    import concurrent.futures.thread as pool_module
+
+    generator = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(70_000 + 64 * i, generator=generator) for i in range(4)]
+    weight = torch.randn(3000, generator=generator)
+    write_calls(tmp_path / "serial.zst", 0, tensors, weight, False)
+    path = tmp_path / "refused.zst"
+    with CaptureWriter(path, workers=2) as writer:
+        datas = [raw(tensor) for tensor in tensors]
+        assert writer.prefetch(datas[0])  # started while the pool still took work
+        monkeypatch.setattr(pool_module, "_shutdown", True)  # what the interpreter's shutdown hook sets
+        assert not writer.prefetch(datas[2])  # refused: nothing started, no exception
+        for step in range(0, len(datas), 2):
+            index = writer.begin_call("op", {"a": given(datas[step], "a"), "w": weight}, static=("w",))
+            writer.complete_call(index, {"out": given(datas[step + 1], "b")})
+        assert writer.pool_refused is not None and "shutdown" in writer.pool_refused
+    assert blob_frames(path) == blob_frames(tmp_path / "serial.zst")
+    with CaptureReader(path) as reader:
+        assert len(reader) == 2 and reader.recovery.complete
+        for call in range(2):
+            assert torch.equal(reader.load_args(call)["a"], tensors[2 * call])
+            assert torch.equal(reader.load_outputs(call)["out"], tensors[2 * call + 1])
