@@ -42,20 +42,23 @@ def info_command(file: Path = _FILE, json_output: bool = _JSON) -> None:
 def ls_command(
     file: Path = _FILE,
     op: str | None = typer.Option(None, "--op", help="Only ops matching this glob (e.g. 'moe_*')."),
-    layer: str | None = typer.Option(None, "--layer", help="Only calls whose context layer is L."),
+    layer: str | None = typer.Option(
+        None, "--layer", help="Only calls of MoE layer L (its index, or a glob over vLLM's layer name)."
+    ),
     status: str | None = typer.Option(
         None, "--status", help="Only calls with this status: inputs_saved, completed or failed."
     ),
+    step: int | None = typer.Option(None, "--step", help="Only calls of forward step N."),
     json_output: bool = _JSON,
 ) -> None:
-    """One line per call: index, op, call site, layer, key tensor shapes/dtypes, status."""
+    """One line per call: index, op, call site, forward step, layer, parent call, status, key tensors."""
     from moereplay.errors import SettingsError
     from moereplay.format.records import CALL_STATUSES
     from moereplay.format.summary import list_calls
 
     if status is not None and status not in CALL_STATUSES:
         raise SettingsError(f"--status must be one of {', '.join(CALL_STATUSES)}, not {status!r}")
-    recovery, rows = list_calls(file, op=op, layer=layer, status=status)
+    recovery, rows = list_calls(file, op=op, layer=layer, status=status, step=step)
     if not recovery.complete:
         print(f"moereplay: note: {file}: {recovery.message}", file=sys.stderr)
     if json_output:
@@ -65,13 +68,15 @@ def ls_command(
 
 
 def _render_rows(rows: list[CallRow]) -> None:
-    columns = ["#", "op", "site", "layer", "status", "tensors"]
+    columns = ["#", "op", "site", "step", "layer", "parent", "status", "tensors"]
     table = [
         [
             str(row.index),
             row.op,
             row.site or "-",
-            "-" if row.layer is None else str(row.layer),
+            _text(row.context.get("step")),
+            _layer_text(row),
+            _text(row.parent),
             row.status,
             row.key_tensors(),
         ]
@@ -82,6 +87,16 @@ def _render_rows(rows: list[CallRow]) -> None:
     for line in [columns, *table]:
         cells = [line[0].rjust(widths[0])] + [line[k].ljust(widths[k]) for k in range(1, len(widths))]
         out.write("  ".join([*cells, line[-1]]).rstrip() + "\n")
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _layer_text(row: CallRow) -> str:
+    """vLLM's layer name when recorded (``model.layers.3.mlp.experts``), else the layer index."""
+    name = row.context.get("layer_name")
+    return name if isinstance(name, str) and name else _text(row.layer)
 
 
 def _megabytes(count: int) -> str:

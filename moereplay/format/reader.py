@@ -221,15 +221,24 @@ class CaptureReader:
         )
 
     def select(
-        self, *, op: str | None = None, layer: Any = None, status: str | None = None
+        self,
+        *,
+        op: str | None = None,
+        layer: Any = None,
+        status: str | None = None,
+        step: Any = None,
     ) -> Iterator[CallRecord]:
-        """Calls filtered by op glob (``fnmatch``), ``context["layer"]`` (compared as text) and status."""
+        """Calls filtered by op glob (``fnmatch``), layer (``context["layer"]`` compared as text, or a glob over
+        ``context["layer_name"]``, vLLM's module name such as ``model.layers.3.mlp.experts``), status and
+        ``context["step"]`` (compared as text)."""
         for record in self.calls():
             if op is not None and not fnmatch.fnmatchcase(record.op, op):
                 continue
-            if layer is not None and str(record.layer) != str(layer):
+            if layer is not None and not _layer_matches(record.context, str(layer)):
                 continue
             if status is not None and record.status != status:
+                continue
+            if step is not None and str(record.context.get("step")) != str(step):
                 continue
             yield record
 
@@ -629,3 +638,10 @@ def _check_completion(
     finished = completion.get("t")
     _require(source, finished is None or isinstance(finished, float), index, "finish time is not a float")
     return {**completion, "storages": _storages(source, completion.get("storages"), index, header_end)}
+
+
+def _layer_matches(context: dict[Any, Any], wanted: str) -> bool:
+    if str(context.get("layer")) == wanted:
+        return True
+    name = context.get("layer_name")
+    return isinstance(name, str) and fnmatch.fnmatchcase(name, wanted)

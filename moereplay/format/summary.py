@@ -130,11 +130,16 @@ def capture_info(path: str | Path) -> CaptureInfo:
 
 
 def list_calls(
-    path: str | Path, *, op: str | None = None, layer: Any = None, status: str | None = None
+    path: str | Path,
+    *,
+    op: str | None = None,
+    layer: Any = None,
+    status: str | None = None,
+    step: Any = None,
 ) -> tuple[Recovery, list[CallRow]]:
-    """The rows of the calls matching the filters (op: glob; layer: compared as text), and how the file read."""
+    """The rows of the calls matching the filters (see :meth:`CaptureReader.select`), and how the file read."""
     with CaptureReader(path) as reader:
-        rows = [CallRow.of(record) for record in reader.select(op=op, layer=layer, status=status)]
+        rows = [CallRow.of(record) for record in reader.select(op=op, layer=layer, status=status, step=step)]
         return reader.recovery, rows
 
 

@@ -30,7 +30,11 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 op,
                 {"a": hidden, "w": weight.t(), "top_k": 2},
                 site="fused_moe.py:10",
-                context={"layer": step % 3, "step": step},
+                context={
+                    "layer": step % 3,
+                    "step": step,
+                    "layer_name": f"model.layers.{step % 3}.mlp.experts",
+                },
                 static={"w"},
             )
             if step != 5:
@@ -92,7 +96,7 @@ def test_ls_human_and_filters(capture: Path) -> None:
     result = runner.invoke(app, ["ls", str(capture)])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["#", "op", "site", "layer", "status", "tensors"]
+    assert lines[0].split() == ["#", "op", "site", "step", "layer", "parent", "status", "tensors"]
     assert len(lines) == 7
     assert "a=bfloat16[8,32]" in lines[1] and "w=float32[32,64]@(1,32)" in lines[1]
     assert "fused_moe.py:10" in lines[1]
@@ -114,7 +118,27 @@ def test_ls_json(capture: Path) -> None:
         "device": "cpu",
         "storage": 1,
     }
-    assert rows[4]["layer"] == 1 and rows[4]["context"] == {"layer": 1, "step": 4}
+    assert rows[4]["layer"] == 1
+    assert rows[4]["context"] == {"layer": 1, "step": 4, "layer_name": "model.layers.1.mlp.experts"}
+
+
+def test_ls_shows_step_layer_name_and_parent_and_filters_by_them(capture: Path) -> None:
+    result = runner.invoke(app, ["ls", str(capture)])
+    first = result.stdout.splitlines()[1].split()
+    assert first[:6] == [
+        "0",
+        "moe_wna16_marlin_gemm",
+        "fused_moe.py:10",
+        "0",
+        "model.layers.0.mlp.experts",
+        "-",
+    ]
+    by_step = runner.invoke(app, ["ls", str(capture), "--step", "4", "--json"])
+    assert [row["index"] for row in json.loads(by_step.stdout)] == [4]
+    by_name = runner.invoke(app, ["ls", str(capture), "--layer", "model.layers.2.*", "--json"])
+    assert [row["index"] for row in json.loads(by_name.stdout)] == [2, 5]
+    by_index = runner.invoke(app, ["ls", str(capture), "--layer", "2", "--json"])
+    assert [row["index"] for row in json.loads(by_index.stdout)] == [2, 5]
 
 
 def test_ls_on_a_truncated_file_notes_it_on_stderr(truncated: Path) -> None:
