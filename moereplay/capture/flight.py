@@ -14,9 +14,11 @@ pinned host memory) and records one event on the side stream. A later poll, from
 thread's poll on each new call only queries events and reads pinned memory: it launches nothing), reads the
 magnitudes once that event has completed and checks them in call order.
 
-Detection lag: a call is checked at most about two writer polls after it completed (≈ 2 × 5 ms, more while
-the writer is busy writing a trigger) plus the device time for the serving stream to reach the call and the
-side stream to reduce it. While unchecked, an entry stays in the ring even past ``MOEREPLAY_FLIGHT_CALLS``
+Detection lag: a call is checked at most about two writer polls after it completed (≈ 2 × 5 ms; while the writer
+is busy writing a trigger it still polls between two messages, so add at most one message's write) plus the
+device time for the serving stream to reach the call and the side stream to reduce it. The writer thread polls
+whether or not the serving thread makes further calls: a bad output followed by idling is found and written
+within that delay. While unchecked, an entry stays in the ring even past ``MOEREPLAY_FLIGHT_CALLS``
 (by at most :data:`LAG_CALLS` entries), so a lagging check still finds its call and the calls before it; the
 byte bound (``MOEREPLAY_FLIGHT_BYTES``) is never exceeded by the ring. An entry evicted by the byte bound keeps
 its output copies (not its inputs) until its check ran; a bad value found then counts as ``flight_lost``.
@@ -28,6 +30,11 @@ most ``MOEREPLAY_FLIGHT_CALLS`` of them) are handed to the writer (their device 
 there); enclosing calls still running (the parent of the offending kernel call) are written with their
 completion when it comes. The recorder stays armed: the next bad output (often the same incident's next call)
 triggers again with what the ring holds then. On CPU the check is immediate (there is nothing to overlap with).
+
+Counters (``flight_*`` in the footer): ``written`` counts calls whose records the writer thread reports written
+(the sink's write returned), ``write_failed`` those a trigger handed to the writer that never reached the file (a
+failed write — also counted as the writer's ``write_errors`` —, a full queue, a writer stopped by an earlier
+error); each trigger logs one line when its last call is settled (:class:`TriggerDelivery`).
 """
 
 from __future__ import annotations
@@ -39,12 +46,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import torch
 
 from moereplay.capture.snapshot import Snapshot, TensorCopy, current_stream
-from moereplay.capture.writer_thread import Begin, Complete
+from moereplay.capture.writer_thread import Begin, Complete, Delivered
 from moereplay.format.schema import CodecValue
 
 logger = logging.getLogger("moereplay.capture")
@@ -91,12 +99,73 @@ class _Batch:
 
 @dataclass
 class FlightCounters:
+    """See the module docstring (Counters); ``lost``, ``evicted``, ``unchecked``: see the ring's bounds above."""
+
     checked: int = 0
     triggers: int = 0
     written: int = 0
+    write_failed: int = 0
     lost: int = 0
     evicted: int = 0
     unchecked: int = 0
+
+
+_COUNTING = threading.Lock()
+"""Delivery reports arrive from the writer thread and, for a refused offer, from the offering thread."""
+
+
+class TriggerDelivery:
+    """One trigger's calls on their way to the file. :meth:`delivered` (the writer's report for one call) counts it
+    in ``counters.written`` or ``counters.write_failed``; :meth:`not_handed_over` notes a call never handed over
+    (``MOEREPLAY_MAX_CALLS``, overwritten in the ring: counted where that happened). When the last of ``calls``
+    is settled, one line says how many were written — an error when any was not."""
+
+    def __init__(self, counters: FlightCounters, trigger: str, calls: int) -> None:
+        self.counters = counters
+        self.trigger = trigger
+        self.calls = calls
+        self.written = 0
+        self.failed = 0
+        self.not_sent = 0
+        self.why_not: str | None = None
+
+    def delivered(self, written: bool, why_not: str | None) -> None:
+        with _COUNTING:
+            if written:
+                self.counters.written += 1
+                self.written += 1
+            else:
+                self.counters.write_failed += 1
+                self.failed += 1
+                self.why_not = self.why_not or why_not
+            done = self.written + self.failed + self.not_sent == self.calls
+        if done:
+            self._log()
+
+    def not_handed_over(self, why: str) -> None:
+        with _COUNTING:
+            self.not_sent += 1
+            self.why_not = self.why_not or why
+            done = self.written + self.failed + self.not_sent == self.calls
+        if done:
+            self._log()
+
+    def _log(self) -> None:
+        if self.written == self.calls:
+            logger.warning(
+                "moereplay: flight recorder: the %d call(s) of the trigger by %s are written",
+                self.calls,
+                self.trigger,
+            )
+            return
+        logger.error(
+            "moereplay: flight recorder: of the %d call(s) of the trigger by %s, %d written, %d NOT written: %s",
+            self.calls,
+            self.trigger,
+            self.written,
+            self.calls - self.written,
+            self.why_not,
+        )
 
 
 def _magnitude_source(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -157,6 +226,14 @@ def _snapshot_device(snapshot: Snapshot) -> torch.device | None:
     return None
 
 
+def _any_pending(ring: deque[FlightEntry], count: int) -> bool:
+    """Whether one of the first ``count`` entries awaits its check (a plain loop: this runs per call, ~0.5 µs)."""
+    for entry in islice(ring, count):  # noqa: SIM110 (any() over a generator costs ~1.7x here)
+        if entry.pending:
+            return True
+    return False
+
+
 def _largest(values: list[float]) -> float:
     """max() that propagates NaN."""
     largest = values[0]
@@ -169,7 +246,10 @@ def _largest(values: list[float]) -> float:
 class PollingRecorder:
     """What both flight recorders (this kernel-scope one and :class:`~moereplay.capture.flight_layer.LayerFlight`)
     share: closing by polling, and their counters under ``flight_`` names. Subclasses provide ``poll``,
-    ``settled`` and ``counters``."""
+    ``settled`` and ``counters``.
+
+    Who polls: the writer thread, every ``poll_interval`` (``WriterThread.set_poll``), whether the serving thread
+    is busy or idle; at close (or on SIGTERM, through ``WriterThread.drain``) :meth:`settle` polls to the end."""
 
     counters: Any
 
@@ -183,7 +263,8 @@ class PollingRecorder:
     def settle(self, timeout: float, device_work: Callable[[], Any] | None = None) -> bool:
         """At close: launch and read the remaining checks, so a bad output in the last few calls still triggers.
         Polls (never blocks on the device) until :attr:`settled` or ``timeout`` seconds; ``device_work`` is the
-        graph gate's context manager factory for the launches. Returns whether everything was checked."""
+        graph gate's context manager factory for the launches. Returns whether everything was checked (a trigger
+        found here has handed its calls to the writer: flush it to have them written)."""
         deadline = time.monotonic() + timeout
         while True:
             if device_work is None:
@@ -203,12 +284,13 @@ class PollingRecorder:
 
 @dataclass
 class FlightRecorder(PollingRecorder):
-    """See the module docstring. ``emit`` hands an entry's Begin and Complete to the writer."""
+    """See the module docstring. ``emit(entry, delivered)`` hands an entry's Begin and Complete to the writer:
+    False when it did not (``MOEREPLAY_MAX_CALLS``), else ``delivered`` is told once whether they were written."""
 
     max_calls: int
     max_bytes: int
     absmax: float | None
-    emit: Callable[[FlightEntry], bool]
+    emit: Callable[[FlightEntry, Delivered], bool]
     emit_complete: Callable[[Complete], None]
     counters: FlightCounters = field(default_factory=FlightCounters)
     _ring: deque[FlightEntry] = field(default_factory=deque)
@@ -314,15 +396,19 @@ class FlightRecorder(PollingRecorder):
         self._stream = None
 
     def _evict(self) -> None:
-        """Oldest first, while the ring is over its bounds; an unchecked suffix stays past ``max_calls`` (up to
+        """Oldest first, while the ring is over its bounds; an entry whose check is outstanding keeps itself and the
+        ``max_calls - 1`` entries before it (its history, should its output be bad) past ``max_calls`` (up to
         :data:`LAG_CALLS` more), never past ``max_bytes`` (lock held)."""
         ring = self._ring
         while ring:
             over_bytes = self._bytes > self.max_bytes
             if not over_bytes and len(ring) <= self.max_calls:
                 break
-            old = ring[0]
-            if not over_bytes and old.pending and len(ring) <= self.max_calls + LAG_CALLS:
+            if (
+                not over_bytes
+                and len(ring) <= self.max_calls + LAG_CALLS
+                and _any_pending(ring, self.max_calls)
+            ):
                 break
             self._drop(ring.popleft())
         while self._held > self.max_bytes and self._waiting and self._waiting[0].evicted:
@@ -435,8 +521,7 @@ class FlightRecorder(PollingRecorder):
             batch.values = values
             batch.host = None
             batch.keep = None  # the side stream is done with the copies
-            for entry in batch.entries:
-                entry.pending = False
+            # entries stay pending until _check_ready has looked at them (a trigger stops it midway)
 
     def _check_ready(self) -> FlightEntry | None:
         """Check the batches whose magnitudes are on the host, oldest first (lock held); stop at the first bad
@@ -505,23 +590,28 @@ class FlightRecorder(PollingRecorder):
                 self._bytes -= entry.nbytes
                 entry.emitted = True
             # calls after the trigger stay in the ring: they are the next incident's history
+            self._emit_batch(trigger, batch)
+
+    def _emit_batch(self, trigger: FlightEntry, batch: list[FlightEntry]) -> None:
+        """Hand a trigger's calls to the writer (lock held: an open parent's completion, handed over by the serving
+        thread when it comes, must queue behind its Begin)."""
         assert trigger.begin is not None
+        writable = [entry for entry in batch if entry.begin is not None]
+        name = f"{trigger.begin.op} call {trigger.begin.context.get('call', -1)}"
         logger.error(
-            "moereplay: flight recorder triggered by %s call %d (largest |output| = %s): writing %d call(s)",
-            trigger.begin.op,
-            trigger.begin.context.get("call", -1),
+            "moereplay: flight recorder triggered by %s (largest |output| = %s): writing %d call(s)",
+            name,
             trigger.value,
-            len(batch),
+            len(writable),
         )
-        for entry in batch:
-            if entry.begin is None:
-                continue
+        delivery = TriggerDelivery(self.counters, name, len(writable))
+        for entry in writable:
+            assert entry.begin is not None
             entry.begin.context["flight"] = {"trigger": entry is trigger, "magnitude": entry.value}
-            if self.emit(entry):
-                self.counters.written += 1
-                if entry.complete is None:
-                    with self._lock:
-                        self._forward.add(entry.begin.sequence)
+            if not self.emit(entry, delivery.delivered):
+                delivery.not_handed_over("MOEREPLAY_MAX_CALLS reached")
+            elif entry.complete is None:  # an open parent: its completion is written when it comes
+                self._forward.add(entry.begin.sequence)
 
     @property
     def settled(self) -> bool:

@@ -14,10 +14,11 @@ kernels to regenerate (and prove) the kernel calls.
 
 Threads. Serving thread (per layer call): bind the arguments, collect the dynamic tensors, call, one ring launch,
 append to a queue (no event, no host transfer, no allocation). Writer thread (:meth:`LayerFlight.poll` with
-``launch=True``, inside the graph gate, every ≈ 5 ms while idle): read the tag words of the new calls (one event
-on the serving stream, one small copy on a side stream, one integer decode per call — its Python time is GIL time
-taken from the serving thread, so it does nothing else per call), and on a bad word describe the offending call
-and the K calls before it (tensor metadata, argument trees), copy their ring regions to the host, check that
+``launch=True``, inside the graph gate, every ≈ 5 ms whether the serving thread is busy or idle: a bad output is
+found about two polls after its call ran on the device, see ``WriterThread``): read the tag words of the new calls
+(one event on the serving stream, one small copy on a side stream, one integer decode per call — its Python time is
+GIL time taken from the serving thread, so it does nothing else per call), and on a bad word describe the offending
+call and the K calls before it (tensor metadata, argument trees), copy their ring regions to the host, check that
 nothing overwrote them meanwhile (the ring's ``head`` had not lapped them when the copy finished) and hand them to
 the writer. Until a call leaves the history (K calls later, once checked) its argument references are held — not
 copies: the allocator reuses those tensors' memory K calls later than it would have.
@@ -41,13 +42,14 @@ import types
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import torch
 
 from moereplay.capture.context import Ranks, Where
 from moereplay.capture.device_ring import DeviceRing, decode_word
-from moereplay.capture.flight import FlightCounters, PollingRecorder
+from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerDelivery
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.snapshot import (
     Snapshot,
@@ -60,7 +62,7 @@ from moereplay.capture.snapshot import (
     is_view_of_any,
     storage_key,
 )
-from moereplay.capture.writer_thread import Begin, Complete
+from moereplay.capture.writer_thread import Begin, Complete, Delivered
 from moereplay.format.schema import Unsupported
 
 logger = logging.getLogger("moereplay.capture")
@@ -186,11 +188,13 @@ class _CopyOut:
     trigger: LayerCall
     event: Any
     hosts: list[torch.Tensor]  # per call: its copied bytes, regions back to back in ``copies`` order
+    delivery: TriggerDelivery
 
 
 class LayerFlight(PollingRecorder):
-    """See the module docstring. ``emit(begin, complete)`` hands one written call to the writer (False: dropped).
-    ``ranks``: called on the writer thread for the context's ranks."""
+    """See the module docstring. ``emit(begin, complete, delivered)`` hands one call to the writer: False when it
+    did not (``MOEREPLAY_MAX_CALLS``), else ``delivered`` is told once whether it was written (``flight_written``
+    counts those). ``ranks``: called on the writer thread for the context's ranks."""
 
     def __init__(
         self,
@@ -198,7 +202,7 @@ class LayerFlight(PollingRecorder):
         max_calls: int,
         max_bytes: int,
         absmax: float | None,
-        emit: Callable[[Begin, Complete | None], bool],
+        emit: Callable[[Begin, Complete | None, Delivered], bool],
         ranks: Callable[[], Ranks | None] = lambda: None,
     ) -> None:
         self.max_calls = max_calls
@@ -476,7 +480,8 @@ class LayerFlight(PollingRecorder):
                 call.checked = True
                 call.value = value
                 self.counters.checked += 1
-                if not math.isfinite(value) or (self.absmax is not None and value > self.absmax):
+                bad = not math.isfinite(value) or (self.absmax is not None and value > self.absmax)
+                if bad and not call.emitted:  # an emitted call was written (as history) by an earlier trigger
                     self._trigger(call)
 
     def _trigger(self, trigger: LayerCall) -> None:
@@ -494,10 +499,10 @@ class LayerFlight(PollingRecorder):
         for call in calls:
             if call.copies is None:
                 self._describe(call)
+        name = f"{trigger.target.op} call {trigger.where.call}"
         logger.error(
-            "moereplay: flight recorder triggered by %s call %d (largest |output| = %s): writing %d layer call(s)",
-            trigger.target.op,
-            trigger.where.call,
+            "moereplay: flight recorder triggered by %s (largest |output| = %s): writing %d layer call(s)",
+            name,
             trigger.value,
             len(calls),
         )
@@ -522,7 +527,8 @@ class LayerFlight(PollingRecorder):
             if side is not None:
                 event = torch.cuda.Event()
                 event.record(side)
-        self._copy_outs.append(_CopyOut(calls, trigger, event, hosts))
+        delivery = TriggerDelivery(self.counters, name, len(calls))
+        self._copy_outs.append(_CopyOut(calls, trigger, event, hosts, delivery))
         self._finish_copy_outs()
 
     def _finish_copy_outs(self) -> None:
@@ -541,10 +547,11 @@ class LayerFlight(PollingRecorder):
                         call.target.op,
                         call.where.call,
                     )
+                    out.delivery.not_handed_over("overwritten in the ring (flight_lost)")
                     continue
                 begin, complete = self._messages(call, host, call is out.trigger)
-                if self.emit(begin, complete):
-                    self.counters.written += 1
+                if not self.emit(begin, complete, out.delivery.delivered):
+                    out.delivery.not_handed_over("MOEREPLAY_MAX_CALLS reached")
 
     def _messages(self, call: LayerCall, host: torch.Tensor, trigger: bool) -> tuple[Begin, Complete | None]:
         copies: list[TensorCopy] = []
@@ -591,9 +598,13 @@ class LayerFlight(PollingRecorder):
         return begin, complete
 
     def _evict(self) -> None:
-        """Keep the last ``max_calls`` checked calls (and every unchecked one) for the next trigger."""
+        """Keep the last ``max_calls`` calls for the next trigger, every unchecked call, and the ``max_calls - 1``
+        calls before each unchecked one (its history, should it be bad: the writer thread's checks lag behind
+        the serving thread's calls)."""
         history = self._history
         while history and (history[0].emitted or history[0].checked) and len(history) > self.max_calls:
+            if any(not (call.checked or call.emitted) for call in islice(history, 1, self.max_calls)):
+                break  # the oldest call is part of an unchecked call's history
             old = history.popleft()
             if not old.emitted:
                 self.counters.evicted += 1

@@ -42,7 +42,7 @@ from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.patching import CallHandler
 from moereplay.capture.settings import CaptureSettings, Trigger
 from moereplay.capture.snapshot import Snapshot, estimate, is_view_of_any, record_cuda_event, snapshot
-from moereplay.capture.writer_thread import Begin, Complete, WriterThread
+from moereplay.capture.writer_thread import Begin, Complete, Delivered, WriterThread
 
 logger = logging.getLogger("moereplay.capture")
 
@@ -305,19 +305,21 @@ class Recorder(CallHandler):
         except Exception as internal:
             self._internal_error(f"{call.target.op} (after the call)", internal)
 
-    def _emit_layer_call(self, begin: Begin, complete: Complete | None) -> bool:
-        if self.writer is None:
+    def _emit_layer_call(self, begin: Begin, complete: Complete | None, delivered: Delivered) -> bool:
+        """Hand a flight call to the writer (False: not handed over, ``MOEREPLAY_MAX_CALLS``); ``delivered`` is
+        then told whether it reached the file (a refused offer included)."""
+        if self.writer is None or not self._count_flight_call():
             return False
+        self.writer.offer_call(begin, complete, delivered)
+        return True
+
+    def _count_flight_call(self) -> bool:
         settings = self.settings
         with self._lock:
             if settings.max_calls and self._recorded >= settings.max_calls:
                 self.counters.skipped_limit += 1
                 return False
             self._recorded += 1
-        if not self.writer.offer(begin):
-            return False
-        if complete is not None:
-            self.writer.offer(complete)
         return True
 
     def _before(
@@ -476,19 +478,11 @@ class Recorder(CallHandler):
 
     # --- flight recorder → writer ---------------------------------------------------------------------------
 
-    def _emit_flight_entry(self, entry: FlightEntry) -> bool:
-        if self.writer is None or entry.begin is None:
+    def _emit_flight_entry(self, entry: FlightEntry, delivered: Delivered) -> bool:
+        """As :meth:`_emit_layer_call`, for the kernel-scope recorder's ring entries."""
+        if self.writer is None or entry.begin is None or not self._count_flight_call():
             return False
-        settings = self.settings
-        with self._lock:
-            if settings.max_calls and self._recorded >= settings.max_calls:
-                self.counters.skipped_limit += 1
-                return False
-            self._recorded += 1
-        if not self.writer.offer(entry.begin):
-            return False
-        if entry.complete is not None:
-            self.writer.offer(entry.complete)
+        self.writer.offer_call(entry.begin, entry.complete, delivered)
         return True
 
     def _emit_flight_complete(self, complete: Complete) -> None:

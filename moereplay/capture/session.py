@@ -3,18 +3,47 @@
 :func:`arm` is what the plugin's ``register()`` calls when ``MOEREPLAY_CAPTURE`` is on. It opens this process's
 file at once (``rank{r}-pid{p}.zst``, header only until a call arrives, flushed at once, so every vLLM process
 shows it armed — vLLM ends its engine and worker processes without running exit handlers),
-starts the writer thread, installs the wrappers, and closes the file at interpreter exit. A forked child gets
-a fresh session of its own (new pid, new file) on its first use of the wrappers. When the default directory is
-used, ``MOEREPLAY_DIR`` is set to it so that vLLM's child processes write beside this one.
+starts the writer thread, installs the wrappers, and closes the file at exit. A forked child gets a fresh
+session of its own (new pid, new file) at once. When the default directory is used, ``MOEREPLAY_DIR`` is set to
+it so that vLLM's child processes write beside this one.
+
+How a process's last records reach its file — what runs when:
+
+- While the process runs: the writer thread polls the flight recorder every ``poll_interval`` (5 ms) whether the
+  serving thread is busy or idle, and writes a trigger's calls at once (flushed to the OS when its queue runs
+  empty). This is the only guarantee under SIGKILL — and vLLM's default ``--shutdown-timeout 0`` sends SIGKILL
+  right after SIGTERM (``vllm.v1.utils.shutdown``: its deadline has already passed), so no handler would run.
+- At exit: :func:`_close_current_at_exit` closes the file (last checks, queue, footer) from a
+  ``threading._register_atexit`` hook. Those hooks run when the threading module shuts down: before ``atexit``
+  handlers, and also in ``multiprocessing`` children, whose ``Process._bootstrap`` calls ``threading._shutdown()``
+  before ``os._exit`` (vLLM's forked EngineCore and Worker never run ``atexit``). They run in reverse order of
+  registration, and ``concurrent.futures`` registers its own (which makes every pool refuse new work) when
+  ``concurrent.futures.thread`` is imported — imported here first, so ours runs before it and the writer's pool
+  still works. Should a pool refuse anyway, the file writer hashes and compresses on its own thread (no record is
+  lost to a refusing pool). An ``atexit`` handler repeats the close where the hook is unavailable (a no-op
+  otherwise).
+- SIGTERM (:func:`_on_sigterm`, installed by :func:`arm` in the main thread unless SIGTERM is ignored): asks the
+  writer thread to run the flight recorder's last checks and write what is queued (``WriterThread.drain``), waiting
+  at most :data:`SIGTERM_BUDGET_S` — the handler only appends to the writer's queue and waits on an event, so it
+  takes no lock the interrupted code may hold. Then it chains: to the previous Python handler if there was one
+  (vLLM's Worker raises ``SystemExit``: the exit hook above then writes the footer), else — the default action —
+  it closes the file with its footer (same budget) and re-raises SIGTERM with the default action, so the process
+  dies as it would have. A handler vLLM installs *after* the plugin armed (EngineCore's, in
+  ``run_engine_core``) replaces this one; that handler starts vLLM's orderly shutdown, which returns through
+  ``Process._bootstrap`` and so through the exit hook. ``signal.signal`` itself is not wrapped: changing how every
+  library installs handlers is out of proportion, and would not help under the default SIGKILL.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
@@ -36,6 +65,10 @@ logger = logging.getLogger("moereplay.capture")
 FLIGHT_SETTLE_S = 2.0
 """At close, how long the flight recorder may keep launching and reading its last checks (a bad output in the last
 calls before exit still triggers; a hung device cannot stall the exit longer than this)."""
+
+SIGTERM_BUDGET_S = 2.0
+"""The longest the SIGTERM handler waits: the last checks, the queued records and (default action only) the
+footer, together; whatever is not written by then is left to the writer thread until the process ends."""
 
 SinkFactory = Callable[[Path, dict[str, Any]], RecordSink]
 """``(path, header) -> sink`` (tests); the default sink also gets the settings (compression)."""
@@ -107,6 +140,20 @@ class Session:
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         return self.writer.flush(timeout)
+
+    def drain(self, timeout: float) -> bool:
+        """On the writer thread: the flight recorder's last checks, then every queued record written — waiting at
+        most ``timeout`` seconds in all (safe in a signal handler, see the module docstring). Recording goes on.
+        Returns whether it all finished in time."""
+        flight = self.recorder.flight
+        settle = None
+        if flight is not None and self.recorder.active:
+            device_work = self.gate.device_work if self.gate is not None else None
+
+            def settle(seconds: float) -> None:
+                flight.settle(seconds, device_work)
+
+        return self.writer.drain(settle, timeout)
 
 
 _lock = threading.Lock()
@@ -197,7 +244,8 @@ def arm(
         _session = session
     _report_patch_points(patcher)
     logger.warning("moereplay: capture armed in pid %d → %s (%s)", pid, path, settings.describe())
-    atexit.register(_close_at_exit, session)
+    _hook_exit()
+    _hook_sigterm()
     return session
 
 
@@ -215,13 +263,85 @@ def _report_patch_points(patcher: Patcher) -> None:
     )
 
 
-def _close_at_exit(session: Session) -> None:
-    if session.pid != os.getpid():
+_hooked_pid: int | None = None
+_previous_sigterm: Any = None
+
+
+def _close_current_at_exit() -> None:
+    """Close this process's session (see the module docstring: at exit)."""
+    session = _session
+    if session is None or session.pid != os.getpid():
         return
     try:
         session.close()
     except Exception:
         logger.exception("moereplay: closing the capture file at exit failed")
+
+
+def _hook_exit() -> None:
+    """Register :func:`_close_current_at_exit` once per process, to run before ``concurrent.futures`` stops taking
+    work (a ``threading._register_atexit`` hook registered after its own), with ``atexit`` as the fallback."""
+    global _hooked_pid
+    if _hooked_pid == os.getpid():
+        return
+    _hooked_pid = os.getpid()
+    import concurrent.futures.thread  # noqa: F401  (registers its hook now: ours, registered later, runs first)
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        with contextlib.suppress(RuntimeError):  # shutting down already: the atexit handler below still runs
+            register(_close_current_at_exit)
+    atexit.register(_close_current_at_exit)
+
+
+def _hook_sigterm() -> None:
+    """Install :func:`_on_sigterm` (once; main thread only; not over an ignored or a C-level handler)."""
+    global _previous_sigterm
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm or current is signal.SIG_IGN or current is None:
+        return
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError) as error:  # not the main interpreter, or no signals here
+        logger.warning("moereplay: no SIGTERM flush in this process: %s", error)
+        return
+    _previous_sigterm = current
+
+
+def _unhook_sigterm() -> None:
+    """Put the previous SIGTERM handler back if ours is still the one installed (tests: :func:`disarm`)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm and _previous_sigterm is not None:
+        signal.signal(signal.SIGTERM, _previous_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """See the module docstring (SIGTERM). Waits :data:`SIGTERM_BUDGET_S` at most."""
+    deadline = time.monotonic() + SIGTERM_BUDGET_S
+    previous = _previous_sigterm
+    session = _session
+    ours = session is not None and session.pid == os.getpid()
+    if ours:
+        assert session is not None
+        try:
+            if not session.drain(SIGTERM_BUDGET_S):
+                logger.warning(
+                    "moereplay: SIGTERM: the capture was not flushed within %.0f s", SIGTERM_BUDGET_S
+                )
+        except Exception:
+            logger.exception("moereplay: SIGTERM: flushing the capture failed")
+    if callable(previous):
+        previous(signum, frame)
+        return
+    if ours:  # the default action ends the process without exit handlers: close the file first
+        assert session is not None
+        session.recorder.active = False
+        session.writer.close(timeout=max(0.0, deadline - time.monotonic()))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def disarm() -> None:
@@ -234,6 +354,7 @@ def disarm() -> None:
         return
     session.patcher.uninstall()
     session.unhook_graphs()
+    _unhook_sigterm()
     if session.pid == os.getpid():
         session.close()
 

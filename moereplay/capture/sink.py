@@ -74,6 +74,11 @@ class FormatSink:
         for data in self._prefetched.pop(id(message), ()):
             self.writer.forget(data)
 
+    @property
+    def path(self) -> Any:
+        """The capture file's path (for the closing summary line)."""
+        return getattr(self.writer, "path", None)
+
     def bytes_written(self) -> int:
         return int(self.writer.bytes_written)
 

@@ -9,6 +9,18 @@ counted, the file keeps every whole record written so far, and the failure is re
 the file is flushed to the operating system, so a process killed without running its exit handlers (vLLM ends
 its engine and worker processes that way) still leaves every record written before its last idle moment.
 
+Polling (the flight recorders' checks, :meth:`set_poll`): the thread runs ``poll`` whenever its queue has been
+idle ``poll_interval`` seconds (5 ms) and, while it is busy writing, between two messages once ``poll_interval``
+has passed since the last poll — so a check never waits on the serving thread, which may be idle: the delay from
+a call's completion on the device to its check is about ``poll_interval`` (two polls on CUDA: one launches the
+read, the next reads it), plus at most one message's write.
+
+Delivery: a :class:`Begin` or :class:`Complete` may carry ``delivered``, told exactly once whether the message
+reached the file — ``(True, None)`` after the sink's write returned, ``(False, why)`` when it never will (refused
+by :meth:`offer`, a failed write, the writer failed before, its call's Begin was not written). The flight
+recorders count ``flight_written`` by it, never by having queued a message. :meth:`drain` runs a last settle on
+this thread and waits (bounded) until what it queued is written — the SIGTERM handler's flush.
+
 Look-ahead: before writing a message the thread offers the messages queued behind it whose copies have landed
 (their CUDA event has completed: a non-blocking query, inside the graph gate like every CUDA call of this
 thread) to the sink's ``prefetch``, at most ``prefetch_bytes`` of copied tensors ahead, so the file writer's pool
@@ -18,7 +30,8 @@ Messages (in queue order, so a parent's begin precedes its children's):
 
 - :class:`Begin`: a call's inputs (file status ``inputs_saved``); its ``sequence`` names it for later messages;
 - :class:`Complete`: that call's outputs, timings and status;
-- :class:`Barrier`: set an event once everything before it is written (tests, flush at exit).
+- :class:`Barrier`: set an event once everything before it is written (tests, flush at exit);
+- :class:`Drain`: run a settle function on this thread, then a Barrier behind what it queued.
 """
 
 from __future__ import annotations
@@ -36,6 +49,9 @@ from moereplay.capture.graph_gate import GraphGate
 from moereplay.capture.snapshot import Snapshot
 
 logger = logging.getLogger("moereplay.capture")
+
+Delivered = Callable[[bool, str | None], None]
+"""``delivered(written, why_not)``: see the module docstring (Delivery)."""
 
 
 class RecordSink(Protocol):
@@ -70,6 +86,7 @@ class Begin:
     parent_sequence: int | None
     static: tuple[str, ...] = ()
     started: float = 0.0
+    delivered: Delivered | None = None
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +102,7 @@ class Complete:
     error: str | None = None
     device_timing: tuple[Any, Any] | None = None  # CUDA start / end events, resolved on the writer thread
     finished: float = 0.0
+    delivered: Delivered | None = None
 
     @property
     def nbytes(self) -> int:
@@ -97,7 +115,18 @@ class Barrier:
     nbytes: int = 0
 
 
-Message = Begin | Complete | Barrier
+@dataclass
+class Drain:
+    """``settle(seconds)`` runs on the writer thread (the flight recorder's last checks: their triggers queue
+    more messages), then ``done`` is set once everything queued by then is written."""
+
+    settle: Callable[[float], Any] | None
+    deadline: float  # time.monotonic()
+    done: threading.Event = field(default_factory=threading.Event)
+    nbytes: int = 0
+
+
+Message = Begin | Complete | Barrier | Drain
 
 DEFAULT_PREFETCH_BYTES = 1 << 30
 """Copied bytes of queued messages the thread may hand to the sink's ``prefetch`` ahead of writing them (their
@@ -122,6 +151,25 @@ class Counters:
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+
+class _Together:
+    """One ``delivered`` for several messages of one call: told once all of them were, written only if all were."""
+
+    def __init__(self, parts: int, delivered: Delivered) -> None:
+        self._left = parts
+        self._why: str | None = None
+        self._delivered = delivered
+        self._lock = threading.Lock()
+
+    def part(self, written: bool, why: str | None) -> None:
+        with self._lock:
+            self._left -= 1
+            if not written and self._why is None:
+                self._why = why or "not written"
+            if self._left:
+                return
+        self._delivered(self._why is None, self._why)
 
 
 class WriterThread:
@@ -166,6 +214,7 @@ class WriterThread:
         self._closed = False
         self._indices: dict[int, int] = {}  # sequence -> file index
         self._dropped_sequences: set[int] = set()
+        self._last_poll = 0.0  # time.monotonic() of the last poll
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -188,35 +237,58 @@ class WriterThread:
     def offer(self, message: Begin | Complete) -> bool:
         """Queue ``message`` unless full or failed; never blocks. Returns whether it was queued."""
         nbytes = message.nbytes
+        refused: str | None = None
         with self._lock:
             if isinstance(message, Complete) and message.sequence in self._dropped_sequences:
                 self._dropped_sequences.discard(message.sequence)
-                return False
-            if self._failed is not None or self._stopping:
-                accepted = False
+                refused = "its call's inputs were not queued"
+            elif self._failed is not None or self._stopping:
+                refused = f"the writer stopped ({self._failed})" if self._failed else "the capture is closing"
                 self.counters.dropped_after_failure += isinstance(message, Begin)
             elif (
                 self._queued_calls >= self.max_calls_queued
                 or self._queued_bytes + nbytes > self.max_bytes_queued
             ):
-                accepted = False
+                refused = "the writer's queue was full"
                 if isinstance(message, Begin):
                     self.counters.dropped_queue_full += 1
                 else:
                     self.counters.outputs_dropped += 1
             else:
-                accepted = True
                 self._queued_calls += 1
                 self._queued_bytes += nbytes
-            if not accepted and isinstance(message, Begin):
+            if refused is not None and isinstance(message, Begin):
                 self._dropped_sequences.add(message.sequence)
-        if accepted:
-            self._put(message)
+        if refused is not None:
+            _report(message, False, refused)
+            return False
+        self._put(message)
+        return True
+
+    def offer_call(self, begin: Begin, complete: Complete | None, delivered: Delivered | None = None) -> bool:
+        """:meth:`offer` a call's Begin and (if given) its Complete; ``delivered`` is told once whether both
+        reached the file. Returns whether the Begin was queued."""
+        if delivered is not None:
+            together = _Together(1 if complete is None else 2, delivered)
+            begin.delivered = together.part
+            if complete is not None:
+                complete.delivered = together.part
+        accepted = self.offer(begin)
+        if complete is not None:
+            self.offer(complete)  # refused (and reported) when its Begin was
         return accepted
 
     def set_poll(self, poll: Callable[[], None]) -> None:
-        """Run ``poll`` on the writer thread whenever the queue has been idle ``poll_interval`` seconds."""
-        self._poll = poll
+        """Run ``poll`` on the writer thread every ``poll_interval`` seconds (see the module docstring). Wakes the
+        thread: one waiting for a message without a timeout (no poll until now) starts polling at once."""
+        with self._ready:
+            self._poll = poll
+            self._ready.notify()
+
+    @property
+    def poll_interval(self) -> float:
+        """Seconds between two polls of an idle writer thread."""
+        return self._poll_interval
 
     def drop(self, sequence: int) -> None:
         """Forget a call whose Begin was never offered (its Complete will be ignored)."""
@@ -230,6 +302,17 @@ class WriterThread:
         barrier = Barrier()
         self._put(barrier)
         return barrier.done.wait(timeout)
+
+    def drain(self, settle: Callable[[float], Any] | None, timeout: float) -> bool:
+        """Run ``settle(seconds left)`` on the writer thread, then wait until everything queued by then (what
+        ``settle`` queued included) is written — at most ``timeout`` seconds from now: safe in a signal handler
+        of the serving thread (it only appends to the queue and waits on an event; the thread does the rest).
+        Returns False on timeout."""
+        if self._closed or not self._thread.is_alive():
+            return True
+        drain = Drain(settle, time.monotonic() + timeout)
+        self._put(drain)
+        return drain.done.wait(timeout)
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Write what is queued, then the footer with the counters, and stop the thread."""
@@ -248,11 +331,14 @@ class WriterThread:
 
     # --- consumer side (writer thread) ----------------------------------------------------------------------
 
-    def _get(self, timeout: float | None) -> Message | object | None:
-        """The next queued item, or ``_EMPTY`` after ``timeout`` seconds without one."""
+    def _get(self) -> Message | object | None:
+        """The next queued item, or ``_EMPTY`` after ``poll_interval`` seconds without one (without a poll: when
+        woken, e.g. by :meth:`set_poll`). The timeout is read again on every wait."""
         with self._ready:
-            if not self._ready.wait_for(lambda: self._queue, timeout):
-                return _EMPTY
+            if not self._queue:
+                self._ready.wait(None if self._poll is None else self._poll_interval)
+                if not self._queue:
+                    return _EMPTY
             return self._queue.popleft()
 
     def _fail(self, reason: str) -> None:
@@ -268,7 +354,7 @@ class WriterThread:
 
     def _run(self) -> None:
         while True:
-            item = self._get(None if self._poll is None else self._poll_interval)
+            item = self._get()
             if item is _EMPTY:
                 self._run_poll()
                 continue
@@ -279,32 +365,53 @@ class WriterThread:
                 self._flush_sink()
                 message.done.set()
                 continue
+            if isinstance(message, Drain):
+                self._drain(message)
+                continue
+            why_not: str | None = None
             try:
                 if self._failed is None:
                     self._prefetch_ahead(message)
                     if self._gate is None:
-                        self._write(message)
+                        why_not = self._write(message)
                     else:
                         with self._gate.device_work():  # never inside another thread's CUDA graph capture
-                            self._write(message)
-                elif isinstance(message, Begin):
-                    self.counters.dropped_after_failure += 1
+                            why_not = self._write(message)
+                else:
+                    why_not = f"an earlier write failed ({self._failed})"
+                    if isinstance(message, Begin):
+                        self.counters.dropped_after_failure += 1
             except OSError as error:
                 self.counters.write_errors += 1
-                self._fail(f"writing the capture file failed: {error}")
+                why_not = f"writing the capture file failed: {error}"
+                self._fail(why_not)
             except Exception as error:
                 self.counters.write_errors += 1
-                self._fail(
+                why_not = (
                     f"recording a {type(message).__name__.lower()} failed: {type(error).__name__}: {error}"
                 )
+                self._fail(why_not)
             finally:
                 self._release(message)
                 with self._lock:
                     self._queued_calls -= 1
                     self._queued_bytes -= message.nbytes
+            _report(message, why_not is None, why_not)
             if not self._queue:
                 self._flush_sink()
+            elif self._poll is not None and time.monotonic() - self._last_poll >= self._poll_interval:
+                self._run_poll()  # busy: checks still run every poll_interval
         self._finish()
+
+    def _drain(self, drain: Drain) -> None:
+        if drain.settle is not None and self._failed is None:
+            try:
+                drain.settle(max(0.0, drain.deadline - time.monotonic()))
+            except Exception as error:
+                logger.error(
+                    "moereplay: the last flight recorder checks failed: %s: %s", type(error).__name__, error
+                )
+        self._put(Barrier(drain.done))  # behind what the settle queued
 
     def _prefetch_ahead(self, current: Begin | Complete) -> None:
         """Hand ``current`` and the messages queued behind it whose copies are done to the sink's prefetch, in
@@ -316,7 +423,7 @@ class WriterThread:
         with self._ready:
             ahead = list(islice(self._queue, _PREFETCH_MESSAGES))
         for item in [current, *ahead]:
-            if item is None or isinstance(item, Barrier):
+            if item is None or isinstance(item, (Barrier, Drain)):
                 continue
             if id(item) in self._prefetched:
                 continue
@@ -360,6 +467,7 @@ class WriterThread:
             self._fail(f"flushing the capture file failed: {type(error).__name__}: {error}")
 
     def _run_poll(self) -> None:
+        self._last_poll = time.monotonic()
         if self._poll is None or self._failed is not None:
             return
         try:
@@ -371,12 +479,14 @@ class WriterThread:
         except Exception as error:
             self._fail(f"the flight recorder check failed: {type(error).__name__}: {error}")
 
-    def _write(self, message: Begin | Complete) -> None:
+    def _write(self, message: Begin | Complete) -> str | None:
+        """Write ``message``; ``None`` when the sink took it, else why it was not written."""
         if isinstance(message, Begin):
             if self.max_file_bytes and self.sink.bytes_written() + message.nbytes > self.max_file_bytes:
                 self.counters.dropped_max_bytes += 1
-                self._fail(f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}")
-                return
+                reason = f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}"
+                self._fail(reason)
+                return reason
             started = time.perf_counter()
             message.snapshot.wait()
             waited = time.perf_counter()
@@ -387,10 +497,10 @@ class WriterThread:
             self._indices[message.sequence] = index
             self.counters.recorded += 1
             self.counters.copied_bytes += message.nbytes
-            return
+            return None
         index_or_none = self._indices.pop(message.sequence, None)
         if index_or_none is None:
-            return
+            return "its call's inputs were not written"
         started = time.perf_counter()
         if message.outputs is not None:
             message.outputs.wait()
@@ -401,13 +511,15 @@ class WriterThread:
             message.timings["device_ms"] = float(start.elapsed_time(end))
         if self.max_file_bytes and self.sink.bytes_written() + message.nbytes > self.max_file_bytes:
             self.counters.outputs_dropped += 1
-            self._fail(f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}")
-            return
+            reason = f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}"
+            self._fail(reason)
+            return reason
         started = time.perf_counter()
         self.sink.complete(index_or_none, message)
         self.seconds["sink"] += time.perf_counter() - started
         self.counters.completed += 1
         self.counters.copied_bytes += message.nbytes
+        return None
 
     def _finish(self) -> None:
         counters = self.counters.as_dict()
@@ -420,11 +532,44 @@ class WriterThread:
             self.sink.close(counters)
         except Exception as error:  # a full disk can fail the footer too: the records before it stay readable
             self._fail(f"closing the capture file failed: {type(error).__name__}: {error}")
-        dropped = {
-            key: value for key, value in counters.items() if key.startswith(("dropped", "outputs")) and value
-        }
-        if dropped:
-            logger.warning("moereplay: capture closed with drops: %s", dropped)
+        logger.warning("%s", summary_line(getattr(self.sink, "path", None), counters, self._failed))
+
+
+def summary_line(path: Any, counters: dict[str, int], failed: str | None) -> str:
+    """The one line logged when a capture file is closed: what reached it, what did not and why (the footer's
+    counters say the same)."""
+    parts = [
+        f"{counters.get('recorded', 0)} call(s) written ({counters.get('completed', 0)} with outputs)",
+        f"write_errors={counters.get('write_errors', 0)}",
+    ]
+    if "flight_triggers" in counters:
+        parts.append(
+            f"flight recorder: flight_triggers={counters['flight_triggers']} "
+            f"flight_written={counters.get('flight_written', 0)} "
+            f"flight_write_failed={counters.get('flight_write_failed', 0)} "
+            f"flight_lost={counters.get('flight_lost', 0)}"
+        )
+    dropped = {
+        key: value for key, value in counters.items() if key.startswith(("dropped", "outputs")) and value
+    }
+    if dropped:
+        parts.append(f"dropped: {dropped}")
+    if failed is not None:
+        parts.append(f"writing stopped: {failed}")
+    where = f" {path}" if path is not None else ""
+    return f"moereplay: capture closed{where}: " + "; ".join(parts)
+
+
+def _report(message: Begin | Complete, written: bool, why_not: str | None) -> None:
+    """Tell ``message.delivered`` (once) whether the message reached the file."""
+    delivered = message.delivered
+    if delivered is None:
+        return
+    message.delivered = None
+    try:
+        delivered(written, why_not)
+    except Exception:
+        logger.exception("moereplay: a capture delivery callback raised")
 
 
 def monotonic() -> float:

@@ -664,7 +664,8 @@ class CaptureWriter:
             return None
         try:
             return self._pool.submit(self._encode, data, True)
-        except RuntimeError as error:  # "cannot schedule new futures after interpreter shutdown", BrokenExecutor
+        # "cannot schedule new futures after interpreter shutdown"; BrokenExecutor is a RuntimeError too
+        except RuntimeError as error:
             self._pool_refused = str(error)
             return None
 

@@ -66,3 +66,25 @@ def test_absmax_triggers_on_large_finite_outputs(arm, kernels: types.ModuleType,
         magnitude = records[2].context["flight"]["magnitude"]
         assert magnitude > 1e5 and records[2].context["flight"]["trigger"]
         assert records[1].op == "fused" and records[1].status == "completed"
+
+
+def test_entries_awaiting_their_check_keep_the_entries_before_them() -> None:
+    """On CUDA checks lag behind calls (the writer thread launches and reads them): an entry awaiting its check
+    keeps itself and the K - 1 entries before it, even when later calls push the ring past K."""
+    from moereplay.capture.flight import FlightRecorder
+    from moereplay.capture.snapshot import Snapshot
+    from moereplay.capture.writer_thread import Begin
+
+    flight = FlightRecorder(
+        max_calls=3, max_bytes=1 << 20, absmax=None, emit=lambda entry, delivered: False, emit_complete=print
+    )
+    for sequence in range(4):  # checked (not pending): the ring keeps the last 3
+        flight.add_begin(Begin(sequence, "op", "site", Snapshot({}), {"call": sequence}, None))
+    assert [entry.begin.sequence for entry in flight._ring] == [1, 2, 3]
+    flight._ring[-1].pending = True  # call 3's check is outstanding
+    for sequence in range(4, 7):
+        flight.add_begin(Begin(sequence, "op", "site", Snapshot({}), {"call": sequence}, None))
+    assert [entry.begin.sequence for entry in flight._ring] == [1, 2, 3, 4, 5, 6]  # 3 and its history stay
+    flight._ring[2].pending = False  # call 3 is checked: fine
+    flight.add_begin(Begin(7, "op", "site", Snapshot({}), {"call": 7}, None))
+    assert [entry.begin.sequence for entry in flight._ring] == [5, 6, 7]

@@ -290,3 +290,33 @@ def test_an_intact_layer_copies_its_output_buffer_once_after_the_call(arm, stand
         assert torch.equal(args["output"].view(torch.uint8), out.view(torch.uint8))  # as the call left it
         assert torch.equal(outputs["output"].view(torch.uint8), out.view(torch.uint8))
         assert record.aliases() == {"output": ("output",)}  # one storage, as in a full capture
+
+
+def test_a_check_that_lags_behind_later_calls_still_finds_the_calls_before_it(arm, kernels, inputs) -> None:
+    """The writer thread's checks lag behind the serving thread's calls: calls made after a bad one, before its
+    check, must not push the calls before it out of the history (K = 3: calls 2, 3, 4 for a bad call 4)."""
+    session = arm(trigger="flight", flight_calls="3")
+    session.writer.set_poll(lambda: None)  # this test polls, in a chosen order
+    flight = session.recorder.flight
+    x, w1, w2, weights = inputs()
+
+    def call(step: int) -> None:
+        value = x + step
+        if step == 4:
+            value[0, 0] = float("nan")
+        kernels.fused(value, w1, w2, weights)
+
+    for step in range(4):
+        call(step)
+    flight.poll(launch=True)  # calls 0-3 taken, their words read
+    flight.poll(launch=True)  # ... and checked: fine
+    call(4)
+    call(5)
+    flight.poll(launch=True)  # 4 and 5 taken (unchecked): 2 and 3 are 4's history, they must stay
+    flight.poll(launch=True)  # 4 is checked: the trigger
+    close(session)
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        assert [r.context["call"] for r in records] == [2, 3, 4]
+        assert records[-1].context["flight"]["trigger"]
+        assert reader.footer["counters"]["flight_written"] == 3

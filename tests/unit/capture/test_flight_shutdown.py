@@ -1,0 +1,269 @@
+"""No lost triggers (issue 14): a bad output is written while the process runs, within the writer thread's poll
+delay, and whatever way the process ends — at once, after idling, on SIGTERM (default action or chained to a
+handler installed before arming, as vLLM's Worker has) — the offending call is in the file and the counters say
+only what reached it.
+
+The processes are children running the layer-scope flight recorder on the CPU (the ring's torch path) with real
+writer threads: tensors of 512 KiB go through the file writer's hash/compress pool, which refuses work once the
+interpreter's shutdown has begun."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from moereplay.capture.sink import FormatSink
+from moereplay.capture.writer_thread import Begin, Complete, WriterThread
+from moereplay.format import CaptureReader, CaptureWriter
+
+REPOSITORY = Path(__file__).resolve().parents[3]
+
+CHILD = textwrap.dedent(
+    """
+    import signal, sys, time, types, torch
+    from moereplay.capture import session
+    from moereplay.capture.patch_points import CaptureTarget
+
+    mode, directory = sys.argv[1], sys.argv[2]
+    module = types.ModuleType("kernels")
+    def gemm(x, w, out):
+        torch.matmul(x, w, out=out)
+        return out
+    module.gemm = gemm
+    sys.modules["kernels"] = module
+    if mode == "term-chained":  # a handler installed before arming (vLLM's Worker raises SystemExit)
+        def previous(signum, frame):
+            print("previous handler", flush=True)
+            raise SystemExit(3)
+        signal.signal(signal.SIGTERM, previous)
+    target = CaptureTarget("gemm", "kernel", "kernels", "gemm", static=("w",), outputs=("out",))
+    armed = session.arm(
+        {
+            "MOEREPLAY_CAPTURE": "1",
+            "MOEREPLAY_DIR": directory,
+            "MOEREPLAY_TRIGGER": "flight",
+            "MOEREPLAY_ABSMAX": "1e4",
+            "MOEREPLAY_FLIGHT_BYTES": "64M",
+            "MOEREPLAY_WRITER_THREADS": "2",
+        },
+        targets=[target],
+    )
+    if mode.startswith("term"):  # the writer thread does not poll now: only the SIGTERM handler finds the trigger
+        armed.writer._poll_interval = 3600.0
+        armed.writer.set_poll(armed.recorder.poll)
+        time.sleep(0.05)
+    w = torch.eye(256)
+    for call in range(5):  # 512 KiB tensors: their blobs go through the writer's pool
+        x = torch.full((512, 256), 1e30 if call == 0 else 1.0)
+        module.gemm(x, w, torch.empty(512, 256))
+    print("ready", flush=True)
+    if mode == "idle":
+        time.sleep(3)
+    elif mode.startswith("term"):
+        time.sleep(30)
+    """
+)
+
+
+def _start(tmp_path: Path, mode: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPOSITORY))
+    env.pop("MOEREPLAY_DIR", None)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, mode, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _finish(child: subprocess.Popen[str], timeout: float = 10.0) -> tuple[int, str, str]:
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+    return child.returncode, out, err
+
+
+def _ready(child: subprocess.Popen[str]) -> None:
+    assert child.stdout is not None
+    line = child.stdout.readline().strip()
+    if line != "ready":
+        child.kill()
+        _, _, err = _finish(child)
+        pytest.fail(f"child not ready ({line!r}): {err}")
+
+
+def _path(tmp_path: Path) -> Path:
+    (path,) = tmp_path.glob("rank*-pid*.zst")
+    return path
+
+
+def _offending_call(path: Path) -> list[int]:
+    """The context call numbers of the records in ``path`` so far (readable while it is being written)."""
+    with CaptureReader(path) as reader:
+        return [record.context["call"] for record in reader.calls()]
+
+
+def _assert_written(path: Path, err: str) -> None:
+    """Call 0 (|out| = 1e30) is in the file with its output, alone, and the footer's counters say so."""
+    with CaptureReader(path) as reader:
+        assert reader.footer is not None, err
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        assert [r.context["call"] for r in records] == [0], (counters, err)
+        assert records[0].status == "completed" and records[0].context["flight"]["trigger"]
+        assert reader.load_outputs(records[0].index)["out"].abs().max() >= 1e30
+        assert torch.equal(reader.load_args(records[0].index)["x"], torch.full((512, 256), 1e30))
+        assert counters["flight_triggers"] == 1 and counters["flight_written"] == len(records), counters
+        assert counters["write_errors"] == 0 and counters["flight_write_failed"] == 0, counters
+    assert "flight_written=1" in err and "write_errors=0" in err  # the closing summary line says both
+    assert "cannot schedule new futures" not in err
+
+
+def test_a_trigger_found_at_exit_is_written_before_the_pools_stop(tmp_path: Path) -> None:
+    child = _start(tmp_path, "exit")
+    code, _, err = _finish(child)
+    assert code == 0, err
+    _assert_written(_path(tmp_path), err)
+
+
+def test_a_trigger_is_written_while_the_process_idles(tmp_path: Path) -> None:
+    child = _start(tmp_path, "idle")
+    _ready(child)
+    noticed = time.monotonic()
+    calls: list[int] = []
+    while time.monotonic() - noticed < 2.0 and not calls:  # the bound: a 5 ms poll and one write, generously
+        time.sleep(0.02)
+        calls = _offending_call(_path(tmp_path))
+    still_running = child.poll() is None
+    code, _, err = _finish(child)
+    assert calls == [0] and still_running, err  # on disk while the process was idle, not only at its exit
+    assert code == 0, err
+    _assert_written(_path(tmp_path), err)
+
+
+def test_sigterm_with_the_default_action_writes_the_trigger_and_the_footer(tmp_path: Path) -> None:
+    child = _start(tmp_path, "term")
+    _ready(child)
+    assert _offending_call(_path(tmp_path)) == []  # the writer is not polling: the handler must find it
+    started = time.monotonic()
+    child.send_signal(signal.SIGTERM)
+    code, _, err = _finish(child)
+    assert time.monotonic() - started < 5.0
+    assert code == -signal.SIGTERM, err  # it still dies of the signal
+    _assert_written(_path(tmp_path), err)
+
+
+def test_sigterm_chains_to_the_handler_installed_before_arming(tmp_path: Path) -> None:
+    child = _start(tmp_path, "term-chained")
+    _ready(child)
+    child.send_signal(signal.SIGTERM)
+    code, out, err = _finish(child)
+    assert code == 3 and "previous handler" in out, err  # its SystemExit(3): the exit hook closes the file
+    _assert_written(_path(tmp_path), err)
+
+
+# --- in process ----------------------------------------------------------------------------------------------------
+
+
+class _Sink:
+    """A RecordSink keeping the sequences it was given."""
+
+    def __init__(self) -> None:
+        self.begun: list[int] = []
+
+    def begin(self, message: Begin, parent: int | None) -> int:
+        self.begun.append(message.sequence)
+        return len(self.begun) - 1
+
+    def complete(self, index: int, message: Complete) -> None:
+        return None
+
+    def bytes_written(self) -> int:
+        return 0
+
+    def flush(self) -> None:
+        return None
+
+    def close(self, counters: dict[str, int]) -> None:
+        return None
+
+
+def test_the_writer_polls_while_idle_when_its_poll_is_set_after_it_started() -> None:
+    """arm() builds the writer thread before the recorder and sets the poll afterwards: the thread, already
+    waiting for its first message without a timeout, must start polling then (in flight mode no message comes
+    until a trigger)."""
+    polled = threading.Event()
+    writer = WriterThread(_Sink(), max_calls_queued=4, max_bytes_queued=1 << 20, poll=None)
+    try:
+        time.sleep(0.05)  # the thread waits for a message now
+        writer.set_poll(polled.set)
+        assert polled.wait(1.0)
+    finally:
+        writer.close()
+
+
+def test_delivery_is_reported_after_the_write_and_a_refusal_too() -> None:
+    from moereplay.capture.snapshot import Snapshot
+
+    reports: list[tuple[bool, str | None]] = []
+    sink = _Sink()
+    writer = WriterThread(sink, max_calls_queued=4, max_bytes_queued=1 << 20)
+    begin = Begin(0, "op", "site", Snapshot({}), {}, None)
+    complete = Complete(0, None, {}, "completed")
+    writer.offer_call(begin, complete, lambda written, why: reports.append((written, why)))
+    assert writer.flush(5.0)
+    assert reports == [(True, None)] and sink.begun == [0]
+    writer.close()
+    refused = Begin(1, "op", "site", Snapshot({}), {}, None)
+    writer.offer_call(refused, None, lambda written, why: reports.append((written, why)))
+    assert reports[1] == (False, "the capture is closing")
+
+
+class _FailingSink(FormatSink):
+    """A real capture file whose call records cannot be written (as a full disk fails)."""
+
+    def begin(self, message: Begin, parent: int | None) -> int:
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("scope", ["layer", "kernel"])
+def test_a_failed_write_counts_as_failed_not_as_written(
+    arm, kernels: types.ModuleType, inputs, scope: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    session = arm(
+        sink_factory=lambda path, header: _FailingSink(CaptureWriter(path, header)),
+        trigger="flight",
+        flight_scope=scope,
+        flight_calls="2",
+    )
+    x, w1, _w2, weights = inputs()
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with caplog.at_level(logging.WARNING, logger="moereplay.capture"):
+        kernels.gemm(bad, torch.empty(5, 6), w1, weights, 1, False)
+        session.close()
+    with CaptureReader(session.path) as reader:
+        counters = reader.footer["counters"]
+        assert len(reader) == 0
+        assert counters["flight_triggers"] == 1 and counters["flight_written"] == 0, counters
+        assert counters["flight_write_failed"] == 1 and counters["write_errors"] == 1, counters
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("NOT written" in message and "No space left" in message for message in messages), messages
+    (summary,) = [message for message in messages if "capture closed" in message]
+    assert (
+        "flight_written=0" in summary and "flight_write_failed=1" in summary and "write_errors=1" in summary
+    )
