@@ -200,6 +200,7 @@ def arm(
         return None
     with _lock:
         if _session is not None and _session.pid == os.getpid():
+            _hook_sigterm()  # again: chains a handler installed since (a forked vLLM Worker's, before its plugins)
             return _session
         for name in unknown_variables(environment):
             logger.warning("moereplay: ignoring unknown setting %s", name)

@@ -42,23 +42,24 @@ CHILD = textwrap.dedent(
         return out
     module.gemm = gemm
     sys.modules["kernels"] = module
-    if mode == "term-chained":  # a handler installed before arming (vLLM's Worker raises SystemExit)
-        def previous(signum, frame):
-            print("previous handler", flush=True)
-            raise SystemExit(3)
+    def previous(signum, frame):  # vLLM's Worker handler raises SystemExit; this one says what was written
+        print(f"previous handler, {armed.writer.counters.recorded} call(s) written", flush=True)
+        raise SystemExit(3)
+    if mode == "term-chained":  # installed before arming
         signal.signal(signal.SIGTERM, previous)
     target = CaptureTarget("gemm", "kernel", "kernels", "gemm", static=("w",), outputs=("out",))
-    armed = session.arm(
-        {
-            "MOEREPLAY_CAPTURE": "1",
-            "MOEREPLAY_DIR": directory,
-            "MOEREPLAY_TRIGGER": "flight",
-            "MOEREPLAY_ABSMAX": "1e4",
-            "MOEREPLAY_FLIGHT_BYTES": "64M",
-            "MOEREPLAY_WRITER_THREADS": "2",
-        },
-        targets=[target],
-    )
+    env = {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_DIR": directory,
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_ABSMAX": "1e4",
+        "MOEREPLAY_FLIGHT_BYTES": "64M",
+        "MOEREPLAY_WRITER_THREADS": "2",
+    }
+    armed = session.arm(env, targets=[target])
+    if mode == "term-late":  # installed after arming, then the plugin registers again (a forked vLLM Worker)
+        signal.signal(signal.SIGTERM, previous)
+        assert session.arm(env, targets=[target]) is armed
     if mode.startswith("term"):  # the writer thread does not poll now: only the SIGTERM handler finds the trigger
         armed.writer._poll_interval = 3600.0
         armed.writer.set_poll(armed.recorder.poll)
@@ -167,12 +168,16 @@ def test_sigterm_with_the_default_action_writes_the_trigger_and_the_footer(tmp_p
     _assert_written(_path(tmp_path), err)
 
 
-def test_sigterm_chains_to_the_handler_installed_before_arming(tmp_path: Path) -> None:
-    child = _start(tmp_path, "term-chained")
+@pytest.mark.parametrize("mode", ["term-chained", "term-late"])
+def test_sigterm_writes_first_then_chains_to_the_handler_vllm_installed(tmp_path: Path, mode: str) -> None:
+    """term-chained: the handler was there before arming (vLLM's Worker with spawn); term-late: it was installed
+    after arming and the plugin registered again (a forked Worker: armed at fork, handler, then plugins)."""
+    child = _start(tmp_path, mode)
     _ready(child)
     child.send_signal(signal.SIGTERM)
     code, out, err = _finish(child)
-    assert code == 3 and "previous handler" in out, err  # its SystemExit(3): the exit hook closes the file
+    # the trigger was written before the previous handler ran; its SystemExit(3): the exit hook closes the file
+    assert code == 3 and "previous handler, 1 call(s) written" in out, (out, err)
     _assert_written(_path(tmp_path), err)
 
 
