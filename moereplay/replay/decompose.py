@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,16 +63,30 @@ def _round_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RowFit:
-    """The fitted coefficients of one row. ``residual``: relative misfit; ``stderr``: per-term standard error."""
+    """The fitted coefficients of one row. ``residual``: relative misfit; ``stderr``: per-term standard error;
+    ``norm``: the row's L2 norm; ``term_norms``: each fitted term's row norm (what a unit of its coefficient
+    moves the row by)."""
 
     row: int
     coefficients: Mapping[str, float]
     stderr: Mapping[str, float]
     residual: float
+    norm: float = 0.0
+    term_norms: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def explained(self) -> bool:
         return self.residual <= FIT_RESIDUAL
+
+    def resolution(self, term: str, precision: float) -> float:
+        """The smallest change of ``term``'s coefficient the row can show: one that moves the row by more than
+        its own rounding (``precision`` relative, the output dtype's). A term far below the rest of the row (a bias
+        scaled by 1e30 beside a GEMM of size 1) is rounded away entirely: its coefficient is not measured, and a
+        fitted value however far from the expected one is no evidence."""
+        size = self.term_norms.get(term, 0.0)
+        if size <= 0.0 or self.norm <= 0.0:
+            return 0.0
+        return precision * self.norm / size
 
 
 def fit_rows(actual: torch.Tensor, reference: ReferenceResult, rows: Sequence[int]) -> list[RowFit]:
@@ -111,6 +125,8 @@ def fit_rows(actual: torch.Tensor, reference: ReferenceResult, rows: Sequence[in
             inverse_diag = torch.full(solution.shape, math.inf, dtype=torch.float64)
         sigma2 = residual**2 / dof
         stderr = (sigma2.unsqueeze(-1) * inverse_diag).clamp_min(0).sqrt()
+        row_norms = a.norm(dim=1)
+        term_norms = design.norm(dim=1)  # [m, k]
         for j, m in enumerate(members):
             rel = float(residual[j] / scale[j]) if float(scale[j]) > 0 else 0.0
             fits.append(
@@ -119,6 +135,8 @@ def fit_rows(actual: torch.Tensor, reference: ReferenceResult, rows: Sequence[in
                     {name: float(solution[j, i]) for i, name in enumerate(chosen)},
                     {name: float(stderr[j, i]) for i, name in enumerate(chosen)},
                     rel,
+                    float(row_norms[j]),
+                    {name: float(term_norms[j, i]) for i, name in enumerate(chosen)},
                 )
             )
     fits.sort(key=lambda fit: fit.row)
@@ -268,7 +286,12 @@ def explain_term(
         if not fit.explained or term not in fit.coefficients:
             continue
         c, e = fit.coefficients[term], float(expected[fit.row])
-        tolerance = max(4 * fit.stderr.get(term, 0.0), 2 * precision * max(abs(e), abs(c)), 1e-12)
+        tolerance = max(
+            4 * fit.stderr.get(term, 0.0),
+            2 * precision * max(abs(e), abs(c)),
+            fit.resolution(term, precision),
+            1e-12,
+        )
         if abs(c - e) > tolerance:
             wrong.append(fit)
     source = reference.sources.get(term)
@@ -559,10 +582,13 @@ def decompose(
         key = group_key(analysis)
         if key is not None:
             terms_sharing.setdefault(key, []).append(analysis.term)
+    riders = _riders(analyses, bad_rows, unexplained)
     emitted: set[tuple[object, ...]] = set()
     for analysis in analyses:
         if not analysis.wrong_rows and not analysis.explanations:
             continue
+        if analysis.term in riders:
+            continue  # told inside the finding that explains these rows (see _riders)
         best = analysis.best
         wrong = analysis.wrong_rows
         key = group_key(analysis)
@@ -647,6 +673,13 @@ def decompose(
                     if read.itemsize > tensor.element_size()
                     else ""
                 )
+        if riders and not any(f.kind is FindingKind.WRONG_COEFFICIENT for f in findings):
+            for term, (rows, note) in riders.items():
+                message += (
+                    f"; in these rows the {term} term's fitted coefficient also strays (rows {row_ranges(rows)}, "
+                    f"{note})"
+                )
+            evidence["also_deviating"] = {term: list(rows) for term, (rows, _) in riders.items()}
         findings.append(
             Finding(
                 FindingKind.WRONG_COEFFICIENT,
@@ -676,6 +709,48 @@ def decompose(
             )
         )
     return findings
+
+
+PRIMARY_CONFIDENCE = 0.5
+"""A term's explanation can stand as a diagnosis of its rows when it covers all of them with at least even odds."""
+
+
+def _primary(analysis: TermAnalysis) -> bool:
+    """Whether ``analysis``'s best explanation covers every row with a wrong coefficient on its term, with at least
+    :data:`PRIMARY_CONFIDENCE`."""
+    best = analysis.best
+    if best is None:
+        return False
+    total = len(set(analysis.wrong_rows) | set(best.rows))
+    return len(best.rows) == total and _confidence(best, total) >= PRIMARY_CONFIDENCE
+
+
+def _riders(
+    analyses: Sequence[TermAnalysis], bad_rows: Sequence[int], unexplained: Sequence[RowFit]
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Terms whose wrong coefficients no hypothesis explains well (none, or one short of :func:`_primary`), in rows
+    the primary explanations of other terms account for — when those account for every bad row. They are told
+    inside the first primary finding (term → rows, what matched best), not as findings of their own: a diagnosis
+    that explains every bad row stands without stray low-confidence lines beside it."""
+    covered: set[int] = set()
+    for analysis in analyses:
+        if _primary(analysis):
+            assert analysis.best is not None
+            covered |= set(analysis.best.rows)
+    if unexplained or not covered or not set(bad_rows) <= covered:
+        return {}
+    riders: dict[str, tuple[tuple[int, ...], str]] = {}
+    for analysis in analyses:
+        rows = tuple(sorted(set(analysis.wrong_rows) | set(analysis.best.rows if analysis.best else ())))
+        if _primary(analysis) or not rows or not set(rows) <= covered:
+            continue
+        best = analysis.best
+        if best is None:
+            note = "which no tested explanation matches"
+        else:
+            note = f"best matched by {best.description} (confidence {_confidence(best, len(rows)):.2f})"
+        riders[analysis.term] = (rows, note)
+    return riders
 
 
 def _fit_examples(fits: Sequence[RowFit], term: str, rows: Sequence[int]) -> list[dict[str, float | int]]:

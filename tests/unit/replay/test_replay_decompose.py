@@ -142,3 +142,46 @@ def test_values_that_are_no_combination_of_the_ingredients_are_unexplained() -> 
     (unexplained,) = of_kind(findings, FindingKind.UNEXPLAINED)
     assert unexplained.rows == (7,)
     assert not of_kind(findings, FindingKind.WRONG_COEFFICIENT)
+
+
+def test_a_term_drowned_by_another_is_no_stray_finding_beside_a_complete_explanation() -> None:
+    """The bias carries its coefficient × a huge per-row scale (2**100): the gemm term is far below the output's
+    rounding, so its fitted coefficient is noise — no "none of the tested explanations" finding beside the scale
+    explanation that covers every bad row."""
+    reference, weights = ingredients(bias=True)
+    w = weights.float()
+    scale = 2.0**100 / w  # the coefficient applied to the bias becomes exactly 2**100 (a power of two)
+    reference = ReferenceResult(
+        reference.output,
+        reference.written,
+        reference.rows,
+        {"gemm": reference.terms["gemm"], "bias": reference.terms["bias"].to(torch.bfloat16).float()},
+        reference.coefficients,
+        reference.sources,
+        {"global_scale": scale},
+    )
+    actual = (reference.terms["gemm"] * w[:, None] + reference.terms["bias"] * 2.0**100).to(torch.bfloat16)
+    findings = analyse(actual, reference, weights.float())
+    (wrong,) = of_kind(findings, FindingKind.WRONG_COEFFICIENT)
+    assert wrong.evidence["term"] == "bias" and wrong.rows == tuple(range(ROWS))
+    assert (wrong.evidence["hypothesis"], wrong.evidence["key"]) == ("scale", "global_scale*")
+    assert all(finding.confidence == 1.0 for finding in findings)
+    (diagnosis,) = of_kind(findings, FindingKind.DIAGNOSIS)
+    assert diagnosis.evidence["blame"] == "kernel"
+
+
+def test_a_weak_match_on_rows_a_diagnosis_explains_rides_inside_that_finding() -> None:
+    """Every row's bias is applied twice (a diagnosis of every bad row); row 5's gemm coefficient is also off by a
+    factor no hypothesis names, and only a chance match fits it: told inside the bias finding, not as a
+    low-confidence finding and diagnosis of its own."""
+    reference, weights = ingredients(bias=True)
+    w = weights.float()[:, None]
+    gemm_coefficient = w.clone()
+    gemm_coefficient[5] *= 1.37
+    actual = (reference.terms["gemm"] * gemm_coefficient + 2 * reference.terms["bias"] * w).to(torch.bfloat16)
+    findings = analyse(actual, reference, weights.float())
+    (wrong,) = of_kind(findings, FindingKind.WRONG_COEFFICIENT)
+    assert (wrong.evidence["term"], wrong.evidence["key"]) == ("bias", "2x")
+    assert wrong.evidence["also_deviating"] == {"gemm": [5]} and "gemm term" in wrong.message
+    (diagnosis,) = of_kind(findings, FindingKind.DIAGNOSIS)
+    assert diagnosis.confidence == 1.0
