@@ -76,12 +76,13 @@ def signature_of(result: Any, findings: Iterable[Any], inherited: Iterable[Any] 
 
 
 def observation_of(result: Any, findings: Iterable[Any], inherited: Iterable[Any] = ()) -> Observation:
-    """A variant's verdict as an observation: ``ok`` is good, ``invalid`` unresolved, anything else bad."""
+    """A variant's verdict as an observation: ``ok`` is good, ``invalid`` and ``needs-kernel`` (not judged)
+    unresolved, anything else bad."""
     verdict = result.verdict.value
     if verdict == "ok":
         return Observation.good()
-    if verdict == "invalid":
-        return Observation.unresolved(f"invalid: {result.reason}" if result.reason else "invalid")
+    if verdict in ("invalid", "needs-kernel"):
+        return Observation.unresolved(f"{verdict}: {result.reason}" if result.reason else verdict)
     note = f"{result.bad_rows}/{result.rows} rows bad" if getattr(result, "rows", 0) else ""
     if result.reason:
         note = f"{note}; {result.reason}" if note else result.reason
@@ -283,16 +284,17 @@ class ReplayJudge:
             full = {dimension.name: dimension.original for dimension in dimensions}
             options["args"] = loaded.op.shrink(loaded.args, {**full, **shape})
             source = _InMemoryCall(loaded.op.name)
-        if not mutations:
+        if not mutations:  # the call as captured: its headline, the worse of recorded and replayed
             report = self._replay(source, **options)
-            return observation_of(report.baseline, report.findings)
+            return observation_of(report.headline.result, report.findings)
         report = self._replay(source, mutations=[self.variant(call, mutations)], **options)
         result = report.variants[0]
-        # The engine leaves out of a variant the findings the baseline already reported word for word, so a
-        # variant failing like the baseline inherits the baseline's findings for its signature.
+        # The engine leaves out of a variant the findings the row it is set beside (the baseline; offline the
+        # recorded row) already reported word for word, so a variant failing like it inherits those findings.
         inherited: list[Any] = []
-        if result.verdict == report.baseline.verdict:
-            inherited = [finding for finding in report.findings if finding.variant == report.baseline.label]
+        peer = report.as_captured
+        if result.verdict == peer.verdict:
+            inherited = [finding for finding in report.findings if finding.variant == peer.label]
         return observation_of(result, report.findings, inherited)
 
 

@@ -1,8 +1,11 @@
 """``moereplay run``: replay captured calls as-is and with mutations, print one verdict table and the findings.
 
-A thin front over :func:`moereplay.replay.replay`. Exit status: 0 when every variant of every selected call is
-``ok``, 1 when anything is not (``corrupt``, ``nonfinite``, ``crash`` or ``invalid``), 2 for usage and file errors
-(one line on stderr, from ``moereplay.cli.main``). Results go to stdout: a rich table for people, one JSON document
+A thin front over :func:`moereplay.replay.replay`. Every call's table starts with its ``recorded`` row (the captured
+output judged against the reference) and its ``baseline`` (the replay; ``needs-kernel`` offline), and says the call's
+headline verdict: the worse of the two, and which. Exit status: 0 when every selected call's headline and every
+judged variant is ``ok``, 1 when anything is not (``corrupt``, ``nonfinite``, ``crash`` or ``invalid``; a
+``needs-kernel`` variant counts neither way), 2 for usage and file errors (one line on stderr, from
+``moereplay.cli.main``). Results go to stdout: a rich table for people, one JSON document
 with ``--json``; ``--json-out FILE`` writes that document to a file as well (a script can keep both).
 """
 
@@ -27,6 +30,7 @@ _VERDICT_STYLE = {
     "nonfinite": "bold magenta",
     "crash": "bold red reverse",
     "invalid": "yellow",
+    "needs-kernel": "dim",
 }
 
 
@@ -185,6 +189,11 @@ def render_reports(reports: list[ReplayReport]) -> None:
                 elapsed,
             )
         console.print(table)
+        headline = report.headline
+        line = Text("  verdict ")
+        line.append(headline.verdict.value, style=_VERDICT_STYLE.get(headline.verdict.value, ""))
+        line.append(f" ({headline.source})")
+        console.print(line)
         for result in report.results:
             if result.reason:
                 console.print(

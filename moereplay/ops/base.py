@@ -383,7 +383,10 @@ class TensorContract:
     code rejects a wrong dtype with an error; if ``False`` a wrong dtype is *silently reinterpreted*, which is
     exactly the class of bug a contract finding must name. ``host_checks``: optionally, every aspect the host code
     checks (shape, contiguity …), when it checks more than the dtype. ``required``: ``None`` is illegal.
-    ``contiguous``: the kernel indexes the storage densely from ``data_ptr`` (row-major, no gaps).
+    ``contiguous``: the kernel indexes the storage densely from ``data_ptr`` (row-major, no gaps). ``read_when``:
+    whether the kernel reads the argument at all under this call's flags (e.g. Marlin reads ``topk_weights`` only
+    with ``mul_topk_weights``); when it says no, the contract holds whatever was passed — nothing is checked
+    (``None``: read whenever present).
     """
 
     arg: str
@@ -397,6 +400,11 @@ class TensorContract:
     required: bool = True
     note: str = ""
     host_checks: frozenset[ContractAspect] | None = None
+    read_when: Callable[[Args], bool] | None = None
+
+    def read_by_kernel(self, args: Args) -> bool:
+        """Whether this call makes the kernel read the argument (see ``read_when``)."""
+        return self.read_when is None or bool(self.read_when(args))
 
     def checked_by_host(self, aspect: ContractAspect) -> bool:
         """Whether the host code rejects a call breaking ``aspect`` (``host_checks`` when given; else the dtype per
@@ -436,7 +444,10 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
 def check_contract(
     contract: TensorContract, args: Args, *, check_device: bool = True
 ) -> list[ContractViolation]:
-    """All ways ``args[contract.arg]`` breaks ``contract`` (empty when it holds). Cheap: metadata only."""
+    """All ways ``args[contract.arg]`` breaks ``contract`` (empty when it holds, or when the call's flags make the
+    kernel leave the argument unread). Cheap: metadata only."""
+    if not contract.read_by_kernel(args):
+        return []
     value = args.get(contract.arg)
     name = contract.arg
     host = contract.checked_by_host

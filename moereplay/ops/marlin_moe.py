@@ -28,6 +28,10 @@ topk_weights                float32, flat by output row       nothing
 So ``topk_weights`` of another dtype is silently reinterpreted: each float32 load covers the bytes of
 ``4 / itemsize`` elements, and rows past ``numel * itemsize / 4`` read past the end of the tensor.
 
+Some pointers are read only under the call's flags, and their contracts say so (``TensorContract.read_when``):
+``topk_weights`` only with ``mul_topk_weights``; ``perm`` only with act order (``g_idx`` and ``perm`` both
+non-empty), ``g_idx`` only with act order and ``is_k_full`` False; ``b_qzeros`` only when non-empty.
+
 Semantics: work is ``num_tokens_past_padded / moe_block_size`` blocks; block ``b`` multiplies the rows named by
 ``sorted_token_ids[b*bs:(b+1)*bs]`` (ids ``< size_m*top_k``) by expert ``expert_ids[b]``. Output row ``id`` is
 ``(input[id // top_k] @ W[e] + bias[e]) * topk_weights[id]`` (the weight only with ``mul_topk_weights``). For NVFP4
@@ -184,6 +188,26 @@ def _rows(args: Args) -> int | None:
     return size_m * top_k if isinstance(size_m, int) and isinstance(top_k, int) else None
 
 
+def _nonempty(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[-1] > 0
+
+
+def _act_order(args: Args) -> bool:
+    """The host code's ``has_act_order``: both ``g_idx`` and ``perm`` passed and non-empty."""
+    return _nonempty(args.get("g_idx")) and _nonempty(args.get("perm"))
+
+
+def _reads_g_idx(args: Args) -> bool:
+    """With act order the columns of ``input`` are permuted by ``perm`` first; with a full K the main kernel then
+    runs without act order and never reads ``g_idx``."""
+    return _act_order(args) and not args.get("is_k_full")
+
+
+def _has_zero_points(args: Args) -> bool:
+    """The host code's ``has_zp``: ``b_qzeros`` passed and non-empty."""
+    return _nonempty(args.get("b_qzeros"))
+
+
 def _min_workspace(args: Args) -> int | None:
     sorted_ids, size_n, block = args.get("sorted_token_ids"), args.get("size_n"), args.get("moe_block_size")
     if not (
@@ -256,7 +280,9 @@ CONTRACTS: tuple[TensorContract, ...] = (
         read_as=_b_qzeros_read_as,
         host_checked=False,
         required=False,
-        note="packed int32 zero points; with is_zp_float 16-bit zero points read as the c type",
+        note="packed int32 zero points; with is_zp_float 16-bit zero points read as the c type; read only when "
+        "non-empty",
+        read_when=_has_zero_points,
     ),
     TensorContract(
         "g_idx",
@@ -264,6 +290,8 @@ CONTRACTS: tuple[TensorContract, ...] = (
         host_checked=False,
         required=False,
         host_checks=frozenset({"contiguity", "device"}),
+        note="read only with act order (g_idx and perm non-empty) and is_k_full False",
+        read_when=_reads_g_idx,
     ),
     TensorContract(
         "perm",
@@ -271,6 +299,8 @@ CONTRACTS: tuple[TensorContract, ...] = (
         host_checked=False,
         required=False,
         host_checks=frozenset({"contiguity", "device"}),
+        note="read only with act order (g_idx and perm non-empty), to permute input's columns",
+        read_when=_act_order,
     ),
     TensorContract(
         "workspace",
@@ -292,6 +322,7 @@ CONTRACTS: tuple[TensorContract, ...] = (
         host_checked=False,
         numel=_rows,
         note="indexed by output row (sorted id) as float32; read only with mul_topk_weights",
+        read_when=lambda args: bool(args.get("mul_topk_weights")),
     ),
 )
 

@@ -135,7 +135,7 @@ ARGUMENTS: tuple[ArgSpec, ...] = (
     _arg("betas", ArgKind.TENSOR, "per-row bias multipliers (expert-sorted)"),
     _arg("gammas", ArgKind.TENSOR, "per-row output multipliers (expert-sorted; vLLM: the routing weights)"),
     _arg("out_alpha", ArgKind.SCALAR, "output multiplier"),
-    _arg("y", ArgKind.TENSOR, "output buffer [1, rows, N / reduction_n]"),
+    _arg("y", ArgKind.TENSOR, "output buffer [batch (1 for 2-D x), rows, N / reduction_n]"),
     _arg("fused_activation", ArgKind.OPAQUE, "FusedActivation (gpt-oss: swiglu alpha, limit)",
          codec=codecs.ACTIVATION),
     _arg("epilogue", ArgKind.OPAQUE, "Epilogue device function", codec=codecs.EPILOGUE),
@@ -523,9 +523,17 @@ def _x_dtypes(args: Args) -> tuple[torch.dtype, ...]:
     return (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def _batch(args: Args) -> int | None:
+    """The batch of a batched call (3-D ``x``: one GEMM per batch entry, no routing), else ``None``."""
+    x = args.get("x")
+    return int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() == 3 else None
+
+
 def _x_shape(args: Args) -> tuple[int | None, ...] | None:
     problem = _problem_or_none(args)
-    return None if problem is None else (None, problem.k)
+    if problem is None:
+        return None
+    return (None, problem.k) if _batch(args) is None else (None, None, problem.k)
 
 
 def _bias_shape(args: Args) -> tuple[int | None, ...] | None:
@@ -546,10 +554,13 @@ def _output_rows(problem: Problem, args: Args) -> int:
 
 
 def _y_shape(args: Args) -> tuple[int | None, ...] | None:
+    """``init_allocation``'s output shape, which ``apply_allocation`` asserts ``y`` has: ``[batch, rows, N /
+    reduction_n]`` with batch = ``x.shape[0]`` for a 3-D ``x``, else 1 (what ``matmul_ogs`` returns for a 2-D
+    ``x`` is that buffer without its leading 1)."""
     problem = _problem_or_none(args)
     if problem is None:
         return None
-    return (1, _output_rows(problem, args), problem.n // problem.reduction_n)
+    return (_batch(args) or 1, _output_rows(problem, args), problem.n // problem.reduction_n)
 
 
 def _y_dtype(args: Args) -> torch.dtype | None:
@@ -671,7 +682,8 @@ CONTRACTS: tuple[TensorContract, ...] = (
         host_checked=True,
         shape=_y_shape,
         required=False,
-        note="matmul_ogs asserts the shape [1, rows, N / reduction_n]",
+        note="matmul_ogs asserts the shape [batch, rows, N / reduction_n] (batch 1 unless x is 3-D)",
+        host_checks=frozenset({"dtype", "shape", "device", "presence"}),
     ),
     TensorContract(
         "gather_indx.src_indx",

@@ -206,6 +206,25 @@ def bit_exact(actual: torch.Tensor, other: torch.Tensor) -> bool:
     return bool(torch.equal(a, b.to(a.device)))
 
 
+def _without_leading_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
+    start = 0
+    while start < len(shape) - 1 and shape[start] == 1:
+        start += 1
+    return shape[start:]
+
+
+def aligned(actual: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor | None:
+    """``actual`` as a view of ``shape`` when the two differ only by leading singleton dimensions — the same
+    elements in the same order (e.g. ``matmul_ogs``' 3-D output buffer ``[1, rows, N]`` beside the ``[rows, N]``
+    it returns for 2-D activations); ``None`` when they hold different elements. Free: a view, no copy."""
+    wanted = tuple(int(size) for size in shape)
+    if tuple(actual.shape) == wanted:
+        return actual
+    if _without_leading_ones(tuple(actual.shape)) != _without_leading_ones(wanted):
+        return None
+    return actual.reshape(wanted)
+
+
 def _as_matrix(t: torch.Tensor) -> torch.Tensor:
     if t.ndim == 0:
         return t.reshape(1, 1)

@@ -5,7 +5,8 @@ Public API (imported lazily, so ``import moereplay.replay`` costs nothing)::
     from moereplay.replay import replay
     report = replay("run.moe.zst", call=3, mutations=["flip mul_topk_weights", "cast topk_weights=float32"],
                     fills=["0xff"], backend="pack:/opt/kernelpack", repeat=3)
-    report.baseline.verdict, [r.verdict for r in report.variants], report.findings
+    report.headline.text                      # "corrupt (recorded)": the worse of recorded and replayed
+    report.recorded.verdict, report.baseline.verdict, [r.verdict for r in report.variants], report.findings
 
     from moereplay.replay import ReplaySession          # one call loaded once, variants judged one at a time
     with ReplaySession("run.moe.zst", call=3, backend="auto") as session:
@@ -35,6 +36,7 @@ _EXPORTS = {
     "ReplayReport": "moereplay.replay.results",
     "VariantResult": "moereplay.replay.results",
     "Verdict": "moereplay.replay.results",
+    "Headline": "moereplay.replay.results",
     "GuardStatus": "moereplay.replay.results",
     "Finding": "moereplay.replay.findings",
     "FindingKind": "moereplay.replay.findings",

@@ -11,8 +11,11 @@ One call of :class:`~moereplay.replay.session.ReplaySession` from start to end:
    the guard fill (an out-of-bounds read, localised to a tensor and a byte range), the variants that fix a failing
    baseline and whether they confirm the diagnosis.
 
-With the ``reference`` backend no kernel runs: the *captured* output is judged against the reference (the offline
-verdict), and a variant asks "does the captured output match the semantics of this changed call?".
+Every report also carries the *recorded* row: the captured output judged against the reference (what production
+saw); the headline verdict is the worse of recorded and replayed. With the ``reference`` backend no kernel runs: the
+recorded row is the offline verdict, the baseline and the variants only a kernel can answer (fills, casts, launch
+configurations) are ``needs-kernel``, and any other variant asks "does the captured output match the semantics of
+this changed call?".
 """
 
 from __future__ import annotations

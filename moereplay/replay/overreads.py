@@ -18,16 +18,20 @@ from typing import Any
 import torch
 
 from moereplay.ops.base import Args, ContractViolation, OpSpec, tensor_leaves
+from moereplay.reference.compare import aligned
 from moereplay.replay.memory import GuardWindow, storage_groups
 from moereplay.replay.mutations import BASELINE, FillPattern
 from moereplay.replay.runner import Runner, RunRequest
 
 
 def written_bytes_equal(a: torch.Tensor, b: torch.Tensor, written: torch.Tensor) -> bool:
-    """Whether the rows a correct kernel writes hold the same bytes in ``a`` and ``b`` (NaN payloads count). One
-    host sync (no boolean indexing, which would add one)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
+    """Whether the rows a correct kernel writes hold the same bytes in ``a`` and ``b`` (NaN payloads count; shapes
+    that differ only by leading dimensions of 1 hold the same elements). One host sync (no boolean indexing, which
+    would add one)."""
+    shaped = aligned(b, a.shape)
+    if shaped is None or a.dtype != b.dtype:
         return False
+    b = shaped
     if a.numel() == 0:
         return True
     rows = written.to(a.device, torch.bool).reshape(-1)
@@ -37,7 +41,7 @@ def written_bytes_equal(a: torch.Tensor, b: torch.Tensor, written: torch.Tensor)
 
 
 def differing_rows(a: torch.Tensor, b: torch.Tensor, written: torch.Tensor) -> list[int]:
-    """Written rows whose bytes differ between two outputs of one shape."""
+    """Written rows whose bytes differ between two outputs of one shape (up to leading dimensions of 1)."""
     rows = written.numel()
     left = a.to(b.device).contiguous().view(torch.uint8).reshape(rows, -1)
     right = b.contiguous().view(torch.uint8).reshape(rows, -1)

@@ -6,7 +6,7 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from moereplay.replay.findings import Finding
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class Verdict(enum.Enum):
-    """How one variant ended, worst first in :data:`SEVERITY` order."""
+    """How one variant ended, worst first in :data:`SEVERITY` order (``needs-kernel``: not judged at all)."""
 
     OK = "ok"  # every written row within tolerance of the reference, no guard damage
     CORRUPT = "corrupt"  # rows over tolerance, or guard bytes written
@@ -26,9 +26,14 @@ class Verdict(enum.Enum):
     INVALID = (
         "invalid"  # outside the op's domain or rejected by the kernel's host checks: unresolved, never a pass
     )
+    NEEDS_KERNEL = "needs-kernel"  # only a kernel run can answer it and none runs (offline): not judged
 
 
 SEVERITY = {Verdict.OK: 0, Verdict.CORRUPT: 1, Verdict.NONFINITE: 2, Verdict.CRASH: 3, Verdict.INVALID: 4}
+"""Judged verdicts, best to worst; ``needs-kernel`` is not among them (nothing was judged)."""
+
+RECORDED = "recorded"
+"""Label of the row that judges the captured output (what production saw) against the exact reference."""
 
 
 class GuardStatus(enum.Enum):
@@ -63,8 +68,14 @@ class VariantResult:
     tolerance: str = ""
 
     @property
+    def judged(self) -> bool:
+        """Whether an output was judged at all (``needs-kernel`` rows were not)."""
+        return self.verdict is not Verdict.NEEDS_KERNEL
+
+    @property
     def failed(self) -> bool:
-        return self.verdict is not Verdict.OK
+        """Judged and not ``ok`` (a ``needs-kernel`` row neither passes nor fails)."""
+        return self.judged and self.verdict is not Verdict.OK
 
     def to_json(self) -> dict[str, Any]:
         def number(value: float) -> float | None:
@@ -127,9 +138,59 @@ class VariantOutcome:
         return self.result.verdict
 
 
+HeadlineSource = Literal["recorded", "replayed", "recorded and replayed", "nothing judged"]
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A call's verdict: the worse of its recorded output's and its replay's, and which of the two it is.
+
+    ``result``: the row the verdict comes from (the replay's on a tie); ``source``: ``recorded`` (the captured
+    output judged against the reference), ``replayed`` (the baseline replay), both when they agree, or ``nothing
+    judged`` (offline without a captured output).
+    """
+
+    verdict: Verdict
+    source: HeadlineSource
+    result: VariantResult
+
+    def __post_init__(self) -> None:
+        if self.verdict is not self.result.verdict:
+            raise ValueError(
+                f"headline {self.verdict.value} differs from its row's {self.result.verdict.value}"
+            )
+
+    @property
+    def text(self) -> str:
+        """``"corrupt (recorded)"``."""
+        return f"{self.verdict.value} ({self.source})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"verdict": self.verdict.value, "source": self.source, "label": self.result.label}
+
+
+def headline_of(recorded: VariantResult | None, replayed: VariantResult) -> Headline:
+    """The worse (:data:`SEVERITY`) of the judged rows among ``recorded`` and ``replayed``."""
+    judged = [result for result in (recorded, replayed) if result is not None and result.judged]
+    if not judged:
+        return Headline(replayed.verdict, "nothing judged", replayed)
+    worst = max(SEVERITY[result.verdict] for result in judged)
+    at_worst = [result for result in judged if SEVERITY[result.verdict] == worst]
+    if len(at_worst) == 2:
+        return Headline(replayed.verdict, "recorded and replayed", replayed)
+    (result,) = at_worst
+    return Headline(result.verdict, "replayed" if result is replayed else "recorded", result)
+
+
 @dataclass(frozen=True)
 class ReplayReport:
     """Everything one replay of one call found. ``variants`` excludes the baseline.
+
+    ``recorded``: the captured output judged against the exact reference of the call as captured — what production
+    saw — (``None`` when the capture holds no output); ``baseline``: the call as captured, replayed on the kernel
+    (offline: ``needs-kernel``). :attr:`headline` is the worse of the two. Offline, variants are set beside the
+    recorded row (the captured output judged against each changed call's reference); with a kernel, beside the
+    baseline.
 
     ``tensors`` (label → :class:`KeptTensors`) is filled only when asked for (``keep_tensors``) and is not part of
     the JSON form; nor is ``phases``: seconds per phase of the session's work (see
@@ -147,15 +208,36 @@ class ReplayReport:
     notes: tuple[str, ...] = field(default=())
     tensors: Mapping[str, KeptTensors] = field(default_factory=dict, compare=False, repr=False)
     phases: Mapping[str, float] = field(default_factory=dict, compare=False, repr=False)
+    recorded: VariantResult | None = None
+
+    def __post_init__(self) -> None:
+        if self.recorded is not None and self.recorded.label != RECORDED:
+            raise ValueError(f"the recorded row is labelled {self.recorded.label!r}, not {RECORDED!r}")
 
     @property
     def results(self) -> tuple[VariantResult, ...]:
-        return (self.baseline, *self.variants)
+        """Every row, as the table shows them: recorded (when captured), baseline, then the variants."""
+        head = (self.recorded,) if self.recorded is not None else ()
+        return (*head, self.baseline, *self.variants)
+
+    @property
+    def headline(self) -> Headline:
+        """The call's verdict: the worse of recorded and replayed, saying which."""
+        return headline_of(self.recorded, self.baseline)
+
+    @property
+    def as_captured(self) -> VariantResult:
+        """The judged row of the call as captured that variants are set beside: the replayed baseline, or offline
+        (baseline not judged) the recorded row."""
+        if self.baseline.judged or self.recorded is None:
+            return self.baseline
+        return self.recorded
 
     @property
     def failed(self) -> bool:
-        """Anything not ``ok``: the CLI's exit status 1."""
-        return any(result.failed for result in self.results)
+        """The CLI's exit status 1: the headline is not ``ok`` (also when nothing could be judged), or a judged
+        variant is not; ``needs-kernel`` variants count neither way."""
+        return self.headline.verdict is not Verdict.OK or any(result.failed for result in self.variants)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -165,6 +247,7 @@ class ReplayReport:
             "backend": self.backend,
             "device": self.device,
             "failed": self.failed,
+            "headline": self.headline.to_json(),
             "results": [result.to_json() for result in self.results],
             "findings": [finding.to_json() for finding in self.findings],
             "notes": list(self.notes),

@@ -18,11 +18,20 @@ rows (localisation, decomposition, diagnosis). Findings that need several varian
 the guard fill (then localised to a tensor and bytes, :mod:`moereplay.replay.overreads`), the variants that fix a
 failing baseline — are made by :meth:`ReplaySession.report`.
 
-With the ``reference`` backend no kernel runs: the *captured* output is judged against each variant's reference.
+Besides the baseline, the *recorded* row judges the captured output — what production saw — against the exact
+reference of the call as captured (:attr:`ReplaySession.recorded`, once per session); a call's headline verdict is
+the worse of the two (:attr:`~moereplay.replay.results.ReplayReport.headline`).
+
+With the ``reference`` backend no kernel runs: the recorded row is the judgement of the call, the baseline is
+``needs-kernel``, and a variant asks "is the captured output what this changed call computes?" — judged against the
+variant's reference without coefficient fits or blame (its call never ran). A variant only a kernel run can answer
+— a guard fill, a cast, or a change that leaves the reference as it was (launch configurations) — is
+``needs-kernel``: shown, never judged, never failing the exit status.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -43,6 +52,7 @@ from moereplay.ops.base import (
     contract_args,
     contract_violations,
 )
+from moereplay.reference.compare import aligned, bit_exact
 from moereplay.replay import localize
 from moereplay.replay.backends import BackendSpec, load_backend, parse_backend
 from moereplay.replay.decompose import decompose
@@ -53,6 +63,7 @@ from moereplay.replay.memory import DEFAULT_GUARD_BYTES
 from moereplay.replay.mutations import (
     BASELINE,
     DEFAULT_FILL,
+    Cast,
     Fill,
     FillPattern,
     Variant,
@@ -63,6 +74,7 @@ from moereplay.replay.mutations import (
 )
 from moereplay.replay.overreads import ReadLocaliser, differing_rows, written_bytes_equal
 from moereplay.replay.results import (
+    RECORDED,
     GuardStatus,
     KeptTensors,
     ReplayReport,
@@ -84,6 +96,43 @@ class _Evaluation:
     outcome: VariantOutcome
     output: torch.Tensor | None
     reference: ReferenceResult | None
+
+
+RECORDED_VARIANT = Variant((), RECORDED)
+"""The call as captured, judged by its recorded output rather than a replay (no mutations, its own label)."""
+
+_NO_REPLAY = "replaying the call needs a kernel backend; the recorded row judges the captured output"
+_NOTHING_RECORDED = "the capture holds no output for this call and no kernel backend runs: nothing to judge"
+_FILL_NEEDS_KERNEL = "guard fills need a kernel backend (the reference reads no memory)"
+_CAST_NEEDS_KERNEL = "a cast changes the bytes the kernel reads, not what the call computes: only a kernel run shows its effect"
+_SAME_MEANING = (
+    "the change leaves what the call computes as it was (the reference of the call as captured): only a kernel run "
+    "shows its effect"
+)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN payloads included): two references that say the same thing."""
+    return a is b or bit_exact(a, b)
+
+
+def _kept(output: torch.Tensor, reference: ReferenceResult, allowance: Any) -> KeptTensors:
+    """A judged output beside its reference, copied to the CPU (references are cached: hand out copies)."""
+    return KeptTensors(
+        output.detach().cpu().clone(),
+        reference.output.detach().float().cpu().clone(),
+        reference.written.detach().cpu().clone(),
+        reference.rows,
+        None if allowance is None else allowance.absolute.detach().float().cpu().clone(),
+        None if allowance is None else allowance.label,
+    )
+
+
+def _shape_mismatch(actual: torch.Tensor, reference: ReferenceResult) -> str:
+    return (
+        f"output shape {tuple(actual.shape)} differs from the reference's {tuple(reference.output.shape)} "
+        "(other elements, not only a leading batch dimension of 1)"
+    )
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -156,6 +205,8 @@ class ReplaySession:
             str, Any
         ] = {}  # label -> the ErrorAllowance the variant was judged with
         self._order: list[_Evaluation] = []
+        self._recorded: _Evaluation | None = None
+        self._recorded_judged = False
         self._read_findings: dict[str, list[Finding]] = {}
         self._localised = False
         self._sanitizer: list[Finding] = []
@@ -254,13 +305,29 @@ class ReplaySession:
 
     @property
     def baseline(self) -> VariantOutcome:
-        """The call as captured (evaluated on first use; every variant is judged beside it)."""
+        """The call as captured, replayed (evaluated on first use; every variant is judged beside it). Offline
+        (no kernel backend) it is ``needs-kernel``: :attr:`recorded` judges the captured output instead."""
         return self._evaluate(BASELINE).outcome
+
+    @property
+    def recorded(self) -> VariantOutcome | None:
+        """The captured output — what production saw — judged against the exact reference of the call as
+        captured; ``None`` when the capture holds no output. Judged once per session: offline it is the only
+        judgement of the call as captured; with a kernel, a replay bit-exact with the capture makes it the
+        baseline's row under its own label (same numbers; the findings are the baseline's)."""
+        evaluation = self._judge_recorded()
+        return None if evaluation is None else evaluation.outcome
+
+    @property
+    def _peer(self) -> str:
+        """The label of the row variants are set beside: the replayed baseline, or offline the recorded row."""
+        return "baseline" if self.spec.runs_kernels else RECORDED
 
     def run(self, variant: Variant | str) -> VariantOutcome:
         """Judge one variant (a :class:`Variant` or one mutation text); the same variant twice is judged once."""
         chosen = self._variant(variant)
         self.baseline  # noqa: B018 - the baseline first: variants are judged beside it
+        self.recorded  # noqa: B018 - offline, variants are set beside the recorded row
         return self._evaluate(chosen).outcome
 
     def run_all(self, variants: Sequence[Variant | str]) -> list[VariantOutcome]:
@@ -360,25 +427,91 @@ class ReplaySession:
         outcome = VariantOutcome(result, tuple(self.findings[start:]))
         keep_output = self.keep_tensors or variant.is_baseline or is_fill_only(variant)
         if self.keep_tensors and output is not None and reference is not None:
-            outcome = VariantOutcome(
-                result,
-                outcome.findings,
-                KeptTensors(
-                    output.detach().cpu().clone(),
-                    reference.output.detach().float().cpu().clone(),  # references are cached: hand out copies
-                    reference.written.detach().cpu().clone(),
-                    reference.rows,
-                    None if allowance is None else allowance.absolute.detach().float().cpu().clone(),
-                    None if allowance is None else allowance.label,
-                ),
-            )
+            outcome = VariantOutcome(result, outcome.findings, _kept(output, reference, allowance))
         evaluation = _Evaluation(variant, outcome, output if keep_output else None, reference)
         self._evaluations[key] = evaluation
         self._order.append(evaluation)
         return evaluation
 
+    def _judge_recorded(self) -> _Evaluation | None:
+        """The recorded row (see :attr:`recorded`), judged on first use."""
+        if self._recorded_judged:
+            return self._recorded
+        self._recorded_judged = True
+        captured = self.call.captured_output
+        if captured is None:
+            return None
+        baseline = self._evaluate(BASELINE)
+        start = len(self.findings)
+        output: torch.Tensor | None = None
+        reference = baseline.reference
+        replayed = baseline.output
+        if replayed is not None and reference is not None:
+            shaped = aligned(captured.to(replayed.device), replayed.shape)
+            if shaped is not None and written_bytes_equal(replayed, shaped, reference.written):
+                result = dataclasses.replace(
+                    baseline.outcome.result,
+                    label=RECORDED,
+                    mutations=(),
+                    bit_exact=None,
+                    guard=GuardStatus.NOT_CHECKED,
+                    elapsed_s=None,
+                )
+                self.notes.append(
+                    "the recorded output is the replayed one byte for byte: the baseline's findings are the "
+                    "recorded row's too"
+                )
+                tensors = baseline.outcome.tensors
+                evaluation = _Evaluation(
+                    RECORDED_VARIANT, VariantOutcome(result, (), tensors), shaped, reference
+                )
+                self._recorded = evaluation
+                return evaluation
+        result, output, reference = self._judge_captured(captured)
+        allowance = self._judged_allowances.pop(RECORDED, None)
+        outcome = VariantOutcome(result, tuple(self.findings[start:]))
+        if self.keep_tensors and output is not None and reference is not None:
+            outcome = VariantOutcome(result, outcome.findings, _kept(output, reference, allowance))
+        self._recorded = _Evaluation(RECORDED_VARIANT, outcome, output, reference)
+        return self._recorded
+
+    def _judge_captured(
+        self, captured: torch.Tensor
+    ) -> tuple[VariantResult, torch.Tensor | None, ReferenceResult | None]:
+        """The captured output against the reference of the call as captured (no kernel runs)."""
+        variant = RECORDED_VARIANT
+        try:
+            with self.phases.phase("reference"):
+                key = self._reference_key(self.call.args)
+                reference = self.reference_for(self.call.args, key)
+        except ReferenceError_ as error:
+            return self._invalid(variant, f"no reference for this call: {error}")
+        shaped = aligned(captured.to(reference.output.device), reference.output.shape)
+        if shaped is None:
+            return self._invalid(variant, _shape_mismatch(captured, reference))
+        with self.phases.phase("judge"):
+            result = self._judge(variant, self.call.args, reference, [shaped], None, None, key)
+        if result.verdict is Verdict.INVALID:
+            return result, None, None
+        return result, shaped, reference
+
     def _invalid(self, variant: Variant, reason: str) -> tuple[VariantResult, None, None]:
         return VariantResult(variant.label, variant.specs, Verdict.INVALID, reason), None, None
+
+    def _needs_kernel(self, variant: Variant, reason: str) -> tuple[VariantResult, None, None]:
+        """Offline, a variant only a kernel run can answer: shown as such, never judged (no findings about it)."""
+        return VariantResult(variant.label, variant.specs, Verdict.NEEDS_KERNEL, reason), None, None
+
+    def _same_reference(self, reference: ReferenceResult) -> bool:
+        """Whether ``reference`` says what the call as captured computes (offline, judging the recorded output
+        against it again would only repeat the recorded row)."""
+        try:
+            captured = self.reference_for(self.call.args)
+        except ReferenceError_:
+            return False
+        return _same_bytes(reference.output, captured.output) and _same_bytes(
+            reference.written, captured.written
+        )
 
     def _judge_variant(
         self, variant: Variant
@@ -400,6 +533,15 @@ class ReplaySession:
             return self._invalid(
                 variant, "the kernel's host code rejects it: " + "; ".join(v.describe() for v in rejected)
             )
+        if not self.spec.runs_kernels:
+            if variant.is_baseline:  # the recorded row judges the call as captured
+                return self._needs_kernel(
+                    variant, _NO_REPLAY if self.call.captured_output is not None else _NOTHING_RECORDED
+                )
+            if any(isinstance(m, Fill) for m in variant.mutations):
+                return self._needs_kernel(variant, _FILL_NEEDS_KERNEL)
+            if any(isinstance(m, Cast) for m in variant.mutations):
+                return self._needs_kernel(variant, _CAST_NEEDS_KERNEL)
         try:
             with phases.phase("reference"):
                 reference_key = self._reference_key(applied.args)
@@ -430,16 +572,16 @@ class ReplaySession:
                 outputs = [output.to(reference.output.device) for output in run.outputs]
             fill = applied.fill
         else:
-            if any(isinstance(m, Fill) for m in variant.mutations):
-                return self._invalid(
-                    variant, "guard fills need a kernel backend (the reference reads no memory)"
-                )
             if self.call.captured_output is None:
-                return self._invalid(
-                    variant, "the capture holds no output for this call and no kernel backend runs"
-                )
+                return self._needs_kernel(variant, _NOTHING_RECORDED)
+            if self._same_reference(reference):
+                return self._needs_kernel(variant, _SAME_MEANING)
             outputs = [self.call.captured_output.to(reference.output.device)]
             fill = None
+        shaped = [aligned(output, reference.output.shape) for output in outputs]
+        if any(output is None for output in shaped):
+            return self._invalid(variant, _shape_mismatch(outputs[0], reference))
+        outputs = [output for output in shaped if output is not None]
         with phases.phase("judge"):
             result = self._judge(variant, applied.args, reference, outputs, run, fill, reference_key)
         if result.verdict is Verdict.INVALID:
@@ -461,10 +603,7 @@ class ReplaySession:
         label = variant.label
         actual = outputs[0]
         if actual.shape != reference.output.shape:
-            return self._invalid(
-                variant,
-                f"output shape {tuple(actual.shape)} differs from the reference's {tuple(reference.output.shape)}",
-            )[0]
+            return self._invalid(variant, _shape_mismatch(actual, reference))[0]
         phases = self.phases
         try:  # a launch that rounds partial sums to 16 bits is judged beyond its rounding bound
             with phases.phase("judge/allowance"):
@@ -542,7 +681,10 @@ class ReplaySession:
             findings.append(repeats)
         findings.extend(localize.guard_damage(damage, label))
         phases.add("judge/localize", time.perf_counter() - localizing)
-        if bad and not is_fill_only(variant):  # a fill variant's story is told by the over-read analysis
+        # a fill variant's story is told by the over-read analysis; offline, a variant's output is the captured one,
+        # which its changed call never produced: no coefficient fits, no blame (only a kernel run can show them)
+        explains = not is_fill_only(variant) and (run is not None or variant.is_baseline)
+        if bad and explains:
             findings.extend(
                 decompose(
                     actual,
@@ -562,16 +704,19 @@ class ReplaySession:
         return result
 
     def _beyond_baseline(self, findings: list[Finding], variant: Variant) -> list[Finding]:
-        """A variant's findings minus those the baseline already reported word for word (one line says so)."""
-        said = {(f.kind, f.message) for f in self.findings if f.variant == "baseline"}
+        """A variant's findings minus those the row it is set beside (the baseline; offline the recorded row)
+        already reported word for word (one line says so)."""
+        peer = self._peer
+        said = {(f.kind, f.message) for f in self.findings if f.variant in ("baseline", peer)}
         fresh = [f for f in findings if (f.kind, f.message) not in said]
         if findings and not fresh:
             return [
                 Finding(
                     FindingKind.CORRUPT_ROWS,
-                    "the same failure as the baseline: same rows, same explanation",
+                    f"the same findings as the {peer} row: same rows"
+                    + (", same explanation" if self.spec.runs_kernels else ""),
                     variant.label,
-                    {"same_as": "baseline"},
+                    {"same_as": peer},
                     rows=findings[0].rows,
                 )
             ]
@@ -620,15 +765,35 @@ class ReplaySession:
         return [Finding(FindingKind.OOB_READ, message, evaluation.variant.label, evidence, rows=tuple(rows))]
 
     def _fixes(self) -> list[Finding]:
-        """Which variants turn a failing baseline into ``ok`` — and whether they confirm a suggested fix."""
-        baseline = self._evaluate(BASELINE).outcome.result
-        if baseline.verdict in (Verdict.OK, Verdict.INVALID):
+        """Which variants turn a failing baseline into ``ok`` — and whether they confirm a suggested fix. Offline
+        nothing is fixed: a variant that is ``ok`` says the recorded output is what the changed call computes."""
+        peer = self._evaluate(BASELINE).outcome.result
+        if not self.spec.runs_kernels:
+            recorded = self._judge_recorded()
+            if recorded is None:
+                return []
+            peer = recorded.outcome.result
+        if peer.verdict in (Verdict.OK, Verdict.INVALID, Verdict.NEEDS_KERNEL):
             return []
         evaluations = [e for e in self._order if not e.variant.is_baseline]
         fixed = [e for e in evaluations if e.outcome.verdict is Verdict.OK and not is_fill_only(e.variant)]
-        still = [e for e in evaluations if e.outcome.verdict not in (Verdict.OK, Verdict.INVALID)]
+        still = [
+            e for e in evaluations if e.outcome.result.failed and e.outcome.verdict is not Verdict.INVALID
+        ]
         if not fixed:
             return []
+        if not self.spec.runs_kernels:
+            labels = [e.variant.label for e in fixed]
+            return [
+                Finding(
+                    FindingKind.DIAGNOSIS,
+                    f"the recorded output is what the call computes with: {'; '.join(labels)} — a hypothesis "
+                    "about what the kernel did, not a fix (only a kernel run tests a fix)",
+                    "all",
+                    {"recorded_matches": labels},
+                    confidence=0.8,
+                )
+            ]
         suggested = {s for f in self.findings if f.kind is FindingKind.DIAGNOSIS for s in f.suggestions}
         confirmed = [e for e in fixed if set(e.variant.specs) & suggested]
         message = "fixed by: " + "; ".join(e.variant.label for e in fixed)
@@ -649,9 +814,11 @@ class ReplaySession:
         """The report over every variant run so far: verdict rows in the order they ran, their findings, then the
         cross-variant findings (over-reads — localising one may run the kernel — fixes) and any sanitizer report."""
         baseline = self._evaluate(BASELINE)
+        recorded = self._judge_recorded()
         variants = [e for e in self._order if not e.variant.is_baseline]
         findings = [*self.findings, *self._over_reads(), *self._fixes(), *self._sanitizer]
-        tensors = {e.variant.label: e.outcome.tensors for e in self._order if e.outcome.tensors is not None}
+        kept = [*([recorded] if recorded is not None else []), *self._order]
+        tensors = {e.variant.label: e.outcome.tensors for e in kept if e.outcome.tensors is not None}
         return ReplayReport(
             op=self.op.name,
             call=self.call.index,
@@ -664,4 +831,5 @@ class ReplaySession:
             notes=tuple(self.notes),
             tensors=tensors,
             phases=self.phases.snapshot(),
+            recorded=None if recorded is None else recorded.outcome.result,
         )

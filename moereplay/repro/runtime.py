@@ -2,7 +2,8 @@
 
 This module travels inside every repro bundle, so it needs nothing beyond the replay engine: no rich, no typer. The
 table has the columns of ``moereplay run`` (variant, verdict, bad/rows, max rel, rms rel, max abs, NaN, Inf,
-bit-exact, guard, time), then the reasons for ``invalid``/``crash`` verdicts, the findings (with the mutations they
+bit-exact, guard, time; the recorded output's row first), the call's verdict (the worse of recorded and replayed),
+then the reasons for ``invalid``/``crash``/``needs-kernel`` verdicts, the findings (with the mutations they
 suggest) and the engine's notes.
 """
 
@@ -80,6 +81,7 @@ def render_text(report: ReplayReport) -> str:
     out = [title, line(COLUMNS), line(["-" * width for width in widths])]
     out.extend(line(row) for row in rows)
     out.append(f"backend {report.backend} on {report.device}")
+    out.append(f"  verdict {report.headline.text}")
     for result in report.results:
         if result.reason:
             out.append(f"  {result.label}: {result.verdict.value} — {result.reason}")

@@ -80,13 +80,13 @@ class MoereplayApp(App[None]):
     # ------------------------------------------------------------------------------------------ shared state
 
     def remember(self, outcome: ReplayOutcome) -> None:
-        """Keep a call's latest replay and its baseline verdict."""
+        """Keep a call's latest replay and its headline verdict (the worse of recorded and replayed)."""
         call = outcome.request.call
         self.outcomes[call] = outcome
         self.outcomes.move_to_end(call)
         while len(self.outcomes) > OUTCOMES_KEPT:
             self.outcomes.popitem(last=False)
-        self.verdicts[call] = outcome.report.baseline.verdict.value
+        self.verdicts[call] = outcome.report.headline.verdict.value
 
     # ------------------------------------------------------------------------------------------ bisect
 

@@ -1,10 +1,11 @@
 """The browser's filter / search line: ``op:marlin* layer:3 step:10-12 status:completed verdict:corrupt text``.
 
 Terms are ANDed. ``field:value`` terms: ``op`` (a glob), ``layer`` / ``step`` / ``rank`` / ``call`` (a number or an
-inclusive range ``a-b``), ``status`` (prefix of inputs_saved / completed / failed), ``verdict`` (ok, corrupt,
-nonfinite, crash, invalid, ``bad`` for any failure, ``none`` for calls not replayed yet). Any other word is matched
-as a substring of the row's index, op, site, status and key shapes. Parsing never raises: a malformed term is kept
-as free text and reported in :attr:`CallFilter.problems`.
+inclusive range ``a-b``), ``status`` (prefix of inputs_saved / completed / failed), ``verdict`` (a call's headline:
+the worse of its recorded output and its replay — ok, corrupt, nonfinite, crash, invalid, needs-kernel; ``bad`` for
+any failure, ``none`` for calls not replayed yet). Any other word is matched as a substring of the row's index, op,
+site, status and key shapes. Parsing never raises: a malformed term is kept as free text and reported in
+:attr:`CallFilter.problems`.
 """
 
 from __future__ import annotations

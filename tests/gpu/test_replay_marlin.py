@@ -379,9 +379,9 @@ def test_correct_call_sweeps_block_sizes_and_thread_configs(
         capsys=capsys,
     )
     report = report_of(saved)
-    assert len(report["results"]) == 1 + 5 + 5 + 2
+    assert len(report["results"]) == 2 + 5 + 5 + 2  # recorded, baseline, the variants
     assert [r["label"] for r in report["results"] if r["verdict"] != "ok"] == []
-    assert all(r["guard"] == "clean" for r in report["results"])
+    assert all(r["guard"] == "clean" for r in report["results"] if r["label"] != "recorded")
     assert done.returncode == 0
 
 
@@ -407,7 +407,7 @@ def test_correct_call_every_instantiated_tile_and_the_reduction_modes(
         "run", path, "--call", "0", "--sweep", sweep, "--backend", BACKEND, "--json-out", saved, capsys=capsys
     )
     report = report_of(saved)
-    assert len(report["results"]) == 1 + len(triples)
+    assert len(report["results"]) == 2 + len(triples)  # recorded, baseline, the tiles
     assert [r["label"] for r in report["results"] if r["verdict"] != "ok"] == []
     assert done.returncode == 0
 
@@ -432,7 +432,7 @@ def test_correct_call_every_instantiated_tile_and_the_reduction_modes(
         capsys=capsys,
     )
     reductions = report_of(saved)
-    assert len(reductions["results"]) == 4
+    assert len(reductions["results"]) == 5  # recorded, baseline, three reduction modes
     for item in reductions["results"]:
         assert item["verdict"] == "ok", item
         assert item["max_rel"] < 0.1 and item["nan"] == 0 and item["inf"] == 0, item

@@ -34,11 +34,12 @@ async def test_opening_a_call_replays_it_and_fills_every_tab(marlin_capture: Pat
         screen = await open_call(pilot)
         assert screen.outcome is not None
         report = screen.outcome.report
-        assert report.baseline.verdict.value == "corrupt"
-        assert report.baseline.bad_rows == 1
+        assert report.recorded is not None and report.recorded.verdict.value == "corrupt"
+        assert report.recorded.bad_rows == 1
+        assert report.baseline.verdict.value == "needs-kernel"  # offline: nothing replays
         matrix = screen.query_one(VariantMatrix)
-        assert matrix.labels == ("baseline",)
-        assert screen.variant == "baseline"
+        assert matrix.labels == ("recorded", "baseline")
+        assert screen.variant == "recorded"
         kinds = {finding.kind.value for finding in screen.query_one(FindingsPanel).findings}
         assert {"corrupt_rows", "diagnosis"} <= kinds
         heat = screen.query_one(HeatMap)
@@ -64,7 +65,7 @@ async def test_add_rerun_and_remove_mutations(marlin_capture: Path) -> None:
         await pilot.press(*(["backspace"] * 12), *"mul_topk_weights", "enter")
         assert app.screen is screen
         assert screen.mutations == ["flip mul_topk_weights"]
-        assert screen.query_one(VariantMatrix).labels == ("baseline", "flip mul_topk_weights")
+        assert screen.query_one(VariantMatrix).labels == ("recorded", "baseline", "flip mul_topk_weights")
         screen.add_mutation("sweep moe_block_size=8,32")
         assert screen.query_one(VariantMatrix).labels[-2:] == (
             "set moe_block_size=8",
@@ -75,19 +76,24 @@ async def test_add_rerun_and_remove_mutations(marlin_capture: Path) -> None:
         assert screen.outcome is not None
         verdicts = {result.label: result.verdict.value for result in screen.outcome.report.results}
         assert verdicts == {
-            "baseline": "corrupt",
-            "flip mul_topk_weights": "corrupt",
-            "set moe_block_size=8": "corrupt",
-            "set moe_block_size=32": "corrupt",
+            "recorded": "corrupt",
+            "baseline": "needs-kernel",
+            "flip mul_topk_weights": "corrupt",  # the recorded output is not what the flipped call computes
+            "set moe_block_size=8": "needs-kernel",  # a launch setting: only a kernel run can answer
+            "set moe_block_size=32": "needs-kernel",
         }
         matrix = screen.query_one(VariantMatrix)
         matrix.focus()
-        matrix.move_cursor(row=1)
+        matrix.move_cursor(row=2)
         await pilot.pause()
         assert screen.variant == "flip mul_topk_weights"
         await pilot.press("d")
         assert screen.mutations == ["sweep moe_block_size=8,32"]
-        assert matrix.labels == ("baseline", "set moe_block_size=8", "set moe_block_size=32")
+        assert matrix.labels == ("recorded", "baseline", "set moe_block_size=8", "set moe_block_size=32")
+        matrix.move_cursor(row=0)
+        await pilot.pause()
+        await pilot.press("d")
+        assert screen.mutations == ["sweep moe_block_size=8,32"]  # the recorded row stays
 
 
 @run_async
@@ -99,7 +105,7 @@ async def test_diff_window_moves_and_jumps_to_the_first_bad_element(marlin_captu
         diff = screen.query_one(DiffView)
         assert screen.query_one(TabbedContent).active == "diff"
         assert diff.has_focus
-        assert diff.panes is not None and diff.panes.label == "baseline"
+        assert diff.panes is not None and diff.panes.label == "recorded"
         rows, cols = diff.window
         assert cols >= 2
         assert diff.origin == (0, 0)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tui_captures import marlin_call
 
 from moereplay.errors import InvalidMutationError
 from moereplay.ops import get_op
@@ -134,18 +135,19 @@ def test_mutation_labels_come_from_the_engine() -> None:
 
 
 def test_replay_outcome_holds_the_tensors_the_diff_view_draws(marlin_capture: Path) -> None:
-    outcome = run_replay(ReplayRequest(marlin_capture, 0, ("set moe_block_size=32",), "reference"))
-    assert [result.label for result in outcome.report.results] == ["baseline", "set moe_block_size=32"]
-    assert set(outcome.tensors) == {"baseline", "set moe_block_size=32"}
-    baseline = outcome.tensors["baseline"]
-    assert baseline.shape == (8, 64) and baseline.output.dtype == torch.bfloat16
-    assert baseline.describe_row(1).startswith("row 1 (token 0")
-    field = ErrorField.of(baseline)
+    outcome = run_replay(ReplayRequest(marlin_capture, 0, ("flip mul_topk_weights",), "reference"))
+    labels = ["recorded", "baseline", "flip mul_topk_weights"]
+    assert [result.label for result in outcome.report.results] == labels
+    assert set(outcome.tensors) == {"recorded", "flip mul_topk_weights"}  # offline the baseline never runs
+    recorded = outcome.tensors["recorded"]
+    assert recorded.shape == (8, 64) and recorded.output.dtype == torch.bfloat16
+    assert recorded.describe_row(1).startswith("row 1 (token 0")
+    field = ErrorField.of(recorded)
     bad_rows = sorted({row for row, _ in torch.nonzero(field.bad()).tolist()})
     assert bad_rows == [1]  # the row the capture tripled, as the engine's verdict says
-    assert outcome.report.baseline.bad_rows == 1
+    assert outcome.report.recorded is not None and outcome.report.recorded.bad_rows == 1
     quick = run_replay(ReplayRequest(marlin_capture, 0, (), "reference", tensors=False))
-    assert quick.tensors == {} and quick.report.baseline.verdict.value == "corrupt"
+    assert quick.tensors == {} and quick.report.headline.text == "corrupt (recorded)"
 
 
 def test_repro_export_writes_beside_the_capture_and_replaces_on_re_export(marlin_capture: Path) -> None:
@@ -183,10 +185,19 @@ def test_error_field_judges_beyond_the_rounding_allowance_as_the_replay_does() -
     assert ErrorField.of(wrong_shape).tolerance_name == "fp32"  # an allowance of another view is not used
 
 
-def test_a_variant_judged_beyond_a_rounding_bound_hands_it_to_the_heat_map(marlin_capture: Path) -> None:
-    outcome = run_replay(ReplayRequest(marlin_capture, 0, ("set use_atomic_add=true",), "reference"))
-    atomic = outcome.tensors["set use_atomic_add=true"]
-    assert outcome.tensors["baseline"].allowance is None
+def test_a_variant_judged_beyond_a_rounding_bound_hands_it_to_the_heat_map(tmp_path: Path) -> None:
+    """A call launched with atomics, judged offline: its recorded output is judged beyond the rounding bound of
+    that launch, and the heat map gets the bound."""
+    from moereplay.format import CaptureWriter
+
+    args, output = marlin_call(0)
+    args["use_atomic_add"] = True
+    path = tmp_path / "atomic.moe.zst"
+    with CaptureWriter(path) as writer:
+        index = writer.begin_call("moe_wna16_marlin_gemm", args)
+        writer.complete_call(index, {"output": output, "return": output})
+    outcome = run_replay(ReplayRequest(path, 0, (), "reference"))
+    atomic = outcome.tensors["recorded"]
     assert atomic.allowance is not None and atomic.allowance.shape == atomic.reference.shape
     assert atomic.allowance_label and bool((atomic.allowance >= 0).all())
     assert ErrorField.of(atomic).tolerance_name.endswith("+" + atomic.allowance_label)

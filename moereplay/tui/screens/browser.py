@@ -256,7 +256,7 @@ class BrowserScreen(Screen[None]):
 
     def _replay_done(self, outcome: ReplayOutcome) -> None:
         index = outcome.request.call
-        self.moe.verdicts[index] = outcome.report.baseline.verdict.value
+        self.moe.verdicts[index] = outcome.report.headline.verdict.value
         self.replay_errors.pop(index, None)
         self.table.refresh_call(index)
         if self.table.current == index:

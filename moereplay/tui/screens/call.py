@@ -15,7 +15,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static, TabbedContent, TabPane
 
 from moereplay.errors import MoereplayError
-from moereplay.replay.results import VariantResult
+from moereplay.replay.results import RECORDED, VariantResult
 from moereplay.tui.arguments import argument_nodes, contract_violations
 from moereplay.tui.bindings import Area, bindings_for
 from moereplay.tui.catalog import CallCatalog
@@ -51,11 +51,13 @@ def _op_or_none(name: str) -> OpSpec | None:
 
 
 def default_variant(results: tuple[VariantResult, ...]) -> str:
-    """The variant the diff view opens on: a failing baseline, else the first failing variant, else the baseline."""
+    """The row the diff view opens on: the first failing one with rows (recorded, baseline, then the variants),
+    else the baseline when it was judged (offline it is not: the recorded row)."""
     for result in results:
         if result.failed and result.rows:
             return result.label
-    return "baseline"
+    judged = {result.label for result in results if result.judged and result.rows}
+    return "baseline" if "baseline" in judged or RECORDED not in judged else RECORDED
 
 
 class CallScreen(Screen[None]):
@@ -217,7 +219,8 @@ class CallScreen(Screen[None]):
         report = outcome.report
         variants = len(report.variants)
         failing = sum(result.failed for result in report.variants)
-        parts = [f"baseline [b]{report.baseline.verdict.value}[/b]"]
+        headline = report.headline
+        parts = [f"verdict [b]{headline.verdict.value}[/b] ({headline.source})"]
         if variants:
             parts.append(f"{variants} variant{'s' if variants != 1 else ''}, {failing} not ok")
         parts.append(f"{len(report.findings)} finding{'s' if len(report.findings) != 1 else ''}")
@@ -235,7 +238,7 @@ class CallScreen(Screen[None]):
         """Results of the last replay for the variants still in the matrix, then those not run yet."""
         wanted = self.pending_labels()
         results = self.outcome.report.results if self.outcome is not None else ()
-        shown = [result for result in results if result.label in wanted]
+        shown = [result for result in results if result.label in wanted or result.label == RECORDED]
         self.query_one(VariantMatrix).show(shown, wanted, keep=keep or self.variant)
 
     def _show_findings(self) -> None:
@@ -279,20 +282,22 @@ class CallScreen(Screen[None]):
             diff.show(None, note)
             heat.show(None, None, note=note)
             return
-        wanted = [label for label in (self.variant, "baseline") if label not in self.errors]
+        peer = "baseline" if "baseline" in outcome.tensors else RECORDED  # offline: no replayed baseline
+        wanted = [label for label in (self.variant, peer) if label not in self.errors]
         wanted = [label for label in wanted if label in outcome.tensors]
         if wanted:
             diff.show(None, f"{self.variant}: measuring errors…")
             heat.show(None, None, note=f"{self.variant}: measuring errors…")
             self._measure(outcome, tuple(wanted))
             return
-        baseline = outcome.tensors.get("baseline")
+        baseline = outcome.tensors.get(peer)
         panes = DiffPanes(
             self.variant,
             tensors,
             self.errors[self.variant],
             baseline,
-            self.errors.get("baseline") if baseline is not None else None,
+            self.errors.get(peer) if baseline is not None else None,
+            peer,
         )
         diff.show(panes)
         heat.show(self.errors[self.variant], tensors, self.variant)
@@ -347,8 +352,8 @@ class CallScreen(Screen[None]):
 
     def action_remove_mutation(self) -> None:
         label = self.query_one(VariantMatrix).current_label
-        if label is None or label == "baseline":
-            self.notify("the baseline stays", severity="warning")
+        if label is None or label in ("baseline", RECORDED):
+            self.notify(f"the {label or 'baseline'} row stays", severity="warning")
             return
         for text, labels in self.mutation_variants.items():
             if label in labels and text in self.mutations:

@@ -240,6 +240,9 @@ def test_observation_of_replay_results() -> None:
     assert observation_of(ok, found) == Observation.good()
     invalid = results.VariantResult("x", (), results.Verdict.INVALID, reason="moe_block_size 7 not supported")
     assert observation_of(invalid, found) == Observation.unresolved("invalid: moe_block_size 7 not supported")
+    # not judged (offline, only a kernel could answer): unresolved, never a pass
+    unjudged = results.VariantResult("fill", ("fill 0xff",), results.Verdict.NEEDS_KERNEL, reason="offline")
+    assert observation_of(unjudged, found) == Observation.unresolved("needs-kernel: offline")
 
 
 def test_on_a_terminal_the_session_goes_to_the_tui(capture: Path, monkeypatch: pytest.MonkeyPatch) -> None:

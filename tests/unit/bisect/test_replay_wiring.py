@@ -34,8 +34,11 @@ def toy(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 @pytest.fixture
 def capture(tmp_path: Path, toy: ModuleType) -> Path:
-    """Two steps × four layers of the toy op; from step 1, layer 1 on, the caller passes bf16 weights."""
+    """Two steps × four layers of the toy op; from step 1, layer 1 on, the caller passes bf16 weights. Each call
+    records what the toy kernel wrote (a call's verdict is the worse of its recorded output and its replay)."""
     from moereplay.format import CaptureWriter
+    from moereplay.replay.memory import materialise
+    from moereplay.replay.mutations import DEFAULT_FILL
 
     path = tmp_path / "toy.moe.zst"
     with CaptureWriter(path) as writer:
@@ -43,10 +46,11 @@ def capture(tmp_path: Path, toy: ModuleType) -> Path:
             step, layer = divmod(position, 4)
             dtype = torch.bfloat16 if position >= FIRST_BAD else torch.float32
             args = toy.make_args(weights_dtype=dtype, seed=position)
+            output = toy._kernel("correct", dict(materialise(args, "cpu", DEFAULT_FILL).args)).clone()
             index = writer.begin_call(
                 toy.NAME, args, site="tests.toy", context={"step": step, "layer": layer}
             )
-            writer.complete_call(index, {"out": torch.zeros_like(args["out"])})
+            writer.complete_call(index, {"out": output})
     return path
 
 

@@ -623,6 +623,46 @@ def test_contracts_see_inside_opaque_arguments() -> None:
     assert any("cuda" in v.expected for v in OP.check(args))  # CPU tensors: the device contract fires
 
 
+def test_a_batched_call_is_judged_by_its_own_shapes() -> None:
+    """A 3-D ``x`` (one GEMM per batch entry, no routing): ``matmul_ogs`` allocates and asserts ``y`` as
+    ``[batch, rows, N]`` — not ``[1, rows, N]`` — and ``x`` is ``[batch, rows, K]``."""
+    g = torch.Generator().manual_seed(3)
+    args = {
+        **{spec.name: None for spec in OP.arguments},
+        "x": torch.randn(3, 5, 64, generator=g).to(torch.bfloat16),
+        "w": torch.randn(3, 64, 32, generator=g).to(torch.bfloat16),
+        "y": torch.zeros(3, 5, 32, dtype=torch.bfloat16),
+    }
+    assert OP.check(args, check_device=False) == []
+    (wrong,) = OP.check({**args, "y": torch.zeros(1, 5, 32, dtype=torch.bfloat16)}, check_device=False)
+    assert (wrong.arg, wrong.aspect, wrong.expected, wrong.host_checked) == ("y", "shape", "(3, 5, 32)", True)
+
+
+def test_a_three_dimensional_recorded_output_is_judged_by_its_elements(tmp_path: Any) -> None:
+    """vLLM's gpt-oss path passes ``y`` as ``[1, rows, N]`` and ``matmul_ogs`` returns a 2-D view of it, so the
+    capture records the 3-D buffer: the same elements as the reference's ``[rows, N]``, judged, never ``invalid``."""
+    from moereplay.replay import Verdict, replay
+
+    args = gemm2_args(k=128)
+    output = OP.reference(args).output.to(torch.bfloat16).unsqueeze(0)
+    path = tmp_path / "ogs.moe.zst"
+    with CaptureWriter(path) as writer:
+        index = writer.begin_call(OP.name, args, site="test:gemm2")
+        writer.complete_call(index, {"y": output})
+    report = replay(path, backend="reference", device="cpu")
+    assert report.recorded is not None and report.recorded.verdict is Verdict.OK, report.recorded
+    assert report.recorded.rows == 6 and not report.failed
+    damaged = output.clone()
+    damaged[0, 2] *= 3
+    path = tmp_path / "ogs-bad.moe.zst"
+    with CaptureWriter(path) as writer:
+        index = writer.begin_call(OP.name, args, site="test:gemm2")
+        writer.complete_call(index, {"y": damaged})
+    report = replay(path, backend="reference", device="cpu")
+    assert report.recorded is not None and report.recorded.verdict is Verdict.CORRUPT
+    assert report.recorded.bad_rows == 1 and report.headline.text == "corrupt (recorded)"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # reference glue and row meaning
 # ---------------------------------------------------------------------------------------------------------------

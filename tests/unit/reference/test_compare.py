@@ -150,3 +150,14 @@ def test_summary_line() -> None:
     actual[0, 0] = float("nan")
     line = compare(actual, ref).summary()
     assert line.startswith("BAD") and "first_bad=(0,0)" in line and "\n" not in line
+
+
+def test_aligned_drops_only_leading_dimensions_of_one() -> None:
+    from moereplay.reference.compare import aligned
+
+    output = torch.arange(12.0).reshape(1, 3, 4)
+    view = aligned(output, (3, 4))
+    assert view is not None and view.shape == (3, 4) and view.data_ptr() == output.data_ptr()
+    assert aligned(output[0], (1, 3, 4)) is not None and aligned(output, (1, 3, 4)) is output
+    for other in ((4, 3), (12,), (3, 1, 4)):  # other elements, or the same ones in another layout
+        assert aligned(output, other) is None

@@ -37,6 +37,7 @@ def test_json_output_and_exit_1_when_anything_fails(tmp_path: Path) -> None:
     assert document["failed"] is True
     verdicts = {item["label"]: item["verdict"] for item in report["results"]}
     assert verdicts == {
+        "recorded": "corrupt",  # the captured output, judged against the reference
         "baseline": "corrupt",
         "flip mul_weights": "ok",
         "cast weights=float32": "ok",
@@ -46,6 +47,43 @@ def test_json_output_and_exit_1_when_anything_fails(tmp_path: Path) -> None:
     }
     kinds = {finding["kind"] for finding in report["findings"]}
     assert {"contract_violation", "wrong_coefficient", "diagnosis", "oob_read"} <= kinds
+    assert report["headline"] == {
+        "verdict": "corrupt",
+        "source": "recorded and replayed",
+        "label": "baseline",
+    }
+
+
+def test_offline_variants_that_need_a_kernel_say_so_and_leave_the_exit_status_to_the_recorded_row(
+    tmp_path: Path,
+) -> None:
+    """Offline a cast, a guard fill and a launch setting ask what the kernel does: rows ``needs-kernel``, no
+    findings of their own, exit 0 while the recorded output is ok. A flag flip changes what the call computes, so
+    the captured output is judged against it (it is not what the flipped call computes: exit 1)."""
+    args = ["run", str(capture(tmp_path)), "--backend", "reference", "--device", "cpu"]
+    args += ["--cast", "weights=bfloat16", "--fill", "0xff", "--set", "block=2"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    (report,) = json.loads(result.stdout)["reports"]
+    verdicts = {item["label"]: item["verdict"] for item in report["results"]}
+    assert verdicts == {
+        "recorded": "ok",
+        "baseline": "needs-kernel",
+        "cast weights=bfloat16": "needs-kernel",
+        "fill 0xff": "needs-kernel",
+        "set block=2": "needs-kernel",  # the same reference: only a kernel shows what block does
+    }
+    assert report["headline"] == {"verdict": "ok", "source": "recorded", "label": "recorded"}
+    assert report["failed"] is False
+    assert not [f for f in report["findings"] if f["kind"] != "contract_violation"]
+    shown = runner.invoke(app, args)
+    assert shown.exit_code == 0, shown.output
+    assert "needs-kernel" in shown.output and "verdict ok (recorded)" in shown.output
+    flipped = runner.invoke(app, [*args, "--flip", "mul_weights", "--json"])
+    assert flipped.exit_code == 1
+    (report,) = json.loads(flipped.stdout)["reports"]
+    assert {item["label"]: item["verdict"] for item in report["results"]}["flip mul_weights"] == "corrupt"
+    assert not [f for f in report["findings"] if f["kind"] in ("diagnosis", "wrong_coefficient")]
 
 
 def test_human_table_lists_findings_and_suggestions(tmp_path: Path) -> None:
@@ -71,7 +109,7 @@ def test_json_out_keeps_the_document_beside_the_table(tmp_path: Path) -> None:
     result = runner.invoke(app, [*args, "--json-out", str(saved)])
     assert result.exit_code == 1 and "findings" in result.output
     (report,) = json.loads(saved.read_text())["reports"]
-    assert [item["verdict"] for item in report["results"]] == ["corrupt", "ok"]
+    assert [item["verdict"] for item in report["results"]] == ["corrupt", "corrupt", "ok"]
     missing = runner.invoke(app, [*args, "--json-out", str(tmp_path / "no" / "such" / "dir.json")])
     assert isinstance(missing.exception, SettingsError) and "--json-out" in str(missing.exception)
 

@@ -33,7 +33,8 @@ def by_label(report: ReplayReport, label: str):  # type: ignore[no-untyped-def]
 
 def test_a_correct_call_is_ok_bit_exact_and_clean(tmp_path: Path) -> None:
     report = run(capture(tmp_path), mutations=["sweep block=1,2,4", "flip mul_weights"], repeat=2)
-    assert [r.verdict for r in report.results] == [Verdict.OK] * 5
+    assert [r.verdict for r in report.results] == [Verdict.OK] * 6  # recorded, baseline, 4 variants
+    assert report.headline.text == "ok (recorded and replayed)"
     assert report.baseline.bit_exact is True and report.baseline.guard is GuardStatus.CLEAN
     assert report.baseline.rows == 8 and report.baseline.bad_rows == 0
     assert not report.failed
@@ -109,12 +110,15 @@ def test_outside_the_domain_is_invalid_and_unknown_arguments_are_errors(tmp_path
 
 def test_the_reference_backend_judges_the_captured_output(tmp_path: Path) -> None:
     good = replay(capture(tmp_path), backend="reference", device="cpu")
-    assert good.baseline.verdict is Verdict.OK and good.baseline.guard is GuardStatus.NOT_CHECKED
+    assert good.recorded is not None and good.recorded.verdict is Verdict.OK
+    assert good.recorded.guard is GuardStatus.NOT_CHECKED and not good.failed
+    assert good.baseline.verdict is Verdict.NEEDS_KERNEL and good.headline.text == "ok (recorded)"
     bad_path = toy.write_capture(tmp_path / "bad.moe.zst", toy.make_args(weights_dtype=torch.bfloat16))
     bad = replay(bad_path, backend="reference", device="cpu", mutations=["fill 0xff"])
-    assert bad.baseline.verdict is Verdict.CORRUPT
+    assert bad.recorded is not None and bad.recorded.verdict is Verdict.CORRUPT
+    assert bad.headline.text == "corrupt (recorded)"
     diagnosis = next(f for f in bad.findings if f.kind is FindingKind.DIAGNOSIS)
-    assert diagnosis.evidence["blame"] == "caller"
+    assert diagnosis.evidence["blame"] == "caller" and diagnosis.variant == "recorded"
     wrong = next(f for f in bad.findings if f.kind is FindingKind.WRONG_COEFFICIENT)
     assert wrong.evidence["past_end_rows"] == [
         4,
@@ -122,7 +126,7 @@ def test_the_reference_backend_judges_the_captured_output(tmp_path: Path) -> Non
         6,
         7,
     ]  # unknown memory there offline: consistent, unproven
-    assert bad.variants[0].verdict is Verdict.INVALID and "kernel backend" in bad.variants[0].reason
+    assert bad.variants[0].verdict is Verdict.NEEDS_KERNEL and "kernel backend" in bad.variants[0].reason
 
 
 def test_a_crashing_variant_is_isolated_and_the_session_continues(tmp_path: Path) -> None:
@@ -160,7 +164,8 @@ def test_a_capture_with_several_calls_needs_a_selection(tmp_path: Path) -> None:
     with pytest.raises(ReplayError, match="choose with --call"):
         replay(path, backend="reference", device="cpu")
     report = replay(path, call=1, backend="reference", device="cpu")
-    assert report.baseline.verdict is Verdict.INVALID and "no output" in report.baseline.reason
+    assert report.baseline.verdict is Verdict.NEEDS_KERNEL and "no output" in report.baseline.reason
+    assert report.recorded is None and report.headline.source == "nothing judged" and report.failed
 
 
 def test_report_serialises_to_plain_json(tmp_path: Path) -> None:
@@ -168,5 +173,60 @@ def test_report_serialises_to_plain_json(tmp_path: Path) -> None:
 
     report = run(capture(tmp_path, weights_dtype=torch.bfloat16), mutations=["cast weights=float32"])
     data = json.loads(json.dumps(report.to_json()))
-    assert data["results"][0]["verdict"] == "corrupt" and data["results"][1]["verdict"] == "ok"
+    assert [item["label"] for item in data["results"]] == ["recorded", "baseline", "cast weights=float32"]
+    assert [item["verdict"] for item in data["results"]] == ["corrupt", "corrupt", "ok"]
+    assert data["headline"] == {"verdict": "corrupt", "source": "recorded and replayed", "label": "baseline"}
     assert {finding["kind"] for finding in data["findings"]} >= {"diagnosis", "wrong_coefficient"}
+
+
+def test_the_recorded_row_judges_what_production_saw_beside_the_replay(tmp_path: Path) -> None:
+    """The capture holds what a buggy kernel wrote (another row's weight); the replay runs a correct kernel: the
+    recorded row is corrupt with its own findings, the replay ok and not bit-exact, and the call's verdict is the
+    worse of the two — from the recorded output."""
+    path = toy.write_capture(tmp_path / "seen.moe.zst", toy.make_args(rows=32), kernel="neighbour")
+    report = run(path, "correct")
+    assert report.baseline.verdict is Verdict.OK and report.baseline.bit_exact is False
+    assert report.recorded is not None and report.recorded.verdict is Verdict.CORRUPT
+    assert report.recorded.rows == 32 and report.recorded.bad_rows > 0 and report.recorded.bit_exact is None
+    assert report.results[0] is report.recorded and report.failed
+    assert report.headline.text == "corrupt (recorded)" and report.headline.result is report.recorded
+    recorded = [f for f in report.findings if f.variant == "recorded"]
+    assert {f.kind for f in recorded} >= {FindingKind.CORRUPT_ROWS, FindingKind.WRONG_COEFFICIENT}
+    assert not [f for f in report.findings if f.variant == "baseline" and f.kind is FindingKind.CORRUPT_ROWS]
+
+
+def test_a_replay_bit_exact_with_the_capture_gives_the_recorded_row_without_judging_twice(
+    tmp_path: Path,
+) -> None:
+    report = run(capture(tmp_path, weights_dtype=torch.bfloat16))
+    assert report.baseline.bit_exact is True and report.recorded is not None
+    assert (report.recorded.verdict, report.recorded.bad_rows) == (
+        report.baseline.verdict,
+        report.baseline.bad_rows,
+    )
+    assert report.recorded.max_rel == report.baseline.max_rel
+    assert not [f for f in report.findings if f.variant == "recorded"]  # the baseline's findings say it once
+    assert any("byte for byte" in note for note in report.notes)
+
+
+def test_an_output_buffer_with_a_leading_batch_dimension_is_judged_by_its_elements(tmp_path: Path) -> None:
+    """The kernel writes (and the capture records) ``out`` as ``[1, rows, cols]``; the reference is ``[rows, cols]``:
+    the same elements — judged, bit-exact with the capture — never ``invalid``."""
+    args = toy.make_args()
+    args["out"] = args["out"].unsqueeze(0)
+    path = toy.write_capture(tmp_path / "batched.moe.zst", args)
+    report = run(path)
+    assert report.baseline.verdict is Verdict.OK and report.baseline.bit_exact is True, report.baseline
+    assert report.recorded is not None and report.recorded.verdict is Verdict.OK
+    offline = replay(path, backend="reference", device="cpu")
+    assert offline.recorded is not None and offline.recorded.verdict is Verdict.OK, offline.recorded
+
+
+def test_offline_a_cast_is_shown_as_needing_a_kernel_never_with_a_diagnosis(tmp_path: Path) -> None:
+    path = capture(tmp_path, weights_dtype=torch.bfloat16)
+    report = replay(path, backend="reference", device="cpu", mutations=["cast weights=float32"])
+    (cast,) = report.variants
+    assert cast.verdict is Verdict.NEEDS_KERNEL and not cast.failed and "kernel" in cast.reason
+    assert not [f for f in report.findings if f.variant == cast.label]
+    (diagnosis,) = [f for f in report.findings if f.kind is FindingKind.DIAGNOSIS]
+    assert diagnosis.variant == "recorded" and diagnosis.evidence["blame"] == "caller"

@@ -78,11 +78,13 @@ def test_kept_tensors_are_outputs_beside_their_references(tmp_path: Path) -> Non
         isolate=False,
         keep_tensors=True,
     )
-    assert set(report.tensors) == {"baseline", "cast weights=float32"}
+    assert set(report.tensors) == {"recorded", "baseline", "cast weights=float32"}
     kept = report.tensors["cast weights=float32"]
     assert kept.output.shape == kept.reference.shape == (8, 24) and kept.written.all()
     assert torch.allclose(kept.output, kept.reference, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(report.tensors["baseline"].output, report.tensors["baseline"].reference)
+    recorded, baseline = report.tensors["recorded"], report.tensors["baseline"]
+    assert torch.equal(recorded.output, baseline.output)  # the replay is bit-exact with the capture
     assert "tensors" not in report.to_json()
 
 

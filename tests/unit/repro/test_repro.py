@@ -117,10 +117,11 @@ def test_the_script_runs_standalone_and_prints_the_table(exported: Path) -> None
     rows = {
         line.split()[0] + " " + line.split()[1]: line
         for line in out.splitlines()
-        if line.startswith(("baseline", "flip", "cast"))
+        if line.startswith(("recorded", "baseline", "flip", "cast"))
     }
-    assert "baseline" in out and " ok " in rows["baseline ok"]
-    assert "corrupt" in rows["flip mul_topk_weights"] and " ok " in rows["cast topk_weights=float32"]
+    assert " ok " in rows["recorded ok"] and "needs-kernel" in rows["baseline needs-kernel"]
+    assert "corrupt" in rows["flip mul_topk_weights"] and "needs-kernel" in rows["cast topk_weights=float32"]
+    assert "verdict ok (recorded)" in out
     assert "[contract_violation]" in out and "try: --cast topk_weights=float32" in out
 
 
@@ -131,7 +132,7 @@ def test_the_script_speaks_json_and_baseline_only(exported: Path) -> None:
     assert (
         document["provenance"]["command"] == "cmd" and document["provenance"]["op"] == "moe_wna16_marlin_gemm"
     )
-    assert [r["label"] for r in document["report"]["results"]] == ["baseline"]
+    assert [r["label"] for r in document["report"]["results"]] == ["recorded", "baseline"]
 
 
 def test_the_script_reports_missing_dependencies_and_bad_backends(exported: Path) -> None:

@@ -59,8 +59,9 @@ def test_each_preset_synthesizes_and_its_kernel_calls_judge_ok_offline(name: str
     assert kernel_calls
     for index in kernel_calls:
         report = replay(result.path, call=index, backend="reference")
-        assert report.baseline.verdict is Verdict.OK, (index, report.baseline)
-        assert report.baseline.rows > 0 and report.baseline.max_rel < 0.02
+        recorded = report.recorded
+        assert recorded is not None and recorded.verdict is Verdict.OK, (index, recorded)
+        assert recorded.rows > 0 and recorded.max_rel < 0.02
 
 
 def test_bytes_and_recipes_record_the_same_arguments(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ VERDICT_CLASSES = {
     "nonfinite": "call-table--bad",
     "crash": "call-table--bad",
     "invalid": "call-table--invalid",
+    "needs-kernel": "call-table--running",
     "running": "call-table--running",
     "error": "call-table--invalid",
 }

@@ -1,4 +1,5 @@
-"""The diff view: baseline, variant and reference side by side over a window of rows and columns.
+"""The diff view: baseline (offline: the recorded output), variant and reference side by side over a window of rows
+and columns.
 
 Each pane shows the same window; a value over the tolerance is red, NaN / Inf magenta, rows the kernel does not write
 are dim. The window moves with the arrow keys (a column step moves by a whole window) and ``f`` jumps to the first
@@ -27,13 +28,15 @@ PANE_GAP = 3
 
 @dataclass(frozen=True, eq=False)
 class DiffPanes:
-    """What the diff view draws: the chosen variant, and the baseline beside it (errors of each vs its reference)."""
+    """What the diff view draws: the chosen variant, and the row it is set beside (errors of each vs its reference):
+    the baseline, or offline the recorded output (``baseline_label``)."""
 
     label: str
     variant: VariantTensors
     variant_errors: ErrorField
     baseline: VariantTensors | None = None
     baseline_errors: ErrorField | None = None
+    baseline_label: str = "baseline"
 
 
 def format_value(value: float) -> str:
@@ -142,9 +145,10 @@ class DiffView(Widget, can_focus=True):
         )
         table = Table(box=None, padding=(0, 0), pad_edge=False, show_edge=False, collapse_padding=True)
         table.add_column("row", width=ROW_LABEL_WIDTH, no_wrap=True, style="dim", header_style="dim")
-        middle = "variant" if panes.label != "baseline" else "variant = baseline"
+        peer = panes.baseline_label
+        middle = "variant" if panes.label != peer else f"variant = {peer}"
         panes_shown = (
-            ("baseline", panes.baseline, panes.baseline_errors),
+            (peer, panes.baseline, panes.baseline_errors),
             (middle, panes.variant, errors),
             ("reference", panes.variant, None),
         )

@@ -1,4 +1,5 @@
-"""The variant matrix: one row per variant (the baseline first), one column per measure of the replay's verdict."""
+"""The variant matrix: one row per variant — the recorded output first, then the baseline replay, then the
+mutations — one column per measure of the replay's verdict."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Sequence
 from rich.text import Text
 from textual.widgets import DataTable
 
-from moereplay.replay.results import VariantResult
+from moereplay.replay.results import VariantResult, Verdict
 
 VERDICT_STYLES = {
     "ok": "bold green",
@@ -16,6 +17,7 @@ VERDICT_STYLES = {
     "nonfinite": "bold magenta",
     "crash": "bold red reverse",
     "invalid": "yellow",
+    "needs-kernel": "dim",
 }
 
 COLUMNS = (
@@ -79,7 +81,11 @@ class VariantMatrix(DataTable[str | Text]):
         self.labels: tuple[str, ...] = ()
 
     def on_mount(self) -> None:
-        self.add_columns(*COLUMNS)
+        for column in COLUMNS:
+            # the verdict column as wide as the longest verdict from the start ("needs-kernel"): a column that
+            # widens when such a row arrives moves the others under a dialog drawn over the matrix
+            width = max(len(verdict.value) for verdict in Verdict) if column == "verdict" else None
+            self.add_column(column, width=width, key=column)
 
     def show(
         self, results: Sequence[VariantResult], pending: Sequence[str] = (), keep: str | None = None
