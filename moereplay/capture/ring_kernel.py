@@ -90,17 +90,16 @@ def ring_copy(
 
 
 _BIG = 1 << 40  # warm-up values: every integer argument compiles as int64
-_ARGS = struct.Struct("<" + "q" * len(_INTS))
 
 
 class _Params(threading.local):
-    """Per thread: the kernel's parameter block (the integers, then Triton's two scratch pointers, left 0) and
-    the array of pointers to each parameter that ``cuLaunchKernel`` takes."""
+    """Per thread: a kernel's parameter block (``count`` integers, then Triton's two scratch pointers, left 0)
+    and the array of pointers to each parameter that ``cuLaunchKernel`` takes."""
 
-    def __init__(self) -> None:
-        self.block = (ctypes.c_int64 * (len(_INTS) + 2))()
+    def __init__(self, count: int) -> None:
+        self.block = (ctypes.c_int64 * (count + 2))()
         base = ctypes.addressof(self.block)
-        self.pointers = (ctypes.c_void_p * (len(_INTS) + 2))(*[base + 8 * i for i in range(len(_INTS) + 2)])
+        self.pointers = (ctypes.c_void_p * (count + 2))(*[base + 8 * i for i in range(count + 2)])
 
 
 _DRIVER: Any = None
@@ -118,24 +117,40 @@ def _driver() -> Any:
 
 
 def compile_variant(aligned: int, code: int, mode: int, device_index: int) -> Any:
-    """Compile one variant on ``device_index`` and return ``launch(programs, stream, args)``.
+    """Compile one variant of :func:`ring_copy` on ``device_index`` and return ``launch(programs, stream, args)``
+    (see :func:`compile_launcher`)."""
+    constants = {"ALIGNED": aligned, "CODE": code or 3, "MODE": mode, "BLOCK": BLOCK}
+    return compile_launcher(ring_copy, len(_INTS), constants, device_index, name="ring copy")
+
+
+def compile_launcher(
+    kernel: Any,
+    count: int,
+    constants: dict[str, int],
+    device_index: int,
+    *,
+    name: str,
+    num_warps: int | None = None,
+) -> Any:
+    """Compile ``kernel`` (``count`` integer arguments, all int64 and never specialised, then ``constants``) on
+    ``device_index`` and return ``launch(programs, stream, args)``.
 
     The launch goes straight to the driver's ``cuLaunchKernel`` with a parameter block filled by one
-    ``struct.pack_into`` (the compiled kernel takes the 28 integers, then Triton's global and profile scratch
+    ``struct.pack_into`` (the compiled kernel takes the ``count`` integers, then Triton's global and profile scratch
     pointers, both unused here: checked). Where that does not hold (a Triton whose kernels need scratch), it
-    falls back to Triton's own compiled launcher."""
+    falls back to Triton's own compiled launcher. A launch on a stream that is capturing a CUDA graph is captured
+    (its arguments are copied into the graph)."""
     import torch
 
+    options = {} if num_warps is None else {"num_warps": num_warps}
     with torch.cuda.device(device_index):
-        compiled = ring_copy.warmup(
-            *([_BIG] * len(_INTS)), ALIGNED=aligned, CODE=code or 3, MODE=mode, BLOCK=BLOCK, grid=(1,)
-        )
+        compiled = kernel.warmup(*([_BIG] * count), **constants, **options, grid=(1,))
         if hasattr(compiled, "result"):  # an asynchronous compile
             compiled = compiled.result()
         run = compiled.run  # loads the module: ``function`` is set from here on
         function = compiled.function
         metadata = compiled.packed_metadata
-    constants = (aligned, code or 3, mode, BLOCK)
+    values = tuple(constants.values())
     info = compiled.metadata
     direct = (
         getattr(info, "global_scratch_size", 0) == 0
@@ -147,21 +162,21 @@ def compile_variant(aligned: int, code: int, mode: int, device_index: int) -> An
     if not direct:
 
         def launch_via_triton(programs: int, stream: int, args: list[int]) -> None:
-            run(programs, 1, 1, stream, function, metadata, None, None, None, *args, *constants)
+            run(programs, 1, 1, stream, function, metadata, None, None, None, *args, *values)
 
         return launch_via_triton
 
     driver = _driver()
     threads = 32 * int(info.num_warps)
     shared = int(info.shared)
-    params = _Params()
-    pack = _ARGS.pack_into
+    params = _Params(count)
+    pack = struct.Struct("<" + "q" * count).pack_into
 
     def launch(programs: int, stream: int, args: list[int]) -> None:
         local = params
         pack(local.block, 0, *args)
         status = driver(function, programs, 1, 1, threads, 1, 1, shared, stream, local.pointers, None)
         if status:
-            raise RuntimeError(f"cuLaunchKernel failed with CUresult {status} (ring copy kernel)")
+            raise RuntimeError(f"cuLaunchKernel failed with CUresult {status} ({name} kernel)")
 
     return launch
