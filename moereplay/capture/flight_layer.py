@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,6 +64,9 @@ from moereplay.capture.snapshot import (
 )
 from moereplay.capture.writer_thread import Begin, Complete, Delivered
 from moereplay.format.schema import Unsupported
+
+if TYPE_CHECKING:
+    from moereplay.capture.flight_graph import GraphFlight
 
 logger = logging.getLogger("moereplay.capture")
 
@@ -134,6 +137,7 @@ class LayerCall:
     checked: bool = False
     value: float | None = None
     emitted: bool = False
+    graph: bool = False  # made while a CUDA graph was captured (:mod:`moereplay.capture.flight_graph`)
 
     def __init__(
         self,
@@ -222,6 +226,7 @@ class LayerFlight(PollingRecorder):
         self._streams: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()  # the writer-side state (poll may run from settle on another thread)
         self._warned_large = False
+        self.graph: GraphFlight | None = None  # graph-replayed calls (set by the recorder)
 
     # --- serving thread ---------------------------------------------------------------------------------------
 
@@ -248,8 +253,23 @@ class LayerFlight(PollingRecorder):
         return ring
 
     def before(self, target: CaptureTarget, bound: dict[str, Any], where: Where, sequence: int) -> LayerCall:
-        """Collect the dynamic inputs; copy them now when the call may write them (else after the call).
-        Top-level tensors are remembered by name only (their trees are built if a trigger writes the call)."""
+        """Collect the dynamic inputs; copy them now when the call may write them (else after the call)."""
+        call, copy_first = self.collect(target, bound, where, sequence)
+        if copy_first:
+            tensors = call.tensors
+            assert tensors is not None
+            ring = self._ring(tensors[0])
+            call.ring = ring
+            call.input_copy = ring.record(tensors, None, False)[:3]
+        call.started = time.perf_counter()
+        return call
+
+    def collect(
+        self, target: CaptureTarget, bound: dict[str, Any], where: Where, sequence: int
+    ) -> tuple[LayerCall, bool]:
+        """The call with its dynamic inputs collected, and whether they must be copied before the call (it may
+        write them, or an output buffer passed in overlaps one). Top-level tensors are remembered by name only
+        (their trees are built if a trigger writes the call)."""
         plan = self._plans.get((id(target), len(bound)))
         if plan is None:
             plan = self._new_plan(target, bound)
@@ -269,39 +289,22 @@ class LayerFlight(PollingRecorder):
                 if len(tensors) != before:
                     trees[name] = tree
         call = LayerCall(target, where, sequence, bound, trees, tensors)
-        if tensors and (
-            not target.inputs_intact or (plan.outputs and _outputs_overlap(plan.outputs, bound, tensors))
-        ):
-            ring = self._ring(tensors[0])
-            call.ring = ring
-            call.input_copy = ring.record(tensors, None, False)[:3]
-        call.started = time.perf_counter()
-        return call
+        copy_first = bool(tensors) and (
+            not target.inputs_intact or bool(plan.outputs and _outputs_overlap(plan.outputs, bound, tensors))
+        )
+        return call, copy_first
 
     def after(self, call: LayerCall, result: Any, error: BaseException | None) -> None:
         """Copy the outputs (and the inputs, unless copied before) and fold the check: one launch."""
         now = time.perf_counter()
         call.host_s = now - call.started
         call.ended = now  # the wall-clock time is derived when the call is written (one clock read less here)
-        bound = call.bound
         tensors = call.tensors
-        assert bound is not None and tensors is not None
+        assert tensors is not None
         outputs: list[torch.Tensor] = []
         check = None
         if error is None:
-            named = call.outputs
-            for name in call.target.outputs:
-                value = bound.get(name)
-                if value is not None and isinstance(value, torch.Tensor):
-                    named[name] = len(tensors) + len(outputs)
-                    outputs.append(value)
-            if isinstance(result, torch.Tensor) and not is_view_of_any(result, outputs):
-                named["return"] = len(tensors) + len(outputs)
-                outputs.append(result)
-            for value in outputs:
-                if value.is_floating_point() and value.numel() and not value.is_complex():
-                    check = value
-                    break
+            outputs, check = collect_outputs(call, result)
         else:
             call.status = "failed"
             call.error = f"{type(error).__name__}: {error}"[:2000]
@@ -347,10 +350,20 @@ class LayerFlight(PollingRecorder):
             self._read_words()
             self._launch_reads()
             self._evict()
+        if self.graph is not None:
+            self.graph.poll(launch=True)
 
     @property
     def settled(self) -> bool:
-        return not (self._new or self._unchecked or self._reads or self._copy_outs)
+        return not (self._new or self._unchecked or self._reads or self._copy_outs) and (
+            self.graph is None or self.graph.settled
+        )
+
+    def as_counters(self) -> dict[str, int]:
+        counters = super().as_counters()
+        if self.graph is not None:
+            counters.update(self.graph.as_counters())
+        return counters
 
     def _take_new(self) -> None:
         """New calls join the history (described only if a trigger writes them: until then a call costs this
@@ -610,6 +623,29 @@ class LayerFlight(PollingRecorder):
                 self.counters.evicted += 1
         while history and history[0].emitted and history[0].checked:
             history.popleft()
+
+
+def collect_outputs(call: LayerCall, result: Any) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """A completed call's output tensors (its output buffers passed in, then the result unless it is a view of
+    one), named in ``call.outputs`` by their index after its inputs; and the one to check (the first floating
+    point one), or None."""
+    bound = call.bound
+    tensors = call.tensors
+    assert bound is not None and tensors is not None
+    outputs: list[torch.Tensor] = []
+    named = call.outputs
+    for name in call.target.outputs:
+        value = bound.get(name)
+        if value is not None and isinstance(value, torch.Tensor):
+            named[name] = len(tensors) + len(outputs)
+            outputs.append(value)
+    if isinstance(result, torch.Tensor) and not is_view_of_any(result, outputs):
+        named["return"] = len(tensors) + len(outputs)
+        outputs.append(result)
+    for value in outputs:
+        if value.is_floating_point() and value.numel() and not value.is_complex():
+            return outputs, value
+    return outputs, None
 
 
 def _share_storages(copies: list[TensorCopy]) -> None:

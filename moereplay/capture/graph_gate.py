@@ -11,6 +11,11 @@ and while a graph is being captured (from ``CUDAGraph.capture_begin`` until ``ca
 :func:`install` wraps for as long as capture is armed) ``device_work`` waits. ``capture_begin`` waits for the
 writer's current message, at most ``wait_s`` seconds (a writer stuck on a hung disk must not stall serving: it
 then logs why and lets the capture go ahead). Several graphs may be captured at once (other threads, streams).
+
+Before that, ``capture_begin`` runs :attr:`GraphGate.prepare` (outside the capture, on the capturing thread): the
+flight recorder allocates the device memory of its graph ring and compiles the kernels it captures into graphs —
+neither is allowed once the capture has begun (nor while another thread captures: then it is skipped). A failing
+``prepare`` is logged; the capture goes ahead.
 """
 
 from __future__ import annotations
@@ -36,6 +41,20 @@ class GraphGate:
         self._busy = False
         self.waits = 0
         self.timeouts = 0
+        self.prepare: Callable[[], None] | None = None  # run by capture_begin before the capture begins
+
+    def prepare_capture(self) -> None:
+        """Run :attr:`prepare` (see the module docstring) unless another graph is being captured now (an
+        allocation could break that capture: what is not prepared by then is not kept); never raises."""
+        prepare = self.prepare
+        if prepare is None or self._captures:
+            return
+        try:
+            prepare()
+        except Exception as error:
+            logger.error(
+                "moereplay: preparing for a CUDA graph capture failed: %s: %s", type(error).__name__, error
+            )
 
     @property
     def captures(self) -> int:
@@ -93,6 +112,7 @@ def install(gate: GraphGate, graph_class: Any = None) -> Callable[[], None]:
         return lambda: None
 
     def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
+        gate.prepare_capture()
         gate.begin_capture()
         try:
             return begin(self, *args, **kwargs)

@@ -11,7 +11,9 @@ real function, call it, snapshot its outputs, and queue both for the writer thre
 - a full queue or disk drops and counts; nothing here blocks on the device or on the disk.
 
 CUDA graphs: while the current stream is capturing a graph nothing may be copied (and nothing recorded would
-be replayed by later graph launches), so such calls are skipped and counted, with one loud warning.
+be replayed by later graph launches), so such calls are skipped and counted, with one loud warning — except in
+the layer-scope flight recorder, which captures its ring kernels into the graph after a layer call
+(:mod:`moereplay.capture.flight_graph`), so every replay of it is kept and checked on the device.
 
 Codecs: the format codecs for vLLM's ``ScalarType`` are registered when the recorder is built, and a target's
 ``codec_modules`` (the triton_kernels codecs of the matmul_ogs op) when the target is wrapped — before any of its
@@ -36,6 +38,7 @@ from moereplay.capture.binding import ArgumentBinder
 from moereplay.capture.context import ContextTracker, Where
 from moereplay.capture.device_ring import TooLarge
 from moereplay.capture.flight import FlightEntry, FlightRecorder
+from moereplay.capture.flight_graph import GraphFlight
 from moereplay.capture.flight_layer import LayerCall, LayerFlight, is_capturing
 from moereplay.capture.opt_flags import OptFlagsProbe
 from moereplay.capture.patch_points import CaptureTarget
@@ -48,7 +51,8 @@ logger = logging.getLogger("moereplay.capture")
 
 GRAPH_WARNING = (
     "moereplay: a CUDA graph is being captured: MoE kernel calls inside graphs are NOT recorded, and steps "
-    "replayed from graphs are invisible to the capture. Start vLLM with --enforce-eager "
+    "replayed from graphs are invisible to the capture (only the layer-scope flight recorder, "
+    "MOEREPLAY_TRIGGER=flight, keeps graph-replayed layer calls). Start vLLM with --enforce-eager "
     "(or -cc.cudagraph_mode=NONE) to record every call."
 )
 
@@ -122,6 +126,8 @@ class Recorder(CallHandler):
                 emit=self._emit_layer_call,
                 ranks=lambda: self.tracker.ranks,
             )
+            if settings.flight_graph_bytes:
+                self.flight.graph = GraphFlight(self.flight, settings.flight_graph_bytes)
         elif settings.trigger is Trigger.FLIGHT:
             self.flight = FlightRecorder(
                 max_calls=settings.flight_calls,
@@ -269,9 +275,8 @@ class Recorder(CallHandler):
         sequence = self._sequence
         self._sequence = sequence + 1
         self.counters.seen += 1
-        if self._cuda and is_capturing():  # nothing launched into the graph; its calls inside pass through
-            self._skipped_graph_capture()
-            return None
+        if self._cuda and is_capturing():  # its calls inside pass through
+            return self._graph_before(target, binder, args, kwargs, original, where, sequence)
         if not self._selected(target, where):
             self.counters.skipped_filters += 1
             return None
@@ -291,6 +296,49 @@ class Recorder(CallHandler):
             probe.start()
         return call
 
+    def _graph_before(
+        self,
+        target: CaptureTarget,
+        binder: ArgumentBinder,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        original: Callable[..., Any],
+        where: Where,
+        sequence: int,
+    ) -> LayerCall | None:
+        """A layer call made while a CUDA graph is being captured: kept by ring kernels captured into the graph
+        after it (:mod:`moereplay.capture.flight_graph`), else skipped and counted. Its context has no step nor
+        tag (a replay is no host step); MOEREPLAY_STEPS therefore leaves it out, sampling and per-shape limits
+        do not apply (a captured call runs on every replay)."""
+        flight = self.flight
+        assert isinstance(flight, LayerFlight)
+        graph = flight.graph
+        if graph is None:
+            self._skipped_graph_capture()
+            return None
+        where = Where(where.call, None, where.layer, where.layer_name, None, where.cudagraph_mode)
+        if not self._selected(target, where):
+            self.counters.skipped_filters += 1
+            return None
+        bound = _bind(target, binder, args, kwargs)
+        probe = self._probes.get(id(original)) if target.opt_flags else None
+        if probe is not None:
+            bound.update(probe.state())
+        call, copy_first = flight.collect(target, bound, where, sequence)
+        if copy_first:  # its inputs would have to be copied before it: one more reservation, not supported
+            graph.not_kept("a call that may write its inputs (or whose output buffer overlaps one)")
+            self.counters.skipped_graph_capture += 1
+            return None
+        call.graph = True
+        self.counters.selected += 1
+        if probe is not None:
+            override = probe.override()
+            if override is not None:
+                call.extra_context = {"opt_flags_override": override}
+            call.probe = probe
+            probe.start()
+        return call
+
     def _layer_after(self, call: LayerCall, result: Any, error: BaseException | None) -> None:
         flight = self.flight
         assert isinstance(flight, LayerFlight)
@@ -299,6 +347,11 @@ class Recorder(CallHandler):
                 chosen = call.probe.chosen()
                 if chosen is not None:
                     call.extra_outputs = {"opt_flags": chosen}
+            if call.graph:
+                assert flight.graph is not None
+                if not flight.graph.capture(call, result, error):
+                    self.counters.skipped_graph_capture += 1
+                return
             flight.after(call, result, error)
         except TooLarge as too_large:
             flight.too_large(too_large)
@@ -488,6 +541,21 @@ class Recorder(CallHandler):
     def _emit_flight_complete(self, complete: Complete) -> None:
         if self.writer is not None:
             self.writer.offer(complete)
+
+    def prepare_graph_capture(self) -> None:
+        """Called before a CUDA graph capture begins (``GraphGate``, outside the capture): allocate the current
+        device's graph ring and compile its kernels while that is still allowed. Never raises."""
+        flight = self.flight
+        if not self.active or not isinstance(flight, LayerFlight) or flight.graph is None:
+            return
+        try:
+            flight.graph.prepare(torch.device("cuda", torch.cuda.current_device()))
+        except Exception as error:  # no graph ring on this device: its layer calls are not kept (counted)
+            logger.error(
+                "moereplay: flight recorder: no graph ring (%s: %s); layer calls in CUDA graphs are not kept",
+                type(error).__name__,
+                error,
+            )
 
     def poll(self) -> None:
         """Called by the writer thread between messages: run the flight recorder's pending checks."""

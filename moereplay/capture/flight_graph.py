@@ -1,0 +1,427 @@
+"""The layer-scope flight recorder under CUDA graphs: graph-replayed layer calls kept and checked on the device.
+
+A layer call made while vLLM captures a CUDA graph runs again on every replay of that graph, with no Python. So
+instead of skipping it, :meth:`GraphFlight.capture` captures two small kernels right after it into the same graph
+(:mod:`moereplay.capture.graph_ring`): on every replay they reserve the call's entry in a device ring (position,
+sequence number and step are device counters), copy its dynamic inputs and output there, reduce the output to its
+largest magnitude and store the finished tag word into pinned host memory. The host keeps, per captured launch
+(its *launch id*), what a written record needs — target, layer and layer name, each copied tensor's metadata and
+offset in the entry, the argument trees with static weights by reference (the dynamic tensors themselves are let
+go at capture: a graph replays into the same addresses) — and nothing per replay.
+
+Writer thread (:meth:`GraphFlight.poll`, beside the eager checks, every ≈ 5 ms): read the tag words of the
+sequences finished since the last poll (plain memory reads of a NumPy view; no CUDA call), in sequence order,
+stopping at the first not yet finished. A non-finite magnitude, or one above ``MOEREPLAY_ABSMAX``, triggers:
+read the metadata rows of the offending sequence and the ``MOEREPLAY_FLIGHT_CALLS - 1`` checked sequences before
+it that no earlier trigger wrote (a small copy on a side stream, waited for: it waits on nothing but itself),
+copy their entries and then the ring's head to pinned memory on that stream, and once those landed write every
+entry the head had not lapped (the rest count as ``flight_graph_lost``). These CUDA calls run only through the
+graph gate, never while a graph is being captured. A sequence whose word was overwritten before it was read
+(the writer fell ``tags`` graph layer calls behind) counts as ``flight_graph_unchecked``.
+
+Records are the eager layer scope's (:class:`~moereplay.capture.flight_layer.LayerFlight`): parent records
+without children, ready for ``moereplay expand``; their context adds ``cudagraph: true``, ``graph_launch``,
+``graph_sequence`` (the device's sequence number) and, when the call had a layer number at capture,
+``graph_step`` (replays of a first MoE layer's launch so far). They have no host time and no step of the host's
+forward count: a graph replay is not seen by the host.
+
+Detection delay: about one writer poll (≈ 5 ms) after the device finished the call, plus the copy-out (4–5 ms
+measured on the H200, ``tests/gpu/test_flight_graph_gpu.py``).
+What is not kept (counted ``flight_graph_not_kept``, one warning each reason): a call that may write its inputs
+(its inputs would have to be copied before it: not supported under graphs), an output the kernel cannot reduce
+(not a contiguous float16/bfloat16/float32), an entry larger than a quarter of ``MOEREPLAY_FLIGHT_GRAPH_BYTES``,
+a device without the graph ring (no Triton; or its first capture did not begin through ``torch.cuda.CUDAGraph``,
+or began while another thread was capturing: :class:`~moereplay.capture.graph_gate.GraphGate` prepares it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from moereplay.capture.device_ring import ALIGNMENT, DeviceRing
+from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerDelivery
+from moereplay.capture.flight_layer import LayerCall, LayerFlight, collect_outputs
+from moereplay.capture.graph_ring import (
+    DEFAULT_LAUNCHES,
+    DEFAULT_TAGS,
+    META_LAUNCH,
+    META_SEQUENCE,
+    META_START,
+    META_STEP,
+    STATE_HEAD,
+    GraphRing,
+    Spans,
+    fallback_views,
+    kernel_error,
+    kernels_available,
+)
+
+logger = logging.getLogger("moereplay.capture")
+
+SEQUENCE_BASE = 1 << 62
+"""Writer message sequences of graph records (``SEQUENCE_BASE`` + the device's sequence): apart from the
+recorder's own, which count calls seen by the host."""
+
+CHUNK = 4096
+"""Tag words read per step of a poll."""
+
+STALL = 1024
+"""A sequence still unfinished while this many later ones have finished is given up (counted unchecked)."""
+
+
+@dataclass
+class GraphCounters(FlightCounters):
+    launches: int = 0  # layer calls captured into graphs with the ring kernels
+    not_kept: int = 0  # layer calls captured into graphs without them (see the log for why)
+
+    def as_dict(self) -> dict[str, int]:
+        return {f"flight_graph_{key}": value for key, value in self.__dict__.items()}
+
+
+@dataclass(eq=False)
+class GraphLaunch:
+    """What the host remembers of one captured launch: the described call (``copies[i].start`` is the copy's
+    offset in the entry), its ring and launch id."""
+
+    launch: int
+    ring: GraphRing
+    call: LayerCall
+
+
+@dataclass(eq=False)
+class _Watch:
+    """The writer thread's reading position on one ring."""
+
+    ring: GraphRing
+    launches: dict[int, GraphLaunch]
+    recent: deque[tuple[int, float]]  # (sequence, magnitude) of the last checked sequences
+    next: int = 0  # the next sequence to read
+    written: int = -1  # the last sequence a trigger wrote (earlier ones are not written again)
+
+
+@dataclass(eq=False)
+class _Entry:
+    sequence: int
+    magnitude: float
+    launch: GraphLaunch
+    start: int
+    step: int
+
+
+@dataclass(eq=False)
+class _CopyOut:
+    watch: _Watch
+    entries: list[_Entry]
+    trigger: int
+    event: Any
+    hosts: list[torch.Tensor]
+    head: torch.Tensor
+    delivery: TriggerDelivery
+
+
+class GraphFlight(PollingRecorder):
+    """See the module docstring. ``layer``: the eager layer-scope recorder (its call description, messages and
+    ``emit`` are reused); ``capacity``, ``tags``, ``launches``: of each device's graph ring (:class:`GraphRing`)."""
+
+    def __init__(
+        self, layer: LayerFlight, capacity: int, *, tags: int = DEFAULT_TAGS, launches: int = DEFAULT_LAUNCHES
+    ) -> None:
+        self.layer = layer
+        self.capacity = capacity
+        self.tags = tags
+        self.launches = launches
+        self.counters = GraphCounters()
+        self._watches: dict[int, _Watch] = {}
+        self._copy_outs: deque[_CopyOut] = deque()
+        self._sides: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._prepare_lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    # --- before a capture (serving thread, outside the capture) -------------------------------------------------
+
+    def prepare(self, device: torch.device) -> GraphRing | None:
+        """Allocate ``device``'s graph ring (and compile its kernels) unless it exists: called before a graph
+        capture begins, where allocations and compiles are still allowed. None (logged once) where the
+        kernels are not available on a CUDA device."""
+        key = device.index if device.type == "cuda" and device.index is not None else -1
+        if device.type == "cuda" and device.index is None:
+            key = torch.cuda.current_device()
+            device = torch.device("cuda", key)
+        with self._prepare_lock:
+            watch = self._watches.get(key)
+            if watch is not None:
+                return watch.ring
+            cuda = device.type == "cuda"
+            if cuda and not kernels_available():
+                self._warn("kernels", f"no Triton ring kernels: {kernel_error()}")
+                return None
+            ring = GraphRing(self.capacity, device, tags=self.tags, launches=self.launches, use_kernel=cuda)
+            self._watches[key] = _Watch(ring, {}, deque(maxlen=self.layer.max_calls))
+            return ring
+
+    # --- during a capture (serving thread) -----------------------------------------------------------------------
+
+    def capture(self, call: LayerCall, result: Any, error: BaseException | None) -> bool:
+        """Capture ``call``'s ring kernels into the graph being captured (queued on the current stream); remember
+        its description under a new launch id. Returns whether it is kept (else counted and warned once)."""
+        if error is not None:
+            return self.not_kept("a call raised during the capture", error)
+        tensors = call.tensors
+        assert tensors is not None
+        outputs, check = collect_outputs(call, result)
+        tensors.extend(outputs)
+        if not tensors:
+            return self.not_kept("a call without tensors to keep")
+        key = tensors[0].get_device()
+        watch = self._watches.get(key)
+        if watch is None:
+            return self.not_kept("no graph ring on this device (the capture did not begin in CUDAGraph)")
+        if any(tensor.get_device() != key for tensor in tensors):
+            return self.not_kept("tensors on several devices")
+        ring = watch.ring
+        cuda = ring.kernels is not None
+        sources, leads, sizes, total, check_info = DeviceRing._measure(tensors, check, cuda)
+        if check is not None and check_info is None:
+            return self.not_kept(
+                f"an output the kernel cannot check ({check.dtype}, contiguous or not)", key="check"
+            )
+        if total > ring.max_entry:
+            return self.not_kept(
+                f"an entry of {total} bytes, over the graph ring's {ring.max_entry} (a quarter of "
+                "MOEREPLAY_FLIGHT_GRAPH_BYTES)",
+                key="size",
+            )
+        launch = ring.new_launch()
+        if launch is None:
+            return self.not_kept(f"more than {ring.launches} captured layer calls on one device")
+        offsets: list[int] = []
+        at = 0
+        for size in sizes:
+            offsets.append(at)
+            at += (size + ALIGNMENT - 1) & ~(ALIGNMENT - 1)
+        spans = Spans(tuple(sources), tuple(offsets), tuple(sizes), check_info, total)
+        views = None if cuda else fallback_views(tensors, leads, sizes)
+        ring.capture(launch, spans, first=call.where.layer == 0, views=views, check=None if cuda else check)
+        call.output_copy = (offsets, leads, sizes)
+        self.layer._describe(call)  # trees and tensor metadata now; the tensors are let go
+        with self._lock:
+            watch.launches[launch] = GraphLaunch(launch, ring, call)
+        self.counters.launches += 1
+        return True
+
+    def not_kept(self, reason: str, error: BaseException | None = None, *, key: str | None = None) -> bool:
+        """Count a call captured into a graph that is not kept; the first of each kind (``key``, else the
+        ``reason``) is logged."""
+        self.counters.not_kept += 1
+        self._warn(key or reason, reason if error is None else f"{reason}: {type(error).__name__}: {error}")
+        return False
+
+    def _warn(self, key: str, text: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        logger.warning(
+            "moereplay: flight recorder: a layer call captured into a CUDA graph is not kept (%s); its replays "
+            "are not checked (flight_graph_not_kept counts them; --enforce-eager records every call)",
+            text,
+        )
+
+    # --- writer thread -------------------------------------------------------------------------------------------
+
+    def poll(self, *, launch: bool = False) -> None:
+        """Read the finished sequences' tag words; trigger on a bad one; write finished copy-outs. CUDA calls
+        (a trigger's copies) only with ``launch`` (the writer thread, inside the graph gate)."""
+        if not launch:
+            return
+        with self._lock:
+            self._finish_copy_outs()
+            for watch in list(self._watches.values()):
+                self._read(watch)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing being copied out, and every sequence the device reserved has been read."""
+        return not self._copy_outs and all(watch.next >= watch.ring.hint for watch in self._watches.values())
+
+    def as_counters(self) -> dict[str, int]:
+        return self.counters.as_dict()
+
+    def _read(self, watch: _Watch) -> None:
+        """Read tag words from ``watch.next`` on, in sequence order, up to the first not finished (lock held)."""
+        ring = watch.ring
+        tags = ring.tags
+        absmax = self.layer.absmax
+        while True:
+            first = watch.next
+            count = min(CHUNK, tags)
+            sequences = np.arange(first, first + count, dtype=np.int64)
+            found = ring.words[sequences % tags]
+            expected = (sequences // tags + 1) & 0x7FFFFFFF
+            ahead = ((found >> 32) - expected) % (1 << 31)
+            ok = ahead == 0
+            lost = (ahead > 0) & (ahead < (1 << 30))
+            waiting = ~(ok | lost)
+            stop = int(np.argmax(waiting)) if waiting.any() else count
+            while stop < count and ok[stop + STALL :].any():  # stalled: later calls finished long since
+                lost[stop] = True
+                waiting[stop] = False
+                stop = int(np.argmax(waiting)) if waiting.any() else count
+            if stop == 0:
+                return
+            values = (found[:stop] & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+            checked = ok[:stop]
+            bad = checked & ~np.isfinite(values)
+            if absmax is not None:
+                bad |= checked & (values > absmax)
+            self.counters.checked += int(checked.sum())
+            self.counters.unchecked += int(lost[:stop].sum())
+            pushed = 0
+            for index in np.flatnonzero(bad).tolist():
+                self._remember(watch, sequences, values, checked, pushed, index + 1)
+                pushed = index + 1
+                if first + index > watch.written:
+                    self._trigger(watch, first + index)
+            self._remember(watch, sequences, values, checked, pushed, stop)
+            watch.next = first + stop
+            if stop < count:
+                return
+
+    def _remember(
+        self,
+        watch: _Watch,
+        sequences: np.ndarray,
+        values: np.ndarray,
+        checked: np.ndarray,
+        low: int,
+        high: int,
+    ) -> None:
+        """Keep the magnitudes of the checked sequences in ``[low, high)`` (only the last ``max_calls`` stay)."""
+        keep = watch.recent.maxlen or 1
+        for index in range(max(low, high - keep), high):
+            if checked[index]:
+                watch.recent.append((int(sequences[index]), float(values[index])))
+
+    def _side(self, ring: GraphRing) -> Any:
+        side = self._sides.get(ring.index)
+        if side is None:
+            side = self._sides[ring.index] = torch.cuda.Stream(ring.index)
+        return side
+
+    def _trigger(self, watch: _Watch, sequence: int) -> None:
+        """Write ``sequence`` and the checked sequences before it that no trigger wrote, ``max_calls`` at most."""
+        ring = watch.ring
+        self.counters.triggers += 1
+        window = [(s, v) for s, v in watch.recent if watch.written < s <= sequence]
+        watch.written = sequence
+        cuda = ring.device.type == "cuda"
+        side = self._side(ring) if cuda else None
+        rows = self._meta(ring, [s for s, _ in window], side)
+        entries: list[_Entry] = []
+        for (wanted, magnitude), row in zip(window, rows, strict=True):
+            launch = watch.launches.get(int(row[META_LAUNCH]))
+            if int(row[META_SEQUENCE]) != wanted or launch is None:
+                self.counters.lost += 1  # its metadata row was reused: `tags` graph calls ago
+                continue
+            entries.append(_Entry(wanted, magnitude, launch, int(row[META_START]), int(row[META_STEP])))
+        trigger = entries[-1] if entries and entries[-1].sequence == sequence else None
+        name = f"graph sequence {sequence}"
+        if trigger is not None:
+            name = f"{trigger.launch.call.target.op} {name} (launch {trigger.launch.launch})"
+        logger.error(
+            "moereplay: flight recorder triggered by %s (largest |output| = %s): writing %d graph layer call(s)",
+            name,
+            window[-1][1] if window else math.nan,
+            len(entries),
+        )
+        hosts: list[torch.Tensor] = []
+        head = torch.zeros(1, dtype=torch.int64, pin_memory=cuda)
+        event = None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for entry in entries:
+                copies = entry.launch.call.copies or []
+                host = torch.empty(sum(copy.size for copy in copies), dtype=torch.uint8, pin_memory=cuda)
+                at = 0
+                for copy in copies:
+                    host.narrow(0, at, copy.size).copy_(
+                        ring.view(entry.start, copy.start, copy.size), non_blocking=cuda
+                    )
+                    at += copy.size
+                hosts.append(host)
+            # the head after the entries: an entry it had not lapped then was intact while it was copied
+            head.copy_(ring.state.narrow(0, STATE_HEAD, 1), non_blocking=cuda)
+            if side is not None:
+                event = torch.cuda.Event()
+                event.record(side)
+        delivery = TriggerDelivery(self.counters, name, len(entries))
+        self._copy_outs.append(_CopyOut(watch, entries, sequence, event, hosts, head, delivery))
+        self._finish_copy_outs()
+
+    @staticmethod
+    def _meta(ring: GraphRing, sequences: list[int], side: Any) -> list[np.ndarray]:
+        """The metadata rows of ``sequences``: on CUDA one small copy on the side stream, waited for (it waits for
+        nothing on the serving streams)."""
+        if not sequences:
+            return []
+        index = torch.tensor([s % ring.tags for s in sequences], dtype=torch.int64)
+        if side is None:
+            return list(ring.meta.index_select(0, index).numpy())
+        host = torch.empty(len(sequences), 4, dtype=torch.int64, pin_memory=True)
+        with torch.cuda.stream(side):
+            host.copy_(ring.meta.index_select(0, index.to(ring.device, non_blocking=True)), non_blocking=True)
+        side.synchronize()
+        return list(host.numpy())
+
+    def _finish_copy_outs(self) -> None:
+        while self._copy_outs:
+            out = self._copy_outs[0]
+            if out.event is not None and not out.event.query():
+                return
+            self._copy_outs.popleft()
+            head = int(out.head[0])
+            for entry, host in zip(out.entries, out.hosts, strict=True):
+                if not out.watch.ring.intact(entry.start, head):
+                    self.counters.lost += 1
+                    logger.error(
+                        "moereplay: flight recorder: graph sequence %d was overwritten in the graph ring before it "
+                        "could be written (raise MOEREPLAY_FLIGHT_GRAPH_BYTES)",
+                        entry.sequence,
+                    )
+                    out.delivery.not_handed_over("overwritten in the graph ring (flight_graph_lost)")
+                    continue
+                begin, complete = self.layer._messages(
+                    self._record(entry), host, entry.sequence == out.trigger
+                )
+                if complete is not None:
+                    complete.timings = {}  # a graph replay runs no host code: no host time to report
+                if not self.layer.emit(begin, complete, out.delivery.delivered):
+                    out.delivery.not_handed_over("MOEREPLAY_MAX_CALLS reached")
+
+    @staticmethod
+    def _record(entry: _Entry) -> LayerCall:
+        """A call to write for ``entry``: its launch's description, with this replay's context."""
+        template = entry.launch.call
+        call = LayerCall(template.target, template.where, SEQUENCE_BASE + entry.sequence, {}, {}, [])
+        call.copies = template.copies
+        call.input_tree = template.input_tree
+        call.output_tree = template.output_tree
+        call.outputs = template.outputs
+        call.extra_outputs = template.extra_outputs
+        context = dict(template.extra_context or {})
+        context.update(cudagraph=True, graph_launch=entry.launch.launch, graph_sequence=entry.sequence)
+        if template.where.layer is not None:
+            context["graph_step"] = entry.step
+        call.extra_context = context
+        call.value = entry.magnitude
+        call.ended = time.perf_counter()
+        return call

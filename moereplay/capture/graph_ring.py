@@ -1,0 +1,323 @@
+"""The device side of graph-replayed layer calls: a circular device buffer whose position lives on the device.
+
+A layer call captured into a CUDA graph runs again on every replay with no Python, so nothing on the host can
+hand it a ring position, a sequence number or a tag generation. Here all three are device state, advanced by the
+two kernels (:mod:`moereplay.capture.graph_ring_kernel`) captured right after the call:
+
+- ``state`` (device, int64): ``head`` (absolute bytes ever reserved), ``sequence`` (graph layer calls ever run on
+  this device) and ``step`` (graph replays of a first MoE layer's call);
+- per captured launch (a *launch id*, given at capture): the start and sequence of its current entry, its running
+  largest magnitude and its count of finished programs;
+- ``meta`` (device, ``tags`` rows): per ``sequence % tags`` the row ``(sequence, start, launch, step)``;
+- ``words`` (pinned host memory mapped into the device's address space): per ``sequence % tags`` the tag word
+  ``generation << 32 | bits(max |output|)`` (generation ``sequence // tags + 1``, the eager ring's encoding,
+  :func:`~moereplay.capture.device_ring.decode_word`), stored by the copy kernel's last program, and one *hint*
+  word: the last sequence reserved + 1. The writer thread reads them with plain memory reads (a NumPy view): no
+  CUDA call, so also while another thread captures a graph.
+
+Positions: every entry starts on a 256-byte boundary at ``head % capacity`` and may run past ``capacity`` into a
+tail of ``max_entry`` bytes (the buffer is ``capacity + max_entry`` long) instead of wrapping, so one
+``atomic_add`` reserves it; an entry ``[start, start + size)`` is intact while ``head <= start + capacity`` (the
+eager ring's rule, which the tail keeps true: checked after copying it out). All device memory is allocated by
+:class:`GraphRing` itself, before any capture begins (``GraphGate``'s prepare hook), never from a graph's
+private pool, and it is never freed: a graph captured with its addresses may be replayed for as long as the
+process lives (:data:`_KEEP` holds every ring).
+
+Without Triton (CPU, tests) the same contract is kept by :meth:`GraphRing.replay`, which does what the two
+kernels do with torch operations on the same state tensors; there is no capture to put it in, so a test replays
+a "graph" by re-running the call and then ``replay`` of each launch id it captured.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from moereplay.capture.device_ring import ALIGNMENT, MAX_SPANS, _raw_at
+
+STATE_HEAD, STATE_SEQUENCE, STATE_STEP = 0, 1, 2
+META_SEQUENCE, META_START, META_LAUNCH, META_STEP = 0, 1, 2, 3
+DEFAULT_TAGS = 1 << 14
+"""Tag words and metadata rows: a sequence's word and row are reused ``tags`` graph layer calls later."""
+DEFAULT_LAUNCHES = 1 << 14
+"""Captured launches a ring can tell apart (vLLM captures ~67 batch sizes × the MoE layers: ~1,600 for gpt-oss)."""
+
+_BLOCK_BYTES = {0: 1024, 1: 8 * 1024}  # graph_ring_kernel.BLOCK elements of a byte / of 8 bytes
+_CUDA_HOST_ALLOC_PORTABLE_DEVICEMAP = 0x01 | 0x02
+_KEEP: list[GraphRing] = []
+_KEEP_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Spans:
+    """What one captured launch copies: per span its source address, its offset in the entry and its size; the
+    checked output as ``(address, numel, dtype code)`` or None; the entry's ring bytes."""
+
+    sources: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    check: tuple[int, int, int] | None
+    total: int
+
+    def __post_init__(self) -> None:
+        if not len(self.sources) == len(self.offsets) == len(self.sizes):
+            raise ValueError("one offset and one size per source")
+        if self.total % ALIGNMENT or any(offset % ALIGNMENT for offset in self.offsets):
+            raise ValueError("entries and spans start on 256-byte boundaries")
+
+
+@dataclass(eq=False)
+class _Fallback:
+    """A captured launch without the kernels: the spans' bytes as views (read again on every replay)."""
+
+    spans: Spans
+    views: list[torch.Tensor]
+    check: torch.Tensor | None
+    first: int
+
+
+class GraphRing:
+    """See the module docstring. ``capacity``: ring bytes; ``tags``: tag words and metadata rows; ``launches``:
+    launch ids. ``use_kernel`` None: the Triton kernels on CUDA (compiled here, before any capture)."""
+
+    def __init__(
+        self,
+        capacity: int,
+        device: torch.device,
+        *,
+        tags: int = DEFAULT_TAGS,
+        launches: int = DEFAULT_LAUNCHES,
+        use_kernel: bool | None = None,
+    ) -> None:
+        capacity -= capacity % ALIGNMENT
+        if capacity < 4 * ALIGNMENT:
+            raise ValueError("a graph ring needs at least 1 KiB")
+        cuda = device.type == "cuda"
+        self.device = device
+        self.index = (
+            (device.index if device.index is not None else torch.cuda.current_device()) if cuda else -1
+        )
+        self.capacity = capacity
+        self.max_entry = max(ALIGNMENT, capacity // 4 - (capacity // 4) % ALIGNMENT)
+        self.tags = tags
+        self.launches = launches
+        self._issued = 0  # launch ids handed out
+        self._lock = threading.Lock()
+        if use_kernel is None:
+            use_kernel = cuda and kernels_available()
+        if use_kernel and not cuda:
+            raise ValueError("the graph ring kernels run on CUDA devices only")
+        guard = torch.cuda.device(self.index) if cuda else _NoDevice()
+        with guard:
+            self.buffer = torch.empty(capacity + self.max_entry, dtype=torch.uint8, device=device)
+            self.state = torch.zeros(4, dtype=torch.int64, device=device)
+            self.meta = torch.full((tags, 4), -1, dtype=torch.int64, device=device)
+            # per launch id: entry start, entry sequence, running largest magnitude, programs done
+            self.cells = torch.zeros(4, launches, dtype=torch.int64, device=device)
+            host, self._host_address = _host_words(tags + 1, cuda)
+            self.kernels = _compile(self.index) if use_kernel else None
+            if use_kernel:
+                _programs(self.index)  # device properties read now, not while a graph is being captured
+        self.host = host  # NumPy int64 view: tags words, then the hint
+        self.words = host[:tags]
+        self._fallbacks: dict[int, _Fallback] = {}
+        with _KEEP_LOCK:
+            _KEEP.append(self)  # graphs hold these addresses for the life of the process
+
+    # --- capture (serving thread) -----------------------------------------------------------------------------
+
+    def new_launch(self) -> int | None:
+        """A new launch id, or None when all are taken."""
+        with self._lock:
+            if self._issued >= self.launches:
+                return None
+            launch = self._issued
+            self._issued += 1
+            return launch
+
+    def capture(
+        self,
+        launch: int,
+        spans: Spans,
+        *,
+        first: bool,
+        views: list[torch.Tensor] | None = None,
+        check: torch.Tensor | None = None,
+    ) -> None:
+        """Queue the reserve and copy kernels of ``launch`` on the current stream — while it captures a graph,
+        into the graph. ``first``: the launch bumps the graph step. Without the kernels, ``views`` (the spans'
+        bytes) and ``check`` (the output to reduce) are kept for :meth:`replay`."""
+        if spans.total > self.max_entry:
+            raise ValueError(f"an entry of {spans.total} bytes exceeds the graph ring's {self.max_entry}")
+        if self.kernels is None:
+            if views is None or len(views) != len(spans.sources):
+                raise ValueError("without the kernels a capture needs a view per span")
+            self._fallbacks[launch] = _Fallback(spans, views, check, int(first))
+            return
+        reserve, copy = self.kernels
+        stream = _current_stream(self.index)
+        cells = self.cells.data_ptr()
+        row = 8 * self.launches
+        starts, sequences, partials, done = cells, cells + row, cells + 2 * row, cells + 3 * row
+        state = self.state.data_ptr()
+        hint = self._host_address + 8 * self.tags
+        meta = self.meta.data_ptr()
+        reserve(1, stream, [state, meta, launch, starts, sequences, spans.total, int(first), self.tags, hint])
+        count = len(spans.sources)
+        for first_span in range(0, max(count, 1), MAX_SPANS):
+            chunk = range(first_span, min(first_span + MAX_SPANS, count))
+            last = first_span + MAX_SPANS >= count
+            args: list[int] = []
+            aligned = 1
+            moved = 0
+            for i in chunk:
+                args += (spans.sources[i], spans.offsets[i], spans.sizes[i])
+                if spans.sizes[i] & 7:  # sources and targets are 256-byte aligned: only a size breaks words
+                    aligned = 0
+                moved += spans.sizes[i]
+            args += (0, 0, 0) * (MAX_SPANS - len(chunk))
+            address, numel, code = spans.check if last and spans.check is not None else (0, 0, 0)
+            args += (address, numel, code, aligned, int(last))
+            args += (self.buffer.data_ptr(), self.capacity, launch, starts, sequences, partials, done)
+            args += (self._host_address, self.tags)
+            work = max(-(-moved // _BLOCK_BYTES[aligned]), -(-numel // 1024))
+            copy(max(1, min(_programs(self.index), work)), stream, args)
+
+    # --- what the kernels do, with torch operations (no Triton) -----------------------------------------------
+
+    def replay(self, launch: int) -> None:
+        """Run ``launch`` once as a graph replay would: reserve, copy, check, finish (see the kernel module)."""
+        fallback = self._fallbacks[launch]
+        spans = fallback.spans
+        state, cells, meta = self.state, self.cells, self.meta
+        head = int(state[STATE_HEAD])
+        sequence = int(state[STATE_SEQUENCE])
+        state[STATE_HEAD] += spans.total
+        state[STATE_SEQUENCE] += 1
+        state[STATE_STEP] += fallback.first
+        step = int(state[STATE_STEP])
+        cells[0, launch] = head
+        cells[1, launch] = sequence
+        meta[sequence % self.tags] = torch.tensor([sequence, head, launch, step], dtype=torch.int64)
+        self.host[self.tags] = sequence + 1
+        start = int(cells[0, launch]) % self.capacity
+        for view, offset, size in zip(fallback.views, spans.offsets, spans.sizes, strict=True):
+            if size:
+                self.buffer.narrow(0, start + offset, size).copy_(view)
+        largest = 0
+        check = fallback.check
+        if check is not None and check.numel():
+            magnitude = torch.linalg.vector_norm(check.detach(), ord=math.inf, dtype=torch.float32).reshape(1)
+            largest = int(magnitude.view(torch.int32).item()) & 0xFFFFFFFF
+        cells[2, launch] = max(int(cells[2, launch]), largest)
+        word = int(cells[2, launch])
+        cells[2, launch] = 0
+        cells[3, launch] = 0
+        generation = (sequence // self.tags + 1) & 0x7FFFFFFF
+        self.words[sequence % self.tags] = (generation << 32) | word
+
+    # --- the writer thread --------------------------------------------------------------------------------------
+
+    @property
+    def hint(self) -> int:
+        """The last sequence the device reserved + 1 (a plain read of host memory; may lag)."""
+        return int(self.host[self.tags])
+
+    def view(self, start: int, offset: int, size: int) -> torch.Tensor:
+        """``size`` bytes at ``offset`` in the entry at absolute ``start``, as a uint8 tensor (no copy)."""
+        return self.buffer.narrow(0, start % self.capacity + offset, size)
+
+    def intact(self, start: int, head: int) -> bool:
+        """Whether an entry at absolute ``start`` still held its bytes when the device's head was ``head``."""
+        return head <= start + self.capacity
+
+
+class _NoDevice:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def fallback_views(tensors: list[torch.Tensor], leads: list[int], sizes: list[int]) -> list[torch.Tensor]:
+    """The spans' bytes as uint8 views (what :meth:`GraphRing.replay` reads on each replay)."""
+    return [_raw_at(tensor, lead, size) for tensor, lead, size in zip(tensors, leads, sizes, strict=True)]
+
+
+def _host_words(count: int, cuda: bool) -> tuple[np.ndarray, int]:
+    """``count`` zeroed int64 words the writer thread reads and, on CUDA, the device writes: pinned host memory
+    allocated with ``cuMemHostAlloc(PORTABLE | DEVICEMAP)`` (never freed), as a NumPy view and its device
+    address. On the CPU an ordinary array and its own address."""
+    if not cuda:
+        array = np.zeros(count, dtype=np.int64)
+        return array, int(array.ctypes.data)
+    driver = ctypes.CDLL("libcuda.so.1")
+    nbytes = 8 * count
+    host = ctypes.c_void_p()
+    status = driver.cuMemHostAlloc(
+        ctypes.byref(host), ctypes.c_size_t(nbytes), _CUDA_HOST_ALLOC_PORTABLE_DEVICEMAP
+    )
+    if status or not host.value:
+        raise RuntimeError(f"cuMemHostAlloc failed with CUresult {status}")
+    device = ctypes.c_uint64()
+    status = driver.cuMemHostGetDevicePointer_v2(ctypes.byref(device), host, ctypes.c_uint(0))
+    if status:
+        raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUresult {status}")
+    ctypes.memset(host.value, 0, nbytes)
+    array = np.ctypeslib.as_array((ctypes.c_int64 * count).from_address(host.value))
+    return array, int(device.value)
+
+
+def _current_stream(index: int) -> int:
+    """The raw handle of ``index``'s current stream (the capturing one, during a capture)."""
+    return int(torch._C._cuda_getCurrentRawStream(index))
+
+
+_PROGRAMS: dict[int, int] = {}
+
+
+def _programs(index: int) -> int:
+    programs = _PROGRAMS.get(index)
+    if programs is None:
+        programs = _PROGRAMS[index] = torch.cuda.get_device_properties(index).multi_processor_count * 2
+    return programs
+
+
+_COMPILED: dict[int, tuple[Any, Any]] = {}
+_KERNEL_ERROR: list[str] = []
+
+
+def kernels_available() -> bool:
+    """Whether the Triton kernels can be imported (the reason is :func:`kernel_error` otherwise)."""
+    if _KERNEL_ERROR:
+        return False
+    try:
+        from moereplay.capture import graph_ring_kernel
+
+        if _BLOCK_BYTES[0] != graph_ring_kernel.BLOCK:
+            raise ImportError("graph_ring_kernel.BLOCK does not match the launcher's block size")
+    except Exception as error:  # no triton, or one whose language differs
+        _KERNEL_ERROR.append(f"{type(error).__name__}: {error}")
+        return False
+    return True
+
+
+def kernel_error() -> str | None:
+    """Why the kernels are not available (None: they are, or nobody asked yet)."""
+    return _KERNEL_ERROR[0] if _KERNEL_ERROR else None
+
+
+def _compile(index: int) -> tuple[Any, Any]:
+    compiled = _COMPILED.get(index)
+    if compiled is None:
+        from moereplay.capture import graph_ring_kernel
+
+        compiled = _COMPILED[index] = graph_ring_kernel.compile_kernels(index)
+    return compiled

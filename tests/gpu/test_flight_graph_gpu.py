@@ -1,0 +1,363 @@
+"""Layer calls replayed from CUDA graphs, kept by the layer-scope flight recorder (H200; the graph ring's Triton
+kernels captured into the graph; vLLM 0.25.1's ``fused_marlin_moe`` from the kernel pack for the last test).
+
+- stand-in CUDA layer captured in a ``torch.cuda.CUDAGraph`` while the writer thread is busy writing an eager
+  trigger: the capture succeeds, the call is kept (one captured launch), a NaN entering replay k writes replays
+  k-5 … k bit for bit with ``cudagraph: true``, found within the documented delay;
+- thousands of replays through a small graph ring (it laps hundreds of times): no check lost, nothing overwritten
+  written;
+- vLLM's ``fused_marlin_moe`` at gpt-oss NVFP4 shapes (E = 32, top-4, hidden 2880, intermediate 2944, M = 8) in a
+  CUDA graph (default activation: SWIGLUOAI's clamps would turn a NaN into a finite value): a NaN written into the
+  hidden-states buffer before replay k triggers within the delay; the file holds
+  the graph-replayed layer calls up to it, each input and output as vLLM's kernels saw them, and ``moereplay
+  expand`` regenerates their kernel calls and finds the bad call's re-run bit-exact with the recorded output.
+  Prints the time per graph replay with the recorder armed and off (interleaved rounds, medians).
+
+    source tools/gpu/device_setup.sh && python3 -m pytest tests/gpu/test_flight_graph_gpu.py -q -s -rA
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from moereplay.capture import session as session_module
+from moereplay.capture.flight_graph import GraphFlight
+from moereplay.capture.flight_layer import LayerFlight
+from moereplay.capture.patch_points import CaptureTarget
+from moereplay.capture.patching import ORIGINAL
+from moereplay.format import CaptureReader
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.filterwarnings("ignore::Warning:vllm.*"),
+    pytest.mark.filterwarnings("ignore::Warning:triton.*"),
+    pytest.mark.filterwarnings("ignore::Warning:torch.*"),
+]
+
+MODULE = "moereplay_gpu_graph_layers"
+MARLIN_MODULE = "vllm.model_executor.layers.fused_moe.experts.marlin_moe"
+EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, TOKENS = 32, 4, 2880, 2944, 8
+DELAY_S = 0.5
+"""What the test allows from the device finishing the bad call to the trigger (documented: about one writer poll,
+5 ms, plus the time of a write the writer is busy with)."""
+
+
+def layer(hidden, w1, w2, topk_weights, output):
+    torch.matmul(torch.matmul(hidden, w1) * topk_weights.reshape(-1, 1), w2, out=output)
+    return output
+
+
+TARGETS = (
+    CaptureTarget(
+        "layer", "parent", MODULE, "layer", static=("w1", "w2"), outputs=("output",), inputs_intact=True
+    ),
+)
+
+
+@pytest.fixture
+def kernels(stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.ModuleType]:
+    try:
+        yield stand_in_module(MODULE, layer=layer)
+    finally:
+        session_module.disarm()
+
+
+def _arm(tmp_path: Path, targets: Any = TARGETS, **settings: str) -> session_module.Session:
+    env = {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_DIR": str(tmp_path / "captures"),
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_QUEUE_CALLS": "100000",
+    }
+    env.update({f"MOEREPLAY_{key.upper()}": value for key, value in settings.items()})
+    session = session_module.arm(env, **({} if targets is None else {"targets": targets}))
+    assert session is not None and session.recorder.layer_scope
+    return session
+
+
+def _graph_flight(session: session_module.Session) -> GraphFlight:
+    flight = session.recorder.flight
+    assert isinstance(flight, LayerFlight) and flight.graph is not None
+    return flight.graph
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().cpu().view(torch.uint8)
+
+
+def _capture(fn: Callable[[], Any], warmups: int = 2) -> torch.cuda.CUDAGraph:
+    """``fn`` warmed up on a side stream, then captured (torch's default global capture mode)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _wait_for_trigger(graph_flight: GraphFlight, triggers: int) -> float:
+    """Seconds from now (the bad replay just synchronised) until the graph recorder has triggered ``triggers``
+    times (``inf`` past 5 s)."""
+    started = time.monotonic()
+    while graph_flight.counters.triggers < triggers:
+        if time.monotonic() - started > 5.0:
+            return float("inf")
+        time.sleep(0.0005)
+    return time.monotonic() - started
+
+
+def _per_replay_us(graph: torch.cuda.CUDAGraph, replays: int = 200) -> tuple[float, float]:
+    """Microseconds per replay over ``replays`` back-to-back replays: host-timed, and by CUDA events."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    started = time.perf_counter()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return (time.perf_counter() - started) / replays * 1e6, start.elapsed_time(end) * 1e3 / replays
+
+
+def test_a_graph_captured_while_the_writer_is_busy_keeps_its_replays(kernels, tmp_path: Path) -> None:
+    session = _arm(tmp_path, flight_calls="6")
+    graph_flight = _graph_flight(session)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(512, 1024, device="cuda", generator=generator)
+    w1 = torch.randn(1024, 2048, device="cuda", generator=generator) / 32
+    w2 = torch.randn(2048, 1024, device="cuda", generator=generator) / 32
+    weights = torch.rand(512, device="cuda", generator=generator)
+    out = torch.empty(512, 1024, device="cuda")
+    for step in range(
+        40
+    ):  # eager calls; a NaN at 35 makes the writer write 6 calls of 6 MB as the capture begins
+        value = x + step
+        if step == 35:
+            value[0, 0] = float("nan")
+        kernels.layer(value, w1, w2, weights, out)
+    static = x.clone()
+    graph = _capture(lambda: kernels.layer(static, w1, w2, weights, out))
+    assert graph_flight.counters.launches == 1, session.recorder.counter_values()
+    assert session.recorder.counters.skipped_graph_capture == 0
+    ring = next(iter(graph_flight._watches.values())).ring
+    assert ring.kernels is not None, "the graph ring's Triton kernels are not in use"
+    seen = []
+    delay = None
+    for replay in range(30):
+        static.copy_(x * (replay + 1))
+        if replay == 20:
+            static[7, 9] = float("nan")
+        graph.replay()
+        seen.append((static.clone(), out.clone()))
+        if replay == 20:
+            torch.cuda.synchronize()
+            delay = _wait_for_trigger(graph_flight, 1)
+    torch.cuda.synchronize()
+    print(
+        f"\ngraph trigger found {delay * 1e3:.1f} ms after the bad replay finished (gate waits {session.gate.waits})"
+    )
+    assert delay is not None and delay < DELAY_S
+    assert session.recorder.active, session.recorder.disabled_reason
+    session_module.disarm()
+    with CaptureReader(session.path) as reader:
+        records = [record for record in reader.calls() if record.context.get("cudagraph")]
+        counters = reader.footer["counters"]
+        print(f"counters: { {k: v for k, v in counters.items() if k.startswith('flight')} }")
+        assert counters["flight_graph_checked"] == 30 and counters["flight_graph_unchecked"] == 0
+        assert [record.context["graph_sequence"] for record in records] == list(range(15, 21))
+        assert records[-1].context["flight"]["trigger"] and counters["flight_graph_lost"] == 0
+        for record in records:
+            hidden, output = seen[record.context["graph_sequence"]]
+            assert torch.equal(_bits(reader.load_args(record.index)["hidden"]), _bits(hidden))
+            assert torch.equal(_bits(reader.load_outputs(record.index)["output"]), _bits(output))
+
+
+def test_a_lapping_graph_ring_loses_no_check_and_writes_nothing_overwritten(kernels, tmp_path: Path) -> None:
+    # one entry = hidden + topk + output, three 256-byte spans (5 × 8 floats): a 64 KiB ring laps every ~85 replays
+    session = _arm(tmp_path, flight_calls="8", flight_graph_bytes="64K")
+    graph_flight = _graph_flight(session)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(5, 8, device="cuda", generator=generator)
+    w1 = torch.randn(8, 6, device="cuda", generator=generator)
+    w2 = torch.randn(6, 8, device="cuda", generator=generator)
+    weights = torch.rand(5, device="cuda", generator=generator)
+    out = torch.empty(5, 8, device="cuda")
+    static = x.clone()
+    graph = _capture(lambda: kernels.layer(static, w1, w2, weights, out))
+    assert graph_flight.counters.launches == 1
+    seen = []
+    for replay in range(3000):
+        static.copy_(x + replay)
+        if replay == 2999:
+            static[1, 2] = float("nan")
+        graph.replay()
+        seen.append((static.clone(), out.clone()))
+    torch.cuda.synchronize()
+    session_module.disarm()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        assert counters["flight_graph_checked"] == 3000 and counters["flight_graph_unchecked"] == 0, counters
+        assert records and records[-1].context["graph_sequence"] == 2999
+        for record in records:
+            hidden, output = seen[record.context["graph_sequence"]]
+            assert torch.equal(_bits(reader.load_args(record.index)["hidden"]), _bits(hidden))
+            assert torch.equal(_bits(reader.load_outputs(record.index)["output"]), _bits(output))
+        assert len(records) + counters["flight_graph_lost"] == 8
+    print(f"\nlapping graph ring: {len(records)} written, {counters['flight_graph_lost']} lost")
+
+
+# --- vLLM's real fused_marlin_moe -------------------------------------------------------------------------------
+
+
+def _backend() -> str:
+    pack = os.environ.get("MOEREPLAY_PACK")
+    if pack:
+        from moereplay.pack import load_pack
+
+        load_pack(pack)
+        return f"pack:{pack}"
+    pytest.importorskip("vllm._custom_ops", reason="needs vLLM 0.25.1: set MOEREPLAY_PACK or install vLLM")
+    return "vllm"
+
+
+def test_real_fused_marlin_moe_graph_replays_trigger_and_expand(tmp_path: Path) -> None:
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper (sm_90+) GPU")
+    backend = _backend()
+    marlin = importlib.import_module(MARLIN_MODULE)
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import rand_marlin_weight_nvfp4_like
+    from vllm.scalar_type import scalar_types
+
+    from moereplay.replay.expand import ExpandVerdict, expand_capture
+
+    def experts(n: int, k: int):
+        q, s, g = [], [], []
+        for _ in range(EXPERTS):
+            _ref, qweight, scale, global_scale = rand_marlin_weight_nvfp4_like(
+                torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 20, 16
+            )
+            q.append(qweight)
+            s.append(scale)
+            g.append(global_scale)
+        return torch.stack(q), torch.stack(s), torch.stack(g).reshape(EXPERTS)
+
+    def routing() -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.randn(TOKENS, EXPERTS, device="cuda")
+        weights, ids = torch.softmax(scores, dim=-1).topk(TOP_K, dim=-1)
+        return weights.contiguous(), ids.to(torch.int32).contiguous()
+
+    torch.manual_seed(0)
+    (w1, s1, g1), (w2, s2, g2) = experts(2 * INTERMEDIATE, HIDDEN), experts(HIDDEN, INTERMEDIATE)
+    hidden = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    weights, ids = routing()
+
+    def call(output: torch.Tensor, unwrapped: bool = False) -> Callable[[], Any]:
+        """The layer call into ``output``: through the capture's wrapper, or vLLM's function as it is."""
+
+        def run() -> Any:
+            function = marlin.fused_marlin_moe
+            if unwrapped:
+                function = getattr(function, ORIGINAL)
+            return function(
+                hidden, w1, w2, None, None, s1, s2, weights, ids, scalar_types.float4_e2m1f.id,
+                global_scale1=g1, global_scale2=g2, output=output,
+            )  # fmt: skip
+
+        return run
+
+    out_off = torch.empty_like(hidden)
+    session = session_module.arm(
+        {
+            "MOEREPLAY_CAPTURE": "1",
+            "MOEREPLAY_DIR": str(tmp_path / "captures"),
+            "MOEREPLAY_TRIGGER": "flight",
+            "MOEREPLAY_FLIGHT_CALLS": "6",
+        }
+    )
+    assert session is not None
+    try:
+        graph_flight = _graph_flight(session)
+        out = torch.empty_like(hidden)
+        graph = _capture(call(out))
+        # the same call unwrapped: nothing of moereplay in the graph (its two kernel calls still meet their
+        # wrappers at capture time, outside any layer: not kept, flight_graph_not_kept 2; no cost per replay)
+        graph_off = _capture(call(out_off, unwrapped=True))
+        assert graph_flight.counters.launches == 1, session.recorder.counter_values()
+        seen = []
+        delay = None
+        bad = 12
+        for replay in range(16):
+            fresh_weights, fresh_ids = routing()
+            hidden.copy_(torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16))
+            weights.copy_(fresh_weights)
+            ids.copy_(fresh_ids)
+            if replay == bad:
+                hidden[3, 7] = float("nan")
+            graph.replay()
+            seen.append((hidden.clone(), weights.clone(), ids.clone(), out.clone()))
+            if replay == bad:
+                torch.cuda.synchronize()
+                delay = _wait_for_trigger(graph_flight, 1)
+        torch.cuda.synchronize()
+        assert not torch.isfinite(seen[bad][3]).all(), "the NaN did not reach the layer's output"
+        assert delay is not None and delay < DELAY_S, (delay, session.recorder.counter_values())
+        print(f"\nreal fused_marlin_moe: graph trigger {delay * 1e3:.1f} ms after the bad replay finished")
+        hidden.copy_(torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16))
+        armed: list[tuple[float, float]] = []
+        off: list[tuple[float, float]] = []
+        for round_ in range(9):  # interleaved rounds, alternating which graph goes first
+            for which in ((graph, armed), (graph_off, off))[:: 1 if round_ % 2 else -1]:
+                which[1].append(_per_replay_us(which[0]))
+        for column, name in ((0, "host-timed"), (1, "CUDA events")):
+            on_us = statistics.median(value[column] for value in armed)
+            off_us = statistics.median(value[column] for value in off)
+            print(
+                f"time per graph replay, M = {TOKENS} ({name}, 200 back-to-back replays, median of 9 rounds): "
+                f"armed {on_us:.1f} µs, off {off_us:.1f} µs, ratio {on_us / off_us:.3f}"
+            )
+        assert session.recorder.active, session.recorder.disabled_reason
+    finally:
+        session_module.disarm()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        print(f"counters: { {k: v for k, v in counters.items() if k.startswith('flight')} }")
+        assert [r.op for r in records] == ["fused_marlin_moe"] * 6
+        assert [r.context["graph_sequence"] for r in records] == list(range(bad - 5, bad + 1))
+        assert all(r.context["cudagraph"] is True and r.parent is None for r in records)
+        assert records[-1].context["flight"]["trigger"] and counters["flight_graph_lost"] == 0
+        for record in records:
+            x, topk_weights, topk_ids, result = seen[record.context["graph_sequence"]]
+            args = reader.load_args(record.index)
+            outputs = reader.load_outputs(record.index)
+            assert torch.equal(_bits(args["hidden_states"]), _bits(x))
+            assert torch.equal(_bits(args["topk_weights"]), _bits(topk_weights))
+            assert torch.equal(_bits(args["topk_ids"]), _bits(topk_ids))
+            assert torch.equal(_bits(outputs["output"]), _bits(result))
+            assert args["w1"].shape == w1.shape
+        bad_index = records[-1].index
+    report = expand_capture(session.path, tmp_path / "expanded.moe.zst", backend=backend, device="cuda")
+    for line in report.notes + tuple(report.lines()):
+        print(line)
+    assert len(report.calls) == 6 and not report.raised
+    by_call = {expanded.call: expanded for expanded in report.calls}
+    assert by_call[bad_index].verdict is ExpandVerdict.BIT_EXACT, by_call[bad_index].line("expanded")
+    assert len(by_call[bad_index].kernel_calls) == 2  # gemm1 and gemm2, regenerated
+    assert all(expanded.verdict is ExpandVerdict.BIT_EXACT for expanded in report.calls)
+    sys.stdout.flush()

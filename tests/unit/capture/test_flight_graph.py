@@ -1,0 +1,617 @@
+"""Layer calls replayed from CUDA graphs (``moereplay.capture.flight_graph``), on the CPU.
+
+A CUDA graph cannot be captured here, so a "graph" is emulated: the recorder is told a capture is under way while
+the layer is called once (it captures its ring launch instead of running it), and a replay re-runs the layer's
+computation on the same buffers and then the captured launch — through the graph ring's torch fallback
+(``GraphRing.replay``), or through emulators of the two Triton kernels driven by the very integer arguments the
+ring captured (addresses included), as the device would run them. The device's counters are tensors either way:
+nothing on the host tells a replay where it goes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from moereplay.capture import graph_ring
+from moereplay.capture import recorder as recorder_module
+from moereplay.capture import session as session_module
+from moereplay.capture.context import Where
+from moereplay.capture.flight_graph import SEQUENCE_BASE, GraphFlight
+from moereplay.capture.flight_layer import LayerFlight
+from moereplay.capture.graph_gate import GraphGate, install
+from moereplay.capture.graph_ring import ALIGNMENT, MAX_SPANS, GraphRing, Spans
+from moereplay.capture.patch_points import CaptureTarget
+from moereplay.capture.settings import settings_from_environ
+from moereplay.errors import SettingsError
+from moereplay.format import CaptureReader
+
+MODULE = "moereplay_test_graph_layers"
+
+
+def layer(
+    hidden: torch.Tensor, w1: torch.Tensor, topk_weights: torch.Tensor, output: torch.Tensor
+) -> torch.Tensor:
+    """A layer that writes its output buffer (as ``fused_marlin_moe(output=...)``) and reads its inputs only."""
+    torch.matmul(hidden, w1, out=output)
+    output.mul_(topk_weights.reshape(-1, 1))
+    return output
+
+
+def scale_in_place(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x.mul_(factor)
+
+
+TARGETS = (
+    CaptureTarget(
+        "layer", "parent", MODULE, "layer", static=("w1",), outputs=("output",), inputs_intact=True
+    ),
+    CaptureTarget("scale", "parent", MODULE, "scale"),
+)
+
+
+class EmulatedGraph:
+    """``capture(fn)``: run ``fn`` while the recorder believes a CUDA graph is being captured, and note the launch
+    ids the graph ring gave out; ``replay()``: run ``compute`` (the graph's kernels: the layer on the same
+    buffers), then each captured launch."""
+
+    def __init__(self, session: session_module.Session, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.session = session
+        self.monkeypatch = monkeypatch
+        self.flight = session.recorder.flight
+        assert isinstance(self.flight, LayerFlight) and self.flight.graph is not None
+        self.graph: GraphFlight = self.flight.graph
+        ring = self.graph.prepare(torch.device("cpu"))
+        assert ring is not None
+        self.ring: GraphRing = ring
+        self.launches: list[int] = []
+        self.compute: Callable[[], Any] = lambda: None
+
+    def capture(self, fn: Callable[[], Any], compute: Callable[[], Any]) -> None:
+        before = self.ring._issued
+        recorder = self.session.recorder
+        self.monkeypatch.setattr(recorder_module, "is_capturing", lambda: True)
+        self.monkeypatch.setattr(recorder, "_cuda", True)
+        try:
+            fn()
+        finally:
+            self.monkeypatch.setattr(recorder_module, "is_capturing", lambda: False)
+            self.monkeypatch.setattr(recorder, "_cuda", False)
+        self.launches = list(range(before, self.ring._issued))
+        self.compute = compute
+
+    def replay(self) -> None:
+        self.compute()
+        for launch in self.launches:
+            self.ring.replay(launch)
+
+
+@pytest.fixture
+def graph_module(stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.ModuleType]:
+    try:
+        yield stand_in_module(MODULE, layer=layer, scale=scale_in_place)
+    finally:
+        session_module.disarm()
+
+
+@pytest.fixture
+def forward_context(stand_in_module: Callable[..., types.ModuleType]):
+    """A stand-in ``vllm.forward_context`` naming two MoE layers (what the context tracker reads)."""
+    context = types.SimpleNamespace(
+        all_moe_layers=["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"],
+        attn_metadata=None,
+        cudagraph_runtime_mode=types.SimpleNamespace(name="FULL"),
+    )
+    stand_in_module(
+        "vllm.forward_context", is_forward_context_available=lambda: True, get_forward_context=lambda: context
+    )
+    return context
+
+
+def _arm(tmp_path, **settings: str) -> session_module.Session:
+    env = {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_DIR": str(tmp_path / "captures"),
+        "MOEREPLAY_TRIGGER": "flight",
+    }
+    env.update({f"MOEREPLAY_{key.upper()}": value for key, value in settings.items()})
+    session = session_module.arm(env, targets=TARGETS)
+    assert session is not None and session.recorder.layer_scope
+    return session
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.uint8)
+
+
+def _buffers(tokens: int = 5, hidden: int = 8, inner: int = 6):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=generator)
+    w1 = torch.randn(hidden, inner, generator=generator)
+    weights = torch.rand(tokens, generator=generator)
+    out = torch.empty(tokens, inner)
+    return x, w1, weights, out
+
+
+# --- the recorder, a graph of one layer call --------------------------------------------------------------------
+
+
+def test_graph_replays_are_kept_and_a_nan_writes_them_up_to_the_bad_one(
+    tmp_path, graph_module, monkeypatch
+) -> None:
+    session = _arm(tmp_path, flight_calls="4", flight_graph_bytes="64K")
+    x, w1, weights, out = _buffers()
+    graph_module.layer(x, w1, weights, out)  # eager warm-up: an ordinary layer-scope call
+    graph = EmulatedGraph(session, monkeypatch)
+    static = x.clone()
+    graph.capture(
+        lambda: graph_module.layer(static, w1, weights, out), lambda: layer(static, w1, weights, out)
+    )
+    assert graph.launches == [0]
+    seen = []
+    for replay in range(10):
+        static.copy_(x + replay)
+        if replay == 7:
+            static[2, 3] = float("nan")
+        graph.replay()
+        seen.append((static.clone(), out.clone()))
+    session.flush()
+    session.close()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        assert counters["flight_graph_launches"] == 1 and counters["flight_graph_checked"] == 10, counters
+        assert counters["flight_graph_triggers"] == 1 and counters["flight_graph_written"] == 4
+        assert counters["flight_graph_lost"] == 0 and counters["recorder_skipped_graph_capture"] == 0
+        assert counters["flight_checked"] == 1 and counters["flight_triggers"] == 0  # the eager call
+        assert [r.context["graph_sequence"] for r in records] == [4, 5, 6, 7]
+        for record, sequence in zip(records, [4, 5, 6, 7], strict=True):
+            context = record.context
+            assert record.op == "layer" and record.parent is None and record.status == "completed"
+            assert context["cudagraph"] is True and context["graph_launch"] == 0
+            assert "step" not in context and "graph_step" not in context  # no layer number, no step
+            assert context["flight"] == {
+                "scope": "layer",
+                "trigger": sequence == 7,
+                "magnitude": context["flight"]["magnitude"],
+            }
+            hidden, output = seen[sequence]
+            args = reader.load_args(record.index)
+            outputs = reader.load_outputs(record.index)
+            assert torch.equal(_bits(args["hidden"]), _bits(hidden))  # bit for bit, NaN included
+            assert torch.equal(_bits(args["topk_weights"]), _bits(weights))
+            assert torch.equal(_bits(outputs["output"]), _bits(output))
+            assert args["w1"].shape == w1.shape  # static: by reference, stored once
+            assert record.aliases() == {"output": ("output",)}  # the output buffer, as the call left it
+        assert math.isnan(records[-1].context["flight"]["magnitude"])
+        assert records[0].context["flight"]["magnitude"] == pytest.approx(float(seen[4][1].abs().max()))
+
+
+def test_two_layers_per_graph_carry_layer_names_steps_and_one_sequence(
+    tmp_path, graph_module, forward_context, monkeypatch
+) -> None:
+    session = _arm(tmp_path, flight_calls="5", flight_graph_bytes="64K")
+    x, w1, weights, out0 = _buffers()
+    w1b = torch.randn(6, 6)
+    out1 = torch.empty(5, 6)
+    graph = EmulatedGraph(session, monkeypatch)
+    static = x.clone()
+
+    def forward() -> None:
+        graph_module.layer(static, w1, weights, out0)
+        graph_module.layer(out0, w1b, weights, out1)
+
+    def kernels() -> None:
+        layer(static, w1, weights, out0)
+        layer(out0, w1b, weights, out1)
+
+    graph.capture(forward, kernels)
+    assert graph.launches == [0, 1]
+    seen = []
+    for replay in range(6):
+        static.copy_(x * (replay + 1))
+        if replay == 4:
+            w1b[0, 0] = float("inf")  # layer 1 of replay 4 (sequence 9) goes bad; layer 0 stays finite
+        graph.replay()
+        seen.append((static.clone(), out0.clone(), out1.clone()))
+    session.flush()
+    session.close()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+    # sequence 9 (replay 4, layer 1) with the 4 before it; then sequence 11 (replay 5, layer 1, bad too) with
+    # the one since (as in the eager layer scope: the next incident's history)
+    assert [r.context["graph_sequence"] for r in records] == [5, 6, 7, 8, 9, 10, 11], counters
+    assert [r.context["layer"] for r in records] == [1, 0, 1, 0, 1, 0, 1]
+    assert [r.context["graph_step"] for r in records] == [3, 4, 4, 5, 5, 6, 6]  # replays of layer 0 so far
+    assert records[1].context["layer_name"] == "model.layers.0.mlp.experts"
+    assert records[0].context["layer_name"] == "model.layers.1.mlp.experts"
+    assert records[0].context["cudagraph_mode"] == "FULL" and "tag" not in records[0].context
+    assert [r.context["flight"]["trigger"] for r in records] == [False] * 4 + [True, False, True]
+    assert counters["flight_graph_triggers"] == 2 and counters["flight_graph_written"] == 7
+    with CaptureReader(session.path) as reader:
+        last = reader.load_outputs(records[4].index)["output"]
+    assert torch.equal(_bits(last), _bits(seen[4][2]))
+
+
+def test_a_call_that_may_write_its_inputs_is_not_kept_under_a_graph(
+    tmp_path, graph_module, monkeypatch
+) -> None:
+    session = _arm(tmp_path, flight_graph_bytes="64K")
+    graph = EmulatedGraph(session, monkeypatch)
+    x = torch.ones(4)
+    graph.capture(lambda: graph_module.scale(x, 2.0), lambda: None)
+    assert graph.launches == []
+    counters = session.recorder.counter_values()
+    assert counters["recorder_skipped_graph_capture"] == 1 and counters["flight_graph_not_kept"] == 1
+    session.close()
+
+
+def test_without_the_graph_ring_calls_in_a_capture_are_skipped_as_before(
+    tmp_path, graph_module, monkeypatch
+) -> None:
+    session = _arm(tmp_path, flight_graph_bytes="0")
+    flight = session.recorder.flight
+    assert isinstance(flight, LayerFlight) and flight.graph is None
+    x, w1, weights, out = _buffers()
+    monkeypatch.setattr(recorder_module, "is_capturing", lambda: True)
+    monkeypatch.setattr(session.recorder, "_cuda", True)
+    graph_module.layer(x, w1, weights, out)
+    assert session.recorder.counters.skipped_graph_capture == 1
+    monkeypatch.setattr(session.recorder, "_cuda", False)
+    session.close()
+
+
+# --- GraphFlight without a session: sequences, lapping, lost calls --------------------------------------------
+
+
+class Harness:
+    """A GraphFlight over a CPU graph ring, polled by hand; ``written`` collects what it hands to the writer."""
+
+    def __init__(
+        self, *, capacity: int, max_calls: int = 4, tags: int = 1 << 14, absmax: float | None = None
+    ):
+        self.written: list[tuple[Any, Any]] = []
+
+        def emit(begin, complete, delivered) -> bool:
+            self.written.append((begin, complete))
+            delivered(True, None)
+            return True
+
+        self.layer = LayerFlight(max_calls=max_calls, max_bytes=1 << 20, absmax=absmax, emit=emit)
+        self.graph = GraphFlight(self.layer, capacity, tags=tags)
+        self.layer.graph = self.graph
+        ring = self.graph.prepare(torch.device("cpu"))
+        assert ring is not None
+        self.ring = ring
+        self.target = TARGETS[0]
+
+    def capture(self, hidden, w1, weights, out, layer_index: int | None = None) -> int:
+        bound = {"hidden": hidden, "w1": w1, "topk_weights": weights, "output": out}
+        where = Where(0, None, layer_index, None, None, None)
+        call, copy_first = self.layer.collect(self.target, bound, where, 0)
+        assert not copy_first
+        result = layer(hidden, w1, weights, out)
+        assert self.graph.capture(call, result, None)
+        return self.ring._issued - 1
+
+
+def test_sequence_slot_and_generation_mapping_of_the_fallback() -> None:
+    ring = GraphRing(4096, torch.device("cpu"), tags=4, launches=2, use_kernel=False)
+    source = torch.arange(64, dtype=torch.uint8)
+    spans = Spans((source.data_ptr(),), (0,), (64,), None, 256)
+    ring.capture(0, spans, first=True, views=[source])
+    for _ in range(6):
+        ring.replay(0)
+    state = ring.state.tolist()
+    assert state[:3] == [6 * 256, 6, 6]  # head, sequence, step (a first layer's launch bumps it)
+    assert ring.hint == 6
+    # sequences 4 and 5 hold slots 0 and 1 (generation 2); 2 and 3 slots 2 and 3 (generation 1)
+    assert [int(word) >> 32 for word in ring.words] == [2, 2, 1, 1]
+    assert ring.meta[1].tolist() == [5, 5 * 256, 0, 6]  # sequence, start, launch, step
+    # sequence 5's entry is at 5 * 256 % 4096, its bytes what the span held
+    assert torch.equal(ring.view(5 * 256, 0, 64), source)
+    assert ring.cells[2, 0] == 0 and ring.cells[3, 0] == 0  # the max and "done" reset for the next replay
+
+
+def test_entries_run_into_the_tail_instead_of_wrapping_and_know_when_they_are_lapped() -> None:
+    ring = GraphRing(4096, torch.device("cpu"), use_kernel=False)
+    assert ring.max_entry == 1024 and ring.buffer.numel() == 4096 + 1024
+    source = torch.full((768,), 7, dtype=torch.uint8)
+    ring.capture(0, Spans((source.data_ptr(),), (0,), (768,), None, 768), first=False, views=[source])
+    for _ in range(6):  # starts 0, 768, ..., 3840: the sixth runs 512 bytes into the tail
+        ring.replay(0)
+    assert torch.equal(ring.buffer[3840 : 3840 + 768], source)
+    head = int(ring.state[0])
+    assert head == 6 * 768
+    assert ring.intact(3840, head) and ring.intact(768, head)
+    assert not ring.intact(
+        0, head
+    )  # conservative: the sixth ran into the tail, not over 0, but a lap is past
+    ring.replay(0)  # the seventh, at physical 512-1280, overwrites the second (768-1536)
+    assert not ring.intact(768, int(ring.state[0])) and ring.intact(1536, int(ring.state[0]))
+    with pytest.raises(ValueError):
+        ring.capture(1, Spans((0,), (0,), (2048,), None, 2048), first=False, views=[torch.zeros(2048)])
+
+
+def test_a_trigger_writes_only_entries_the_head_had_not_lapped() -> None:
+    # entries of 3 × 256 bytes in a 4 KiB ring; the bad one (sequence 5) is found only after two more replays,
+    # by when sequence 7 (physical 1280-2048) has overwritten part of sequence 2 (1536-2304): of its history
+    # (2, 3, 4) sequence 2 is lost, not written wrong
+    harness = Harness(capacity=4096, max_calls=4)
+    x, w1, weights, out = _buffers(tokens=5, hidden=8, inner=6)
+    hidden = x.clone()
+    launch = harness.capture(hidden, w1, weights, out)
+    seen = []
+    for replay in range(8):
+        hidden.copy_(x + replay)
+        if replay == 5:
+            hidden[0, 0] = float("nan")
+        layer(hidden, w1, weights, out)
+        harness.ring.replay(launch)
+        seen.append((hidden.clone(), out.clone()))
+    harness.layer.poll(launch=True)
+    counters = harness.graph.counters
+    assert counters.checked == 8 and counters.triggers == 1
+    assert counters.lost == 1 and counters.written == 2 + 1
+    sequences = [begin.context["graph_sequence"] for begin, _ in harness.written]
+    assert sequences == [3, 4, 5]
+    assert [begin.sequence for begin, _ in harness.written] == [SEQUENCE_BASE + s for s in (3, 4, 5)]
+    for begin, complete in harness.written:
+        hidden_copy = begin.snapshot.tree["hidden"]
+        output_copy = complete.outputs.tree["output"]
+        expected_hidden, expected_output = seen[begin.context["graph_sequence"]]
+        assert torch.equal(_bits(hidden_copy.view()), _bits(expected_hidden))
+        assert torch.equal(_bits(output_copy.view()), _bits(expected_output))
+        assert complete.timings == {}
+    assert harness.layer.settled
+
+
+def test_absmax_triggers_and_later_triggers_do_not_write_a_call_twice() -> None:
+    harness = Harness(capacity=1 << 16, max_calls=3, absmax=1e3)
+    x, w1, weights, out = _buffers()
+    hidden = x.clone()
+    launch = harness.capture(hidden, w1, weights, out)
+    for replay in range(8):
+        hidden.copy_(x * (1e6 if replay in (4, 5) else 1.0))
+        layer(hidden, w1, weights, out)
+        harness.ring.replay(launch)
+    harness.layer.poll(launch=True)
+    sequences = [begin.context["graph_sequence"] for begin, _ in harness.written]
+    assert sequences == [2, 3, 4, 5]  # trigger 4 with 2 and 3 before it; trigger 5 alone
+    assert [begin.context["flight"]["trigger"] for begin, _ in harness.written] == [False, False, True, True]
+    assert harness.graph.counters.triggers == 2
+
+
+def test_a_writer_that_fell_a_whole_tag_array_behind_counts_the_calls_unchecked() -> None:
+    harness = Harness(capacity=1 << 16, tags=8)
+    x, w1, weights, out = _buffers()
+    hidden = x.clone()
+    launch = harness.capture(hidden, w1, weights, out)
+    for _ in range(20):  # 20 sequences into 8 tag words: the first 12 words were overwritten unread
+        layer(hidden, w1, weights, out)
+        harness.ring.replay(launch)
+    harness.layer.poll(launch=True)
+    counters = harness.graph.counters
+    assert counters.unchecked == 12 and counters.checked == 8 and counters.triggers == 0
+    assert harness.graph.settled
+
+
+def test_polls_stop_at_the_first_unfinished_sequence_and_resume() -> None:
+    harness = Harness(capacity=1 << 16)
+    x, w1, weights, out = _buffers()
+    hidden = x.clone()
+    launch = harness.capture(hidden, w1, weights, out)
+    layer(hidden, w1, weights, out)
+    harness.ring.replay(launch)
+    harness.ring.host[harness.ring.tags] = 3  # the device reserved sequences 1 and 2, still running
+    harness.layer.poll(launch=True)
+    assert harness.graph.counters.checked == 1 and not harness.graph.settled
+    for _ in range(2):
+        harness.ring.replay(launch)
+    harness.layer.poll(launch=True)
+    assert harness.graph.counters.checked == 3 and harness.graph.settled
+
+
+# --- the Triton kernels' contract, through the arguments the ring captures -----------------------------------------
+
+_BLOCK = 1024
+
+
+def _cell(address: int) -> ctypes.c_int64:
+    return ctypes.c_int64.from_address(address)
+
+
+def reserve_kernel(programs: int, args: list[int]) -> None:
+    """What ``graph_reserve`` does, on host memory through its integer arguments."""
+    state, meta, launch, starts, sequences, total, first, tags, hint = args
+    assert programs == 1 and len(args) == 9
+    head = _cell(state).value
+    _cell(state).value = head + total
+    sequence = _cell(state + 8).value
+    _cell(state + 8).value = sequence + 1
+    _cell(state + 16).value += first
+    step = _cell(state + 16).value
+    _cell(starts + 8 * launch).value = head
+    _cell(sequences + 8 * launch).value = sequence
+    row = meta + 32 * (sequence % tags)
+    for i, value in enumerate((sequence, head, launch, step)):
+        _cell(row + 8 * i).value = value
+    _cell(hint).value = sequence + 1
+
+
+def copy_kernel(programs: int, args: list[int]) -> None:
+    """What ``graph_copy`` does — program by program, the last one finishing — through its integer arguments."""
+    assert len(args) == 3 * MAX_SPANS + 14 and programs >= 1
+    (
+        check,
+        numel,
+        code,
+        aligned,
+        finish,
+        buffer,
+        capacity,
+        launch,
+        starts,
+        sequences,
+        partials,
+        done,
+        words,
+        tags,
+    ) = args[3 * MAX_SPANS :]
+    target = buffer + _cell(starts + 8 * launch).value % capacity
+    for i in range(MAX_SPANS):
+        source, offset, size = args[3 * i : 3 * i + 3]
+        if aligned:
+            assert (source | (target + offset) | size) % 8 == 0, "an aligned launch got unaligned spans"
+        if size:
+            ctypes.memmove(target + offset, source, size)
+    if not finish:
+        return
+    values = np.zeros(0, dtype=np.float32)
+    if code:
+        itemsize = {1: 2, 2: 2, 3: 4}[code]
+        raw = np.ctypeslib.as_array((ctypes.c_uint8 * (numel * itemsize)).from_address(check))
+        if code == 2:
+            values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            values = raw.view(np.float16 if code == 1 else np.float32).astype(np.float32)
+    bits = np.abs(values).view(np.int32)
+    for program in range(programs):  # grid-stride blocks, each program's max folded with atomic_max
+        mine = [bits[start : start + _BLOCK] for start in range(program * _BLOCK, numel, programs * _BLOCK)]
+        largest = max((int(block.max()) for block in mine if block.size), default=0)
+        partial = _cell(partials + 8 * launch)
+        partial.value = max(partial.value, largest)
+        counter = _cell(done + 8 * launch)
+        arrived = counter.value
+        counter.value = arrived + 1
+        if arrived == programs - 1:
+            word = partial.value
+            partial.value = 0
+            counter.value = 0
+            sequence = _cell(sequences + 8 * launch).value
+            generation = (sequence // tags + 1) & 0x7FFFFFFF
+            _cell(words + 8 * (sequence % tags)).value = (generation << 32) | word
+
+
+class CapturedKernels:
+    """The ring's two launchers: at "capture" each launch's arguments are recorded, as a graph records them."""
+
+    def __init__(self) -> None:
+        self.graph: list[tuple[Callable[[int, list[int]], None], int, list[int]]] = []
+
+    def launcher(self, kernel: Callable[[int, list[int]], None]) -> Callable[[int, int, list[int]], None]:
+        def launch(programs: int, stream: int, args: list[int]) -> None:
+            assert stream == 1234
+            self.graph.append((kernel, programs, list(args)))
+
+        return launch
+
+    def replay(self) -> None:
+        for kernel, programs, args in self.graph:
+            kernel(programs, args)
+
+
+_POOL = torch.zeros(1 << 20, dtype=torch.uint8)
+_AT = [0]
+
+
+def aligned(count: int, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh tensor on a 256-byte boundary (as CUDA storages are), so address-derived spans stay in bounds."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    start = -(-(_POOL.data_ptr() + _AT[0]) // ALIGNMENT) * ALIGNMENT - _POOL.data_ptr()
+    _AT[0] = start + count * itemsize + ALIGNMENT
+    assert _AT[0] < _POOL.numel()
+    return _POOL[start : start + count * itemsize].view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_kernel_arguments_keep_the_contract_over_replays(monkeypatch, dtype: torch.dtype) -> None:
+    monkeypatch.setattr(graph_ring, "_current_stream", lambda index: 1234)
+    monkeypatch.setattr(graph_ring, "_programs", lambda index: 3)
+    harness = Harness(capacity=1 << 18, max_calls=3)
+    kernels = CapturedKernels()
+    harness.ring.kernels = (kernels.launcher(reserve_kernel), kernels.launcher(copy_kernel))
+    tokens, width = 40, 96  # the output spans several programs' blocks
+    hidden = aligned(tokens * width, dtype).view(tokens, width)
+    w1 = torch.randn(width, width).to(dtype)
+    weights = aligned(tokens, dtype)
+    weights.copy_(torch.rand(tokens))
+    out = aligned(tokens * width, dtype).view(tokens, width)
+    harness.capture(hidden, w1, weights, out, layer_index=0)
+    assert [programs for _, programs, _ in kernels.graph] == [1, 3]
+    reserve_args, copy_args = kernels.graph[0][2], kernels.graph[1][2]
+    assert reserve_args[5] % ALIGNMENT == 0 and reserve_args[6] == 1  # entry bytes; a first layer's launch
+    assert copy_args[3 * MAX_SPANS : 3 * MAX_SPANS + 5] == [
+        out.data_ptr(),
+        out.numel(),
+        {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[dtype],
+        1,
+        1,
+    ]
+    seen = []
+    for replay in range(6):
+        hidden.copy_(torch.randn(tokens, width).to(dtype))
+        if replay == 4:
+            hidden[tokens - 1, 5] = float("inf")  # the last rows: the last program's block
+        layer(hidden, w1, weights, out)
+        kernels.replay()
+        seen.append((hidden.clone(), out.clone()))
+    harness.layer.poll(launch=True)
+    sequences = [begin.context["graph_sequence"] for begin, _ in harness.written]
+    assert sequences == [2, 3, 4]
+    assert [begin.context["graph_step"] for begin, _ in harness.written] == [3, 4, 5]
+    for begin, complete in harness.written:
+        expected_hidden, expected_output = seen[begin.context["graph_sequence"]]
+        assert torch.equal(_bits(begin.snapshot.tree["hidden"].view()), _bits(expected_hidden))
+        assert torch.equal(_bits(complete.outputs.tree["output"].view()), _bits(expected_output))
+    good = harness.written[0][0].context["flight"]["magnitude"]
+    assert good == float(seen[2][1].float().abs().max())
+    assert not math.isfinite(harness.written[-1][0].context["flight"]["magnitude"])
+    assert harness.ring.cells[3].tolist()[0] == 0  # every replay's last program reset "done"
+
+
+# --- settings and the gate's prepare hook -------------------------------------------------------------------------
+
+
+def test_graph_ring_size_setting() -> None:
+    base = {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight"}
+    assert settings_from_environ(base).flight_graph_bytes == 256 << 20
+    assert settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_BYTES": "0"}).flight_graph_bytes == 0
+    assert (
+        settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_BYTES": "64M"}).flight_graph_bytes == 64 << 20
+    )
+    with pytest.raises(SettingsError, match="FLIGHT_GRAPH_BYTES"):
+        settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_BYTES": "100"})
+
+
+def test_the_gate_prepares_before_the_capture_begins_and_never_during_another() -> None:
+    order: list[str] = []
+
+    class FakeGraph:
+        def capture_begin(self, *args: Any, **kwargs: Any) -> None:
+            order.append("begin")
+
+        def capture_end(self) -> None:
+            order.append("end")
+
+    gate = GraphGate()
+    gate.prepare = lambda: order.append(f"prepare (captures {gate.captures})")
+    undo = install(gate, FakeGraph)
+    try:
+        FakeGraph().capture_begin()
+        FakeGraph().capture_begin()  # a second capture while the first runs: no allocation now
+        FakeGraph().capture_end()
+        FakeGraph().capture_end()
+        gate.prepare = lambda: (_ for _ in ()).throw(RuntimeError("no memory"))  # a failing prepare: logged
+        FakeGraph().capture_begin()
+    finally:
+        undo()
+    assert order == ["prepare (captures 0)", "begin", "begin", "end", "end", "begin"]
