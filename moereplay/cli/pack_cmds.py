@@ -1,6 +1,8 @@
 """``moereplay kernels …``: build, describe and check kernel packs.
 
-- ``kernels pack --vllm 0.25.1 [--wheel W] [--arch sm_90|all] [--extra-wheels DIR] -o DIR``
+- ``kernels pack --vllm 0.25.1 [--profile kernels|serve] [--wheel W] [--arch sm_90|all] [--extra-wheels DIR] -o DIR``
+  (``kernels``: the MoE kernels, conventionally ``-o .kernelpack``; ``serve``: what ``vllm serve`` needs beyond
+  it, conventionally ``-o .servepack``)
 - ``kernels info DIR [--json]``
 - ``kernels check DIR`` (GPU: load the pack and run :mod:`moereplay.pack.smoke`; one line)
 """
@@ -8,6 +10,7 @@
 from __future__ import annotations
 
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +24,13 @@ kernels_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(kernels_app, name="kernels")
+
+
+class Profile(str, Enum):
+    """``--profile`` choices (moereplay.pack.profiles)."""
+
+    kernels = "kernels"
+    serve = "serve"
 
 
 def _progress(message: str) -> None:
@@ -49,11 +59,20 @@ def pack_command(
         typer.Option("--download-dir", help="Where a downloaded vLLM wheel is kept (default: cache)."),
     ] = None,
     xz_preset: Annotated[int, typer.Option("--xz-preset", min=0, max=9, help="xz compression level.")] = 9,
+    profile: Annotated[
+        Profile,
+        typer.Option(
+            "--profile",
+            help="kernels: vLLM's tree and MoE kernels (.kernelpack); serve: FlashAttention 3 and the wheels "
+            "`vllm serve` needs beside a kernels pack (.servepack).",
+        ),
+    ] = Profile.kernels,
 ) -> None:
-    """Build a kernel pack from the official vLLM wheel."""
+    """Build a kernel pack (or its serving companion) from the official vLLM wheel."""
     from moereplay.pack.build import BuildOptions, build_pack
 
     options = BuildOptions(
+        profile=profile.value,
         vllm_version=vllm,
         output=output,
         wheel=wheel,
@@ -91,29 +110,41 @@ def _print_summary(directory: Path) -> None:
     manifest = read_manifest(directory)
     console = Console(highlight=False)
     console.print(
-        f"vLLM {manifest.vllm_version} kernel pack: torch=={manifest.torch_pin}, "
+        f"{manifest.label}: torch=={manifest.torch_pin}, "
         f"CUDA {manifest.cuda_major}, arch {manifest.arch or 'all'}, "
         f"{manifest.python_files} Python files ({manifest.tree_files} in tree), "
         f"{manifest.entries_zeroed} fatbin entries zeroed"
     )
+    arch = manifest.arch or "any arch"
     for library in manifest.libraries:
         table = Table(
             title=f"{library.member} ({library.size / 1e6:.1f} MB, {library.containers} containers, "
-            f"{library.containers_without_code} with no code for {manifest.arch or 'any arch'})",
+            f"{library.containers_without_code} with no code for {arch}, "
+            f"{library.containers_ptx_only} reaching it only through PTX JIT)",
             title_justify="left",
         )
-        for column in ("kind", "arch", "found", "zeroed", "MB found", "MB zeroed"):
-            table.add_column(column, justify="left" if column == "kind" else "right")
+        for column in ("kind", "arch", "found", "zeroed", "MB found", "MB zeroed", "why zeroed"):
+            table.add_column(
+                column, justify="left" if column in ("kind", "why zeroed") else "right", no_wrap=True
+            )
         for tally in library.entries:
             table.add_row(
                 tally.kind, f"sm_{tally.arch}", str(tally.found), str(tally.zeroed),
-                f"{tally.found_bytes / 1e6:.2f}", f"{tally.zeroed_bytes / 1e6:.2f}",
+                f"{tally.found_bytes / 1e6:.2f}", f"{tally.zeroed_bytes / 1e6:.2f}", _reason_text(tally.reason, arch),
             )  # fmt: skip
         console.print(table)
     wheels = ", ".join(f"{wheel.name} {wheel.version}" for wheel in manifest.extra_wheels)
     console.print(f"extra wheels ({len(manifest.extra_wheels)}): {wheels}")
     for digest in manifest.files:
         console.print(f"{digest.name}: {digest.size} bytes, sha256 {digest.sha256}")
+
+
+def _reason_text(reason: str | None, arch: str) -> str:
+    if reason == "other-arch":
+        return f"not for {arch}"
+    if reason == "beside-cubin":
+        return f"{arch} cubin beside"
+    return ""
 
 
 @kernels_app.command("check")

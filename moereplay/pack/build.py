@@ -1,11 +1,12 @@
-"""Building a kernel pack from an official vLLM wheel.
+"""Building a pack from an official vLLM wheel, for one profile (:mod:`moereplay.pack.profiles`).
 
-``build_pack`` takes from the wheel every ``vllm/**/*.py`` (the vendored ``vllm/third_party/triton_kernels``
+A ``kernels`` pack takes from the wheel every ``vllm/**/*.py`` (the vendored ``vllm/third_party/triton_kernels``
 included), vLLM's JSON kernel configs and ``py.typed``, the ``vllm-X.dist-info/`` directory (vLLM's Triton check
 reads ``importlib.metadata.version("vllm")``; without it Triton is disabled) and the two CUDA libraries, optionally
-slimmed to one GPU architecture; it unpacks the extra wheels the import chain needs; and it writes
-``tree.tar.xz``, ``deps.tar.xz`` and ``manifest.json``. For vLLM 0.25.1 and sm_90 the pack is ≈ 53 MB, small
-enough to carry to the GPU machine. Cost: ≈ 1 minute on one core, dominated by xz.
+slimmed to one GPU architecture. A ``serve`` pack takes only the FlashAttention-3 library. Either unpacks its
+profile's extra wheels (DWARF sections of their ELF libraries blanked, see :func:`elf.blank_debug_sections`) and
+writes ``tree.tar.xz``, ``deps.tar.xz`` and ``manifest.json``. For vLLM 0.25.1 and sm_90: kernels ≈ 40 MB,
+serve ≈ 17 MB. Cost: 1–3 minutes on one core, dominated by xz.
 """
 
 from __future__ import annotations
@@ -15,19 +16,15 @@ import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from moereplay import __version__
 from moereplay.errors import PackError
 from moereplay.pack.archive import XZ_PRESET, ArchiveMember, write_tar_xz
-from moereplay.pack.download import (
-    DROPPED_FILES,
-    MOEREPLAY_RUNTIME_REQUIREMENTS,
-    VLLM_IMPORT_REQUIREMENTS,
-    pip_download,
-)
+from moereplay.pack.download import DROPPED_FILES, SERVE_TARGET, Target, pip_download
+from moereplay.pack.elf import ELF_MAGIC, blank_debug_sections
 from moereplay.pack.fatbin import parse_arch
-from moereplay.pack.libraries import LIBRARY_MEMBERS, slim_library
+from moereplay.pack.libraries import slim_library
 from moereplay.pack.manifest import (
     DEPS_ARCHIVE,
     MANIFEST_NAME,
@@ -36,9 +33,12 @@ from moereplay.pack.manifest import (
     FileDigest,
     LibraryRecord,
     PackManifest,
+    ProfileName,
     WheelPurpose,
+    read_manifest,
     write_manifest,
 )
+from moereplay.pack.profiles import PackProfile, pack_profile
 from moereplay.pack.wheels import (
     dist_info_dir,
     open_wheel,
@@ -56,7 +56,11 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """What to build. ``arch=None`` keeps the libraries whole (≈ 100 MB more)."""
+    """What to build. ``arch=None`` keeps the libraries whole (≈ 100 MB more for a kernels pack).
+
+    ``extra_wheels``: a directory of wheels to unpack (missing required ones are downloaded into it); keep one per
+    profile, since every wheel in it is taken.
+    """
 
     vllm_version: str
     output: Path
@@ -65,6 +69,7 @@ class BuildOptions:
     extra_wheels: Path | None = None
     download_dir: Path | None = None
     xz_preset: int = XZ_PRESET
+    profile: ProfileName = "kernels"
 
 
 def sha256_file(path: Path) -> str:
@@ -122,26 +127,28 @@ class _Tree:
     python_files: int
 
 
-def _read_tree(wheel_path: Path, version: str, keep_arch: int | None, progress: Progress) -> _Tree:
+def _read_tree(
+    wheel_path: Path, version: str, keep_arch: int | None, profile: PackProfile, progress: Progress
+) -> _Tree:
     with open_wheel(wheel_path) as wheel:
         dist_info = dist_info_dir(wheel)
         if dist_info != f"vllm-{version}.dist-info":
             raise PackError(f"{wheel_path.name} holds {dist_info}, expected vllm-{version}.dist-info")
         pin = torch_pin(read_metadata(wheel))
         names = set(wheel.namelist())
-        missing = [member for member in LIBRARY_MEMBERS if member not in names]
+        missing = [member for member in profile.libraries if member not in names]
         if missing:
             raise PackError(f"{wheel_path.name} lacks {', '.join(missing)}")
         members: list[ArchiveMember] = []
         python_files = 0
         for info in wheel.infolist():
-            if info.is_dir():
+            if info.is_dir() or not profile.python_tree:
                 continue
             if _tree_member(info.filename) or info.filename.startswith(f"{dist_info}/"):
                 members.append(ArchiveMember(path=info.filename, data=wheel.read(info)))
                 python_files += info.filename.endswith(".py")
         libraries: list[LibraryRecord] = []
-        for member in LIBRARY_MEMBERS:
+        for member in profile.libraries:
             progress(f"slimming {member}" if keep_arch else f"taking {member} whole")
             data, report = slim_library(member, wheel.read(member), keep_arch)
             members.append(ArchiveMember(path=member, data=data, executable=True))
@@ -156,6 +163,7 @@ def _read_tree(wheel_path: Path, version: str, keep_arch: int | None, progress: 
                     containers=slim.containers if slim else 0,
                     containers_without_code=slim.containers_without_code if slim else 0,
                     entries=slim.tallies if slim else (),
+                    containers_ptx_only=slim.containers_ptx_only if slim else 0,
                 )
             )
     return _Tree(members=tuple(members), libraries=tuple(libraries), torch_pin=pin, python_files=python_files)
@@ -165,27 +173,27 @@ def _requirement_name(requirement: str) -> str:
     return requirement.split("==", 1)[0].replace("_", "-").replace(".", "-").lower()
 
 
-def collect_extra_wheels(target: Path, progress: Progress) -> list[tuple[Path, WheelPurpose]]:
-    """The extra wheels of a pack: those in ``target`` plus any required one it lacks, downloaded into it.
+def collect_extra_wheels(
+    target: Path, progress: Progress, profile: PackProfile | None = None
+) -> list[tuple[Path, WheelPurpose]]:
+    """The extra wheels of a pack: those in ``target`` plus any the profile requires that it lacks, downloaded
+    into it (default profile: kernels).
 
     Every wheel in ``target`` is taken (one may add wheels beyond the required ones). Two versions of one
     project are refused: both would be unpacked over each other.
     """
+    profile = profile or pack_profile("kernels")
     target.mkdir(parents=True, exist_ok=True)
-    purposes: dict[str, WheelPurpose] = {}
-    for requirement in VLLM_IMPORT_REQUIREMENTS:
-        purposes[_requirement_name(requirement)] = "vllm-import"
-    for requirement in MOEREPLAY_RUNTIME_REQUIREMENTS:
-        purposes[_requirement_name(requirement)] = "moereplay-runtime"
+    purposes = {_requirement_name(requirement): purpose for requirement, purpose in profile.requirements}
     present = {parse_wheel_name(path.name).normalized for path in target.glob("*.whl")}
     wanted = tuple(
         requirement
-        for requirement in VLLM_IMPORT_REQUIREMENTS + MOEREPLAY_RUNTIME_REQUIREMENTS
+        for requirement, _ in profile.requirements
         if _requirement_name(requirement) not in present
     )
     if wanted:
         progress(f"downloading {len(wanted)} extra wheels into {target}")
-        pip_download(wanted, target)
+        pip_download(wanted, target, SERVE_TARGET if profile.name == "serve" else Target())
     chosen: dict[str, Path] = {}
     for path in sorted(target.glob("*.whl")):
         project = parse_wheel_name(path.name).normalized
@@ -198,14 +206,28 @@ def collect_extra_wheels(target: Path, progress: Progress) -> list[tuple[Path, W
     return [(path, purposes.get(project, "extra")) for project, path in sorted(chosen.items())]
 
 
+def _without_debug_info(member: ArchiveMember) -> tuple[ArchiveMember, int]:
+    """The member with the DWARF sections of an ELF shared library blanked, and the bytes blanked."""
+    if ".so" not in PurePosixPath(member.path).suffixes or not member.data.startswith(ELF_MAGIC):
+        return member, 0
+    data = bytearray(member.data)
+    blanked = blank_debug_sections(data)
+    if not blanked:
+        return member, 0
+    return ArchiveMember(path=member.path, data=bytes(data), executable=member.executable), blanked
+
+
 def _read_deps(wheels: list[tuple[Path, WheelPurpose]]) -> tuple[list[ArchiveMember], list[ExtraWheel]]:
     members: dict[str, ArchiveMember] = {}
     records: list[ExtraWheel] = []
     for path, purpose in wheels:
         name = parse_wheel_name(path.name)
         dropped = DROPPED_FILES.get(name.normalized, ())
+        debug_blanked = 0
         with open_wheel(path) as wheel:
-            for member in wheel_members(wheel, drop=dropped):
+            for raw in wheel_members(wheel, drop=dropped):
+                member, blanked = _without_debug_info(raw)
+                debug_blanked += blanked
                 if member.path in members:
                     raise PackError(f"extra wheels {path.name} and another both hold {member.path}")
                 members[member.path] = member
@@ -220,12 +242,13 @@ def _read_deps(wheels: list[tuple[Path, WheelPurpose]]) -> tuple[list[ArchiveMem
                 sha256=sha256_file(path),
                 purpose=purpose,
                 dropped=dropped,
+                debug_bytes_blanked=debug_blanked,
             )
         )
     return list(members.values()), records
 
 
-def _prepare_output(output: Path) -> None:
+def _prepare_output(output: Path, profile: ProfileName) -> None:
     if output.exists():
         if not output.is_dir():
             raise PackError(f"output {output} exists and is not a directory")
@@ -234,22 +257,31 @@ def _prepare_output(output: Path) -> None:
             raise PackError(
                 f"output directory {output} is not empty and holds no pack: refusing to overwrite it"
             )
+        if contents:
+            existing = read_manifest(output).profile
+            if existing != profile:
+                raise PackError(
+                    f"output directory {output} holds a {existing} pack: refusing to replace it with a "
+                    f"{profile} pack (choose another directory)"
+                )
         for name in (MANIFEST_NAME, TREE_ARCHIVE, DEPS_ARCHIVE):
             (output / name).unlink(missing_ok=True)
     output.mkdir(parents=True, exist_ok=True)
 
 
 def build_pack(options: BuildOptions, progress: Progress = lambda message: None) -> PackManifest:
-    """Build a pack into ``options.output`` and return its manifest (also written as ``manifest.json``)."""
+    """Build a pack of ``options.profile`` into ``options.output`` and return its manifest (also written as
+    ``manifest.json``)."""
+    profile = pack_profile(options.profile)
     keep_arch = parse_arch(options.arch) if options.arch else None
     arch_name = f"sm_{keep_arch}" if keep_arch else None
     wheel_path = find_vllm_wheel(options, progress)
-    _prepare_output(options.output)
-    tree = _read_tree(wheel_path, options.vllm_version, keep_arch, progress)
+    _prepare_output(options.output, profile.name)
+    tree = _read_tree(wheel_path, options.vllm_version, keep_arch, profile, progress)
     progress(f"compressing {len(tree.members)} files into {TREE_ARCHIVE} (xz -{options.xz_preset})")
     tree_files = write_tar_xz(options.output / TREE_ARCHIVE, tree.members, preset=options.xz_preset)
     with tempfile.TemporaryDirectory(prefix="moereplay-wheels-") as scratch:
-        wheels = collect_extra_wheels(options.extra_wheels or Path(scratch), progress)
+        wheels = collect_extra_wheels(options.extra_wheels or Path(scratch), progress, profile)
         deps, records = _read_deps(wheels)
     progress(f"compressing {len(deps)} files of {len(records)} wheels into {DEPS_ARCHIVE}")
     write_tar_xz(options.output / DEPS_ARCHIVE, deps, preset=options.xz_preset)
@@ -268,6 +300,7 @@ def build_pack(options: BuildOptions, progress: Progress = lambda message: None)
         extra_wheels=tuple(records),
         files=tuple(_digest(options.output / name) for name in (TREE_ARCHIVE, DEPS_ARCHIVE)),
         created_by=f"moereplay {__version__}",
+        profile=profile.name,
     )
     write_manifest(options.output, manifest)
     return manifest

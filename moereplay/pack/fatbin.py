@@ -13,10 +13,18 @@ Layout (little-endian), checked against both libraries of the vllm-0.25.1 wheel 
   entry format version), ``28 arch u32`` (SM number: 75, 80, 90, 120 …), ``40 flags u64`` (bit 15 set: payload is
   compressed), ``56 uncompressed_size u64``.
 
-The CUDA driver picks, for the running GPU, a cubin built for it (same major architecture, minor not above the
-GPU's) or else JIT-compiles PTX of an architecture not above the GPU's; every other entry is never read. Slimming
-for one architecture therefore zeroes the payloads of all other entries and keeps every header, so offsets, sizes
-and the file length stay identical while the zeros compress to nothing.
+A container is one CUDA module (one compilation unit's kernels). Loading it, the CUDA driver picks for the running
+GPU a cubin built for it (same major architecture, minor not above the GPU's) and only when the container holds no
+such cubin JIT-compiles PTX of an architecture not above the GPU's; every other entry is never read. Slimming for
+one architecture therefore zeroes two kinds of payload and keeps every header, so offsets, sizes and the file
+length stay identical while the zeros compress to nothing:
+
+- ``other-arch``: cubins that cannot run on the architecture, and PTX newer than it;
+- ``beside-cubin``: PTX that could be JIT-compiled for it, in a container that also holds a cubin that runs on it
+  (the driver loads that cubin; the PTX would be read only with ``CUDA_FORCE_PTX_JIT=1``, which a slimmed pack
+  does not support).
+
+PTX in a container with no usable cubin (vLLM 0.25.1's Marlin MoE modules reach Hopper only this way) is kept.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Literal
 
 from moereplay.errors import PackError
 
@@ -138,9 +147,19 @@ def walk_fatbin(
     return list(_entries(data, start, stop))
 
 
+#: Why :func:`slim_fatbin` zeroed an entry (see the module docstring).
+DropReason = Literal["other-arch", "beside-cubin"]
+DROP_REASONS: tuple[DropReason, ...] = ("other-arch", "beside-cubin")
+
+
 @dataclass(frozen=True)
 class EntryTally:
-    """How many entries of one kind and architecture a library held, and how many were zeroed."""
+    """How many entries of one kind and architecture a library held, and how many were zeroed, and why.
+
+    ``reason`` is None when none was zeroed. The reason is a function of kind and architecture alone (a cubin or
+    PTX is ``other-arch`` by its arch; only PTX that runs on the kept arch can be ``beside-cubin``), so one tally
+    never mixes two reasons.
+    """
 
     kind: str
     arch: int
@@ -148,6 +167,15 @@ class EntryTally:
     zeroed: int
     found_bytes: int
     zeroed_bytes: int
+    reason: DropReason | None = None
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.zeroed <= self.found and 0 <= self.zeroed_bytes <= self.found_bytes):
+            raise PackError(f"fatbin tally {self.kind} sm_{self.arch}: more zeroed than found")
+        if (self.reason is None) != (self.zeroed == 0):
+            raise PackError(
+                f"fatbin tally {self.kind} sm_{self.arch}: zeroed entries need a reason, and only they"
+            )
 
 
 @dataclass(frozen=True)
@@ -159,6 +187,8 @@ class SlimResult:
     tallies: tuple[EntryTally, ...]
     containers_without_code: int
     """Containers with no entry usable on ``keep_arch`` (before and after slimming: slimming never changes it)."""
+    containers_ptx_only: int = 0
+    """Containers whose only code for ``keep_arch`` is PTX: the driver JIT-compiles them at their first launch."""
 
     @property
     def entries_zeroed(self) -> int:
@@ -168,34 +198,69 @@ class SlimResult:
     def bytes_zeroed(self) -> int:
         return sum(tally.zeroed_bytes for tally in self.tallies)
 
+    def bytes_zeroed_for(self, reason: DropReason) -> int:
+        return sum(tally.zeroed_bytes for tally in self.tallies if tally.reason == reason)
+
+
+def _drop_reason(entry: FatbinEntry, keep_arch: int, container_has_cubin: bool) -> DropReason | None:
+    if entry.kind not in (EntryKind.PTX, EntryKind.CUBIN):
+        return None  # unknown kinds are kept: we cannot tell whether the driver reads them
+    if not entry.runs_on(keep_arch):
+        return "other-arch"
+    if entry.kind == EntryKind.PTX and container_has_cubin:
+        return "beside-cubin"
+    return None
+
 
 def slim_fatbin(data: bytearray, keep_arch: int, start: int = 0, end: int | None = None) -> SlimResult:
-    """Zero, in place, the payload of every entry in ``data[start:end]`` that cannot run on SM ``keep_arch``.
+    """Zero, in place, the payload of every entry in ``data[start:end]`` the driver never reads on SM ``keep_arch``.
 
-    Kept: cubins that run on ``keep_arch`` (for sm_90 exactly the sm_90 cubins), PTX of any architecture up to
-    ``keep_arch``, every header, and entries of kinds this module does not know. The buffer's length never changes.
+    Kept: cubins that run on ``keep_arch`` (for sm_90 exactly the sm_90 cubins), PTX up to ``keep_arch`` in
+    containers without such a cubin, every header, and entries of kinds this module does not know. Zeroed, with
+    the reason recorded in the tallies: everything else (see the module docstring). The buffer's length never
+    changes.
     """
     entries = walk_fatbin(data, start, end)
-    found: dict[tuple[str, int], list[int]] = {}
-    usable: dict[int, bool] = {}
+    by_container: dict[int, list[FatbinEntry]] = {}
     for entry in entries:
-        key = (entry.kind_name, entry.arch)
-        counts = found.setdefault(key, [0, 0, 0, 0])
-        counts[0] += 1
-        counts[2] += entry.payload_size
-        usable[entry.container_offset] = usable.get(entry.container_offset, False) or entry.runs_on(keep_arch)
-        known = entry.kind in (EntryKind.PTX, EntryKind.CUBIN)
-        if known and not entry.runs_on(keep_arch):
+        by_container.setdefault(entry.container_offset, []).append(entry)
+    found: dict[tuple[str, int], list[int]] = {}
+    reasons: dict[tuple[str, int], DropReason] = {}
+    without_code = ptx_only = 0
+    for members in by_container.values():
+        has_cubin = any(e.kind == EntryKind.CUBIN and e.runs_on(keep_arch) for e in members)
+        if not any(e.runs_on(keep_arch) for e in members):
+            without_code += 1
+        elif not has_cubin:
+            ptx_only += 1
+        for entry in members:
+            key = (entry.kind_name, entry.arch)
+            counts = found.setdefault(key, [0, 0, 0, 0])
+            counts[0] += 1
+            counts[2] += entry.payload_size
+            reason = _drop_reason(entry, keep_arch, has_cubin)
+            if reason is None:
+                continue
+            reasons[key] = reason  # one reason per (kind, arch): see EntryTally
             data[entry.payload_offset : entry.payload_offset + entry.payload_size] = bytes(entry.payload_size)
             counts[1] += 1
             counts[3] += entry.payload_size
     tallies = tuple(
-        EntryTally(kind=kind, arch=arch, found=c[0], zeroed=c[1], found_bytes=c[2], zeroed_bytes=c[3])
+        EntryTally(
+            kind=kind,
+            arch=arch,
+            found=c[0],
+            zeroed=c[1],
+            found_bytes=c[2],
+            zeroed_bytes=c[3],
+            reason=reasons.get((kind, arch)),
+        )
         for (kind, arch), c in sorted(found.items())
     )
     return SlimResult(
         keep_arch=keep_arch,
-        containers=len(usable),
+        containers=len(by_container),
         tallies=tallies,
-        containers_without_code=sum(1 for ok in usable.values() if not ok),
+        containers_without_code=without_code,
+        containers_ptx_only=ptx_only,
     )

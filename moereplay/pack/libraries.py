@@ -1,6 +1,6 @@
-"""vLLM's compiled CUDA libraries in a kernel pack: which ones, the CUDA they link, and slimming to one GPU arch.
+"""vLLM's compiled CUDA libraries in a pack: which ones, the CUDA they link, and slimming to one GPU arch.
 
-Both libraries are needed (see shared/kernels/README.md): ``_moe_C`` holds the Marlin MoE GEMM and
+Both kernels-pack libraries are needed (see shared/kernels/README.md): ``_moe_C`` holds the Marlin MoE GEMM and
 ``moe_align_block_size``; ``_C`` holds the activations and repacking ops vLLM's MoE Python paths call, and vLLM
 imports it as soon as it detects a CUDA platform. Cost: slimming reads and rewrites each library once in memory
 (76 MB + 46 MB for vLLM 0.25.1).
@@ -15,11 +15,16 @@ from moereplay.errors import PackError
 from moereplay.pack.elf import needed_libraries, parse_elf
 from moereplay.pack.fatbin import SlimResult, slim_fatbin, walk_fatbin
 
-#: The wheel members a pack takes, in the order they are reported.
+#: The wheel members a kernels pack takes, in the order they are reported.
 LIBRARY_MEMBERS: tuple[str, ...] = (
     "vllm/_moe_C_stable_libtorch.abi3.so",
     "vllm/_C_stable_libtorch.abi3.so",
 )
+#: The wheel members a serve pack takes: FlashAttention 3 (Hopper). vLLM's model modules import
+#: ``vllm.vllm_flash_attn`` at import time, which raises unless ``_vllm_fa2_C`` or ``_vllm_fa3_C`` imports; in
+#: vllm-0.25.1 it is 153 MB of sm_90a cubins only (nothing to slim for sm_90), ≈ 10 MB with xz. ``_vllm_fa2_C``
+#: (191 MB, Ampere and up) is not taken: on Hopper vLLM uses FA3.
+SERVE_LIBRARY_MEMBERS: tuple[str, ...] = ("vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",)
 FATBIN_SECTION = ".nv_fatbin"
 _CUDART = re.compile(r"^libcudart\.so\.(\d+)$")
 

@@ -7,8 +7,16 @@ itself by its top-level name, and vLLM prefers a top-level ``triton_kernels`` wh
 reach the same modules. ``key`` is derived from the archives' sha256, so a changed pack never reuses a stale
 cache. ``CACHE`` is ``$MOEREPLAY_PACK_CACHE`` or ``$XDG_CACHE_HOME/moereplay/packs`` (``~/.cache/…``).
 
-Cost: the first load of a pack verifies 53 MB of archives (sha256, < 1 s) and unpacks ≈ 190 MB (≈ 3 s); later
-loads only read the manifest. Importing ``vllm._custom_ops`` then takes a few seconds (vLLM's own start-up).
+A serve pack (profile ``serve``, built from the same vLLM wheel) is attached to an unpacked kernels pack: it
+unpacks into ``CACHE/<key>/serve-<serve key>/`` (``site/``: the serving wheels and the FlashAttention-3 library;
+``bin/vllm``: a stand-in for vLLM's console script), and each of its libraries is linked into the kernels pack's
+tree at its wheel path (``site/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so``), because vLLM imports it relatively,
+from the package directory. The kernels pack's ``site/`` is thus the same directory with or without a serve pack,
+and a process that imported vLLM from it can still load the pack.
+
+Cost: the first load of a pack verifies 40 MB of archives (sha256, < 1 s) and unpacks ≈ 190 MB (≈ 3 s), a serve
+pack 17 MB and ≈ 190 MB more; later loads only read the manifests. Importing ``vllm._custom_ops`` then takes a few
+seconds (vLLM's own start-up).
 """
 
 from __future__ import annotations
@@ -18,16 +26,24 @@ import importlib
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
 from moereplay.errors import PackError
 from moereplay.pack.archive import extract_tar_xz
-from moereplay.pack.manifest import DEPS_ARCHIVE, TREE_ARCHIVE, PackManifest, read_manifest
+from moereplay.pack.manifest import DEPS_ARCHIVE, MANIFEST_NAME, TREE_ARCHIVE, PackManifest, read_manifest
 
 COMPLETE_MARK = ".complete"
 TRITON_KERNELS_DIR = "vllm/third_party/triton_kernels"
+SERVE_PACK_VARIABLE = "MOEREPLAY_SERVE_PACK"
+#: ``bin/vllm`` of an attached serve pack: vLLM's console script is not in the pack, its ``main`` is.
+VLLM_SCRIPT = (
+    "#!/bin/sh\n"
+    "# vLLM's console script, for a vLLM loaded from a kernel pack (moereplay.pack.load)\n"
+    'exec python3 -m vllm.entrypoints.cli.main "$@"\n'
+)
 
 
 def default_cache_dir() -> Path:
@@ -77,7 +93,8 @@ def check_python(manifest: PackManifest, version: tuple[int, int]) -> None:
             wheel.abi != "abi3" and version[1] != tag_minor
         ):
             raise PackError(
-                f"kernel pack's wheel {wheel.file} is built for CPython 3.{tag_minor}, but Python {running} is running"
+                f"{manifest.label}'s wheel {wheel.file} is built for CPython 3.{tag_minor}, "
+                f"but Python {running} is running"
             )
 
 
@@ -98,11 +115,29 @@ def verify_files(directory: Path, manifest: PackManifest) -> None:
 
 
 @dataclass(frozen=True)
+class UnpackedServe:
+    """Where a serve pack lies unpacked, beside the kernels pack it completes."""
+
+    manifest: PackManifest
+    root: Path
+
+    @property
+    def site(self) -> Path:
+        return self.root / "site"
+
+    @property
+    def bin(self) -> Path:
+        """Holds ``vllm``: put it on ``PATH`` and ``vllm serve …`` works."""
+        return self.root / "bin"
+
+
+@dataclass(frozen=True)
 class UnpackedPack:
     """Where a pack lies unpacked. ``paths`` go on ``sys.path`` / ``PYTHONPATH``, in this order."""
 
     manifest: PackManifest
     root: Path
+    serve: UnpackedServe | None = None
 
     @property
     def site(self) -> Path:
@@ -113,8 +148,8 @@ class UnpackedPack:
         return self.root / "aliases"
 
     @property
-    def paths(self) -> tuple[Path, Path]:
-        return (self.site, self.aliases)
+    def paths(self) -> tuple[Path, ...]:
+        return (self.site, self.aliases) + ((self.serve.site,) if self.serve else ())
 
 
 def cache_key(manifest: PackManifest) -> str:
@@ -123,28 +158,57 @@ def cache_key(manifest: PackManifest) -> str:
     return f"vllm-{manifest.vllm_version}-{manifest.arch or 'all'}-{hashes}"
 
 
-def unpack_pack(directory: Path, cache_dir: Path | None = None) -> UnpackedPack:
-    """Unpack a pack into the cache unless it already is there; needs no torch. Safe against concurrent callers:
-    each unpacks into its own temporary directory and the first to rename it into place wins."""
-    manifest = read_manifest(directory)
-    root = (cache_dir or default_cache_dir()) / cache_key(manifest)
-    unpacked = UnpackedPack(manifest=manifest, root=root)
-    if (root / COMPLETE_MARK).is_file():
-        return unpacked
+def serve_pack_setting(environ: Mapping[str, str], default: Path) -> Path | None:
+    """The serve pack to attach, from ``$MOEREPLAY_SERVE_PACK`` (read at the edge, never at import).
+
+    Unset: ``default`` (e.g. ``REPO/.servepack``) when it holds a pack, else none. Set but empty: none. Set: that
+    directory (loading fails with one line if it is not a serve pack).
+    """
+    value = environ.get(SERVE_PACK_VARIABLE)
+    if value is None:
+        return default if (default / MANIFEST_NAME).is_file() else None
+    return Path(value) if value.strip() else None
+
+
+def check_companion(kernels: PackManifest, serve: PackManifest) -> None:
+    """Refuse a serve pack that does not complete this kernels pack: another profile, another vLLM wheel (its
+    libraries and wheels were chosen for that build), another arch, or an extra wheel both packs hold."""
+    if kernels.profile != "kernels":
+        raise PackError(f"{kernels.label} given where a kernels pack is expected")
+    if serve.profile != "serve":
+        raise PackError(f"{serve.label} given where a serve pack is expected")
+    if serve.vllm_wheel.sha256 != kernels.vllm_wheel.sha256 or serve.torch_pin != kernels.torch_pin:
+        raise PackError(
+            f"serve pack is for {serve.vllm_wheel.name} (sha256 {serve.vllm_wheel.sha256[:12]}, torch "
+            f"{serve.torch_pin}), the kernel pack for {kernels.vllm_wheel.name} (sha256 "
+            f"{kernels.vllm_wheel.sha256[:12]}, torch {kernels.torch_pin}): build both from one wheel"
+        )
+    if serve.arch != kernels.arch:
+        raise PackError(
+            f"serve pack is slimmed for {serve.arch or 'all'}, the kernel pack for {kernels.arch or 'all'}"
+        )
+    both = sorted(
+        {wheel.name for wheel in kernels.extra_wheels} & {wheel.name for wheel in serve.extra_wheels}
+    )
+    if both:
+        raise PackError(f"kernel pack and serve pack both hold {', '.join(both)}: rebuild the serve pack")
+
+
+def _unpack_into(root: Path, directory: Path, manifest: PackManifest, finish: Callable[[Path], None]) -> None:
+    """Verify the pack's archives, unpack them into ``root/site`` and let ``finish`` complete the staging
+    directory. Safe against concurrent callers: each unpacks into its own temporary directory and the first to
+    rename it into place wins."""
     verify_files(directory, manifest)
     for required in (TREE_ARCHIVE, DEPS_ARCHIVE):
         if manifest.file(required) is None:
-            raise PackError(f"kernel pack manifest lists no {required}")
+            raise PackError(f"{manifest.label} manifest lists no {required}")
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = root.parent / f".{root.name}.{os.getpid()}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         for archive in (TREE_ARCHIVE, DEPS_ARCHIVE):
             extract_tar_xz(directory / archive, staging / "site")
-        if not (staging / "site" / TRITON_KERNELS_DIR).is_dir():
-            raise PackError(f"kernel pack {directory} has no {TRITON_KERNELS_DIR}")
-        (staging / "aliases").mkdir()
-        (staging / "aliases" / "triton_kernels").symlink_to(Path("..", "site", TRITON_KERNELS_DIR))
+        finish(staging)
         (staging / COMPLETE_MARK).write_text(manifest.to_json(), encoding="utf-8")
         if root.exists():
             shutil.rmtree(root)  # an unfinished earlier unpack (no COMPLETE_MARK)
@@ -154,10 +218,77 @@ def unpack_pack(directory: Path, cache_dir: Path | None = None) -> UnpackedPack:
             if not (root / COMPLETE_MARK).is_file():
                 raise
     except OSError as error:
-        raise PackError(f"cannot unpack kernel pack into {root}: {error}") from error
+        raise PackError(f"cannot unpack {manifest.label} into {root}: {error}") from error
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return unpacked
+
+
+def unpack_pack(directory: Path, cache_dir: Path | None = None, serve: Path | None = None) -> UnpackedPack:
+    """Unpack a kernels pack into the cache unless it already is there, and attach the serve pack ``serve`` if
+    given (:func:`attach_serve_pack`); needs no torch."""
+    manifest = read_manifest(directory)
+    if manifest.profile != "kernels":
+        raise PackError(
+            f"{directory} is a {manifest.label}: load the kernels pack built from the same wheel, with this one "
+            f"as its serve pack (${SERVE_PACK_VARIABLE})"
+        )
+    root = (cache_dir or default_cache_dir()) / cache_key(manifest)
+    unpacked = UnpackedPack(manifest=manifest, root=root)
+    if not (root / COMPLETE_MARK).is_file():
+
+        def finish(staging: Path) -> None:
+            if not (staging / "site" / TRITON_KERNELS_DIR).is_dir():
+                raise PackError(f"kernel pack {directory} has no {TRITON_KERNELS_DIR}")
+            (staging / "aliases").mkdir()
+            (staging / "aliases" / "triton_kernels").symlink_to(Path("..", "site", TRITON_KERNELS_DIR))
+
+        _unpack_into(root, directory, manifest, finish)
+    if serve is None:
+        return unpacked
+    return replace(unpacked, serve=attach_serve_pack(unpacked, serve))
+
+
+def attach_serve_pack(unpacked: UnpackedPack, directory: Path) -> UnpackedServe:
+    """Unpack the serve pack in ``directory`` beside ``unpacked`` (once) and link its libraries into the kernels
+    pack's tree, replacing links to another serve pack's libraries."""
+    manifest = read_manifest(directory)
+    check_companion(unpacked.manifest, manifest)
+    hashes = "".join(digest.sha256[:12] for digest in manifest.files)
+    served = UnpackedServe(manifest=manifest, root=unpacked.root / f"serve-{hashes}")
+    if not (served.root / COMPLETE_MARK).is_file():
+
+        def finish(staging: Path) -> None:
+            for library in manifest.libraries:
+                if not (staging / "site" / library.member).is_file():
+                    raise PackError(f"serve pack {directory} lacks {library.member}")
+            (staging / "bin").mkdir()
+            script = staging / "bin" / "vllm"
+            script.write_text(VLLM_SCRIPT, encoding="utf-8")
+            script.chmod(0o755)
+
+        _unpack_into(served.root, directory, manifest, finish)
+    for library in manifest.libraries:
+        _link(served.site / library.member, unpacked.site / library.member)
+    return served
+
+
+def _link(source: Path, target: Path) -> None:
+    """Make ``target`` a relative symbolic link to ``source``, atomically; refuse to replace a regular file."""
+    if not target.parent.is_dir():
+        raise PackError(f"the kernel pack's tree has no {target.parent.name}/ to hold {target.name}")
+    relative = Path(os.path.relpath(source, target.parent))
+    if target.is_symlink() and Path(os.readlink(target)) == relative:
+        return
+    if target.exists() and not target.is_symlink():
+        raise PackError(f"{target} is a file of the kernel pack, not a link to a serve pack's library")
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.link")
+    try:
+        temporary.unlink(missing_ok=True)
+        temporary.symlink_to(relative)
+        temporary.replace(target)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise PackError(f"cannot link {target} to the serve pack: {error}") from error
 
 
 @dataclass(frozen=True)
@@ -214,14 +345,21 @@ def activate(unpacked: UnpackedPack) -> None:
     importlib.invalidate_caches()
 
 
-def load_pack(directory: Path | str, cache_dir: Path | None = None) -> LoadedPack:
-    """Check a pack against the running Python and torch, unpack it if needed and put it on ``sys.path``."""
+def load_pack(
+    directory: Path | str, cache_dir: Path | None = None, serve: Path | str | None = None
+) -> LoadedPack:
+    """Check a pack (and the serve pack ``serve``, if given) against the running Python and torch, unpack it if
+    needed and put it on ``sys.path``."""
     path = Path(directory)
     manifest = read_manifest(path)
-    check_python(manifest, (sys.version_info[0], sys.version_info[1]))
+    running = (sys.version_info[0], sys.version_info[1])
+    check_python(manifest, running)
+    if serve is not None:
+        check_companion(manifest, read_manifest(Path(serve)))
+        check_python(read_manifest(Path(serve)), running)
     import torch
 
     check_torch(manifest, torch.__version__, torch.version.cuda)
-    unpacked = unpack_pack(path, cache_dir)
+    unpacked = unpack_pack(path, cache_dir, None if serve is None else Path(serve))
     activate(unpacked)
     return LoadedPack(directory=path, unpacked=unpacked)

@@ -1,13 +1,17 @@
 """The kernel pack manifest (``manifest.json``): what a pack holds and what it needs to run.
 
-Layout of a pack directory::
+Layout of a pack directory, for either profile (:mod:`moereplay.pack.profiles`)::
 
     DIR/manifest.json   this file
-    DIR/tree.tar.xz     vllm/**/*.py (+ json configs, py.typed), vllm-X.dist-info/, the two CUDA libraries
+    DIR/tree.tar.xz     files taken from the vLLM wheel, at their paths in it. ``kernels``: vllm/**/*.py (+ json
+                        configs, py.typed), vllm-X.dist-info/, the two CUDA libraries. ``serve``: the
+                        FlashAttention-3 library only
     DIR/deps.tar.xz     the extra wheels, unpacked as ``pip install --no-deps --target`` would
 
+A ``serve`` pack completes the ``kernels`` pack built from the same vLLM wheel (same sha256) for ``vllm serve``.
 The manifest is plain JSON with a format version; reading one checks every field's type so a damaged or foreign
-file fails with one clear :class:`~moereplay.errors.PackError` line.
+file fails with one clear :class:`~moereplay.errors.PackError` line. Version 1 manifests (kernels packs built
+before profiles and drop reasons existed) are still read.
 """
 
 from __future__ import annotations
@@ -15,18 +19,23 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from moereplay.errors import PackError
-from moereplay.pack.fatbin import EntryTally
+from moereplay.pack.fatbin import DROP_REASONS, DropReason, EntryTally
 
 MANIFEST_NAME = "manifest.json"
 TREE_ARCHIVE = "tree.tar.xz"
 DEPS_ARCHIVE = "deps.tar.xz"
 FORMAT = "moereplay-kernel-pack"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 
-WheelPurpose = Literal["vllm-import", "moereplay-runtime", "extra"]
+WheelPurpose = Literal["vllm-import", "moereplay-runtime", "vllm-serve", "extra"]
+WHEEL_PURPOSES: tuple[WheelPurpose, ...] = ("vllm-import", "moereplay-runtime", "vllm-serve", "extra")
+
+ProfileName = Literal["kernels", "serve"]
+PROFILE_NAMES: tuple[ProfileName, ...] = ("kernels", "serve")
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,8 @@ class LibraryRecord:
     containers: int
     containers_without_code: int
     entries: tuple[EntryTally, ...]
+    containers_ptx_only: int = 0
+    """Containers that reach the pack's arch only through PTX (JIT-compiled by the driver at first launch)."""
 
     @property
     def entries_zeroed(self) -> int:
@@ -62,7 +73,8 @@ class LibraryRecord:
 
 @dataclass(frozen=True)
 class ExtraWheel:
-    """A wheel unpacked into ``deps.tar.xz``; ``dropped`` lists patterns of its files left out, and why."""
+    """A wheel unpacked into ``deps.tar.xz``; ``dropped`` lists patterns of its files left out (why: in
+    ``download.DROPPED_FILES``), ``debug_bytes_blanked`` the DWARF bytes emptied in its ELF libraries."""
 
     file: str
     name: str
@@ -73,11 +85,16 @@ class ExtraWheel:
     sha256: str
     purpose: WheelPurpose
     dropped: tuple[str, ...] = ()
+    debug_bytes_blanked: int = 0
 
 
 @dataclass(frozen=True)
 class PackManifest:
-    """Everything a pack records about itself. ``arch`` is e.g. ``"sm_90"``, or None for unslimmed libraries."""
+    """Everything a pack records about itself. ``arch`` is e.g. ``"sm_90"``, or None for unslimmed libraries.
+
+    ``vllm_version``, ``vllm_wheel`` and ``torch_pin`` say which vLLM build (and so which torch) the pack belongs
+    to, whatever its ``profile``; a serve pack pairs only with the kernels pack of the same wheel.
+    """
 
     vllm_version: str
     vllm_wheel: FileDigest
@@ -90,14 +107,26 @@ class PackManifest:
     extra_wheels: tuple[ExtraWheel, ...]
     files: tuple[FileDigest, ...]
     created_by: str
+    profile: ProfileName = "kernels"
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         if self.format != FORMAT:
             raise PackError(f"not a kernel pack manifest (format {self.format!r})")
-        if self.format_version != FORMAT_VERSION:
-            raise PackError(f"kernel pack format version {self.format_version} is not supported (expected 1)")
+        if self.format_version not in _READABLE_VERSIONS:
+            raise PackError(
+                f"kernel pack format version {self.format_version} is not supported (expected {FORMAT_VERSION})"
+            )
+        if self.profile not in PROFILE_NAMES:
+            raise PackError(
+                f"pack profile {self.profile!r} is unknown (expected one of {', '.join(PROFILE_NAMES)})"
+            )
+
+    @property
+    def label(self) -> str:
+        """``vLLM 0.25.1 kernel pack`` / ``vLLM 0.25.1 serve pack``: how messages name it."""
+        return f"vLLM {self.vllm_version} {'kernel' if self.profile == 'kernels' else self.profile} pack"
 
     @property
     def entries_zeroed(self) -> int:
@@ -198,18 +227,29 @@ def _digest(reader: _Reader) -> FileDigest:
     return FileDigest(name=reader.text("name"), size=reader.count("size"), sha256=reader.text("sha256"))
 
 
-def _tally(reader: _Reader) -> EntryTally:
-    return EntryTally(
-        kind=reader.text("kind"),
-        arch=reader.count("arch"),
-        found=reader.count("found"),
-        zeroed=reader.count("zeroed"),
-        found_bytes=reader.count("found_bytes"),
-        zeroed_bytes=reader.count("zeroed_bytes"),
-    )
+def _tally(reader: _Reader, version: int) -> EntryTally:
+    zeroed = reader.count("zeroed")
+    if version == 1:  # version 1 zeroed only entries that cannot run on the pack's arch
+        reason: str | None = "other-arch" if zeroed else None
+    else:
+        reason = reader.opt_text("reason")
+    if reason is not None and reason not in DROP_REASONS:
+        raise PackError(f"manifest: {reader.where}.reason {reason!r} is unknown")
+    try:
+        return EntryTally(
+            kind=reader.text("kind"),
+            arch=reader.count("arch"),
+            found=reader.count("found"),
+            zeroed=zeroed,
+            found_bytes=reader.count("found_bytes"),
+            zeroed_bytes=reader.count("zeroed_bytes"),
+            reason=cast(DropReason | None, reason),
+        )
+    except PackError as error:
+        raise PackError(f"manifest: {reader.where}: {error}") from error
 
 
-def _library(reader: _Reader) -> LibraryRecord:
+def _library(reader: _Reader, version: int) -> LibraryRecord:
     return LibraryRecord(
         member=reader.text("member"),
         size=reader.count("size"),
@@ -218,13 +258,14 @@ def _library(reader: _Reader) -> LibraryRecord:
         slimmed=reader.flag("slimmed"),
         containers=reader.count("containers"),
         containers_without_code=reader.count("containers_without_code"),
-        entries=tuple(_tally(item) for item in reader.objs("entries")),
+        entries=tuple(_tally(item, version) for item in reader.objs("entries")),
+        containers_ptx_only=reader.count("containers_ptx_only") if version >= 2 else 0,
     )
 
 
-def _wheel(reader: _Reader) -> ExtraWheel:
+def _wheel(reader: _Reader, version: int) -> ExtraWheel:
     purpose = reader.text("purpose")
-    if purpose not in ("vllm-import", "moereplay-runtime", "extra"):
+    if purpose not in WHEEL_PURPOSES:
         raise PackError(f"manifest: {reader.where}.purpose {purpose!r} is unknown")
     return ExtraWheel(
         file=reader.text("file"),
@@ -234,8 +275,9 @@ def _wheel(reader: _Reader) -> ExtraWheel:
         abi=reader.text("abi"),
         platform=reader.text("platform"),
         sha256=reader.text("sha256"),
-        purpose=purpose,  # type: ignore[arg-type]
+        purpose=purpose,
         dropped=reader.texts("dropped"),
+        debug_bytes_blanked=reader.count("debug_bytes_blanked") if version >= 2 else 0,
     )
 
 
@@ -244,20 +286,24 @@ def _manifest(reader: _Reader) -> PackManifest:
     if format_name != FORMAT:
         raise PackError(f"not a kernel pack manifest (format {format_name!r})")
     version = reader.count("format_version")
-    if version != FORMAT_VERSION:
+    if version not in _READABLE_VERSIONS:
         raise PackError(f"kernel pack format version {version} is not supported (expected {FORMAT_VERSION})")
+    profile = reader.text("profile") if version >= 2 else "kernels"
+    if profile not in PROFILE_NAMES:
+        raise PackError(f"manifest: manifest.profile {profile!r} is unknown")
     return PackManifest(
         vllm_version=reader.text("vllm_version"),
         vllm_wheel=_digest(reader.obj("vllm_wheel")),
         torch_pin=reader.text("torch_pin"),
         cuda_major=reader.opt_count("cuda_major"),
         arch=reader.opt_text("arch"),
-        libraries=tuple(_library(item) for item in reader.objs("libraries")),
+        libraries=tuple(_library(item, version) for item in reader.objs("libraries")),
         python_files=reader.count("python_files"),
         tree_files=reader.count("tree_files"),
-        extra_wheels=tuple(_wheel(item) for item in reader.objs("extra_wheels")),
+        extra_wheels=tuple(_wheel(item, version) for item in reader.objs("extra_wheels")),
         files=tuple(_digest(item) for item in reader.objs("files")),
         created_by=reader.text("created_by"),
+        profile=cast(ProfileName, profile),
         format=format_name,
         format_version=version,
     )

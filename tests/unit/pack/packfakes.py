@@ -56,7 +56,8 @@ def build_elf(sections: list[tuple[str, int, bytes, int]]) -> bytes:
     table = bytearray(64)  # the null section
     for index, (_name, kind, _data, link) in enumerate(all_sections):
         offset, size = placed[index]
-        table += struct.pack("<IIQQQQIIQQ", name_offsets[index], kind, 2, 0, offset, size, link, 0, 8,
+        flags = 0 if all_sections[index][0].startswith(".debug") else 2  # SHF_ALLOC, as a linker sets it
+        table += struct.pack("<IIQQQQIIQQ", name_offsets[index], kind, flags, 0, offset, size, link, 0, 8,
                              16 if kind == SHT_DYNAMIC else 0)  # fmt: skip
     ident = b"\x7fELF" + bytes([2, 1, 1, 0]) + bytes(8)
     header = struct.pack("<16sHHIQQQIHHHHHH", ident, 3, 62, 1, 0, 0, shoff, 0, 64, 56, 0, 64,
@@ -85,7 +86,8 @@ def build_library(fatbin: bytes, needed: tuple[str, ...] = ("libtorch.so", "libc
 
 
 def sample_fatbin() -> bytes:
-    """Two containers shaped like vLLM 0.25.1's: many cubins + PTX, and one with no sm_90 code at all."""
+    """Three containers shaped like vLLM 0.25.1's: many cubins + PTX beside an sm_90 cubin, one with no sm_90 code
+    at all, and one that reaches sm_90 only through sm_80 PTX (like the Marlin MoE modules)."""
     first = [
         FakeEntry(2, 75, b"A" * 40),
         FakeEntry(2, 80, b"B" * 33),
@@ -99,7 +101,26 @@ def sample_fatbin() -> bytes:
         FakeEntry(2, 120, b"F" * 9, header_size=112),
         FakeEntry(1, 100, b"G" * 8),
     ]
-    return fatbin_container(first) + fatbin_container(second)
+    third = [FakeEntry(2, 80, b"H" * 24), FakeEntry(1, 80, b"marlin ptx", header_size=80)]
+    return fatbin_container(first) + fatbin_container(second) + fatbin_container(third)
+
+
+def sm90_fatbin() -> bytes:
+    """Containers of sm_90 cubins only, like vLLM 0.25.1's FlashAttention-3 library."""
+    return fatbin_container([FakeEntry(2, 90, b"fa3 kernel " * 3)]) + fatbin_container(
+        [FakeEntry(2, 90, b"I" * 16)]
+    )
+
+
+def library_with_debug_info(code: bytes = b"\x90" * 32, debug: bytes = b"DWARF" * 40) -> bytes:
+    """A shared library with ``.text`` and two unloaded DWARF sections, like an unstripped wheel library."""
+    return build_elf(
+        [
+            (".text", SHT_PROGBITS, code, 0),
+            (".debug_info", SHT_PROGBITS, debug, 0),
+            (".debug_str", SHT_PROGBITS, b"names\0" * 5, 0),
+        ]
+    )
 
 
 def write_wheel(path: Path, files: dict[str, bytes], metadata: str = "Metadata-Version: 2.1\n") -> Path:
@@ -115,11 +136,16 @@ def write_wheel(path: Path, files: dict[str, bytes], metadata: str = "Metadata-V
     return path
 
 
-def fake_vllm_wheel(directory: Path, version: str = "0.25.1", torch: str = "2.11.0") -> Path:
+def fake_vllm_wheel(
+    directory: Path, version: str = "0.25.1", torch: str = "2.11.0", salt: bytes = b""
+) -> Path:
+    """A vLLM wheel with the members packs take; ``salt`` changes its bytes (and so its sha256) only."""
     library = build_library(sample_fatbin())
     files = {
-        "vllm/__init__.py": b"__version__ = '0.25.1'\n",
+        "vllm/__init__.py": b"__version__ = '0.25.1'\n" + salt,
         "vllm/_custom_ops.py": b"import torch\n",
+        "vllm/entrypoints/cli/main.py": b"import sys\n\n\ndef main():\n    print('fake vllm cli', *sys.argv[1:])\n\n\n"
+        b"if __name__ == '__main__':\n    main()\n",
         "vllm/model_executor/layers/fused_moe/configs/E=8,N=128.json": b"{}",
         "vllm/py.typed": b"",
         "vllm/third_party/triton_kernels/__init__.py": b"",
@@ -128,6 +154,9 @@ def fake_vllm_wheel(directory: Path, version: str = "0.25.1", torch: str = "2.11
         "vllm/_moe_C_stable_libtorch.abi3.so": library,
         "vllm/_C_stable_libtorch.abi3.so": library,
         "vllm/_flashmla_C.abi3.so": b"not taken",
+        "vllm/vllm_flash_attn/__init__.py": b"",
+        "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": build_library(sm90_fatbin()),
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"not taken",
     }
     metadata = (
         "Metadata-Version: 2.1\n"
@@ -157,6 +186,23 @@ EXTRA_WHEELS: tuple[tuple[str, str], ...] = (
     ("msgspec-0.23.0-cp312-cp312-manylinux_2_17_x86_64.whl", "msgspec/__init__.py"),
     ("zstandard-0.25.0-cp312-cp312-manylinux_2_17_x86_64.whl", "zstandard/__init__.py"),
 )
+
+
+def fake_serve_wheels(directory: Path) -> Path:
+    """One small wheel per serve-pack requirement, named as pip saves them; xgrammar's holds an unstripped
+    library and a static library (dropped), as the real 0.2.3 wheel does."""
+    from moereplay.pack.download import VLLM_SERVE_REQUIREMENTS
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for requirement in VLLM_SERVE_REQUIREMENTS:
+        name, version = requirement.split("==")
+        module = name.replace("-", "_")
+        files = {f"{module}/__init__.py": f"NAME = {name!r}\n".encode()}
+        if name == "xgrammar":
+            files["xgrammar/libxgrammar_bindings.so"] = library_with_debug_info()
+            files["xgrammar/lib/libxgrammar.a"] = b"!<arch>\n dropped"
+        write_wheel(directory / f"{module}-{version}-py3-none-any.whl", files)
+    return directory
 
 
 def fake_extra_wheels(directory: Path) -> Path:

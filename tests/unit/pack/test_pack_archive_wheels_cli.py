@@ -131,8 +131,11 @@ def test_kernels_info(pack_dir: Path) -> None:
     result = CliRunner().invoke(app, ["kernels", "info", str(pack_dir)])
     assert result.exit_code == 0, result.output
     assert "vLLM 0.25.1 kernel pack: torch==2.11.0, CUDA 13, arch sm_90" in result.output
-    assert "12 fatbin entries zeroed" in result.output
+    assert "18 fatbin entries zeroed" in result.output
     assert "sm_120" in result.output and "pydantic-core 2.50.5" in result.output
+    text = " ".join(result.output.split())  # rich wraps at the terminal width
+    assert "1 with no code for sm_90, 1 reaching it only through PTX JIT" in text
+    assert "not for sm_90" in text and "sm_90 cubin beside" in text
 
 
 def test_kernels_info_json(pack_dir: Path) -> None:

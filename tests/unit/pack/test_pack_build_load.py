@@ -42,13 +42,20 @@ def test_manifest_records_what_was_built(built: tuple[Path, PackManifest]) -> No
         "tree.tar.xz",
     ]
     assert manifest.vllm_version == "0.25.1" and manifest.torch_pin == "2.11.0" and manifest.cuda_major == 13
-    assert manifest.arch == "sm_90" and manifest.python_files == 4 and manifest.tree_files == 11
-    assert manifest.entries_zeroed == 12  # 6 entries in each of the two libraries
+    assert manifest.profile == "kernels" and manifest.label == "vLLM 0.25.1 kernel pack"
+    assert manifest.arch == "sm_90" and manifest.python_files == 6 and manifest.tree_files == 13
+    assert manifest.entries_zeroed == 18  # 9 entries in each of the two libraries
     assert [library.member for library in manifest.libraries] == [
         "vllm/_moe_C_stable_libtorch.abi3.so",
         "vllm/_C_stable_libtorch.abi3.so",
     ]
-    assert all(library.slimmed and library.containers_without_code == 1 for library in manifest.libraries)
+    assert all(
+        library.slimmed and library.containers_without_code == 1 and library.containers_ptx_only == 1
+        for library in manifest.libraries
+    )
+    reasons = {(tally.kind, tally.arch): tally.reason for tally in manifest.libraries[0].entries}
+    assert reasons["ptx", 90] == "beside-cubin" and reasons["cubin", 75] == "other-arch"
+    assert reasons["cubin", 90] is None
     assert {wheel.name for wheel in manifest.extra_wheels} >= {"pydantic-core", "pyzmq", "zstandard"}
     purposes = {wheel.name: wheel.purpose for wheel in manifest.extra_wheels}
     assert purposes["zstandard"] == "moereplay-runtime" and purposes["openai"] == "vllm-import"
@@ -64,6 +71,7 @@ def test_tree_takes_python_json_dist_info_and_two_libraries(built: tuple[Path, P
     assert "vllm-0.25.1.dist-info/METADATA" in names and "vllm/py.typed" in names
     assert "vllm/_C_stable_libtorch.abi3.so" in names and "vllm/_moe_C_stable_libtorch.abi3.so" in names
     assert "vllm/_flashmla_C.abi3.so" not in names and "vllm/entrypoints/templates/chat.jinja" not in names
+    assert "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so" not in names  # the serve pack's
     deps = set(read_tar_names(directory / "deps.tar.xz"))
     assert "zmq/extra.py" in deps and "zstandard/__init__.py" in deps
     assert not any("_cffi" in name or "scripts" in name for name in deps)
@@ -74,19 +82,46 @@ def test_manifest_round_trip_and_errors(built: tuple[Path, PackManifest]) -> Non
     assert PackManifest.from_json(manifest.to_json()) == manifest
     raw = json.loads(manifest.to_json())
     for key, value, message in [
-        ("format_version", 2, "format version 2"),
+        ("format_version", 3, "format version 3"),
         ("format", "other", "not a kernel pack manifest"),
         ("torch_pin", 3, r"manifest: manifest\.torch_pin must be a string"),
         ("libraries", {}, r"libraries must be a list"),
+        ("profile", "train", "profile 'train' is unknown"),
     ]:
         broken = dict(raw, **{key: value})
         with pytest.raises(PackError, match=message):
             PackManifest.from_json(json.dumps(broken))
+    bad_reason = json.loads(manifest.to_json())
+    bad_reason["libraries"][0]["entries"][0]["reason"] = "tired"
+    with pytest.raises(PackError, match=r"libraries\[0\]\.entries\[0\]\.reason 'tired' is unknown"):
+        PackManifest.from_json(json.dumps(bad_reason))
     del raw["extra_wheels"][0]["sha256"]
     with pytest.raises(PackError, match=r"extra_wheels\[0\]\.sha256 is missing"):
         PackManifest.from_json(json.dumps(raw))
     with pytest.raises(PackError, match="not valid JSON"):
         PackManifest.from_json("{")
+
+
+def test_version_1_manifests_still_read(built: tuple[Path, PackManifest]) -> None:
+    _, manifest = built
+    raw = json.loads(manifest.to_json())
+    raw["format_version"] = 1
+    del raw["profile"]
+    for library in raw["libraries"]:
+        del library["containers_ptx_only"]
+        for tally in library["entries"]:
+            del tally["reason"]
+    for wheel in raw["extra_wheels"]:
+        del wheel["debug_bytes_blanked"]
+    old = PackManifest.from_json(json.dumps(raw))
+    assert old.profile == "kernels" and old.format_version == 1
+    assert all(
+        tally.reason == ("other-arch" if tally.zeroed else None)  # all version 1 ever zeroed
+        for library in old.libraries
+        for tally in library.entries
+    )
+    with pytest.raises(PackError, match="format version 3 is not supported"):
+        PackManifest.from_json(json.dumps(dict(raw, format_version=3)))
 
 
 def test_unpack_lays_out_site_and_triton_kernels_alias(
@@ -105,8 +140,13 @@ def test_unpack_lays_out_site_and_triton_kernels_alias(
     entries = walk_fatbin(library, section.offset, section.end)
     zeroed = [entry for entry in entries if not any(library[entry.payload_offset : entry.payload_offset + 8])]
     assert {(entry.kind_name, entry.arch) for entry in zeroed} == {
-        ("cubin", 75), ("cubin", 80), ("cubin", 100), ("cubin", 86), ("cubin", 120), ("ptx", 100)
+        ("cubin", 75), ("cubin", 80), ("cubin", 100), ("cubin", 86), ("cubin", 120), ("ptx", 100),
+        ("ptx", 80), ("ptx", 90),
     }  # fmt: skip
+    kept_ptx = [entry for entry in entries if entry.kind_name == "ptx" and entry not in zeroed]
+    assert [
+        (entry.arch, library[entry.payload_offset : entry.payload_offset + 10]) for entry in kept_ptx
+    ] == [(80, b"marlin ptx")]
     # a second call finds the finished unpack and does nothing
     (site / "marker").write_text("kept")
     assert unpack_pack(directory, tmp_path / "cache").root == unpacked.root

@@ -71,6 +71,7 @@ def test_device_setup_prelude_unpacks_and_exports(tmp_path: Path) -> None:
         "HOME": str(tmp_path),
         "MOEREPLAY_PACK": str(tmp_path / "pack"),
         "MOEREPLAY_PACK_CACHE": str(tmp_path / "cache"),
+        "MOEREPLAY_SERVE_PACK": "",  # none, even if the checkout holds a .servepack
     }
     script = (
         "source tools/gpu/device_setup.sh && "
@@ -82,4 +83,5 @@ def test_device_setup_prelude_unpacks_and_exports(tmp_path: Path) -> None:
     assert finished.returncode == 0, finished.stderr
     lines = finished.stdout.strip().splitlines()
     assert lines[0].startswith("device_setup: python ") and "pack vLLM 0.25.1 sm_90 torch==2.11.0" in lines[0]
+    assert lines[0].endswith("serve pack none")
     assert str(tmp_path / "cache") in lines[1] and lines[1].endswith(" 7")

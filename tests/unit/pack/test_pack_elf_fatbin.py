@@ -10,11 +10,11 @@ import subprocess
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from packfakes import FakeEntry, build_library, fatbin_container, sample_fatbin
+from packfakes import FakeEntry, build_library, fatbin_container, library_with_debug_info, sample_fatbin
 
 from moereplay.errors import PackError
-from moereplay.pack.elf import needed_libraries, parse_elf
-from moereplay.pack.fatbin import EntryKind, parse_arch, slim_fatbin, walk_fatbin
+from moereplay.pack.elf import SHT_NOBITS, blank_debug_sections, needed_libraries, parse_elf
+from moereplay.pack.fatbin import EntryKind, EntryTally, parse_arch, slim_fatbin, walk_fatbin
 from moereplay.pack.libraries import cuda_major, fatbin_inventory, slim_library
 
 
@@ -64,13 +64,14 @@ def test_walk_reads_kinds_archs_and_offsets() -> None:
     assert [(entry.kind_name, entry.arch) for entry in entries] == [
         ("cubin", 75), ("cubin", 80), ("cubin", 90), ("cubin", 100), ("ptx", 80), ("ptx", 90),
         ("cubin", 86), ("cubin", 120), ("ptx", 100),
+        ("cubin", 80), ("ptx", 80),
     ]  # fmt: skip
     first = entries[0]
     assert first.container_offset == 0 and first.offset == 16 and first.header_size == 64
     assert data[first.payload_offset : first.payload_offset + first.data_size] == b"A" * 40
     assert first.payload_size == 40 and entries[1].payload_size == 40 and entries[1].data_size == 33
     assert entries[3].header_size == 112
-    assert len({entry.container_offset for entry in entries}) == 2
+    assert len({entry.container_offset for entry in entries}) == 3
 
 
 def test_runs_on_follows_cuda_compatibility() -> None:
@@ -82,46 +83,95 @@ def test_runs_on_follows_cuda_compatibility() -> None:
     assert entries["ptx", 80].runs_on(90) and not entries["ptx", 100].runs_on(90)
 
 
-def test_slim_keeps_sm90_cubins_and_ptx_and_all_headers() -> None:
+#: What slimming sample_fatbin() for sm_90 zeroes, by (container, kind, arch), and why.
+SAMPLE_DROPS = {
+    (0, "cubin", 75): "other-arch", (0, "cubin", 80): "other-arch", (0, "cubin", 100): "other-arch",
+    (0, "ptx", 80): "beside-cubin", (0, "ptx", 90): "beside-cubin",
+    (1, "cubin", 86): "other-arch", (1, "cubin", 120): "other-arch", (1, "ptx", 100): "other-arch",
+    (2, "cubin", 80): "other-arch",
+}  # fmt: skip
+
+
+def test_slim_keeps_what_the_driver_loads_and_all_headers() -> None:
     original = sample_fatbin()
     data = bytearray(original)
     result = slim_fatbin(data, 90)
     assert len(data) == len(original)
-    kept = {(entry.kind_name, entry.arch) for entry in walk_fatbin(original)} - {
-        ("cubin", 75),
-        ("cubin", 80),
-        ("cubin", 100),
-        ("cubin", 86),
-        ("cubin", 120),
-        ("ptx", 100),
-    }
-    assert kept == {("cubin", 90), ("ptx", 80), ("ptx", 90)}
+    containers = sorted({entry.container_offset for entry in walk_fatbin(original)})
     for before, after in zip(walk_fatbin(original), walk_fatbin(bytes(data)), strict=True):
         assert before == after  # headers untouched: same fields at the same offsets
         header = slice(before.offset, before.payload_offset)
         assert data[header] == original[header]
         payload = slice(before.payload_offset, before.payload_offset + before.payload_size)
-        if (before.kind_name, before.arch) in kept:
-            assert data[payload] == original[payload]
+        key = (containers.index(before.container_offset), before.kind_name, before.arch)
+        if key in SAMPLE_DROPS:
+            assert not any(data[payload]), key
         else:
-            assert not any(data[payload])
-    assert result.entries_zeroed == 6
-    assert result.containers == 2 and result.containers_without_code == 1
+            assert data[payload] == original[payload], key
+    # kept: the sm_90 cubin, and the sm_80 PTX of the container with no sm_90 cubin (JIT-compiled on Hopper)
+    assert result.entries_zeroed == len(SAMPLE_DROPS) == 9
+    assert result.containers == 3 and result.containers_without_code == 1 and result.containers_ptx_only == 1
     tally = {(item.kind, item.arch): item for item in result.tallies}
-    assert (
-        tally["cubin", 80].found == 1
-        and tally["cubin", 80].zeroed == 1
-        and tally["cubin", 80].zeroed_bytes == 40
+    assert tally["cubin", 80] == EntryTally("cubin", 80, found=2, zeroed=2, found_bytes=64, zeroed_bytes=64,
+                                            reason="other-arch")  # fmt: skip
+    assert tally["ptx", 80] == EntryTally("ptx", 80, found=2, zeroed=1, found_bytes=32, zeroed_bytes=16,
+                                          reason="beside-cubin")  # fmt: skip
+    assert tally["ptx", 90].reason == "beside-cubin" and tally["ptx", 100].reason == "other-arch"
+    assert tally["cubin", 90].zeroed == 0 and tally["cubin", 90].reason is None
+    assert result.bytes_zeroed_for("beside-cubin") == 16 + 8
+    assert result.bytes_zeroed_for("other-arch") == 40 + 40 + 56 + 16 + 16 + 8 + 24
+    assert result.bytes_zeroed == result.bytes_zeroed_for("beside-cubin") + result.bytes_zeroed_for(
+        "other-arch"
     )
-    assert tally["ptx", 80].zeroed == 0 and tally["ptx", 80].found_bytes == 16
-    assert result.bytes_zeroed == 40 + 40 + 56 + 16 + 16 + 8
+
+
+def test_tally_reason_goes_with_zeroed_entries() -> None:
+    with pytest.raises(PackError, match="need a reason"):
+        EntryTally("ptx", 80, found=1, zeroed=1, found_bytes=8, zeroed_bytes=8)
+    with pytest.raises(PackError, match="need a reason"):
+        EntryTally("ptx", 80, found=1, zeroed=0, found_bytes=8, zeroed_bytes=0, reason="beside-cubin")
+    with pytest.raises(PackError, match="more zeroed than found"):
+        EntryTally("ptx", 80, found=1, zeroed=2, found_bytes=8, zeroed_bytes=8, reason="other-arch")
+
+
+def test_slimming_for_an_older_arch_keeps_ptx_where_no_cubin_fits() -> None:
+    data = bytearray(sample_fatbin())
+    result = slim_fatbin(data, 80)
+    tally = {(item.kind, item.arch): item for item in result.tallies}
+    # on sm_80 the sm_80 cubins run, so the sm_80 PTX beside them is dead; sm_86 cubins cannot run on sm_80
+    assert tally["ptx", 80].zeroed == 2 and tally["ptx", 80].reason == "beside-cubin"
+    assert tally["cubin", 86].reason == "other-arch" and tally["cubin", 80].zeroed == 0
+    assert result.containers_without_code == 1 and result.containers_ptx_only == 0
+
+
+def test_blank_debug_sections_empties_dwarf_only() -> None:
+    original = library_with_debug_info()
+    data = bytearray(original)
+    before = {section.name: section for section in parse_elf(original).sections}
+    blanked = blank_debug_sections(data)
+    after = {section.name: section for section in parse_elf(bytes(data)).sections}
+    assert blanked == before[".debug_info"].size + before[".debug_str"].size == 200 + 30
+    assert len(data) == len(original)
+    for name in (".debug_info", ".debug_str"):
+        section = before[name]
+        assert after[name].type == SHT_NOBITS and after[name].offset == section.offset
+        assert not any(data[section.offset : section.end])
+    text = before[".text"]
+    assert data[text.offset : text.end] == original[text.offset : text.end] and after[".text"] == text
+    changed = [index for index, (old, new) in enumerate(zip(original, data, strict=True)) if old != new]
+    debug = [range(before[name].offset, before[name].end) for name in (".debug_info", ".debug_str")]
+    table = parse_elf(original).section_table
+    type_fields = {table + before[name].index * 64 + 4 for name in (".debug_info", ".debug_str")}
+    assert all(any(index in span for span in debug) or index in type_fields for index in changed)
+    assert blank_debug_sections(data) == 0  # already blank: nothing left to do
+    assert blank_debug_sections(bytearray(build_library(sample_fatbin()))) == 0
 
 
 def test_slim_library_changes_only_fatbin_payloads() -> None:
     library = build_library(sample_fatbin())
     slim, report = slim_library("vllm/_moe_C.so", library, 90)
     assert len(slim) == len(library) and slim != library
-    assert report.cuda_major == 13 and report.slim is not None and report.slim.entries_zeroed == 6
+    assert report.cuda_major == 13 and report.slim is not None and report.slim.entries_zeroed == 9
     section = parse_elf(library).section(".nv_fatbin")
     assert section is not None
     assert (
@@ -197,9 +247,17 @@ def test_slimming_property(containers: list[list[FakeEntry]], keep: int) -> None
     data = bytearray(original)
     result = slim_fatbin(data, keep)
     assert len(data) == len(original)
-    flat = [entry for entries in containers for entry in entries]
+    flat = [(index, entry) for index, entries in enumerate(containers) for entry in entries]
     assert sum(tally.found for tally in result.tallies) == len(flat)
-    for fake, entry in zip(flat, walk_fatbin(bytes(data)), strict=True):
+    has_cubin = [any(e.kind == EntryKind.CUBIN and _runs(e, keep) for e in entries) for entries in containers]
+    for (index, fake), entry in zip(flat, walk_fatbin(bytes(data)), strict=True):
         payload = bytes(data[entry.payload_offset : entry.payload_offset + entry.data_size])
-        usable = entry.runs_on(keep) or entry.kind not in (1, 2)
-        assert payload == (fake.payload if usable else bytes(len(fake.payload)))
+        needed = entry.kind not in (1, 2) or (
+            entry.runs_on(keep) and not (entry.kind == EntryKind.PTX and has_cubin[index])
+        )
+        assert payload == (fake.payload if needed else bytes(len(fake.payload)))
+    assert result.containers_without_code + result.containers_ptx_only <= len(containers)
+
+
+def _runs(entry: FakeEntry, keep: int) -> bool:
+    return entry.arch // 10 == keep // 10 and entry.arch <= keep
