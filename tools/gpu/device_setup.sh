@@ -23,12 +23,21 @@ export PYTHONUNBUFFERED=1
 # in ~/.nv/ComputeCache (34 MB after both), so later processes on the same machine start in seconds. Keep room.
 export CUDA_CACHE_MAXSIZE="${CUDA_CACHE_MAXSIZE:-4294967296}"
 # Prints three lines: the PYTHONPATH entries, the serve pack used ("" for none) and its bin directory ("" for none).
+# A default REPO/.servepack that does not fit the kernel pack is left out with a warning; an explicit one fails.
 _moereplay_unpacked="$(PYTHONPATH="$_moereplay_repo" python3 -c '
 import os, sys
 from pathlib import Path
-from moereplay.pack.load import serve_pack_setting, unpack_pack
+from moereplay.errors import PackError
+from moereplay.pack.load import SERVE_PACK_VARIABLE, serve_pack_setting, unpack_pack
 serve = serve_pack_setting(os.environ, Path(sys.argv[2]))
-unpacked = unpack_pack(Path(sys.argv[1]), serve=serve)
+try:
+    unpacked = unpack_pack(Path(sys.argv[1]), serve=serve)
+except PackError as error:
+    if serve is None or SERVE_PACK_VARIABLE in os.environ:
+        raise
+    print(f"device_setup: leaving out the serve pack {serve}: {error}", file=sys.stderr)
+    serve = None
+    unpacked = unpack_pack(Path(sys.argv[1]))
 print(":".join(str(path) for path in unpacked.paths))
 print(serve or "")
 print(unpacked.serve.bin if unpacked.serve else "")

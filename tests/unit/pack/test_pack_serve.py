@@ -262,3 +262,36 @@ def test_device_setup_prelude_with_serve_pack(packs: tuple[Path, Path], tmp_path
     assert lines[1] == "fake vllm cli serve M"
     assert lines[2] == f"fastapi {serve}"
     assert lines[3].startswith("../../../serve-") and lines[3].endswith(f"/site/{FA3}")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_device_setup_leaves_out_a_default_serve_pack_that_does_not_fit(
+    packs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    kernels, _ = packs
+    repo = tmp_path / "repo"
+    (repo / "tools" / "gpu").mkdir(parents=True)
+    shutil.copy(REPO / "tools" / "gpu" / "device_setup.sh", repo / "tools" / "gpu" / "device_setup.sh")
+    (repo / "moereplay").symlink_to(REPO / "moereplay")
+    _build(tmp_path, "serve", fake_vllm_wheel(tmp_path, salt=b"# another build\n"), name="repo/.servepack")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "MOEREPLAY_PACK": str(kernels),
+        "MOEREPLAY_PACK_CACHE": str(tmp_path / "cache"),
+    }
+    script = 'source tools/gpu/device_setup.sh && echo "[$MOEREPLAY_SERVE_PACK]"'
+    finished = subprocess.run(
+        ["bash", "-c", script], cwd=repo, env=env, capture_output=True, text=True, check=False, timeout=120
+    )
+    assert finished.returncode == 0, finished.stderr
+    assert f"leaving out the serve pack {repo / '.servepack'}: serve pack is for" in finished.stderr
+    assert finished.stdout.strip().splitlines()[-1] == "[]"
+    env["MOEREPLAY_SERVE_PACK"] = str(repo / ".servepack")  # named explicitly: a mismatch is an error
+    finished = subprocess.run(
+        ["bash", "-c", script], cwd=repo, env=env, capture_output=True, text=True, check=False, timeout=120
+    )
+    assert finished.returncode != 0 and "device_setup: cannot unpack the kernel pack" in finished.stderr
