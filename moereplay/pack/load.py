@@ -14,8 +14,8 @@ tree at its wheel path (``site/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so``), beca
 from the package directory. The kernels pack's ``site/`` is thus the same directory with or without a serve pack,
 and a process that imported vLLM from it can still load the pack.
 
-Cost: the first load of a pack verifies 40 MB of archives (sha256, < 1 s) and unpacks ≈ 190 MB (≈ 3 s), a serve
-pack 17 MB and ≈ 190 MB more; later loads only read the manifests. Importing ``vllm._custom_ops`` then takes a few
+Cost: the first load of a pack verifies 39 MB of archives (sha256, < 1 s) and unpacks ≈ 190 MB (≈ 3 s), a serve
+pack 12.5 MB and ≈ 225 MB more; later loads only read the manifests. Importing ``vllm._custom_ops`` then takes a few
 seconds (vLLM's own start-up).
 """
 

@@ -2,7 +2,7 @@
 
 - ``kernels`` (conventionally ``.kernelpack``): vLLM's Python tree and dist-info, ``_C`` and ``_moe_C`` slimmed to one
   GPU architecture, and the wheels ``import vllm._custom_ops`` and the fused-MoE modules need (plus moereplay's own
-  runtime needs). Enough to call vLLM's MoE kernels and to replay captures; ≈ 40 MB for vLLM 0.25.1 on sm_90.
+  runtime needs). Enough to call vLLM's MoE kernels and to replay captures; ≈ 39 MB for vLLM 0.25.1 on sm_90.
 - ``serve`` (conventionally ``.servepack``): what ``vllm serve`` needs on the GPU machine beyond a kernels pack and
   the machine's own packages: the FlashAttention-3 library (vLLM's model modules import ``vllm.vllm_flash_attn``
   at import time) and the serving wheels (FastAPI, uvicorn, pybase64, blake3, …). It holds no Python tree of its
