@@ -28,7 +28,13 @@ TUI know about a kernel comes from that object:
   :func:`tensor_leaves`, :func:`replace_tensor_leaves`, :func:`contract_args` and :func:`contract_violations` fall
   back to top-level tensors, the arguments themselves and ``check_contracts`` for ops without them;
 - optionally, for the shape bisection: ``shape_dimensions(args) -> [(name, legal values, original)]`` and
-  ``shrink(args, {name: value}) -> args`` (a valid call of that shape), and ``shape_legal({name: value}) -> bool``.
+  ``shrink(args, {name: value}) -> args`` (a valid call of that shape), and ``shape_legal({name: value}) -> bool``;
+- optionally, for the fidelity check (why a replay is not bit-exact with the recording): ``run_state() ->
+  {key: value}`` (plain JSON: the process state the last ``run`` used — e.g. the opt_flags triton_kernels chose),
+  ``recorded_state(outputs, context) -> {key: value} | None`` (the same keys as the recorded call ran them, from
+  its non-tensor outputs and context), ``state_pins``: a mapping state key → mutable argument that pins it in a
+  replay; and ``rederive_routing(args) -> args`` (the routing metadata — offsets, tile maps, inverse indices —
+  recomputed from the routing itself, to test recorded metadata against it).
 
 Argument values, as the replay engine hands them to an op (``Args``, a name → value mapping):
 tensors are ``torch.Tensor``; scalars ``int``/``float``; flags ``bool``; enums their integer id (e.g. a vLLM
@@ -422,7 +428,13 @@ class TensorContract:
 
 @dataclass(frozen=True)
 class ContractViolation:
-    """A captured (or mutated) call breaks a contract; ``consequence`` says what the kernel does with it."""
+    """A captured (or mutated) call breaks a contract; ``consequence`` says what the kernel does with it.
+
+    ``reads_past_end``: bytes the kernel is predicted to read beyond the tensor's last byte (a wider dtype read
+    over the same elements, fewer elements than it indexes, rows shorter than its unmasked loads), ``None`` when
+    the violation predicts no such read. Such a call's output may depend on memory outside its tensors
+    (:attr:`predicts_memory_dependence`), which replay tests by varying the guard bytes after every tensor.
+    """
 
     arg: str
     aspect: ContractAspect
@@ -430,6 +442,16 @@ class ContractViolation:
     actual: str
     host_checked: bool
     consequence: str
+    reads_past_end: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.reads_past_end is not None and self.reads_past_end < 0:
+            raise ValueError(f"reads_past_end {self.reads_past_end} is negative")
+
+    @property
+    def predicts_memory_dependence(self) -> bool:
+        """The kernel runs (the host code lets the call through) and reads bytes past the tensor's end."""
+        return not self.host_checked and bool(self.reads_past_end)
 
     def describe(self) -> str:
         return (
@@ -467,8 +489,12 @@ def check_contract(
         return [ContractViolation(name, "presence", "a tensor", type(value).__name__, True, "not a tensor")]
     violations: list[ContractViolation] = []
     accepted = contract.accepted_dtypes(args)
+    read_size = _read_size(contract, args, value)
     if accepted and value.dtype not in accepted:
         read_as = contract.read_as(args)
+        past_end = None
+        if read_as is not None and read_as.itemsize > value.element_size():
+            past_end = value.numel() * (read_as.itemsize - value.element_size())
         if read_as is not None and read_as.itemsize != value.element_size():
             consequence = (
                 f"the kernel silently reads these {value.element_size()}-byte {_dtype_name(value.dtype)} "
@@ -485,6 +511,7 @@ def check_contract(
                 _dtype_name(value.dtype),
                 host("dtype"),
                 rejected_or(consequence, "dtype"),
+                past_end,
             )
         )
     if contract.shape is not None:
@@ -496,6 +523,8 @@ def check_contract(
             )
             if not matches:
                 shown = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ")"
+                indexed = _elements_indexed(expected, actual)
+                short = None if indexed is None or indexed <= value.numel() else indexed - value.numel()
                 violations.append(
                     ContractViolation(
                         name,
@@ -507,6 +536,7 @@ def check_contract(
                             "the kernel indexes by the expected shape: misplaced or out-of-bounds accesses",
                             "shape",
                         ),
+                        None if short is None else short * read_size,
                     )
                 )
     if contract.numel is not None:
@@ -525,6 +555,7 @@ def check_contract(
                         + ("it reads past the end" if short else "extra elements are ignored"),
                         "shape",
                     ),
+                    (expected_numel - value.numel()) * read_size if short else None,
                 )
             )
     if contract.contiguous and not value.is_contiguous():
@@ -547,6 +578,23 @@ def check_contract(
             )
         )
     return violations
+
+
+def _read_size(contract: TensorContract, args: Args, value: torch.Tensor) -> int:
+    """Bytes per element as the kernel reads them (its ``read_as`` dtype, else the tensor's own)."""
+    read_as = contract.read_as(args)
+    return read_as.itemsize if read_as is not None else value.element_size()
+
+
+def _elements_indexed(expected: tuple[int | None, ...], actual: tuple[int, ...]) -> int | None:
+    """Elements a kernel indexes by the expected shape (free dimensions as the tensor has them); ``None`` when the
+    ranks differ (nothing to say about the extent)."""
+    if len(expected) != len(actual):
+        return None
+    count = 1
+    for wanted, have in zip(expected, actual, strict=True):
+        count *= have if wanted is None else wanted
+    return count
 
 
 def check_contracts(

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moereplay.errors import ReplayError
+from moereplay.errors import InvalidMutationError, ReplayError
 from moereplay.ops import register_op
 from moereplay.ops.base import (
     ArgKind,
@@ -548,6 +548,15 @@ class MarlinMoeOp:
         if "moe_block_size" in changed:
             new_args.update(rederive_alignment(args, int(args["moe_block_size"])))
         return new_args
+
+    def rederive_routing(self, args: Args) -> dict[str, Any]:
+        """``args`` with ``sorted_token_ids``, ``expert_ids`` and ``num_tokens_past_padded`` aligned afresh (vLLM's
+        ``moe_align_block_size``) from the routing they encode, for the call's ``moe_block_size``: padding
+        entries and anything past the padded total get the values vLLM writes there."""
+        try:
+            return {**args, **rederive_alignment(args, int(args["moe_block_size"]))}
+        except ReplayError as error:
+            raise InvalidMutationError(f"cannot re-derive the routing metadata: {error}") from error
 
     def shape_dimensions(self, args: Args) -> list[tuple[str, tuple[int, ...], int]]:
         """Shrinkable dimensions for the shape bisection (:mod:`moereplay.ops.marlin_shapes`)."""

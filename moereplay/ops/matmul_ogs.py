@@ -33,6 +33,7 @@ format's ``CodecValue`` wrappers of their trees; every entry point normalises th
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -766,7 +767,8 @@ def _scale_row_violation(violation: ContractViolation, args: Args) -> ContractVi
         "(the next row's, and past the allocation for the last expert's last row) as scales of masked-out zero "
         "weights — harmless while finite, NaN where a byte is 0xff"
     )
-    return dataclasses.replace(violation, consequence=consequence)
+    # every row's last K step reads into the next row; the last expert's last row reads past the allocation
+    return dataclasses.replace(violation, consequence=consequence, reads_past_end=needed - have)
 
 
 def contract_args(args: Args) -> dict[str, Any]:
@@ -862,6 +864,16 @@ class ChosenFlags:
     even_k: bool
 
 
+RECORDED_FLAGS = "opt_flags"
+"""The call output under which the capture records the flags make_opt_flags chose
+(:mod:`moereplay.capture.opt_flags`)."""
+
+STATE_PINS: Mapping[str, str] = types.MappingProxyType(
+    {name: name for name in ("block_m", "block_k", "split_k", "num_stages", "is_persistent", "fused_scatter")}
+)
+"""Chosen opt_flags a replay can pin through the constraint pseudo-argument of the same name (num_warps is not
+one: changing it re-swizzles the scales)."""
+
 _REFUSALS = ("InapplicableConstraint", "OutOfResources", "CompilationError")
 """Exception class names with which triton_kernels / Triton refuse a configuration (→ verdict ``invalid``)."""
 
@@ -883,9 +895,41 @@ class MatmulOgsOp:
     reference_ignores: frozenset[str] = frozenset(
         {"block_k", "num_stages", "num_warps", "epilogue_subtile", "idle_sms", "is_persistent", "y"}
     )
+    state_pins: Mapping[str, str] = STATE_PINS
 
     def __init__(self) -> None:
         self.last_flags: ChosenFlags | None = None
+
+    # ------------------------------------------------------------------------------------------ process state
+
+    def run_state(self) -> dict[str, Any]:
+        """The opt_flags the last :meth:`run` chose (``{}`` before a run, or when make_opt_flags was not called)."""
+        if self.last_flags is None:
+            return {}
+        chosen = dataclasses.asdict(self.last_flags)
+        chosen.pop("even_k", None)  # derived here, not a flag of triton_kernels'
+        return chosen
+
+    def recorded_state(self, outputs: Mapping[str, Any], context: Mapping[Any, Any]) -> dict[str, Any] | None:
+        """The opt_flags the recorded call chose (the capture's ``opt_flags`` output), ``None`` when not recorded.
+
+        A manual ``set_opt_flags`` override in force at capture (the context's ``opt_flags_override``) is what
+        make_opt_flags returned, so it stands in for flags that were not recorded."""
+        chosen = outputs.get(RECORDED_FLAGS)
+        if not isinstance(chosen, Mapping):
+            chosen = context.get("opt_flags_override")
+        if not isinstance(chosen, Mapping):
+            return None
+        return {
+            str(key): value for key, value in chosen.items() if isinstance(value, (bool, int, float, str))
+        }
+
+    def rederive_routing(self, args: Args) -> dict[str, Any]:
+        """``args`` with the routing metadata re-derived from the histogram and the gather/scatter indices
+        (:func:`moereplay.ops.ogs_shapes.rederived_routing`)."""
+        from moereplay.ops.ogs_shapes import rederived_routing
+
+        return rederived_routing(args)
 
     # ------------------------------------------------------------------------------------------ schema helpers
 

@@ -566,3 +566,52 @@ def shrink(args: Args, shape: Mapping[str, int]) -> dict[str, Any]:
             (*y.shape[:-2], rows_out, n // call.reduction_n), dtype=y.dtype, device=y.device
         )
     return shrunk
+
+
+def _inverse(index: torch.Tensor, size: int) -> torch.Tensor:
+    """The inverse permutation of ``index`` (entry ``index[i]`` of the result is ``i``; −1 where nothing maps),
+    sized ``size``, in ``index``'s dtype and device. Entries of ``index`` outside ``[0, size)`` are left out."""
+    flat = index.reshape(-1).to(torch.int64).cpu()
+    inverse = torch.full((size,), -1, dtype=torch.int64)
+    valid = (flat >= 0) & (flat < size)
+    inverse[flat[valid]] = torch.arange(flat.numel(), dtype=torch.int64)[valid]
+    return inverse.to(index.dtype).to(index.device)
+
+
+def rederived_routing(args: Args) -> dict[str, Any]:
+    """``args`` with the routing metadata recomputed from the routing itself, as plain specs.
+
+    The routing is the per-expert histogram (``expt_data.hist``, else ``expt_hist``) and the expert-sorted rows'
+    flat (token, choice) slots (``gather_indx.src_indx`` / ``scatter_indx.dst_indx``); what is derived from them —
+    ``expt_hist``, ``token_offs_raw``, per ``block_m`` the padded offsets and tile maps (sized as triton_kernels
+    sizes them), and the inverse indices ``gather_indx.dst_indx`` / ``scatter_indx.src_indx`` — is recomputed. Rows
+    keep their order (their values — ``gate_scal``, ``gammas`` — stay with them). :class:`InvalidMutationError`
+    when the call holds no routing to derive from.
+    """
+    plain = _plain(args)
+    routing = plain.get("routing_data")
+    if not isinstance(routing, RoutingSpec):
+        raise InvalidMutationError("the call has no routing data to re-derive")
+    data = routing.expt_data
+    hist = data.hist if data is not None and data.hist is not None else routing.expt_hist
+    if hist is None:
+        raise InvalidMutationError("the routing data has neither expt_data.hist nor expt_hist")
+    experts = int(routing.n_expts_tot)
+    counts = hist.reshape(-1).to(torch.int64).cpu()[:experts]
+    rows = int(counts.sum())
+    device = hist.device
+    new_routing = dataclasses.replace(
+        routing,
+        expt_hist=None if routing.expt_hist is None else counts.to(routing.expt_hist.dtype).to(device),
+        expt_data=None if data is None else _expt_data(counts, experts, rows, data, device),
+    )
+    out: dict[str, Any] = dict(args)
+    out["routing_data"] = new_routing
+    gather, scatter = plain.get("gather_indx"), plain.get("scatter_indx")
+    if isinstance(gather, GatherSpec):
+        out["gather_indx"] = GatherSpec(gather.src_indx, _inverse(gather.src_indx, gather.dst_indx.numel()))
+    if isinstance(scatter, ScatterSpec):
+        out["scatter_indx"] = ScatterSpec(
+            _inverse(scatter.dst_indx, scatter.src_indx.numel()), scatter.dst_indx
+        )
+    return out

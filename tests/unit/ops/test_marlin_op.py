@@ -120,6 +120,9 @@ def test_bf16_routing_weights_break_an_unchecked_contract() -> None:
         "bfloat16",
     )
     assert not violation.host_checked and "past the end" in violation.consequence
+    # 4 bytes read per 2-byte element: as many bytes past the end as the tensor holds
+    weights = gemm2_call(weights_dtype=torch.bfloat16)["topk_weights"]
+    assert violation.reads_past_end == weights.numel() * 2 and violation.predicts_memory_dependence
     assert check_contracts(OP.contracts, gemm2_call(), check_device=False) == []
 
 

@@ -584,6 +584,8 @@ def test_gpt_oss_scales_at_k_2880_break_the_unmasked_scale_load_contract() -> No
     assert violation.actual == "(4, 2880, 16)" and violation.expected == "(4, 2944, 16)"
     assert "the kernel reads 2944 bytes per scale row" in violation.consequence
     assert "the tensor holds 2880" in violation.consequence
+    # the last expert's last row reads 64 bytes past the allocation: the output may depend on what lies there
+    assert violation.reads_past_end == 64 and violation.predicts_memory_dependence
     # a K tile that divides K, or a K that is a multiple of 128, keeps the reads inside each row
     assert OP.check({**args, "block_k": 64}, check_device=False) == []
     assert OP.check(gemm1_args(k=2816), check_device=False) == []
@@ -758,3 +760,53 @@ def test_process_state_reads_the_opt_flags_constraints_in_force() -> None:
     state = process_state(types.SimpleNamespace(_opt_flags_constraints={"split_k": 1, "block_m": 32}))
     assert state["split_k"] == 1 and state["block_m"] == 32 and state["block_k"] is None
     assert state["num_warps"] is None and set(state) == set(argument_names(OP)[13:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the fidelity check's hooks: re-derived routing metadata, recorded and replayed process state
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _leaves_equal(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    left, right = OP.tensor_leaves(a), OP.tensor_leaves(b)
+    return sorted(
+        path
+        for path in set(left) | set(right)
+        if path not in left
+        or path not in right
+        or left[path].shape != right[path].shape
+        or not torch.equal(
+            left[path].reshape(-1).view(torch.uint8), right[path].reshape(-1).view(torch.uint8)
+        )
+    )
+
+
+@pytest.mark.parametrize("make", [gemm1_args, gemm2_args], ids=["gather", "scatter"])
+def test_routing_metadata_re_derives_to_what_the_routing_prepared_and_repairs_a_stale_copy(make: Any) -> None:
+    args = make(k=128)
+    assert _leaves_equal(args, OP.rederive_routing(args)) == []
+    routing = args["routing_data"]
+    stale_offsets = routing.expt_data.token_offs_raw.clone()
+    stale_offsets[1:] = 0
+    stale = {**args, "routing_data": dataclasses.replace(
+        routing, expt_data=dataclasses.replace(routing.expt_data, token_offs_raw=stale_offsets)
+    )}  # fmt: skip
+    assert _leaves_equal(args, stale) == ["routing_data.expt_data.token_offs_raw"]
+    assert _leaves_equal(args, OP.rederive_routing(stale)) == []
+
+
+def test_the_recorded_opt_flags_are_the_process_state_and_some_can_be_pinned() -> None:
+    chosen = {"block_m": 64, "block_n": 256, "block_k": 128, "split_k": 1, "arch": "sm90", "target": {"x": 1}}
+    assert OP.recorded_state({"opt_flags": chosen}, {}) == {
+        "block_m": 64,
+        "block_n": 256,
+        "block_k": 128,
+        "split_k": 1,
+        "arch": "sm90",
+    }
+    assert OP.recorded_state({}, {"opt_flags_override": {"block_m": 16}}) == {"block_m": 16}
+    assert OP.recorded_state({}, {}) is None
+    assert {"block_m", "block_k", "split_k", "num_stages"} <= set(OP.state_pins)
+    assert "num_warps" not in OP.state_pins  # changing it re-swizzles the scales
+    for argument in OP.state_pins.values():
+        assert mutable_arg(OP, argument) is not None
