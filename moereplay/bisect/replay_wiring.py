@@ -28,9 +28,12 @@ from moereplay.bisect.wiring import BisectRequest, Prepared
 
 UNAVAILABLE = "replay engine unavailable"
 
-NOT_SIGNATURE_KINDS = frozenset({"diagnosis", "sanitizer", "contract_violation"})
+NOT_SIGNATURE_KINDS = frozenset({"diagnosis", "sanitizer", "contract_violation", "fidelity"})
 """Finding kinds left out of a failure signature: a diagnosis restates the others, a sanitizer report varies from
-run to run, and a contract violation describes the inputs rather than the failure."""
+run to run, a contract violation describes the inputs rather than the failure, and fidelity compares the replay
+with the recording rather than judging it."""
+MEMORY_DEPENDENT_KIND = "memory_dependent"
+"""Part of a signature only when it is the verdict's own reason (verdict ``memory-dependent``)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -66,10 +69,13 @@ def signature_of(result: Any, findings: Iterable[Any], inherited: Iterable[Any] 
     kinds: set[str] = set()
     experts: set[int] = set()
     own = [finding for finding in findings if finding.variant == result.label]
+    memory_dependent = result.verdict.value == "memory-dependent"
     for finding in [*own, *inherited]:
         kind = finding.kind.value
         if kind in NOT_SIGNATURE_KINDS:
             continue
+        if kind == MEMORY_DEPENDENT_KIND and not memory_dependent:
+            continue  # beside a worse verdict it needs the guard fills, which a mutated probe does not run
         kinds.add(kind)
         experts |= _experts_in(finding.evidence)
     return Signature(result.verdict.value, frozenset(kinds), frozenset(experts))
@@ -77,7 +83,9 @@ def signature_of(result: Any, findings: Iterable[Any], inherited: Iterable[Any] 
 
 def observation_of(result: Any, findings: Iterable[Any], inherited: Iterable[Any] = ()) -> Observation:
     """A variant's verdict as an observation: ``ok`` is good, ``invalid`` and ``needs-kernel`` (not judged)
-    unresolved, anything else bad."""
+    unresolved, anything else bad — ``memory-dependent`` too: an output that changes with bytes outside the call's
+    tensors is a failure, whose signature (verdict, the ``memory_dependent`` finding, the experts it names) keeps a
+    search from drifting to a call that fails another way."""
     verdict = result.verdict.value
     if verdict == "ok":
         return Observation.good()
@@ -164,10 +172,17 @@ ShapeSource = Callable[[Path, int], tuple[Sequence[Dimension], Callable[[Mapping
 """The shrinkable dimensions of one call (and a legal-shape rule across them)."""
 
 
+JUDGE_DEFAULTS: Mapping[str, Any] = {"explain_fidelity": False, "localise_reads": False}
+"""``replay()`` options every probe gets unless told otherwise: a probe's observation needs neither why a replay is
+not bit-exact with the recording nor which bytes an over-read reaches (both cost kernel runs); the guard fills that
+follow a contract's prediction still run for a probe of the call as captured, so a memory-dependent call is seen."""
+
+
 def replay_judge(capture: Path, **options: Any) -> ReplayJudge:
     """A judge over ``moereplay.replay``; raises :class:`ReplayUnavailableError` when the engine cannot be loaded.
 
-    ``options`` go to every ``replay()`` call (``device``, ``isolate``, ``repeat``, ``timeout_s`` …).
+    ``options`` go to every ``replay()`` call (``device``, ``isolate``, ``repeat``, ``timeout_s`` …), over
+    :data:`JUDGE_DEFAULTS`.
     """
     try:
         engine = importlib.import_module("moereplay.replay")
@@ -175,7 +190,7 @@ def replay_judge(capture: Path, **options: Any) -> ReplayJudge:
         load_call = engine.load_call
     except (ImportError, AttributeError) as error:
         raise ReplayUnavailableError(UNAVAILABLE) from error
-    return ReplayJudge(capture, replay, load_call, options)
+    return ReplayJudge(capture, replay, load_call, {**JUDGE_DEFAULTS, **options})
 
 
 @dataclass(frozen=True)
@@ -287,6 +302,8 @@ class ReplayJudge:
         if not mutations:  # the call as captured: its headline, the worse of recorded and replayed
             report = self._replay(source, **options)
             return observation_of(report.headline.result, report.findings)
+        # the probe is the variant: the fills that test the call as captured would only cost runs here
+        options.setdefault("follow_evidence", False)
         report = self._replay(source, mutations=[self.variant(call, mutations)], **options)
         result = report.variants[0]
         # The engine leaves out of a variant the findings the row it is set beside (the baseline; offline the

@@ -2,9 +2,11 @@
 
 A thin front over :func:`moereplay.replay.replay`. Every call's table starts with its ``recorded`` row (the captured
 output judged against the reference) and its ``baseline`` (the replay; ``needs-kernel`` offline), and says the call's
-headline verdict: the worse of the two, and which. Exit status: 0 when every selected call's headline and every
-judged variant is ``ok``, 1 when anything is not (``corrupt``, ``nonfinite``, ``crash`` or ``invalid``; a
-``needs-kernel`` variant counts neither way), 2 for usage and file errors (one line on stderr, from
+headline verdict: the worse of the two, and which. Evidence is followed by default: a contract violation that
+predicts reads past a tensor's end runs the guard fills that test it (``--no-follow`` skips them), and a call whose
+output changes with them is ``memory-dependent``. Exit status: 0 when every selected call's headline and every
+judged variant is ``ok``, 1 when anything is not (``memory-dependent``, ``corrupt``, ``nonfinite``, ``crash`` or
+``invalid``; a ``needs-kernel`` variant counts neither way), 2 for usage and file errors (one line on stderr, from
 ``moereplay.cli.main``). Results go to stdout: a rich table for people, one JSON document
 with ``--json``; ``--json-out FILE`` writes that document to a file as well (a script can keep both).
 """
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 
 _VERDICT_STYLE = {
     "ok": "green",
+    "memory-dependent": "bold dark_orange",
     "corrupt": "bold red",
     "nonfinite": "bold magenta",
     "crash": "bold red reverse",
@@ -74,6 +77,14 @@ def run_command(
     follow: Annotated[
         bool, typer.Option("--follow-suggestions", help="Also run the mutations the findings suggest.")
     ] = False,
+    no_follow: Annotated[
+        bool,
+        typer.Option(
+            "--no-follow",
+            help="Do not run, unasked, the guard fills (0xff, 0x00) that test a contract violation predicting "
+            "reads past a tensor's end.",
+        ),
+    ] = False,
     device: Annotated[
         str | None, typer.Option("--device", help="Device for kernels and the reference.")
     ] = None,
@@ -119,6 +130,7 @@ def run_command(
             device=device,
             timeout_s=timeout,
             follow_suggestions=follow,
+            follow_evidence=not no_follow,
         )
         for index in indices
     ]
@@ -199,6 +211,8 @@ def render_reports(reports: list[ReplayReport]) -> None:
                 console.print(
                     Text(f"  {result.label}: {result.verdict.value} — {result.reason}", style="yellow")
                 )
+        for note in report.notes:  # context (what ran unasked, what could not be done) before the findings
+            console.print(Text(f"  note: {note}", style="dim"))
         if report.findings:
             console.print(Text("findings", style="bold"))
         for finding in report.findings:
@@ -211,6 +225,4 @@ def render_reports(reports: list[ReplayReport]) -> None:
             console.print(line)
             for suggestion in finding.suggestions:
                 console.print(Text(f"      try: --{suggestion}", style="green"))
-        for note in report.notes:
-            console.print(Text(f"  note: {note}", style="dim"))
         console.print()

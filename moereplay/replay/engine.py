@@ -7,9 +7,13 @@ One call of :class:`~moereplay.replay.session.ReplaySession` from start to end:
    :class:`~moereplay.errors.InvalidMutationError` before anything runs;
 3. judge the baseline and each variant (see :mod:`moereplay.replay.session`), optionally the mutations the
    findings suggest, and the baseline under compute-sanitizer;
-4. report: one verdict row per variant, their findings, and the cross-variant ones — an output that changes with
-   the guard fill (an out-of-bounds read, localised to a tensor and a byte range), the variants that fix a failing
-   baseline and whether they confirm the diagnosis.
+4. follow the evidence (unless told not to): a contract violation that predicts reads past a tensor's end runs
+   the guard fills that test it (``fill 0xff``, ``fill 0x00``);
+5. report: one verdict row per variant, their findings, and the cross-variant ones — why the replay is not
+   bit-exact with the recording (localised, its candidate causes tested: :mod:`moereplay.replay.fidelity`), an
+   output that changes with the guard fill (an out-of-bounds read, localised to a tensor and a byte range; the
+   baseline is then ``memory-dependent``, never ``ok``), the variants that fix a failing baseline and whether they
+   confirm the diagnosis.
 
 Every report also carries the *recorded* row: the captured output judged against the reference (what production
 saw); the headline verdict is the worse of recorded and replayed. With the ``reference`` backend no kernel runs: the
@@ -49,6 +53,8 @@ def replay(
     isolate: bool | None = None,
     timeout_s: float = 600.0,
     follow_suggestions: bool = False,
+    follow_evidence: bool = True,
+    explain_fidelity: bool = True,
     localise_reads: bool = True,
     output: torch.Tensor | None = None,
     guard_bytes: int = DEFAULT_GUARD_BYTES,
@@ -64,8 +70,11 @@ def replay(
     ``backend``: ``auto`` (``$MOEREPLAY_PACK``, else the installed vLLM, else the reference) | ``reference`` |
     ``vllm`` | ``pack:DIR`` | ``python:MODULE``. ``isolate``: run kernels in a worker process (default: yes for
     kernel backends); ``reuse_worker`` keeps that worker for later calls in this process. ``follow_suggestions``:
-    also run the mutations the findings suggest. ``keep_tensors``: the report keeps every variant's output and
-    reference (``report.tensors``). The rest as :class:`~moereplay.replay.session.ReplaySession` says.
+    also run the mutations the findings suggest. ``follow_evidence``: run the guard fills a contract violation
+    predicts an over-read for (:meth:`~moereplay.replay.session.ReplaySession.follow_evidence`).
+    ``explain_fidelity``: localise and explain a replay that is not bit-exact with the recording.
+    ``keep_tensors``: the report keeps every variant's output and reference (``report.tensors``). The rest as
+    :class:`~moereplay.replay.session.ReplaySession` says.
     """
     with ReplaySession(
         source,
@@ -81,12 +90,15 @@ def replay(
         output=output,
         localise_reads=localise_reads,
         keep_tensors=keep_tensors,
+        explain_fidelity=explain_fidelity,
     ) as session:
         variants = session.variants(mutations, fills)
         session.baseline  # noqa: B018 - judged first: every variant is judged beside it
         session.run_all(variants)
         if follow_suggestions:
             session.follow_suggestions()
+        if follow_evidence:
+            session.follow_evidence()
         report = session.report()
         if sanitize:
             session.sanitize()

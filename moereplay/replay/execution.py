@@ -43,7 +43,8 @@ class KernelRun:
     device usable); ``crash`` (a device fault: the CUDA context is gone). ``outputs``: the output after each repeat,
     copied out of its guarded allocation. ``damage``: guard bytes written, over all repeats. ``phases``: seconds
     spent per phase of running it (``scratch``, ``materialise``, ``kernel``, ``check`` …; see
-    :class:`~moereplay.replay.timing.PhaseTimes`).
+    :class:`~moereplay.replay.timing.PhaseTimes`). ``state``: the process state the last run used, as the op's
+    ``run_state()`` hook reports it (plain JSON; empty when the op declares none).
     """
 
     status: RunStatus
@@ -52,6 +53,15 @@ class KernelRun:
     error: str = ""
     elapsed_s: float | None = None
     phases: Mapping[str, float] = field(default_factory=dict)
+    state: Mapping[str, Any] = field(default_factory=dict)
+
+
+def run_state(op: OpSpec) -> dict[str, Any]:
+    """What the op's ``run_state()`` hook says its last run used (``{}`` without the hook)."""
+    hook = getattr(op, "run_state", None)
+    if hook is None:
+        return {}
+    return dict(hook() or {})
 
 
 def classify_error(error: BaseException) -> RunStatus:
@@ -137,4 +147,6 @@ def execute(
         del out, result, run_args, call
         guarded.release()  # only after a clean run: a faulted context's buffers are never reused
         timed("check", clock)
-    return KernelRun("ran", tuple(outputs), tuple(damage), "", min(elapsed) if elapsed else None, phases)
+    return KernelRun(
+        "ran", tuple(outputs), tuple(damage), "", min(elapsed) if elapsed else None, phases, run_state(op)
+    )

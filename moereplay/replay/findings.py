@@ -21,6 +21,10 @@ class FindingKind(enum.Enum):
     CONTRACT_VIOLATION = "contract_violation"  # an argument is not what the kernel reads
     OOB_WRITE = "oob_write"  # guard bytes changed
     OOB_READ = "oob_read"  # output depends on guard content
+    MEMORY_DEPENDENT = (
+        "memory_dependent"  # the call's verdict: its output depends on bytes outside its tensors
+    )
+    FIDELITY = "fidelity"  # the replay is not bit-exact with the recording: where, by how much, and why
     WRONG_COEFFICIENT = "wrong_coefficient"  # decomposition: a term got the wrong per-row coefficient
     UNEXPLAINED = "unexplained"  # bad rows the decomposition cannot express in the ingredients
     DIAGNOSIS = "diagnosis"  # the conclusion the evidence supports: kernel or caller

@@ -189,18 +189,21 @@ def contract_violations(violations: Sequence[ContractViolation], variant: str) -
         if violation.aspect == "dtype" and not violation.host_checked:
             target = violation.expected.split(" or ")[0]
             suggestions = (f"cast {violation.arg}={target}",)
+        evidence: dict[str, object] = {
+            "argument": violation.arg,
+            "aspect": violation.aspect,
+            "expected": violation.expected,
+            "actual": violation.actual,
+            "host_checked": violation.host_checked,
+        }
+        if violation.reads_past_end is not None:
+            evidence["reads_past_end"] = violation.reads_past_end
         findings.append(
             Finding(
                 FindingKind.CONTRACT_VIOLATION,
                 f"contract: {violation.describe()}",
                 variant,
-                {
-                    "argument": violation.arg,
-                    "aspect": violation.aspect,
-                    "expected": violation.expected,
-                    "actual": violation.actual,
-                    "host_checked": violation.host_checked,
-                },
+                evidence,
                 suggestions=suggestions,
             )
         )

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from moereplay.errors import InvalidMutationError
+from moereplay.errors import InvalidMutationError, ReplayError
 from moereplay.ops.base import ArgKind, Args, OpSpec, argument_spec, derived_names, mutable_arg
 from moereplay.replay.memo import ArgsCache, args_key
 
@@ -180,7 +180,19 @@ class Fill:
         return f"fill {self.pattern.name}"
 
 
-Mutation = Flip | SetValue | Cast | Fill
+@dataclass(frozen=True)
+class Rederive:
+    """Recompute the call's routing metadata from its routing (the op's ``rederive_routing``): tests whether the
+    recorded metadata is what the routing implies."""
+
+    what: str = "routing"
+
+    @property
+    def spec(self) -> str:
+        return f"rederive {self.what}"
+
+
+Mutation = Flip | SetValue | Cast | Fill | Rederive
 
 
 @dataclass(frozen=True)
@@ -242,7 +254,8 @@ def _parse_value(op: OpSpec, name: str, text: str) -> Any:
 
 
 def parse_option(op: OpSpec, option: str, text: str) -> list[Variant]:
-    """Variants made by one CLI option (``flip``, ``set``, ``cast``, ``fill`` or ``sweep``) and its value."""
+    """Variants made by one CLI option (``flip``, ``set``, ``cast``, ``fill`` or ``sweep``) and its value — or by
+    ``rederive routing`` (API only)."""
     parts = [part.strip() for part in text.split("+")]
     if any(not part for part in parts):
         raise InvalidMutationError(f"--{option} {text!r}: empty part around '+'")
@@ -266,6 +279,12 @@ def parse_option(op: OpSpec, option: str, text: str) -> list[Variant]:
             _checked_arg(op, name, "cast")
             mutations.append(Cast(name, parse_dtype(value)))
         return [Variant(tuple(mutations))]
+    if option == "rederive":
+        if parts != ["routing"]:
+            raise InvalidMutationError(f"rederive {text!r}: only 'rederive routing' is known")
+        if getattr(op, "rederive_routing", None) is None:
+            raise InvalidMutationError(f"{op.name} declares no routing metadata to re-derive")
+        return [Variant((Rederive(),))]
     if option == "fill":
         if len(parts) != 1:
             raise InvalidMutationError("--fill takes one pattern per option; repeat --fill for more")
@@ -288,9 +307,10 @@ def parse_option(op: OpSpec, option: str, text: str) -> list[Variant]:
 
 
 def parse_spec(op: OpSpec, spec: str) -> Mutation:
-    """Read back one ``Mutation.spec`` (``"flip A"``, ``"set A=V"``, ``"cast A=DT"``, ``"fill 0xff"``)."""
+    """Read back one ``Mutation.spec`` (``"flip A"``, ``"set A=V"``, ``"cast A=DT"``, ``"fill 0xff"``,
+    ``"rederive routing"``)."""
     kind, _, rest = spec.strip().partition(" ")
-    if kind not in ("flip", "set", "cast", "fill") or not rest:
+    if kind not in ("flip", "set", "cast", "fill", "rederive") or not rest:
         raise InvalidMutationError(f"malformed mutation {spec!r}")
     variants = parse_option(op, kind, rest.strip())
     (variant,) = variants
@@ -347,6 +367,17 @@ def apply_variant(
     changed: set[str] = set()
     for mutation in variant.mutations:
         if isinstance(mutation, Fill):
+            continue
+        if isinstance(mutation, Rederive):
+            hook = getattr(op, "rederive_routing", None)
+            if hook is None:
+                missing = f"{op.name} declares no routing metadata to re-derive"
+                return AppliedVariant(variant, new_args, frozenset(changed), variant.fill, missing)
+            try:
+                new_args = dict(hook(new_args))
+            except (InvalidMutationError, ReplayError) as error:
+                return AppliedVariant(variant, new_args, frozenset(changed), variant.fill, str(error))
+            changed.add("routing")
             continue
         if isinstance(mutation, Flip):
             current = new_args.get(mutation.arg)
@@ -426,7 +457,7 @@ def expand(variants: Iterable[Variant]) -> list[Variant]:
     return result
 
 
-_MUTATION_KINDS = ("flip", "set", "cast", "fill", "sweep")
+_MUTATION_KINDS = ("flip", "set", "cast", "fill", "sweep", "rederive")
 
 
 def parse_variants(

@@ -11,14 +11,16 @@ Cost: one kernel run per storage, plus about ``2·log2(guard)`` runs per over-re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from moereplay.ops.base import Args, ContractViolation, OpSpec, tensor_leaves
+from moereplay.ops.base import Args, ContractViolation, OpSpec, RowMap, tensor_leaves
 from moereplay.reference.compare import aligned
+from moereplay.replay.differences import ElementDifference, places
+from moereplay.replay.findings import Finding, FindingKind, row_ranges
 from moereplay.replay.memory import GuardWindow, storage_groups
 from moereplay.replay.mutations import BASELINE, FillPattern
 from moereplay.replay.runner import Runner, RunRequest
@@ -68,10 +70,16 @@ class ReadLocaliser:
         return run.outputs[0] if run.status == "ran" and run.outputs else None
 
     def localise(
-        self, base: torch.Tensor, written: torch.Tensor, other: FillPattern
+        self,
+        base: torch.Tensor,
+        written: torch.Tensor,
+        other: FillPattern,
+        again: torch.Tensor | None = None,
     ) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
-        """``([(text, evidence item)] per over-read storage, note)``; the note says why nothing could be localised."""
-        again = self._output_with(RunRequest(BASELINE))
+        """``([(text, evidence item)] per over-read storage, note)``; the note says why nothing could be localised.
+        ``again``: the baseline run a second time, when the caller has it (else it is run here)."""
+        if again is None:
+            again = self._output_with(RunRequest(BASELINE))
         if again is None or not written_bytes_equal(again, base, written):
             return [], "baseline is not bit-reproducible: out-of-bounds reads not localised"
         located: list[tuple[str, dict[str, Any]]] = []
@@ -133,3 +141,101 @@ class ReadLocaliser:
             else:
                 high = middle - 1
         return first, low
+
+
+@dataclass(frozen=True, eq=False)
+class FillEffect:
+    """How one fill variant (``label``: ``"fill 0xff"``) changed the baseline's output, and its verdict's name."""
+
+    label: str
+    difference: ElementDifference
+    verdict: str
+
+
+def _span(item: Mapping[str, Any]) -> str:
+    """``"bytes 0..63 past its end"`` for a localised over-read (both sides when both matter)."""
+    parts = []
+    for side, first, last in item.get("extents", ()):
+        where = "past its end" if side == "after" else "before its start"
+        parts.append(f"bytes {first}..{last} {where}")
+    return " and ".join(parts) if parts else "its guard bytes"
+
+
+def memory_dependence(
+    effects: Sequence[FillEffect],
+    unchanged: Sequence[str],
+    located: Sequence[Mapping[str, Any]],
+    predicted: Sequence[ContractViolation],
+    rows: RowMap | None,
+    note: str | None = None,
+) -> Finding:
+    """The call's memory-dependence finding: which tensor is read outside its bytes (localised, else as its
+    contract predicts), what each fill changed (elements, rows → experts …, columns, verdict), which fills left
+    the output as it was. ``located``: the localiser's evidence items; ``note``: why nothing was localised."""
+    tensors: list[str] = []
+    for item in located:
+        text = f"{item['argument']} is read outside its bytes: {_span(item)} change the output"
+        if item.get("contract"):
+            text += ", as its contract predicts"
+        tensors.append(text)
+    if not located:
+        for violation in predicted:
+            text = (
+                f"{violation.arg}: its contract predicts reads of {violation.reads_past_end} bytes past its end "
+                "(not localised" + (f": {note}" if note else "") + ")"
+            )
+            tensors.append(text)
+    changes: list[str] = []
+    affected_rows: set[int] = set()
+    columns: list[int] = []
+    named: dict[str, set[int]] = {}
+    per_fill: dict[str, Any] = {}
+    for effect in effects:
+        difference = effect.difference
+        where, evidence = places(difference, rows)
+        span = difference.columns
+        text = f"{effect.label} changes {difference.elements} elements in rows {row_ranges(difference.rows)}"
+        if where:
+            text += f" ({where})"
+        if span is not None:
+            text += f", columns {span[0]}-{span[1]}"
+            columns.extend(span)
+        text += f" (verdict {effect.verdict})"
+        changes.append(text)
+        affected_rows.update(difference.rows)
+        for key, values in evidence.items():
+            named.setdefault(key, set()).update(values)
+        per_fill[effect.label] = {
+            "elements": difference.elements,
+            "rows": list(difference.rows),
+            "columns": None if span is None else list(span),
+            "verdict": effect.verdict,
+            **evidence,
+        }
+    message = "memory-dependent: the output depends on bytes outside the call's tensors"
+    if tensors:
+        message += " — " + "; ".join(tensors)
+    message += "; " + "; ".join(changes)
+    if unchanged:
+        verb = "leaves" if len(unchanged) == 1 else "leave"
+        message += f"; {', '.join(unchanged)} {verb} it as the baseline's"
+    first_last = (min(columns), max(columns)) if columns else None
+    evidence_out: dict[str, Any] = {
+        "arguments": [dict(item) for item in located],
+        "predicted": [
+            {"argument": v.arg, "reads_past_end": v.reads_past_end, "contract": v.describe()}
+            for v in predicted
+        ],
+        "fills": per_fill,
+        "unchanged": list(unchanged),
+        "columns": None if first_last is None else list(first_last),
+        **{key: sorted(values) for key, values in named.items()},
+    }
+    return Finding(
+        FindingKind.MEMORY_DEPENDENT,
+        message,
+        "baseline",
+        evidence_out,
+        rows=tuple(sorted(affected_rows)),
+        columns=first_last,
+    )

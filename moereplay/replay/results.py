@@ -20,6 +20,9 @@ class Verdict(enum.Enum):
     """How one variant ended, worst first in :data:`SEVERITY` order (``needs-kernel``: not judged at all)."""
 
     OK = "ok"  # every written row within tolerance of the reference, no guard damage
+    MEMORY_DEPENDENT = (
+        "memory-dependent"  # within tolerance here, but the output changes with bytes outside its tensors
+    )
     CORRUPT = "corrupt"  # rows over tolerance, or guard bytes written
     NONFINITE = "nonfinite"  # NaN / Inf where the reference is finite
     CRASH = "crash"  # the kernel killed its CUDA context / worker
@@ -29,8 +32,16 @@ class Verdict(enum.Enum):
     NEEDS_KERNEL = "needs-kernel"  # only a kernel run can answer it and none runs (offline): not judged
 
 
-SEVERITY = {Verdict.OK: 0, Verdict.CORRUPT: 1, Verdict.NONFINITE: 2, Verdict.CRASH: 3, Verdict.INVALID: 4}
-"""Judged verdicts, best to worst; ``needs-kernel`` is not among them (nothing was judged)."""
+SEVERITY = {
+    Verdict.OK: 0,
+    Verdict.MEMORY_DEPENDENT: 1,
+    Verdict.CORRUPT: 2,
+    Verdict.NONFINITE: 3,
+    Verdict.CRASH: 4,
+    Verdict.INVALID: 5,
+}
+"""Judged verdicts, best to worst; ``needs-kernel`` is not among them (nothing was judged). A memory-dependent call
+is never ``ok``, but an output that is wrong already is worse news than one that may go wrong."""
 
 RECORDED = "recorded"
 """Label of the row that judges the captured output (what production saw) against the exact reference."""

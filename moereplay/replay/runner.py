@@ -92,7 +92,9 @@ def _scratch_dir() -> Path:
 
 
 class WorkerRunner:
-    """Runs kernels in a worker process (``python -m moereplay.replay.worker``), restarted after a crash."""
+    """Runs kernels in a worker process (``python -m moereplay.replay.worker``), restarted after a crash.
+
+    ``env``: variables set (a value) or unset (``None``) in the worker's environment, over this process's."""
 
     def __init__(
         self,
@@ -103,7 +105,7 @@ class WorkerRunner:
         *,
         timeout_s: float = 600.0,
         guard: int = DEFAULT_GUARD_BYTES,
-        env: Mapping[str, str] | None = None,
+        env: Mapping[str, str | None] | None = None,
     ) -> None:
         self.capture = Path(capture)
         self.call = call
@@ -163,7 +165,11 @@ class WorkerRunner:
     def _start(self) -> None:
         read_fd, write_fd = os.pipe()
         environment = dict(os.environ)
-        environment.update(self.env)
+        for name, value in self.env.items():  # None: the variable is unset in the worker
+            if value is None:
+                environment.pop(name, None)
+            else:
+                environment[name] = value
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
         try:
             self._process = subprocess.Popen(
@@ -281,7 +287,16 @@ class WorkerRunner:
         if status == "crash":
             self._kill()  # the context is gone; the next run starts a new worker
         phases = {str(name): float(value) for name, value in (reply.get("phases") or {}).items()}
-        return KernelRun(status, outputs, damage, str(reply.get("error", "")), reply.get("elapsed_s"), phases)  # type: ignore[arg-type]
+        state = reply.get("state")
+        return KernelRun(
+            status,  # type: ignore[arg-type]
+            outputs,
+            damage,
+            str(reply.get("error", "")),
+            reply.get("elapsed_s"),
+            phases,
+            dict(state) if isinstance(state, dict) else {},
+        )
 
     def _read_output(self, item: Mapping[str, Any]) -> torch.Tensor:
         path = Path(item["path"])

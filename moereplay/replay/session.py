@@ -56,7 +56,9 @@ from moereplay.reference.compare import aligned, bit_exact
 from moereplay.replay import localize
 from moereplay.replay.backends import BackendSpec, load_backend, parse_backend
 from moereplay.replay.decompose import decompose
+from moereplay.replay.differences import element_difference
 from moereplay.replay.execution import KernelRun
+from moereplay.replay.fidelity import FidelityProbe, explain
 from moereplay.replay.findings import Finding, FindingKind, expected_nondeterminism, row_ranges
 from moereplay.replay.memo import CallMemos, Key, args_key, memos_for
 from moereplay.replay.memory import DEFAULT_GUARD_BYTES
@@ -72,9 +74,10 @@ from moereplay.replay.mutations import (
     parse_spec,
     parse_variants,
 )
-from moereplay.replay.overreads import ReadLocaliser, differing_rows, written_bytes_equal
+from moereplay.replay.overreads import FillEffect, ReadLocaliser, memory_dependence, written_bytes_equal
 from moereplay.replay.results import (
     RECORDED,
+    SEVERITY,
     GuardStatus,
     KeptTensors,
     ReplayReport,
@@ -109,6 +112,10 @@ _SAME_MEANING = (
     "the change leaves what the call computes as it was (the reference of the call as captured): only a kernel run "
     "shows its effect"
 )
+
+FOLLOW_FILLS: tuple[FillPattern, ...] = (FillPattern(0xFF), FillPattern(0x00))
+"""The guard fills run, unasked, when a contract violation predicts reads past a tensor's end: all-ones (NaN / Inf
+where the bytes are read as floats or e8m0 scales) and zeros (the baseline's own fill, shown as a row of its own)."""
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -157,7 +164,9 @@ class ReplaySession:
     once). ``timeout_s``: seconds a kernel run (and the worker's start) may take before it counts as a crash — keep
     it above a first launch's JIT (≈ 90 s for the Marlin MoE kernels on Hopper). ``localise_reads``: localise
     out-of-bounds reads when a fill variant shows one. ``keep_tensors``: keep every variant's output and reference
-    (``VariantOutcome.tensors``, ``ReplayReport.tensors``).
+    (``VariantOutcome.tensors``, ``ReplayReport.tensors``). ``explain_fidelity``: when the replayed baseline is not
+    bit-exact with the recorded output, :meth:`report` localises the difference and tests its candidate causes
+    (:mod:`moereplay.replay.fidelity`; the fills and pinned variants it runs join the rows).
     """
 
     def __init__(
@@ -176,6 +185,7 @@ class ReplaySession:
         output: torch.Tensor | None = None,
         localise_reads: bool = True,
         keep_tensors: bool = False,
+        explain_fidelity: bool = True,
     ) -> None:
         self.spec: BackendSpec = parse_backend(backend)
         self.device = resolve_device(device)
@@ -188,7 +198,9 @@ class ReplaySession:
         self.timeout_s = timeout_s
         self.localise_reads = localise_reads
         self.keep_tensors = keep_tensors
+        self.explain_fidelity = explain_fidelity
         isolated = self.spec.runs_kernels if isolate is None else isolate
+        self._isolated = isolated
         kernel_backend: KernelBackend | None = None
         if self.spec.kind == "python" or (self.spec.runs_kernels and not isolated):
             kernel_backend = load_backend(self.spec, self.device)  # a python backend may register the op
@@ -208,8 +220,17 @@ class ReplaySession:
         self._recorded: _Evaluation | None = None
         self._recorded_judged = False
         self._read_findings: dict[str, list[Finding]] = {}
+        self._fill_effects: dict[str, FillEffect] = {}
+        self._located: list[dict[str, Any]] = []
+        self._located_note: str | None = None
         self._localised = False
         self._sanitizer: list[Finding] = []
+        self._run_states: dict[str, Mapping[str, Any]] = {}  # label -> the op's run_state() of that run
+        self._keep_outputs: set[tuple[str, ...]] = set()  # variants whose output the session keeps (fidelity)
+        self._rerun: tuple[torch.Tensor | None] | None = None  # the baseline run a second time, once
+        self._fidelity: list[Finding] | None = None
+        self._memory: tuple[Finding | None, VariantResult] | None = None
+        self._memory_effects: dict[str, FillEffect] = {}
         try:
             with self.phases.phase("load"):
                 self.call: LoadedCall = self._resolve(source, args, call, output)
@@ -348,6 +369,30 @@ class ReplaySession:
                     outcomes.append(self.run(variant))
         return outcomes
 
+    def follow_evidence(self) -> list[VariantOutcome]:
+        """Run the variants that test what the call's contract violations predict, unasked: a violation that
+        predicts reads past a tensor's end (:attr:`~moereplay.ops.base.ContractViolation.predicts_memory_dependence`)
+        runs the guard fills :data:`FOLLOW_FILLS`, so a call whose output depends on those bytes is found
+        ``memory-dependent`` rather than ``ok``. A note says what ran and why. Offline the fills are
+        ``needs-kernel`` rows (no kernel runs; they fail nothing)."""
+        predicting = [v for v in self.baseline_contracts if v.predicts_memory_dependence]
+        if not predicting:
+            return []
+        seen = {evaluation.variant.specs for evaluation in self._order}
+        fresh = [Variant((Fill(fill),)) for fill in FOLLOW_FILLS]
+        fresh = [variant for variant in fresh if variant.specs not in seen]
+        if not fresh:
+            return []
+        reasons = "; ".join(f"{v.arg} ({v.reads_past_end} bytes past its end)" for v in predicting)
+        labels = ", ".join(variant.label for variant in fresh)
+        note = f"following the evidence: contracts predict reads outside the tensors — {reasons}; "
+        if self.spec.runs_kernels:
+            note += f"ran {labels} to test them"
+        else:
+            note += f"{labels} would test them on a kernel backend (offline: needs-kernel)"
+        self.notes.append(note)
+        return [self.run(variant) for variant in fresh]
+
     def sanitize(self) -> list[Finding]:
         """Run the baseline under compute-sanitizer memcheck (kernel backends); its findings join the report."""
         from moereplay.replay.sanitize import sanitize_findings
@@ -425,7 +470,12 @@ class ReplaySession:
         result, output, reference = self._judge_variant(variant)
         allowance = self._judged_allowances.pop(variant.label, None)
         outcome = VariantOutcome(result, tuple(self.findings[start:]))
-        keep_output = self.keep_tensors or variant.is_baseline or is_fill_only(variant)
+        keep_output = (
+            self.keep_tensors
+            or variant.is_baseline
+            or is_fill_only(variant)
+            or variant.specs in self._keep_outputs
+        )
         if self.keep_tensors and output is not None and reference is not None:
             outcome = VariantOutcome(result, outcome.findings, _kept(output, reference, allowance))
         evaluation = _Evaluation(variant, outcome, output if keep_output else None, reference)
@@ -555,6 +605,8 @@ class ReplaySession:
             with phases.phase("kernel_roundtrip"):
                 run = self.runner.run(RunRequest(variant, self.repeat))
             phases.merge(run.phases, "worker.")
+            if run.state:
+                self._run_states[variant.label] = run.state
             if run.status == "crash":
                 self.findings.append(
                     Finding(
@@ -724,6 +776,23 @@ class ReplaySession:
 
     # -- across variants --------------------------------------------------------------------------------------
 
+    def _rerun_baseline(self) -> torch.Tensor | None:
+        """The baseline run a second time on fresh buffers (once per session; ``None`` without a kernel backend or
+        when it did not run): the reproducibility check that over-reads, memory dependence and fidelity share."""
+        if self._rerun is None:
+            output: torch.Tensor | None = None
+            if self.runner is not None:
+                run = self.runner.run(RunRequest(BASELINE))
+                if run.status == "ran" and run.outputs:
+                    output = run.outputs[0]
+            self._rerun = (output,)
+        return self._rerun[0]
+
+    def _reproducible(self, base: torch.Tensor, written: torch.Tensor) -> bool | None:
+        """Whether the baseline is bit-reproducible (``None``: could not tell)."""
+        again = self._rerun_baseline()
+        return None if again is None else written_bytes_equal(again, base, written)
+
     def _over_reads(self) -> list[Finding]:
         """One finding per fill-only variant whose output differs from the baseline's (localised once)."""
         baseline = self._evaluate(BASELINE)
@@ -736,33 +805,176 @@ class ReplaySession:
             if not is_fill_only(evaluation.variant) or evaluation.output is None:
                 continue
             if label not in self._read_findings:
-                self._read_findings[label] = self._over_read(baseline.output, evaluation, written)
+                self._read_findings[label] = self._over_read(baseline, evaluation, written)
             found.extend(self._read_findings[label])
         return found
 
-    def _over_read(self, base: torch.Tensor, evaluation: _Evaluation, written: torch.Tensor) -> list[Finding]:
-        assert evaluation.output is not None
+    def _over_read(
+        self, baseline: _Evaluation, evaluation: _Evaluation, written: torch.Tensor
+    ) -> list[Finding]:
+        assert (
+            evaluation.output is not None and baseline.output is not None and baseline.reference is not None
+        )
+        base = baseline.output
         if written_bytes_equal(evaluation.output, base, written):
             return []
+        difference = element_difference(evaluation.output, base, written)
+        self._fill_effects[evaluation.variant.label] = FillEffect(
+            evaluation.variant.label, difference, evaluation.outcome.verdict.value
+        )
         other = evaluation.variant.fill
-        rows = differing_rows(evaluation.output, base, written)
+        rows = list(difference.rows)
         message = (
             f"output changes with the guard fill ({DEFAULT_FILL.name} → {other.name}) in rows "
-            f"{row_ranges(rows)}: the kernel reads out of bounds"
+            f"{row_ranges(rows)}"
         )
+        columns = difference.columns
+        if columns is not None:
+            message += f", columns {columns[0]}-{columns[1]}"
+        message += ": the kernel reads out of bounds"
         evidence: dict[str, Any] = {"fills": [DEFAULT_FILL.name, other.name], "rows": len(rows)}
+        experts = sorted(
+            {
+                int(e)
+                for e in baseline.reference.rows.expert[torch.tensor(rows, dtype=torch.long)].tolist()
+                if e >= 0
+            }
+        )
+        if experts:
+            evidence["experts"] = experts
         if self.localise_reads and self.runner is not None and not self._localised:
             self._localised = True  # one localisation per session is enough
             localiser = ReadLocaliser(
                 self.op, self.call.args, self.device, self.guard, self.runner, self.baseline_contracts
             )
-            located, note = localiser.localise(base, written, other)
+            located, note = localiser.localise(base, written, other, self._rerun_baseline())
             if note is not None:
                 self.notes.append(note)
+                self._located_note = note
             if located:
                 message += "; " + "; ".join(text for text, _ in located)
                 evidence["arguments"] = [item for _, item in located]
-        return [Finding(FindingKind.OOB_READ, message, evaluation.variant.label, evidence, rows=tuple(rows))]
+                self._located = [item for _, item in located]
+        return [
+            Finding(
+                FindingKind.OOB_READ,
+                message,
+                evaluation.variant.label,
+                evidence,
+                rows=tuple(rows),
+                columns=columns,
+            )
+        ]
+
+    def _memory_dependence(self) -> tuple[Finding | None, VariantResult]:
+        """The memory-dependence finding and the baseline row as the report shows it: ``memory-dependent`` in
+        place of ``ok`` when a guard fill changes the output (the fill variants must have run: see
+        :meth:`follow_evidence`). Established when the baseline is bit-reproducible, or when the fill's verdict is
+        worse than the baseline's (a difference no run-to-run variation makes)."""
+        baseline = self._evaluate(BASELINE)
+        result = baseline.outcome.result
+        if not self._fill_effects or baseline.output is None or baseline.reference is None:
+            return None, result
+        if self._memory is not None and len(self._memory_effects) == len(self._fill_effects):
+            return self._memory
+        reproducible = self._reproducible(baseline.output, baseline.reference.written)
+        effects = [
+            effect
+            for effect in self._fill_effects.values()
+            if reproducible or SEVERITY.get(Verdict(effect.verdict), 0) > SEVERITY.get(result.verdict, 0)
+        ]
+        self._memory_effects = dict(self._fill_effects)
+        if not effects:
+            self.notes.append(
+                "guard fills change the output, but so does running the baseline again: memory dependence not "
+                "established"
+            )
+            self._memory = (None, result)
+            return self._memory
+        unchanged = [
+            e.variant.label
+            for e in self._order
+            if is_fill_only(e.variant) and e.output is not None and e.variant.label not in self._fill_effects
+        ]
+        predicted = [v for v in self.baseline_contracts if v.predicts_memory_dependence]
+        finding = memory_dependence(
+            effects, unchanged, self._located, predicted, baseline.reference.rows, self._located_note
+        )
+        if result.verdict is Verdict.OK:
+            fills = ", ".join(effect.label for effect in effects)
+            result = dataclasses.replace(
+                result,
+                verdict=Verdict.MEMORY_DEPENDENT,
+                reason=f"within tolerance here, but the output changes with bytes outside its tensors ({fills})",
+            )
+        self._memory = (finding, result)
+        return self._memory
+
+    def _fidelity_findings(self) -> list[Finding]:
+        """Why the replayed baseline is not bit-exact with the recorded output (once; nothing runs when it is)."""
+        if self._fidelity is not None:
+            return self._fidelity
+        self._fidelity = []
+        baseline = self._evaluate(BASELINE)
+        captured = self.call.captured_output
+        if (
+            not self.explain_fidelity
+            or not self.spec.runs_kernels
+            or baseline.outcome.result.bit_exact is not False
+            or baseline.output is None
+            or baseline.reference is None
+            or captured is None
+        ):
+            return self._fidelity
+        recorded = aligned(captured.to(baseline.output.device), baseline.output.shape)
+        if recorded is None:
+            return self._fidelity
+
+        def run(variant: Variant) -> torch.Tensor | None:
+            self._keep_outputs.add(variant.specs)
+            self.run(variant)
+            evaluation = self._evaluations.get((variant.specs, variant.label))
+            return None if evaluation is None else evaluation.output
+
+        probe = FidelityProbe(
+            op=self.op,
+            args=self.call.args,
+            replayed=baseline.output,
+            recorded=recorded,
+            written=baseline.reference.written,
+            rows=baseline.reference.rows,
+            rerun=self._rerun_baseline,
+            run=run,
+            run_in_environment=self._run_in_environment if self._isolated else None,
+            replayed_state=self._run_states.get(BASELINE.label, {}),
+            recorded_state=self.call.recorded_state,
+            recorded_environment=self.call.environment,
+        )
+        with self.phases.phase("fidelity"):
+            finding = explain(probe)
+        if finding is not None:
+            self._fidelity.append(finding)
+        return self._fidelity
+
+    def _run_in_environment(self, env: Mapping[str, str | None]) -> torch.Tensor | None:
+        """The baseline once in a fresh worker whose environment has ``env`` set (``None``: unset)."""
+        runner = WorkerRunner(
+            self.call.capture_path,
+            self.call.index,
+            self.spec.text,
+            self.device,
+            timeout_s=self.timeout_s,
+            guard=self.guard,
+            env=env,
+        )
+        try:
+            run = runner.run(RunRequest(BASELINE))
+        except ReplayError as error:
+            self.notes.append(f"the re-run under the recorded environment did not start: {error}")
+            return None
+        finally:
+            runner.close()
+        return run.outputs[0] if run.status == "ran" and run.outputs else None
 
     def _fixes(self) -> list[Finding]:
         """Which variants turn a failing baseline into ``ok`` — and whether they confirm a suggested fix. Offline
@@ -812,11 +1024,23 @@ class ReplaySession:
 
     def report(self) -> ReplayReport:
         """The report over every variant run so far: verdict rows in the order they ran, their findings, then the
-        cross-variant findings (over-reads — localising one may run the kernel — fixes) and any sanitizer report."""
-        baseline = self._evaluate(BASELINE)
+        cross-variant findings — fidelity (when the replay is not bit-exact with the recording; testing its causes
+        runs variants), over-reads (localising one runs the kernel), fixes, and last the memory dependence that
+        makes the baseline ``memory-dependent`` — and any sanitizer report."""
+        self._evaluate(BASELINE)
         recorded = self._judge_recorded()
+        fidelity = self._fidelity_findings()
+        over_reads = self._over_reads()
+        memory, baseline_result = self._memory_dependence()
         variants = [e for e in self._order if not e.variant.is_baseline]
-        findings = [*self.findings, *self._over_reads(), *self._fixes(), *self._sanitizer]
+        findings = [
+            *self.findings,
+            *fidelity,
+            *over_reads,
+            *self._fixes(),
+            *([memory] if memory is not None else []),
+            *self._sanitizer,
+        ]
         kept = [*([recorded] if recorded is not None else []), *self._order]
         tensors = {e.variant.label: e.outcome.tensors for e in kept if e.outcome.tensors is not None}
         return ReplayReport(
@@ -824,7 +1048,7 @@ class ReplaySession:
             call=self.call.index,
             backend=self.spec.text,
             device=str(self.device) if self.spec.runs_kernels else f"{self.device} (reference only)",
-            baseline=baseline.outcome.result,
+            baseline=baseline_result,
             variants=tuple(e.outcome.result for e in variants),
             findings=tuple(findings),
             site=self.call.site,

@@ -26,7 +26,10 @@ class LoadedCall:
     """One call ready to replay: its op, decoded arguments and (when recorded) its output.
 
     ``args`` hold tensors on ``device`` and enum/opaque values decoded by the op's codecs. ``captured_output`` is
-    the kernel output recorded after the call (``None`` when the call never completed).
+    the kernel output recorded after the call (``None`` when the call never completed). ``recorded_state``: the
+    process state the recorded call ran with, as the op's ``recorded_state`` hook reads it from the call's
+    non-tensor outputs and context (``None``: not recorded, or the op declares no such state). ``environment``: the
+    environment variables the capture's header recorded (the process's ``VLLM_*`` …, secrets redacted).
     """
 
     op: OpSpec
@@ -37,6 +40,8 @@ class LoadedCall:
     site: str = ""
     context: Mapping[Any, Any] = field(default_factory=dict)
     status: str = "completed"
+    recorded_state: Mapping[str, Any] | None = None
+    environment: Mapping[str, str] = field(default_factory=dict)
 
 
 def decode_args(op: OpSpec, args: Mapping[str, Any]) -> dict[str, Any]:
@@ -155,9 +160,36 @@ def load_call(path: str | Path, index: int, device: str | torch.device = "cpu") 
         op = get_op(record.op)
         args = decode_args(op, reader.load_args(index, device=device))
         output = None
+        state = None
         if record.status == "completed":
-            output = captured_output(op, reader.load_outputs(index, device=device))
-    return LoadedCall(op, args, output, path, index, record.site, dict(record.context), record.status)
+            outputs = reader.load_outputs(index, device=device)
+            output = captured_output(op, outputs)
+            state = _recorded_state(op, outputs, record.context)
+        header = reader.header if isinstance(reader.header, Mapping) else {}
+        environment = header.get("env")
+    return LoadedCall(
+        op,
+        args,
+        output,
+        path,
+        index,
+        record.site,
+        dict(record.context),
+        record.status,
+        state,
+        {str(k): str(v) for k, v in environment.items()} if isinstance(environment, Mapping) else {},
+    )
+
+
+def _recorded_state(
+    op: OpSpec, outputs: Mapping[str, Any], context: Mapping[Any, Any]
+) -> Mapping[str, Any] | None:
+    hook = getattr(op, "recorded_state", None)
+    if hook is None:
+        return None
+    plain = {name: value for name, value in outputs.items() if not isinstance(value, torch.Tensor)}
+    state = hook(plain, context)
+    return None if state is None else dict(state)
 
 
 CALL_CACHE_SIZE = 2

@@ -18,7 +18,8 @@ guard bands, printing ``MOEREPLAY-ARG NAME ADDRESS BYTES`` for every tensor firs
 
 Replies: ``{"status": "ready"}`` / ``{"status": "error", "error": TEXT}`` to init; to run: ``{"id": K, "status":
 "ran"|"rejected"|"crash"|"invalid", "error": TEXT, "elapsed_s": S, "outputs": [{"path", "dtype", "shape"}],
-"damage": [[ARG, SIDE, FIRST, LAST, COUNT, SPAN], ...], "phases": {PHASE: SECONDS}}``.
+"damage": [[ARG, SIDE, FIRST, LAST, COUNT, SPAN], ...], "phases": {PHASE: SECONDS}, "state": {KEY: VALUE}}``
+(``state``: the op's ``run_state()`` after the run, e.g. the opt_flags triton_kernels chose).
 
 The worker keeps a :class:`~moereplay.replay.memory.BufferPool` (guarded allocations reused between runs, every byte
 rewritten before each) and the call's re-derived arguments (:mod:`moereplay.replay.memo`) while it serves one call.
@@ -112,6 +113,7 @@ class _Session:
             "outputs": outputs,
             "damage": [[d.arg, d.side, d.first, d.last, d.count, d.span_bytes] for d in run.damage],
             "phases": phases,
+            "state": dict(run.state),
         }
 
 

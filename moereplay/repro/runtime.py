@@ -67,7 +67,7 @@ def table_rows(report: ReplayReport) -> list[tuple[str, ...]]:
 
 
 def render_text(report: ReplayReport) -> str:
-    """The verdict table, reasons, findings and notes of one report, as plain text."""
+    """The verdict table, reasons, notes and findings of one report, as plain text."""
     rows = table_rows(report)
     widths = [max(len(column), *(len(row[i]) for row in rows)) for i, column in enumerate(COLUMNS)]
 
@@ -85,6 +85,7 @@ def render_text(report: ReplayReport) -> str:
     for result in report.results:
         if result.reason:
             out.append(f"  {result.label}: {result.verdict.value} — {result.reason}")
+    out.extend(f"  note: {note}" for note in report.notes)  # as `moereplay run`: context before the findings
     if report.findings:
         out.append("findings")
     for finding in report.findings:
@@ -92,7 +93,6 @@ def render_text(report: ReplayReport) -> str:
         confidence = f"  (confidence {finding.confidence:.2f})" if finding.confidence < 1.0 else ""
         out.append(f"  [{finding.kind.value}]{where} {finding.message}{confidence}")
         out.extend(f"      try: --{suggestion}" for suggestion in finding.suggestions)
-    out.extend(f"  note: {note}" for note in report.notes)
     return "\n".join(out)
 
 
@@ -146,11 +146,14 @@ def run_repro(
     provenance: Mapping[str, Any],
     device: str | None = None,
     follow_suggestions: bool = False,
+    follow_evidence: bool = True,
     as_json: bool = False,
     support: Path | None = None,
 ) -> int:
     """Replay call 0 of ``capture``; print provenance, table and findings (or JSON). Returns the exit status:
-    0 when every variant is ``ok``, 1 otherwise."""
+    0 when every variant is ``ok``, 1 otherwise. ``follow_evidence``: run the variants the call's contracts and a
+    replay that is not bit-exact with the recording call for (the guard fills, the fidelity check's variants);
+    ``False`` replays the call as captured and nothing else."""
     import moereplay
     from moereplay.replay.engine import replay
     from moereplay.synth.recipe import register
@@ -170,6 +173,8 @@ def run_repro(
         backend=backend,
         device=device,
         follow_suggestions=follow_suggestions,
+        follow_evidence=follow_evidence,
+        explain_fidelity=follow_evidence,
         isolate=False if recipes else None,  # recipes expand where their codec is registered: this process
     )
     if as_json:

@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             provenance=PROVENANCE,
             device=options.device,
             follow_suggestions=options.follow_suggestions,
+            follow_evidence=not options.baseline_only,
             as_json=options.json,
             support=HERE / "support",
         )

@@ -2,8 +2,8 @@
 
 Terms are ANDed. ``field:value`` terms: ``op`` (a glob), ``layer`` / ``step`` / ``rank`` / ``call`` (a number or an
 inclusive range ``a-b``), ``status`` (prefix of inputs_saved / completed / failed), ``verdict`` (a call's headline:
-the worse of its recorded output and its replay — ok, corrupt, nonfinite, crash, invalid, needs-kernel; ``bad`` for
-any failure, ``none`` for calls not replayed yet). Any other word is matched as a substring of the row's index, op,
+the worse of its recorded output and its replay — ok, memory-dependent, corrupt, nonfinite, crash, invalid,
+needs-kernel; ``bad`` for any failure, ``none`` for calls not replayed yet). Any other word is matched as a substring of the row's index, op,
 site, status and key shapes. Parsing never raises: a malformed term is kept as free text and reported in
 :attr:`CallFilter.problems`.
 """
@@ -17,7 +17,7 @@ from moereplay.tui.catalog import CallSummary
 
 NUMERIC_FIELDS = ("layer", "step", "rank", "call")
 FIELDS = ("op", "status", "verdict", *NUMERIC_FIELDS)
-FAILING = frozenset({"corrupt", "nonfinite", "crash"})
+FAILING = frozenset({"memory-dependent", "corrupt", "nonfinite", "crash"})
 
 
 @dataclass(frozen=True)

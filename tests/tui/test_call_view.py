@@ -166,6 +166,27 @@ async def test_contract_violation_is_flagged_and_its_suggestion_added(violation_
 
 
 @run_async
+async def test_rows_the_replay_adds_on_its_own_are_shown_and_stay(violation_capture: Path) -> None:
+    """The bf16 routing weights' contract predicts reads past their end: the replay runs the guard fills that test
+    it unasked (offline: needs-kernel rows), and the matrix shows them beside the rows the user asked for."""
+    app = make_app(violation_capture)
+    notes = Notes(app)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await open_call(pilot)
+        matrix = screen.query_one(VariantMatrix)
+        assert matrix.labels == ("recorded", "baseline", "fill 0xff", "fill 0x00")
+        assert screen.outcome is not None
+        verdicts = {result.label: result.verdict.value for result in screen.outcome.report.results}
+        assert verdicts["fill 0xff"] == verdicts["fill 0x00"] == "needs-kernel"
+        assert screen.outcome.report.headline.verdict.value == "ok"  # needs-kernel rows fail nothing
+        matrix.move_cursor(row=matrix.labels.index("fill 0xff"))
+        await pilot.press("d")
+        await pilot.pause()
+        assert matrix.labels == ("recorded", "baseline", "fill 0xff", "fill 0x00")
+        assert "run by the replay itself" in notes
+
+
+@run_async
 async def test_call_of_an_unknown_op_is_shown_without_replaying(stream_capture: Path) -> None:
     app = make_app(stream_capture)
     notes = Notes(app)

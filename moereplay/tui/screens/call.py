@@ -235,10 +235,19 @@ class CallScreen(Screen[None]):
         self._show_variant()
 
     def _refresh_matrix(self, keep: str | None = None) -> None:
-        """Results of the last replay for the variants still in the matrix, then those not run yet."""
+        """Results of the last replay for the variants still in the matrix — with the rows the replay added on its
+        own (fills that follow the evidence, the fidelity check's variants) — then those not run yet."""
         wanted = self.pending_labels()
         results = self.outcome.report.results if self.outcome is not None else ()
-        shown = [result for result in results if result.label in wanted or result.label == RECORDED]
+        asked = {"baseline"}
+        if self.outcome is not None:
+            for text in self.outcome.request.mutations:
+                asked.update(self.mutation_variants.get(text, ()))
+        shown = [
+            result
+            for result in results
+            if result.label in wanted or result.label == RECORDED or result.label not in asked
+        ]
         self.query_one(VariantMatrix).show(shown, wanted, keep=keep or self.variant)
 
     def _show_findings(self) -> None:
@@ -361,6 +370,9 @@ class CallScreen(Screen[None]):
                 self._refresh_matrix(keep="baseline")
                 self.notify(f"removed {text}", timeout=2)
                 return
+        self.notify(
+            f"{label} was run by the replay itself (following the evidence): it stays", severity="warning"
+        )
 
     def on_findings_panel_suggestions_chosen(self, message: FindingsPanel.SuggestionsChosen) -> None:
         added = [text for text in message.mutations if self.add_mutation(text)]

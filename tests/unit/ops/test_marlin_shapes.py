@@ -267,7 +267,14 @@ def test_replay_of_the_published_mechanism_on_the_stand_in(published_like: Path)
         isolate=False,
     )
     assert report.baseline.verdict is Verdict.CORRUPT
-    assert [v.verdict for v in report.variants] == [Verdict.OK, Verdict.OK]
+    # then the fills the bf16 weights' contract predicts reads past their end for (0xff: NaN where they are read);
+    # the recording read whatever memory followed the weights in this process, so the fidelity check may add more
+    assert [(v.label, v.verdict) for v in report.variants[:4]] == [
+        ("flip mul_topk_weights", Verdict.OK),
+        ("cast topk_weights=float32", Verdict.OK),
+        ("fill 0xff", Verdict.NONFINITE),
+        ("fill 0x00", Verdict.CORRUPT),
+    ]
     diagnosis = next(
         f for f in report.findings if f.kind is FindingKind.DIAGNOSIS and f.variant == "baseline"
     )

@@ -11,7 +11,11 @@ Loaded as a backend with ``python:<this file>#<kernel>``; kernels:
 - ``bias_twice``: adds the bias twice (a kernel bug);
 - ``oob_write``: also writes 8 bytes past the end of ``out``;
 - ``crash``: kills its process when ``block == 1`` (stands in for a device fault);
-- ``noisy``: nudges row 0 by a random amount each run (nondeterminism).
+- ``noisy``: nudges row 0 by a random amount each run (nondeterminism);
+- ``chunked``: sums the product over K in float32 chunks of ``block`` (the rounding depends on the block size, which
+  the op reports as its process state: ``run_state()`` / ``recorded_state`` read from the output ``toy_state``);
+- ``env_scaled``: multiplies the result by ``$VLLM_TOY_SCALE`` (1 when unset): output that depends on the
+  environment.
 
 These are real computations run by the engine, not mocks of vLLM's kernels.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import os
 import types
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -59,7 +63,14 @@ def _kernel(name: str, args: dict[str, Any]) -> torch.Tensor:
     if name == "crash" and args["block"] == 1:
         os._exit(17)
     experts = expert.to(torch.long)
-    result = torch.bmm(x.unsqueeze(1), w[experts]).squeeze(1)
+    if name == "chunked":
+        step = int(args["block"])
+        result = torch.zeros(rows, w.shape[-1], dtype=torch.float32)
+        for start in range(0, x.shape[1], step):
+            chunk = torch.bmm(x[:, None, start : start + step], w[experts, start : start + step]).squeeze(1)
+            result = result + chunk
+    else:
+        result = torch.bmm(x.unsqueeze(1), w[experts]).squeeze(1)
     if bias is not None:
         result = result + bias[experts] * (2.0 if name == "bias_twice" else 1.0)
     if args["mul_weights"]:
@@ -69,6 +80,8 @@ def _kernel(name: str, args: dict[str, Any]) -> torch.Tensor:
         result = result * weights.unsqueeze(1)
     if name == "noisy":
         result[0] += torch.rand(()) * 1e-3
+    if name == "env_scaled":
+        result = result * float(os.environ.get("VLLM_TOY_SCALE", "1"))
     out.copy_(result.to(out.dtype))
     if name == "oob_write":
         raw = torch.empty(0, dtype=torch.uint8, device=out.device).set_(out.untyped_storage())
@@ -111,6 +124,17 @@ class ToyOp:
     scratch = ("out",)
     output_name = "out"
     reference_ignores = frozenset({"out", "block"})
+    state_pins: ClassVar[dict[str, str]] = {"block": "block"}
+
+    def __init__(self) -> None:
+        self.last_state: dict[str, Any] = {}
+
+    def run_state(self) -> dict[str, Any]:
+        return dict(self.last_state)
+
+    def recorded_state(self, outputs: Any, context: Any) -> dict[str, Any] | None:
+        state = outputs.get("toy_state")
+        return dict(state) if isinstance(state, dict) else None
 
     def rederive(self, args: Args, changed: frozenset[str]) -> dict[str, Any]:
         return dict(args)
@@ -121,6 +145,7 @@ class ToyOp:
 
     def run(self, args: Args, backend: KernelBackend) -> torch.Tensor:
         kernels = backend.module("toy_kernels")
+        self.last_state = {"block": int(args["block"])}
         return kernels.scaled_rows(dict(args))  # type: ignore[no-any-return]
 
     def reference(self, args: Args) -> ReferenceResult:
@@ -183,17 +208,30 @@ def make_args(
     }
 
 
-def write_capture(path: Any, args: dict[str, Any], kernel: str = "correct") -> Any:
-    """A one-call capture of the toy op, its output computed by ``kernel`` (on CPU, guard-free)."""
+def write_capture(
+    path: Any,
+    args: dict[str, Any],
+    kernel: str = "correct",
+    *,
+    ran_with: dict[str, Any] | None = None,
+    state: dict[str, Any] | None = None,
+    header: dict[str, Any] | None = None,
+) -> Any:
+    """A one-call capture of the toy op, its output computed by ``kernel`` (on CPU, guard-free). ``ran_with``:
+    argument values the recorded run used instead of the recorded ones; ``state``: the process state recorded
+    beside the output (``toy_state``); ``header``: merged into the capture's header (e.g. ``{"env": …}``)."""
     from moereplay.format import CaptureWriter
     from moereplay.replay.memory import materialise
     from moereplay.replay.mutations import DEFAULT_FILL
 
     guarded = materialise(args, "cpu", DEFAULT_FILL)
-    output = _kernel(kernel, dict(guarded.args)).clone()
-    with CaptureWriter(path) as writer:
+    output = _kernel(kernel, {**dict(guarded.args), **(ran_with or {})}).clone()
+    outputs: dict[str, Any] = {"out": output, "return": output}
+    if state is not None:
+        outputs["toy_state"] = state
+    with CaptureWriter(path, header=header) as writer:
         index = writer.begin_call(NAME, args, site="tests.toy")
-        writer.complete_call(index, {"out": output, "return": output})
+        writer.complete_call(index, outputs)
     return path
 
 

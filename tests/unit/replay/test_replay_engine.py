@@ -173,8 +173,21 @@ def test_report_serialises_to_plain_json(tmp_path: Path) -> None:
 
     report = run(capture(tmp_path, weights_dtype=torch.bfloat16), mutations=["cast weights=float32"])
     data = json.loads(json.dumps(report.to_json()))
-    assert [item["label"] for item in data["results"]] == ["recorded", "baseline", "cast weights=float32"]
-    assert [item["verdict"] for item in data["results"]] == ["corrupt", "corrupt", "ok"]
+    labels = [
+        "recorded",
+        "baseline",
+        "cast weights=float32",
+        "fill 0xff",
+        "fill 0x00",
+    ]  # fills: followed evidence
+    assert [item["label"] for item in data["results"]] == labels
+    assert [item["verdict"] for item in data["results"]] == [
+        "corrupt",
+        "corrupt",
+        "ok",
+        "nonfinite",
+        "corrupt",
+    ]
     assert data["headline"] == {"verdict": "corrupt", "source": "recorded and replayed", "label": "baseline"}
     assert {finding["kind"] for finding in data["findings"]} >= {"diagnosis", "wrong_coefficient"}
 
@@ -225,7 +238,9 @@ def test_an_output_buffer_with_a_leading_batch_dimension_is_judged_by_its_elemen
 def test_offline_a_cast_is_shown_as_needing_a_kernel_never_with_a_diagnosis(tmp_path: Path) -> None:
     path = capture(tmp_path, weights_dtype=torch.bfloat16)
     report = replay(path, backend="reference", device="cpu", mutations=["cast weights=float32"])
-    (cast,) = report.variants
+    cast, *followed = report.variants
+    assert [v.label for v in followed] == ["fill 0xff", "fill 0x00"]
+    assert all(v.verdict is Verdict.NEEDS_KERNEL for v in followed)
     assert cast.verdict is Verdict.NEEDS_KERNEL and not cast.failed and "kernel" in cast.reason
     assert not [f for f in report.findings if f.variant == cast.label]
     (diagnosis,) = [f for f in report.findings if f.kind is FindingKind.DIAGNOSIS]

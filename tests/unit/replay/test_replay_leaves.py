@@ -32,7 +32,8 @@ def test_an_unmasked_over_read_inside_an_opaque_argument_is_found_and_named_by_i
         reuse_worker=False,
         guard_bytes=256,
     )
-    assert report.baseline.verdict is Verdict.OK
+    # within tolerance, but its output changes with bytes outside its tensors: never "ok"
+    assert report.baseline.verdict is Verdict.MEMORY_DEPENDENT and report.failed
     assert by_label(report, "fill 0x00").verdict is Verdict.OK
     assert by_label(report, "fill 0xff").verdict is Verdict.NONFINITE  # 0 · NaN in the last row
     # the contract over the leaf is a finding, stated in the kernel's terms

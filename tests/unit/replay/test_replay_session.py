@@ -38,8 +38,10 @@ def test_variants_one_at_a_time_give_the_report_replay_gives(tmp_path: Path) -> 
         cast = live.run(Variant(live.variants(["cast weights=float32"])[0].mutations))
         assert cast.verdict is Verdict.OK
         assert live.run("flip mul_weights") is flipped  # judged once
+        live.follow_evidence()  # what replay() adds unasked: the fills the bf16 weights' contract predicts
         stepwise = live.report()
     whole = replay(path, mutations=mutations, backend=toy.spec("correct"), device="cpu", isolate=False)
+    assert [r.label for r in whole.variants] == [*mutations, "fill 0xff", "fill 0x00"]
     assert [r.to_json() | {"elapsed_s": None} for r in stepwise.results] == [
         r.to_json() | {"elapsed_s": None} for r in whole.results
     ]
@@ -77,6 +79,7 @@ def test_kept_tensors_are_outputs_beside_their_references(tmp_path: Path) -> Non
         device="cpu",
         isolate=False,
         keep_tensors=True,
+        follow_evidence=False,
     )
     assert set(report.tensors) == {"recorded", "baseline", "cast weights=float32"}
     kept = report.tensors["cast weights=float32"]

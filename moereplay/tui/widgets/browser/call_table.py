@@ -29,6 +29,7 @@ STATUS_TEXT = {"completed": "completed", "inputs_saved": "no output", "failed": 
 
 VERDICT_CLASSES = {
     "ok": "call-table--ok",
+    "memory-dependent": "call-table--bad",
     "corrupt": "call-table--bad",
     "nonfinite": "call-table--bad",
     "crash": "call-table--bad",

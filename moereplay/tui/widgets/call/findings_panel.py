@@ -15,6 +15,8 @@ from moereplay.replay.findings import Finding, FindingKind, row_ranges
 
 KIND_STYLES: dict[FindingKind, str] = {
     FindingKind.DIAGNOSIS: "bold reverse cyan",
+    FindingKind.MEMORY_DEPENDENT: "bold reverse dark_orange",
+    FindingKind.FIDELITY: "yellow",
     FindingKind.CRASH: "bold reverse red",
     FindingKind.OOB_WRITE: "bold red",
     FindingKind.OOB_READ: "bold red",
@@ -28,6 +30,7 @@ KIND_STYLES: dict[FindingKind, str] = {
 }
 ORDER = (
     FindingKind.DIAGNOSIS,
+    FindingKind.MEMORY_DEPENDENT,
     FindingKind.CRASH,
     FindingKind.OOB_WRITE,
     FindingKind.OOB_READ,
@@ -36,6 +39,7 @@ ORDER = (
     FindingKind.WRONG_COEFFICIENT,
     FindingKind.CORRUPT_ROWS,
     FindingKind.UNEXPLAINED,
+    FindingKind.FIDELITY,
     FindingKind.NONDETERMINISM,
     FindingKind.SANITIZER,
 )

@@ -13,6 +13,7 @@ from moereplay.replay.results import VariantResult, Verdict
 
 VERDICT_STYLES = {
     "ok": "bold green",
+    "memory-dependent": "bold dark_orange",
     "corrupt": "bold red",
     "nonfinite": "bold magenta",
     "crash": "bold red reverse",
