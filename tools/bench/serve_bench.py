@@ -79,6 +79,7 @@ def main() -> int:
             out = options.out / name
             site = harness.make_site(out)
             env = harness.base_environment(site)
+            env.update(serve_gpu.SERVE_ENV)
             env.update({**SETTINGS[name], "MOEREPLAY_DIR": str(out / "captures")})
             port = harness.free_port()
             command = serve_gpu.serve_command(

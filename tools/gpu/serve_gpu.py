@@ -85,6 +85,10 @@ class ServeRun:
 
 KERNEL_OPS = ("moe_wna16_marlin_gemm", "matmul_ogs")
 
+SERVE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+"""vLLM 0.25.1's sampler imports FlashInfer on CUDA unless told not to (no FlashInfer in the packs: seen on the
+H200, ``ModuleNotFoundError: No module named 'flashinfer'`` in EngineCore); its own switch selects the torch path."""
+
 
 def vocabulary_words(model: Path, limit: int = 400) -> list[str]:
     """Plain words of the model's tokenizer (``tokenizer.json``'s vocabulary), to build prompts from."""
@@ -167,6 +171,7 @@ def run(options: argparse.Namespace) -> ServeRun:
     out.mkdir(parents=True, exist_ok=True)
     site = harness.make_site(out)
     env = harness.base_environment(site)
+    env.update(SERVE_ENV)
     captures = out / "captures"
     if options.capture != "off":
         env.update({"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_DIR": str(captures)})

@@ -5,12 +5,12 @@ source tools/gpu/device_setup.sh > "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.l
 source tools/gpu/steps.sh
 W=/tmp/serve; mkdir -p $W
 step glibc 5 ldd --version
-step models 120 bash -c "python3 tools/models/make_gpt_oss.py $W/gpt-oss-2l --layers 2 && python3 tools/models/make_gpt_oss.py $W/gpt-oss-bad --layers 2 --poison 0:5"
-step eager 200 python3 tools/gpu/serve_gpu.py --model $W/gpt-oss-2l --mode eager --out $W/eager --env MOEREPLAY_PER_SHAPE=2
+step models 60 bash -c "python3 tools/models/make_gpt_oss.py $W/gpt-oss-2l --layers 2 && python3 tools/models/make_gpt_oss.py $W/gpt-oss-bad --layers 2 --poison 0:5"
+step eager 170 python3 tools/gpu/serve_gpu.py --model $W/gpt-oss-2l --mode eager --out $W/eager --env MOEREPLAY_PER_SHAPE=2
 F=$(ls -S $W/eager/captures/*.zst 2>/dev/null | head -1)
 step info 30 python3 -m moereplay info "$F"
 step ls 30 bash -c "python3 -m moereplay ls '$F' | head -40"
-step replay 110 python3 -m moereplay run "$F" --op matmul_ogs --backend pack:$MOEREPLAY_PACK --json-out $W/run.json
+step replay 90 python3 -m moereplay run "$F" --op matmul_ogs --backend pack:$MOEREPLAY_PACK --json-out $W/run.json
 python3 - $W/run.json >> "$OUT/all.log" 2>&1 <<'PY'
 import json, sys
 reports = json.load(open(sys.argv[1]))["reports"]
@@ -18,7 +18,7 @@ base = [next(r for r in rep["results"] if r["label"] == "baseline") for rep in r
 print(f"served-capture fidelity: {sum(1 for b in base if b['bit_exact'])}/{len(base)} matmul_ogs calls bit-exact; "
       f"verdicts {sorted({b['verdict'] for b in base})}")
 PY
-step graph_flight 230 python3 tools/gpu/serve_gpu.py --model $W/gpt-oss-bad --mode graph --capture flight --out $W/graph --prompt "the zebra runs" --requests 8
+step graph_flight 150 python3 tools/gpu/serve_gpu.py --model $W/gpt-oss-bad --mode graph --capture flight --out $W/graph --prompt "the zebra runs" --requests 8
 for d in eager graph; do cp $W/$d/summary.json "$OUT/$d-summary.json" 2>/dev/null; tail -c 200000 $W/$d/server.log > "$OUT/$d-server.log" 2>/dev/null; done
 [ -n "$F" ] && [ $(stat -c %s "$F") -lt 15000000 ] && cp "$F" "$OUT/eager-capture.zst"
 G=$(ls -S $W/graph/captures/*.zst 2>/dev/null | head -1); [ -n "$G" ] && python3 -m moereplay ls "$G" 2>&1 | head -30 >> "$OUT/all.log"
