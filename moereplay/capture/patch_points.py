@@ -172,6 +172,9 @@ def _targets() -> tuple[CaptureTarget, ...]:
                 outputs=("output_tensor",),
                 codec_modules=OGS_CODECS,
                 scratch=("intermediate_cache",),
+                # vLLM 0.25.1's body writes only intermediate_cache (gemm1's y) and output_tensor (gemm2's y);
+                # the routing it passes is read, never written
+                inputs_intact=True,
             )
         )
         targets.append(
