@@ -24,6 +24,7 @@ import argparse
 import json
 import re
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -190,8 +191,6 @@ def run(options: argparse.Namespace) -> ServeRun:
         server.complete(" ".join(words[:8]), 4)  # one warm request
         started = time.monotonic()
         # long decodes first, then a wave of prompts of different lengths: batches mix prefill and decode
-        import threading
-
         long_batch: list[harness.Batch] = []
         decodes = threading.Thread(
             target=lambda: long_batch.append(
