@@ -55,7 +55,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,9 +62,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: the sibling modules
 
+from model_directory import write_model_directory
 from random_tensors import TensorSource, pick_device
-from safetensors_file import TensorPlan, write_checkpoint
-from word_tokenizer import SpecialTokens, Vocabulary, build_vocabulary, write_tokenizer
+from safetensors_file import TensorPlan
+from word_tokenizer import SpecialTokens, Vocabulary, build_vocabulary
 
 #: rms of an e2m1 value whose 4-bit code is uniform over the 16 codes: sqrt(mean(v²)) over 0, ±0.5 … ±6.
 E2M1_UNIFORM_RMS = math.sqrt((0 + 0.25 + 1 + 2.25 + 4 + 9 + 16 + 36) / 8)
@@ -209,15 +209,6 @@ def config_json(shape: GptOssShape, vocabulary: Vocabulary) -> dict[str, object]
         "transformers_version": "4.55.0",
         "use_cache": True,
         "vocab_size": shape.vocab,
-    }
-
-
-def generation_config_json(vocabulary: Vocabulary) -> dict[str, object]:
-    ids = vocabulary.ids
-    return {
-        "bos_token_id": ids[SPECIALS.bos],
-        "eos_token_id": [ids[SPECIALS.eos], ids[SPECIALS.pad]],
-        "pad_token_id": ids[SPECIALS.pad],
     }
 
 
@@ -379,24 +370,20 @@ def make(
     poison: Poison | None = None,
 ) -> dict[str, object]:
     """Write the whole model directory; a JSON-able summary (what ``main`` prints)."""
-    started = time.perf_counter()
     if poison is not None:
         poison.check(shape)
-    directory.mkdir(parents=True, exist_ok=True)
-    vocabulary = write_tokenizer(directory, shape.vocab, SPECIALS, CHAT_TEMPLATE, shape.max_position)
-    (directory / "config.json").write_text(json.dumps(config_json(shape, vocabulary), indent=2) + "\n")
-    (directory / "generation_config.json").write_text(
-        json.dumps(generation_config_json(vocabulary), indent=2) + "\n"
+    summary, vocabulary = write_model_directory(
+        directory,
+        vocab_size=shape.vocab,
+        max_position=shape.max_position,
+        specials=SPECIALS,
+        chat_template=CHAT_TEMPLATE,
+        config=lambda vocabulary: config_json(shape, vocabulary),
+        shards=lambda source: Builder(shape, source, poison).shards(),
+        seed=seed,
+        device=device,
     )
-    source = TensorSource(seed, device or pick_device("auto"))
-    written = write_checkpoint(directory, Builder(shape, source, poison).shards())
-    summary: dict[str, object] = {
-        "model": str(directory),
-        "bytes": written,
-        "seconds": round(time.perf_counter() - started, 2),
-        "device": str(source.device),
-        "shape": asdict(shape),
-    }
+    summary["shape"] = asdict(shape)
     if poison is not None:
         summary["poison"] = {
             "layer": poison.layer,

@@ -40,7 +40,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,9 +47,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: the sibling modules
 
+from model_directory import write_model_directory
 from random_tensors import TensorSource, pick_device
-from safetensors_file import TensorPlan, write_checkpoint
-from word_tokenizer import SpecialTokens, Vocabulary, write_tokenizer
+from safetensors_file import TensorPlan
+from word_tokenizer import SpecialTokens, Vocabulary
 
 BITS = 4
 PACK = 32 // BITS
@@ -153,15 +153,6 @@ def config_json(shape: MoeShape, vocabulary: Vocabulary) -> dict[str, object]:
     }
 
 
-def generation_config_json(vocabulary: Vocabulary) -> dict[str, object]:
-    ids = vocabulary.ids
-    return {
-        "bos_token_id": ids[SPECIALS.bos],
-        "eos_token_id": [ids[SPECIALS.eos], ids[SPECIALS.pad]],
-        "pad_token_id": ids[SPECIALS.pad],
-    }
-
-
 def projection_dims(shape: MoeShape, projection: str) -> tuple[int, int]:
     """(K, N) of an expert projection: the input and output sizes."""
     if projection == "down_proj":
@@ -248,22 +239,18 @@ def make(
     directory: Path, shape: MoeShape, *, seed: int = 0, device: torch.device | None = None
 ) -> dict[str, object]:
     """Write the whole model directory; a JSON-able summary (what ``main`` prints)."""
-    started = time.perf_counter()
-    directory.mkdir(parents=True, exist_ok=True)
-    vocabulary = write_tokenizer(directory, shape.vocab, SPECIALS, CHAT_TEMPLATE, shape.max_position)
-    (directory / "config.json").write_text(json.dumps(config_json(shape, vocabulary), indent=2) + "\n")
-    (directory / "generation_config.json").write_text(
-        json.dumps(generation_config_json(vocabulary), indent=2) + "\n"
+    summary, _vocabulary = write_model_directory(
+        directory,
+        vocab_size=shape.vocab,
+        max_position=shape.max_position,
+        specials=SPECIALS,
+        chat_template=CHAT_TEMPLATE,
+        config=lambda vocabulary: config_json(shape, vocabulary),
+        shards=lambda source: Builder(shape, source).shards(),
+        seed=seed,
+        device=device,
     )
-    source = TensorSource(seed, device or pick_device("auto"))
-    written = write_checkpoint(directory, Builder(shape, source).shards())
-    return {
-        "model": str(directory),
-        "bytes": written,
-        "seconds": round(time.perf_counter() - started, 2),
-        "device": str(source.device),
-        "shape": asdict(shape),
-    }
+    return {**summary, "shape": asdict(shape)}
 
 
 def main(argv: list[str] | None = None) -> int:
