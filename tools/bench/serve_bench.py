@@ -36,8 +36,10 @@ import serve_gpu  # noqa: E402
 SETTINGS: dict[str, dict[str, str]] = {
     "off": {},
     "flight": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight"},
-    "full": {"MOEREPLAY_CAPTURE": "1"},
+    "full": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_MAX_BYTES": "12G"},
 }
+"""Full capture is bounded so the GPU machine's disk (64 GiB, the model on it too) cannot fill: past the bound the
+file is closed and the rest is counted, not written — the table's last lines say how much each setting wrote."""
 
 
 def measure(server: harness.Server, words: list[str], what: str, options: argparse.Namespace) -> float:
@@ -116,6 +118,19 @@ def main() -> int:
             ratio = f"{base / value:6.3f}" if base else f"{'':>6}"
             cells.append(f"{value:18.1f} {ratio}")
         print(f"{name:<8} " + " ".join(cells))
+    for name in names:
+        for path in sorted((options.out / name / "captures").glob("**/*.zst")):
+            try:
+                item = serve_gpu.summarise_file(path, {})
+            except Exception as error:  # a report line, not a reason to lose the table
+                print(f"{name:<8} {path.name}: unreadable ({error})")
+                continue
+            if item.calls or item.counters:
+                counters = {k: v for k, v in item.counters.items() if v}
+                print(
+                    f"{name:<8} {path.name}: {item.calls} calls in file, {path.stat().st_size / 2**20:.0f} MiB, "
+                    f"counters {counters}"
+                )
     if options.json:
         options.json.write_text(json.dumps({"results": results, "medians": medians, "mode": options.mode}))
     return 0

@@ -75,6 +75,7 @@ class ServeRun:
     stop_s: float
     sample: str
     files: list[FileSummary]
+    fault_samples: list[str]
     plugin_lines: list[str]
     backend_lines: list[str]
     log: str
@@ -97,6 +98,14 @@ def vocabulary_words(model: Path, limit: int = 400) -> list[str]:
     vocab = data.get("model", {}).get("vocab", {})
     words = [word for word in (vocab if isinstance(vocab, dict) else {}) if word.isalpha() and len(word) > 1]
     return sorted(words)[:limit] or ["hello", "world"]
+
+
+def token_id(model: Path, word: str) -> int:
+    """The id of ``word`` in the model's ``tokenizer.json`` (a word-level vocabulary from tools/models/)."""
+    vocab = json.loads((model / "tokenizer.json").read_text()).get("model", {}).get("vocab", {})
+    if not isinstance(vocab, dict) or word not in vocab:
+        raise SystemExit(f"serve_gpu: {word!r} is not a token of {model / 'tokenizer.json'}")
+    return int(vocab[word])
 
 
 def prompts(words: list[str], lengths: list[int], offset: int = 0) -> list[str]:
@@ -204,8 +213,18 @@ def run(options: argparse.Namespace) -> ServeRun:
         decodes.join()
         extra = list(options.prompt or [])
         extra_batch = server.complete_many(extra, options.max_tokens) if extra else None
+        fault_batch = None
+        if options.fault_word:
+            # the word is never in these prompts: a logit bias makes the model emit it as its first new token,
+            # so the next decode step (a CUDA-graph replay in graph mode) is the first to feed it to the layers
+            bias = {str(token_id(options.model, options.fault_word)): 100}
+            fault_batch = server.complete_many(
+                prompts(words, [7] * options.fault_requests, offset=17),
+                options.max_tokens,
+                extra={"logit_bias": bias},
+            )
         workload = time.monotonic() - started
-        batches = [wave, *long_batch, *([extra_batch] if extra_batch else [])]
+        batches = [wave, *long_batch, *(b for b in (extra_batch, fault_batch) if b is not None)]
     finally:
         stop = server.stop()
         time.sleep(1.0)
@@ -223,6 +242,7 @@ def run(options: argparse.Namespace) -> ServeRun:
         stop_s=stop,
         sample=wave.completions[0].text[:80],
         files=files,
+        fault_samples=[item.text[:80] for item in fault_batch.completions] if fault_batch else [],
         plugin_lines=sorted(set(PLUGIN_LINE.findall(log_text)))[:40],
         backend_lines=sorted(set(BACKEND_LINE.findall(log_text)))[:20],
         log=str(server.log),
@@ -238,6 +258,13 @@ def main() -> int:
     parser.add_argument("--env", action="append", default=[], help="extra KEY=VALUE for the server")
     parser.add_argument("--serve-arg", action="append", default=[], help="extra vllm serve argument")
     parser.add_argument("--prompt", action="append", default=[], help="extra prompts sent after the workload")
+    parser.add_argument(
+        "--fault-word",
+        default=None,
+        help="after the workload, requests whose first new token is forced to this word (logit bias): a model "
+        "poisoned on it (make_gpt_oss.py --poison) turns non-finite at a decode step",
+    )
+    parser.add_argument("--fault-requests", type=int, default=2)
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-model-len", type=int, default=1024)
@@ -252,6 +279,8 @@ def main() -> int:
         f"requests, {result.prompt_tokens} prompt + {result.completion_tokens} completion tokens in "
         f"{result.workload_s:.1f} s, stopped in {result.stop_s:.1f} s; sample {result.sample!r}"
     )
+    for text in result.fault_samples:
+        print(f"  fault request answered: {text!r}")
     for line in result.backend_lines:
         print(f"  log: {line.strip()[:200]}")
     for line in result.plugin_lines:

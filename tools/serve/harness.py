@@ -112,15 +112,24 @@ class Server:
         raise RuntimeError(f"vllm serve was not ready after {timeout:.0f} s (log: {self.log})")
 
     def complete(
-        self, prompt: str, max_tokens: int, *, ignore_eos: bool = True, timeout: float = 300.0
+        self,
+        prompt: str,
+        max_tokens: int,
+        *,
+        ignore_eos: bool = True,
+        timeout: float = 300.0,
+        extra: dict[str, object] | None = None,
     ) -> Completion:
-        """One ``/v1/completions`` request, greedy; its text, token counts and wall seconds."""
-        body = {
+        """One ``/v1/completions`` request, greedy; its text, token counts and wall seconds.
+
+        ``extra``: more fields of the request body (``logit_bias``, …)."""
+        body: dict[str, object] = {
             "model": self.model,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": ignore_eos,
+            **(extra or {}),
         }
         request = urllib.request.Request(
             f"{self.url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}

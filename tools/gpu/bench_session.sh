@@ -1,0 +1,14 @@
+# One device call for the served-model benchmark (issues 13/14): carry [".kernelpack", ".servepack"], then
+#   bash tools/gpu/bench_session.sh [LAYERS] [MODES]      (default: 24 layers, "graph eager")
+# serve_bench: capture off / flight recorder armed / full capture, three servers on the one GPU, interleaved rounds.
+source tools/gpu/device_setup.sh > "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
+source tools/gpu/steps.sh
+LAYERS=${1:-24}; MODES=${2:-graph eager}; M=/tmp/serve/gpt-oss-${LAYERS}l
+[ -f $M/config.json ] || step model 150 python3 tools/models/make_gpt_oss.py $M --layers $LAYERS
+for mode in $MODES; do
+    step bench_$mode 280 python3 tools/bench/serve_bench.py --model $M --mode $mode --rounds 3 \
+        --out /tmp/serve-bench-$mode --json "$OUT/bench-$mode.json"
+    for s in off flight full; do tail -c 40000 /tmp/serve-bench-$mode/$s/server.log > "$OUT/bench-$mode-$s.log" 2>/dev/null; done
+    rm -rf /tmp/serve-bench-$mode/full/captures
+done
+grep -E "^=== |serve_bench|^setting|^off |^flight |^full " "$OUT/all.log" | cut -c1-400 | tail -40

@@ -1,0 +1,31 @@
+# One device call for the served flight-recorder proof (issues 13/14): carry [".kernelpack", ".servepack"], then
+#   bash tools/gpu/flight_session.sh
+# A poisoned 2-layer gpt-oss (expert 5 of layer 0 decodes to non-finite, reached only by the word "zebra") is
+# served in vLLM's default CUDA-graph mode with the flight recorder armed; after a normal mixed workload, two
+# requests are biased to emit "zebra" first, so the fault first appears at a decode step replayed from a graph.
+# Then: the flight file's info/ls, `moereplay expand` (the real vLLM layer function re-run under capture) and
+# `moereplay run` on the regenerated kernel calls; an eager server with MOEREPLAY_LAYERS/STEPS/PER_SHAPE/MAX_BYTES.
+# Everything is logged to $OUT/all.log; summaries, the flight file (when small) and server log tails come back.
+source tools/gpu/device_setup.sh > "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
+source tools/gpu/steps.sh
+W=/tmp/serve; mkdir -p $W
+step models 60 python3 tools/models/make_gpt_oss.py $W/gpt-oss-bad --layers 2 --poison 0:5
+step graph_flight 200 python3 tools/gpu/serve_gpu.py --model $W/gpt-oss-bad --mode graph --capture flight \
+    --out $W/graph --requests 8 --fault-word zebra
+G=$(ls -S $W/graph/captures/*.zst 2>/dev/null | head -1)
+if [ -n "$G" ]; then
+    step flight_info 30 python3 -m moereplay info "$G"
+    step flight_ls 30 python3 -m moereplay ls "$G"
+    step expand 120 python3 -m moereplay expand "$G" -o $W/expanded.zst --backend pack:$MOEREPLAY_PACK \
+        --json-out $W/expand.json
+    step run 120 bash -c "python3 -m moereplay run $W/expanded.zst --op matmul_ogs --backend pack:$MOEREPLAY_PACK \
+        --json-out $W/run.json | tail -60"
+    [ $(stat -c %s "$G") -lt 15000000 ] && cp "$G" "$OUT/graph-flight.zst"
+fi
+step eager_limits 200 python3 tools/gpu/serve_gpu.py --model $W/gpt-oss-bad --mode eager --out $W/limits \
+    --requests 8 --env MOEREPLAY_LAYERS=1 --env MOEREPLAY_STEPS=3-6 --env MOEREPLAY_PER_SHAPE=3 \
+    --env MOEREPLAY_MAX_BYTES=120M
+for d in graph limits; do cp $W/$d/summary.json "$OUT/$d-summary.json" 2>/dev/null
+    tail -c 150000 $W/$d/server.log > "$OUT/$d-server.log" 2>/dev/null; done
+cp $W/expand.json $W/run.json "$OUT/" 2>/dev/null
+grep -E "^=== |serve_gpu|fault request|layers:|counters|plugin:|expand|bit-exact|verdict" "$OUT/all.log" | cut -c1-400 | tail -80
