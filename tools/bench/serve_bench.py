@@ -66,6 +66,7 @@ def main() -> int:
     parser.add_argument("--prefill-length", type=int, default=900)
     parser.add_argument("--prefill-requests", type=int, default=8)
     parser.add_argument("--serve-arg", action="append", default=[])
+    parser.add_argument("--kv-cache-bytes", type=int, default=4 << 30, help="KV cache of each server")
     parser.add_argument("--timeout", type=float, default=540.0)
     parser.add_argument("--json", type=Path, default=None, help="write every measurement here")
     options = parser.parse_args()
@@ -88,6 +89,10 @@ def main() -> int:
                 options.model, port, options.mode, options.serve_arg, options.prefill_length + 200
             )
             command[command.index("--gpu-memory-utilization") + 1] = f"{memory:.2f}"
+            # a fixed KV cache for every setting: servers started together would otherwise size theirs from
+            # a memory profile that sees the others' allocations (seen on the H200: one server estimated 85 GiB
+            # of CUDA-graph memory and refused to start, the other two got 1.8 and 14 GiB of KV cache)
+            command += ["--kv-cache-memory-bytes", str(options.kv_cache_bytes)]
             servers[name] = harness.start(command, str(options.model), port, env, out / "server.log")
             time.sleep(5.0)  # let each take its memory before the next measures what is free
         for name, server in servers.items():
