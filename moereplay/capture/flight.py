@@ -110,6 +110,35 @@ class FlightCounters:
     unchecked: int = 0
 
 
+class TriggerBudget:
+    """How many triggers of one process are written (``MOEREPLAY_FLIGHT_TRIGGERS``; 0: no limit), shared by the
+    eager and the graph-replay recorders. A model that stays non-finite after its first bad call would otherwise
+    trigger on every later call: every trigger past the budget is counted (``suppressed``) and not written, and
+    one line says so when the first is suppressed."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.taken = 0
+        self.suppressed = 0
+        self._lock = threading.Lock()
+
+    def take(self, what: str) -> bool:
+        with self._lock:
+            if not self.limit or self.taken < self.limit:
+                self.taken += 1
+                return True
+            self.suppressed += 1
+            first = self.suppressed == 1
+        if first:
+            logger.error(
+                "moereplay: flight recorder: %s is past MOEREPLAY_FLIGHT_TRIGGERS=%d: it and every later trigger "
+                "are counted (flight_triggers_suppressed), not written",
+                what,
+                self.limit,
+            )
+        return False
+
+
 _COUNTING = threading.Lock()
 """Delivery reports arrive from the writer thread and, for a refused offer, from the offering thread."""
 
@@ -279,7 +308,11 @@ class PollingRecorder:
             time.sleep(0.001)
 
     def as_counters(self) -> dict[str, int]:
-        return {f"flight_{key}": value for key, value in self.counters.__dict__.items()}
+        counters = {f"flight_{key}": value for key, value in self.counters.__dict__.items()}
+        budget = getattr(self, "budget", None)
+        if isinstance(budget, TriggerBudget):
+            counters["flight_triggers_suppressed"] = budget.suppressed
+        return counters
 
 
 @dataclass
@@ -292,6 +325,7 @@ class FlightRecorder(PollingRecorder):
     absmax: float | None
     emit: Callable[[FlightEntry, Delivered], bool]
     emit_complete: Callable[[Complete], None]
+    budget: TriggerBudget = field(default_factory=lambda: TriggerBudget(0))
     counters: FlightCounters = field(default_factory=FlightCounters)
     _ring: deque[FlightEntry] = field(default_factory=deque)
     _by_sequence: dict[int, FlightEntry] = field(default_factory=dict)
@@ -590,7 +624,13 @@ class FlightRecorder(PollingRecorder):
                 self._bytes -= entry.nbytes
                 entry.emitted = True
             # calls after the trigger stay in the ring: they are the next incident's history
-            self._emit_batch(trigger, batch)
+            what = (
+                f"{trigger.begin.op} call {trigger.begin.context.get('call', -1)}"
+                if trigger.begin
+                else "a call"
+            )
+            if self.budget.take(what):
+                self._emit_batch(trigger, batch)
 
     def _emit_batch(self, trigger: FlightEntry, batch: list[FlightEntry]) -> None:
         """Hand a trigger's calls to the writer (lock held: an open parent's completion, handed over by the serving

@@ -324,6 +324,8 @@ class GraphFlight(PollingRecorder):
         self.counters.triggers += 1
         window = [(s, v) for s, v in watch.recent if watch.written < s <= sequence]
         watch.written = sequence
+        if not self.layer.budget.take(f"graph sequence {sequence}"):
+            return
         cuda = ring.device.type == "cuda"
         side = self._side(ring) if cuda else None
         rows = self._meta(ring, [s for s, _ in window], side)

@@ -49,7 +49,8 @@ import torch
 
 from moereplay.capture.context import Ranks, Where
 from moereplay.capture.device_ring import DeviceRing, decode_word
-from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerDelivery
+from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerBudget, TriggerDelivery
+from moereplay.capture.opt_flags import gemm_state_context
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.snapshot import (
     Snapshot,
@@ -128,6 +129,7 @@ class LayerCall:
     status: str = "completed"
     error: str | None = None
     probe: Any = None  # the triton_kernels opt_flags probe of a matmul_ogs call made outside a layer
+    state_module: Any = None  # the opt_flags module of a layer call's triton_kernels GEMMs (opt_flags_via)
     extra_context: dict[str, Any] | None = None
     extra_outputs: dict[str, Any] | None = None  # values, not tensors (the chosen opt_flags)
     # writer thread
@@ -208,7 +210,9 @@ class LayerFlight(PollingRecorder):
         absmax: float | None,
         emit: Callable[[Begin, Complete | None, Delivered], bool],
         ranks: Callable[[], Ranks | None] = lambda: None,
+        budget: TriggerBudget | None = None,
     ) -> None:
+        self.budget = budget if budget is not None else TriggerBudget(0)
         self.max_calls = max_calls
         self.max_bytes = max_bytes
         self.absmax = absmax
@@ -420,6 +424,9 @@ class LayerFlight(PollingRecorder):
                 tree[name] = Unsupported("torch.Tensor", "not copied")
             else:
                 tree[name] = _walk(value, [], format_codec, 0)
+        if call.state_module is not None:  # read when described: at the trigger, or when a graph captured it
+            call.extra_context = {**(call.extra_context or {}), **gemm_state_context(call.state_module)}
+            call.state_module = None
         call.copies = copies
         call.input_tree = tree
         outputs: dict[str, Any] = {name: _Pending(index) for name, index in call.outputs.items()}
@@ -507,6 +514,8 @@ class LayerFlight(PollingRecorder):
             calls.append(call)
             if call is trigger:
                 break
+        if not self.budget.take(f"{trigger.target.op} call {trigger.where.call}"):
+            return
         self.counters.evicted += max(0, len(calls) - self.max_calls)
         calls = calls[-self.max_calls :]
         for call in calls:

@@ -23,6 +23,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from moereplay.capture.patching import ORIGINAL
+
 MAKE_OPT_FLAGS = "make_opt_flags"
 RECORDING_MARK = "__moereplay_opt_flags_recorder__"
 
@@ -124,3 +126,65 @@ class OptFlagsProbe:
         slot = self._slot
         flags, slot.flags, slot.armed = slot.flags, None, False
         return flags_as_dict(flags)
+
+
+def gemm_of(function: Callable[..., Any], name: str) -> Callable[..., Any] | None:
+    """The triton_kernels GEMM ``function`` calls by the global ``name`` (``matmul_ogs``), unwrapped when a capture
+    session wrapped it; ``None`` when its module has no such callable."""
+    namespace: dict[str, Any] = getattr(function, "__globals__", {}) or {}
+    gemm = namespace.get(name)
+    gemm = getattr(gemm, ORIGINAL, gemm)
+    return gemm if callable(gemm) else None
+
+
+def opt_flags_module(gemm: Callable[..., Any]) -> types.ModuleType | None:
+    """The module whose ``_opt_flags_constraints`` govern ``gemm`` (the one defining the ``make_opt_flags`` in its
+    globals, under a recording hook or not)."""
+    current = (getattr(gemm, "__globals__", {}) or {}).get(MAKE_OPT_FLAGS)
+    current = getattr(current, "__wrapped__", current)
+    if current is None:
+        return None
+    module = sys.modules.get(getattr(current, "__module__", "") or "")
+    return module if module is not None and hasattr(module, "_opt_flags_constraints") else None
+
+
+def constraints_in_force(module: types.ModuleType) -> dict[str, Any]:
+    """The process-wide constraints now (plain values only: what a record can hold)."""
+    constraints = getattr(module, "_opt_flags_constraints", {}) or {}
+    return {
+        str(key): value for key, value in constraints.items() if isinstance(value, (bool, int, float, str))
+    }
+
+
+class ConstraintsApplied:
+    """A context manager: ``module``'s constraints replaced by ``constraints`` (and no manual override) while it
+    is entered, restored after — how a re-run reproduces the process state a recorded call ran under."""
+
+    def __init__(self, module: types.ModuleType, constraints: dict[str, Any]) -> None:
+        self.module = module
+        self.constraints = dict(constraints)
+        self._saved: dict[str, Any] = {}
+        self._saved_flags: Any = None
+
+    def __enter__(self) -> ConstraintsApplied:
+        module = self.module
+        self._saved = getattr(module, "_opt_flags_constraints", {})
+        self._saved_flags = getattr(module, "_opt_flags", None)
+        # rebound, not mutated: triton_kernels' reset_opt_flags_constraints rebinds the global too
+        setattr(module, "_opt_flags_constraints", dict(self.constraints))  # noqa: B010
+        setattr(module, "_opt_flags", None)  # noqa: B010
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        setattr(self.module, "_opt_flags_constraints", self._saved)  # noqa: B010
+        setattr(self.module, "_opt_flags", self._saved_flags)  # noqa: B010
+
+
+def gemm_state_context(state_module: Any) -> dict[str, Any]:
+    """A layer call's context entries for the process state of the triton_kernels GEMMs it calls: the opt_flags
+    constraints in force (``{}`` when none) and a manual override, when one is set."""
+    context: dict[str, Any] = {"opt_flags_constraints": constraints_in_force(state_module)}
+    override = flags_as_dict(getattr(state_module, "_opt_flags", None))
+    if override is not None:
+        context["opt_flags_override"] = override
+    return context

@@ -90,7 +90,10 @@ class CaptureTarget:
     ``scratch``: arguments that are work buffers (their bytes before the call do not matter): the layer-scope
     flight recorder does not keep them. ``inputs_intact``: the call writes none of its arguments but its
     ``outputs`` and ``scratch`` (read from the vLLM source for the Marlin layer), so the layer-scope recorder may
-    copy its inputs after the call, with its outputs, in one launch.
+    copy its inputs after the call, with its outputs, in one launch. ``opt_flags_via``: for a layer call whose
+    GEMMs are triton_kernels' (``matmul_ogs``), the name of that GEMM in the function's module: the opt_flags
+    constraints in force (process-wide; vLLM pins ``split_k=1`` on Hopper) are recorded in the call's context as
+    ``opt_flags_constraints``, and ``moereplay expand`` re-runs the call under them.
     """
 
     op: str
@@ -104,6 +107,7 @@ class CaptureTarget:
     opt_flags: bool = False
     scratch: tuple[str, ...] = ()
     inputs_intact: bool = False
+    opt_flags_via: str = ""
 
     @property
     def site(self) -> str:
@@ -175,6 +179,7 @@ def _targets() -> tuple[CaptureTarget, ...]:
                 # vLLM 0.25.1's body writes only intermediate_cache (gemm1's y) and output_tensor (gemm2's y);
                 # the routing it passes is read, never written
                 inputs_intact=True,
+                opt_flags_via="matmul_ogs",
             )
         )
         targets.append(
@@ -188,6 +193,7 @@ def _targets() -> tuple[CaptureTarget, ...]:
                 outputs=("output",),
                 codec_modules=OGS_CODECS,
                 scratch=("workspace13", "workspace2"),
+                opt_flags_via="matmul_ogs",
             )
         )
     targets.append(

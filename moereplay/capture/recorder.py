@@ -37,10 +37,15 @@ import torch
 from moereplay.capture.binding import ArgumentBinder
 from moereplay.capture.context import ContextTracker, Where
 from moereplay.capture.device_ring import TooLarge
-from moereplay.capture.flight import FlightEntry, FlightRecorder
+from moereplay.capture.flight import FlightEntry, FlightRecorder, TriggerBudget
 from moereplay.capture.flight_graph import GraphFlight
 from moereplay.capture.flight_layer import LayerCall, LayerFlight, is_capturing
-from moereplay.capture.opt_flags import OptFlagsProbe
+from moereplay.capture.opt_flags import (
+    OptFlagsProbe,
+    gemm_of,
+    gemm_state_context,
+    opt_flags_module,
+)
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.patching import CallHandler
 from moereplay.capture.settings import CaptureSettings, Trigger
@@ -115,11 +120,15 @@ class Recorder(CallHandler):
         self._graph_warned = False
         self._cuda = torch.cuda.is_available()
         self._probes: dict[int, OptFlagsProbe] = {}  # id(original function) -> its opt_flags probe
+        # id(original layer function) -> the opt_flags module of the triton_kernels GEMM it calls (opt_flags_via)
+        self._state_modules: dict[int, Any] = {}
         importlib.import_module("moereplay.capture.vllm_codecs")  # registers vLLM's ScalarType codec
         self.flight: FlightRecorder | LayerFlight | None = None
         self.layer_scope = settings.trigger is Trigger.FLIGHT and settings.flight_scope == "layer"
+        budget = TriggerBudget(settings.flight_triggers)
         if self.layer_scope:
             self.flight = LayerFlight(
+                budget=budget,
                 max_calls=settings.flight_calls,
                 max_bytes=settings.flight_bytes,
                 absmax=settings.absmax,
@@ -135,6 +144,7 @@ class Recorder(CallHandler):
                 absmax=settings.absmax,
                 emit=self._emit_flight_entry,
                 emit_complete=self._emit_flight_complete,
+                budget=budget,
             )
 
     # --- lifecycle --------------------------------------------------------------------------------------------
@@ -165,6 +175,18 @@ class Recorder(CallHandler):
         """Once per wrapped target (from the patcher): register its codecs, hook triton_kernels' opt_flags."""
         for module in target.codec_modules:
             importlib.import_module(module)
+        if target.opt_flags_via:
+            gemm = gemm_of(original, target.opt_flags_via)
+            state_module = opt_flags_module(gemm) if gemm is not None else None
+            if state_module is None:
+                return None
+            self._state_modules[id(original)] = state_module
+            layer_ref = original
+
+            def forget_state() -> None:
+                self._state_modules.pop(id(layer_ref), None)
+
+            return forget_state
         if not target.opt_flags:
             return None
         from moereplay.ops.matmul_ogs import process_state
@@ -288,6 +310,8 @@ class Recorder(CallHandler):
         if probe is not None:
             bound.update(probe.state())
         call = flight.before(target, bound, where, sequence)
+        if target.opt_flags_via:
+            call.state_module = self._state_modules.get(id(original))
         if probe is not None:
             override = probe.override()
             if override is not None:
@@ -330,6 +354,8 @@ class Recorder(CallHandler):
             self.counters.skipped_graph_capture += 1
             return None
         call.graph = True
+        if target.opt_flags_via:
+            call.state_module = self._state_modules.get(id(original))
         self.counters.selected += 1
         if probe is not None:
             override = probe.override()
@@ -409,6 +435,10 @@ class Recorder(CallHandler):
         plan.bound = bound
         self.counters.selected += 1
         context = where.as_dict(self.tracker.ranks)
+        if target.opt_flags_via:
+            state_module = self._state_modules.get(id(original))
+            if state_module is not None:
+                context.update(gemm_state_context(state_module))
         if target.opt_flags:
             plan.probe = self._probes.get(id(original))
             if plan.probe is not None:

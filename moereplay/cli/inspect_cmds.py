@@ -74,7 +74,7 @@ def _render_rows(rows: list[CallRow]) -> None:
             str(row.index),
             row.op,
             row.site or "-",
-            _text(row.context.get("step")),
+            _step_text(row),
             _layer_text(row),
             _text(row.parent),
             row.status,
@@ -91,6 +91,15 @@ def _render_rows(rows: list[CallRow]) -> None:
 
 def _text(value: Any) -> str:
     return "-" if value is None else str(value)
+
+
+def _step_text(row: CallRow) -> str:
+    """The forward step; for a layer call kept from a CUDA-graph replay (no host step) ``g`` and the replays of
+    the graph's first MoE layer so far (its ``graph_step``)."""
+    step = row.context.get("step")
+    if step is None and isinstance(row.context.get("graph_step"), int):
+        return f"g{row.context['graph_step']}"
+    return _text(step)
 
 
 def _layer_text(row: CallRow) -> str:

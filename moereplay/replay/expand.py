@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from moereplay.capture.opt_flags import ConstraintsApplied, constraints_in_force, gemm_of, opt_flags_module
 from moereplay.capture.patch_points import TARGETS, CaptureTarget
 from moereplay.errors import MoereplayError, ReplayError, SettingsError
 from moereplay.ops.base import KernelBackend
@@ -204,6 +205,9 @@ def _rerun(
             where = f"call {record.index}"
             packages = frozenset({record.site.split(".", 1)[0].split(":", 1)[0], *LIBRARY_PACKAGES})
             rebuilder = Rebuilder(backend, packages, where)
+            state, state_note = _gemm_state(record, function, target)
+            if state_note:
+                notes = (*notes, state_note)
             loaded = reader.load_args(record.index, device=device)
             keyword: dict[str, Any] = {}
             for name, value in loaded.items():
@@ -212,9 +216,10 @@ def _rerun(
                 keyword[name] = None if name in scratch else rebuilder.rebuild(value, name)
             error = None
             try:
-                function(**keyword)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                with state if state is not None else contextlib.nullcontext():
+                    function(**keyword)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
             except MoereplayError:
                 raise
             except Exception as failure:  # the kernel's own error is a finding, recorded by the session too
@@ -235,6 +240,35 @@ def _rerun(
         with _quiet_capture_logs():
             session_module.disarm()
     return session.path, runs
+
+
+def _gemm_state(
+    record: Any, function: Any, target: CaptureTarget
+) -> tuple[ConstraintsApplied | None, str | None]:
+    """The process state a layer call whose GEMMs are triton_kernels' must re-run under (the opt_flags constraints
+    its record holds), and a note for the report; ``(None, None)`` for other layer calls."""
+    if not target.opt_flags_via:
+        return None, None
+    gemm = gemm_of(function, target.opt_flags_via)
+    module = opt_flags_module(gemm) if gemm is not None else None
+    if module is None:
+        return None, f"{target.opt_flags_via}'s opt_flags module was not found: re-run under its defaults"
+    context = record.context if isinstance(record.context, Mapping) else {}
+    recorded = context.get("opt_flags_constraints")
+    if isinstance(recorded, Mapping):
+        constraints = {str(key): value for key, value in recorded.items()}
+        shown = ", ".join(f"{key}={value}" for key, value in sorted(constraints.items())) or "none"
+        note = f"re-run under the recorded triton_kernels opt_flags constraints ({shown})"
+        if context.get("opt_flags_override"):
+            note += "; the recorded manual opt_flags override is not reapplied"
+        return ConstraintsApplied(module, constraints), note
+    here = constraints_in_force(module)
+    shown = ", ".join(f"{key}={value}" for key, value in sorted(here.items())) or "none"
+    return None, (
+        "the record does not say which triton_kernels opt_flags constraints were in force (recorded before "
+        f"moereplay kept them): re-run under this process's ({shown}); vLLM pins split_k=1 on Hopper when it "
+        "loads MXFP4 weights, so a re-run under other constraints may differ in rounding"
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------

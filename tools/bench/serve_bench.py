@@ -37,6 +37,13 @@ SETTINGS: dict[str, dict[str, str]] = {
     "off": {},
     "flight": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight"},
     "full": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_MAX_BYTES": "12G"},
+    # diagnostic: the flight recorder without its graph ring (graph-replayed calls not kept): what is left is
+    # its host side (the writer thread's polls, the wrappers of eager calls)
+    "flight-nograph": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_GRAPH_BYTES": "0",
+    },
 }
 """Full capture is bounded so the GPU machine's disk (64 GiB, the model on it too) cannot fill: past the bound the
 file is closed and the rest is counted, not written — the table's last lines say how much each setting wrote."""
@@ -95,10 +102,11 @@ def main() -> int:
             command += ["--kv-cache-memory-bytes", str(options.kv_cache_bytes)]
             servers[name] = harness.start(command, str(options.model), port, env, out / "server.log")
             time.sleep(5.0)  # let each take its memory before the next measures what is free
+        measurements = ("decode_b1", "decode_b32", "prefill")
         for name, server in servers.items():
             print(f"serve_bench: {name} ready in {server.wait_ready(options.timeout):.1f} s", flush=True)
-            server.complete_many(serve_gpu.prompts(words, [8, 300]), 8)  # warm-up
-        measurements = ("decode_b1", "decode_b32", "prefill")
+            for what in measurements:  # warm-up: every batch shape once (compiles, first allocations)
+                measure(server, words, what, options)
         results: dict[str, dict[str, list[float]]] = {n: {m: [] for m in measurements} for n in names}
         for round_index in range(options.rounds):
             order = names[round_index % len(names) :] + names[: round_index % len(names)]
@@ -110,7 +118,7 @@ def main() -> int:
         for server in servers.values():
             server.stop()
     medians = {n: {m: statistics.median(v) for m, v in by.items()} for n, by in results.items()}
-    header = f"{'setting':<8} " + " ".join(f"{m + ' tok/s':>18} {'×':>6}" for m in measurements)
+    header = f"{'setting':<14} " + " ".join(f"{m + ' tok/s':>18} {'×':>6}" for m in measurements)
     print(
         f"\nserve_bench: {options.model.name}, {options.mode}, median of {options.rounds} interleaved rounds"
     )
@@ -122,18 +130,18 @@ def main() -> int:
             base = medians.get("off", {}).get(what)
             ratio = f"{base / value:6.3f}" if base else f"{'':>6}"
             cells.append(f"{value:18.1f} {ratio}")
-        print(f"{name:<8} " + " ".join(cells))
+        print(f"{name:<14} " + " ".join(cells))
     for name in names:
         for path in sorted((options.out / name / "captures").glob("**/*.zst")):
             try:
                 item = serve_gpu.summarise_file(path, {})
             except Exception as error:  # a report line, not a reason to lose the table
-                print(f"{name:<8} {path.name}: unreadable ({error})")
+                print(f"{name:<14} {path.name}: unreadable ({error})")
                 continue
             if item.calls or item.counters:
                 counters = {k: v for k, v in item.counters.items() if v}
                 print(
-                    f"{name:<8} {path.name}: {item.calls} calls in file, {path.stat().st_size / 2**20:.0f} MiB, "
+                    f"{name:<14} {path.name}: {item.calls} calls in file, {path.stat().st_size / 2**20:.0f} MiB, "
                     f"counters {counters}"
                 )
     if options.json:

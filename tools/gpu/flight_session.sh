@@ -4,7 +4,7 @@
 # served in vLLM's default CUDA-graph mode with the flight recorder armed; after a normal mixed workload, two
 # requests are biased to emit "zebra" first, so the fault first appears at a decode step replayed from a graph.
 # Then: the flight file's info/ls, `moereplay expand` (the real vLLM layer function re-run under capture) and
-# `moereplay run` on the regenerated kernel calls; an eager server with MOEREPLAY_LAYERS/STEPS/PER_SHAPE/MAX_BYTES.
+# `moereplay run` on the regenerated kernel calls of the bad one.
 # Everything is logged to $OUT/all.log; summaries, the flight file (when small) and server log tails come back.
 source tools/gpu/device_setup.sh > "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
 source tools/gpu/steps.sh
@@ -16,15 +16,22 @@ G=$(ls -S $W/graph/captures/*.zst 2>/dev/null | head -1)
 if [ -n "$G" ]; then
     step flight_info 30 python3 -m moereplay info "$G"
     step flight_ls 30 python3 -m moereplay ls "$G"
-    step expand 120 python3 -m moereplay expand "$G" -o $W/expanded.zst --backend pack:$MOEREPLAY_PACK \
+    # the layer calls of the first trigger: its history and the bad call (`ls --json`: flight.trigger)
+    CALLS=$(python3 -m moereplay ls "$G" --json | python3 -c '
+import json, sys
+rows = json.load(sys.stdin)
+first = next((i for i, r in enumerate(rows) if r["context"].get("flight", {}).get("trigger")), len(rows) - 1)
+print(" ".join("--call " + str(r["index"]) for r in rows[: first + 1]))')
+    step expand 120 python3 -m moereplay expand "$G" -o $W/expanded.zst $CALLS --backend pack:$MOEREPLAY_PACK \
         --json-out $W/expand.json
-    step run 120 bash -c "python3 -m moereplay run $W/expanded.zst --op matmul_ogs --backend pack:$MOEREPLAY_PACK \
-        --json-out $W/run.json | tail -60"
+    KCALLS=$(python3 -c '
+import json
+calls = json.load(open("/tmp/serve/expand.json"))["calls"]
+print(" ".join("--call " + str(k) for k in calls[-1]["kernel_calls"]))')
+    step run 90 bash -c "python3 -m moereplay run $W/expanded.zst $KCALLS --backend pack:$MOEREPLAY_PACK \
+        --json-out $W/run.json"
     [ $(stat -c %s "$G") -lt 15000000 ] && cp "$G" "$OUT/graph-flight.zst"
 fi
-step eager_limits 200 python3 tools/gpu/serve_gpu.py --model $W/gpt-oss-bad --mode eager --out $W/limits \
-    --requests 8 --env MOEREPLAY_LAYERS=1 --env MOEREPLAY_STEPS=3-6 --env MOEREPLAY_PER_SHAPE=3 \
-    --env MOEREPLAY_MAX_BYTES=120M
 for d in graph limits; do cp $W/$d/summary.json "$OUT/$d-summary.json" 2>/dev/null
     tail -c 150000 $W/$d/server.log > "$OUT/$d-server.log" 2>/dev/null; done
 cp $W/expand.json $W/run.json "$OUT/" 2>/dev/null

@@ -615,3 +615,29 @@ def test_the_gate_prepares_before_the_capture_begins_and_never_during_another() 
     finally:
         undo()
     assert order == ["prepare (captures 0)", "begin", "begin", "end", "end", "begin"]
+
+
+def test_a_graph_that_stays_bad_writes_the_trigger_budget_then_counts(tmp_path, graph_module, monkeypatch) -> None:
+    # from replay 3 on every output is NaN (a poisoned model): the first trigger writes the history up to it,
+    # one more trigger is written, the rest are counted as suppressed
+    session = _arm(tmp_path, flight_calls="4", flight_graph_bytes="64K", flight_triggers="2")
+    x, w1, weights, out = _buffers()
+    graph = EmulatedGraph(session, monkeypatch)
+    static = x.clone()
+    graph.capture(
+        lambda: graph_module.layer(static, w1, weights, out), lambda: layer(static, w1, weights, out)
+    )
+    for replay in range(10):
+        static.copy_(x + replay)
+        if replay >= 3:
+            static[0, 0] = float("nan")
+        graph.replay()
+        session.recorder.flight.poll(launch=True)  # the writer thread's poll, between replays
+    session.flush()
+    session.close()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        assert counters["flight_graph_triggers"] == 7 and counters["flight_triggers_suppressed"] == 5
+        assert [r.context["graph_sequence"] for r in records] == [0, 1, 2, 3, 4]
+        assert [r.context["flight"]["trigger"] for r in records] == [False, False, False, True, True]

@@ -320,3 +320,30 @@ def test_a_check_that_lags_behind_later_calls_still_finds_the_calls_before_it(ar
         assert [r.context["call"] for r in records] == [2, 3, 4]
         assert records[-1].context["flight"]["trigger"]
         assert reader.footer["counters"]["flight_written"] == 3
+
+
+@pytest.mark.parametrize("scope", ["layer", "kernel"])
+def test_triggers_past_the_budget_are_counted_not_written(arm, kernels, inputs, scope: str) -> None:
+    # every output exceeds absmax: a model that stays bad would trigger on every call; two triggers are written
+    session = arm(trigger="flight", flight_scope=scope, flight_calls="4", absmax="1e-9", flight_triggers="2")
+    outputs = run(kernels, inputs, steps=9)
+    close(session)
+    assert len(outputs) == 9
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        assert counters["flight_triggers_suppressed"] > 0
+        triggers = [r for r in records if r.context["flight"]["trigger"]]
+        assert len(triggers) == 2
+        assert [r.context["call"] for r in triggers] == sorted({r.context["call"] for r in triggers})
+        assert max(r.context["call"] for r in records) < 4  # nothing after the second trigger's incident
+
+
+def test_the_trigger_budget_setting_is_validated() -> None:
+    from moereplay.capture.settings import SettingsError, settings_from_environ
+
+    on = {"MOEREPLAY_CAPTURE": "1"}
+    assert settings_from_environ({**on, "MOEREPLAY_FLIGHT_TRIGGERS": "0"}).flight_triggers == 0
+    assert settings_from_environ(on).flight_triggers == 8
+    with pytest.raises(SettingsError, match="MOEREPLAY_FLIGHT_TRIGGERS"):
+        settings_from_environ({**on, "MOEREPLAY_FLIGHT_TRIGGERS": "-1"})

@@ -208,3 +208,72 @@ def test_arming_the_matmul_ogs_patch_point_registers_the_ogs_codecs(tmp_path: Pa
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("ok")
+
+
+LAYER_TARGETS = (
+    CaptureTarget("experts", "parent", CALLER, "experts", static=("w1", "w2"), outputs=("y",),
+                  inputs_intact=True, opt_flags_via="matmul_ogs"),
+    TARGETS[0],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("trigger", ["always", "flight"])
+def test_a_layer_call_records_the_constraints_its_gemms_ran_under(tk, tmp_path: Path, trigger: str) -> None:
+    # the layer's own arguments stay the function's (no pseudo-arguments: expand passes them back as keywords);
+    # the constraints go into its context, read when the call is recorded (flight: when the trigger describes it)
+    tk.opt_flags.update_opt_flags_constraints({"split_k": 1, "block_m": 32})
+    env = {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_DIR": str(tmp_path / "captures"), "MOEREPLAY_TRIGGER": trigger,
+           "MOEREPLAY_ABSMAX": "1e-9"}  # fmt: skip
+    session = session_module.arm(env, targets=LAYER_TARGETS)
+    assert session is not None
+    x, w1, w2, y = _inputs()
+    tk.caller.experts(x, w1, w2, y)
+    assert session.flush()
+    session.close()
+    with CaptureReader(session.path) as reader:
+        parents = [r for r in reader.calls() if r.op == "experts"]
+        assert len(parents) == 1
+        (parent,) = parents
+        assert parent.context["opt_flags_constraints"] == {"split_k": 1, "block_m": 32}
+        assert "opt_flags_override" not in parent.context
+        assert set(parent.args) == {"x", "w1", "w2", "y"}
+
+
+def test_no_constraints_is_recorded_as_none_and_an_override_beside_them(tk, tmp_path: Path) -> None:
+    tk.opt_flags._opt_flags = tk.opt_flags.OptFlags(64, 64, 64, 4, 1, False, None, {})
+    env = {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_DIR": str(tmp_path / "captures"), "MOEREPLAY_OPS": "experts"}
+    session = session_module.arm(env, targets=LAYER_TARGETS)
+    assert session is not None
+    x, w1, w2, y = _inputs()
+    tk.caller.experts(x, w1, w2, y)
+    assert session.flush()
+    session.close()
+    with CaptureReader(session.path) as reader:
+        (parent,) = reader.calls()
+        assert parent.context["opt_flags_constraints"] == {}
+        assert parent.context["opt_flags_override"]["block_m"] == 64
+
+
+def test_a_rerun_applies_the_recorded_constraints_and_restores_the_process_state(tk) -> None:
+    from moereplay.capture.opt_flags import ConstraintsApplied, gemm_of, opt_flags_module
+    from moereplay.replay.expand import _gemm_state
+
+    target = LAYER_TARGETS[0]
+    gemm = gemm_of(tk.caller.experts, "matmul_ogs")
+    assert gemm is tk.matmul.matmul_ogs and opt_flags_module(gemm) is tk.opt_flags
+    x = torch.zeros(4, 128)
+    assert tk.matmul.make_opt_flags(4, 8, 128).split_k == 2  # this process's heuristic, unconstrained
+    before = tk.opt_flags._opt_flags_constraints
+    record = types.SimpleNamespace(context={"opt_flags_constraints": {"split_k": 1}})
+    state, note = _gemm_state(record, tk.caller.experts, target)
+    assert isinstance(state, ConstraintsApplied) and "split_k=1" in (note or "")
+    with state:
+        assert tk.matmul.make_opt_flags(x.shape[0], 8, x.shape[1]).split_k == 1
+    assert tk.opt_flags._opt_flags_constraints is before and before == {}
+    assert tk.matmul.make_opt_flags(4, 8, 128).split_k == 2
+    # a record from before the constraints were kept: re-run as this process is, and say so
+    state, note = _gemm_state(types.SimpleNamespace(context={}), tk.caller.experts, target)
+    assert state is None and note is not None and "does not say" in note
+    # a layer call whose GEMMs are not triton_kernels': nothing to apply, nothing to say
+    plain = CaptureTarget("experts", "parent", CALLER, "experts")
+    assert _gemm_state(record, tk.caller.experts, plain) == (None, None)
