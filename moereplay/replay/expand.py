@@ -44,6 +44,7 @@ import torch
 
 from moereplay.capture.opt_flags import ConstraintsApplied, constraints_in_force, gemm_of, opt_flags_module
 from moereplay.capture.patch_points import TARGETS, CaptureTarget
+from moereplay.capture.patching import ORIGINAL
 from moereplay.errors import MoereplayError, ReplayError, SettingsError
 from moereplay.ops.base import KernelBackend
 from moereplay.replay.expand_args import (
@@ -168,7 +169,6 @@ def _rerun(
     import importlib
 
     from moereplay.capture import session as session_module
-    from moereplay.capture.patching import ORIGINAL
 
     by_site = _targets_by_site(targets)
     modules: dict[str, tuple[types.ModuleType, str]] = {}
@@ -249,6 +249,8 @@ def _gemm_state(
     its record holds), and a note for the report; ``(None, None)`` for other layer calls."""
     if not target.opt_flags_via:
         return None, None
+    # the layer function as vLLM defined it: a capture session's wrapper has moereplay's globals, not its module's
+    function = getattr(function, ORIGINAL, function)
     gemm = gemm_of(function, target.opt_flags_via)
     module = opt_flags_module(gemm) if gemm is not None else None
     if module is None:

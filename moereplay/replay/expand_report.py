@@ -27,7 +27,9 @@ class OutputComparison:
     """One output tensor, recorded vs re-run, byte for byte (uint8 views: NaN payloads and signed zeros count).
 
     ``elements``: elements of the recorded tensor; ``differing``: elements whose bytes differ (all of them when
-    dtype or shape differ, then ``mismatch`` says how); ``*_nonfinite``: NaN/Inf elements (floating dtypes).
+    dtype or shape differ, then ``mismatch`` says how); ``*_nonfinite``: NaN/Inf elements (floating dtypes);
+    ``rows``: how many rows (indices of the first dimension) hold a difference, of ``total_rows``; ``max_abs``:
+    the largest |recorded - re-run| where both are finite (floating dtypes; None where none such differ).
     """
 
     name: str
@@ -36,6 +38,9 @@ class OutputComparison:
     recorded_nonfinite: int
     rerun_nonfinite: int
     mismatch: str | None = None
+    rows: int = 0
+    total_rows: int = 0
+    max_abs: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.differing <= self.elements:
@@ -54,7 +59,19 @@ class OutputComparison:
             "recorded_nonfinite": self.recorded_nonfinite,
             "rerun_nonfinite": self.rerun_nonfinite,
             "mismatch": self.mismatch,
+            "rows": self.rows,
+            "total_rows": self.total_rows,
+            "max_abs": self.max_abs,
         }
+
+    def magnitude(self) -> str:
+        """', in r of n rows, largest |difference| d' for a byte difference of same-shaped tensors; else ''."""
+        if self.mismatch is not None or not self.differing:
+            return ""
+        text = f" in {self.rows} of {self.total_rows} rows" if self.total_rows > 1 else ""
+        if self.max_abs is not None:
+            text += f", largest |difference| {self.max_abs:.4g}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -145,6 +162,7 @@ class ExpandedCall:
             text = (
                 f"re-run differs from the recorded output: {worst.differing}/{worst.elements} elements"
                 + (f" of {worst.name}" if worst.name not in ("return", "output", "output_tensor") else "")
+                + worst.magnitude()
                 + f", recorded non-finite {worst.recorded_nonfinite} vs re-run {worst.rerun_nonfinite}"
             )
         flight = self.context.get("flight")
@@ -260,8 +278,22 @@ def compare_bytes(name: str, recorded: torch.Tensor, rerun: torch.Tensor) -> Out
     def rows(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).reshape(elements, itemsize)
 
-    differing = int((rows(recorded) != rows(rerun)).any(dim=1).sum())
-    return OutputComparison(name, elements, differing, recorded_nonfinite, rerun_nonfinite)
+    mask = (rows(recorded) != rows(rerun)).any(dim=1)
+    differing = int(mask.sum())
+    if not differing:
+        return OutputComparison(name, elements, 0, recorded_nonfinite, rerun_nonfinite)
+    leading = recorded.shape[0] if recorded.dim() else 1
+    row_count = int(mask.reshape(leading, -1).any(dim=1).sum())
+    max_abs = None
+    if recorded.is_floating_point():
+        a = recorded.detach().cpu().reshape(-1)[mask].to(torch.float64)
+        b = rerun.detach().cpu().reshape(-1)[mask].to(torch.float64)
+        finite = torch.isfinite(a) & torch.isfinite(b)
+        if finite.any():
+            max_abs = float((a[finite] - b[finite]).abs().max())
+    return OutputComparison(
+        name, elements, differing, recorded_nonfinite, rerun_nonfinite, None, row_count, leading, max_abs
+    )
 
 
 def compare_outputs(recorded: Mapping[str, Any], rerun: Mapping[str, Any]) -> tuple[OutputComparison, ...]:

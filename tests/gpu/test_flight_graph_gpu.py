@@ -19,8 +19,10 @@ kernels captured into the graph; vLLM 0.25.1's ``fused_marlin_moe`` from the ker
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import types
@@ -360,4 +362,145 @@ def test_real_fused_marlin_moe_graph_replays_trigger_and_expand(tmp_path: Path) 
     assert by_call[bad_index].verdict is ExpandVerdict.BIT_EXACT, by_call[bad_index].line("expanded")
     assert len(by_call[bad_index].kernel_calls) == 2  # gemm1 and gemm2, regenerated
     assert all(expanded.verdict is ExpandVerdict.BIT_EXACT for expanded in report.calls)
+    sys.stdout.flush()
+
+
+GPT_OSS_MODULE = "vllm.model_executor.layers.fused_moe.experts.gpt_oss_triton_kernels_moe"
+GPT_OSS_HIDDEN = 2880
+
+
+def _differences(name: str, recorded: torch.Tensor, rerun: torch.Tensor) -> str:
+    """'name: n/total elements differ in r rows, max |diff| d' (or 'name: bit-exact')."""
+    a, b = recorded.detach().float().cpu(), rerun.detach().float().cpu()
+    differ = (_bits(recorded).reshape(recorded.numel(), -1) != _bits(rerun).reshape(rerun.numel(), -1)).any(1)
+    if not differ.any():
+        return f"{name}: bit-exact"
+    rows = differ.reshape(recorded.shape[0], -1).any(1)
+    both = torch.isfinite(a) & torch.isfinite(b)
+    worst = (a - b).abs()[both].max().item() if both.any() else float("nan")
+    return (
+        f"{name}: {int(differ.sum())}/{recorded.numel()} elements differ in rows "
+        f"{torch.nonzero(rows).flatten().tolist()}, max |diff| {worst:.4g}"
+    )
+
+
+def test_real_gpt_oss_graph_replays_trigger_and_expand(tmp_path: Path) -> None:
+    """vLLM's gpt-oss entry point (``make_routing_data`` + ``triton_kernel_fused_experts``, MXFP4 at gpt-oss-20b
+    shapes, M = 8) captured into a CUDA graph with the flight recorder armed: replays with fresh inputs; the last
+    expert's w2 bias is NaN and the router reaches it only in replay k (a NaN in the hidden states would not do:
+    SWIGLUOAI's clamps turn it finite), which triggers; every written call holds the inputs and output the graph
+    saw, and ``moereplay expand`` in a fresh process (the way a user runs it: the process state comes from the
+    record) re-runs each bit-exactly. Printed first: the same call eagerly twice (deterministic?), and replayed
+    from an unarmed and an armed graph (does a graph replay compute what an eager call does?)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper (sm_90+) GPU")
+    backend = _backend()
+    from ogs_inputs import gpt_oss_mxfp4_layer
+
+    moe = importlib.import_module(GPT_OSS_MODULE)
+    activation = importlib.import_module("vllm.model_executor.layers.fused_moe.activation")
+    g = torch.Generator(device="cuda").manual_seed(2880)
+    weights = gpt_oss_mxfp4_layer(importlib.import_module, EXPERTS, GPT_OSS_HIDDEN, GPT_OSS_HIDDEN, g)
+    hidden = torch.empty(TOKENS, GPT_OSS_HIDDEN, device="cuda", dtype=torch.bfloat16)
+    logits = torch.empty(TOKENS, EXPERTS, device="cuda")
+
+    def fresh() -> None:
+        hidden.copy_(
+            (torch.randn(TOKENS, GPT_OSS_HIDDEN, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+        )
+        logits.copy_(torch.randn(TOKENS, EXPERTS, device="cuda", generator=g))
+        logits[:, EXPERTS - 1] = -30.0  # the poisoned expert: never chosen but where a replay routes to it
+
+    def call(output: torch.Tensor, unwrapped: bool = False) -> Callable[[], Any]:
+        def run() -> Any:
+            topk_weights, topk_ids = torch.topk(torch.softmax(logits, dim=-1), TOP_K, dim=-1)
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+            routing_data, gather, scatter = moe.make_routing_data(topk_ids, topk_weights, EXPERTS)
+            function = moe.triton_kernel_fused_experts
+            if unwrapped:
+                function = getattr(function, ORIGINAL, function)
+            return function(
+                output, hidden, weights.w13, weights.w2, routing_data, gather, scatter, topk=TOP_K,
+                activation=activation.MoEActivation.SWIGLUOAI, quant_config=weights.quant_config,
+            )  # fmt: skip
+
+        return run
+
+    weights.quant_config.w2_bias[EXPERTS - 1, 100] = float("nan")
+    session = session_module.arm(
+        {
+            "MOEREPLAY_CAPTURE": "1",
+            "MOEREPLAY_DIR": str(tmp_path / "captures"),
+            "MOEREPLAY_TRIGGER": "flight",
+            "MOEREPLAY_FLIGHT_CALLS": "6",
+        }
+    )
+    assert session is not None
+    try:
+        graph_flight = _graph_flight(session)
+        # diagnostics: eager twice, an unarmed graph's replay, same inputs
+        fresh()
+        eager = [torch.empty_like(hidden), torch.empty_like(hidden)]
+        for out_ in eager:
+            call(out_, unwrapped=True)()
+        out_off = torch.empty_like(hidden)
+        graph_off = _capture(call(out_off, unwrapped=True))
+        graph_off.replay()
+        torch.cuda.synchronize()
+        print("\ngpt-oss diagnostics:", _differences("eager vs eager", eager[0], eager[1]), ";",
+              _differences("unarmed graph replay vs eager", eager[0], out_off))  # fmt: skip
+        out = torch.empty_like(hidden)
+        graph = _capture(call(out))
+        assert graph_flight.counters.launches == 1, session.recorder.counter_values()
+        seen = []
+        delay = None
+        bad = 12
+        for replay in range(16):
+            fresh()
+            if replay == bad:
+                logits[3, EXPERTS - 1] = 30.0
+            graph.replay()
+            seen.append((hidden.clone(), out.clone()))
+            if replay == bad:
+                torch.cuda.synchronize()
+                delay = _wait_for_trigger(graph_flight, 1)
+        torch.cuda.synchronize()
+        # the graph's replay against the same call made eagerly (unwrapped), inputs of the last replay
+        check = torch.empty_like(hidden)
+        call(check, unwrapped=True)()
+        torch.cuda.synchronize()
+        print("gpt-oss diagnostics:", _differences("armed graph replay vs eager", check, out))
+        assert not torch.isfinite(seen[bad][1]).all(), "the NaN did not reach the layer's output"
+        assert delay is not None and delay < DELAY_S, (delay, session.recorder.counter_values())
+        assert session.recorder.active, session.recorder.disabled_reason
+    finally:
+        session_module.disarm()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        print(f"counters: { {k: v for k, v in counters.items() if k.startswith('flight')} }")
+        assert [r.op for r in records] == ["triton_kernel_fused_experts"] * 6
+        assert [r.context["graph_sequence"] for r in records] == list(range(bad - 5, bad + 1))
+        for record in records:
+            x, result = seen[record.context["graph_sequence"]]
+            args = reader.load_args(record.index)
+            outputs = reader.load_outputs(record.index)
+            print(f"call {record.index}:", _differences("recorded hidden_states", x, args["hidden_states"]), ";",
+                  _differences("recorded output", result, outputs["output_tensor"]), ";",
+                  "context", {k: v for k, v in record.context.items() if k.startswith("opt_flags")})  # fmt: skip
+            assert torch.equal(_bits(args["hidden_states"]), _bits(x))
+            assert torch.equal(_bits(outputs["output_tensor"]), _bits(result))
+        bad_index = records[-1].index
+    report_path = tmp_path / "expand.json"
+    command = [sys.executable, "-m", "moereplay", "expand", str(session.path), "-o", str(tmp_path / "x.moe.zst"),
+               "--backend", backend, "--json-out", str(report_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    print(done.stdout + done.stderr[-3000:])
+    assert done.returncode == 0, done.stderr[-3000:]
+    calls = {call["call"]: call for call in json.loads(report_path.read_text())["calls"]}
+    assert len(calls) == 6
+    assert calls[bad_index]["outputs"][0]["recorded_nonfinite"] > 0
+    assert all(call["verdict"] == "bit_exact" for call in calls.values()), [
+        c["verdict"] for c in calls.values()
+    ]
     sys.stdout.flush()

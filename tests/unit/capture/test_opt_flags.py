@@ -18,6 +18,7 @@ import torch
 
 from moereplay.capture import session as session_module
 from moereplay.capture.patch_points import OGS_CODECS, CaptureTarget
+from moereplay.capture.patching import ORIGINAL
 from moereplay.format import CaptureReader
 
 PACKAGE = "moereplay_test_tk"
@@ -277,3 +278,24 @@ def test_a_rerun_applies_the_recorded_constraints_and_restores_the_process_state
     # a layer call whose GEMMs are not triton_kernels': nothing to apply, nothing to say
     plain = CaptureTarget("experts", "parent", CALLER, "experts")
     assert _gemm_state(record, tk.caller.experts, plain) == (None, None)
+
+
+def test_a_rerun_through_the_capture_wrapper_finds_the_layer_modules_constraints(tk, tmp_path: Path) -> None:
+    # expand re-runs a layer call through the session's wrapper (to record its kernel calls): the GEMM and its
+    # opt_flags module are found through the function vLLM defined, not the wrapper's globals (on the H200 the
+    # wrapper was passed, every gpt-oss layer call re-ran under the default split_k and ~39% of elements differed)
+    from moereplay.capture.opt_flags import ConstraintsApplied
+    from moereplay.replay.expand import _gemm_state
+
+    env = {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_DIR": str(tmp_path / "captures")}
+    session = session_module.arm(env, targets=LAYER_TARGETS)
+    assert session is not None
+    try:
+        wrapped = tk.caller.experts
+        assert getattr(wrapped, ORIGINAL, None) is not None
+        record = types.SimpleNamespace(context={"opt_flags_constraints": {"split_k": 1}})
+        state, note = _gemm_state(record, wrapped, LAYER_TARGETS[0])
+        assert isinstance(state, ConstraintsApplied) and state.module is tk.opt_flags, note
+        assert note is not None and "re-run under the recorded" in note and "split_k=1" in note
+    finally:
+        session_module.disarm()

@@ -225,9 +225,11 @@ def test_state_outside_the_arguments_makes_the_rerun_differ(fake_vllm, tmp_path:
     assert (output.name, output.elements) == ("output", 48)
     assert (output.recorded_nonfinite, output.rerun_nonfinite) == (16, 0)
     assert output.differing == 16  # NaN rows only: the rest is bit-exact
+    assert (output.rows, output.total_rows, output.max_abs) == (2, 6, None)  # only NaN vs finite differ
     line = call.line("out.moe.zst")
     assert line.startswith(
-        "call 0 fused_marlin_moe: re-run differs from the recorded output: 16/48 elements, recorded non-finite 16 "
+        "call 0 fused_marlin_moe: re-run differs from the recorded output: 16/48 elements in 2 of 6 rows, "
+        "recorded non-finite 16 "
         "vs re-run 0 — the failure did not reproduce in a fresh process"
     )
     assert "with --fill 0xff: moereplay run out.moe.zst --call 1 --fill 0xff" in line
