@@ -1,8 +1,8 @@
 """The layer-scope flight recorder under CUDA graphs: graph-replayed layer calls kept and checked on the device.
 
 A layer call made while vLLM captures a CUDA graph runs again on every replay of that graph, with no Python. So
-instead of skipping it, :meth:`GraphFlight.capture` captures two small kernels right after it into the same graph
-(:mod:`moereplay.capture.graph_ring`): on every replay they reserve the call's entry in a device ring (position,
+instead of skipping it, :meth:`GraphFlight.capture` captures one small kernel right after it into the same graph
+(:mod:`moereplay.capture.graph_ring`): on every replay it reserves the call's entry in a device ring (position,
 sequence number and step are device counters), copy its dynamic inputs and output there, reduce the output to its
 largest magnitude and store the finished tag word into pinned host memory. The host keeps, per captured launch
 (its *launch id*), what a written record needs — target, layer and layer name, each copied tensor's metadata and

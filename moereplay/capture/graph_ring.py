@@ -2,7 +2,7 @@
 
 A layer call captured into a CUDA graph runs again on every replay with no Python, so nothing on the host can
 hand it a ring position, a sequence number or a tag generation. Here all three are device state, advanced by the
-two kernels (:mod:`moereplay.capture.graph_ring_kernel`) captured right after the call:
+kernel (:mod:`moereplay.capture.graph_ring_kernel`) captured right after the call:
 
 - ``state`` (device, int64): ``head`` (absolute bytes ever reserved), ``sequence`` (graph layer calls ever run on
   this device) and ``step`` (graph replays of a first MoE layer's call);
@@ -11,7 +11,7 @@ two kernels (:mod:`moereplay.capture.graph_ring_kernel`) captured right after th
 - ``meta`` (device, ``tags`` rows): per ``sequence % tags`` the row ``(sequence, start, launch, step)``;
 - ``words`` (pinned host memory mapped into the device's address space): per ``sequence % tags`` the tag word
   ``generation << 32 | bits(max |output|)`` (generation ``sequence // tags + 1``, the eager ring's encoding,
-  :func:`~moereplay.capture.device_ring.decode_word`), stored by the copy kernel's last program, and one *hint*
+  :func:`~moereplay.capture.device_ring.decode_word`), stored by the kernel's last program, and one *hint*
   word: the last sequence reserved + 1. The writer thread reads them with plain memory reads (a NumPy view): no
   CUDA call, so also while another thread captures a graph.
 
@@ -23,7 +23,7 @@ eager ring's rule, which the tail keeps true: checked after copying it out). All
 private pool, and it is never freed: a graph captured with its addresses may be replayed for as long as the
 process lives (:data:`_KEEP` holds every ring).
 
-Without Triton (CPU, tests) the same contract is kept by :meth:`GraphRing.replay`, which does what the two
+Without Triton (CPU, tests) the same contract is kept by :meth:`GraphRing.replay`, which does what the
 kernels do with torch operations on the same state tensors; there is no capture to put it in, so a test replays
 a "graph" by re-running the call and then ``replay`` of each launch id it captured.
 """
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moereplay.capture.device_ring import ALIGNMENT, MAX_SPANS, _raw_at
+from moereplay.capture.device_ring import ALIGNMENT, _raw_at
 
 STATE_HEAD, STATE_SEQUENCE, STATE_STEP = 0, 1, 2
 META_SEQUENCE, META_START, META_LAUNCH, META_STEP = 0, 1, 2, 3
@@ -49,6 +49,8 @@ DEFAULT_LAUNCHES = 1 << 14
 """Captured launches a ring can tell apart (vLLM captures ~67 batch sizes × the MoE layers: ~1,600 for gpt-oss)."""
 
 _BLOCK_BYTES = {0: 1024, 1: 8 * 1024}  # graph_ring_kernel.BLOCK elements of a byte / of 8 bytes
+SPANS = 16
+"""Spans one kernel node copies (graph_ring_kernel.SPANS, checked when the kernel is imported)."""
 _CUDA_HOST_ALLOC_PORTABLE_DEVICEMAP = 0x01 | 0x02
 _KEEP: list[GraphRing] = []
 _KEEP_LOCK = threading.Lock()
@@ -118,8 +120,9 @@ class GraphRing:
             self.buffer = torch.empty(capacity + self.max_entry, dtype=torch.uint8, device=device)
             self.state = torch.zeros(4, dtype=torch.int64, device=device)
             self.meta = torch.full((tags, 4), -1, dtype=torch.int64, device=device)
-            # per launch id: entry start, entry sequence, running largest magnitude, programs done
-            self.cells = torch.zeros(4, launches, dtype=torch.int64, device=device)
+            # per launch id (graph_ring_kernel.CELL_*): entry start, entry sequence, running largest magnitude,
+            # programs done, programs arrived, reservation published
+            self.cells = torch.zeros(6, launches, dtype=torch.int64, device=device)
             host, self._host_address = _host_words(tags + 1, cuda)
             self.kernels = _compile(self.index) if use_kernel else None
             if use_kernel:
@@ -150,7 +153,7 @@ class GraphRing:
         views: list[torch.Tensor] | None = None,
         check: torch.Tensor | None = None,
     ) -> None:
-        """Queue the reserve and copy kernels of ``launch`` on the current stream — while it captures a graph,
+        """Queue the record kernel node(s) of ``launch`` on the current stream — while it captures a graph,
         into the graph. ``first``: the launch bumps the graph step. Without the kernels, ``views`` (the spans'
         bytes) and ``check`` (the output to reduce) are kept for :meth:`replay`."""
         if spans.total > self.max_entry:
@@ -160,19 +163,15 @@ class GraphRing:
                 raise ValueError("without the kernels a capture needs a view per span")
             self._fallbacks[launch] = _Fallback(spans, views, check, int(first))
             return
-        reserve, copy = self.kernels
+        record = self.kernels
         stream = _current_stream(self.index)
-        cells = self.cells.data_ptr()
-        row = 8 * self.launches
-        starts, sequences, partials, done = cells, cells + row, cells + 2 * row, cells + 3 * row
-        state = self.state.data_ptr()
-        hint = self._host_address + 8 * self.tags
-        meta = self.meta.data_ptr()
-        reserve(1, stream, [state, meta, launch, starts, sequences, spans.total, int(first), self.tags, hint])
+        common = [self.state.data_ptr(), self.meta.data_ptr(), self._host_address + 8 * self.tags]
+        common += [self.buffer.data_ptr(), self.capacity, launch, self.cells.data_ptr(), self.launches]
+        common += [self._host_address, self.tags]
         count = len(spans.sources)
-        for first_span in range(0, max(count, 1), MAX_SPANS):
-            chunk = range(first_span, min(first_span + MAX_SPANS, count))
-            last = first_span + MAX_SPANS >= count
+        for first_span in range(0, max(count, 1), SPANS):
+            chunk = range(first_span, min(first_span + SPANS, count))
+            last = first_span + SPANS >= count
             args: list[int] = []
             aligned = 1
             moved = 0
@@ -181,13 +180,11 @@ class GraphRing:
                 if spans.sizes[i] & 7:  # sources and targets are 256-byte aligned: only a size breaks words
                     aligned = 0
                 moved += spans.sizes[i]
-            args += (0, 0, 0) * (MAX_SPANS - len(chunk))
+            args += (0, 0, 0) * (SPANS - len(chunk))
             address, numel, code = spans.check if last and spans.check is not None else (0, 0, 0)
-            args += (address, numel, code, aligned, int(last))
-            args += (self.buffer.data_ptr(), self.capacity, launch, starts, sequences, partials, done)
-            args += (self._host_address, self.tags)
+            args += (address, numel, code, aligned, int(last), int(first_span == 0), spans.total, int(first))
             work = max(-(-moved // _BLOCK_BYTES[aligned]), -(-numel // 1024))
-            copy(max(1, min(_programs(self.index), work)), stream, args)
+            record(max(1, min(_programs(self.index), work)), stream, args + common)
 
     # --- what the kernels do, with torch operations (no Triton) -----------------------------------------------
 
@@ -290,7 +287,7 @@ def _programs(index: int) -> int:
     return programs
 
 
-_COMPILED: dict[int, tuple[Any, Any]] = {}
+_COMPILED: dict[int, Any] = {}
 _KERNEL_ERROR: list[str] = []
 
 
@@ -301,8 +298,8 @@ def kernels_available() -> bool:
     try:
         from moereplay.capture import graph_ring_kernel
 
-        if _BLOCK_BYTES[0] != graph_ring_kernel.BLOCK:
-            raise ImportError("graph_ring_kernel.BLOCK does not match the launcher's block size")
+        if _BLOCK_BYTES[0] != graph_ring_kernel.BLOCK or graph_ring_kernel.SPANS != SPANS:
+            raise ImportError("graph_ring_kernel's BLOCK or SPANS does not match the launcher's")
     except Exception as error:  # no triton, or one whose language differs
         _KERNEL_ERROR.append(f"{type(error).__name__}: {error}")
         return False
@@ -314,10 +311,10 @@ def kernel_error() -> str | None:
     return _KERNEL_ERROR[0] if _KERNEL_ERROR else None
 
 
-def _compile(index: int) -> tuple[Any, Any]:
+def _compile(index: int) -> Any:
     compiled = _COMPILED.get(index)
     if compiled is None:
         from moereplay.capture import graph_ring_kernel
 
-        compiled = _COMPILED[index] = graph_ring_kernel.compile_kernels(index)
+        compiled = _COMPILED[index] = graph_ring_kernel.compile_kernel(index)
     return compiled

@@ -1,23 +1,32 @@
-"""The two Triton kernels behind :class:`moereplay.capture.graph_ring.GraphRing` (imported only where Triton is).
+"""The Triton kernel behind :class:`moereplay.capture.graph_ring.GraphRing` (imported only where Triton is).
 
-Captured into a CUDA graph after each recorded layer call, they run on every replay of it with no host work:
+Captured into a CUDA graph after each recorded layer call, :func:`graph_record` runs on every replay of it with
+no host work — one kernel node per layer call (up to :data:`SPANS` spans; a call with more gets one more node per
+further :data:`SPANS`, which only copy):
 
-- :func:`graph_reserve` (one program, one warp): ``atomic_add`` the entry's byte size (fixed at capture) to the
-  ring's device ``head`` and 1 to its device ``sequence``, bump the graph ``step`` when the launch is the first
-  MoE layer's, note start and sequence in the launch's own cells (read by the copy kernel next in the stream) and
-  in the sequence's metadata row ``(sequence, start, launch, step)``, and store ``sequence + 1`` into the host's
-  hint word (host-mapped memory: how far the device has reserved, read by the writer thread without a CUDA call);
-- :func:`graph_copy` (many programs): copy up to eight byte spans (fixed addresses and sizes, captured) to the
-  entry's place in the ring, fold the largest magnitude of one float output into the launch's device word with
-  ``atomic_max``; the last program to finish (``atomic_add`` on the launch's ``done`` counter) takes that word
-  (resetting it and ``done`` for the next replay) and stores the finished tag word
+- reserve (the first node of a launch, ``reserve`` 1): the program that arrives first (``atomic_add`` on the
+  launch's ``arrive`` cell returns 0) adds the entry's byte size (fixed at capture) to the ring's
+  device ``head`` and 1 to its device ``sequence``, bumps the graph ``step`` when the launch is the first MoE
+  layer's, publishes start and sequence in the launch's cells and the row ``(sequence, start, launch, step)`` in
+  the sequence's metadata row, stores ``sequence + 1`` into the host's hint word (host-mapped memory: how far the
+  device has reserved, read by the writer thread without a CUDA call), then sets the launch's ``ready`` cell.
+  The other programs wait for ``ready``: they wait only on a program that is already running, so the wait
+  cannot deadlock whatever order the programs are scheduled in;
+- copy: every program copies its share of the spans (fixed addresses and sizes, captured) to the entry's place
+  in the ring (start read through L2: an atomic, never a stale L1 line);
+- finish (the last node, ``finish`` 1): fold the largest magnitude of one float output into the launch's device
+  word with ``atomic_max``; the last program to finish (``atomic_add`` on the launch's ``done`` cell) takes that
+  word, resets the launch's cells for the next replay and stores the finished tag word
   ``generation << 32 | bits(max |x|)`` of the sequence into the host-mapped tag array — one aligned 8-byte store,
   never an atomic over PCIe.
 
+Concurrent launches (graphs replayed on several streams) reserve with atomics, so their entries never overlap;
+one launch id is never replayed twice at once (a graph's replays are ordered on its stream).
 Every argument is a 64-bit integer (addresses, sizes, the launch id, runtime flags: ``code`` 0 none, 1 float16,
-2 bfloat16, 3 float32; ``aligned`` 8-byte words; ``finish`` the last copy kernel of a launch), so each kernel
-compiles once per device (:func:`compile_kernels`) before any capture: nothing is compiled while a graph is
-being captured.
+2 bfloat16, 3 float32; ``aligned`` 8-byte words), so the kernel compiles once per device (:func:`compile_kernel`)
+before any capture: nothing is compiled while a graph is being captured. Until this kernel, a separate one-warp
+reserve kernel preceded each copy kernel: two graph nodes per layer call, ~16 µs per replay of a gpt-oss-shaped
+``fused_marlin_moe`` layer on the H200 (``tests/gpu/test_flight_graph_gpu.py`` prints the figure).
 """
 
 from __future__ import annotations
@@ -32,29 +41,17 @@ from moereplay.capture.ring_kernel import _copy_span, compile_launcher
 BLOCK = 1024
 """Elements per program and loop step (bytes, or 8-byte words when aligned) — as the eager ring kernel's."""
 
-RESERVE_INTS = ["state", "meta", "launch", "starts", "sequences", "total", "first", "tags", "hint"]
-COPY_INTS = [
-    "s0", "o0", "n0", "s1", "o1", "n1", "s2", "o2", "n2", "s3", "o3", "n3",
-    "s4", "o4", "n4", "s5", "o5", "n5", "s6", "o6", "n6", "s7", "o7", "n7",
-    "check", "numel", "code", "aligned", "finish",
-    "buffer", "capacity", "launch", "starts", "sequences", "partials", "done", "words", "tags",
+SPANS = 16
+"""Spans one :func:`graph_record` node copies."""
+
+CELL_START, CELL_SEQUENCE, CELL_PARTIAL, CELL_DONE, CELL_ARRIVE, CELL_READY = range(6)
+"""Rows of the ring's ``cells`` (one column per launch id); the kernel spells them as literals (a jitted function
+reads no Python globals but constexprs)."""
+
+RECORD_INTS = [name for i in range(SPANS) for name in (f"s{i}", f"o{i}", f"n{i}")] + [
+    "check", "numel", "code", "aligned", "finish", "reserve", "total", "first",
+    "state", "meta", "hint", "buffer", "capacity", "launch", "cells", "launches", "words", "tags",
 ]  # fmt: skip
-
-
-@triton.jit(do_not_specialize=RESERVE_INTS)
-def graph_reserve(state, meta, launch, starts, sequences, total, first, tags, hint):
-    cells = state.to(tl.pointer_type(tl.int64))
-    head = tl.atomic_add(cells, total)
-    sequence = tl.atomic_add(cells + 1, 1)
-    step = tl.atomic_add(cells + 2, first) + first
-    tl.store(starts.to(tl.pointer_type(tl.int64)) + launch, head)
-    tl.store(sequences.to(tl.pointer_type(tl.int64)) + launch, sequence)
-    row = meta.to(tl.pointer_type(tl.int64)) + (sequence % tags) * 4
-    tl.store(row, sequence)
-    tl.store(row + 1, head)
-    tl.store(row + 2, launch)
-    tl.store(row + 3, step)
-    tl.store(hint.to(tl.pointer_type(tl.int64)), sequence + 1)
 
 
 @triton.jit
@@ -70,23 +67,48 @@ def _fold(best, check, numel, pid, programs, DTYPE: tl.constexpr, BLOCK: tl.cons
 
 @triton.jit
 def _copy(source, target, size, aligned, pid, programs, BLOCK: tl.constexpr):
-    if aligned != 0:
-        _copy_span(source, target, size, pid, programs, True, BLOCK)
-    else:
-        _copy_span(source, target, size, pid, programs, False, BLOCK)
+    if size > 0:
+        if aligned != 0:
+            _copy_span(source, target, size, pid, programs, True, BLOCK)
+        else:
+            _copy_span(source, target, size, pid, programs, False, BLOCK)
 
 
-@triton.jit(do_not_specialize=COPY_INTS)
-def graph_copy(
-    s0, o0, n0, s1, o1, n1, s2, o2, n2, s3, o3, n3,
-    s4, o4, n4, s5, o5, n5, s6, o6, n6, s7, o7, n7,
-    check, numel, code, aligned, finish,
-    buffer, capacity, launch, starts, sequences, partials, done, words, tags,
+@triton.jit(do_not_specialize=RECORD_INTS)
+def graph_record(
+    s0, o0, n0, s1, o1, n1, s2, o2, n2, s3, o3, n3, s4, o4, n4, s5, o5, n5, s6, o6, n6, s7, o7, n7,
+    s8, o8, n8, s9, o9, n9, s10, o10, n10, s11, o11, n11, s12, o12, n12, s13, o13, n13, s14, o14, n14,
+    s15, o15, n15,
+    check, numel, code, aligned, finish, reserve, total, first,
+    state, meta, hint, buffer, capacity, launch, cells, launches, words, tags,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0).to(tl.int64)
-    start = tl.load(starts.to(tl.pointer_type(tl.int64)) + launch)
+    column = cells.to(tl.pointer_type(tl.int64)) + launch
+    start_cell = column + 0 * launches  # CELL_START
+    sequence_cell = column + 1 * launches  # CELL_SEQUENCE
+    ready_cell = column + 5 * launches  # CELL_READY
+    arrive_cell = column + 4 * launches  # CELL_ARRIVE
+    if reserve != 0:
+        if tl.atomic_add(arrive_cell, 1) == 0:
+            state_cells = state.to(tl.pointer_type(tl.int64))
+            head = tl.atomic_add(state_cells, total)
+            sequence = tl.atomic_add(state_cells + 1, 1)
+            step = tl.atomic_add(state_cells + 2, first) + first
+            tl.atomic_xchg(start_cell, head)
+            tl.atomic_xchg(sequence_cell, sequence)
+            row = meta.to(tl.pointer_type(tl.int64)) + (sequence % tags) * 4
+            tl.store(row, sequence)
+            tl.store(row + 1, head)
+            tl.store(row + 2, launch)
+            tl.store(row + 3, step)
+            tl.store(hint.to(tl.pointer_type(tl.int64)), sequence + 1)
+            tl.atomic_xchg(ready_cell, 1)  # release: the cells above before "ready"
+        ready = tl.atomic_add(ready_cell, 0)
+        while ready == 0:  # only programs that arrived after the reserving one, which is running: no deadlock
+            ready = tl.atomic_add(ready_cell, 0)
+    start = tl.atomic_add(start_cell, 0)  # through L2: never a stale L1 line of an earlier replay
     target = buffer + start % capacity
     _copy(s0, target + o0, n0, aligned, pid, programs, BLOCK)
     _copy(s1, target + o1, n1, aligned, pid, programs, BLOCK)
@@ -96,6 +118,14 @@ def graph_copy(
     _copy(s5, target + o5, n5, aligned, pid, programs, BLOCK)
     _copy(s6, target + o6, n6, aligned, pid, programs, BLOCK)
     _copy(s7, target + o7, n7, aligned, pid, programs, BLOCK)
+    _copy(s8, target + o8, n8, aligned, pid, programs, BLOCK)
+    _copy(s9, target + o9, n9, aligned, pid, programs, BLOCK)
+    _copy(s10, target + o10, n10, aligned, pid, programs, BLOCK)
+    _copy(s11, target + o11, n11, aligned, pid, programs, BLOCK)
+    _copy(s12, target + o12, n12, aligned, pid, programs, BLOCK)
+    _copy(s13, target + o13, n13, aligned, pid, programs, BLOCK)
+    _copy(s14, target + o14, n14, aligned, pid, programs, BLOCK)
+    _copy(s15, target + o15, n15, aligned, pid, programs, BLOCK)
     if finish != 0:
         best = tl.zeros([BLOCK], dtype=tl.int32)
         if code == 1:
@@ -105,24 +135,24 @@ def graph_copy(
         if code == 3:
             best = _fold(best, check, numel, pid, programs, tl.float32, BLOCK)
         largest = tl.max(best, axis=0).to(tl.int64)
-        partial = partials.to(tl.pointer_type(tl.int64)) + launch
-        counter = done.to(tl.pointer_type(tl.int64)) + launch
+        partial = column + 2 * launches  # CELL_PARTIAL
+        counter = column + 3 * launches  # CELL_DONE
         tl.atomic_max(partial, largest)
         tl.debug_barrier()  # this program's copies and its max before its "done" (acq_rel below)
         arrived = tl.atomic_add(counter, 1)
         if arrived == programs - 1:  # the last program: every other one's max is in the word
             word = tl.atomic_xchg(partial, 0)
             tl.atomic_xchg(counter, 0)
-            sequence = tl.load(sequences.to(tl.pointer_type(tl.int64)) + launch)
+            tl.atomic_xchg(arrive_cell, 0)
+            tl.atomic_xchg(ready_cell, 0)
+            sequence = tl.atomic_add(sequence_cell, 0)
             generation = ((sequence // tags) + 1) & 0x7FFFFFFF
             slot = words.to(tl.pointer_type(tl.int64)) + sequence % tags
             tl.store(slot, (generation << 32) | word)
 
 
-def compile_kernels(device_index: int) -> tuple[Any, Any]:
-    """``(reserve, copy)``: each ``launch(programs, stream, args)`` (see ``ring_kernel.compile_launcher``)."""
-    reserve = compile_launcher(
-        graph_reserve, len(RESERVE_INTS), {}, device_index, name="graph reserve", num_warps=1
+def compile_kernel(device_index: int) -> Any:
+    """:func:`graph_record` as ``launch(programs, stream, args)`` (see ``ring_kernel.compile_launcher``)."""
+    return compile_launcher(
+        graph_record, len(RECORD_INTS), {"BLOCK": BLOCK}, device_index, name="graph record"
     )
-    copy = compile_launcher(graph_copy, len(COPY_INTS), {"BLOCK": BLOCK}, device_index, name="graph copy")
-    return reserve, copy

@@ -27,7 +27,7 @@ from moereplay.capture.context import Where
 from moereplay.capture.flight_graph import SEQUENCE_BASE, GraphFlight
 from moereplay.capture.flight_layer import LayerFlight
 from moereplay.capture.graph_gate import GraphGate, install
-from moereplay.capture.graph_ring import ALIGNMENT, MAX_SPANS, GraphRing, Spans
+from moereplay.capture.graph_ring import ALIGNMENT, SPANS, GraphRing, Spans
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.settings import settings_from_environ
 from moereplay.errors import SettingsError
@@ -429,54 +429,19 @@ def _cell(address: int) -> ctypes.c_int64:
     return ctypes.c_int64.from_address(address)
 
 
-def reserve_kernel(programs: int, args: list[int]) -> None:
-    """What ``graph_reserve`` does, on host memory through its integer arguments."""
-    state, meta, launch, starts, sequences, total, first, tags, hint = args
-    assert programs == 1 and len(args) == 9
-    head = _cell(state).value
-    _cell(state).value = head + total
-    sequence = _cell(state + 8).value
-    _cell(state + 8).value = sequence + 1
-    _cell(state + 16).value += first
-    step = _cell(state + 16).value
-    _cell(starts + 8 * launch).value = head
-    _cell(sequences + 8 * launch).value = sequence
-    row = meta + 32 * (sequence % tags)
-    for i, value in enumerate((sequence, head, launch, step)):
-        _cell(row + 8 * i).value = value
-    _cell(hint).value = sequence + 1
+def record_kernel(programs: int, args: list[int]) -> None:
+    """What ``graph_record`` does — program by program: the first to arrive reserves, each copies, the last one
+    finishing writes the tag word and resets the launch's cells — through its integer arguments."""
+    assert len(args) == 3 * SPANS + 18 and programs >= 1
+    (check, numel, code, aligned, finish, reserve, total, first) = args[3 * SPANS : 3 * SPANS + 8]
+    (state, meta, hint, buffer, capacity, launch, cells, launches, words, tags) = args[3 * SPANS + 8 :]
 
+    def cell(row: int) -> ctypes.c_int64:
+        return _cell(cells + 8 * (row * launches + launch))
 
-def copy_kernel(programs: int, args: list[int]) -> None:
-    """What ``graph_copy`` does — program by program, the last one finishing — through its integer arguments."""
-    assert len(args) == 3 * MAX_SPANS + 14 and programs >= 1
-    (
-        check,
-        numel,
-        code,
-        aligned,
-        finish,
-        buffer,
-        capacity,
-        launch,
-        starts,
-        sequences,
-        partials,
-        done,
-        words,
-        tags,
-    ) = args[3 * MAX_SPANS :]
-    target = buffer + _cell(starts + 8 * launch).value % capacity
-    for i in range(MAX_SPANS):
-        source, offset, size = args[3 * i : 3 * i + 3]
-        if aligned:
-            assert (source | (target + offset) | size) % 8 == 0, "an aligned launch got unaligned spans"
-        if size:
-            ctypes.memmove(target + offset, source, size)
-    if not finish:
-        return
+    start_cell, sequence_cell, partial, counter, arrive, ready = (cell(row) for row in range(6))
     values = np.zeros(0, dtype=np.float32)
-    if code:
+    if finish and code:
         itemsize = {1: 2, 2: 2, 3: 4}[code]
         raw = np.ctypeslib.as_array((ctypes.c_uint8 * (numel * itemsize)).from_address(check))
         if code == 2:
@@ -484,25 +449,52 @@ def copy_kernel(programs: int, args: list[int]) -> None:
         else:
             values = raw.view(np.float16 if code == 1 else np.float32).astype(np.float32)
     bits = np.abs(values).view(np.int32)
-    for program in range(programs):  # grid-stride blocks, each program's max folded with atomic_max
+    for program in range(programs):
+        if reserve:
+            ticket = arrive.value
+            arrive.value = ticket + 1
+            if ticket == 0:
+                head = _cell(state).value
+                _cell(state).value = head + total
+                sequence = _cell(state + 8).value
+                _cell(state + 8).value = sequence + 1
+                _cell(state + 16).value += first
+                step = _cell(state + 16).value
+                start_cell.value = head
+                sequence_cell.value = sequence
+                row = meta + 32 * (sequence % tags)
+                for i, value in enumerate((sequence, head, launch, step)):
+                    _cell(row + 8 * i).value = value
+                _cell(hint).value = sequence + 1
+                ready.value = 1
+            assert ready.value == 1, "a program went on before the reservation was published"
+        target = buffer + start_cell.value % capacity
+        if program == 0:  # the copies (every program's share at once)
+            for i in range(SPANS):
+                source, offset, size = args[3 * i : 3 * i + 3]
+                if aligned:
+                    assert (source | (target + offset) | size) % 8 == 0, (
+                        "an aligned launch got unaligned spans"
+                    )
+                if size:
+                    ctypes.memmove(target + offset, source, size)
+        if not finish:
+            continue
         mine = [bits[start : start + _BLOCK] for start in range(program * _BLOCK, numel, programs * _BLOCK)]
         largest = max((int(block.max()) for block in mine if block.size), default=0)
-        partial = _cell(partials + 8 * launch)
         partial.value = max(partial.value, largest)
-        counter = _cell(done + 8 * launch)
         arrived = counter.value
         counter.value = arrived + 1
         if arrived == programs - 1:
             word = partial.value
-            partial.value = 0
-            counter.value = 0
-            sequence = _cell(sequences + 8 * launch).value
+            partial.value = counter.value = arrive.value = ready.value = 0
+            sequence = sequence_cell.value
             generation = (sequence // tags + 1) & 0x7FFFFFFF
             _cell(words + 8 * (sequence % tags)).value = (generation << 32) | word
 
 
 class CapturedKernels:
-    """The ring's two launchers: at "capture" each launch's arguments are recorded, as a graph records them."""
+    """The ring's launcher: at "capture" each launch's arguments are recorded, as a graph records them."""
 
     def __init__(self) -> None:
         self.graph: list[tuple[Callable[[int, list[int]], None], int, list[int]]] = []
@@ -538,7 +530,7 @@ def test_the_kernel_arguments_keep_the_contract_over_replays(monkeypatch, dtype:
     monkeypatch.setattr(graph_ring, "_programs", lambda index: 3)
     harness = Harness(capacity=1 << 18, max_calls=3)
     kernels = CapturedKernels()
-    harness.ring.kernels = (kernels.launcher(reserve_kernel), kernels.launcher(copy_kernel))
+    harness.ring.kernels = kernels.launcher(record_kernel)
     tokens, width = 40, 96  # the output spans several programs' blocks
     hidden = aligned(tokens * width, dtype).view(tokens, width)
     w1 = torch.randn(width, width).to(dtype)
@@ -546,15 +538,19 @@ def test_the_kernel_arguments_keep_the_contract_over_replays(monkeypatch, dtype:
     weights.copy_(torch.rand(tokens))
     out = aligned(tokens * width, dtype).view(tokens, width)
     harness.capture(hidden, w1, weights, out, layer_index=0)
-    assert [programs for _, programs, _ in kernels.graph] == [1, 3]
-    reserve_args, copy_args = kernels.graph[0][2], kernels.graph[1][2]
-    assert reserve_args[5] % ALIGNMENT == 0 and reserve_args[6] == 1  # entry bytes; a first layer's launch
-    assert copy_args[3 * MAX_SPANS : 3 * MAX_SPANS + 5] == [
+    assert [programs for _, programs, _ in kernels.graph] == [3]  # one node per layer call
+    (record_args,) = [args for _, _, args in kernels.graph]
+    entry = record_args[3 * SPANS + 6]
+    assert entry % ALIGNMENT == 0
+    assert record_args[3 * SPANS : 3 * SPANS + 8] == [
         out.data_ptr(),
         out.numel(),
         {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[dtype],
-        1,
-        1,
+        1,  # aligned
+        1,  # it finishes
+        1,  # it reserves
+        entry,
+        1,  # a first layer's launch
     ]
     seen = []
     for replay in range(6):
@@ -575,7 +571,7 @@ def test_the_kernel_arguments_keep_the_contract_over_replays(monkeypatch, dtype:
     good = harness.written[0][0].context["flight"]["magnitude"]
     assert good == float(seen[2][1].float().abs().max())
     assert not math.isfinite(harness.written[-1][0].context["flight"]["magnitude"])
-    assert harness.ring.cells[3].tolist()[0] == 0  # every replay's last program reset "done"
+    assert harness.ring.cells[3:6, 0].tolist() == [0, 0, 0]  # every replay's last program reset its cells
 
 
 # --- settings and the gate's prepare hook -------------------------------------------------------------------------
@@ -617,7 +613,9 @@ def test_the_gate_prepares_before_the_capture_begins_and_never_during_another() 
     assert order == ["prepare (captures 0)", "begin", "begin", "end", "end", "begin"]
 
 
-def test_a_graph_that_stays_bad_writes_the_trigger_budget_then_counts(tmp_path, graph_module, monkeypatch) -> None:
+def test_a_graph_that_stays_bad_writes_the_trigger_budget_then_counts(
+    tmp_path, graph_module, monkeypatch
+) -> None:
     # from replay 3 on every output is NaN (a poisoned model): the first trigger writes the history up to it,
     # one more trigger is written, the rest are counted as suppressed
     session = _arm(tmp_path, flight_calls="4", flight_graph_bytes="64K", flight_triggers="2")
