@@ -33,10 +33,9 @@ flags chosen for the call as its ``opt_flags`` output (see :mod:`moereplay.captu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from moereplay.ops.surface import CaptureTarget, Role, families, family_targets
 
-Role = Literal["kernel", "parent"]
+__all__ = ["TARGETS", "CaptureTarget", "Role", "vllm_series_known"]
 
 MARLIN_MODULES = (
     "vllm.model_executor.layers.fused_moe.experts.marlin_moe",
@@ -76,42 +75,6 @@ FUSED_MARLIN_STATIC = (
 FUSED_MARLIN_SCRATCH = ("workspace", "intermediate_cache13", "intermediate_cache2")
 """fused_marlin_moe's work buffers: the Marlin lock workspace and the two intermediate caches (the function
 allocates its own when they are None)."""
-
-
-@dataclass(frozen=True)
-class CaptureTarget:
-    """One attribute to wrap.
-
-    ``attribute`` may be dotted (``"Class.method"``: the wrapper is set on the class). ``static`` names the
-    arguments holding weights and scales: their tensors (nested ones included) are stored once per file, found
-    again by identity. ``self_attributes``: for methods, attributes of ``self`` recorded as extra arguments
-    (``self.<name>``). ``outputs``: argument names the call writes into, recorded after the call besides the
-    return value.
-    ``scratch``: arguments that are work buffers (their bytes before the call do not matter): the layer-scope
-    flight recorder does not keep them. ``inputs_intact``: the call writes none of its arguments but its
-    ``outputs`` and ``scratch`` (read from the vLLM source for the Marlin layer), so the layer-scope recorder may
-    copy its inputs after the call, with its outputs, in one launch. ``opt_flags_via``: for a layer call whose
-    GEMMs are triton_kernels' (``matmul_ogs``), the name of that GEMM in the function's module: the opt_flags
-    constraints in force (process-wide; vLLM pins ``split_k=1`` on Hopper) are recorded in the call's context as
-    ``opt_flags_constraints``, and ``moereplay expand`` re-runs the call under them.
-    """
-
-    op: str
-    role: Role
-    module: str
-    attribute: str
-    static: tuple[str, ...] = ()
-    self_attributes: tuple[str, ...] = ()
-    outputs: tuple[str, ...] = ()
-    codec_modules: tuple[str, ...] = ()
-    opt_flags: bool = False
-    scratch: tuple[str, ...] = ()
-    inputs_intact: bool = False
-    opt_flags_via: str = ""
-
-    @property
-    def site(self) -> str:
-        return f"{self.module}:{self.attribute}"
 
 
 def _targets() -> tuple[CaptureTarget, ...]:
@@ -208,13 +171,16 @@ def _targets() -> tuple[CaptureTarget, ...]:
             opt_flags=True,
         )
     )
+    targets.extend(family_targets())
     return tuple(targets)
 
 
 TARGETS: tuple[CaptureTarget, ...] = _targets()
 """Every patch point the plugin knows; a module that does not exist in the running vLLM is simply absent."""
 
-KNOWN_VLLM_SERIES: tuple[tuple[int, int], ...] = ((0, 25), (0, 33))
+KNOWN_VLLM_SERIES: tuple[tuple[int, int], ...] = tuple(
+    sorted({(0, 25), (0, 33), *(series for family in families() for series in family.vllm_series)})
+)
 """vLLM release series whose patch points were read from the sources; others get one warning naming the
 patch points that matched."""
 

@@ -16,14 +16,18 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from moereplay.errors import ReplayError
+from moereplay.ops.surface import parent_ops
 
-PARENT_OPS = frozenset(
-    {
-        "fused_marlin_moe",
-        "batched_fused_marlin_moe",
-        "triton_kernel_fused_experts",
-        "unfused_oai_triton_experts",
-    }
+PARENT_OPS = (
+    frozenset(
+        {
+            "fused_marlin_moe",
+            "batched_fused_marlin_moe",
+            "triton_kernel_fused_experts",
+            "unfused_oai_triton_experts",
+        }
+    )
+    | parent_ops()
 )
 MARLIN = "moe_wna16_marlin_gemm"
 OGS = "matmul_ogs"

@@ -42,7 +42,7 @@ def get_op(name: str) -> OpSpec:
     op = _REGISTRY.get(name)
     if op is not None:
         return op
-    module = _BUILTIN_MODULES.get(name)
+    module = _BUILTIN_MODULES.get(name) or _surface_modules().get(name)
     if module is not None:
         try:
             importlib.import_module(module)
@@ -51,13 +51,20 @@ def get_op(name: str) -> OpSpec:
         op = _REGISTRY.get(name)
         if op is not None:
             return op
-    known = sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+    known = sorted(set(_REGISTRY) | set(_BUILTIN_MODULES) | set(_surface_modules()))
     raise UnknownOpError(f"no ops module declares {name!r} (known ops: {', '.join(known)})")
 
 
 def known_op_names() -> tuple[str, ...]:
     """Names of every op that is registered or built in (built-ins are not imported)."""
-    return tuple(sorted(set(_REGISTRY) | set(_BUILTIN_MODULES)))
+    return tuple(sorted(set(_REGISTRY) | set(_BUILTIN_MODULES) | set(_surface_modules())))
+
+
+def _surface_modules() -> dict[str, str]:
+    """Kernel op → module, as the families declare them (:mod:`moereplay.ops.surface`, torch-free)."""
+    from moereplay.ops.surface import op_modules
+
+    return op_modules()
 
 
 __all__ = ["get_op", "known_op_names", "register_op", "unregister_op"]

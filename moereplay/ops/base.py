@@ -27,6 +27,11 @@ TUI know about a kernel comes from that object:
   them) and ``check(args, *, check_device) -> [ContractViolation]`` (contracts over the leaves).
   :func:`tensor_leaves`, :func:`replace_tensor_leaves`, :func:`contract_args` and :func:`contract_violations` fall
   back to top-level tensors, the arguments themselves and ``check_contracts`` for ops without them;
+- optionally ``recorded_args(args) -> args``: the arguments as the op's schema names them, from what the capture
+  wrapper recorded (the launcher's own signature) — e.g. a launch ``config`` dict split into one pseudo-argument per
+  setting so replay can mutate them; must be idempotent (replay hands decoded calls back through it);
+- optionally ``output_rows(output) -> tensor``: a recorded output laid out as the reference's ``[rows, cols]``
+  (an op whose output buffer splits rows over several dimensions);
 - optionally, for the shape bisection: ``shape_dimensions(args) -> [(name, legal values, original)]`` and
   ``shrink(args, {name: value}) -> args`` (a valid call of that shape), and ``shape_legal({name: value}) -> bool``;
 - optionally, for the fidelity check (why a replay is not bit-exact with the recording): ``run_state() ->

@@ -45,24 +45,32 @@ class LoadedCall:
 
 
 def decode_args(op: OpSpec, args: Mapping[str, Any]) -> dict[str, Any]:
-    """Arguments with ENUM/OPAQUE values run through the op's codecs (``decode(..., backend=None)``)."""
+    """Arguments with ENUM/OPAQUE values run through the op's codecs (``decode(..., backend=None)``), then through
+    the op's optional ``recorded_args`` hook (the recorded launcher arguments as the op's schema names them, e.g. a
+    launch ``config`` dict split into pseudo-arguments; idempotent)."""
     decoded = dict(args)
     for spec in op.arguments:
         if spec.kind in (ArgKind.ENUM, ArgKind.OPAQUE) and spec.codec is not None:
             value = decoded.get(spec.name)
             if value is not None:
                 decoded[spec.name] = spec.codec.decode(value, backend=None)
+    hook = getattr(op, "recorded_args", None)
+    if hook is not None:
+        normalised: dict[str, Any] = hook(decoded)
+        return normalised
     return decoded
 
 
 def captured_output(op: OpSpec, outputs: Mapping[str, Any] | None) -> torch.Tensor | None:
-    """The kernel's output among a call's recorded outputs: the returned tensor, else the output argument."""
+    """The kernel's output among a call's recorded outputs: the returned tensor, else the output argument — as the
+    op's optional ``output_rows`` hook lays it out as rows (e.g. ``[M, top_k, N]`` → ``[M · top_k, N]``)."""
     if not outputs:
         return None
+    hook = getattr(op, "output_rows", None)
     for key in ("return", op.output_name):
         value = outputs.get(key)
         if isinstance(value, torch.Tensor):
-            return value
+            return value if hook is None else hook(value)
     return None
 
 

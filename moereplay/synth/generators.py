@@ -233,3 +233,6 @@ def hopper_mxfp4(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         "values": swizzle_hopper_values(values.transpose(1, 2), 1, int(params.get("mma_version", 3))),
         "scales": swizzle_hopper_scales(scales.transpose(1, 2), 1, num_warps),
     }
+
+
+from moereplay.synth import triton_generators  # noqa: E402, F401 - registers triton_moe_experts

@@ -94,7 +94,14 @@ def register_preset(preset: Preset) -> Preset:
 
 
 def _load() -> None:
+    import importlib
+
+    from moereplay.ops.surface import families
     from moereplay.synth import marlin_presets, ogs_presets  # noqa: F401 - they register their presets
+
+    for family in families():
+        for module in family.preset_modules:
+            importlib.import_module(f"moereplay.synth.{module}")
 
 
 def get_preset(name: str) -> Preset:

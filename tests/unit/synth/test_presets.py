@@ -30,8 +30,11 @@ SMALL: dict[str, list[str]] = {
     "gpt-oss-20b-mxfp4-w13": ["tokens=4", "experts=4", "hidden=256", "intermediate=128"],
     "gpt-oss-20b-mxfp4-w2": ["tokens=4", "experts=4", "hidden=256", "intermediate=128"],
     "gpt-oss-20b-mxfp4-layer": [],
+    "qwen3-30b-a3b-bf16-w13": ["tokens=4", "experts=8", "hidden=128", "intermediate=64"],
+    "qwen3-30b-a3b-int4-w13": ["tokens=4", "experts=8", "hidden=128", "intermediate=64", "group_size=32"],
+    "deepseek-v3-fp8-w13": ["tokens=4", "experts=8", "global_experts=16", "hidden=256", "intermediate=128"],
 }
-KERNEL_OPS = ("moe_wna16_marlin_gemm", "matmul_ogs")
+KERNEL_OPS = ("moe_wna16_marlin_gemm", "matmul_ogs", "fused_moe_kernel", "fused_moe_kernel_gptq_awq")
 
 
 def leaves(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -1,0 +1,154 @@
+"""What the capture side needs of vLLM's Triton fused MoE family, without torch (the plugin imports this).
+
+Facts, from vLLM 0.25.1's ``vllm/model_executor/layers/fused_moe/fused_moe.py`` and ``experts/triton_moe.py``:
+
+- ``fused_moe.py`` defines the launchers ``invoke_fused_moe_triton_kernel`` (→ ``fused_moe_kernel``) and
+  ``invoke_fused_moe_wna16_triton_kernel`` (→ ``fused_moe_kernel_gptq_awq``); its ``dispatch_fused_moe_kernel``
+  looks both up as module globals at call time, so the attributes of ``fused_moe.py`` are patch points for the
+  functional path (``fused_experts`` → ``torch.ops.vllm.fused_experts`` → ``fused_experts_impl`` → dispatch).
+- ``experts/triton_moe.py`` (``TritonExperts.apply``, ``TritonWNA16Experts.apply`` — the modular-kernel path most
+  deployments take) binds both names by ``from … fused_moe import …``: its module globals are patch points too.
+- The parent: ``fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
+  global_num_experts, expert_map, quant_config)``, defined in ``fused_moe.py`` and re-exported by the package
+  ``vllm.model_executor.layers.fused_moe`` (callers such as ``quantization/moe_wna16.py`` import it from the
+  package inside the function, i.e. at call time). It allocates its intermediate caches itself and writes none of
+  its arguments.
+- ``compute_type`` is a ``triton.language`` dtype (``tl.bfloat16`` …; class ``triton.language.core.dtype``, whose
+  ``name`` is ``bf16`` / ``fp16`` / ``fp32``): recorded as ``{"name": "bfloat16" | "float16" | "float32"}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moereplay.ops.surface import CaptureTarget, FamilySurface, register_family
+
+TRITON_OP = "fused_moe_kernel"
+GPTQ_AWQ_OP = "fused_moe_kernel_gptq_awq"
+PARENT_OP = "fused_experts"
+TRITON_LAUNCHER = "invoke_fused_moe_triton_kernel"
+GPTQ_AWQ_LAUNCHER = "invoke_fused_moe_wna16_triton_kernel"
+PACKAGE = "vllm.model_executor.layers.fused_moe"
+FUSED_MOE_MODULE = f"{PACKAGE}.fused_moe"
+EXPERTS_MODULE = f"{PACKAGE}.experts.triton_moe"
+CODEC_MODULE = "moereplay.ops.fused_moe_triton_surface"
+
+CONFIG_KEYS: tuple[str, ...] = (
+    "BLOCK_SIZE_M",
+    "BLOCK_SIZE_N",
+    "BLOCK_SIZE_K",
+    "GROUP_SIZE_M",
+    "num_warps",
+    "num_stages",
+)
+"""Keys of the launchers' ``config`` dict that replay exposes as pseudo-arguments."""
+
+TRITON_DTYPE = "triton.language.core.dtype"
+_NAMES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+}
+
+TRITON_STATIC = ("B", "B_scale", "B_bias")
+GPTQ_STATIC = ("B", "B_scale", "B_zp")
+PARENT_STATIC = ("w1", "w2", "quant_config")
+
+
+def compute_type_name(value: Any) -> str:
+    """``bfloat16`` / ``float16`` / ``float32`` for a triton dtype, a torch dtype or a name; ValueError else."""
+    name = getattr(value, "name", None)
+    text = str(name if isinstance(name, str) else value).removeprefix("torch.").removeprefix("tl.")
+    canonical = _NAMES.get(text)
+    if canonical is None:
+        raise ValueError(f"compute_type {value!r} is not bf16, fp16 or fp32")
+    return canonical
+
+
+def _encode_dtype(value: Any) -> dict[str, str]:
+    from moereplay.errors import UnsupportedValueError
+
+    try:
+        return {"name": compute_type_name(value)}
+    except ValueError as error:
+        raise UnsupportedValueError(str(error)) from error
+
+
+def _decode_dtype(tree: Any) -> str:
+    from moereplay.errors import UnsupportedValueError
+
+    name = tree.get("name") if isinstance(tree, dict) else tree
+    try:
+        return compute_type_name(name)
+    except ValueError as error:
+        raise UnsupportedValueError(str(error)) from error
+
+
+def register_codecs() -> None:
+    """Register the triton dtype codec with the format's registry (idempotent)."""
+    from moereplay.format.codecs import register_codec
+
+    register_codec(TRITON_DTYPE, _encode_dtype, _decode_dtype)
+
+
+def _targets() -> tuple[CaptureTarget, ...]:
+    targets: list[CaptureTarget] = []
+    for module in (FUSED_MOE_MODULE, EXPERTS_MODULE):
+        targets.append(
+            CaptureTarget(
+                TRITON_OP,
+                "kernel",
+                module,
+                TRITON_LAUNCHER,
+                static=TRITON_STATIC,
+                outputs=("C",),
+                codec_modules=(CODEC_MODULE,),
+            )
+        )
+        targets.append(
+            CaptureTarget(
+                GPTQ_AWQ_OP,
+                "kernel",
+                module,
+                GPTQ_AWQ_LAUNCHER,
+                static=GPTQ_STATIC,
+                outputs=("C",),
+                codec_modules=(CODEC_MODULE,),
+            )
+        )
+    for module in (PACKAGE, FUSED_MOE_MODULE):
+        targets.append(
+            CaptureTarget(
+                PARENT_OP,
+                "parent",
+                module,
+                PARENT_OP,
+                static=PARENT_STATIC,
+                codec_modules=(CODEC_MODULE,),
+                inputs_intact=True,
+            )
+        )
+    return tuple(targets)
+
+
+FAMILY = register_family(
+    FamilySurface(
+        name="triton_fused_moe",
+        kernel_ops=(TRITON_OP, GPTQ_AWQ_OP),
+        op_modules={
+            TRITON_OP: "moereplay.ops.fused_moe_triton",
+            GPTQ_AWQ_OP: "moereplay.ops.fused_moe_triton",
+        },
+        parent_ops=(PARENT_OP,),
+        targets=_targets(),
+        vllm_series=((0, 25),),
+        preset_modules=("triton_presets",),
+    )
+)
+
+register_codecs()

@@ -1,0 +1,465 @@
+"""Exact fp32 reference for vLLM 0.25.1's Triton fused MoE kernels, needing no kernel.
+
+Facts, from ``vllm/model_executor/layers/fused_moe/fused_moe.py`` (0.25.1): ``fused_moe_kernel`` (launched by
+``invoke_fused_moe_triton_kernel``) and ``fused_moe_kernel_gptq_awq`` (by ``invoke_fused_moe_wna16_triton_kernel``).
+
+Both kernels, one launch:
+
+- ``C`` is ``[M, top_k, N]``; its rows are addressed flat, ``C.stride(1)`` apart: output row ``id`` is
+  ``C[id // top_k, id % top_k]``. ``num_valid_tokens = A.size(0) · top_k``.
+- The grid covers ``cdiv(EM, BLOCK_SIZE_M)`` blocks, ``EM = len(sorted_token_ids)`` — or, when ``A.size(0) <
+  BLOCK_SIZE_M``, ``min(EM, A.size(0) · top_k · BLOCK_SIZE_M)``. A block ``b`` with ``b · BLOCK_SIZE_M >=
+  num_tokens_post_padded[0]`` returns at once. Otherwise it reads ``BLOCK_SIZE_M`` ids
+  ``sorted_token_ids[b·BM : (b+1)·BM]``; an id ``< num_valid_tokens`` is a row it writes (the padding vLLM writes is
+  ``numel``, masked). Without ``sorted_token_ids`` (the "naive block assignment", ``fused_moe_kernel`` only) block
+  ``b`` writes row ``b`` alone.
+- The block's expert is ``expert_ids[b]``; ``-1`` (an expert of another expert-parallel rank) writes zeros.
+- Row ``id`` reads activation row ``id // top_k`` (gemm2 passes pre-expanded rows with ``top_k = 1``).
+- ``B`` is ``[E, N, K]`` (``fused_moe_kernel``) and the product is ``A[row] · B[e]ᵀ``, accumulated in float32.
+- With ``MUL_ROUTED_WEIGHT`` the row is multiplied by ``topk_weights`` at flat index ``id`` from its data pointer
+  (the host asserts ``stride(1) == 1`` only), in float32, after bias and dequantisation; then cast to
+  ``compute_type`` and stored.
+
+``fused_moe_kernel`` quantisation modes (strides as the launcher passes them: a scale's stride is 0 along a
+dimension it lacks — a 1-D per-token ``A_scale`` is read at element 0 for every row):
+
+- unquantised (bf16/fp16/fp32): ``A_scale`` and ``B_scale`` must be ``None`` (host assert);
+- ``use_int8_w8a16``: int8 ``B``, ``acc · B_scale[e, n]``;
+- ``use_fp8_w8a8`` / ``use_int8_w8a8``, by ``block_shape = [group_n, group_k]`` (both > 0): per-block scales,
+  ``A_scale[row, k // group_k]`` and ``B_scale[e, n // group_n, k // group_k]`` (the launcher clamps
+  ``BLOCK_SIZE_K`` to ``min(block_shape)`` so a K block never straddles two scale groups);
+  else ``per_channel_quant``: ``A_scale[row]`` (stride 0 of a 2-D ``[M, 1]``) and ``B_scale[e, n]``;
+  else per tensor: ``A_scale`` element 0 and ``B_scale`` element ``e``;
+- ``B_bias[e, n]`` is added after the scales.
+
+``fused_moe_kernel_gptq_awq`` (int4/int8 weight-only, ``block_shape = [0, group_size]``):
+
+- int4: ``B`` is ``[E, N, K / 2]`` bytes, weight ``(n, k)`` is nibble ``k % 2`` (low first) of ``B[e, n, k // 2]``;
+  int8: ``B[e, n, k]`` as stored;
+- zero point: ``B_zp`` (int4: ``[E, N / 2, K / group]``, nibble ``n % 2`` of ``B_zp[e, n // 2, g]``; int8:
+  ``B_zp[e, n, g]``), or without one 8 (int4) / 128 (int8);
+- scale ``B_scale[e, n, k // group_size]``; the weight ``(q − zp) · scale`` is computed in float32 and **rounded to
+  compute_type** before the dot — part of what the kernel means, so the reference rounds it too;
+- no bias.
+
+The reference does that arithmetic in float32 (dequantised operands, no TF32) for the rows a correct kernel
+writes, and reports what each row is made of so findings can decompose a wrong output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moereplay.errors import ReferenceError_
+from moereplay.reference.marlin_moe import exact_fp32_matmul
+
+COMPUTE_TYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+"""``compute_type`` by its canonical name (what the codec decodes ``tl.bfloat16`` etc. to)."""
+
+
+@dataclass(frozen=True)
+class TritonMoeRows:
+    """Which rows a launch writes. ``row``/``expert``/``block`` are int64 ``[R]`` (``expert`` -1: written as
+    zeros); rows of ``[0, num_valid_tokens)`` absent here are not written."""
+
+    row: torch.Tensor
+    expert: torch.Tensor
+    block: torch.Tensor
+    num_valid_tokens: int
+
+
+@dataclass(frozen=True)
+class TritonMoeResult:
+    """One launch's exact answer: ``output`` fp32 ``[num_valid_tokens, N]`` (zeros where not written), ``written``
+    bool, ``gemm`` the dequantised product, ``bias_rows`` the bias term (or ``None``), ``row_weights`` the
+    coefficient each written row gets (its routing weight with ``mul_routed_weight``, else 1; 0 for zero rows),
+    ``expert`` / ``block`` per row (-1: not written or zeroed)."""
+
+    output: torch.Tensor
+    written: torch.Tensor
+    gemm: torch.Tensor
+    bias_rows: torch.Tensor | None
+    row_weights: torch.Tensor
+    expert: torch.Tensor
+    block: torch.Tensor
+    weight_index: torch.Tensor
+
+
+def compute_dtype(value: Any) -> torch.dtype:
+    """``compute_type`` in any recorded form: a canonical name, a triton dtype name (``bf16``), a torch dtype."""
+    if isinstance(value, torch.dtype):
+        return value
+    text = str(getattr(value, "name", value)).removeprefix("torch.")
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    text = aliases.get(text, text)
+    if text not in COMPUTE_TYPES:
+        raise ReferenceError_(f"compute_type {value!r} is not bf16, fp16 or fp32")
+    return COMPUTE_TYPES[text]
+
+
+def _strided(tensor: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...], what: str) -> torch.Tensor:
+    """``tensor``'s storage read with the launcher's strides from its data pointer (stride 0 repeats)."""
+    try:
+        return tensor.as_strided(size, stride, tensor.storage_offset())
+    except RuntimeError as error:
+        raise ReferenceError_(
+            f"{what}: the kernel would read past the tensor's storage with strides {stride} ({error})"
+        ) from error
+
+
+# --------------------------------------------------------------------------------------------------------------
+# which rows a launch writes
+# --------------------------------------------------------------------------------------------------------------
+
+
+def launch_rows(
+    *,
+    input_rows: int,
+    top_k: int,
+    block_size_m: int,
+    sorted_token_ids: torch.Tensor | None,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+) -> TritonMoeRows:
+    """The (row, expert, block) triples one launch processes (module docstring); the last occurrence of a row wins
+    (duplicates race in the kernel)."""
+    if block_size_m <= 0:
+        raise ReferenceError_(f"BLOCK_SIZE_M must be positive, got {block_size_m}")
+    num_valid = input_rows * top_k
+    total = int(num_tokens_post_padded.reshape(-1)[0])
+    experts = expert_ids.reshape(-1).to(torch.long).cpu()
+    if sorted_token_ids is None:
+        blocks = num_valid
+        if experts.numel() < blocks:
+            raise ReferenceError_(
+                f"expert_ids has {experts.numel()} entries for {blocks} rows (naive blocks)"
+            )
+        naive = torch.arange(blocks)
+        naive = naive[naive * block_size_m < total]
+        return TritonMoeRows(naive.clone(), experts[naive], naive, num_valid)
+    ids = sorted_token_ids.reshape(-1).to(torch.long).cpu()
+    em = ids.numel()
+    if input_rows < block_size_m:
+        em = min(em, input_rows * top_k * block_size_m)
+    grid = -(-em // block_size_m)
+    processed = min(grid, -(-total // block_size_m) if total > 0 else 0)
+    if processed * block_size_m > ids.numel():
+        raise ReferenceError_(
+            f"sorted_token_ids has {ids.numel()} entries; block {processed - 1} reads up to "
+            f"{processed * block_size_m} (past its end)"
+        )
+    if processed > experts.numel():
+        raise ReferenceError_(f"expert_ids has {experts.numel()} entries; {processed} blocks are processed")
+    chunk = ids[: processed * block_size_m].view(processed, block_size_m)
+    block = torch.arange(processed).view(-1, 1).expand_as(chunk)
+    valid = chunk < num_valid
+    if bool((chunk[valid] < 0).any()):
+        raise ReferenceError_("sorted_token_ids holds negative ids: the kernel would write before C")
+    rows, row_blocks = chunk[valid], block[valid]
+    return TritonMoeRows(rows, experts[row_blocks], row_blocks, num_valid)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# dequantisation
+# --------------------------------------------------------------------------------------------------------------
+
+
+def unpack_int4_along(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Bytes holding two 4-bit codes, low nibble first, unpacked along ``dim`` (int64 codes 0..15)."""
+    data = values.to(torch.int64) & 0xFF
+    low, high = data & 0xF, (data >> 4) & 0xF
+    stacked = torch.stack((low, high), dim=dim + 1)
+    shape = list(values.shape)
+    shape[dim] *= 2
+    return stacked.reshape(shape)
+
+
+def w8a8_weight(
+    B: torch.Tensor,
+    B_scale: torch.Tensor,
+    experts: torch.Tensor,
+    *,
+    block_shape: tuple[int, int] | None,
+    per_channel: bool,
+) -> torch.Tensor:
+    """fp32 ``[len(experts), N, K]`` dequantised fp8/int8 weights of the given experts."""
+    E, N, K = B.shape
+    values = B[experts].to(torch.float32)
+    s = B_scale.stride()
+    if block_shape is not None:
+        group_n, group_k = block_shape
+        blocks_n, blocks_k = -(-N // group_n), -(-K // group_k)
+        strides = (
+            s[0] if B_scale.dim() >= 2 else 0,
+            s[1] if B_scale.dim() >= 2 else 0,
+            s[2] if B_scale.dim() == 3 else 0,
+        )
+        scales = _strided(B_scale, (E, blocks_n, blocks_k), strides, "B_scale").to(torch.float32)[experts]
+        scales = scales.repeat_interleave(group_n, dim=1)[:, :N].repeat_interleave(group_k, dim=2)[:, :, :K]
+        return values * scales
+    if per_channel:
+        strides2 = (s[0] if B_scale.dim() >= 2 else 0, s[1] if B_scale.dim() >= 2 else 0)
+        channel = _strided(B_scale, (E, N), strides2, "B_scale").to(torch.float32)[experts]
+        return values * channel[:, :, None]
+    tensor = _strided(B_scale, (E,), (1,), "B_scale").to(torch.float32)[experts]
+    return values * tensor[:, None, None]
+
+
+def w8a8_activation(
+    A: torch.Tensor,
+    A_scale: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    block_shape: tuple[int, int] | None,
+    per_channel: bool,
+) -> torch.Tensor:
+    """fp32 dequantised activation rows ``rows`` of ``A`` (per-block, per-token or per-tensor scale)."""
+    M, K = A.shape
+    values = A[rows].to(torch.float32)
+    two_d = A_scale.dim() == 2
+    stride_m = A_scale.stride(0) if two_d else 0
+    stride_k = A_scale.stride(1) if two_d else 0
+    if block_shape is not None:
+        group_k = block_shape[1]
+        blocks_k = -(-K // group_k)
+        scales = _strided(A_scale, (M, blocks_k), (stride_m, stride_k), "A_scale").to(torch.float32)[rows]
+        return values * scales.repeat_interleave(group_k, dim=1)[:, :K]
+    if per_channel:
+        per_row = _strided(A_scale, (M,), (stride_m,), "A_scale").to(torch.float32)[rows]
+        return values * per_row[:, None]
+    return values * _strided(A_scale, (1,), (1,), "A_scale").to(torch.float32)
+
+
+def wna16_weight(
+    B: torch.Tensor,
+    B_scale: torch.Tensor,
+    B_zp: torch.Tensor | None,
+    experts: torch.Tensor,
+    *,
+    group_size: int,
+    int4: bool,
+    compute: torch.dtype,
+) -> torch.Tensor:
+    """fp32 ``[len(experts), N, K]`` int4/int8 weight-only weights, rounded to ``compute`` as the kernel rounds."""
+    chosen = B[experts]
+    codes = unpack_int4_along(chosen, 2) if int4 else chosen.to(torch.int64)
+    N, K = codes.shape[1], codes.shape[2]
+    if group_size <= 0:
+        raise ReferenceError_(f"group size {group_size} must be positive (block_shape[1])")
+    groups = -(-K // group_size)
+    E = B.shape[0]
+    s = B_scale.stride()
+    scales = _strided(B_scale, (E, N, groups), (s[0], s[1], s[2]), "B_scale").to(torch.float32)[experts]
+    scales = scales.repeat_interleave(group_size, dim=2)[:, :, :K]
+    if B_zp is None:
+        zero: torch.Tensor | float = 8.0 if int4 else 128.0
+    else:
+        z = B_zp.stride()
+        if int4:
+            packed = _strided(B_zp, (E, -(-N // 2), groups), (z[0], z[1], z[2]), "B_zp")[experts]
+            zp_codes = unpack_int4_along(packed, 1)[:, :N]
+        else:
+            zp_codes = _strided(B_zp, (E, N, groups), (z[0], z[1], z[2]), "B_zp")[experts].to(torch.int64)
+        zero = zp_codes.to(torch.float32).repeat_interleave(group_size, dim=2)[:, :, :K]
+    weights = (codes.to(torch.float32) - zero) * scales
+    return weights.to(compute).to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the launches
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _topk_weight_values(topk_weights: torch.Tensor, count: int) -> torch.Tensor:
+    """``topk_weights`` read flat from its data pointer (``count`` elements), as fp32."""
+    return _strided(topk_weights, (count,), (1,), "topk_weights").to(torch.float32)
+
+
+def _assemble(
+    rows: TritonMoeRows,
+    N: int,
+    device: torch.device,
+    compute_rows: Any,
+    bias: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+    mul_routed_weight: bool,
+) -> TritonMoeResult:
+    count = rows.num_valid_tokens
+    gemm = torch.zeros(count, N, dtype=torch.float32, device=device)
+    bias_rows = torch.zeros(count, N, dtype=torch.float32, device=device) if bias is not None else None
+    written = torch.zeros(count, dtype=torch.bool, device=device)
+    expert_of = torch.full((count,), -1, dtype=torch.long, device=device)
+    block_of = torch.full((count,), -1, dtype=torch.long, device=device)
+    coefficient = torch.zeros(count, dtype=torch.float32, device=device)
+    # last occurrence wins, like a later block overwriting an earlier one
+    order = torch.arange(rows.row.numel())
+    last = torch.full((count,), -1, dtype=torch.long)
+    if rows.row.numel():
+        last.scatter_reduce_(0, rows.row, order, reduce="amax")
+    keep = last[last >= 0]
+    row, expert, block = rows.row[keep], rows.expert[keep], rows.block[keep]
+    written[row.to(device)] = True
+    expert_of[row.to(device)] = expert.to(device)
+    block_of[row.to(device)] = block.to(device)
+    active = expert >= 0
+    weights = None
+    if mul_routed_weight:
+        if topk_weights is None:
+            raise ReferenceError_("mul_routed_weight needs topk_weights")
+        weights = _topk_weight_values(topk_weights, count).to(device)
+    with exact_fp32_matmul():
+        for e in torch.unique(expert[active]).tolist():
+            chosen = row[expert == e]
+            product = compute_rows(chosen, int(e))
+            gemm[chosen.to(device)] = product
+            if bias is not None and bias_rows is not None:
+                bias_rows[chosen.to(device)] = bias[e].to(device, torch.float32).expand(chosen.numel(), N)
+    live = row[active].to(device)
+    coefficient[live] = weights[live] if weights is not None else 1.0
+    total = gemm if bias_rows is None else gemm + bias_rows
+    output = total * coefficient[:, None]
+    weight_index = torch.where(written, torch.arange(count, device=device), torch.full_like(block_of, -1))
+    return TritonMoeResult(output, written, gemm, bias_rows, coefficient, expert_of, block_of, weight_index)
+
+
+def _block_shape(value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    items = tuple(int(v) for v in value)
+    if len(items) != 2:
+        raise ReferenceError_(f"block_shape must hold two sizes, got {value!r}")
+    return (items[0], items[1])
+
+
+def reference_fused_moe_kernel(
+    *,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    A_scale: torch.Tensor | None,
+    B_scale: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+    sorted_token_ids: torch.Tensor | None,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    mul_routed_weight: bool,
+    top_k: int,
+    block_size_m: int,
+    compute_type: Any,
+    use_fp8_w8a8: bool,
+    use_int8_w8a8: bool,
+    use_int8_w8a16: bool,
+    use_int4_w4a16: bool,
+    per_channel_quant: bool,
+    block_shape: Any = None,
+    B_bias: torch.Tensor | None = None,
+) -> TritonMoeResult:
+    """What ``invoke_fused_moe_triton_kernel`` makes ``fused_moe_kernel`` write (module docstring)."""
+    compute_dtype(compute_type)
+    if use_int4_w4a16:
+        raise ReferenceError_(
+            "use_int4_w4a16 reaches fused_moe_kernel, which has no int4 path (vLLM routes int4 with a group size "
+            "to fused_moe_kernel_gptq_awq)"
+        )
+    if A.dim() != 2 or B.dim() != 3:
+        raise ReferenceError_(f"A must be [M, K] and B [E, N, K]; got {tuple(A.shape)}, {tuple(B.shape)}")
+    if A.shape[1] != B.shape[2]:
+        raise ReferenceError_(f"A has K={A.shape[1]}, B has K={B.shape[2]}")
+    N = int(B.shape[1])
+    rows = launch_rows(
+        input_rows=int(A.shape[0]),
+        top_k=top_k,
+        block_size_m=block_size_m,
+        sorted_token_ids=sorted_token_ids,
+        expert_ids=expert_ids,
+        num_tokens_post_padded=num_tokens_post_padded,
+    )
+    w8a8 = use_fp8_w8a8 or use_int8_w8a8
+    shape = _block_shape(block_shape)
+    blockwise = shape if shape is not None and shape[0] > 0 and shape[1] > 0 else None
+    if w8a8 and (A_scale is None or B_scale is None):
+        raise ReferenceError_("w8a8 needs A_scale and B_scale")
+    if use_int8_w8a16 and B_scale is None:
+        raise ReferenceError_("int8_w8a16 needs B_scale")
+    device = A.device
+    experts_of_b = int(B.shape[0])
+
+    def compute(chosen: torch.Tensor, expert: int) -> torch.Tensor:
+        if expert >= experts_of_b:
+            raise ReferenceError_(f"expert_ids names expert {expert}; B holds {experts_of_b}")
+        source = (chosen // top_k).to(device)
+        index = torch.tensor([expert], device=device)
+        if w8a8:
+            assert A_scale is not None and B_scale is not None
+            a = w8a8_activation(A, A_scale, source, block_shape=blockwise, per_channel=per_channel_quant)
+            w = w8a8_weight(B, B_scale, index, block_shape=blockwise, per_channel=per_channel_quant)[0]
+            return a @ w.T
+        if use_int8_w8a16:
+            assert B_scale is not None
+            s = B_scale.stride()
+            strides = (s[0] if B_scale.dim() >= 2 else 0, s[1] if B_scale.dim() >= 2 else 0)
+            scale = _strided(B_scale, (experts_of_b, N), strides, "B_scale")[expert].to(torch.float32)
+            return (A[source].to(torch.float32) @ B[expert].to(torch.float32).T) * scale[None, :]
+        return A[source].to(torch.float32) @ B[expert].to(torch.float32).T
+
+    return _assemble(rows, N, device, compute, B_bias, topk_weights, mul_routed_weight)
+
+
+def reference_fused_moe_kernel_gptq_awq(
+    *,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    B_scale: torch.Tensor,
+    B_zp: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    mul_routed_weight: bool,
+    top_k: int,
+    block_size_m: int,
+    compute_type: Any,
+    use_int8_w8a16: bool,
+    use_int4_w4a16: bool,
+    block_shape: Any,
+) -> TritonMoeResult:
+    """What ``invoke_fused_moe_wna16_triton_kernel`` makes ``fused_moe_kernel_gptq_awq`` write."""
+    compute = compute_dtype(compute_type)
+    if use_int4_w4a16 == use_int8_w8a16:
+        raise ReferenceError_("exactly one of use_int4_w4a16 and use_int8_w8a16 must be set")
+    shape = _block_shape(block_shape)
+    if shape is None or shape[0] != 0:
+        raise ReferenceError_(f"block_shape must be [0, group_size], got {block_shape!r}")
+    if A.dim() != 2 or B.dim() != 3:
+        raise ReferenceError_(f"A must be [M, K] and B [E, N, K(/2)]; got {tuple(A.shape)}, {tuple(B.shape)}")
+    K = int(A.shape[1])
+    packed_k = K // 2 if use_int4_w4a16 else K
+    if B.shape[2] != packed_k:
+        raise ReferenceError_(f"B's last dimension is {B.shape[2]}; K={K} needs {packed_k}")
+    N = int(B.shape[1])
+    rows = launch_rows(
+        input_rows=int(A.shape[0]),
+        top_k=top_k,
+        block_size_m=block_size_m,
+        sorted_token_ids=sorted_token_ids,
+        expert_ids=expert_ids,
+        num_tokens_post_padded=num_tokens_post_padded,
+    )
+    device = A.device
+
+    def compute_rows(chosen: torch.Tensor, expert: int) -> torch.Tensor:
+        if expert >= B.shape[0]:
+            raise ReferenceError_(f"expert_ids names expert {expert}; B holds {B.shape[0]}")
+        index = torch.tensor([expert], device=device)
+        weight = wna16_weight(
+            B, B_scale, B_zp, index, group_size=shape[1], int4=use_int4_w4a16, compute=compute
+        )[0]
+        return A[(chosen // top_k).to(device)].to(torch.float32) @ weight.T
+
+    return _assemble(rows, N, device, compute_rows, None, topk_weights, mul_routed_weight)
