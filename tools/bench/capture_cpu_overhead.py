@@ -31,7 +31,12 @@ from pathlib import Path
 import torch
 
 from moereplay.capture import session as session_module
-from moereplay.capture.patch_points import FUSED_MARLIN_STATIC, MARLIN_GEMM_STATIC, CaptureTarget
+from moereplay.capture.patch_points import (
+    FUSED_MARLIN_SCRATCH,
+    FUSED_MARLIN_STATIC,
+    MARLIN_GEMM_STATIC,
+    CaptureTarget,
+)
 
 MODULE = "moereplay_bench_kernels"
 EXPERTS, TOP_K, HIDDEN, INNER = 32, 4, 2880, 2944
@@ -92,8 +97,9 @@ TARGETS = (
         static=MARLIN_GEMM_STATIC, outputs=("output", "workspace"),
     ),
     CaptureTarget(
-        "fused_marlin_moe", "parent", MODULE, "fused_marlin_moe", static=FUSED_MARLIN_STATIC, outputs=("output",)
-    ),
+        "fused_marlin_moe", "parent", MODULE, "fused_marlin_moe", static=FUSED_MARLIN_STATIC, outputs=("output",),
+        scratch=FUSED_MARLIN_SCRATCH, inputs_intact=True,
+    ),  # as the real patch point declares it (capture/patch_points.py)
 )  # fmt: skip
 
 
