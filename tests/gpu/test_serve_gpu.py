@@ -122,3 +122,53 @@ def test_graph_mode_serve_keeps_working_and_captures_eager_calls(gpt_oss_model: 
     worker = _worker_file(summary)
     assert worker["ops"].get("matmul_ogs", 0) > 0
     assert all(item["footer"] for item in summary["files"])
+
+
+def test_graph_mode_flight_trigger_at_a_decode_step_expands_bit_exactly(tmp_path: Path) -> None:
+    """A gpt-oss model poisoned on one expert (reached only by the word "zebra"), served in CUDA-graph mode with
+    the flight recorder armed; requests biased to emit "zebra" first make the fault appear at a decode step that
+    vLLM replays from a graph. The trigger's file holds graph-replayed layer calls; ``moereplay expand`` (a fresh
+    process, the kernel pack) re-runs every one of them bit-exactly, the bad one's non-finite values included.
+    (The same steps as ``tools/gpu/flight_session.sh``, which ran on the H200 on 2026-12-04: 16/16 bit-exact.)"""
+    reason = _serving_available()
+    if reason:
+        pytest.skip(reason)
+    pack = os.environ.get("MOEREPLAY_PACK")
+    if not pack:
+        pytest.skip("needs MOEREPLAY_PACK (tools/gpu/device_setup.sh)")
+    model = tmp_path / "gpt-oss-bad"
+    subprocess.run(
+        [sys.executable, str(MAKE_GPT_OSS), str(model), "--layers", "2", "--poison", "0:5"],
+        check=True,
+        timeout=300,
+    )
+    summary = _serve(model, tmp_path / "graph", "graph", "--capture", "flight", "--requests", "8",
+                     "--fault-word", "zebra")  # fmt: skip
+    assert summary["requests"] >= 8
+    flight = _worker_file(summary)
+    assert flight["cudagraph_modes"], flight
+    capture = tmp_path / "graph" / "captures" / flight["name"]
+    listing = subprocess.run(
+        [sys.executable, "-m", "moereplay", "ls", str(capture), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listing.returncode == 0, listing.stderr[-2000:]
+    rows = json.loads(listing.stdout)
+    first = next(i for i, row in enumerate(rows) if row["context"].get("flight", {}).get("trigger"))
+    assert rows[first]["context"].get("cudagraph") is True, rows[first]["context"]
+    calls = [argument for row in rows[: first + 1] for argument in ("--call", str(row["index"]))]
+    report = tmp_path / "expand.json"
+    expand = subprocess.run(
+        [sys.executable, "-m", "moereplay", "expand", str(capture), "-o", str(tmp_path / "expanded.moe.zst"),
+         *calls, "--backend", f"pack:{pack}", "--json-out", str(report)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    print(expand.stdout[-6000:])
+    assert expand.returncode == 0, expand.stderr[-3000:]
+    expanded = json.loads(report.read_text())["calls"]
+    assert len(expanded) == first + 1
+    assert all(call["verdict"] == "bit_exact" for call in expanded), [call["verdict"] for call in expanded]
+    bad = expanded[-1]["outputs"][0]
+    assert bad["recorded_nonfinite"] > 0 and bad["rerun_nonfinite"] == bad["recorded_nonfinite"]
