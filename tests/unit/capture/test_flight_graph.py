@@ -617,7 +617,9 @@ def test_the_gate_prepares_before_the_capture_begins_and_never_during_another() 
     assert order == ["prepare (captures 0)", "begin", "begin", "end", "end", "begin"]
 
 
-def test_a_graph_that_stays_bad_writes_the_trigger_budget_then_counts(tmp_path, graph_module, monkeypatch) -> None:
+def test_a_graph_that_stays_bad_writes_the_trigger_budget_then_counts(
+    tmp_path, graph_module, monkeypatch
+) -> None:
     # from replay 3 on every output is NaN (a poisoned model): the first trigger writes the history up to it,
     # one more trigger is written, the rest are counted as suppressed
     session = _arm(tmp_path, flight_calls="4", flight_graph_bytes="64K", flight_triggers="2")
