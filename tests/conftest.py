@@ -18,6 +18,20 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@pytest.fixture(autouse=True, scope="session")
+def recipe_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Expanded recipes go to a directory of this test session, never the user's ~/.cache (subprocesses inherit it)."""
+    import os
+
+    previous = os.environ.get("MOEREPLAY_CACHE_DIR")
+    os.environ["MOEREPLAY_CACHE_DIR"] = str(tmp_path_factory.mktemp("recipe-store"))
+    yield
+    if previous is None:
+        os.environ.pop("MOEREPLAY_CACHE_DIR", None)
+    else:
+        os.environ["MOEREPLAY_CACHE_DIR"] = previous
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _cuda_available():
         return

@@ -8,7 +8,7 @@ Variables (all optional; every value is validated, a malformed one raises :class
 
 =========================  =================================================================================
 ``MOEREPLAY_CAPTURE``      ``1``/``true``/``yes``/``on`` arms the plugin; unset, empty or ``0`` leaves vLLM untouched
-``MOEREPLAY_DIR``          output directory (default ``./captures/run-<UTC time>/``); one file per process,
+``MOEREPLAY_DIR``          output directory (default ``./moereplay-captures/run-<UTC time>/``); one file per process,
                            ``rank{r}-pid{p}.zst``
 ``MOEREPLAY_OPS``          comma-separated fnmatch patterns of op names to record (default ``*``)
 ``MOEREPLAY_OPS_EXCLUDE``  comma-separated fnmatch patterns of op names never to record
@@ -163,7 +163,7 @@ class CaptureSettings:
     """
 
     enabled: bool = False
-    directory: Path = Path("captures")
+    directory: Path = Path("moereplay-captures")
     directory_was_default: bool = True
     ops_include: tuple[str, ...] = ("*",)
     ops_exclude: tuple[str, ...] = ()
@@ -393,9 +393,10 @@ def parse_trigger(variable: str, text: str) -> Trigger:
 
 
 def default_directory(now: datetime | None = None) -> Path:
-    """``./captures/run-<UTC YYYYmmdd-HHMMSS>/`` relative to the working directory."""
+    """``./moereplay-captures/run-<UTC YYYYmmdd-HHMMSS>/`` relative to the working directory (not ``captures/``:
+    a checkout of moereplay, or of a project that keeps its own ``captures/``, would mix runs into it)."""
     moment = now if now is not None else datetime.now(timezone.utc)
-    return Path("captures") / f"run-{moment.strftime('%Y%m%d-%H%M%S')}"
+    return Path("moereplay-captures") / f"run-{moment.strftime('%Y%m%d-%H%M%S')}"
 
 
 def capture_requested(env: Mapping[str, str]) -> bool:

@@ -125,7 +125,7 @@ def _render_info(info: CaptureInfo) -> None:
             "format",
             f"{'.'.join(str(part) for part in header.get('format_version', []))}, created {header.get('created', '?')}",
         ),
-        ("versions", " · ".join(f"{name} {value or '—'}" for name, value in versions.items())),
+        ("versions", " · ".join(_version_text(name, value) for name, value in versions.items())),
     ]
     if gpu and gpu.get("name"):
         lines.append(
@@ -171,3 +171,11 @@ def _render_info(info: CaptureInfo) -> None:
         for op, counts in stats.by_op.items():
             table.add_row(op, *(str(counts.get(status, 0)) for status in statuses), str(sum(counts.values())))
         console.print(table)
+
+
+def _version_text(name: str, value: Any) -> str:
+    """One ``versions`` entry. An empty value means the library was absent when recording (``triton —`` on a CPU
+    machine) — except moereplay's own, which early writers left empty when run from a source tree."""
+    if value:
+        return f"{name} {value}"
+    return f"{name} (not recorded)" if name == "moereplay" else f"{name} —"

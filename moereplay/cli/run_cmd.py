@@ -101,7 +101,7 @@ def run_command(
 ) -> None:
     """Replay captured calls (baseline and variants); print verdicts and findings. Exit 1 if anything failed."""
     from moereplay.errors import SettingsError
-    from moereplay.replay.engine import replay
+    from moereplay.replay.engine import check_mutations, replay
     from moereplay.replay.source import select_calls
 
     selectors = sum(value is not None for value in (call, op, layer)) + int(every)
@@ -119,6 +119,7 @@ def run_command(
         + [f"fill {text}" for text in fill or ()]
     )
     indices = select_calls(file, call=call, op=op, layer=layer, every=every)
+    check_mutations(file, indices, mutations)  # against the ops' schemas, before any weight is rebuilt
     reports = [
         replay(
             file,

@@ -106,6 +106,7 @@ def trim_command(
             "--parents/--no-parents", help="Also keep every ancestor (parent record) of a kept call."
         ),
     ] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
 ) -> None:
     """Keep chosen calls of a capture and only the blobs they use (`moereplay info` shows the dedup)."""
     from moereplay.errors import SettingsError
@@ -113,6 +114,8 @@ def trim_command(
 
     if not file.exists():
         raise SettingsError(f"{file}: no such file")
+    if output.exists() and not force:
+        raise SettingsError(f"{output} exists; choose another -o or pass --force to replace it")
     result = trim_capture(file, calls, output, parents=parents)
     print(
         f"{result.path}: kept {len(result.kept)} of {result.source_calls} calls "

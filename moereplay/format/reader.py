@@ -294,7 +294,7 @@ class CaptureReader:
                 except CaptureFileError as error:
                     problem = str(error).removeprefix(f"{self.path}: ")
                 else:
-                    message = f"complete: {len(slots)} calls, footer and index present"
+                    message = f"complete: {_count(len(slots), 'call')}, footer and index present"
                     return slots, footer, Recovery(True, False, None, len(slots), message)
         return self._scan(problem)
 
@@ -370,7 +370,7 @@ class CaptureReader:
                 break
             position = envelope.end
         completed = sum(slot.completion is not None for slot in slots.values())
-        recovered = f"recovered {len(slots)} calls ({completed} with outputs)"
+        recovered = f"recovered {_count(len(slots), 'call')} ({completed} with outputs)"
         footer_missing = footer is None
         if stopped is not None:
             verb = "truncated" if stopped == _CUT else "stopped"
@@ -645,3 +645,8 @@ def _layer_matches(context: dict[Any, Any], wanted: str) -> bool:
         return True
     name = context.get("layer_name")
     return isinstance(name, str) and fnmatch.fnmatchcase(name, wanted)
+
+
+def _count(number: int, noun: str) -> str:
+    """``1 call``, ``2 calls``."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"

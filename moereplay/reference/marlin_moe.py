@@ -27,8 +27,9 @@ import contextlib
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -444,11 +445,15 @@ def reference_moe_wna16_marlin_gemm(
     for code, message in dequant_notes(weights, experts_used):
         notes.append(ReferenceNote(code, message))
 
-    dense: torch.Tensor | list[torch.Tensor]
-    if weight_cache is not None:
+    dense: torch.Tensor | Sequence[torch.Tensor]
+    dense_bytes = int(experts_used.numel()) * size_k * size_n * 4
+    budget = DENSE_BYTES_AT_ONCE.get(device.type, DENSE_BYTES_AT_ONCE["cpu"])
+    if weight_cache is not None and dense_bytes <= budget:
         dense = weight_cache.get_each(weights, experts_used)
-    else:
+    elif dense_bytes <= budget:
         dense = weights.dequantize(experts_used)
+    else:
+        dense = _ExpertsInChunks(weights, experts_used, budget // 4)
     gemm_rows = _expert_rows_matmul(input, rows, top_k, grouping, dense, size_n)
 
     gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
@@ -520,12 +525,49 @@ def _group_rows(rows: _Rows, experts_used: torch.Tensor) -> _Grouping:
     return _Grouping(order, [int(c) for c in per_expert])
 
 
+DENSE_BYTES_AT_ONCE = {"cpu": 512 << 20, "cuda": 8 << 30}
+"""Largest dense float32 weight set (bytes) dequantized at once, and cached, per device type; a bigger one (a
+gpt-oss layer on the CPU: 32 experts × 2880 × 5888 × 4 B = 2.2 GB) is dequantized a quarter of that budget at a time while
+the matmuls consume it, so an offline replay needs about 128 MB of dense weights beyond the packed tensors."""
+
+
+class _ExpertsInChunks(Sequence[torch.Tensor]):
+    """The dense ``float32[K, N]`` of ``experts[index]``, dequantized a chunk of experts at a time (at most
+    ``chunk_bytes`` of them, at least one) when first asked for; only the current chunk is kept. Indices are read in
+    order by the matmul loop, so each expert is dequantized once."""
+
+    def __init__(self, weights: MarlinExpertWeights, experts: torch.Tensor, chunk_bytes: int) -> None:
+        self._weights = weights
+        self._experts = experts
+        self._per_chunk = max(1, chunk_bytes // (weights.size_k * weights.size_n * 4))
+        self._start = -1
+        self._chunk: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self._experts.numel())
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[torch.Tensor]: ...
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if self._chunk is None or not self._start <= index < self._start + self._chunk.shape[0]:
+            self._chunk = None  # free the previous chunk before making the next
+            self._start = index - index % self._per_chunk
+            self._chunk = self._weights.dequantize(self._experts[self._start : self._start + self._per_chunk])
+        return self._chunk[index - self._start]
+
+
 def _expert_rows_matmul(
     input: torch.Tensor,
     rows: _Rows,
     top_k: int,
     grouping: _Grouping,
-    dense: torch.Tensor | list[torch.Tensor],
+    dense: torch.Tensor | Sequence[torch.Tensor],
     size_n: int,
 ) -> torch.Tensor:
     """``input[slot // top_k] @ dense[expert]`` for every row: the rows grouped by expert, one float32 matmul per

@@ -375,7 +375,9 @@ def dequantize_expert_weight(
             f"fp4 storage of shape {tuple(packed.shape)} does not match logical [K, N] = [{k}, {n}]"
         )
     # byte (kb, n) holds K rows 2kb (low nibble) and 2kb+1 (high nibble)
-    values = _byte_pair_table(packed.device)[packed.long()].permute(0, 2, 1).reshape(k, n)
+    # an embedding lookup gathers the 256-row table about twice as fast as advanced indexing on the CPU
+    pairs = torch.nn.functional.embedding(packed.to(torch.int32), _byte_pair_table(packed.device))
+    values = pairs.permute(0, 2, 1).reshape(k, n)
     scale_spec = tensor_spec_from(weight_scale)
     scales = _storage_bytes(scale_spec, expert).to(device)
     groups = -(-k // MX_GROUP)

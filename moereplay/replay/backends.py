@@ -13,9 +13,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -133,31 +135,43 @@ def load_backend(spec: BackendSpec, device: torch.device | str) -> KernelBackend
         module = _import_location(location)
         factory = getattr(module, "backend", None)
         if not callable(factory):
-            raise SettingsError(f"backend module {location} has no backend(device, name) function")
+            raise SettingsError(
+                f"--backend python:{location}: the module has no backend(device, name) function "
+                "(it returns the kernel backend)"
+            )
         backend: KernelBackend = factory(device, name)
         return backend
     raise SettingsError("the reference backend runs no kernel")
 
 
 def _import_location(location: str) -> types.ModuleType:
-    """Import a module by dotted name, or a ``.py`` file by path (registered under a name derived from it)."""
-    if location.endswith(".py"):
-        import importlib.util
-        import sys
-        from pathlib import Path
+    """Import a module by dotted name, or a ``.py`` file by path (registered under a name derived from it).
 
-        path = Path(location).resolve()
+    Every failure — a missing file, a module that is not there, one that raises while it loads — is one
+    :class:`SettingsError` naming the location, never a traceback."""
+    if location.endswith(".py"):
+        path = Path(location).expanduser().resolve()
+        if not path.is_file():
+            raise SettingsError(f"--backend python:{location}: no such file")
         name = "moereplay_backend_" + path.stem
         if name in sys.modules:
             return sys.modules[name]
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
-            raise SettingsError(f"cannot import backend file {location}")
+            raise SettingsError(f"--backend python:{location}: cannot import this file")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:
+            del sys.modules[name]
+            raise SettingsError(
+                f"--backend python:{location}: the file raised while loading: {type(error).__name__}: {error}"
+            ) from error
         return module
     try:
         return importlib.import_module(location)
-    except ImportError as error:
-        raise SettingsError(f"cannot import backend module {location}: {error}") from error
+    except Exception as error:
+        raise SettingsError(
+            f"--backend python:{location}: cannot import this module: {type(error).__name__}: {error}"
+        ) from error

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from moereplay.errors import ReplayError
 from moereplay.replay.memory import DEFAULT_GUARD_BYTES
 from moereplay.replay.mutations import FillPattern, Variant, parse_variants
 from moereplay.replay.results import ReplayReport
@@ -76,6 +77,8 @@ def replay(
     ``keep_tensors``: the report keeps every variant's output and reference (``report.tensors``). The rest as
     :class:`~moereplay.replay.session.ReplaySession` says.
     """
+    if isinstance(source, (str, Path)) and call is not None and (mutations or fills):
+        check_mutations(source, [call], mutations, fills)  # a typo fails before any tensor is rebuilt
     with ReplaySession(
         source,
         args,
@@ -104,3 +107,28 @@ def replay(
             session.sanitize()
             report = session.report()
         return report
+
+
+def check_mutations(
+    path: str | Path,
+    indices: Sequence[int],
+    mutations: Sequence[str | Variant],
+    fills: Sequence[str | FillPattern] = (),
+) -> None:
+    """Check mutation texts against the schema of each selected call's op, reading only the call records (no
+    tensor bytes, no recipe expansion: well under a second). Raises the one-line
+    :class:`~moereplay.errors.InvalidMutationError` a replay would raise after loading the call. Ops this process
+    does not know yet (a ``python:`` backend registers its own) are left to the replay."""
+    from moereplay.format import CaptureReader
+    from moereplay.ops import get_op
+
+    if not mutations and not fills:
+        return
+    with CaptureReader(path) as reader:
+        names = {reader.call(index).op for index in indices}
+    for name in sorted(names):
+        try:
+            op = get_op(name)
+        except ReplayError:
+            continue
+        parse_variants(op, mutations, fills)

@@ -16,7 +16,8 @@ Recorded tree (msgpack-native values only, plus the anchor)::
 
 Expansion cost is the generator's (drawing and packing a full gpt-oss weight set takes seconds on a few cores); the
 expanded outputs of one generator call are kept in a small in-process cache (:data:`CACHE_BYTES`), so the parts of one
-weight set — and repeated loads of one call — expand once. A digest mismatch (another torch whose CPU generator
+weight set — and repeated loads of one call — expand once; each verified expansion is also kept on disk
+(:mod:`moereplay.synth.expansion_store`), so the next process reads it back instead of drawing it again. A digest mismatch (another torch whose CPU generator
 draws differently) raises :class:`~moereplay.errors.CaptureFileError` naming the recipe: silently different inputs
 would make every later verdict meaningless.
 
@@ -178,6 +179,14 @@ def expand(recipe: TensorRecipe, device: torch.device | str = "cpu", *, verify: 
     Raises :class:`CaptureFileError` when the generator is unknown, its output does not have the recorded dtype,
     shape or stride, or (``verify``) its bytes do not hash to the recorded digest.
     """
+    from moereplay.synth import expansion_store
+
+    target = torch.device(device)
+    dtype_object = getattr(torch, recipe.dtype, None)
+    if verify and isinstance(dtype_object, torch.dtype):
+        stored = expansion_store.load(recipe.sha256, dtype_object, recipe.shape, recipe.stride)
+        if stored is not None:
+            return stored if target.type == "cpu" else stored.to(target)
     outputs = generate(recipe.generator, recipe.params)
     tensor = outputs.get(recipe.part)
     what = recipe.describe()
@@ -200,9 +209,10 @@ def expand(recipe: TensorRecipe, device: torch.device | str = "cpu", *, verify: 
             f"recipe {what}: this machine expands it to different bytes than the machine that recorded it "
             f"(torch {torch.__version__}); the recorded digest is {recipe.sha256[:16]}…"
         )
-    target = torch.device(device)
     out = torch.empty_strided(recipe.shape, recipe.stride, dtype=tensor.dtype, device=target)
     out.copy_(tensor)
+    if verify:
+        expansion_store.save(recipe.sha256, out if target.type == "cpu" else tensor)
     return out
 
 

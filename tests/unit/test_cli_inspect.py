@@ -207,3 +207,18 @@ def test_ls_marks_graph_replayed_layer_calls_by_their_graph_step(tmp_path: Path)
             writer.complete_call(index, {"output_tensor": torch.ones(2, 4)})
     lines = runner.invoke(app, ["ls", str(path)]).stdout.splitlines()[1:]
     assert [line.split()[3] for line in lines] == ["g41", "7", "-"]
+
+
+def test_info_on_a_bundled_capture_counts_one_call_and_names_an_unrecorded_version() -> None:
+    """``1 calls`` and ``moereplay —`` (the writer of three bundled files left its version empty)."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from moereplay.cli import app
+
+    capture = Path(__file__).resolve().parents[2] / "captures" / "marlin-nvfp4-report.moe.zst"
+    result = CliRunner().invoke(app, ["info", str(capture)])
+    assert result.exit_code == 0, result.output
+    assert "complete: 1 call," in result.output and "1 calls" not in result.output
+    assert "moereplay (not recorded)" in result.output and "moereplay —" not in result.output

@@ -131,3 +131,16 @@ def test_cli_trim_and_info_show_the_dedup(capture: Path, tmp_path: Path) -> None
     assert info.exit_code == 0 and "dedup" in info.output
     missing = runner.invoke(app, ["trim", str(tmp_path / "nope.zst"), "--calls", "0", "-o", str(out)])
     assert missing.exit_code != 0
+
+
+def test_cli_trim_refuses_an_existing_output_unless_forced(capture: Path, tmp_path: Path) -> None:
+    """``repro`` refuses to overwrite; ``trim`` replaced its output silently."""
+    runner = CliRunner()
+    out = tmp_path / "kept.moe.zst"
+    out.write_bytes(b"someone's file")
+    refused = runner.invoke(app, ["trim", str(capture), "--calls", "0", "-o", str(out)])
+    assert refused.exit_code != 0 and "--force" in str(refused.exception)
+    assert out.read_bytes() == b"someone's file"
+    forced = runner.invoke(app, ["trim", str(capture), "--calls", "0", "-o", str(out), "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert out.read_bytes() != b"someone's file"

@@ -30,7 +30,8 @@ def test_off_by_default_and_other_variables_are_not_parsed() -> None:
 def test_defaults() -> None:
     settings = parse()
     assert settings.enabled
-    assert settings.directory == Path("captures/run-20250102-030405")
+    # not ./captures/: that is where moereplay's own checkout (and many projects) keep example files
+    assert settings.directory == Path("moereplay-captures/run-20250102-030405")
     assert settings.directory_was_default
     assert settings.trigger is Trigger.ALWAYS
     assert settings.op_selected("moe_wna16_marlin_gemm")

@@ -90,7 +90,7 @@ def test_cut_at_every_byte_offset(small_file: tuple[bytes, list[Envelope]], tmp_
             assert recovery.truncated_at == (
                 None if size in boundaries else max(b for b in boundaries if b < size)
             ), size
-            assert f"recovered {len(calls)} calls" in recovery.message or recovery.complete
+            assert f"recovered {len(calls)} call" in recovery.message or recovery.complete
             snapshot = _snapshot(reader)
         expected = [
             (

@@ -65,7 +65,11 @@ def test_device_setup_prelude_unpacks_and_exports(tmp_path: Path) -> None:
     )
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
+    # a wrapper, not a symlink: a venv's interpreter reached through a link elsewhere loses its site-packages
+    # (pyvenv.cfg is looked up beside the link), and the prelude's python3 then cannot import moereplay
+    wrapper = bin_dir / "python3"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
     env = {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "HOME": str(tmp_path),

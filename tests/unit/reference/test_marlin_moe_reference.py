@@ -328,3 +328,32 @@ def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
         assert torch.equal(part.output[:rows], full.output[:rows]), (
             f"rows of the first {tokens} tokens changed"
         )
+
+
+def test_a_weight_set_over_the_budget_is_dequantized_in_chunks_with_the_same_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A gpt-oss layer's dense fp32 weights (2.2 GB) must not be held at once on the CPU: chunks of experts."""
+    from moereplay.reference import marlin_moe
+    from moereplay.reference.marlin_formats import MarlinExpertWeights
+
+    gen = torch.Generator().manual_seed(11)
+    packed = random_experts(F.AWQ_INT4, E, K, N, group_size=32, activation_dtype=torch.float16, generator=gen)
+    x = torch.randn(M, K, generator=gen).to(torch.float16)
+    weights, ids = _routing(gen, M, TOP_K, E)
+    aligned = moe_align_block_size(ids, 16, E)
+    whole = _call(packed, x, aligned, weights, top_k=TOP_K, block=16, mul=True)
+    calls: list[int] = []
+    dequantize = MarlinExpertWeights.dequantize
+
+    def counted(self: MarlinExpertWeights, experts: torch.Tensor) -> torch.Tensor:
+        calls.append(int(experts.numel()))
+        return dequantize(self, experts)
+
+    monkeypatch.setattr(MarlinExpertWeights, "dequantize", counted)
+    monkeypatch.setitem(marlin_moe.DENSE_BYTES_AT_ONCE, "cpu", 4 * K * N * 4)  # one expert per chunk
+    chunked = _call(
+        packed, x, aligned, weights, top_k=TOP_K, block=16, mul=True, weight_cache=ExpertWeightCache()
+    )
+    assert torch.equal(chunked.output, whole.output)
+    assert calls and max(calls) == 1 and sum(calls) == whole.experts_used.numel()

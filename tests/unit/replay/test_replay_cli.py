@@ -123,6 +123,12 @@ def test_json_out_keeps_the_document_beside_the_table(tmp_path: Path) -> None:
         ["--flip", "nonexistent"],
         ["--set", "block"],
         ["--backend", "warp-drive"],
+        [
+            "--backend",
+            "python:json",
+        ],  # a module without backend(): importlib was shadowed (UnboundLocalError)
+        ["--backend", "python:/no/such/backend.py"],  # was FileNotFoundError
+        ["--backend", "python:no_such_module_for_moereplay"],
         ["--call", "7"],
         ["--call", "0", "--all"],
     ],
@@ -146,3 +152,21 @@ def test_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         main(["run", str(tmp_path / "absent.zst")])
     assert exit_info.value.code == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_a_mutation_typo_fails_before_any_weight_is_rebuilt(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--flip topk_weights`` on a recipe capture used to fail only after ~15 s of rebuilding the weights."""
+    from moereplay.synth import recipe
+
+    def no_expansion(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights were rebuilt before the options were checked")
+
+    monkeypatch.setattr(recipe, "expand", no_expansion)
+    report_capture = Path(__file__).resolve().parents[3] / "captures" / "marlin-nvfp4-report.moe.zst"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(report_capture), "--call", "0", "--flip", "topk_weights", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "--flip topk_weights" in error and "mutable: mul_topk_weights" in error
