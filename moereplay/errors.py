@@ -2,7 +2,8 @@
 
 MoereplayError
 ├── CaptureFileError        a capture file is unreadable: bad magic, version, hash, structure, size claims
-│   └── TruncatedFileError  the file ends inside a frame (recoverable up to the last whole frame)
+│   ├── TruncatedFileError  the file ends inside a frame (recoverable up to the last whole frame)
+│   └── MemoryBudgetError   loading a call would allocate more than the reader's memory budget
 ├── UnsupportedValueError   a recorded value has no codec, or a value cannot be encoded
 ├── SettingsError           a MOEREPLAY_* setting or CLI option is malformed
 ├── PackError               a kernel pack is missing, malformed, or built for another torch
@@ -27,6 +28,10 @@ class CaptureFileError(MoereplayError):
 
 class TruncatedFileError(CaptureFileError):
     """A capture file ends in the middle of a frame."""
+
+
+class MemoryBudgetError(CaptureFileError):
+    """Loading a call would allocate more than the reader's memory budget (``MOEREPLAY_LOAD_BUDGET``)."""
 
 
 class UnsupportedValueError(MoereplayError):

@@ -49,5 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="moereplay")
     except MoereplayError as error:
-        print(f"moereplay: {error}", file=sys.stderr)
+        from moereplay.format.text import printable  # messages quote file text: one line, no terminal control
+
+        print(f"moereplay: {printable(error)}", file=sys.stderr)
         sys.exit(2)

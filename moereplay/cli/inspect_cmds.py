@@ -16,10 +16,13 @@ import typer
 from moereplay.cli import app
 
 if TYPE_CHECKING:
+    from moereplay.format.records import DamagedCall
     from moereplay.format.summary import CallRow, CaptureInfo
 
 _FILE = typer.Argument(..., help="A capture file (.zst).", show_default=False)
 _JSON = typer.Option(False, "--json", help="Print one JSON document instead of text.")
+DAMAGED_SHOWN = 5
+"""Damaged calls ``info`` names one by one."""
 
 
 def _print_json(document: Any, *, indent: int | None = 2) -> None:
@@ -58,27 +61,44 @@ def ls_command(
 
     if status is not None and status not in CALL_STATUSES:
         raise SettingsError(f"--status must be one of {', '.join(CALL_STATUSES)}, not {status!r}")
+    from moereplay.format.records import DamagedCall
+    from moereplay.format.text import printable
+
     recovery, rows = list_calls(file, op=op, layer=layer, status=status, step=step)
     if not recovery.complete:
-        print(f"moereplay: note: {file}: {recovery.message}", file=sys.stderr)
+        print(f"moereplay: note: {file}: {printable(recovery.message)}", file=sys.stderr)
     if json_output:
-        _print_json([row.to_json() for row in rows], indent=None)
+        _print_json(
+            [
+                {"index": row.index, "damaged": row.problem}
+                if isinstance(row, DamagedCall)
+                else row.to_json()
+                for row in rows
+            ],
+            indent=None,
+        )
     else:
         _render_rows(rows)
 
 
-def _render_rows(rows: list[CallRow]) -> None:
+def _render_rows(rows: list[CallRow | DamagedCall]) -> None:
+    """A plain text table; every cell taken from the file goes through ``printable`` (no terminal control)."""
+    from moereplay.format.records import DamagedCall
+    from moereplay.format.text import printable
+
     columns = ["#", "op", "site", "step", "layer", "parent", "status", "tensors"]
     table = [
-        [
+        [str(row.index), "?", "-", "-", "-", "-", "damaged", printable(row.problem)]
+        if isinstance(row, DamagedCall)
+        else [
             str(row.index),
-            row.op,
-            row.site or "-",
-            _step_text(row),
-            _layer_text(row),
+            printable(row.op),
+            printable(row.site) or "-",
+            printable(_step_text(row)),
+            printable(_layer_text(row)),
             _text(row.parent),
             row.status,
-            row.key_tensors(),
+            printable(row.key_tensors()),
         ]
         for row in rows
     ]
@@ -115,6 +135,9 @@ def _megabytes(count: int) -> str:
 def _render_info(info: CaptureInfo) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    from moereplay.format.text import printable
 
     header, stats, recovery = info.header, info.stats, info.recovery
     versions: dict[str, Any] = header["versions"] if isinstance(header.get("versions"), dict) else {}
@@ -147,7 +170,17 @@ def _render_info(info: CaptureInfo) -> None:
         lines.append(("command", " ".join(str(part) for part in argv)))
     lines.append(("status", recovery.message))
     by_status = ", ".join(f"{count} {name}" for name, count in stats.by_status.items()) or "none"
+    if stats.damaged:
+        by_status += f"; {len(stats.damaged)} damaged"
     lines.append(("calls", f"{stats.calls} ({by_status})"))
+    for index, problem in list(stats.damaged.items())[:DAMAGED_SHOWN]:
+        lines.append(
+            ("damaged", f"call {index}: {problem}")
+        )  # problem: the reader's message, without the call
+    if len(stats.damaged) > DAMAGED_SHOWN:
+        lines.append(
+            ("damaged", f"… and {len(stats.damaged) - DAMAGED_SHOWN} more (moereplay ls lists them)")
+        )
     lines.append(
         (
             "tensors",
@@ -158,9 +191,12 @@ def _render_info(info: CaptureInfo) -> None:
     )
     if stats.counters:
         lines.append(("counters", ", ".join(f"{name}={value}" for name, value in stats.counters.items())))
-    console = Console(highlight=False, soft_wrap=True)
-    for name, value in lines:
-        console.print(f"[bold]{name:<9}[/bold] {value}", markup=True, emoji=False)
+    console = Console(highlight=False, soft_wrap=True, emoji=False)
+    for (
+        name,
+        value,
+    ) in lines:  # file text is printed as Text: never parsed as markup, control characters escaped
+        console.print(Text.assemble((f"{name:<9}", "bold"), " ", printable(value)))
     if stats.by_op:
         statuses = list(stats.by_status)
         table = Table(title=None, show_edge=False, pad_edge=False)
@@ -169,7 +205,11 @@ def _render_info(info: CaptureInfo) -> None:
             table.add_column(status, justify="right")
         table.add_column("total", justify="right")
         for op, counts in stats.by_op.items():
-            table.add_row(op, *(str(counts.get(status, 0)) for status in statuses), str(sum(counts.values())))
+            table.add_row(
+                Text(printable(op)),
+                *(str(counts.get(status, 0)) for status in statuses),
+                str(sum(counts.values())),
+            )
         console.print(table)
 
 

@@ -164,11 +164,17 @@ def render_reports(reports: list[ReplayReport]) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    from moereplay.format.text import printable
+
+    # Everything a report quotes from the capture (op, site, argument names, messages) is printed as Text after
+    # ``printable``: never parsed as markup, never a terminal control sequence.
+    console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 160)
     for report in reports:
         title = f"call #{report.call} · {report.op}" + (f" · {report.site}" if report.site else "")
         table = Table(
-            title=title, caption=f"backend {report.backend} on {report.device}", title_justify="left"
+            title=Text(printable(title)),
+            caption=Text(printable(f"backend {report.backend} on {report.device}")),
+            title_justify="left",
         )
         for column, justify in (
             ("variant", "left"),
@@ -189,7 +195,7 @@ def render_reports(reports: list[ReplayReport]) -> None:
             exact = "-" if result.bit_exact is None else ("yes" if result.bit_exact else "no")
             elapsed = "-" if result.elapsed_s is None else f"{result.elapsed_s * 1e3:.2f} ms"
             table.add_row(
-                result.label,
+                Text(printable(result.label)),
                 verdict,
                 f"{result.bad_rows}/{result.rows}" if result.rows else "-",
                 _number(result.max_rel),
@@ -198,32 +204,35 @@ def render_reports(reports: list[ReplayReport]) -> None:
                 str(result.nan),
                 str(result.inf),
                 exact,
-                result.guard.value,
+                Text(printable(result.guard.value)),
                 elapsed,
             )
         console.print(table)
         headline = report.headline
         line = Text("  verdict ")
         line.append(headline.verdict.value, style=_VERDICT_STYLE.get(headline.verdict.value, ""))
-        line.append(f" ({headline.source})")
+        line.append(printable(f" ({headline.source})"))
         console.print(line)
         for result in report.results:
             if result.reason:
                 console.print(
-                    Text(f"  {result.label}: {result.verdict.value} — {result.reason}", style="yellow")
+                    Text(
+                        printable(f"  {result.label}: {result.verdict.value} — {result.reason}"),
+                        style="yellow",
+                    )
                 )
         for note in report.notes:  # context (what ran unasked, what could not be done) before the findings
-            console.print(Text(f"  note: {note}", style="dim"))
+            console.print(Text(printable(f"  note: {note}"), style="dim"))
         if report.findings:
             console.print(Text("findings", style="bold"))
         for finding in report.findings:
             line = Text("  ")
             line.append(f"[{finding.kind.value}]", style="bold cyan")
-            line.append(f" ({finding.variant}) " if finding.variant != "baseline" else " ")
-            line.append(finding.message)
+            line.append(printable(f" ({finding.variant}) ") if finding.variant != "baseline" else " ")
+            line.append(printable(finding.message))
             if finding.confidence < 1.0:
                 line.append(f"  (confidence {finding.confidence:.2f})", style="dim")
             console.print(line)
             for suggestion in finding.suggestions:
-                console.print(Text(f"      try: --{suggestion}", style="green"))
+                console.print(Text(printable(f"      try: --{suggestion}"), style="green"))
         console.print()

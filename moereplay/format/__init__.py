@@ -34,8 +34,10 @@ Public API (stable names; other packages code against these):
   the host itself** (synchronously), so callers pass device tensors as they are. ``static`` names arguments
   whose tensors are weights: cached by identity, so later calls skip the device copy and the hash.
 - :class:`CaptureReader` ``(path, *, max_frame_bytes=64 MiB, max_blob_bytes=16 GiB, verify_hashes=True,
-  blob_cache_bytes=256 MiB)`` — context manager. ``.header`` (dict), ``.recovery`` (:class:`Recovery`), ``.footer`` (dict or None),
-  ``len(reader)``, ``.calls()`` (iterator of :class:`CallRecord`), ``.call(i)``, ``.select(op=, layer=,
+  blob_cache_bytes=256 MiB, memory_budget=None)`` — context manager. ``.header`` (dict), ``.recovery``
+  (:class:`Recovery`), ``.footer`` (dict or None), ``len(reader)``, ``.calls()`` (iterator of the readable
+  :class:`CallRecord`), ``.entries()`` (those and a :class:`DamagedCall` for each call that cannot be read),
+  ``.damaged``, ``.call(i)``, ``.select(op=, layer=,
   status=)``, ``.load_args(i, device="cpu")``, ``.load_outputs(i, device="cpu")``, ``.stats()``
   (:class:`CaptureStats`), ``.blob_frames_read`` / ``.bytes_read`` (I/O counters).
 - :class:`CallRecord` — index, op, site, context, parent, status (``inputs_saved`` / ``completed`` /
@@ -50,7 +52,8 @@ Public API (stable names; other packages code against these):
 - :func:`register_codec` ``(type_or_qualname, encode, decode)``, :func:`unregister_codec`,
   :func:`register_enum` ``(enum_class)``, :func:`qualified_name` ``(type)``.
 - Errors (from :mod:`moereplay.errors`): :class:`CaptureFileError`, :class:`TruncatedFileError` (one line,
-  naming the file and the problem), :class:`UnsupportedValueError`.
+  naming the file and the problem), :class:`MemoryBudgetError` (loading a call would allocate more than
+  ``memory_budget``, see :mod:`moereplay.format.budget`), :class:`UnsupportedValueError`.
 
 Recorded values: None, bool, int (any size), float (nan/inf), str, bytes, list, tuple, dict (any hashable
 keys), set, frozenset, enums, ``torch.dtype``, ``torch.device``, ``torch.Size``, tensors of every dtype
@@ -58,7 +61,8 @@ keys), set, frozenset, enums, ``torch.dtype``, ``torch.device``, ``torch.Size``,
 and objects with a registered codec; anything else becomes :class:`Unsupported`.
 
 Aliasing: within one call, every storage gets a storage id; tensors (arguments and outputs) on the same storage
-share it. Loading rebuilds one buffer per storage id holding the union of the recorded spans and returns views
+share it. Loading checks every tensor description against its storage and the call's total against the memory
+budget before allocating, reads each blob once, and rebuilds one buffer per storage id holding the union of the recorded spans and returns views
 of it. Arguments and outputs are loaded separately (outputs hold the bytes after the call); an output that was
 written in place over an argument has the argument's storage id (``CallRecord.aliases()``).
 
@@ -84,7 +88,7 @@ from moereplay.format.codecs import (
 )
 from moereplay.format.framing import FORMAT_MAJOR, FORMAT_MINOR
 from moereplay.format.reader import CaptureReader
-from moereplay.format.records import CallRecord, CallStatus, CaptureStats, Recovery
+from moereplay.format.records import CallRecord, CallStatus, CaptureStats, DamagedCall, Recovery
 from moereplay.format.schema import CodecValue, EnumValue, TensorBytes, TensorMeta, Unsupported
 
 if TYPE_CHECKING:
@@ -111,6 +115,7 @@ __all__ = [
     "CaptureWriter",
     "Codec",
     "CodecValue",
+    "DamagedCall",
     "EnumValue",
     "Recovery",
     "TensorBytes",

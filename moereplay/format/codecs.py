@@ -41,12 +41,16 @@ def qualified_name(kind: type) -> str:
 class Codec:
     """``encode(obj) -> value tree`` at capture time; ``decode(value tree) -> obj`` at load time.
 
-    ``decode`` receives the tree with tensors already materialised (on the device asked for).
+    ``decode`` receives the tree with tensors already materialised (on the device asked for). ``nbytes``
+    (optional) receives the tree as recorded (tensors still descriptions) and says how many bytes ``decode`` will
+    allocate, so a reader can hold it to its memory budget before decoding; it raises
+    :class:`~moereplay.errors.MoereplayError` for a tree it would refuse anyway.
     """
 
     type_name: str
     encode: Callable[[Any], Any]
     decode: Callable[[Any], Any]
+    nbytes: Callable[[Any], int] | None = None
 
 
 _lock = threading.Lock()
@@ -68,9 +72,10 @@ def register_codec(
     type_or_qualname: type | str,
     encode: Callable[[Any], Any],
     decode: Callable[[Any], Any],
+    nbytes: Callable[[Any], int] | None = None,
 ) -> Codec:
     """Register (or replace) the codec for a type; returns it."""
-    codec = Codec(_key(type_or_qualname), encode, decode)
+    codec = Codec(_key(type_or_qualname), encode, decode, nbytes)
     with _lock:
         _codecs[codec.type_name] = codec
     return codec

@@ -49,6 +49,11 @@ ITEMSIZES: Mapping[str, int] = MappingProxyType(
 )
 """Canonical torch dtype name (``"float8_e4m3fn"``, as ``str(dtype)`` without ``torch.``) → bytes per element."""
 
+LOADABLE: frozenset[str] = frozenset(name for name in ITEMSIZES if not name.startswith(("qint", "quint")))
+"""The dtypes a reader materialises: a fixed allow-list, checked before torch sees a name from a file. Quantized
+dtypes (``qint8`` …) are left out: their tensors carry a scale and zero point the format does not record, and torch
+refuses to build them over raw bytes."""
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float8_e4m3fn`` → ``"float8_e4m3fn"`` (the canonical name, never an alias like ``half``)."""

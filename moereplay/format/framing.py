@@ -59,6 +59,8 @@ _MAX_EXPANSION = 32_768
 _ZSTD_BLOCK = 128 * 1024
 _FRAME_HEADER_MAX = 18
 """Largest zstd frame header (magic, descriptor, window, dictionary id, content size)."""
+_FRAME_MIN = 13
+"""Smallest zstd frame with the checksum this format requires: magic, descriptor, one block header, checksum."""
 _BIN_MAX = 2**32 - 1
 BLOB_CHUNK = 2**30
 """Chunk size of blobs larger than one msgpack bin can hold."""
@@ -288,6 +290,10 @@ class FrameSource:
             raise TruncatedFileError(f"{self.path}: file ends inside the record at offset {offset}")
         return data
 
+    def read_range(self, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes from ``offset`` (fewer at the end of the file); for searching damaged regions."""
+        return self._read(offset, max(0, min(length, self.size - offset)))
+
     def read_prefix(self, length: int) -> bytes:
         """The first ``length`` bytes of the file (fewer if it is shorter)."""
         return self._read(0, min(length, self.size))
@@ -315,6 +321,8 @@ class FrameSource:
             raise self.fail(f"record at offset {offset} has unknown flags {flags:#x}")
         if kind is RecordKind.TAIL and frame_length != 0:
             raise self.fail(f"tail record at offset {offset} claims a frame")
+        if kind is not RecordKind.TAIL and frame_length < _FRAME_MIN:
+            raise self.fail(f"the {kind.name.lower()} record at offset {offset} has no room for a zstd frame")
         envelope = Envelope(offset, kind, frame_length, value)
         if envelope.end > self.size:
             raise TruncatedFileError(
@@ -346,9 +354,14 @@ class FrameSource:
         if size > _MAX_EXPANSION * len(frame) + _ZSTD_BLOCK:
             raise self.fail(f"{where} claims {size} bytes, more than {len(frame)} compressed bytes can hold")
         try:
-            content = self._decompressor.decompress(frame)
+            stream = self._decompressor.decompressobj()
+            content = stream.decompress(frame)
         except (zstandard.ZstdError, MemoryError) as error:
             raise self.fail(f"{where} does not decompress: {error}") from error
+        if not stream.eof:
+            raise self.fail(f"{where} ends inside its zstd frame")
+        if stream.unused_data:
+            raise self.fail(f"{where} has {len(stream.unused_data)} bytes after its zstd frame")
         if len(content) != size:
             raise self.fail(f"{where} decompressed to {len(content)} bytes, not the declared {size}")
         return content
@@ -417,6 +430,7 @@ class FrameSource:
             raise self.fail(f"{where} has a bad zstd header: {error}") from error
         if not parameters.has_checksum or parameters.dict_id != 0:
             raise self.fail(f"{where} lacks a content checksum or needs a dictionary")
+        self._check_frame_end(envelope, head, where)
         try:
             self._file.seek(envelope.frame_offset)
             frame: Any = _Bounded(self._file, envelope.frame_length)
@@ -431,6 +445,30 @@ class FrameSource:
         self.bytes_read += envelope.frame_length
         if verify and hashlib.new(BLOB_HASH, target).digest() != digest:
             raise self.fail(f"blob at offset {envelope.offset} fails its {BLOB_HASH} check (corrupt)")
+
+    def _check_frame_end(self, envelope: Envelope, head: bytes, where: str) -> None:
+        """Walk the zstd block headers of a frame (3 bytes per block of at most 128 KiB; nothing decompressed) and
+        check the frame ends exactly where its record does: bytes after it would otherwise be ignored."""
+        try:
+            position = envelope.frame_offset + zstandard.frame_header_size(head)
+        except zstandard.ZstdError as error:
+            raise self.fail(f"{where} has a bad zstd header: {error}") from error
+        end = envelope.end
+        while True:
+            if position + 3 > end:
+                raise self.fail(f"{where} ends inside its zstd frame")
+            header = int.from_bytes(self._read(position, 3), "little")
+            last, block_type, size = header & 1, (header >> 1) & 3, header >> 3
+            if block_type == 3 or size > _ZSTD_BLOCK:
+                raise self.fail(f"{where} has a malformed zstd block at offset {position}")
+            position += 3 + (1 if block_type == 1 else size)
+            if last:
+                break
+        position += 4  # the content checksum
+        if position > end:
+            raise self.fail(f"{where} ends inside its zstd frame")
+        if position < end:
+            raise self.fail(f"{where} has {end - position} bytes after its zstd frame")
 
 
 class _Bounded:

@@ -19,8 +19,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from moereplay.errors import CaptureFileError, TruncatedFileError, UnsupportedValueError
+from moereplay.errors import (
+    CaptureFileError,
+    MemoryBudgetError,
+    MoereplayError,
+    TruncatedFileError,
+    UnsupportedValueError,
+)
+from moereplay.format.budget import BUDGET_VARIABLE, default_memory_budget
 from moereplay.format.codecs import codec_for
+from moereplay.format.dtypes import LOADABLE
 from moereplay.format.framing import (
     DEFAULT_MAX_BLOB_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
@@ -39,6 +47,7 @@ from moereplay.format.records import (
     CallRecord,
     CallStatus,
     CaptureStats,
+    DamagedCall,
     Recovery,
 )
 from moereplay.format.schema import CodecValue, TensorMeta, iter_tensor_metas
@@ -50,6 +59,7 @@ if TYPE_CHECKING:
 _DIGEST_BYTES = 32
 DEFAULT_BLOB_CACHE_BYTES = 256 * 2**20
 _CUT = "the file ends inside a record"
+_RESYNC_CHUNK = 1 << 20
 
 
 @dataclass
@@ -80,7 +90,9 @@ class CaptureReader:
     ``max_frame_bytes`` caps one decompressed metadata record; ``max_blob_bytes`` caps one blob. Claims over
     either (or over what the file can hold) are refused before anything is allocated. ``verify_hashes``
     re-hashes every blob loaded (sha256, ~1.5 GB/s); zstd checksums are always checked.
-    ``blob_cache_bytes``: verified blob bytes kept (least recently used first out) so loading many calls that
+    ``memory_budget``: the most bytes loading one call's arguments or outputs may allocate (default:
+    :func:`~moereplay.format.budget.default_memory_budget`, ``MOEREPLAY_LOAD_BUDGET`` or ¾ of the available
+    memory); checked before anything is allocated. ``blob_cache_bytes``: verified blob bytes kept (least recently used first out) so loading many calls that
     share weights decodes them once; every load still gets fresh buffers. 0 disables it.
 
     One reader is used by one thread at a time (it owns a file position); open one per thread.
@@ -94,8 +106,10 @@ class CaptureReader:
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
         verify_hashes: bool = True,
         blob_cache_bytes: int = DEFAULT_BLOB_CACHE_BYTES,
+        memory_budget: int | None = None,
     ) -> None:
         self.path = Path(path)
+        self.memory_budget = default_memory_budget() if memory_budget is None else memory_budget
         self.verify_hashes = verify_hashes
         self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._cache_bytes = 0
@@ -145,9 +159,26 @@ class CaptureReader:
         return list(self._order)
 
     def calls(self) -> Iterator[CallRecord]:
-        """Every recorded call, in index order, without reading blobs."""
+        """Every readable call, in index order, without reading blobs (damaged ones: :meth:`entries`)."""
+        for entry in self.entries():
+            if isinstance(entry, CallRecord):
+                yield entry
+
+    def entries(self) -> Iterator[CallRecord | DamagedCall]:
+        """Every call the file lists, in index order: a :class:`CallRecord`, or a :class:`DamagedCall` saying why
+        its records cannot be read — one bad record hides nothing else."""
         for index in self._order:
-            yield self.call(index)
+            try:
+                yield self.call(index)
+            except CaptureFileError as error:
+                yield DamagedCall(
+                    index, str(error).removeprefix(f"{self.path}: ").removeprefix(f"call {index}: ")
+                )
+
+    @property
+    def damaged(self) -> dict[int, str]:
+        """Call index → why it cannot be read, for every damaged call (reads every call and completion record)."""
+        return {entry.index: entry.problem for entry in self.entries() if isinstance(entry, DamagedCall)}
 
     def call(self, index: int) -> CallRecord:
         """Random access to one call through the index."""
@@ -173,7 +204,8 @@ class CaptureReader:
         """The call's arguments with tensors materialised on ``device`` and codec objects decoded.
 
         Views of one recorded storage come back as views of one buffer holding the stored span; shapes and
-        strides are the recorded ones, storage offsets are relative to that span.
+        strides are the recorded ones, storage offsets are relative to that span. Storages recorded with the same
+        bytes (one blob) share one buffer: clone a tensor before writing to it in place.
         """
         call, _ = self._documents(index)
         return self._materialise(index, "arguments", _Phase(call["args"], call["storages"]), device)
@@ -193,8 +225,13 @@ class CaptureReader:
         by_status: Counter[str] = Counter()
         unique: dict[bytes, int] = {}
         referenced = tensor_bytes = 0
+        damaged: dict[int, str] = {}
         for index in self._order:
-            call, completion = self._documents(index)
+            try:
+                call, completion = self._documents(index)
+            except CaptureFileError as error:
+                damaged[index] = str(error).removeprefix(f"{self.path}: ").removeprefix(f"call {index}: ")
+                continue
             status = "inputs_saved" if completion is None else completion["status"]
             by_op.setdefault(call["op"], Counter())[status] += 1
             by_status[status] += 1
@@ -208,7 +245,7 @@ class CaptureReader:
         unique_bytes = sum(unique.values())
         counters = self.footer.get("counters", {}) if self.footer else {}
         return CaptureStats(
-            calls=len(self._order),
+            calls=len(self._order) - len(damaged),
             by_op={op: dict(counts) for op, counts in sorted(by_op.items())},
             by_status={status: by_status[status] for status in CALL_STATUSES if by_status[status]},
             file_bytes=self._source.size,
@@ -218,6 +255,7 @@ class CaptureReader:
             tensor_bytes=tensor_bytes,
             dedup_ratio=referenced / unique_bytes if unique_bytes else 1.0,
             counters=dict(counters) if isinstance(counters, dict) else {},
+            damaged=damaged,
         )
 
     def select(
@@ -294,9 +332,87 @@ class CaptureReader:
                 except CaptureFileError as error:
                     problem = str(error).removeprefix(f"{self.path}: ")
                 else:
-                    message = f"complete: {_count(len(slots), 'call')}, footer and index present"
-                    return slots, footer, Recovery(True, False, None, len(slots), message)
+                    return self._verify_indexed(slots, footer, tail)
         return self._scan(problem)
+
+    def _verify_indexed(
+        self, slots: dict[int, _Slot], footer: dict[str, Any], tail: Envelope
+    ) -> tuple[dict[int, _Slot], dict[str, Any], Recovery]:
+        """Walk every record envelope between the header and the tail (32 bytes each, nothing decompressed): a
+        file holds exactly what its index lists, so records the index does not list (appended or spliced in after
+        the file was closed) or damaged bytes between records mean it is not complete. Unindexed calls whose index
+        is free are listed too — they are recorded data."""
+        indexed = {slot.call for slot in slots.values()} | {
+            slot.completion for slot in slots.values() if slot.completion is not None
+        }
+        found: list[Envelope] = []
+        damaged = self._walk(self._header_end, tail.offset, found)
+        extra = [
+            envelope
+            for envelope in found
+            if envelope.kind in (RecordKind.CALL, RecordKind.COMPLETION) and envelope.offset not in indexed
+        ]
+        notes = list(damaged)
+        if extra:
+            for envelope in extra:
+                slot = slots.get(envelope.value)
+                if envelope.kind is RecordKind.CALL and slot is None:
+                    slots[envelope.value] = _Slot(envelope.offset)
+                elif envelope.kind is RecordKind.COMPLETION and slot is not None and slot.completion is None:
+                    slot.completion = envelope.offset
+            notes.append(
+                f"{len(extra)} {envelope_kinds(extra)} the index does not list (first at offset {extra[0].offset})"
+            )
+        if not notes:
+            message = f"complete: {_count(len(slots), 'call')}, footer and index present"
+            return slots, footer, Recovery(True, False, None, len(slots), message)
+        message = f"footer and index present, but {'; '.join(notes)}: not complete; {_count(len(slots), 'call')} listed"
+        return slots, footer, Recovery(False, False, None, len(slots), message)
+
+    def _walk(self, position: int, end: int, found: list[Envelope]) -> list[str]:
+        """Append every readable envelope in ``[position, end)`` to ``found``; return what was damaged (skipped
+        by searching for the next envelope)."""
+        source = self._source
+        damaged: list[str] = []
+        while position < end:
+            try:
+                envelope = source.envelope_at(position)
+                if envelope.end > end:
+                    raise source.fail(f"the record at offset {position} runs past offset {end}")
+            except CaptureFileError as error:
+                resumed = self._resync(position + 1, end)
+                reason = str(error).removeprefix(f"{self.path}: ")
+                damaged.append(f"damaged bytes {position}-{resumed} skipped ({reason})")
+                position = resumed
+                continue
+            found.append(envelope)
+            position = envelope.end
+        return damaged
+
+    def _resync(self, start: int, end: int) -> int:
+        """Offset of the first readable envelope in ``[start, end)`` (``end`` when there is none). Reads the
+        bytes in between once, 1 MiB at a time; the envelope's 10-byte prefix and CRC make false hits rare,
+        and a false hit is only an envelope that fails its next check."""
+        source = self._source
+        prefix = pack_envelope(RecordKind.HEADER, 0, 0)[:10]
+        position = start
+        while position < end:
+            chunk = source.read_range(position, min(_RESYNC_CHUNK, end - position))
+            found = chunk.find(prefix)
+            while found >= 0:
+                candidate = position + found
+                try:
+                    envelope = source.envelope_at(candidate)
+                except CaptureFileError:
+                    found = chunk.find(prefix, found + 1)
+                    continue
+                if envelope.end <= end:
+                    return candidate
+                found = chunk.find(prefix, found + 1)
+            if position + len(chunk) >= end:
+                break
+            position += max(len(chunk) - len(prefix) + 1, 1)
+        return end
 
     def _read_indexed(self, tail: Envelope) -> tuple[dict[int, _Slot], dict[str, Any]]:
         source = self._source
@@ -338,6 +454,7 @@ class CaptureReader:
         position = self._header_end
         stopped: str | None = None
         tail_seen = False
+        damaged: list[str] = []
         while position < source.size and not tail_seen:
             try:
                 envelope = source.envelope_at(position)
@@ -345,14 +462,23 @@ class CaptureReader:
                 stopped = _CUT
                 break
             except CaptureFileError as error:
-                stopped = str(error).removeprefix(f"{self.path}: ")
-                break
+                resumed = self._resync(position + 1, source.size)
+                if resumed >= source.size:
+                    stopped = str(error).removeprefix(f"{self.path}: ")
+                    break
+                damaged.append(
+                    f"damaged bytes {position}-{resumed} skipped ({str(error).removeprefix(f'{self.path}: ')})"
+                )
+                position = resumed
+                continue
             kind = envelope.kind
             if kind is RecordKind.CALL:
                 if envelope.value in slots:
-                    stopped = f"call {envelope.value} recorded twice (offset {position})"
-                    break
-                slots[envelope.value] = _Slot(position)
+                    damaged.append(
+                        f"call {envelope.value} recorded twice (offset {position}; the first kept)"
+                    )
+                else:
+                    slots[envelope.value] = _Slot(position)
             elif kind is RecordKind.COMPLETION:
                 slot = slots.get(envelope.value)
                 if slot is not None and slot.completion is None:
@@ -361,16 +487,16 @@ class CaptureReader:
                 try:
                     _, footer = source.document_at(position, RecordKind.FOOTER)
                 except CaptureFileError as error:
-                    stopped = str(error).removeprefix(f"{self.path}: ")
-                    break
+                    damaged.append(f"footer unreadable ({str(error).removeprefix(f'{self.path}: ')})")
             elif kind is RecordKind.TAIL:
                 tail_seen = True
             elif kind is RecordKind.HEADER:
-                stopped = f"a second header at offset {position}"
-                break
+                damaged.append(f"a second header at offset {position} skipped")
             position = envelope.end
         completed = sum(slot.completion is not None for slot in slots.values())
         recovered = f"recovered {_count(len(slots), 'call')} ({completed} with outputs)"
+        if damaged:
+            recovered = f"{'; '.join(damaged[:3])}{f' (+{len(damaged) - 3} more)' if len(damaged) > 3 else ''}; {recovered}"
         footer_missing = footer is None
         if stopped is not None:
             verb = "truncated" if stopped == _CUT else "stopped"
@@ -429,12 +555,18 @@ class CaptureReader:
         slot = self._slots.get(index)
         if slot is None:
             raise CaptureFileError(f"{self.path}: no call {index} (the file holds {len(self._order)} calls)")
-        _, call = self._source.document_at(slot.call, RecordKind.CALL, ext_hook)
-        checked = _check_call(self._source, call, index, self._header_end)
-        completion = None
-        if slot.completion is not None:
-            _, raw = self._source.document_at(slot.completion, RecordKind.COMPLETION, ext_hook)
-            completion = _check_completion(self._source, raw, index, self._header_end)
+        try:
+            _, call = self._source.document_at(slot.call, RecordKind.CALL, ext_hook)
+            checked = _check_call(self._source, call, index, self._header_end)
+            completion = None
+            if slot.completion is not None:
+                _, raw = self._source.document_at(slot.completion, RecordKind.COMPLETION, ext_hook)
+                completion = _check_completion(self._source, raw, index, self._header_end)
+        except CaptureFileError as error:  # name the call whose record it is
+            text = str(error).removeprefix(f"{self.path}: ")
+            if text.startswith(f"call {index}:"):
+                raise
+            raise type(error)(f"{self.path}: call {index}: {text}") from error
         return checked, completion
 
     # --------------------------------------------------------------------------------- materialising
@@ -442,39 +574,27 @@ class CaptureReader:
     def _materialise(
         self, index: int, what: str, phase: _Phase, device: str | torch.device
     ) -> dict[str, Any]:
-        import torch
+        """Check every tensor and the memory the call needs, then allocate, read and build the tree.
 
-        from moereplay.format.tensors import DTYPES, empty_buffer, view_of
-
-        target = torch.device(device)
+        Nothing from the file reaches torch before it is checked: dtype names against a fixed allow-list, every
+        view inside its storage's recorded bytes, and the total — each distinct blob once, plus what codec values
+        (recipes) say they will allocate — against :attr:`memory_budget`.
+        """
         source = self._source
         where = f"call {index} {what}"
-        buffers: dict[int, torch.Tensor] = {}
+        needed: dict[int, _Storage] = {}  # storage id → its bytes
         for path, meta in iter_tensor_metas(phase.tree):
-            known = DTYPES.get(meta.dtype)
-            if known is None:
-                raise CaptureFileError(
-                    f"{self.path}: {where}: tensor {path} has dtype {meta.dtype}, unknown to torch {torch.__version__}"
-                )
-            if known.itemsize != meta.itemsize:  # names missing from format.dtypes were not checked at decode
+            if meta.dtype not in LOADABLE:
                 raise source.fail(
-                    f"{where}: tensor {path} has dtype {meta.dtype} of item size {known.itemsize}, the file says {meta.itemsize}"
+                    f"{where}: tensor {path} has dtype {meta.dtype!r}, which moereplay does not load"
                 )
-            if meta.numel == 0 or meta.storage in buffers:
+            if meta.numel == 0:
                 continue
             storage = phase.storages.get(meta.storage)
             if storage is None:
                 raise source.fail(
                     f"{where}: tensor {path} refers to storage {meta.storage}, which has no bytes"
                 )
-            buffer = self._blob(storage)
-            buffers[meta.storage] = buffer.to(target) if target.type != "cpu" else buffer
-
-        def tensor(path: str, meta: TensorMeta) -> torch.Tensor:
-            dtype = DTYPES[meta.dtype]
-            if meta.numel == 0:
-                return view_of(empty_buffer(0).to(target), 0, meta, dtype)
-            storage = phase.storages[meta.storage]
             start, end = meta.byte_span()
             if (
                 start < storage.base
@@ -482,7 +602,43 @@ class CaptureReader:
                 or (start - storage.base) % meta.itemsize
             ):
                 raise source.fail(f"{where}: tensor {path} lies outside the bytes recorded for its storage")
-            return view_of(buffers[meta.storage], storage.base, meta, dtype)
+            needed[meta.storage] = storage
+        total = sum(storage.length for storage in needed.values()) + _codec_bytes(
+            phase.tree, "", lambda message: source.fail(f"{where}: {message}")
+        )
+        if total > self.memory_budget:
+            raise MemoryBudgetError(
+                f"{self.path}: {where} need {total:,} bytes, over the memory budget of {self.memory_budget:,} "
+                f"(set {BUDGET_VARIABLE} to change it)"
+            )
+
+        import torch
+
+        from moereplay.format.tensors import DTYPES, empty_buffer, view_of
+
+        for path, meta in iter_tensor_metas(phase.tree):
+            if meta.dtype not in DTYPES:
+                raise source.fail(
+                    f"{where}: tensor {path} has dtype {meta.dtype}, unknown to torch {torch.__version__}"
+                )
+        target = torch.device(device)
+        # Each blob is read, decompressed and hashed once; each storage still gets its own buffer (storages that
+        # were distinct when recorded must not alias now: a kernel writing one would change the other), and the
+        # budget above counted every one of them.
+        decoded: dict[tuple[int, int], torch.Tensor] = {}
+        buffers: dict[int, torch.Tensor] = {}
+        for storage_id, storage in needed.items():
+            key = (storage.offset, storage.length)
+            first = decoded.get(key)
+            buffer = self._blob(storage) if first is None else first.clone()
+            decoded.setdefault(key, buffer)
+            buffers[storage_id] = buffer.to(target) if target.type != "cpu" else buffer
+
+        def tensor(path: str, meta: TensorMeta) -> torch.Tensor:
+            dtype = DTYPES[meta.dtype]
+            if meta.numel == 0:
+                return view_of(empty_buffer(0).to(target), 0, meta, dtype)
+            return view_of(buffers[meta.storage], needed[meta.storage].base, meta, dtype)
 
         tree = _rebuild(
             phase.tree, "", tensor, lambda message: UnsupportedValueError(f"{self.path}: {where}: {message}")
@@ -527,6 +683,36 @@ def _rebuild(
                 f"codec for {tree.type_name} failed to decode {path}: {type(failure).__name__}: {failure}"
             ) from failure
     return tree
+
+
+def _codec_bytes(tree: Any, path: str, error: Callable[[str], Exception]) -> int:
+    """What the codec values in a raw tree say decoding them will allocate (codecs without an estimate: 0)."""
+    if isinstance(tree, dict):
+        return sum(
+            _codec_bytes(value, f"{path}.{key}" if path else str(key), error) for key, value in tree.items()
+        )
+    if isinstance(tree, (list, tuple)):
+        return sum(_codec_bytes(value, f"{path}[{position}]", error) for position, value in enumerate(tree))
+    if isinstance(tree, CodecValue):
+        inner = _codec_bytes(tree.value, f"{path}<{tree.type_name.rsplit('.', 1)[-1]}>", error)
+        codec = codec_for(tree.type_name)
+        if codec is None or codec.nbytes is None:
+            return inner
+        try:
+            return inner + int(codec.nbytes(tree.value))
+        except MoereplayError as failure:
+            raise error(f"{path}: {failure}") from failure
+        except Exception as failure:
+            raise error(
+                f"codec for {tree.type_name} cannot size {path}: {type(failure).__name__}: {failure}"
+            ) from failure
+    return 0
+
+
+def envelope_kinds(envelopes: list[Envelope]) -> str:
+    """``"call and completion records"`` — the kinds among ``envelopes``, for messages."""
+    kinds = sorted({envelope.kind.name.lower() for envelope in envelopes})
+    return f"{' and '.join(kinds)} record{'s' if len(envelopes) > 1 else ''}"
 
 
 def _offset(source: FrameSource, value: Any, header_end: int) -> int:
@@ -581,19 +767,32 @@ def _storages(source: FrameSource, value: Any, index: int, header_end: int) -> d
     return storages
 
 
+_CALL_KEYS = ("i", "op", "site", "parent", "t", "ctx", "args", "storages")
+_COMPLETION_KEYS = ("i", "status", "error", "t", "timings", "outputs", "storages")
+
+
+def _require_keys(
+    source: FrameSource, document: dict[Any, Any], keys: tuple[str, ...], index: int, what: str
+) -> None:
+    missing = [key for key in keys if key not in document]
+    if missing:
+        raise source.fail(f"call {index}: the {what} record has no {', '.join(repr(key) for key in missing)}")
+
+
 def _check_call(source: FrameSource, call: dict[str, Any], index: int, header_end: int) -> dict[str, Any]:
-    _require(source, call.get("i") == index, index, f"the call record says it is call {call.get('i')!r}")
+    _require_keys(source, call, _CALL_KEYS, index, "call")
+    _require(source, call["i"] == index, index, f"the call record says it is call {call['i']!r}")
     _require(
         source,
-        isinstance(call.get("op"), str) and isinstance(call.get("site"), str),
+        isinstance(call["op"], str) and isinstance(call["site"], str),
         index,
         "op or site is not text",
     )
-    parent = call.get("parent")
+    parent = call["parent"]
     _require(source, parent is None or type(parent) is int, index, "parent is not a call index")
     _require(
         source,
-        isinstance(call.get("ctx"), dict) and isinstance(call.get("args"), dict),
+        isinstance(call["ctx"], dict) and isinstance(call["args"], dict),
         index,
         "context or arguments are not maps",
     )
@@ -604,29 +803,25 @@ def _check_call(source: FrameSource, call: dict[str, Any], index: int, header_en
         index,
         "static names are malformed",
     )
-    started = call.get("t")
+    started = call["t"]
     _require(source, started is None or isinstance(started, float), index, "start time is not a float")
-    return {
-        **call,
-        "static": static,
-        "t": started,
-        "storages": _storages(source, call.get("storages"), index, header_end),
-    }
+    return {**call, "static": static, "storages": _storages(source, call["storages"], index, header_end)}
 
 
 def _check_completion(
     source: FrameSource, completion: dict[str, Any], index: int, header_end: int
 ) -> dict[str, Any]:
-    _require(source, completion.get("i") == index, index, "the completion record names another call")
+    _require_keys(source, completion, _COMPLETION_KEYS, index, "completion")
+    _require(source, completion["i"] == index, index, "the completion record names another call")
     _require(
         source,
-        completion.get("status") in COMPLETION_STATUSES,
+        completion["status"] in COMPLETION_STATUSES,
         index,
-        f"unknown status {completion.get('status')!r}",
+        f"unknown status {completion['status']!r}",
     )
-    error = completion.get("error")
+    error = completion["error"]
     _require(source, error is None or isinstance(error, str), index, "error is not text")
-    timings = completion.get("timings")
+    timings = completion["timings"]
     _require(
         source,
         isinstance(timings, dict)
@@ -634,10 +829,10 @@ def _check_completion(
         index,
         "timings are malformed",
     )
-    _require(source, isinstance(completion.get("outputs"), dict), index, "outputs are not a map")
-    finished = completion.get("t")
+    _require(source, isinstance(completion["outputs"], dict), index, "outputs are not a map")
+    finished = completion["t"]
     _require(source, finished is None or isinstance(finished, float), index, "finish time is not a float")
-    return {**completion, "storages": _storages(source, completion.get("storages"), index, header_end)}
+    return {**completion, "storages": _storages(source, completion["storages"], index, header_end)}
 
 
 def _layer_matches(context: dict[Any, Any], wanted: str) -> bool:

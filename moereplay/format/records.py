@@ -70,6 +70,15 @@ class CallRecord:
 
 
 @dataclass(frozen=True)
+class DamagedCall:
+    """A call the index or a scan found whose call or completion record cannot be read: ``problem`` says why
+    (one line, naming the record). Listing shows it as damaged; the file's other calls still read and replay."""
+
+    index: int
+    problem: str
+
+
+@dataclass(frozen=True)
 class Recovery:
     """How much of the file could be read.
 
@@ -106,3 +115,5 @@ class CaptureStats:
     tensor_bytes: int
     dedup_ratio: float
     counters: dict[str, int]
+    damaged: dict[int, str] = field(default_factory=dict)
+    """Call index → why its records cannot be read (those calls are not in the other figures)."""

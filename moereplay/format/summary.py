@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from moereplay.format.reader import CaptureReader
-from moereplay.format.records import CallRecord, CaptureStats, Recovery
+from moereplay.format.records import CallRecord, CaptureStats, DamagedCall, Recovery
 from moereplay.format.schema import CodecValue, EnumValue, TensorMeta, Unsupported, iter_tensor_metas
 
 KEY_TENSORS = 3
@@ -136,10 +136,20 @@ def list_calls(
     layer: Any = None,
     status: str | None = None,
     step: Any = None,
-) -> tuple[Recovery, list[CallRow]]:
-    """The rows of the calls matching the filters (see :meth:`CaptureReader.select`), and how the file read."""
+) -> tuple[Recovery, list[CallRow | DamagedCall]]:
+    """The rows of the calls matching the filters (see :meth:`CaptureReader.select`), and how the file read.
+
+    Calls whose records cannot be read come as :class:`DamagedCall` rows, in index order among the others, unless
+    ``status`` is given (a damaged call has none); the other filters cannot look inside them and keep them."""
     with CaptureReader(path) as reader:
-        rows = [CallRow.of(record) for record in reader.select(op=op, layer=layer, status=status, step=step)]
+        wanted = {record.index for record in reader.select(op=op, layer=layer, status=status, step=step)}
+        rows: list[CallRow | DamagedCall] = []
+        for entry in reader.entries():
+            if isinstance(entry, DamagedCall):
+                if status is None:
+                    rows.append(entry)
+            elif entry.index in wanted:
+                rows.append(CallRow.of(entry))
         return reader.recovery, rows
 
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from moereplay.format.dtypes import dtype_name
+from moereplay.format.dtypes import ITEMSIZES, dtype_name
 from moereplay.format.schema import TensorMeta
 
 SPAN_ALIGNMENT = 256
@@ -29,15 +29,28 @@ SPAN_ALIGNMENT = 256
 
 def _dtype_table() -> dict[str, torch.dtype]:
     table: dict[str, torch.dtype] = {}
-    for attribute in dir(torch):
-        value = getattr(torch, attribute, None)
-        if isinstance(value, torch.dtype):
-            table[dtype_name(value)] = value
+    for (
+        name
+    ) in ITEMSIZES:  # a fixed list: getattr on names from elsewhere would import torch's lazy submodules
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype) and dtype_name(value) == name:
+            table[name] = value
     return table
 
 
 DTYPES: Mapping[str, torch.dtype] = _dtype_table()
-"""Every dtype this torch knows, by canonical name."""
+"""Every dtype of :data:`~moereplay.format.dtypes.ITEMSIZES` this torch has, by canonical name."""
+
+
+def torch_dtype(name: object) -> torch.dtype | None:
+    """The torch dtype a name from a file stands for (``"bfloat16"``, ``"torch.bfloat16"``), or ``None``.
+
+    Only names of the fixed table are looked up: ``getattr(torch, name)`` with a name read from a file would import
+    whatever lazy submodule torch has under that name (``_inductor``, ``onnx``) before rejecting it.
+    """
+    if not isinstance(name, str):
+        return None
+    return DTYPES.get(name.removeprefix("torch."))
 
 
 def unsupported_reason(tensor: torch.Tensor) -> str | None:

@@ -188,6 +188,11 @@ def _ints(value: Any, what: str, *, limit: int = 64) -> tuple[int, ...]:
     return tuple(value)
 
 
+MAX_TENSOR_BYTES = 2**50
+"""Largest tensor (elements × item size, zero-size dimensions left out) or storage extent a record may describe;
+far past any real allocation, small enough that torch's 64-bit size arithmetic cannot overflow."""
+
+
 def _tensor_meta(payload: Any) -> TensorMeta:
     if not isinstance(payload, dict):
         raise WireError("tensor payload is not a map")
@@ -208,6 +213,18 @@ def _tensor_meta(payload: Any) -> TensorMeta:
     known = ITEMSIZES.get(dtype)
     if known is not None and known != itemsize:
         raise WireError(f"tensor dtype {dtype} has item size {known}, the file says {itemsize}")
+    elements = 1
+    for size in shape:
+        elements *= max(size, 1)  # a zero dimension does not make the others harmless to torch
+        if elements * itemsize > MAX_TENSOR_BYTES:
+            raise WireError(f"tensor shape {list(shape)} is over {MAX_TENSOR_BYTES} bytes")
+    if any(step > MAX_TENSOR_BYTES for step in stride):
+        raise WireError(f"tensor stride {list(stride)} is out of range")
+    reach = offset + sum((size - 1) * step for size, step in zip(shape, stride, strict=True) if size)
+    if reach * itemsize > MAX_TENSOR_BYTES:
+        raise WireError(
+            f"tensor stride {list(stride)} and offset {offset} reach past {MAX_TENSOR_BYTES} bytes"
+        )
     return TensorMeta(dtype, itemsize, shape, stride, offset, device, storage, payload.get("cj") is True)
 
 

@@ -74,6 +74,7 @@ from moereplay.ops.ogs_codecs import (
     RoutingSpec,
     ScatterSpec,
     TritonKernels,
+    _torch_dtype,
 )
 
 NAME = "matmul_ogs"
@@ -567,7 +568,7 @@ def _y_shape(args: Args) -> tuple[int | None, ...] | None:
 def _y_dtype(args: Args) -> torch.dtype | None:
     precision = plain_value("precision_config", args.get("precision_config"))
     if precision is not None and precision.out_dtype is not None:
-        return getattr(torch, precision.out_dtype)
+        return _torch_dtype(precision.out_dtype)
     x = args.get("x")
     return x.dtype if isinstance(x, torch.Tensor) else None
 
@@ -1153,7 +1154,7 @@ def _reference_arguments(plain: Mapping[str, Any]) -> dict[str, Any]:
             if precision.weight_scale is None
             else _reference_tensor(precision.weight_scale),
             flex=ref.FlexSpec(flex.lhs_data.scale, flex.rhs_data.scale, flex.out_data.expected_scale),
-            out_dtype=None if precision.out_dtype is None else getattr(torch, precision.out_dtype),
+            out_dtype=None if precision.out_dtype is None else _torch_dtype(precision.out_dtype),
             act_scale=precision.act_scale if isinstance(precision.act_scale, torch.Tensor) else None,
             out_scale=precision.out_scale if isinstance(precision.out_scale, torch.Tensor) else None,
             flexpoint_saturate_inf=precision.flexpoint_saturate_inf,

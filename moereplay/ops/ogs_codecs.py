@@ -271,9 +271,11 @@ def _is_type(value: Any, name: str) -> bool:
 
 
 def _torch_dtype(name: str) -> torch.dtype:
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise UnsupportedValueError(f"{name!r} is not a torch dtype")
+    from moereplay.format.tensors import torch_dtype  # a fixed table: no getattr(torch, <file text>)
+
+    value = torch_dtype(name)
+    if value is None:
+        raise UnsupportedValueError(f"{str(name)[:64]!r} is not a torch dtype")
     return value
 
 

@@ -195,8 +195,11 @@ def _dtype_of(dtype: Any) -> torch.dtype | Literal["fp4"]:
         return dtype
     if dtype == FP4 or getattr(dtype, "bitwidth", None) == 4:
         return FP4
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
-        return getattr(torch, dtype.removeprefix("torch."))
+    from moereplay.format.tensors import torch_dtype  # a fixed table: no getattr(torch, <file text>)
+
+    named = torch_dtype(dtype)
+    if named is not None:
+        return named
     raise ReferenceError_(f"no reference for element type {dtype!r}")
 
 

@@ -800,8 +800,10 @@ def _past_end_finding(
 
 
 def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    from moereplay.format.tensors import torch_dtype
+
+    dtype = torch_dtype(name)
+    if dtype is None:
         raise ValueError(name)
     return dtype
 

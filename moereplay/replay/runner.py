@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from moereplay.errors import ReplayError
+from moereplay.format.tensors import torch_dtype
 from moereplay.ops.base import Args, KernelBackend, OpSpec
 from moereplay.replay.execution import KernelRun, execute
 from moereplay.replay.memo import ArgsCache
@@ -300,7 +301,9 @@ class WorkerRunner:
 
     def _read_output(self, item: Mapping[str, Any]) -> torch.Tensor:
         path = Path(item["path"])
-        dtype = getattr(torch, str(item["dtype"]))
+        dtype = torch_dtype(item["dtype"])
+        if dtype is None:
+            raise ReplayError(f"the worker reported an output of dtype {str(item['dtype'])[:64]!r}")
         shape = tuple(int(size) for size in item["shape"])
         data = path.read_bytes()
         path.unlink(missing_ok=True)

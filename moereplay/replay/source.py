@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from moereplay.errors import ReplayError
+from moereplay.errors import CaptureFileError, MoereplayError, ReplayError
 from moereplay.ops import get_op
 from moereplay.ops.base import ArgKind, OpSpec
 
@@ -44,21 +44,46 @@ class LoadedCall:
     environment: Mapping[str, str] = field(default_factory=dict)
 
 
-def decode_args(op: OpSpec, args: Mapping[str, Any]) -> dict[str, Any]:
+def decode_args(op: OpSpec, args: Mapping[str, Any], where: str = "") -> dict[str, Any]:
     """Arguments with ENUM/OPAQUE values run through the op's codecs (``decode(..., backend=None)``), then through
     the op's optional ``recorded_args`` hook (the recorded launcher arguments as the op's schema names them, e.g. a
-    launch ``config`` dict split into pseudo-arguments; idempotent)."""
+    launch ``config`` dict split into pseudo-arguments; idempotent).
+
+    A value a codec cannot decode (a damaged or hostile capture) raises :class:`CaptureFileError` naming
+    ``where`` (the file and call) and the argument."""
     decoded = dict(args)
     for spec in op.arguments:
         if spec.kind in (ArgKind.ENUM, ArgKind.OPAQUE) and spec.codec is not None:
             value = decoded.get(spec.name)
             if value is not None:
-                decoded[spec.name] = spec.codec.decode(value, backend=None)
+                try:
+                    decoded[spec.name] = spec.codec.decode(value, backend=None)
+                except MoereplayError:
+                    raise
+                except Exception as error:
+                    raise CaptureFileError(
+                        f"{where}argument {spec.name}: the recorded value does not decode as {spec.kind.value} "
+                        f"({type(error).__name__}: {str(error)[:200]})"
+                    ) from error
     hook = getattr(op, "recorded_args", None)
     if hook is not None:
         normalised: dict[str, Any] = hook(decoded)
         return normalised
     return decoded
+
+
+def check_argument_kinds(op: OpSpec, args: Mapping[str, Any], where: str) -> None:
+    """Every tensor argument the op declares holds a tensor (or ``None`` where that is legal): a file that holds
+    an int, an enum or an undecoded codec value there is refused here, by name, before a kernel or reference
+    touches it."""
+    for spec in op.arguments:
+        if spec.kind is not ArgKind.TENSOR or spec.name not in args:
+            continue
+        value = args[spec.name]
+        if isinstance(value, torch.Tensor) or (value is None and spec.optional):
+            continue
+        found = "None" if value is None else type(value).__name__
+        raise CaptureFileError(f"{where}argument {spec.name} should be a tensor; the file holds {found}")
 
 
 def captured_output(op: OpSpec, outputs: Mapping[str, Any] | None) -> torch.Tensor | None:
@@ -166,7 +191,9 @@ def load_call(path: str | Path, index: int, device: str | torch.device = "cpu") 
     with CaptureReader(path) as reader:
         record = reader.call(index)
         op = get_op(record.op)
-        args = decode_args(op, reader.load_args(index, device=device))
+        where = f"{path}: call {index}: "
+        args = decode_args(op, reader.load_args(index, device=device), where)
+        check_argument_kinds(op, args, where)
         output = None
         state = None
         if record.status == "completed":

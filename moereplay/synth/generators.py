@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from moereplay.errors import SettingsError
+from moereplay.format.tensors import torch_dtype
 from moereplay.synth.recipe import register_generator
 
 
@@ -38,10 +39,35 @@ def _generator(params: Mapping[str, Any]) -> torch.Generator:
 
 
 def _dtype(name: Any) -> torch.dtype:
-    value = getattr(torch, str(name), None)
-    if not isinstance(value, torch.dtype):
-        raise SettingsError(f"{name!r} is not a torch dtype")
+    value = torch_dtype(name)
+    if value is None:
+        raise SettingsError(f"{str(name)[:64]!r} is not a torch dtype")
     return value
+
+
+_DRAW_BYTES = 24
+"""Bytes a generator holds per drawn element at its peak, at most (a float64 draw, its cast, the packed output)."""
+
+
+def _count(*sizes: Any) -> int:
+    total = 1
+    for size in sizes:
+        total *= max(int(size), 0)
+    return total
+
+
+def _normal_bytes(params: Mapping[str, Any]) -> int:
+    return _count(*params["shape"]) * _DRAW_BYTES
+
+
+def _marlin_bytes(params: Mapping[str, Any]) -> int:
+    size_k = max(int(params["size_k"]), int(params.get("pad_k") or 0))
+    size_n = max(int(params["size_n"]), int(params.get("pad_n") or 0) * int(params.get("shards") or 1))
+    return _count(params["experts"], size_k, size_n) * _DRAW_BYTES
+
+
+def _hopper_bytes(params: Mapping[str, Any]) -> int:
+    return _count(params["experts"], params["k"], params["n"]) * _DRAW_BYTES
 
 
 def _shape(value: Any) -> tuple[int, ...]:
@@ -51,7 +77,7 @@ def _shape(value: Any) -> tuple[int, ...]:
     return shape
 
 
-@register_generator("normal")
+@register_generator("normal", _normal_bytes)
 def normal(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     gen = _generator(params)
     shape = _shape(params["shape"])
@@ -93,7 +119,7 @@ def _pad_rows(values: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(values, (0, 0, 0, rows - values.shape[1]))
 
 
-@register_generator("marlin_experts")
+@register_generator("marlin_experts", _marlin_bytes)
 def marlin_experts(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     from moereplay.reference.marlin_formats import MarlinWeightFormat, pack_experts
 
@@ -210,7 +236,7 @@ def marlin_experts(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@register_generator("hopper_mxfp4")
+@register_generator("hopper_mxfp4", _hopper_bytes)
 def hopper_mxfp4(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     from moereplay.reference.hopper_mxfp4 import swizzle_hopper_scales, swizzle_hopper_values
 

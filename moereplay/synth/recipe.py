@@ -39,6 +39,8 @@ from typing import Any
 import torch
 
 from moereplay.errors import CaptureFileError, UnsupportedValueError
+from moereplay.format.dtypes import ITEMSIZES, LOADABLE
+from moereplay.format.tensors import torch_dtype
 
 RECIPE_TYPE = "moereplay.synth.recipe.TensorRecipe"
 """Qualified type name the recipe codec is registered under (the class below)."""
@@ -49,17 +51,25 @@ CACHE_BYTES = 1 << 30
 GeneratorFunction = Callable[[Mapping[str, Any]], dict[str, torch.Tensor]]
 """A generator: parameters (including ``seed``) → its named CPU tensors, deterministically."""
 
+SizeFunction = Callable[[Mapping[str, Any]], int]
+"""Parameters → about how many bytes the generator allocates while drawing (checked before it runs)."""
+
 _GENERATORS: dict[str, GeneratorFunction] = {}
+_SIZES: dict[str, SizeFunction] = {}
 _lock = threading.Lock()
 _cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
 _cache_bytes = 0
 
 
-def register_generator(name: str) -> Callable[[GeneratorFunction], GeneratorFunction]:
-    """Decorator: make a generator function expandable by name (the name is recorded in captures: never rename)."""
+def register_generator(name: str, size: SizeFunction) -> Callable[[GeneratorFunction], GeneratorFunction]:
+    """Decorator: make a generator function expandable by name (the name is recorded in captures: never rename).
+
+    ``size``: the bytes it will allocate for given parameters, computed without drawing, so a reader holds a
+    recipe to its memory budget before expanding it (a file can ask for any parameters)."""
 
     def install(function: GeneratorFunction) -> GeneratorFunction:
         _GENERATORS[name] = function
+        _SIZES[name] = size
         return function
 
     return install
@@ -113,7 +123,7 @@ class TensorRecipe:
         count = 1
         for size in self.shape:
             count *= size
-        return count * getattr(torch, self.dtype).itemsize
+        return count * ITEMSIZES[self.dtype]
 
     def describe(self) -> str:
         seed = self.params.get("seed")
@@ -255,8 +265,8 @@ def recipe_from_tree(tree: Any) -> TensorRecipe:
     params = tree.get("params")
     if not (isinstance(generator, str) and isinstance(part, str) and isinstance(dtype, str)):
         raise UnsupportedValueError("recipe generator, part or dtype is not text")
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise UnsupportedValueError(f"recipe dtype {dtype!r} is not a torch dtype")
+    if torch_dtype(dtype) is None or dtype not in LOADABLE:  # a fixed table: no getattr(torch, <file text>)
+        raise UnsupportedValueError(f"recipe dtype {dtype[:64]!r} is not a torch dtype moereplay loads")
     if not (isinstance(digest, str) and len(digest) == 64):
         raise UnsupportedValueError("recipe digest is not a sha256 hex string")
     if not isinstance(params, Mapping):
@@ -269,6 +279,23 @@ def recipe_from_tree(tree: Any) -> TensorRecipe:
     return TensorRecipe(generator, dict(params), part, dtype, shape, stride, digest, device)
 
 
+def recipe_bytes(tree: Any) -> int:
+    """The codec's ``nbytes``: what expanding a recorded recipe allocates — the tensor it stands for plus what its
+    generator draws for the recorded parameters — computed without drawing anything."""
+    recipe = recipe_from_tree(tree)
+    _ensure_builtin_generators()
+    size = _SIZES.get(recipe.generator)
+    if size is None:
+        return recipe.nbytes  # unknown generator: expanding raises before drawing
+    try:
+        drawn = int(size(recipe.params))
+    except (KeyError, TypeError, ValueError, OverflowError) as error:
+        raise UnsupportedValueError(
+            f"recipe {recipe.describe()}: malformed parameters ({type(error).__name__}: {str(error)[:100]})"
+        ) from error
+    return recipe.nbytes + max(drawn, 0)
+
+
 def decode_recipe(tree: Any) -> torch.Tensor:
     """The codec's ``decode``: expand on the anchor's device (the device the reader was asked for)."""
     recipe = recipe_from_tree(tree)
@@ -279,7 +306,7 @@ def register() -> None:
     """Install the recipe codec in the format's registry (idempotent)."""
     from moereplay.format.codecs import register_codec
 
-    register_codec(RECIPE_TYPE, encode_recipe, decode_recipe)
+    register_codec(RECIPE_TYPE, encode_recipe, decode_recipe, recipe_bytes)
 
 
 register()  # importing this module (by name, e.g. from a codec-provider table) makes recipe captures loadable

@@ -57,7 +57,22 @@ def fp8_codes(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
     return (magnitude | sign).to(torch.uint8).view(torch.float8_e4m3fn)
 
 
-@register_generator("triton_moe_experts")
+_DRAW_BYTES = 24
+"""Transient bytes a draw allocates per element (torch's generator paths), as ``moereplay.synth.generators``'s."""
+
+
+def _triton_bytes(params: Mapping[str, Any]) -> int:
+    """Bytes the generator allocates at most: its weight draws (fp8 draws magnitude and sign), before the tensor."""
+    elements = 1
+    for key in ("experts", "n", "k"):
+        size = int(params[key])
+        if size < 0:
+            raise SettingsError(f"triton_moe_experts: negative {key} {size}")
+        elements *= size
+    return 2 * elements * _DRAW_BYTES
+
+
+@register_generator("triton_moe_experts", _triton_bytes)
 def triton_moe_experts(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     seed = params.get("seed")
     if type(seed) is not int or seed < 0:

@@ -24,6 +24,7 @@ from moereplay.errors import MoereplayError
 from moereplay.tui.bindings import Area, bindings_for
 from moereplay.tui.bisect_sessions import BisectLaunch, call_to_export, capture_of
 from moereplay.tui.repro import ReproUnavailable, export_repro
+from moereplay.tui.text import as_text
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -89,7 +90,7 @@ class BisectScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         search = self.session.search
-        yield Static(f"[b]bisect {search.kind}[/b] · {self.launch.description}", classes="title-bar")
+        yield Static(f"[b]bisect {search.kind}[/b] · {as_text(self.launch.description)}", classes="title-bar")
         yield Static(id="bisect-log", classes="detail-line")
         yield Static(id="bisect-progress")
         yield Static(id="bisect-current")

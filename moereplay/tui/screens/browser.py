@@ -16,6 +16,7 @@ from moereplay.tui.bindings import Area, bindings_for
 from moereplay.tui.catalog import CallCatalog, CallSummary
 from moereplay.tui.filters import FAILING, CallFilter
 from moereplay.tui.replays import ReplayOutcome, ReplayRequest, run_replay
+from moereplay.tui.text import as_text
 from moereplay.tui.widgets.browser.call_table import CallTable
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ class BrowserScreen(Screen[None]):
         if catalog.rank is not None:
             parts.append(f"rank {catalog.rank}")
         if not catalog.recovery.complete:
-            parts.append(f"[$warning]{catalog.recovery.message}[/]")
+            parts.append(f"[$warning]{as_text(catalog.recovery.message)}[/]")
         if self.status:
             parts.append(self.status)
         self.query_one("#browser-title", Static).update(" · ".join(parts))
@@ -108,7 +109,7 @@ class BrowserScreen(Screen[None]):
             parts.append("not replayable (no ops module)")
         error = self.replay_errors.get(summary.index)
         if error:
-            parts.append(f"[$error]{error}[/]")
+            parts.append(f"[$error]{as_text(error)}[/]")
         return " · ".join(parts)
 
     def on_call_table_selected(self, message: CallTable.Selected) -> None:
@@ -184,7 +185,7 @@ class BrowserScreen(Screen[None]):
             return
         self.table.set_rows(rows, keep=self.table.current)
         problems = "; ".join(query.problems)
-        self._set_status(f"[$warning]{problems}[/]" if problems else "")
+        self._set_status(f"[$warning]{as_text(problems)}[/]" if problems else "")
 
     def action_next_failure(self) -> None:
         self._jump_to_failure(1)

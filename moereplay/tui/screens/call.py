@@ -21,6 +21,7 @@ from moereplay.tui.bindings import Area, bindings_for
 from moereplay.tui.catalog import CallCatalog
 from moereplay.tui.error_grid import ErrorField
 from moereplay.tui.replays import ReplayOutcome, ReplayRequest, mutable_arguments, mutation_labels, run_replay
+from moereplay.tui.text import as_text
 from moereplay.tui.widgets.call.argument_tree import ArgumentTree
 from moereplay.tui.widgets.call.diff_view import DiffPanes, DiffView
 from moereplay.tui.widgets.call.findings_panel import FindingsPanel
@@ -119,7 +120,7 @@ class CallScreen(Screen[None]):
         if self.op is None:
             tree.show(argument_nodes(self.record, None), note="no ops module declares this op: no contracts")
             self._set_status(
-                f"[$warning]moereplay cannot replay {self.record.op}: no ops module declares it[/]"
+                f"[$warning]moereplay cannot replay {as_text(self.record.op)}: no ops module declares it[/]"
             )
             self.query_one(VariantMatrix).show(())
             self._show_findings()
@@ -199,7 +200,7 @@ class CallScreen(Screen[None]):
 
     def _replay_failed(self, message: str) -> None:
         self.replaying = False
-        self._set_status(f"[$error]replay failed: {message}[/]")
+        self._set_status(f"[$error]replay failed: {as_text(message)}[/]")
         self.notify(message, title="replay failed", severity="error", timeout=8)
 
     def _replay_done(self, outcome: ReplayOutcome) -> None:
@@ -227,7 +228,7 @@ class CallScreen(Screen[None]):
         parts.append(f"{report.backend} on {report.device}")
         status = " · ".join(parts)
         if outcome.tensors_note:
-            status += f" · [$warning]{outcome.tensors_note}[/]"
+            status += f" · [$warning]{as_text(outcome.tensors_note)}[/]"
         self._set_status(status)
         self.variant = default_variant(report.results)
         self._refresh_matrix()

@@ -16,6 +16,7 @@ from moereplay.bisect.wiring import BisectRequest
 from moereplay.errors import MoereplayError
 from moereplay.tui.bindings import bindings_for
 from moereplay.tui.replays import MutableArgument, mutation_labels
+from moereplay.tui.text import as_text
 
 MUTATION_KINDS: tuple[tuple[str, str], ...] = (
     ("flip", "flip FLAG"),
@@ -39,7 +40,9 @@ class MutationDialog(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="mutation-dialog"):
-            yield Static(f"[b]Add a mutation[/b] to this {self.op_name} call", classes="dialog-title")
+            yield Static(
+                f"[b]Add a mutation[/b] to this {as_text(self.op_name)} call", classes="dialog-title"
+            )
             with Horizontal(classes="dialog-row"):
                 yield Select(
                     [(label, kind) for kind, label in MUTATION_KINDS],
@@ -148,7 +151,7 @@ class BisectDialog(ModalScreen[BisectChoice | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="bisect-dialog"):
-            yield Static(f"[b]Bisect[/b] {self.capture.name}", classes="dialog-title")
+            yield Static(f"[b]Bisect[/b] {as_text(self.capture.name)}", classes="dialog-title")
             with Grid(id="bisect-form"):
                 yield Label("strategy")
                 yield Select(STRATEGY_CHOICES, value=self.strategy, allow_blank=False, id="bisect-strategy")

@@ -60,12 +60,18 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_static_item_sizes_match_this_torch() -> None:
     """The torch-free table names every dtype this torch has, with torch's item size."""
-    assert {name: dtype.itemsize for name, dtype in DTYPES.items()} == {
-        name: ITEMSIZES[name] for name in DTYPES if name in ITEMSIZES
+    every = {
+        str(value).removeprefix("torch."): value
+        for value in (getattr(torch, name, None) for name in dir(torch))
+        if isinstance(value, torch.dtype)
     }
-    assert set(DTYPES) <= set(ITEMSIZES), (
-        f"add to moereplay.format.dtypes: {sorted(set(DTYPES) - set(ITEMSIZES))}"
+    assert {name: dtype.itemsize for name, dtype in every.items()} == {
+        name: ITEMSIZES[name] for name in every if name in ITEMSIZES
+    }
+    assert set(every) <= set(ITEMSIZES), (
+        f"add to moereplay.format.dtypes: {sorted(set(every) - set(ITEMSIZES))}"
     )
+    assert set(DTYPES) == set(every)
 
 
 @pytest.mark.parametrize("path", CHECKED_IN, ids=lambda path: path.name)

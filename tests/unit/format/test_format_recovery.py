@@ -118,15 +118,19 @@ def _read_all_or_fail_cleanly(path: Path, original: list[tuple[Any, ...]]) -> No
             reader.stats()
             snapshot = _snapshot(reader)
             complete = reader.recovery.complete
+            damaged = reader.damaged
     except MoereplayError as error:
         message = str(error)
         assert "\n" not in message and message.startswith(str(path)), message
     else:
-        # whatever is returned is original data: all of it, or (when the damage stopped a scan) a prefix of
-        # the calls, where a call whose completion lay past the damage reads as inputs_saved
-        if complete:
+        # whatever is returned is original data: all of it, or (when damage made a call unreadable, or a scan
+        # skipped damaged bytes) the other calls, where a call whose completion was lost reads as inputs_saved
+        if complete and not damaged:
             assert snapshot == original
-        for got, expected in zip(snapshot, original[: len(snapshot)], strict=True):
+        assert {entry[0] for entry in snapshot}.isdisjoint(damaged)
+        by_index = {entry[0]: entry for entry in original}
+        for got in snapshot:
+            expected = by_index[got[0]]
             assert got == expected or got == (*expected[:2], "inputs_saved", *expected[3:5], None)
     assert time.monotonic() - started < 5
 
