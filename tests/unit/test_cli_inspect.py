@@ -198,7 +198,11 @@ def test_ls_describes_generated_tensors_by_their_dtype_and_shape() -> None:
 def test_ls_marks_graph_replayed_layer_calls_by_their_graph_step(tmp_path: Path) -> None:
     path = tmp_path / "graph.zst"
     with CaptureWriter(path, {}) as writer:
-        for context in ({"layer": 0, "cudagraph": True, "graph_step": 41}, {"layer": 1, "step": 7}, {"layer": 1}):
+        for context in (
+            {"layer": 0, "cudagraph": True, "graph_step": 41},
+            {"layer": 1, "step": 7},
+            {"layer": 1},
+        ):
             index = writer.begin_call("triton_kernel_fused_experts", {"x": torch.ones(2, 4)}, context=context)
             writer.complete_call(index, {"output_tensor": torch.ones(2, 4)})
     lines = runner.invoke(app, ["ls", str(path)]).stdout.splitlines()[1:]
