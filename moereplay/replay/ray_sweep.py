@@ -144,19 +144,20 @@ def _sweep(
 ) -> list[ReplayReport]:
     ray = connect(address)
     remote = ray.remote(_execute).options(num_gpus=gpus_per_task, num_cpus=cpus_per_task, max_retries=0)
-    pending = {remote.remote(runner, unit): unit for unit in units}
-    finished: dict[SweepUnit, ReplayReport | str] = {}
+    pending = {remote.remote(runner, unit): position for position, unit in enumerate(units)}
+    finished: dict[int, ReplayReport | str] = {}
     state = _Progress()
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
         for ref in done:
-            unit = pending.pop(ref)
+            position = pending.pop(ref)
+            unit = units[position]
             try:
                 outcome: ReplayReport | str = ray.get(ref)
             except Exception as error:  # the worker died (or raised): this unit is a crash, the sweep goes on
                 outcome = _crash_reason(error)
                 state.crashed += 1
-            finished[unit] = outcome
+            finished[position] = outcome
             state.done += 1
             if progress is not None:
                 row = None if isinstance(outcome, str) else _unit_row(unit, outcome)
@@ -190,14 +191,14 @@ def _crash_row(label: str, mutations: tuple[str, ...], reason: str) -> VariantRe
     return VariantResult(label=label, mutations=mutations, verdict=Verdict.CRASH, reason=reason)
 
 
-def _merge(units: Sequence[SweepUnit], finished: dict[SweepUnit, ReplayReport | str]) -> list[ReplayReport]:
-    by_call: dict[int, list[SweepUnit]] = {}
-    for unit in units:
-        by_call.setdefault(unit.call, []).append(unit)
+def _merge(units: Sequence[SweepUnit], finished: dict[int, ReplayReport | str]) -> list[ReplayReport]:
+    by_call: dict[int, list[int]] = {}
+    for position, unit in enumerate(units):
+        by_call.setdefault(unit.call, []).append(position)
     reports = []
     for call, members in by_call.items():
-        base_unit = next((unit for unit in members if unit.variant is None), None)
-        base = finished.get(base_unit) if base_unit is not None else None
+        base_position = next((p for p in members if units[p].variant is None), None)
+        base = finished.get(base_position) if base_position is not None else None
         if isinstance(base, ReplayReport):
             report = base
         else:
@@ -214,10 +215,11 @@ def _merge(units: Sequence[SweepUnit], finished: dict[SweepUnit, ReplayReport | 
         variants = list(report.variants)
         findings = list(report.findings)
         notes = list(report.notes)
-        for unit in members:
+        for position in members:
+            unit = units[position]
             if unit.variant is None:
                 continue
-            outcome = finished[unit]
+            outcome = finished[position]
             if isinstance(outcome, str):
                 variants.append(_crash_row(unit.variant.label, unit.variant.specs, outcome))
                 notes.append(f"{unit.variant.label}: its Ray task failed ({outcome}); the sweep went on")
