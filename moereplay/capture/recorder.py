@@ -340,7 +340,9 @@ class Recorder(CallHandler):
         if graph is None:
             self._skipped_graph_capture()
             return None
-        where = Where(where.call, None, where.layer, where.layer_name, None, where.cudagraph_mode)
+        where = Where(
+            where.call, None, where.layer, where.layer_name, None, where.cudagraph_mode, where.parallel
+        )
         if not self._selected(target, where):
             self.counters.skipped_filters += 1
             return None

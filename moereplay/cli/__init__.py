@@ -39,6 +39,7 @@ from moereplay.cli import bisect_cmd as _bisect_cmd  # noqa: E402,F401
 from moereplay.cli import expand_cmd as _expand_cmd  # noqa: E402,F401
 from moereplay.cli import inspect_cmds as _inspect_cmds  # noqa: E402,F401
 from moereplay.cli import pack_cmds as _pack_cmds  # noqa: E402,F401
+from moereplay.cli import ranks_cmd as _ranks_cmd  # noqa: E402,F401
 from moereplay.cli import run_cmd as _run_cmd  # noqa: E402,F401
 from moereplay.cli import share_cmds as _share_cmds  # noqa: E402,F401
 from moereplay.cli import tui_cmd as _tui_cmd  # noqa: E402,F401

@@ -52,6 +52,9 @@ def ls_command(
         None, "--status", help="Only calls with this status: inputs_saved, completed or failed."
     ),
     step: int | None = typer.Option(None, "--step", help="Only calls of forward step N."),
+    rank: int | None = typer.Option(
+        None, "--rank", help="Only calls of world rank R (see `moereplay ranks ls` for several ranks' files)."
+    ),
     json_output: bool = _JSON,
 ) -> None:
     """One line per call: index, op, call site, forward step, layer, parent call, status, key tensors."""
@@ -65,6 +68,10 @@ def ls_command(
     from moereplay.format.text import printable
 
     recovery, rows = list_calls(file, op=op, layer=layer, status=status, step=step)
+    if rank is not None:
+        from moereplay.replay.ranks import rows_of_rank
+
+        rows = rows_of_rank(file, rows, rank)
     if not recovery.complete:
         print(f"moereplay: note: {file}: {printable(recovery.message)}", file=sys.stderr)
     if json_output:

@@ -17,7 +17,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -98,6 +98,27 @@ def run_command(
         Path | None,
         typer.Option("--json-out", help="Also write the JSON document to this file (tables still print)."),
     ] = None,
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Fan calls × variants out to Ray workers (a local cluster unless --ray-address). Needs moereplay[ray].",
+        ),
+    ] = False,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address", help="The Ray cluster to join with --ray: 'auto', 'ray://host:10001', …"
+        ),
+    ] = None,
+    ray_gpus: Annotated[
+        float | None,
+        typer.Option(
+            "--ray-gpus",
+            min=0.0,
+            help="GPUs per Ray task (a fraction shares one); default 1 for CUDA backends, else 0.",
+        ),
+    ] = None,
 ) -> None:
     """Replay captured calls (baseline and variants); print verdicts and findings. Exit 1 if anything failed."""
     from moereplay.errors import SettingsError
@@ -119,22 +140,31 @@ def run_command(
         + [f"fill {text}" for text in fill or ()]
     )
     indices = select_calls(file, call=call, op=op, layer=layer, every=every)
+    if ray_address is not None and not ray:
+        raise SettingsError("--ray-address needs --ray")
     check_mutations(file, indices, mutations)  # against the ops' schemas, before any weight is rebuilt
-    reports = [
-        replay(
-            file,
-            call=index,
-            mutations=mutations,
-            backend=backend,
-            repeat=repeat,
-            sanitize=sanitize,
-            device=device,
-            timeout_s=timeout,
-            follow_suggestions=follow,
-            follow_evidence=not no_follow,
-        )
-        for index in indices
-    ]
+    if ray:
+        reports = _run_on_ray(
+            file, indices, mutations, ray_address, ray_gpus,
+            {"backend": backend, "repeat": repeat, "sanitize": sanitize, "device": device, "timeout_s": timeout,
+             "follow_suggestions": follow, "follow_evidence": not no_follow},
+        )  # fmt: skip
+    else:
+        reports = [
+            replay(
+                file,
+                call=index,
+                mutations=mutations,
+                backend=backend,
+                repeat=repeat,
+                sanitize=sanitize,
+                device=device,
+                timeout_s=timeout,
+                follow_suggestions=follow,
+                follow_evidence=not no_follow,
+            )
+            for index in indices
+        ]
     failed = any(report.failed for report in reports)
     document = {"failed": failed, "reports": [report.to_json() for report in reports]}
     text = json.dumps(document, indent=2, default=str) + "\n"
@@ -148,6 +178,35 @@ def run_command(
     else:
         render_reports(reports)
     raise typer.Exit(1 if failed else 0)
+
+
+def _run_on_ray(
+    file: Path,
+    indices: list[int],
+    mutations: list[str],
+    address: str | None,
+    gpus: float | None,
+    options: dict[str, Any],
+) -> list[ReplayReport]:
+    """The sweep on Ray (:mod:`moereplay.replay.ray_sweep`); one progress line per finished unit on stderr."""
+    from moereplay.replay.backends import auto_backend, parse_backend
+    from moereplay.replay.ray_sweep import SweepUnit, plan_units, sweep
+    from moereplay.replay.results import VariantResult
+
+    spec = auto_backend() if options["backend"] == "auto" else parse_backend(options["backend"])
+    options = {**options, "backend": spec.text}  # resolved here: every worker runs the same backend
+    units = plan_units(file, indices, mutations, options)
+
+    def progress(unit: SweepUnit, row: VariantResult | None, done: int, total: int) -> None:
+        verdict = "crash" if row is None else row.verdict.value
+        print(f"moereplay: ray {done}/{total} call {unit.call} {unit.label}: {verdict}", file=sys.stderr)
+
+    return sweep(
+        units,
+        address=address,
+        gpus_per_task=(1.0 if spec.needs_cuda else 0.0) if gpus is None else gpus,
+        progress=progress,
+    )
 
 
 def _number(value: float | None, digits: int = 2) -> str:
