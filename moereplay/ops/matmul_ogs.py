@@ -968,11 +968,11 @@ class MatmulOgsOp:
         return out
 
     def shape_dimensions(self, args: Args) -> list[Any]:
-        """Shrinkable dimensions for the shape bisection (:mod:`moereplay.ops.ogs_shapes`), as bisect dimensions."""
-        from moereplay.bisect.shape import Dimension
+        """Shrinkable dimensions for the shape bisection (:mod:`moereplay.ops.ogs_shapes`; the bisection reads
+        their ``name``, ``values``, ``original`` and ``modulus``)."""
         from moereplay.ops.ogs_shapes import shape_dimensions
 
-        return [Dimension(d.name, d.values, d.original, d.modulus) for d in shape_dimensions(args)]
+        return list(shape_dimensions(args))
 
     def shrink(self, args: Args, shape: Mapping[str, int]) -> dict[str, Any]:
         """A valid call of ``shape`` made from this one (:mod:`moereplay.ops.ogs_shapes`)."""
