@@ -56,7 +56,6 @@ from moereplay.ops.base import (
     IntRangeDomain,
     KernelBackend,
     MutableArg,
-    PatchPoint,
     PredicateDomain,
     ReferenceResult,
     RowMap,
@@ -866,7 +865,7 @@ class ChosenFlags:
 
 RECORDED_FLAGS = "opt_flags"
 """The call output under which the capture records the flags make_opt_flags chose
-(:mod:`moereplay.capture.opt_flags`)."""
+(:mod:`moereplay.ops.ogs_process_state`)."""
 
 STATE_PINS: Mapping[str, str] = types.MappingProxyType(
     {name: name for name in ("block_m", "block_k", "split_k", "num_stages", "is_persistent", "fused_scatter")}
@@ -882,10 +881,6 @@ class MatmulOgsOp:
     """The :class:`~moereplay.ops.base.OpSpec` of ``matmul_ogs`` (one instance, registered as ``"matmul_ogs"``)."""
 
     name = NAME
-    patch_points: tuple[PatchPoint, ...] = (
-        PatchPoint("vllm.model_executor.layers.fused_moe.experts.gpt_oss_triton_kernels_moe", "matmul_ogs"),
-        PatchPoint("vllm.model_executor.layers.fused_moe.gpt_oss_triton_kernels_moe", "matmul_ogs"),
-    )
     arguments = ARGUMENTS
     mutable = MUTABLE
     derived = DERIVED
