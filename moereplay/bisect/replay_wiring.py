@@ -201,10 +201,7 @@ class _InMemoryCall:
 
 
 def _dimension(item: Any) -> Dimension:
-    if isinstance(item, Dimension):
-        return item
-    name, values, original = item
-    return Dimension(str(name), tuple(int(value) for value in values), int(original))
+    return Dimension.of(item)
 
 
 class ReplayJudge:

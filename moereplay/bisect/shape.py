@@ -99,6 +99,24 @@ class Dimension:
         return cls(name, tuple(values), original, modulus)
 
     @classmethod
+    def of(cls, item: Any) -> Dimension:
+        """``item`` as a dimension: a :class:`Dimension`, an op's ``(name, legal values, original)`` or an object
+        with ``name``, ``values``, ``original`` and optionally ``modulus`` (ops declare theirs without importing
+        the bisection)."""
+        if isinstance(item, Dimension):
+            return item
+        if isinstance(item, tuple):
+            name, values, original = item
+            return cls(str(name), tuple(int(value) for value in values), int(original))
+        modulus = getattr(item, "modulus", None)
+        return cls(
+            str(item.name),
+            tuple(int(value) for value in item.values),
+            int(item.original),
+            None if modulus is None else int(modulus),
+        )
+
+    @classmethod
     def choices(
         cls, name: str, values: Sequence[int], original: int, *, modulus: int | None = None
     ) -> Dimension:
@@ -321,6 +339,7 @@ class ShapeSearch(Search[ShapeProbe, ShapeResult]):
         max_rounds: int = 8,
     ) -> None:
         super().__init__(target=target, match=match)
+        dimensions = [Dimension.of(dimension) for dimension in dimensions]
         if not dimensions:
             raise BisectError("no dimensions to shrink")
         names = [dimension.name for dimension in dimensions]

@@ -50,7 +50,6 @@ import torch
 from moereplay.capture.context import Ranks, Where
 from moereplay.capture.device_ring import DeviceRing, decode_word
 from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerBudget, TriggerDelivery
-from moereplay.capture.opt_flags import gemm_state_context
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.snapshot import (
     Snapshot,
@@ -129,7 +128,7 @@ class LayerCall:
     status: str = "completed"
     error: str | None = None
     probe: Any = None  # the triton_kernels opt_flags probe of a matmul_ogs call made outside a layer
-    state_module: Any = None  # the opt_flags module of a layer call's triton_kernels GEMMs (opt_flags_via)
+    state_module: Any = None  # the process state of a layer call's GEMMs (process_state_via): .context()
     extra_context: dict[str, Any] | None = None
     extra_outputs: dict[str, Any] | None = None  # values, not tensors (the chosen opt_flags)
     # writer thread
@@ -425,7 +424,7 @@ class LayerFlight(PollingRecorder):
             else:
                 tree[name] = _walk(value, [], format_codec, 0)
         if call.state_module is not None:  # read when described: at the trigger, or when a graph captured it
-            call.extra_context = {**(call.extra_context or {}), **gemm_state_context(call.state_module)}
+            call.extra_context = {**(call.extra_context or {}), **call.state_module.context()}
             call.state_module = None
         call.copies = copies
         call.input_tree = tree

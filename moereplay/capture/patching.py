@@ -25,10 +25,9 @@ from typing import Any
 
 from moereplay.capture.binding import ArgumentBinder
 from moereplay.capture.patch_points import CaptureTarget
+from moereplay.ops.surface import ORIGINAL
 
 logger = logging.getLogger("moereplay.capture")
-
-ORIGINAL = "__moereplay_original__"
 
 
 Undo = Callable[[], None]

@@ -17,9 +17,9 @@ the layer-scope flight recorder, which captures its ring kernels into the graph 
 
 Codecs: the format codecs for vLLM's ``ScalarType`` are registered when the recorder is built, and a target's
 ``codec_modules`` (the triton_kernels codecs of the matmul_ogs op) when the target is wrapped — before any of its
-calls is encoded. triton_kernels GEMMs (``opt_flags`` targets) also record their process state: the opt_flags
+calls is encoded. Targets with process state (``process_state``; triton_kernels GEMMs) also record it: the opt_flags
 constraints in force as pseudo-arguments, a manual override in the context, the flags chosen as the ``opt_flags``
-output (:mod:`moereplay.capture.opt_flags`).
+output (the family's hooks, e.g. :mod:`moereplay.ops.ogs_process_state`).
 """
 
 from __future__ import annotations
@@ -40,12 +40,6 @@ from moereplay.capture.device_ring import TooLarge
 from moereplay.capture.flight import FlightEntry, FlightRecorder, TriggerBudget
 from moereplay.capture.flight_graph import GraphFlight
 from moereplay.capture.flight_layer import LayerCall, LayerFlight, is_capturing
-from moereplay.capture.opt_flags import (
-    OptFlagsProbe,
-    gemm_of,
-    gemm_state_context,
-    opt_flags_module,
-)
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.patching import CallHandler
 from moereplay.capture.settings import CaptureSettings, Trigger
@@ -87,7 +81,7 @@ class _Plan:
     bound: dict[str, Any] | None = None
     started: float = 0.0
     device_start: Any = None
-    probe: OptFlagsProbe | None = None
+    probe: Any = None
     keep: list[torch.Tensor] | None = None  # the copied inputs, alive until the outputs are copied
 
 
@@ -119,10 +113,10 @@ class Recorder(CallHandler):
         self._ops_selected: dict[str, bool] = {}
         self._graph_warned = False
         self._cuda = torch.cuda.is_available()
-        self._probes: dict[int, OptFlagsProbe] = {}  # id(original function) -> its opt_flags probe
-        # id(original layer function) -> the opt_flags module of the triton_kernels GEMM it calls (opt_flags_via)
+        self._probes: dict[int, Any] = {}  # id(original function) -> its process-state probe
+        # id(original layer function) -> the state of the GEMM it calls (process_state_via)
         self._state_modules: dict[int, Any] = {}
-        importlib.import_module("moereplay.capture.vllm_codecs")  # registers vLLM's ScalarType codec
+        importlib.import_module("moereplay.ops.vllm_codecs")  # registers vLLM's own value types' codecs
         self.flight: FlightRecorder | LayerFlight | None = None
         self.layer_scope = settings.trigger is Trigger.FLIGHT and settings.flight_scope == "layer"
         budget = TriggerBudget(settings.flight_triggers)
@@ -172,12 +166,15 @@ class Recorder(CallHandler):
         return values
 
     def prepare(self, target: CaptureTarget, original: Callable[..., Any]) -> Callable[[], None] | None:
-        """Once per wrapped target (from the patcher): register its codecs, hook triton_kernels' opt_flags."""
+        """Once per wrapped target (from the patcher): register its codecs, install its family's process-state
+        hooks (:class:`moereplay.ops.surface.ProcessStateHooks`)."""
         for module in target.codec_modules:
             importlib.import_module(module)
-        if target.opt_flags_via:
-            gemm = gemm_of(original, target.opt_flags_via)
-            state_module = opt_flags_module(gemm) if gemm is not None else None
+        if not target.process_state:
+            return None
+        hooks: Any = importlib.import_module(target.process_state)
+        if target.process_state_via:
+            state_module = hooks.layer_state(original, target.process_state_via)
             if state_module is None:
                 return None
             self._state_modules[id(original)] = state_module
@@ -187,11 +184,7 @@ class Recorder(CallHandler):
                 self._state_modules.pop(id(layer_ref), None)
 
             return forget_state
-        if not target.opt_flags:
-            return None
-        from moereplay.ops.matmul_ogs import process_state
-
-        probe, undo = OptFlagsProbe.install(original, process_state)
+        probe, undo = hooks.install_probe(original)
         self._probes[id(original)] = probe
         original_ref = original  # keeps the id valid while the probe is registered
 
@@ -306,16 +299,16 @@ class Recorder(CallHandler):
         if (self.settings.per_shape or self.settings.sample < 1.0) and not self._admit(target, bound):
             return None
         self.counters.selected += 1
-        probe = self._probes.get(id(original)) if target.opt_flags else None
+        probe = self._probes.get(id(original)) if target.probes_state else None
         if probe is not None:
             bound.update(probe.state())
         call = flight.before(target, bound, where, sequence)
-        if target.opt_flags_via:
+        if target.process_state_via:
             call.state_module = self._state_modules.get(id(original))
         if probe is not None:
-            override = probe.override()
-            if override is not None:
-                call.extra_context = {"opt_flags_override": override}
+            extra_context = probe.context()
+            if extra_context:
+                call.extra_context = extra_context
             call.probe = probe
             probe.start()
         return call
@@ -347,7 +340,7 @@ class Recorder(CallHandler):
             self.counters.skipped_filters += 1
             return None
         bound = _bind(target, binder, args, kwargs)
-        probe = self._probes.get(id(original)) if target.opt_flags else None
+        probe = self._probes.get(id(original)) if target.probes_state else None
         if probe is not None:
             bound.update(probe.state())
         call, copy_first = flight.collect(target, bound, where, sequence)
@@ -356,13 +349,13 @@ class Recorder(CallHandler):
             self.counters.skipped_graph_capture += 1
             return None
         call.graph = True
-        if target.opt_flags_via:
+        if target.process_state_via:
             call.state_module = self._state_modules.get(id(original))
         self.counters.selected += 1
         if probe is not None:
-            override = probe.override()
-            if override is not None:
-                call.extra_context = {"opt_flags_override": override}
+            extra_context = probe.context()
+            if extra_context:
+                call.extra_context = extra_context
             call.probe = probe
             probe.start()
         return call
@@ -372,9 +365,9 @@ class Recorder(CallHandler):
         assert isinstance(flight, LayerFlight)
         try:
             if call.probe is not None and error is None:
-                chosen = call.probe.chosen()
-                if chosen is not None:
-                    call.extra_outputs = {"opt_flags": chosen}
+                extra_outputs = call.probe.outputs()
+                if extra_outputs:
+                    call.extra_outputs = extra_outputs
             if call.graph:
                 assert flight.graph is not None
                 if not flight.graph.capture(call, result, error):
@@ -437,17 +430,15 @@ class Recorder(CallHandler):
         plan.bound = bound
         self.counters.selected += 1
         context = where.as_dict(self.tracker.ranks)
-        if target.opt_flags_via:
+        if target.process_state_via:
             state_module = self._state_modules.get(id(original))
             if state_module is not None:
-                context.update(gemm_state_context(state_module))
-        if target.opt_flags:
+                context.update(state_module.context())
+        if target.probes_state:
             plan.probe = self._probes.get(id(original))
             if plan.probe is not None:
                 bound.update(plan.probe.state())
-                override = plan.probe.override()
-                if override is not None:
-                    context["opt_flags_override"] = override
+                context.update(plan.probe.context())
         parent_sequence = parent.sequence if parent is not None and parent.recorded else None
         plan.keep = []
         if isinstance(self.flight, FlightRecorder):
@@ -538,9 +529,7 @@ class Recorder(CallHandler):
         if error is None and not is_view_of_any(result, outputs.values()):
             outputs["return"] = result
         if plan.probe is not None:
-            chosen = plan.probe.chosen()
-            if chosen is not None:
-                outputs["opt_flags"] = chosen
+            outputs.update(plan.probe.outputs())
         status = "completed" if error is None else "failed"
         message = None if error is None else f"{type(error).__name__}: {error}"[:2000]
         if isinstance(self.flight, FlightRecorder):

@@ -2,67 +2,51 @@
 
 A layer is named by any of its calls:
 
-- a parent record (``fused_marlin_moe``, ``batched_fused_marlin_moe``, ``triton_kernel_fused_experts``,
-  ``unfused_oai_triton_experts``): its two kernel children, in call order;
+- a parent record (any family's parent op, :func:`moereplay.ops.surface.parent_ops`): its two kernel children,
+  in call order;
 - a kernel call with a parent: that parent's layer;
-- a kernel call without one: it and the neighbouring call of the same op and layer that completes the pair —
-  Marlin: gemm1 has ``top_k > 1`` rows per token and ``size_n = 2 · gemm2's size_k``, gemm2 ``top_k = 1``;
-  ``matmul_ogs``: gemm1 gathers (and fuses the activation), gemm2 scatters.
+- a kernel call without one: it and the neighbouring call of the same op and layer that completes the pair, as the
+  op's family tells gemm1 from gemm2 and which pairs fit (``FamilySurface.first_gemm`` / ``pair_fits``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from moereplay.errors import ReplayError
-from moereplay.ops.surface import parent_ops
+from moereplay.ops.surface import layer_family, parent_ops
 
-PARENT_OPS = (
-    frozenset(
-        {
-            "fused_marlin_moe",
-            "batched_fused_marlin_moe",
-            "triton_kernel_fused_experts",
-            "unfused_oai_triton_experts",
-        }
-    )
-    | parent_ops()
-)
-MARLIN = "moe_wna16_marlin_gemm"
-OGS = "matmul_ogs"
-Family = Literal["marlin", "ogs"]
+PARENT_OPS = parent_ops()
 
 
 @dataclass(frozen=True)
 class LayerCalls:
-    """Indices of one layer's calls; ``parent`` is None when the capture has no parent record for it."""
+    """Indices of one layer's calls; ``parent`` is None when the capture has no parent record for it.
+    ``family``: the name of the kernel family (:class:`moereplay.ops.surface.FamilySurface`)."""
 
-    family: Family
+    family: str
     gemm1: int
     gemm2: int
     parent: int | None
 
 
-def _family(op: str) -> Family | None:
-    return "marlin" if op == MARLIN else "ogs" if op == OGS else None
+def _family(op: str) -> str | None:
+    family = layer_family(op)
+    return None if family is None else family.name
 
 
 def _is_first(record: Any) -> bool:
     """Whether a kernel call is its layer's gemm1 (w13), from recorded metadata only."""
-    args = record.args
-    if record.op == MARLIN:
-        return isinstance(args.get("top_k"), int) and args["top_k"] > 1
-    return args.get("gather_indx") is not None or args.get("fused_activation") is not None
+    family = layer_family(record.op)
+    return family is not None and family.first_gemm is not None and family.first_gemm(record.args)
 
 
 def _pair_fits(first: Any, second: Any) -> bool:
     if first.op != second.op or not _is_first(first) or _is_first(second):
         return False
-    if first.op == MARLIN:
-        size_n, size_k = first.args.get("size_n"), second.args.get("size_k")
-        return isinstance(size_n, int) and isinstance(size_k, int) and size_n == 2 * size_k
-    return True
+    family = layer_family(first.op)
+    return family is not None and (family.pair_fits is None or family.pair_fits(first.args, second.args))
 
 
 def find_layer(reader: Any, call: int) -> LayerCalls:
@@ -86,7 +70,7 @@ def find_layer(reader: Any, call: int) -> LayerCalls:
     family = _family(record.op)
     if family is None:
         raise ReplayError(
-            f"{reader.path}: call {call} is a {record.op}, neither a fused MoE parent nor a Marlin / matmul_ogs call"
+            f"{reader.path}: call {call} is a {record.op}, neither a fused MoE parent nor a layer GEMM of a known family"
         )
     neighbours = [
         r

@@ -1,6 +1,6 @@
 """Op modules, one per kernel family, and the registry that finds them by name.
 
-``get_op(name)`` imports the built-in module declaring ``name`` on first use, so importing ``moereplay.ops``
+``get_op(name)`` imports the module a family declares for ``name`` (:mod:`moereplay.ops.surface`) on first use, so importing ``moereplay.ops``
 costs nothing. A third-party or test op registers itself with ``register_op``.
 """
 
@@ -13,12 +13,6 @@ from moereplay.errors import UnknownOpError
 
 if TYPE_CHECKING:  # ops.base imports torch; listing op names must not
     from moereplay.ops.base import OpSpec
-
-_BUILTIN_MODULES: dict[str, str] = {
-    "moe_wna16_marlin_gemm": "moereplay.ops.marlin_moe",
-    "matmul_ogs": "moereplay.ops.matmul_ogs",
-}
-"""Op name → module that registers it on import."""
 
 _REGISTRY: dict[str, OpSpec] = {}
 
@@ -42,7 +36,7 @@ def get_op(name: str) -> OpSpec:
     op = _REGISTRY.get(name)
     if op is not None:
         return op
-    module = _BUILTIN_MODULES.get(name) or _surface_modules().get(name)
+    module = _surface_modules().get(name)
     if module is not None:
         try:
             importlib.import_module(module)
@@ -51,13 +45,13 @@ def get_op(name: str) -> OpSpec:
         op = _REGISTRY.get(name)
         if op is not None:
             return op
-    known = sorted(set(_REGISTRY) | set(_BUILTIN_MODULES) | set(_surface_modules()))
+    known = sorted(set(_REGISTRY) | set(_surface_modules()))
     raise UnknownOpError(f"no ops module declares {name!r} (known ops: {', '.join(known)})")
 
 
 def known_op_names() -> tuple[str, ...]:
     """Names of every op that is registered or built in (built-ins are not imported)."""
-    return tuple(sorted(set(_REGISTRY) | set(_BUILTIN_MODULES) | set(_surface_modules())))
+    return tuple(sorted(set(_REGISTRY) | set(_surface_modules())))
 
 
 def _surface_modules() -> dict[str, str]:

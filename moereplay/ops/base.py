@@ -4,7 +4,8 @@ An op module (``moereplay/ops/<family>.py``) builds one object satisfying :class
 with :func:`moereplay.ops.register_op`. Everything the capture plugin, the replay engine, the findings and the
 TUI know about a kernel comes from that object:
 
-- ``name`` and ``patch_points``: where vLLM calls it, per vLLM version range (the capture plugin wraps these);
+- ``name``: the op name its records carry (where vLLM calls it — patch points per vLLM release, codecs, process
+  state — is the family's torch-free declaration, :mod:`moereplay.ops.surface`);
 - ``arguments``: the argument schema, in the kernel's positional order (tensor / scalar / flag / enum / opaque);
 - ``mutable``: which arguments a replay may change, each with a legal :class:`Domain`;
 - ``derived`` and ``rederive``: arguments computed from others (recomputed when an input they depend on changes);
@@ -62,53 +63,6 @@ from moereplay.errors import InvalidMutationError
 
 Args = Mapping[str, Any]
 """Argument name → value, as described in the module docstring."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# where vLLM calls the op
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    """``"0.25.1rc2+cu130"`` → ``(0, 25, 1)``: the leading numeric release components only."""
-    parts: list[int] = []
-    for piece in version.split("+", 1)[0].split("."):
-        digits = ""
-        for char in piece:
-            if not char.isdigit():
-                break
-            digits += char
-        if not digits:
-            break
-        parts.append(int(digits))
-        if len(digits) != len(piece):
-            break
-    return tuple(parts)
-
-
-@dataclass(frozen=True)
-class PatchPoint:
-    """A module attribute through which vLLM calls the op, valid for ``min_version <= vllm < max_version``.
-
-    ``None`` bounds are open. Versions compare by their numeric release components (``0.25.1rc1`` counts as
-    ``0.25.1``). The capture plugin wraps ``module.attribute``; call sites that bound the function by
-    ``from module import attribute`` are separate patch points (module = the importing module).
-    """
-
-    module: str
-    attribute: str
-    min_version: str | None = None
-    max_version: str | None = None
-
-    def applies_to(self, vllm_version: str) -> bool:
-        version = _version_tuple(vllm_version)
-        if self.min_version is not None and version < _version_tuple(self.min_version):
-            return False
-        return not (self.max_version is not None and version >= _version_tuple(self.max_version))
-
-    @property
-    def qualified_name(self) -> str:
-        return f"{self.module}.{self.attribute}"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -717,9 +671,6 @@ class OpSpec(Protocol):
 
     @property
     def name(self) -> str: ...
-
-    @property
-    def patch_points(self) -> tuple[PatchPoint, ...]: ...
 
     @property
     def arguments(self) -> tuple[ArgSpec, ...]: ...

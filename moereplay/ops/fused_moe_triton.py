@@ -49,7 +49,6 @@ from moereplay.ops.base import (
     IntRangeDomain,
     KernelBackend,
     MutableArg,
-    PatchPoint,
     PredicateDomain,
     ReferenceResult,
     RowMap,
@@ -662,7 +661,6 @@ class TritonMoeOp:
         self.arguments = arguments
         self.contracts = contracts
         self.mutable = mutable
-        self.patch_points: tuple[PatchPoint, ...] = ()
 
     # ---- loading ---------------------------------------------------------------------------------------------
 

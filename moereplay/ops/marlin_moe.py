@@ -70,7 +70,6 @@ from moereplay.ops.base import (
     IntRangeDomain,
     KernelBackend,
     MutableArg,
-    PatchPoint,
     PredicateDomain,
     ReferenceResult,
     RowMap,
@@ -504,7 +503,6 @@ class MarlinMoeOp:
     """The OpSpec of ``moe_wna16_marlin_gemm`` (see the module docstring for the facts it encodes)."""
 
     name = NAME
-    patch_points = (PatchPoint("vllm._custom_ops", "moe_wna16_marlin_gemm", "0.25.1", "0.26"),)
     arguments = _ARGUMENTS
     mutable = MUTABLE
     derived = DERIVED

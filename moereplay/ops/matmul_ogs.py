@@ -56,7 +56,6 @@ from moereplay.ops.base import (
     IntRangeDomain,
     KernelBackend,
     MutableArg,
-    PatchPoint,
     PredicateDomain,
     ReferenceResult,
     RowMap,
@@ -867,7 +866,7 @@ class ChosenFlags:
 
 RECORDED_FLAGS = "opt_flags"
 """The call output under which the capture records the flags make_opt_flags chose
-(:mod:`moereplay.capture.opt_flags`)."""
+(:mod:`moereplay.ops.ogs_process_state`)."""
 
 STATE_PINS: Mapping[str, str] = types.MappingProxyType(
     {name: name for name in ("block_m", "block_k", "split_k", "num_stages", "is_persistent", "fused_scatter")}
@@ -883,10 +882,6 @@ class MatmulOgsOp:
     """The :class:`~moereplay.ops.base.OpSpec` of ``matmul_ogs`` (one instance, registered as ``"matmul_ogs"``)."""
 
     name = NAME
-    patch_points: tuple[PatchPoint, ...] = (
-        PatchPoint("vllm.model_executor.layers.fused_moe.experts.gpt_oss_triton_kernels_moe", "matmul_ogs"),
-        PatchPoint("vllm.model_executor.layers.fused_moe.gpt_oss_triton_kernels_moe", "matmul_ogs"),
-    )
     arguments = ARGUMENTS
     mutable = MUTABLE
     derived = DERIVED
@@ -969,11 +964,11 @@ class MatmulOgsOp:
         return out
 
     def shape_dimensions(self, args: Args) -> list[Any]:
-        """Shrinkable dimensions for the shape bisection (:mod:`moereplay.ops.ogs_shapes`), as bisect dimensions."""
-        from moereplay.bisect.shape import Dimension
+        """Shrinkable dimensions for the shape bisection (:mod:`moereplay.ops.ogs_shapes`; the bisection reads
+        their ``name``, ``values``, ``original`` and ``modulus``)."""
         from moereplay.ops.ogs_shapes import shape_dimensions
 
-        return [Dimension(d.name, d.values, d.original, d.modulus) for d in shape_dimensions(args)]
+        return list(shape_dimensions(args))
 
     def shrink(self, args: Args, shape: Mapping[str, int]) -> dict[str, Any]:
         """A valid call of ``shape`` made from this one (:mod:`moereplay.ops.ogs_shapes`)."""

@@ -37,7 +37,8 @@ from typing import Any, Literal
 
 import torch
 
-from moereplay.errors import UnsupportedValueError
+from moereplay.errors import PackError, UnsupportedValueError
+from moereplay.ops.surface import LibraryValueError
 
 TRITON_KERNELS = "triton_kernels"
 VENDORED_TRITON_KERNELS = "vllm.third_party.triton_kernels"
@@ -1226,3 +1227,20 @@ def register_with_format(register: Callable[..., Any]) -> None:
     for codec in TYPE_CODECS:
         for qualname in codec.qualnames():
             register(qualname, codec.encode, codec.decode_plain)
+
+
+def to_library(value: Any, backend: Any, cache: dict[str, Any]) -> Any:
+    """A plain spec of this module as the backend's triton_kernels object (``moereplay expand``; see
+    :class:`moereplay.ops.surface.FamilySurface`); other values unchanged. ``cache`` keeps the backend's
+    triton_kernels namespace. Raises :class:`~moereplay.ops.surface.LibraryValueError` when the library lacks a
+    piece (ImportError, PackError, AttributeError)."""
+    library = cache.get("triton_kernels")
+    if library is None:
+        library = cache["triton_kernels"] = TritonKernels.from_backend(backend)
+    for codec in TYPE_CODECS:
+        if isinstance(value, codec.plain_types):
+            try:
+                return codec.to_library(value, library)
+            except (ImportError, PackError, AttributeError) as error:
+                raise LibraryValueError(codec.name, error) from error
+    return value

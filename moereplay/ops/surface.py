@@ -13,11 +13,25 @@ Torch-free on purpose: the vLLM plugin imports this in every process. Declaratio
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 Role = Literal["kernel", "parent"]
+
+ORIGINAL = "__moereplay_original__"
+"""The attribute under which a capture wrapper keeps the function it wraps (read by families' process-state hooks
+and by ``moereplay expand``, which need the function as vLLM defined it)."""
+
+
+class LibraryValueError(Exception):
+    """A family's ``to_library`` could not build a library object: ``name`` of what it built, the ``error``."""
+
+    def __init__(self, name: str, error: BaseException) -> None:
+        super().__init__(f"cannot build {name}: {error}")
+        self.name = name
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -32,10 +46,13 @@ class CaptureTarget:
     ``scratch``: arguments that are work buffers (their bytes before the call do not matter): the layer-scope
     flight recorder does not keep them. ``inputs_intact``: the call writes none of its arguments but its
     ``outputs`` and ``scratch`` (read from the vLLM source for the Marlin layer), so the layer-scope recorder may
-    copy its inputs after the call, with its outputs, in one launch. ``opt_flags_via``: for a layer call whose
-    GEMMs are triton_kernels' (``matmul_ogs``), the name of that GEMM in the function's module: the opt_flags
-    constraints in force (process-wide; vLLM pins ``split_k=1`` on Hopper) are recorded in the call's context as
-    ``opt_flags_constraints``, and ``moereplay expand`` re-runs the call under them.
+    copy its inputs after the call, with its outputs, in one launch.
+
+    Process state (e.g. triton_kernels' opt_flags constraints): ``process_state`` names the module of the family's
+    hooks (imported when the target is armed; see :class:`ProcessStateHooks`). Without ``process_state_via`` the
+    call itself is probed (state as pseudo-arguments, override in the context, chosen flags as an output); with it,
+    the call is a layer call whose GEMMs, reached through that global of its module, run under the state (recorded
+    in the context, reapplied by ``moereplay expand``).
     """
 
     op: str
@@ -46,14 +63,38 @@ class CaptureTarget:
     self_attributes: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
     codec_modules: tuple[str, ...] = ()
-    opt_flags: bool = False
     scratch: tuple[str, ...] = ()
     inputs_intact: bool = False
-    opt_flags_via: str = ""
+    process_state: str = ""
+    process_state_via: str = ""
 
     @property
     def site(self) -> str:
         return f"{self.module}:{self.attribute}"
+
+    @property
+    def probes_state(self) -> bool:
+        """Whether the call itself is probed for process state (see the class docstring)."""
+        return bool(self.process_state) and not self.process_state_via
+
+
+class ProcessStateHooks(Protocol):
+    """What a family's ``process_state`` module provides (functions of the module).
+
+    ``install_probe(original)`` → ``(probe, undo or None)``; the probe has ``state()`` (pseudo-arguments before the
+    call), ``context()`` (context entries), ``start()`` and ``outputs()`` (after the call: extra outputs).
+    ``layer_state(original, via)`` → an object whose ``context()`` gives a layer call's context entries, or None.
+    ``replay_state(record, function, via)`` → ``(context manager or None, note or None)``: what a re-run of the
+    layer call enters, and what to say about it.
+    """
+
+    def install_probe(self, original: Callable[..., Any]) -> tuple[Any, Callable[[], None] | None]: ...
+
+    def layer_state(self, original: Callable[..., Any], via: str) -> Any: ...
+
+    def replay_state(
+        self, record: Any, function: Callable[..., Any], via: str
+    ) -> tuple[AbstractContextManager[Any] | None, str | None]: ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +105,18 @@ class FamilySurface:
     (imported on first ``get_op``); ``parent_ops``: op names of its layer records; ``targets``: every patch point;
     ``vllm_series``: (major, minor) release series whose patch points were read from the sources;
     ``preset_modules``: modules of ``moereplay.synth`` registering its presets, by their last name (so the
-    declaration does not drag the synth presets into a repro bundle's import closure).
+    declaration does not drag the synth presets into a repro bundle's import closure); ``record_only_ops``: kernel
+    ops it captures but declares no OpSpec for (not replayable yet).
+
+    Layer pairing, for families whose layer is two calls of one kernel op (gemm1 = w13, gemm2 = w2) that
+    ``moereplay.layout`` pairs up when no parent was recorded: ``first_gemm(args)`` tells gemm1 from gemm2 by the
+    recorded arguments, ``pair_fits(gemm1 args, gemm2 args)`` whether two calls of the layer belong together.
+    A family without ``first_gemm`` has no layer the probe understands.
+
+    Re-running a layer call (``moereplay expand``): ``library_packages``, top-level packages besides vLLM whose
+    classes may be imported to rebuild a recorded argument; ``value_modules``, modules of moereplay's plain values
+    for the family's library objects: a loaded value whose type one defines is turned back into the library's object
+    by that module's ``to_library(value, backend, cache)`` (``cache``: a dict the module may keep per re-run).
     """
 
     name: str
@@ -75,17 +127,27 @@ class FamilySurface:
     vllm_series: tuple[tuple[int, int], ...] = ()
     preset_modules: tuple[str, ...] = ()
     notes: Mapping[str, str] = field(default_factory=dict)
+    record_only_ops: tuple[str, ...] = ()
+    first_gemm: Callable[[Mapping[str, Any]], bool] | None = None
+    pair_fits: Callable[[Mapping[str, Any], Mapping[str, Any]], bool] | None = None
+    library_packages: tuple[str, ...] = ()
+    value_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         missing = [op for op in self.kernel_ops if op not in self.op_modules]
         if missing:
             raise ValueError(f"family {self.name}: kernel ops without a module: {missing}")
-        stray = [t.site for t in self.targets if t.op not in (*self.kernel_ops, *self.parent_ops)]
+        declared = (*self.kernel_ops, *self.parent_ops, *self.record_only_ops)
+        stray = [t.site for t in self.targets if t.op not in declared]
         if stray:
             raise ValueError(f"family {self.name}: targets of undeclared ops: {stray}")
 
 
-BUILTIN_SURFACES: tuple[str, ...] = ("moereplay.ops.fused_moe_triton_surface",)
+BUILTIN_SURFACES: tuple[str, ...] = (
+    "moereplay.ops.marlin_surface",
+    "moereplay.ops.matmul_ogs_surface",
+    "moereplay.ops.fused_moe_triton_surface",
+)
 """Modules declaring the built-in families (each calls :func:`register_family` on import)."""
 
 _FAMILIES: dict[str, FamilySurface] = {}
@@ -125,3 +187,26 @@ def family_of(op: str) -> FamilySurface | None:
         if op in family.kernel_ops or op in family.parent_ops:
             return family
     return None
+
+
+def layer_family(op: str) -> FamilySurface | None:
+    """The family whose layers pair two calls of kernel op ``op`` (see :class:`FamilySurface`), if any."""
+    for family in families():
+        if op in family.kernel_ops and family.first_gemm is not None:
+            return family
+    return None
+
+
+def vllm_series() -> frozenset[tuple[int, int]]:
+    """Every (major, minor) vLLM release series some family's patch points were read from."""
+    return frozenset(series for family in families() for series in family.vllm_series)
+
+
+def library_packages() -> tuple[str, ...]:
+    """Every family's ``library_packages``, in family order, without repeats."""
+    return tuple(dict.fromkeys(name for family in families() for name in family.library_packages))
+
+
+def value_modules() -> frozenset[str]:
+    """Every family's ``value_modules``."""
+    return frozenset(module for family in families() for module in family.value_modules)

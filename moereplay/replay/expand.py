@@ -32,17 +32,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import logging
 import tempfile
 import types
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from moereplay.capture.opt_flags import ConstraintsApplied, constraints_in_force, gemm_of, opt_flags_module
 from moereplay.capture.patch_points import TARGETS, CaptureTarget
 from moereplay.capture.patching import ORIGINAL
 from moereplay.errors import MoereplayError, ReplayError, SettingsError
@@ -244,33 +245,19 @@ def _rerun(
 
 def _gemm_state(
     record: Any, function: Any, target: CaptureTarget
-) -> tuple[ConstraintsApplied | None, str | None]:
-    """The process state a layer call whose GEMMs are triton_kernels' must re-run under (the opt_flags constraints
-    its record holds), and a note for the report; ``(None, None)`` for other layer calls."""
-    if not target.opt_flags_via:
+) -> tuple[AbstractContextManager[Any] | None, str | None]:
+    """The process state a layer call must re-run under, as its family's hooks read it from the record
+    (:class:`moereplay.ops.surface.ProcessStateHooks`), and a note for the report; ``(None, None)`` for layer
+    calls without."""
+    if not target.process_state_via:
         return None, None
     # the layer function as vLLM defined it: a capture session's wrapper has moereplay's globals, not its module's
     function = getattr(function, ORIGINAL, function)
-    gemm = gemm_of(function, target.opt_flags_via)
-    module = opt_flags_module(gemm) if gemm is not None else None
-    if module is None:
-        return None, f"{target.opt_flags_via}'s opt_flags module was not found: re-run under its defaults"
-    context = record.context if isinstance(record.context, Mapping) else {}
-    recorded = context.get("opt_flags_constraints")
-    if isinstance(recorded, Mapping):
-        constraints = {str(key): value for key, value in recorded.items()}
-        shown = ", ".join(f"{key}={value}" for key, value in sorted(constraints.items())) or "none"
-        note = f"re-run under the recorded triton_kernels opt_flags constraints ({shown})"
-        if context.get("opt_flags_override"):
-            note += "; the recorded manual opt_flags override is not reapplied"
-        return ConstraintsApplied(module, constraints), note
-    here = constraints_in_force(module)
-    shown = ", ".join(f"{key}={value}" for key, value in sorted(here.items())) or "none"
-    return None, (
-        "the record does not say which triton_kernels opt_flags constraints were in force (recorded before "
-        f"moereplay kept them): re-run under this process's ({shown}); vLLM pins split_k=1 on Hopper when it "
-        "loads MXFP4 weights, so a re-run under other constraints may differ in rounding"
+    hooks: Any = importlib.import_module(target.process_state)
+    state: tuple[AbstractContextManager[Any] | None, str | None] = hooks.replay_state(
+        record, function, target.process_state_via
     )
+    return state
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -4,13 +4,14 @@
 buffers not kept (passed as ``None``), unsupported values the function has a default for (left out, with a note),
 and the rest refused on one line. :class:`Rebuilder` turns loaded values the function cannot take into the
 library's objects: enum members (``EnumValue``) and dataclasses recorded field by field (``CodecValue``) from
-classes of allowed packages only, triton_kernels plain specs through the backend.
+classes of allowed packages only, a family's plain values through its ``value_modules`` and the backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib
 import inspect
 import sys
 import types
@@ -24,10 +25,11 @@ from moereplay.capture.patch_points import CaptureTarget
 from moereplay.errors import PackError, ReplayError
 from moereplay.format.schema import CodecValue, EnumValue, Unsupported
 from moereplay.ops.base import KernelBackend
+from moereplay.ops.surface import LibraryValueError, library_packages, value_modules
 
-LIBRARY_PACKAGES = ("vllm", "triton_kernels")
+LIBRARY_PACKAGES = ("vllm", *library_packages())
 """Top-level packages whose classes (enums, dataclasses) may be imported to rebuild a recorded argument, besides
-the parent function's own package."""
+the parent function's own package: vLLM's and the families' libraries."""
 
 
 def unsupported_text(value: Unsupported) -> str:
@@ -60,13 +62,14 @@ def attribute_of(module: types.ModuleType, attribute: str) -> Any:
 
 class Rebuilder:
     """Turns loaded argument values the live function cannot take (EnumValue, CodecValue of a dataclass,
-    triton_kernels plain specs) into the library's objects; imports classes only from allowed packages."""
+    a family's plain values) into the library's objects; imports classes only from allowed packages."""
 
     def __init__(self, backend: KernelBackend, packages: frozenset[str], where: str) -> None:
         self.backend = backend
         self.packages = packages
         self.where = where
-        self._library: Any = None
+        self._library: dict[str, Any] = {}
+        self._value_modules = value_modules()
 
     def resolve_class(self, type_name: str, path: str) -> Any:
         parts = type_name.split(".")
@@ -112,8 +115,8 @@ class Rebuilder:
             return [self.rebuild(item, f"{path}[{i}]") for i, item in enumerate(value)]
         if type(value) is tuple:
             return tuple(self.rebuild(item, f"{path}[{i}]") for i, item in enumerate(value))
-        if type(value).__module__ == "moereplay.ops.ogs_codecs":
-            return self._triton_kernels(value, path)
+        if type(value).__module__ in self._value_modules:
+            return self._library_value(value, path)
         return value
 
     def _enum(self, value: EnumValue, path: str) -> Any:
@@ -150,20 +153,12 @@ class Rebuilder:
             object.__setattr__(instance, name, self.rebuild(item, f"{path}.{name}"))
         return instance
 
-    def _triton_kernels(self, value: Any, path: str) -> Any:
-        from moereplay.ops import ogs_codecs
-
-        if self._library is None:
-            self._library = ogs_codecs.TritonKernels.from_backend(self.backend)
-        for codec in ogs_codecs.TYPE_CODECS:
-            if isinstance(value, codec.plain_types):
-                try:
-                    return codec.to_library(value, self._library)
-                except (ImportError, PackError, AttributeError) as error:
-                    raise ReplayError(
-                        f"{self.where}: argument {path}: cannot build {codec.name}: {error}"
-                    ) from error
-        return value
+    def _library_value(self, value: Any, path: str) -> Any:
+        module: Any = importlib.import_module(type(value).__module__)
+        try:
+            return module.to_library(value, self.backend, self._library)
+        except LibraryValueError as error:
+            raise ReplayError(f"{self.where}: argument {path}: {error}") from error.error
 
 
 def plan_arguments(

@@ -113,27 +113,28 @@ def select_calls(
     (one-line :class:`ReplayError` listing how).
     """
     from moereplay.format import CaptureReader
-    from moereplay.layout.calls import PARENT_OPS
+    from moereplay.ops.surface import parent_ops
 
+    parents = parent_ops()
     with CaptureReader(path) as reader:
         if call is not None:
             if call not in reader.indices:
                 raise ReplayError(f"{path}: no call {call} (calls: {_index_summary(reader.indices)})")
             record = reader.call(call)
-            if record.op in PARENT_OPS:
+            if record.op in parents:
                 raise _layer_call_error(path, reader, [record])
             return [call]
         if op is not None or layer is not None:
             records = list(reader.select(op=op, layer=layer))
             if not records:
                 raise ReplayError(f"{path}: no call matches op={op!r} layer={layer!r}")
-            chosen = [record.index for record in records if record.op not in PARENT_OPS]
+            chosen = [record.index for record in records if record.op not in parents]
             if not chosen:  # layer calls only: their kernel calls are what replays
                 raise _layer_call_error(path, reader, records)
             return chosen
         known = [record.index for record in reader.calls() if _replayable(record.op)]
         if not known:
-            layers = [record for record in reader.calls() if record.op in PARENT_OPS]
+            layers = [record for record in reader.calls() if record.op in parents]
             if layers:
                 raise _layer_call_error(path, reader, layers)
         if every:

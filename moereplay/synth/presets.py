@@ -3,7 +3,8 @@
 A preset declares its :class:`Setting` s (name, default, help) and a build function that draws the call's tensors
 (:class:`~moereplay.synth.drawing.Drawer`), runs the kernel or the reference (a
 :class:`~moereplay.synth.runners.CallRunner`) and returns the calls to record. The presets themselves live in
-:mod:`moereplay.synth.marlin_presets` and :mod:`moereplay.synth.ogs_presets`; :func:`get_preset` finds them by name.
+:mod:`moereplay.synth.marlin_presets` and :mod:`moereplay.synth.ogs_presets` …, which the kernel families declare
+(``FamilySurface.preset_modules``); :func:`get_preset` finds them by name.
 """
 
 from __future__ import annotations
@@ -97,7 +98,6 @@ def _load() -> None:
     import importlib
 
     from moereplay.ops.surface import families
-    from moereplay.synth import marlin_presets, ogs_presets  # noqa: F401 - they register their presets
 
     for family in families():
         for module in family.preset_modules:

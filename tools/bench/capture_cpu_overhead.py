@@ -31,12 +31,8 @@ from pathlib import Path
 import torch
 
 from moereplay.capture import session as session_module
-from moereplay.capture.patch_points import (
-    FUSED_MARLIN_SCRATCH,
-    FUSED_MARLIN_STATIC,
-    MARLIN_GEMM_STATIC,
-    CaptureTarget,
-)
+from moereplay.capture.patch_points import CaptureTarget
+from moereplay.ops.marlin_surface import FUSED_MARLIN_SCRATCH, FUSED_MARLIN_STATIC, MARLIN_GEMM_STATIC
 
 MODULE = "moereplay_bench_kernels"
 EXPERTS, TOP_K, HIDDEN, INNER = 32, 4, 2880, 2944

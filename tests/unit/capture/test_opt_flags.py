@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from moereplay.capture import session as session_module
-from moereplay.capture.patch_points import OGS_CODECS, CaptureTarget
+from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.patching import ORIGINAL
 from moereplay.format import CaptureReader
+from moereplay.ops.matmul_ogs_surface import OGS_CODECS, PROCESS_STATE
 
 PACKAGE = "moereplay_test_tk"
 CALLER = "moereplay_test_gpt_oss"
@@ -104,7 +105,7 @@ def tk() -> Iterator[types.SimpleNamespace]:
 TARGETS = (
     CaptureTarget(
         "matmul_ogs", "kernel", CALLER, "matmul_ogs", static=("w",), outputs=("y",), codec_modules=OGS_CODECS,
-        opt_flags=True,
+        process_state=PROCESS_STATE,
     ),
 )  # fmt: skip
 
@@ -213,7 +214,7 @@ def test_arming_the_matmul_ogs_patch_point_registers_the_ogs_codecs(tmp_path: Pa
 
 LAYER_TARGETS = (
     CaptureTarget("experts", "parent", CALLER, "experts", static=("w1", "w2"), outputs=("y",),
-                  inputs_intact=True, opt_flags_via="matmul_ogs"),
+                  inputs_intact=True, process_state=PROCESS_STATE, process_state_via="matmul_ogs"),
     TARGETS[0],
 )  # fmt: skip
 
@@ -256,7 +257,7 @@ def test_no_constraints_is_recorded_as_none_and_an_override_beside_them(tk, tmp_
 
 
 def test_a_rerun_applies_the_recorded_constraints_and_restores_the_process_state(tk) -> None:
-    from moereplay.capture.opt_flags import ConstraintsApplied, gemm_of, opt_flags_module
+    from moereplay.ops.ogs_process_state import ConstraintsApplied, gemm_of, opt_flags_module
     from moereplay.replay.expand import _gemm_state
 
     target = LAYER_TARGETS[0]
@@ -284,7 +285,7 @@ def test_a_rerun_through_the_capture_wrapper_finds_the_layer_modules_constraints
     # expand re-runs a layer call through the session's wrapper (to record its kernel calls): the GEMM and its
     # opt_flags module are found through the function vLLM defined, not the wrapper's globals (on the H200 the
     # wrapper was passed, every gpt-oss layer call re-ran under the default split_k and ~39% of elements differed)
-    from moereplay.capture.opt_flags import ConstraintsApplied
+    from moereplay.ops.ogs_process_state import ConstraintsApplied
     from moereplay.replay.expand import _gemm_state
 
     env = {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_DIR": str(tmp_path / "captures")}

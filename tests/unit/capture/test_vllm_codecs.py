@@ -12,9 +12,9 @@ import torch
 
 from moereplay.capture import session as session_module
 from moereplay.capture.patch_points import VLLM_CODECS, CaptureTarget
-from moereplay.capture.vllm_codecs import decode_scalar_type, encode_scalar_type
 from moereplay.errors import UnsupportedValueError
 from moereplay.format import CaptureReader, CodecValue
+from moereplay.ops.vllm_codecs import decode_scalar_type, encode_scalar_type
 from moereplay.reference import scalar_types
 from moereplay.reference.scalar_types import as_scalar_type
 

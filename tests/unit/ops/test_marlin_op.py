@@ -12,6 +12,7 @@ import torch
 from moereplay.ops import get_op
 from moereplay.ops.base import ArgKind, argument_names, check_contracts
 from moereplay.ops.marlin_moe import captured_block_size, scalar_type_id
+from moereplay.ops.surface import family_of
 from moereplay.reference.marlin_formats import MarlinWeightFormat, random_experts
 from moereplay.reference.moe_align import moe_align_block_size
 from moereplay.replay.mutations import apply_variant, parse_option
@@ -95,7 +96,9 @@ def test_schema_is_the_vllm_0_25_1_signature() -> None:
     )
     (b_q_type,) = [spec for spec in OP.arguments if spec.name == "b_q_type"]
     assert b_q_type.kind is ArgKind.ENUM
-    assert OP.patch_points[0].applies_to("0.25.1") and not OP.patch_points[0].applies_to("0.24.0")
+    family = family_of(OP.name)  # where vLLM calls it: the family's declaration, not the OpSpec
+    assert family is not None and (0, 25) in family.vllm_series and (0, 24) not in family.vllm_series
+    assert "vllm._custom_ops:moe_wna16_marlin_gemm" in {target.site for target in family.targets}
 
 
 def test_scalar_type_ids_are_read_from_every_recorded_form() -> None:

@@ -33,7 +33,6 @@ from moereplay.ops.base import (
     ContractViolation,
     KernelBackend,
     MutableArg,
-    PatchPoint,
     ReferenceResult,
     RowMap,
     TensorContract,
@@ -118,7 +117,6 @@ def _count_read(args: Args) -> int | None:
 
 class BoxedScalesOp:
     name = NAME
-    patch_points = (PatchPoint("toy", "boxed_scales"),)
     arguments = (
         ArgSpec("x", ArgKind.TENSOR),
         ArgSpec("w", ArgKind.TENSOR),

@@ -22,7 +22,6 @@ from moereplay.ops.base import (
     Args,
     ArgSpec,
     KernelBackend,
-    PatchPoint,
     ReferenceResult,
     RowMap,
 )
@@ -40,7 +39,6 @@ def _kernel(args: dict[str, Any]) -> torch.Tensor:
 
 class RoutedOp:
     name = NAME
-    patch_points = (PatchPoint("toy", "routed_rows"),)
     arguments = (
         ArgSpec("x", ArgKind.TENSOR),
         ArgSpec("w", ArgKind.TENSOR),

@@ -38,7 +38,6 @@ from moereplay.ops.base import (
     CoefficientSource,
     KernelBackend,
     MutableArg,
-    PatchPoint,
     ReferenceResult,
     RowMap,
     TensorContract,
@@ -92,7 +91,6 @@ def _kernel(name: str, args: dict[str, Any]) -> torch.Tensor:
 
 class ToyOp:
     name = NAME
-    patch_points = (PatchPoint("toy", "scaled_rows"),)
     arguments = (
         ArgSpec("x", ArgKind.TENSOR),
         ArgSpec("w", ArgKind.TENSOR),

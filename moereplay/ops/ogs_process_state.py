@@ -20,10 +20,10 @@ import dataclasses
 import sys
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from moereplay.capture.patching import ORIGINAL
+from moereplay.ops.surface import ORIGINAL
 
 MAKE_OPT_FLAGS = "make_opt_flags"
 RECORDING_MARK = "__moereplay_opt_flags_recorder__"
@@ -117,6 +117,11 @@ class OptFlagsProbe:
             return None
         return flags_as_dict(getattr(self.module, "_opt_flags", None))
 
+    def context(self) -> dict[str, Any]:
+        """The call's context entries: the manual override in force, if any (``opt_flags_override``)."""
+        override = self.override()
+        return {} if override is None else {"opt_flags_override": override}
+
     def start(self) -> None:
         self._slot.flags = None
         self._slot.armed = True
@@ -126,6 +131,11 @@ class OptFlagsProbe:
         slot = self._slot
         flags, slot.flags, slot.armed = slot.flags, None, False
         return flags_as_dict(flags)
+
+    def outputs(self) -> dict[str, Any]:
+        """The call's extra outputs: the flags chosen (``opt_flags``), when ``make_opt_flags`` ran."""
+        chosen = self.chosen()
+        return {} if chosen is None else {"opt_flags": chosen}
 
 
 def gemm_of(function: Callable[..., Any], name: str) -> Callable[..., Any] | None:
@@ -188,3 +198,59 @@ def gemm_state_context(state_module: Any) -> dict[str, Any]:
     if override is not None:
         context["opt_flags_override"] = override
     return context
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the family's process-state hooks (moereplay.ops.surface.ProcessStateHooks)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def install_probe(original: Callable[..., Any]) -> tuple[OptFlagsProbe, Callable[[], None] | None]:
+    """A probe for a wrapped ``matmul_ogs`` (its constraints as the op's pseudo-arguments)."""
+    from moereplay.ops.matmul_ogs import process_state
+
+    return OptFlagsProbe.install(original, process_state)
+
+
+class LayerState:
+    """The opt_flags module governing a layer call's GEMMs: its context entries when the call is described."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        self.module = module
+
+    def context(self) -> dict[str, Any]:
+        return gemm_state_context(self.module)
+
+
+def layer_state(original: Callable[..., Any], via: str) -> LayerState | None:
+    """The state of the GEMM ``original`` calls by the global ``via``; ``None`` when it cannot be found."""
+    gemm = gemm_of(original, via)
+    module = opt_flags_module(gemm) if gemm is not None else None
+    return None if module is None else LayerState(module)
+
+
+def replay_state(
+    record: Any, function: Callable[..., Any], via: str
+) -> tuple[ConstraintsApplied | None, str | None]:
+    """The process state a layer call whose GEMMs are triton_kernels' must re-run under (the opt_flags constraints
+    its record holds), and a note for the report. ``function``: the layer function as vLLM defined it."""
+    gemm = gemm_of(function, via)
+    module = opt_flags_module(gemm) if gemm is not None else None
+    if module is None:
+        return None, f"{via}'s opt_flags module was not found: re-run under its defaults"
+    context = record.context if isinstance(record.context, Mapping) else {}
+    recorded = context.get("opt_flags_constraints")
+    if isinstance(recorded, Mapping):
+        constraints = {str(key): value for key, value in recorded.items()}
+        shown = ", ".join(f"{key}={value}" for key, value in sorted(constraints.items())) or "none"
+        note = f"re-run under the recorded triton_kernels opt_flags constraints ({shown})"
+        if context.get("opt_flags_override"):
+            note += "; the recorded manual opt_flags override is not reapplied"
+        return ConstraintsApplied(module, constraints), note
+    here = constraints_in_force(module)
+    shown = ", ".join(f"{key}={value}" for key, value in sorted(here.items())) or "none"
+    return None, (
+        "the record does not say which triton_kernels opt_flags constraints were in force (recorded before "
+        f"moereplay kept them): re-run under this process's ({shown}); vLLM pins split_k=1 on Hopper when it "
+        "loads MXFP4 weights, so a re-run under other constraints may differ in rounding"
+    )
