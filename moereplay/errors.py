@@ -27,7 +27,13 @@ class CaptureFileError(MoereplayError):
 
 
 class TruncatedFileError(CaptureFileError):
-    """A capture file ends in the middle of a frame."""
+    """A capture file ends in the middle of a frame. ``record_end``: where the cut record would have ended, when
+    its envelope was whole (so a reader can say how many bytes are missing); ``kind``: that record's kind."""
+
+    def __init__(self, message: str, *, record_end: int | None = None, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.record_end = record_end
+        self.kind = kind
 
 
 class MemoryBudgetError(CaptureFileError):

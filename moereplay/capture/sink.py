@@ -79,6 +79,12 @@ class FormatSink:
         """The capture file's path (for the closing summary line)."""
         return getattr(self.writer, "path", None)
 
+    @property
+    def kept(self) -> tuple[int, int] | None:
+        """After a failed write: (calls, completions) the file holds whole (the closing summary says so)."""
+        kept = getattr(self.writer, "kept", None)
+        return None if kept is None else (int(kept[0]), int(kept[1]))
+
     def bytes_written(self) -> int:
         return int(self.writer.bytes_written)
 

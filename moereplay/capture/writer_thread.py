@@ -532,6 +532,9 @@ class WriterThread:
             self.sink.close(counters)
         except Exception as error:  # a full disk can fail the footer too: the records before it stay readable
             self._fail(f"closing the capture file failed: {type(error).__name__}: {error}")
+        kept = getattr(self.sink, "kept", None) if self._failed is not None else None
+        if kept is not None:  # what the file holds, not what was handed to it (buffered bytes were lost)
+            counters["file_calls"], counters["file_completions"] = kept
         logger.warning("%s", summary_line(getattr(self.sink, "path", None), counters, self._failed))
 
 
@@ -550,12 +553,18 @@ def summary_line(path: Any, counters: dict[str, int], failed: str | None) -> str
             f"flight_lost={counters.get('flight_lost', 0)}"
         )
     dropped = {
-        key: value for key, value in counters.items() if key.startswith(("dropped", "outputs")) and value
+        key: value
+        for key, value in counters.items()
+        if key.startswith(("dropped", "outputs", "recorder_dropped")) and value
     }
     if dropped:
         parts.append(f"dropped: {dropped}")
     if failed is not None:
         parts.append(f"writing stopped: {failed}")
+    if "file_calls" in counters:
+        parts.append(
+            f"the file keeps {counters['file_calls']} call(s) ({counters.get('file_completions', 0)} with outputs)"
+        )
     where = f" {path}" if path is not None else ""
     return f"moereplay: capture closed{where}: " + "; ".join(parts)
 

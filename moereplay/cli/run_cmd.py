@@ -143,6 +143,7 @@ def run_command(
     if ray_address is not None and not ray:
         raise SettingsError("--ray-address needs --ray")
     check_mutations(file, indices, mutations)  # against the ops' schemas, before any weight is rebuilt
+    indices = _calls_to_judge(file, indices, backend)
     if ray:
         reports = _run_on_ray(
             file, indices, mutations, ray_address, ray_gpus,
@@ -207,6 +208,40 @@ def _run_on_ray(
         gpus_per_task=(1.0 if spec.needs_cuda else 0.0) if gpus is None else gpus,
         progress=progress,
     )
+
+
+def _calls_to_judge(file: Path, indices: list[int], backend: str) -> list[int]:
+    """Before any tensor is rebuilt (tens of seconds for a large call): say on stderr, in one line, that the file
+    is damaged or cut; and without a kernel backend, leave out the calls whose output the file does not hold —
+    offline the recorded output is the only thing judged — saying so at once (every selected call: a one-line
+    error)."""
+    from moereplay.errors import ReplayError
+    from moereplay.format import CaptureReader
+    from moereplay.format.text import printable
+    from moereplay.replay.backends import parse_backend
+
+    with CaptureReader(file) as reader:
+        if not reader.recovery.complete:
+            print(f"moereplay: note: {file}: {printable(reader.recovery.message)}", file=sys.stderr)
+        statuses = {index: reader.call(index).status for index in indices}
+    spec = parse_backend(backend)
+    if spec.runs_kernels:
+        return indices
+    without = [index for index in indices if statuses[index] != "completed"]
+    if not without:
+        return indices
+    named = ", ".join(f"{index} ({statuses[index]})" for index in without[:8]) + (
+        f" and {len(without) - 8} more" if len(without) > 8 else ""
+    )
+    what = f"call{'s' if len(without) > 1 else ''} {named}"
+    why = (
+        f"no recorded output and the {spec.text} backend runs no kernel: nothing to judge "
+        f"(a kernel backend replays {'them' if len(without) > 1 else 'it'}: --backend vllm or pack:DIR)"
+    )
+    if len(without) == len(indices):
+        raise ReplayError(f"{file}: {what}: {why}")
+    print(f"moereplay: note: {file}: {what} left out: {why}", file=sys.stderr)
+    return [index for index in indices if index not in set(without)]
 
 
 def _number(value: float | None, digits: int = 2) -> str:

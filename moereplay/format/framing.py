@@ -327,7 +327,9 @@ class FrameSource:
         if envelope.end > self.size:
             raise TruncatedFileError(
                 f"{self.path}: the {kind.name.lower()} record at offset {offset} claims "
-                f"{frame_length} bytes but the file ends {self.size - envelope.frame_offset} bytes later"
+                f"{frame_length} bytes but the file ends {self.size - envelope.frame_offset} bytes later",
+                record_end=envelope.end,
+                kind=kind.name.lower(),
             )
         return envelope
 

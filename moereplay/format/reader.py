@@ -453,13 +453,14 @@ class CaptureReader:
         footer: dict[str, Any] | None = None
         position = self._header_end
         stopped: str | None = None
+        cut: TruncatedFileError | None = None
         tail_seen = False
         damaged: list[str] = []
         while position < source.size and not tail_seen:
             try:
                 envelope = source.envelope_at(position)
-            except TruncatedFileError:
-                stopped = _CUT
+            except TruncatedFileError as error:
+                stopped, cut = _CUT, error
                 break
             except CaptureFileError as error:
                 resumed = self._resync(position + 1, source.size)
@@ -499,11 +500,15 @@ class CaptureReader:
             recovered = f"{'; '.join(damaged[:3])}{f' (+{len(damaged) - 3} more)' if len(damaged) > 3 else ''}; {recovered}"
         footer_missing = footer is None
         if stopped is not None:
-            verb = "truncated" if stopped == _CUT else "stopped"
-            message = f"{verb} at byte {position} of {source.size}: {stopped}; {recovered}"
+            missing = None
+            if cut is not None:  # say where the file was cut, not only where the last whole record ended
+                missing, where = _cut_description(cut, position, source.size)
+                message = f"truncated: {where}; {recovered}"
+            else:
+                message = f"stopped at byte {position} of {source.size}: {stopped}; {recovered}"
             if footer_missing:
                 message += "; footer missing"
-            return slots, footer, Recovery(False, footer_missing, position, len(slots), message)
+            return slots, footer, Recovery(False, footer_missing, position, len(slots), message, missing)
         if tail_seen and position < source.size:
             message = f"{source.size - position} bytes after the tail ignored; {recovered}"
             return slots, footer, Recovery(False, footer_missing, position, len(slots), message)
@@ -707,6 +712,20 @@ def _codec_bytes(tree: Any, path: str, error: Callable[[str], Exception]) -> int
                 f"codec for {tree.type_name} cannot size {path}: {type(failure).__name__}: {failure}"
             ) from failure
     return 0
+
+
+def _cut_description(cut: TruncatedFileError, start: int, size: int) -> tuple[int | None, str]:
+    """(bytes missing, where the file ends) for a file cut inside the record at ``start``."""
+    if cut.record_end is None:
+        return None, (
+            f"the file ends at byte {size}, {size - start} bytes into the {ENVELOPE_SIZE}-byte envelope of a record "
+            f"that starts at byte {start} (its length is unknown)"
+        )
+    missing = cut.record_end - size
+    return missing, (
+        f"the file ends at byte {size} inside a {cut.kind or 'record'} record that starts at byte {start} "
+        f"and ends at byte {cut.record_end} ({missing} bytes missing)"
+    )
 
 
 def envelope_kinds(envelopes: list[Envelope]) -> str:

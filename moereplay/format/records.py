@@ -85,6 +85,8 @@ class Recovery:
     ``complete``: a footer, its index chain and the tail were found and agree. ``footer_missing``: no footer
     was found (the writer did not close the file). ``truncated_at``: offset of the first byte that could not
     be read as a whole record (``None`` when the file ends on a record boundary). ``message``: one line.
+    ``missing_bytes``: when the file ends inside a record whose length its envelope gives, the bytes of that
+    record past the end of the file (``None`` otherwise).
     """
 
     complete: bool
@@ -92,6 +94,7 @@ class Recovery:
     truncated_at: int | None
     calls_recovered: int
     message: str
+    missing_bytes: int | None = None
 
 
 @dataclass(frozen=True)

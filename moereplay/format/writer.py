@@ -74,6 +74,9 @@ POOL_MIN_BYTES = 256 * 1024
 """Blobs smaller than this are hashed and compressed on the calling thread even with a pool: handing them over
 would cost more than the work (decode-sized activations are a few kB)."""
 
+_UNFLUSHED_RECORDS = 4096
+"""Records written and not yet known to be on disk after which the writer checks the file's size (``kept``)."""
+
 MAX_PENDING_CALLS = 256
 """Begun, not yet completed calls whose argument storages the writer keeps alive (oldest forgotten first; a
 forgotten call can still be completed, but its outputs are then not matched to its inputs' storages)."""
@@ -332,6 +335,9 @@ class CaptureWriter:
         self.blob_bytes = 0
         self.completed = 0
         self.failed = 0
+        self._flushed = (0, 0)  # (call, completion) records known to be on disk
+        self._unflushed: list[tuple[int, bool]] = []  # (end offset, is a completion) of records written since
+        self._kept: tuple[int, int] | None = None
         try:
             self._guarded(lambda: self._sink.write_document(RecordKind.HEADER, _version_value(), wire_header))
         except BaseException:
@@ -359,6 +365,13 @@ class CaptureWriter:
     def bytes_written(self) -> int:
         """Size of the file so far, in bytes (records handed to the file object, flushed or not)."""
         return self._sink.position
+
+    @property
+    def kept(self) -> tuple[int, int] | None:
+        """After a failed write (disk full …): how many call and completion records the file holds whole — its
+        size as the operating system had it when the write failed, against where each record ends (buffered
+        records are counted as written before they reach the disk). ``None`` while no write failed."""
+        return self._kept
 
     @property
     def phase_seconds(self) -> dict[str, float]:
@@ -456,6 +469,7 @@ class CaptureWriter:
                 return self._sink.write_document(RecordKind.CALL, index, document)
 
             offset = self._guarded(write)
+            self._record_written(False)
             self._next_call += 1
             self._pending[index] = storages
             if len(self._pending) > MAX_PENDING_CALLS:
@@ -511,6 +525,7 @@ class CaptureWriter:
                 return self._sink.write_document(RecordKind.COMPLETION, index, document)
 
             offset = self._guarded(write)
+            self._record_written(True)
             self._pending.pop(index, None)
             self._forgotten.pop(index, None)
             self._unindexed_done.append([index, offset])
@@ -524,6 +539,7 @@ class CaptureWriter:
         with self._lock:
             if not self._closed:
                 self._guarded(self._file.flush)
+                self._on_disk()
 
     def close(self, counters: Mapping[str, int] | None = None) -> None:
         """Write the last index, the footer (with ``counters``, e.g. dropped calls) and the tail; close.
@@ -562,6 +578,7 @@ class CaptureWriter:
             return action()
         except OSError as error:
             self._broken = error.strerror or str(error)
+            self._kept = self._on_disk()
             for entry in self._prefetched.values():
                 entry.future.cancel()
             self._prefetched.clear()
@@ -570,6 +587,24 @@ class CaptureWriter:
             raise UnsupportedValueError(
                 f"{self.path}: cannot encode: {type(error).__name__}: {error}"
             ) from error
+
+    def _record_written(self, completion: bool) -> None:
+        self._unflushed.append((self._sink.position, completion))
+        if len(self._unflushed) >= _UNFLUSHED_RECORDS:  # never flushed by the caller: bounded all the same
+            self._on_disk()
+
+    def _on_disk(self) -> tuple[int, int]:
+        """(calls, completions) whose records the file on disk holds whole: those of earlier checks plus those
+        written since that end within the file's size as the operating system has it (one ``fstat``)."""
+        try:
+            size = os.fstat(self._file.fileno()).st_size
+        except (OSError, ValueError):
+            size = -1
+        whole = [done for end, done in self._unflushed if end <= size]
+        calls, completions = self._flushed
+        self._flushed = (calls + whole.count(False), completions + whole.count(True))
+        self._unflushed = [entry for entry in self._unflushed if entry[0] > size]
+        return self._flushed
 
     def _stop_pool(self) -> None:
         if self._pool is not None:

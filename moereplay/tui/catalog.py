@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moereplay.format import CallRecord, CaptureReader, Recovery, TensorMeta
+from moereplay.format.text import printable
 
 SHAPE_TENSORS = 3
 """Tensors named in a row's key-shapes cell."""
@@ -71,11 +72,11 @@ class CallSummary:
     def of(cls, record: CallRecord, rank: int | None) -> CallSummary:
         tensors = record.arg_tensors
         named = [(path, meta) for path, meta in tensors.items() if meta.numel > 0][:SHAPE_TENSORS]
-        shapes = " ".join(f"{path}={_shape(meta)}" for path, meta in named)
-        return cls(
+        shapes = printable(" ".join(f"{path}={_shape(meta)}" for path, meta in named))
+        return cls(  # file text made printable once: the table draws it as plain segments
             index=record.index,
-            op=record.op,
-            site=record.site,
+            op=printable(record.op),
+            site=printable(record.site),
             layer=_int_or_none(record.layer),
             step=_int_or_none(record.context.get("step")),
             rank=_int_or_none(record.context.get("rank", rank)),

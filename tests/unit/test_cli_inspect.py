@@ -222,3 +222,21 @@ def test_info_on_a_bundled_capture_counts_one_call_and_names_an_unrecorded_versi
     assert result.exit_code == 0, result.output
     assert "complete: 1 call," in result.output and "1 calls" not in result.output
     assert "moereplay (not recorded)" in result.output and "moereplay —" not in result.output
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.6, 0.9])
+def test_info_on_a_cut_file_says_where_it_was_cut(capture: Path, tmp_path: Path, fraction: float) -> None:
+    """Not only where the last whole record ends: the same for every cut inside one record."""
+    data = capture.read_bytes()
+    size = int(len(data) * fraction)
+    cut = tmp_path / "cut.zst"
+    cut.write_bytes(data[:size])
+    recovery = json.loads(runner.invoke(app, ["info", str(cut), "--json"]).stdout)["recovery"]
+    start, missing = recovery["truncated_at"], recovery["missing_bytes"]
+    assert start < size and missing > 0
+    human = runner.invoke(app, ["info", str(cut)]).stdout
+    assert (
+        f"truncated: the file ends at byte {size} inside a" in human
+        and f"record that starts at byte {start} and ends at byte {size + missing} ({missing} bytes missing)"
+        in " ".join(human.split())
+    ), human

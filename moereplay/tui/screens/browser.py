@@ -103,7 +103,7 @@ class BrowserScreen(Screen[None]):
     def _detail(self, summary: CallSummary) -> str:
         parts = [f"#{summary.index}"]
         if summary.site:
-            parts.append(f"site {summary.site}")
+            parts.append(f"site {as_text(summary.site)}")
         parts.append(f"{summary.tensors} tensors")
         if summary.op not in self._replayable:
             parts.append("not replayable (no ops module)")

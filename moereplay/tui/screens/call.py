@@ -105,14 +105,14 @@ class CallScreen(Screen[None]):
 
     def _title(self) -> str:
         record = self.record
-        parts = [f"[b]#{record.index} {record.op}[/b]"]
+        parts = [f"[b]#{record.index} {as_text(record.op)}[/b]"]  # file text: escaped, never markup
         if record.layer is not None:
-            parts.append(f"layer {record.layer}")
+            parts.append(f"layer {as_text(record.layer)}")
         step = record.context.get("step")
         if step is not None:
-            parts.append(f"step {step}")
-        parts.append(record.status)
-        parts.append(f"backend {self.moe.backend}")
+            parts.append(f"step {as_text(step)}")
+        parts.append(as_text(record.status))
+        parts.append(f"backend {as_text(self.moe.backend)}")
         return " · ".join(parts)
 
     def on_mount(self) -> None:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
+import json
 import os
+import random
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -133,60 +136,127 @@ def test_max_bytes_stops_writing_and_keeps_a_valid_file(arm, kernels: types.Modu
         assert 0 < len(reader) < 120
 
 
-CHILD = textwrap.dedent(
-    """
-    import sys, time, types, torch
-    from moereplay.capture import session
-    from moereplay.capture.patch_points import CaptureTarget
+CHILD = Path(__file__).with_name("capture_stream_child.py")
 
-    module = types.ModuleType("kernels")
-    def gemm(x, w, out):
-        torch.matmul(x, w, out=out)
-        return out
-    module.gemm = gemm
-    sys.modules["kernels"] = module
-    target = CaptureTarget("gemm", "kernel", "kernels", "gemm", static=("w",), outputs=("out",))
-    armed = session.arm({"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_DIR": sys.argv[1]}, targets=[target])
-    w = torch.randn(64, 64)
-    for i in range(10):
-        module.gemm(torch.full((8, 64), float(i)), w, torch.empty(8, 64))
-    armed.flush()
-    print("ready", flush=True)
-    i = 10
-    while True:
-        module.gemm(torch.full((8, 64), float(i)), w, torch.empty(8, 64))
-        i += 1
-    """
-)
+KILL_SEED = 16
+KILL_MOMENTS = 12
+"""Kill -9 moments: after the child logged call k (k drawn, seeded, over the whole run, 0 = right after arming)
+and then a random 0–3 ms more, so the kill lands anywhere: between calls, inside a blob, inside a record."""
 
 
-def test_kill_9_leaves_every_completed_call_readable(tmp_path: Path) -> None:
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+class ServingProcesses:
+    """The forking child of ``capture_stream_child.py`` (torch imported once for every capture of a test)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.errors = (tmp_path / "child-stderr.txt").open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, str(CHILD)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.errors,
+            text=True,
+        )
+        assert self.ask("") == "ready"
+
+    def ask(self, command: str) -> str:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        if command:
+            self.process.stdin.write(command + "\n")
+            self.process.stdin.flush()
+        return self.process.stdout.readline().strip()
+
+    def reap(self, pid: int) -> int:
+        return int(self.ask(f"reap {pid}").split()[1])
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        self.errors.close()
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServingProcesses]:
+    processes = ServingProcesses(tmp_path_factory.mktemp("serving"))
     try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "ready"
-        time.sleep(0.3)
+        yield processes
     finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(timeout=30)
-        if child.stdout is not None:
-            child.stdout.close()
-    (path,) = tmp_path.glob("rank*-pid*.zst")
+        processes.close()
+
+
+def _logged(log: Path) -> dict[int, tuple[str, str, str]]:
+    """The child's log: call → (sha256 of x, of w, of the expected output); a torn last line is left out."""
+    calls: dict[int, tuple[str, str, str]] = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            words = line.split()
+            if len(words) == 4 and all(len(word) == 64 for word in words[1:]):
+                calls[int(words[0])] = (words[1], words[2], words[3])
+    return calls
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()
+
+
+def _check_against_log(path: Path, logged: dict[int, tuple[str, str, str]]) -> tuple[int, int]:
+    """Every call the file holds (as the reader recovers it) is one the child logged, with exactly the logged bytes:
+    its arguments always, its outputs when the file holds its completion. Returns (calls, completed)."""
     with CaptureReader(path) as reader:
-        assert reader.recovery.footer_missing
+        assert not reader.recovery.complete and not reader.damaged, reader.recovery.message
         records = list(reader.calls())
-        completed = [r for r in records if r.status == "completed"]
-        assert len(completed) >= 10
-        for record in completed:
+        assert [record.index for record in records] == list(range(len(records)))  # no hole in what was kept
+        completed = 0
+        for record in records:
+            call = record.context["call"]
+            assert call in logged, (call, reader.recovery.message)
+            x_digest, w_digest, out_digest = logged[call]
             args = reader.load_args(record.index)
-            out = reader.load_outputs(record.index)["out"]
-            assert torch.equal(out, args["x"] @ args["w"])
-            assert torch.equal(args["x"], torch.full((8, 64), float(record.context["call"])))
+            assert (_digest(args["x"]), _digest(args["w"])) == (x_digest, w_digest), call
+            if record.status == "completed":
+                completed += 1
+                assert _digest(reader.load_outputs(record.index)["out"]) == out_digest, call
+            else:
+                assert record.status == "inputs_saved" and record.outputs is None
+        # only the newest calls can lack their completion (each call's records are written in order)
+        statuses = [record.status for record in records]
+        assert "inputs_saved" not in statuses[: max(0, len(statuses) - 2)], statuses
+        return len(records), completed
+
+
+def test_kill_9_at_many_moments_keeps_every_written_call_bit_exact(
+    serving: ServingProcesses, tmp_path: Path
+) -> None:
+    chooser = random.Random(KILL_SEED)
+    width = 150 // (KILL_MOMENTS - 1)  # one moment in each stretch of the run
+    moments = [
+        0,
+        *(chooser.randrange(1 + width * part, 1 + width * (part + 1)) for part in range(KILL_MOMENTS - 1)),
+    ]
+    recovered: list[tuple[int, int, int]] = []
+    for number, after in enumerate(moments):
+        directory, log = tmp_path / f"kill{number}", tmp_path / f"kill{number}.log"
+        directory.mkdir()
+        pid = int(serving.ask(f"stream {directory} {log}"))
+        deadline = time.monotonic() + 60
+        while len(_logged(log)) <= after and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        time.sleep(chooser.uniform(0, 0.003))
+        os.kill(pid, signal.SIGKILL)
+        assert serving.reap(pid) == signal.SIGKILL  # killed, not ended on its own
+        (path,) = directory.glob("rank*-pid*.zst")
+        calls, completed = _check_against_log(path, _logged(log))
+        recovered.append((after, calls, completed))
+    # the moments spread over the run: from a file holding its header only to one with many calls
+    assert recovered[0][1] <= 2 and recovered[-1][2] >= 20, recovered
+    assert len({calls for _, calls, _ in recovered}) >= KILL_MOMENTS // 2, recovered
 
 
 def test_the_file_is_on_disk_from_arming_and_after_each_idle_moment(
@@ -211,3 +281,35 @@ def test_the_file_is_on_disk_from_arming_and_after_each_idle_moment(
             completed = sum(record.status == "completed" for record in reader.calls())
     assert completed == 3
     session.close()
+
+
+@pytest.mark.parametrize("limit", [70_000, 123_457])
+def test_a_real_file_size_limit_stops_the_capture_cleanly(
+    serving: ServingProcesses, tmp_path: Path, limit: int
+) -> None:
+    """RLIMIT_FSIZE in a serving process (SIGXFSZ ignored): the write that crosses the limit is cut short, the next
+    fails with EFBIG — what a full disk does. The process keeps serving, one line says the capture stopped, the
+    counters say what was dropped, and every call the file kept loads bit-exact, outputs included."""
+    calls = 40
+    directory, log = tmp_path / "full", tmp_path / "full.log"
+    directory.mkdir()
+    pid = int(serving.ask(f"full {directory} {log} {limit} {calls}"))
+    assert serving.reap(pid) == 0  # no crash, no SIGXFSZ
+    result = json.loads((directory / "result.json").read_text())
+    assert result["right"] == [True] * calls  # every wrapped call returned what the kernel computed
+    assert not result["active"] and "File too large" in result["disabled_reason"]
+    counters = result["counters"]
+    assert counters["write_errors"] == 1 and counters["recorded"] < calls
+    lines = (directory / "capture.log").read_text().splitlines()
+    assert sum("capture disabled" in line for line in lines) == 1, lines
+    assert sum(line.startswith("ERROR") for line in lines) == 1, lines  # one loud line, no traceback
+    (closed,) = [line for line in lines if "capture closed" in line]
+    assert "write_errors=1" in closed and "writing stopped" in closed and "File too large" in closed
+    path = Path(result["path"])
+    assert path.stat().st_size == limit  # the last write was cut at the limit, mid-record
+    written, completed = _check_against_log(path, _logged(log))
+    assert 0 < completed <= written <= counters["recorded"]
+    # the closing line says what the file holds, not what was handed to it (buffered bytes never reached it)
+    assert f"the file keeps {written} call(s) ({completed} with outputs)" in closed, closed
+    with CaptureReader(path) as reader:
+        assert reader.recovery.footer_missing and reader.recovery.truncated_at is not None

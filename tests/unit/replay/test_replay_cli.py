@@ -170,3 +170,44 @@ def test_a_mutation_typo_fails_before_any_weight_is_rebuilt(
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert "--flip topk_weights" in error and "mutable: mul_topk_weights" in error
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.6, 0.9])
+def test_a_cut_capture_is_named_cut_and_a_call_without_output_stops_at_once_offline(
+    tmp_path: Path, fraction: float, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The report capture cut anywhere in its output blob: `run` used to rebuild the weights (~15-40 s) before
+    saying there was no output to judge, and never said the file was cut."""
+    from moereplay.synth import recipe
+
+    def no_expansion(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights were rebuilt before saying there is nothing to judge")
+
+    monkeypatch.setattr(recipe, "expand", no_expansion)
+    data = (Path(__file__).resolve().parents[3] / "captures" / "marlin-nvfp4-report.moe.zst").read_bytes()
+    cut = tmp_path / "cut.moe.zst"
+    cut.write_bytes(data[: int(len(data) * fraction)])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(cut), "--backend", "reference", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    note, error = capsys.readouterr().err.strip().splitlines()
+    assert f"truncated: the file ends at byte {int(len(data) * fraction)} inside a blob record" in note
+    assert "call 0 (inputs_saved): no recorded output" in error and "nothing to judge" in error
+
+
+def test_offline_the_calls_without_output_are_left_out_at_once_and_the_rest_replays(tmp_path: Path) -> None:
+    from moereplay.format import CaptureWriter
+    from moereplay.replay.memory import materialise
+    from moereplay.replay.mutations import DEFAULT_FILL
+
+    args = toy.make_args()
+    output = toy._kernel("correct", dict(materialise(args, "cpu", DEFAULT_FILL).args)).clone()
+    path = tmp_path / "two.moe.zst"
+    with CaptureWriter(path) as writer:
+        first = writer.begin_call(toy.NAME, args, site="tests.toy")
+        writer.complete_call(first, {"out": output, "return": output})
+        writer.begin_call(toy.NAME, args, site="tests.toy")  # the process died in the kernel
+    result = runner.invoke(app, ["run", str(path), "--all", "--backend", "reference", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "call 1 (inputs_saved) left out: no recorded output" in result.stderr
+    assert "call #0" in result.stdout and "call #1" not in result.stdout

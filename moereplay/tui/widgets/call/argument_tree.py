@@ -8,6 +8,7 @@ from rich.text import Text
 from textual.widgets import Tree
 from textual.widgets.tree import TreeNode
 
+from moereplay.format.text import printable
 from moereplay.tui.arguments import ArgumentNode
 
 KIND_STYLES = {
@@ -26,9 +27,9 @@ def _label(node: ArgumentNode) -> Text:
     text = Text()
     if node.violations:
         text.append("✗ ", style="bold red")
-    text.append(node.name, style="bold red" if node.violations else "bold")
+    text.append(printable(node.name), style="bold red" if node.violations else "bold")
     text.append(f" {node.kind}", style=KIND_STYLES.get(node.kind, "dim"))
-    text.append(f" {node.value}")
+    text.append(f" {printable(node.value)}")
     if node.tags:
         text.append("  " + ", ".join(node.tags), style="dim italic")
     if node.violations:

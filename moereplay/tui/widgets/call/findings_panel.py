@@ -11,6 +11,7 @@ from textual.message import Message
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
+from moereplay.format.text import printable
 from moereplay.replay.findings import Finding, FindingKind, row_ranges
 
 KIND_STYLES: dict[FindingKind, str] = {
@@ -55,11 +56,11 @@ def ordered(findings: Sequence[Finding]) -> list[Finding]:
 def finding_text(finding: Finding) -> Text:
     text = Text()
     text.append(f" {finding.kind.value} ", style=KIND_STYLES.get(finding.kind, "bold"))
-    text.append(f" {finding.variant}", style="italic")
+    text.append(f" {printable(finding.variant)}", style="italic")
     if finding.confidence < 1.0:
         text.append(f"  confidence {finding.confidence:.0%}", style="dim")
     text.append("\n")
-    text.append(finding.message)
+    text.append(printable(finding.message))
     where = []
     if finding.rows:
         where.append(f"rows {row_ranges(finding.rows, limit=6)}")
@@ -68,7 +69,7 @@ def finding_text(finding: Finding) -> Text:
     if where:
         text.append("\n" + "; ".join(where), style="dim")
     if finding.suggestions:
-        text.append("\ntry: " + "; ".join(finding.suggestions) + "  (enter adds)", style="cyan")
+        text.append("\ntry: " + printable("; ".join(finding.suggestions)) + "  (enter adds)", style="cyan")
     return text
 
 
