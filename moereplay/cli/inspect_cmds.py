@@ -158,8 +158,10 @@ def _render_info(info: CaptureInfo) -> None:
         ("versions", " · ".join(_version_text(name, value) for name, value in versions.items())),
     ]
     if gpu and gpu.get("name"):
+        when = " — read when the file was closed (CUDA was not initialised at its start)"
+        when = when if gpu.get("read_at_close") else ""
         lines.append(
-            ("gpu", f"{gpu['name']} (cc {gpu.get('compute_capability')}, {gpu.get('sm_count')} SMs)")
+            ("gpu", f"{gpu['name']} (cc {gpu.get('compute_capability')}, {gpu.get('sm_count')} SMs){when}")
         )
     elif gpu:
         lines.append(("gpu", f"{gpu.get('count')} device(s), CUDA not initialised when recorded"))

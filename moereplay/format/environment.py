@@ -66,6 +66,18 @@ def _gpu() -> dict[str, Any] | None:
     }
 
 
+def late_gpu(header_gpu: Any) -> dict[str, Any] | None:
+    """The GPU, read now, when the header's was recorded before CUDA was initialised and CUDA is initialised now
+    (the footer then holds it); ``None`` otherwise. Never initialises CUDA itself."""
+    if not isinstance(header_gpu, dict) or header_gpu.get("initialized") is not False:
+        return None
+    try:
+        gpu = _gpu()
+    except Exception:  # a driver error at close must not cost the footer
+        return None
+    return gpu if gpu is not None and gpu.get("initialized") else None
+
+
 def _secret(name: str) -> bool:
     upper = name.upper().replace("-", "_")
     return any(word in upper for word in SECRET_WORDS)

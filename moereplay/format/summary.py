@@ -126,7 +126,14 @@ def describe_tensors(tree: Any, path: str = "") -> Iterator[tuple[str, str]]:
 
 def capture_info(path: str | Path) -> CaptureInfo:
     with CaptureReader(path) as reader:
-        return CaptureInfo(str(path), reader.header, reader.recovery, reader.stats())
+        header = reader.header
+        late = reader.footer.get("gpu") if isinstance(reader.footer, dict) else None
+        gpu = header.get("gpu")
+        if isinstance(gpu, dict) and not gpu.get("name") and isinstance(late, dict) and late.get("name"):
+            # CUDA was not initialised when the header was written (a serving worker arms early): the writer
+            # read the GPU again when it closed the file
+            header = {**header, "gpu": {**late, "read_at_close": True}}
+        return CaptureInfo(str(path), header, reader.recovery, reader.stats())
 
 
 def list_calls(

@@ -52,7 +52,7 @@ import torch
 
 from moereplay.errors import CaptureFileError, UnsupportedValueError
 from moereplay.format.dtypes import dtype_name
-from moereplay.format.environment import collect_environment
+from moereplay.format.environment import collect_environment, late_gpu
 from moereplay.format.framing import (
     BLOB_HASH,
     FORMAT_MAJOR,
@@ -756,6 +756,11 @@ class CaptureWriter:
             "counters": counters,
             "t": time.time(),
         }
+        gpu = late_gpu(self.header.get("gpu"))
+        if (
+            gpu is not None
+        ):  # CUDA was not initialised when the header was written (a serving worker arms early)
+            footer["gpu"] = gpu
         offset = self._sink.write_document(RecordKind.FOOTER, self._next_call, footer)
         self._sink.write_tail(offset)
         self._file.flush()

@@ -202,3 +202,31 @@ def test_zstd_cli_decompresses_to_msgpack_documents(tmp_path: Path) -> None:
     assert documents[0]["magic"] == "moereplay-capture"
     assert [sorted(document)[:2] for document in documents[1:3]] == [["d", "h"], ["args", "ctx"]]
     assert len(documents) == 6  # header, blob, call, completion, index, footer
+
+
+def test_a_gpu_not_initialised_at_the_start_is_read_again_at_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a vLLM worker arms the capture before it initialises CUDA: the header can only say how many devices there
+    # are; the writer reads the GPU again when it closes the file, and `info` shows that one
+    from moereplay.format import environment
+    from moereplay.format.summary import capture_info
+
+    gpu = {"initialized": True, "count": 1, "device": 0, "name": "NVIDIA H200", "compute_capability": "9.0",
+           "sm_count": 132, "memory_bytes": 150_000_000_000}  # fmt: skip
+    states = iter([{"initialized": False, "count": 1}, gpu])
+    monkeypatch.setattr(environment, "_gpu", lambda: next(states))
+    path = tmp_path / "late.zst"
+    with CaptureWriter(path) as writer:
+        writer.complete_call(writer.begin_call("op", {"x": torch.zeros(4)}), {"y": 1})
+    with CaptureReader(path) as reader:
+        assert reader.header["gpu"] == {"initialized": False, "count": 1}
+        assert reader.footer is not None and reader.footer["gpu"]["name"] == "NVIDIA H200"
+    info = capture_info(path)
+    assert info.header["gpu"]["name"] == "NVIDIA H200" and info.header["gpu"]["read_at_close"] is True
+    # a header that had the GPU keeps it, and nothing is read at close
+    monkeypatch.setattr(environment, "_gpu", lambda: gpu)
+    with CaptureWriter(tmp_path / "early.zst") as writer:
+        writer.complete_call(writer.begin_call("op", {"x": torch.zeros(4)}), {"y": 1})
+    with CaptureReader(tmp_path / "early.zst") as reader:
+        assert "gpu" not in (reader.footer or {})
