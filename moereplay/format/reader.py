@@ -603,9 +603,11 @@ class CaptureReader:
             ):
                 raise source.fail(f"{where}: tensor {path} lies outside the bytes recorded for its storage")
             needed[meta.storage] = storage
+        scratch: dict[str, int] = {}
         total = sum(storage.length for storage in needed.values()) + _codec_bytes(
-            phase.tree, "", lambda message: source.fail(f"{where}: {message}")
+            phase.tree, "", lambda message: source.fail(f"{where}: {message}"), scratch
         )
+        total += sum(scratch.values())
         if total > self.memory_budget:
             raise MemoryBudgetError(
                 f"{self.path}: {where} need {total:,} bytes, over the memory budget of {self.memory_budget:,} "
@@ -685,21 +687,32 @@ def _rebuild(
     return tree
 
 
-def _codec_bytes(tree: Any, path: str, error: Callable[[str], Exception]) -> int:
-    """What the codec values in a raw tree say decoding them will allocate (codecs without an estimate: 0)."""
+def _codec_bytes(
+    tree: Any, path: str, error: Callable[[str], Exception], scratch: dict[str, int] | None = None
+) -> int:
+    """What the codec values in a raw tree say decoding them will keep (codecs without an estimate: 0); their
+    shared scratch needs go into ``scratch`` (key → the largest bytes asked under it)."""
+    shared: dict[str, int] = {} if scratch is None else scratch
     if isinstance(tree, dict):
         return sum(
-            _codec_bytes(value, f"{path}.{key}" if path else str(key), error) for key, value in tree.items()
+            _codec_bytes(value, f"{path}.{key}" if path else str(key), error, shared)
+            for key, value in tree.items()
         )
     if isinstance(tree, (list, tuple)):
-        return sum(_codec_bytes(value, f"{path}[{position}]", error) for position, value in enumerate(tree))
+        return sum(
+            _codec_bytes(value, f"{path}[{position}]", error, shared) for position, value in enumerate(tree)
+        )
     if isinstance(tree, CodecValue):
-        inner = _codec_bytes(tree.value, f"{path}<{tree.type_name.rsplit('.', 1)[-1]}>", error)
+        inner = _codec_bytes(tree.value, f"{path}<{tree.type_name.rsplit('.', 1)[-1]}>", error, shared)
         codec = codec_for(tree.type_name)
         if codec is None or codec.nbytes is None:
             return inner
         try:
-            return inner + int(codec.nbytes(tree.value))
+            kept = inner + int(codec.nbytes(tree.value))
+            if codec.scratch is not None:
+                key, size = codec.scratch(tree.value)
+                shared[key] = max(shared.get(key, 0), int(size))
+            return kept
         except MoereplayError as failure:
             raise error(f"{path}: {failure}") from failure
         except Exception as failure:
