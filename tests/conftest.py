@@ -32,6 +32,20 @@ def recipe_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ["MOEREPLAY_CACHE_DIR"] = previous
 
 
+@pytest.fixture(autouse=True, scope="session")
+def state_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Bisect logs and other state go to a directory of this test session, never ./moereplay-captures."""
+    import os
+
+    previous = os.environ.get("MOEREPLAY_STATE_DIR")
+    os.environ["MOEREPLAY_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if previous is None:
+        os.environ.pop("MOEREPLAY_STATE_DIR", None)
+    else:
+        os.environ["MOEREPLAY_STATE_DIR"] = previous
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _cuda_available():
         return

@@ -10,7 +10,7 @@ is a :class:`Search` a caller drives step by step (``current`` / ``observe``) or
 - :class:`ShapeSearch` (``shape``): the minimal failing shape over legal dimension values, and which dimensions matter;
 - :class:`PackSearch` (``packs``): the first kernel pack in an ordered list where the behaviour changes.
 
-A :class:`Session` adds the person (good / bad / skip overrides) and the JSON-lines log beside the capture, from which
+A :class:`Session` adds the person (good / bad / skip overrides) and the JSON-lines log (in the state directory), from which
 it resumes (:meth:`Session.resume`). :mod:`moereplay.bisect.replay_wiring` builds searches over a capture file and
 judges their probes with ``moereplay.replay``.
 """

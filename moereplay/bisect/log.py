@@ -1,4 +1,9 @@
-"""The session log: one JSON document per line, appended as the session goes, kept beside the capture.
+"""The session log: one JSON document per line, appended as the session goes, kept in the state directory.
+
+Where (:func:`default_log_path`): ``$MOEREPLAY_STATE_DIR/bisect/`` when that is set, else
+``./moereplay-captures/bisect/`` — the default capture directory, relative to the working directory — never beside
+the capture (a bundled or shared capture's folder is not the user's to write in). The name is the capture's file name,
+eight hex digits of its resolved path (two captures of one name do not share a log), the strategy and its tag.
 
 Records, in order::
 
@@ -15,6 +20,7 @@ evaluates anything, and its size is bounded.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -31,10 +37,24 @@ MAX_LOG_BYTES = 64 * 1024 * 1024
 """A session log larger than this is refused: even a 10,000-call stream needs a few hundred steps at most."""
 
 
-def default_log_path(capture: Path, strategy: str, tag: str | None = None) -> Path:
-    """``<capture>.bisect-<strategy>[-<tag>].jsonl`` beside the capture (``tag`` e.g. ``call12``)."""
+STATE_VARIABLE = "MOEREPLAY_STATE_DIR"
+"""The environment variable naming the directory moereplay keeps its state in (bisect logs under ``bisect/``)."""
+
+
+def state_directory(environ: Mapping[str, str] | None = None) -> Path:
+    """``$MOEREPLAY_STATE_DIR``, else ``moereplay-captures`` in the working directory (read at call time)."""
+    chosen = (os.environ if environ is None else environ).get(STATE_VARIABLE, "").strip()
+    return Path(chosen).expanduser() if chosen else Path("moereplay-captures")
+
+
+def default_log_path(
+    capture: Path, strategy: str, tag: str | None = None, environ: Mapping[str, str] | None = None
+) -> Path:
+    """``<state>/bisect/<capture name>-<8 hex>.bisect-<strategy>[-<tag>].jsonl`` (``tag`` e.g. ``call12``)."""
     suffix = f"-{tag}" if tag else ""
-    return capture.with_name(f"{capture.name}.bisect-{strategy}{suffix}.jsonl")
+    where = hashlib.sha256(str(Path(capture).resolve()).encode()).hexdigest()[:8]
+    name = f"{Path(capture).name}-{where}.bisect-{strategy}{suffix}.jsonl"
+    return state_directory(environ) / "bisect" / name
 
 
 def now() -> str:
@@ -199,6 +219,7 @@ class LogWriter:
             "started": now(),
         }
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(header) + "\n", encoding="utf-8")
         except OSError as error:
             raise BisectLogError(f"{path}: cannot write session log: {error.strerror or error}") from error

@@ -336,11 +336,28 @@ class ReplayWiring:
         if request.strategy == "calls":
             return self._calls(request, judge)
         call = self._failing_call(request)
+        if request.strategy in ("mutations", "shape") and self._judge is None:
+            self._require_kernels(request)
         if request.strategy == "mutations":
             return self._mutations(request, judge, call)
         if request.strategy == "packs":
             return self._packs(request, judge, call)
         return self._shape(request, judge, call)
+
+    @staticmethod
+    def _require_kernels(request: BisectRequest) -> None:
+        """Offline a shrunk or mutated call has no output to judge (the captured one answers for the call as
+        captured only): say so before any probe runs, instead of a search that ends "not reproduced"."""
+        from moereplay.replay.backends import parse_backend
+
+        spec = parse_backend(request.backend or "auto")
+        if not spec.runs_kernels:
+            probe = "shrunk call" if request.strategy == "shape" else "mutated call"
+            raise BisectError(
+                f"--strategy {request.strategy} needs a kernel backend: with --backend {spec.text} no kernel runs, "
+                f"and the captured output only answers for the call as captured, not for a {probe} (run it where "
+                "--backend vllm, pack:DIR or python:MODULE works; offline, `moereplay run` judges the recorded call)"
+            )
 
     @staticmethod
     def _failing_call(request: BisectRequest) -> int:
@@ -361,11 +378,19 @@ class ReplayWiring:
                 raise BisectError(f"{option} {index} is not among the {len(refs)} selected calls")
             return positions[index]
 
+        good, bad = position_of(request.good, "--good"), position_of(request.call, "--call")
+        if good is not None and good >= (len(refs) - 1 if bad is None else bad):
+            raise BisectError(
+                f"--good {request.good} must come before the known-bad call "
+                f"{request.call if request.call is not None else refs[-1].index} in the stream"
+            )
         search = FirstBadSearch(
             refs,
             labels=[ref.label for ref in refs],
-            known_good=position_of(request.good, "--good"),
-            known_bad=position_of(request.call, "--call"),
+            numbers=[ref.index for ref in refs],
+            noun="call",
+            known_good=good,
+            known_bad=bad,
             match=request.match,
         )
         always = request.mutations

@@ -3,7 +3,7 @@
 The session asks the search for its current probe and settles it either automatically (the predicate's
 observation) or by a person's decision — good, bad or skip — exactly like ``git bisect good/bad/skip``; a person may
 first look at what the predicate says (:meth:`Session.evaluate`) and then override it. Every settled step is
-appended to the log beside the capture, and :meth:`Session.resume` rebuilds a session from its log by feeding the
+appended to the log (in the state directory), and :meth:`Session.resume` rebuilds a session from its log by feeding the
 recorded observations back to a freshly built, equal search, without running the predicate again.
 """
 
@@ -268,5 +268,6 @@ def _check_same_search(logged: LoggedSession, search: Search[Any, Any]) -> None:
         )
         raise BisectLogError(
             f"{logged.path}: the log was written for a different {search.kind} search "
-            f"(differs in {', '.join(differing)})"
+            f"(differs in {', '.join(differing)}); start afresh with --fresh (replaces that log) or keep it with "
+            "--log OTHER.jsonl"
         )

@@ -40,6 +40,8 @@ class FirstBadResult:
     last_good: int | None
     labels: tuple[str, ...]
     target: Signature | None
+    numbers: tuple[int, ...] = ()
+    """The candidates' numbers as the person knows them (a capture's call numbers); empty: their positions."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -47,16 +49,20 @@ class FirstBadResult:
             "first_bad": self.first_bad,
             "candidates": list(self.candidates),
             "candidate_labels": list(self.labels),
+            "candidate_numbers": list(self.numbers or self.candidates),
             "last_good": self.last_good,
             "target": None if self.target is None else self.target.to_json(),
         }
 
     def lines(self) -> tuple[str, ...]:
         if self.status == "found":
+            if self.numbers:  # the label names the call by its number already
+                return (f"first bad: {self.labels[0]}", f"failure: {self.target}")
             return (f"first bad: {self.labels[0]} (item {self.first_bad})", f"failure: {self.target}")
         if self.status == "ambiguous":
             listed = ", ".join(
-                f"{label} (item {index})" for index, label in zip(self.candidates, self.labels, strict=True)
+                label if self.numbers else f"{label} (item {index})"
+                for index, label in zip(self.candidates, self.labels, strict=True)
             )
             return (
                 f"first bad is one of {len(self.candidates)} (skips left it ambiguous): {listed}",
@@ -81,12 +87,20 @@ class FirstBadSearch(Search[ItemProbe[T], FirstBadResult], Generic[T]):
         known_bad: int | None = None,
         target: Signature | None = None,
         match: SignatureMatch = SignatureMatch.KINDS,
+        numbers: Sequence[int] | None = None,
+        noun: str = "item",
     ) -> None:
+        """``numbers``: each item's number as the person typed it (a capture's call numbers; default the positions),
+        used with ``noun`` ("call") in progress and result messages; ``known_good`` / ``known_bad`` stay positions."""
         super().__init__(target=target, match=match)
         if not items:
             raise BisectError("the stream to bisect is empty")
         if labels is not None and len(labels) != len(items):
             raise BisectError(f"{len(labels)} labels for {len(items)} items")
+        if numbers is not None and len(numbers) != len(items):
+            raise BisectError(f"{len(numbers)} numbers for {len(items)} items")
+        self.numbers = tuple(numbers) if numbers is not None else None
+        self.noun = noun
         self.items = tuple(items)
         self.labels = tuple(labels) if labels is not None else tuple(str(item) for item in items)
         self.known_good = -1 if known_good is None else known_good
@@ -95,6 +109,9 @@ class FirstBadSearch(Search[ItemProbe[T], FirstBadResult], Generic[T]):
             raise BisectError(
                 f"need -1 <= known good < known bad < {len(items)}, got {self.known_good} and {self.known_bad}"
             )
+
+    def _number(self, index: int) -> int:
+        return index if self.numbers is None else self.numbers[index]
 
     def probe_at(self, index: int) -> ItemProbe[T]:
         return ItemProbe(index, self.items[index], self.labels[index])
@@ -113,14 +130,17 @@ class FirstBadSearch(Search[ItemProbe[T], FirstBadResult], Generic[T]):
         low, high = interval.last_good + 1, interval.first_known_bad
         skipped = f", {len(interval.skipped)} skipped" if interval.skipped else ""
         self._set_progress(
-            f"first bad is one of items {low}..{high} ({high - low + 1} left{skipped})",
+            f"first bad is one of {self.noun}s {self._number(low)}..{self._number(high)} "
+            f"({high - low + 1} left{skipped})",
             last_good=interval.last_good,
             first_known_bad=interval.first_known_bad,
             skipped=list(interval.skipped),
         )
 
     def _run(self) -> Asking[ItemProbe[T], FirstBadResult]:
-        self._set_progress(f"confirming the failure at the known-bad end, item {self.known_bad}")
+        self._set_progress(
+            f"confirming the failure at the known-bad end, {self.noun} {self._number(self.known_bad)}"
+        )
         observation = yield from self._ask(self.probe_at(self.known_bad))
         self._adopt_target(observation)
         outcome = self.classify(observation)
@@ -136,8 +156,9 @@ class FirstBadSearch(Search[ItemProbe[T], FirstBadResult], Generic[T]):
         last_good = None if interval.last_good < 0 else interval.last_good
         candidates = interval.candidates
         labels = tuple(self.labels[index] for index in candidates)
+        numbers = () if self.numbers is None else tuple(self.numbers[index] for index in candidates)
         if interval.exact:
             return FirstBadResult(
-                "found", interval.first_known_bad, candidates, last_good, labels, self.target
+                "found", interval.first_known_bad, candidates, last_good, labels, self.target, numbers
             )
-        return FirstBadResult("ambiguous", None, candidates, last_good, labels, self.target)
+        return FirstBadResult("ambiguous", None, candidates, last_good, labels, self.target, numbers)

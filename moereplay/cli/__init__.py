@@ -7,10 +7,30 @@ commands, never at import time. Every ``MoereplayError`` becomes one line on std
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import typer
+import typer.core
 
 from moereplay.errors import MoereplayError
+
+
+def _flags_without_a_type() -> None:
+    """Help lists a flag as ``--json`` alone, not ``--json <bool>``: typer ≥ 0.20 prints every option's Python type in
+    the help's type column, a flag's too — and a flag takes no value. Patched once, on the option class typer builds."""
+    option = typer.core.TyperOption
+    if not hasattr(option, "display_type_rich") or getattr(option.display_type_rich, "_moereplay", False):
+        return
+    shown = option.display_type_rich
+
+    def display_type_rich(self: typer.core.TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag and not self.count else shown(self, ctx)
+
+    display_type_rich._moereplay = True  # type: ignore[attr-defined]
+    option.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_without_a_type()
 
 app = typer.Typer(
     name="moereplay",

@@ -2,7 +2,7 @@
 
 The command is thin: it turns its options into a :class:`~moereplay.bisect.wiring.BisectRequest`, asks the wiring
 (``wiring_factory``, replaceable for tests and other front ends) for a search and a predicate, and drives a
-:class:`~moereplay.bisect.session.Session` logged beside the capture. An existing log for the same session is
+:class:`~moereplay.bisect.session.Session` logged in the state directory (:mod:`moereplay.bisect.log`). An existing log for the same session is
 resumed (``--fresh`` starts over). On a terminal (unless ``--no-tui`` or ``--json``) the session goes to the TUI's
 bisect screen; headless, each step prints one line as it is settled and the summary follows (``--json``: one JSON
 document with the summary and every step). Exit status: 0 when the search reached an answer, 1 when it ended
@@ -92,7 +92,8 @@ def bisect_command(
     log: Annotated[
         Path | None,
         typer.Option(
-            "--log", help="Session log (default: beside the capture, FILE.bisect-STRATEGY[-callN].jsonl)."
+            "--log",
+            help="Session log (default: $MOEREPLAY_STATE_DIR/bisect/, else ./moereplay-captures/bisect/).",
         ),
     ] = None,
     fresh: Annotated[

@@ -195,9 +195,24 @@ def _render_info(info: CaptureInfo) -> None:
             "tensors",
             f"{stats.blobs} unique blobs, {_megabytes(stats.unique_blob_bytes)} stored for "
             f"{_megabytes(stats.referenced_blob_bytes)} referenced (dedup ×{stats.dedup_ratio:.1f}); "
-            f"{_megabytes(stats.tensor_bytes)} of tensor elements",
+            f"{_megabytes(stats.tensor_bytes)} of tensor elements"
+            + (
+                f" stored, {_megabytes(stats.expanded_bytes)} expanded (recipes regenerate the rest)"
+                if stats.expanded_bytes > stats.tensor_bytes
+                else ""
+            ),
         )
     )
+    if stats.largest_call is not None:
+        which = "call" if stats.calls == 1 else "largest call"
+        lines.append(
+            (
+                "replay",
+                f"{which} (#{stats.largest_call}) holds {_megabytes(stats.largest_call_bytes)} of arguments and "
+                "outputs in memory; a replay needs at least that, plus fresh buffers per variant, the reference's "
+                "working set and, the first time a recipe is expanded, its generator's draw",
+            )
+        )
     if stats.counters:
         lines.append(("counters", ", ".join(f"{name}={value}" for name, value in stats.counters.items())))
     console = Console(highlight=False, soft_wrap=True, emoji=False)

@@ -44,13 +44,16 @@ class Codec:
     ``decode`` receives the tree with tensors already materialised (on the device asked for). ``nbytes``
     (optional) receives the tree as recorded (tensors still descriptions) and says how many bytes ``decode`` will
     allocate, so a reader can hold it to its memory budget before decoding; it raises
-    :class:`~moereplay.errors.MoereplayError` for a tree it would refuse anyway.
+    :class:`~moereplay.errors.MoereplayError` for a tree it would refuse anyway. ``scratch`` (optional, same
+    argument): ``(key, bytes)`` that decoding needs besides what it keeps, shared by every value with the same key —
+    one generator draw several recipes are cut from — so a reader counts each key once per call (its largest).
     """
 
     type_name: str
     encode: Callable[[Any], Any]
     decode: Callable[[Any], Any]
     nbytes: Callable[[Any], int] | None = None
+    scratch: Callable[[Any], tuple[str, int]] | None = None
 
 
 _lock = threading.Lock()
@@ -73,9 +76,10 @@ def register_codec(
     encode: Callable[[Any], Any],
     decode: Callable[[Any], Any],
     nbytes: Callable[[Any], int] | None = None,
+    scratch: Callable[[Any], tuple[str, int]] | None = None,
 ) -> Codec:
     """Register (or replace) the codec for a type; returns it."""
-    codec = Codec(_key(type_or_qualname), encode, decode, nbytes)
+    codec = Codec(_key(type_or_qualname), encode, decode, nbytes, scratch)
     with _lock:
         _codecs[codec.type_name] = codec
     return codec

@@ -28,7 +28,7 @@ from moereplay.errors import (
 )
 from moereplay.format.budget import BUDGET_VARIABLE, default_memory_budget
 from moereplay.format.codecs import codec_for
-from moereplay.format.dtypes import LOADABLE
+from moereplay.format.dtypes import ITEMSIZES, LOADABLE
 from moereplay.format.framing import (
     DEFAULT_MAX_BLOB_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
@@ -224,7 +224,8 @@ class CaptureReader:
         by_op: dict[str, Counter[str]] = {}
         by_status: Counter[str] = Counter()
         unique: dict[bytes, int] = {}
-        referenced = tensor_bytes = 0
+        referenced = tensor_bytes = expanded_bytes = largest = 0
+        largest_call: int | None = None
         damaged: dict[int, str] = {}
         for index in self._order:
             try:
@@ -235,13 +236,20 @@ class CaptureReader:
             status = "inputs_saved" if completion is None else completion["status"]
             by_op.setdefault(call["op"], Counter())[status] += 1
             by_status[status] += 1
+            needs = 0
             for document, tree in ((call, "args"), (completion, "outputs")):
                 if document is None:
                     continue
                 for storage in document["storages"].values():
                     unique[storage.digest] = storage.length
                     referenced += storage.length
-                tensor_bytes += sum(meta.nbytes for _, meta in iter_tensor_metas(document[tree]))
+                elements = sum(meta.nbytes for _, meta in iter_tensor_metas(document[tree]))
+                tensor_bytes += elements
+                kept = _declared_tensor_bytes(document[tree])
+                expanded_bytes += elements + kept
+                needs += sum(storage.length for storage in document["storages"].values()) + kept
+            if largest_call is None or needs > largest:
+                largest_call, largest = index, needs
         unique_bytes = sum(unique.values())
         counters = self.footer.get("counters", {}) if self.footer else {}
         return CaptureStats(
@@ -253,6 +261,9 @@ class CaptureReader:
             unique_blob_bytes=unique_bytes,
             referenced_blob_bytes=referenced,
             tensor_bytes=tensor_bytes,
+            expanded_bytes=expanded_bytes,
+            largest_call=largest_call,
+            largest_call_bytes=largest,
             dedup_ratio=referenced / unique_bytes if unique_bytes else 1.0,
             counters=dict(counters) if isinstance(counters, dict) else {},
             damaged=damaged,
@@ -608,9 +619,11 @@ class CaptureReader:
             ):
                 raise source.fail(f"{where}: tensor {path} lies outside the bytes recorded for its storage")
             needed[meta.storage] = storage
+        scratch: dict[str, int] = {}
         total = sum(storage.length for storage in needed.values()) + _codec_bytes(
-            phase.tree, "", lambda message: source.fail(f"{where}: {message}")
+            phase.tree, "", lambda message: source.fail(f"{where}: {message}"), scratch
         )
+        total += sum(scratch.values())
         if total > self.memory_budget:
             raise MemoryBudgetError(
                 f"{self.path}: {where} need {total:,} bytes, over the memory budget of {self.memory_budget:,} "
@@ -690,21 +703,32 @@ def _rebuild(
     return tree
 
 
-def _codec_bytes(tree: Any, path: str, error: Callable[[str], Exception]) -> int:
-    """What the codec values in a raw tree say decoding them will allocate (codecs without an estimate: 0)."""
+def _codec_bytes(
+    tree: Any, path: str, error: Callable[[str], Exception], scratch: dict[str, int] | None = None
+) -> int:
+    """What the codec values in a raw tree say decoding them will keep (codecs without an estimate: 0); their
+    shared scratch needs go into ``scratch`` (key → the largest bytes asked under it)."""
+    shared: dict[str, int] = {} if scratch is None else scratch
     if isinstance(tree, dict):
         return sum(
-            _codec_bytes(value, f"{path}.{key}" if path else str(key), error) for key, value in tree.items()
+            _codec_bytes(value, f"{path}.{key}" if path else str(key), error, shared)
+            for key, value in tree.items()
         )
     if isinstance(tree, (list, tuple)):
-        return sum(_codec_bytes(value, f"{path}[{position}]", error) for position, value in enumerate(tree))
+        return sum(
+            _codec_bytes(value, f"{path}[{position}]", error, shared) for position, value in enumerate(tree)
+        )
     if isinstance(tree, CodecValue):
-        inner = _codec_bytes(tree.value, f"{path}<{tree.type_name.rsplit('.', 1)[-1]}>", error)
+        inner = _codec_bytes(tree.value, f"{path}<{tree.type_name.rsplit('.', 1)[-1]}>", error, shared)
         codec = codec_for(tree.type_name)
         if codec is None or codec.nbytes is None:
             return inner
         try:
-            return inner + int(codec.nbytes(tree.value))
+            kept = inner + int(codec.nbytes(tree.value))
+            if codec.scratch is not None:
+                key, size = codec.scratch(tree.value)
+                shared[key] = max(shared.get(key, 0), int(size))
+            return kept
         except MoereplayError as failure:
             raise error(f"{path}: {failure}") from failure
         except Exception as failure:
@@ -726,6 +750,31 @@ def _cut_description(cut: TruncatedFileError, start: int, size: int) -> tuple[in
         f"the file ends at byte {size} inside a {cut.kind or 'record'} record that starts at byte {start} "
         f"and ends at byte {cut.record_end} ({missing} bytes missing)"
     )
+
+
+def _declared_tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors codec values stand for, as they declare them (a recipe's ``dtype``, ``shape`` and
+    ``stride``), without importing their codecs (torch): for figures such as ``info``'s, not for the budget."""
+    if isinstance(tree, dict):
+        return sum(_declared_tensor_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_declared_tensor_bytes(value) for value in tree)
+    if isinstance(tree, CodecValue):
+        value = tree.value
+        inner = _declared_tensor_bytes(value)
+        if not isinstance(value, dict):
+            return inner
+        dtype, shape, stride = value.get("dtype"), value.get("shape"), value.get("stride")
+        itemsize = ITEMSIZES.get(dtype) if isinstance(dtype, str) else None
+        if itemsize is None or not isinstance(shape, list) or not isinstance(stride, list):
+            return inner
+        if not all(type(v) is int and 0 <= v < 2**50 for v in (*shape, *stride)) or len(shape) != len(stride):
+            return inner
+        if any(size == 0 for size in shape):
+            return inner
+        span = 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
+        return inner + span * itemsize
+    return 0
 
 
 def envelope_kinds(envelopes: list[Envelope]) -> str:

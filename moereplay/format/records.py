@@ -104,6 +104,9 @@ class CaptureStats:
     ``unique_blob_bytes``: bytes of distinct blobs the calls refer to (what dedup stores);
     ``referenced_blob_bytes``: the same summed over every reference (what storing each call alone would need);
     ``tensor_bytes``: elements × item size over every recorded tensor (views counted separately);
+    ``expanded_bytes``: the same plus what codec values (recipes) expand to — the tensors a replay holds;
+    ``largest_call`` / ``largest_call_bytes``: the call whose arguments and outputs need the most memory to load
+    (what the reader's budget checks: storages, expanded recipes, one generator draw per weight set);
     ``dedup_ratio`` = referenced ÷ unique (1.0 when there are no blobs). ``counters`` are the footer's
     writer-supplied counters (e.g. dropped calls), empty when the footer is missing.
     """
@@ -120,3 +123,6 @@ class CaptureStats:
     counters: dict[str, int]
     damaged: dict[int, str] = field(default_factory=dict)
     """Call index → why its records cannot be read (those calls are not in the other figures)."""
+    expanded_bytes: int = 0
+    largest_call: int | None = None
+    largest_call_bytes: int = 0

@@ -104,13 +104,17 @@ class _Evaluation:
 RECORDED_VARIANT = Variant((), RECORDED)
 """The call as captured, judged by its recorded output rather than a replay (no mutations, its own label)."""
 
-_NO_REPLAY = "replaying the call needs a kernel backend; the recorded row judges the captured output"
+_NO_REPLAY = "replaying the call needs a kernel backend: the recorded row judges the captured output"
 _NOTHING_RECORDED = "the capture holds no output for this call and no kernel backend runs: nothing to judge"
-_FILL_NEEDS_KERNEL = "guard fills need a kernel backend (the reference reads no memory)"
-_CAST_NEEDS_KERNEL = "a cast changes the bytes the kernel reads, not what the call computes: only a kernel run shows its effect"
+_FILL_NEEDS_KERNEL = (
+    "needs a kernel backend: guard fills test the memory a kernel reads (the reference reads none)"
+)
+_CAST_NEEDS_KERNEL = (
+    "needs a kernel backend: a cast changes the bytes the kernel reads, not what the call computes"
+)
 _SAME_MEANING = (
-    "the change leaves what the call computes as it was (the reference of the call as captured): only a kernel run "
-    "shows its effect"
+    "needs a kernel backend: the change leaves what the call computes as it was (the reference of the call as "
+    "captured), only a kernel run shows its effect"
 )
 
 FOLLOW_FILLS: tuple[FillPattern, ...] = (FillPattern(0xFF), FillPattern(0x00))
@@ -632,6 +636,10 @@ class ReplaySession:
             fill = None
         shaped = [aligned(output, reference.output.shape) for output in outputs]
         if any(output is None for output in shaped):
+            if run is None:  # offline: the changed call has another shape, which only a kernel could produce
+                return self._needs_kernel(
+                    variant, "needs a kernel backend: " + _shape_mismatch(outputs[0], reference)
+                )
             return self._invalid(variant, _shape_mismatch(outputs[0], reference))
         outputs = [output for output in shaped if output is not None]
         with phases.phase("judge"):

@@ -10,13 +10,16 @@ Layout of the directory::
 
 The provenance (moereplay version, the exact export command, and from the capture header: vLLM / torch / triton /
 CUDA / driver versions, GPU, when and how it was captured) is written into the script, the README, and printed by
-the script before its table.
+the script before its table. It names files by their names only: every absolute path in it (the export command's,
+the recording command line's, a kernel pack's) is cut to its last component, and the source capture is identified by
+its sha256 (``source_sha256``) — a repro attached to an issue shows nothing of the machines' directories.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +105,7 @@ def export_repro(
             "site": record.site,
             "layer": record.layer,
             "source": capture.name,
+            "source_sha256": _sha256(capture),
             "moereplay": moereplay.__version__,
             "exported": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": command,
@@ -110,6 +114,7 @@ def export_repro(
             "capture": {key: header[key] for key in HEADER_KEYS if key in header},
         }
     )
+    provenance = _without_absolute_paths(provenance)
     script = directory / SCRIPT_NAME
     script.write_text(script_text(provenance, mutations, fills), encoding="utf-8")
     script.chmod(0o755)
@@ -132,3 +137,19 @@ def export_repro(
         bundle_bytes=sum(item.size for item in files),
         capture_bytes=capture_bytes,
     )
+
+
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~-])(?:~|/)(?:[^\s/'\"]*/)+(?=[^\s/'\"]*)")
+"""An absolute (or home-relative) path up to its last ``/``: ``/work/x/captures/`` in ``/work/x/captures/a.zst``."""
+
+
+def _without_absolute_paths(value: Any) -> Any:
+    """``value`` with every absolute path in its strings cut to its last component (``pack:/a/b/.kernelpack`` →
+    ``pack:.kernelpack``, ``/tmp/out/`` → ``out``)."""
+    if isinstance(value, str):
+        return _ABSOLUTE_PATH.sub("", re.sub(r"(?<=[^\s/])/+(?=\s|$|['\"])", "", value))
+    if isinstance(value, dict):
+        return {key: _without_absolute_paths(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_without_absolute_paths(item) for item in value]
+    return value

@@ -40,7 +40,7 @@ def store_directory(environ: Mapping[str, str] | None = None) -> Path | None:
 
 
 def _entry(
-    directory: Path, digest: str, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]
+    directory: Path, digest: str, dtype: torch.dtype | str, shape: tuple[int, ...], stride: tuple[int, ...]
 ) -> Path:
     name = str(dtype).removeprefix("torch.")
     dims = "x".join(map(str, shape)) or "scalar"
@@ -66,6 +66,18 @@ def _spans_its_storage(tensor: torch.Tensor) -> bool:
         and span == tensor.numel()
         and tensor.untyped_storage().nbytes() == (tensor.numel() * tensor.element_size())
     )
+
+
+def has(
+    digest: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    environ: Mapping[str, str] | None = None,
+) -> bool:
+    """Whether an expansion is kept (by name; :func:`load` still checks its bytes): a stat, no read."""
+    directory = store_directory(environ)
+    return directory is not None and _entry(directory, digest, dtype, shape, stride).is_file()
 
 
 def load(

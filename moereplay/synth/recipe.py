@@ -280,20 +280,32 @@ def recipe_from_tree(tree: Any) -> TensorRecipe:
 
 
 def recipe_bytes(tree: Any) -> int:
-    """The codec's ``nbytes``: what expanding a recorded recipe allocates — the tensor it stands for plus what its
-    generator draws for the recorded parameters — computed without drawing anything."""
+    """The codec's ``nbytes``: what expanding a recorded recipe keeps — the tensor it stands for (what its
+    generator draws on the way is :func:`recipe_scratch`, counted once per generator call)."""
+    return recipe_from_tree(tree).nbytes
+
+
+def recipe_scratch(tree: Any) -> tuple[str, int]:
+    """The codec's ``scratch``: ``(the generator call, the bytes it allocates while drawing)``, computed without
+    drawing anything — shared by every part of one weight set (one draw yields them all), and nothing when this
+    part's expansion is already kept on disk (reading it back draws nothing)."""
+    from moereplay.synth import expansion_store
+
     recipe = recipe_from_tree(tree)
     _ensure_builtin_generators()
     size = _SIZES.get(recipe.generator)
-    if size is None:
-        return recipe.nbytes  # unknown generator: expanding raises before drawing
     try:
+        key = f"{recipe.generator}:{_canonical(recipe.params)}"
+        if size is None:
+            return key, 0  # unknown generator: expanding raises before drawing
+        if expansion_store.has(recipe.sha256, recipe.dtype, recipe.shape, recipe.stride):
+            return key, 0
         drawn = int(size(recipe.params))
     except (KeyError, TypeError, ValueError, OverflowError) as error:
         raise UnsupportedValueError(
             f"recipe {recipe.describe()}: malformed parameters ({type(error).__name__}: {str(error)[:100]})"
         ) from error
-    return recipe.nbytes + max(drawn, 0)
+    return key, max(drawn, 0)
 
 
 def decode_recipe(tree: Any) -> torch.Tensor:
@@ -306,7 +318,7 @@ def register() -> None:
     """Install the recipe codec in the format's registry (idempotent)."""
     from moereplay.format.codecs import register_codec
 
-    register_codec(RECIPE_TYPE, encode_recipe, decode_recipe, recipe_bytes)
+    register_codec(RECIPE_TYPE, encode_recipe, decode_recipe, recipe_bytes, recipe_scratch)
 
 
 register()  # importing this module (by name, e.g. from a codec-provider table) makes recipe captures loadable

@@ -10,6 +10,7 @@ from textual.widgets import DataTable
 from tui_helpers import Notes, make_app, run_async, settle
 
 from moereplay.bisect import FirstBadSearch, Observation, Session, Signature
+from moereplay.bisect.log import default_log_path
 from moereplay.bisect.observation import Decider
 from moereplay.bisect.probes import ItemProbe
 from moereplay.errors import ReplayError
@@ -49,7 +50,8 @@ async def test_first_bad_call_of_a_real_stream(stream_capture: Path) -> None:
         assert steps.row_count == len(session.steps) >= 3
         assert all(step.decided_by is Decider.AUTO for step in session.steps)
         assert screen.query_one("#bisect-summary").display
-        log = Path("stream.moe.zst.bisect-calls.jsonl")
+        log = screen.session.log_path
+        assert log is not None and log == default_log_path(stream_capture, "calls")
         records = [json.loads(line) for line in log.read_text().splitlines()]
         assert records[0]["record"] == "session" and records[-1]["record"] == "summary"
         await pilot.press("x")

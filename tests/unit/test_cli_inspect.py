@@ -240,3 +240,14 @@ def test_info_on_a_cut_file_says_where_it_was_cut(capture: Path, tmp_path: Path,
         and f"record that starts at byte {start} and ends at byte {size + missing} ({missing} bytes missing)"
         in " ".join(human.split())
     ), human
+
+
+def test_info_shows_expanded_recipe_bytes_and_the_memory_a_replay_holds() -> None:
+    """The report capture stores 1.5 MB of tensor elements; its recipes expand to 154.9 MB — what a replay holds."""
+    capture = Path(__file__).resolve().parents[2] / "captures" / "marlin-nvfp4-report.moe.zst"
+    shown = runner.invoke(app, ["info", str(capture)])
+    assert shown.exit_code == 0, shown.output
+    assert "154.9 MB expanded" in shown.output
+    assert "call (#0) holds 154.9 MB of arguments and outputs" in shown.output
+    stats = json.loads(runner.invoke(app, ["info", str(capture), "--json"]).output)["stats"]
+    assert stats["expanded_bytes"] == 154_850_268 and stats["largest_call"] == 0

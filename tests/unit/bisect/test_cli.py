@@ -12,6 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from moereplay.bisect import Dimension, Observation, Signature
+from moereplay.bisect.log import default_log_path
 from moereplay.bisect.replay_wiring import CallRef, ReplayWiring, observation_of, stream_of_calls
 from moereplay.cli import app, bisect_cmd, main
 from moereplay.format.writer import CaptureWriter
@@ -100,15 +101,18 @@ def test_calls_headless_text_then_resume(capture: Path, monkeypatch: pytest.Monk
         app, ["bisect", str(capture), "--strategy", "calls", "--no-tui", "--max-steps", "2"]
     )
     assert result.exit_code == 1, result.output  # stopped before the answer
-    log = capture.with_name("run.zst.bisect-calls.jsonl")
-    assert log.exists()
+    log = default_log_path(capture, "calls")
+    assert log.exists() and log.parent.name == "bisect"
+    assert not capture.with_name("run.zst.bisect-calls.jsonl").exists()  # never beside the capture
+    assert f"log: {log}" in result.output
     asked_before = len(judge.asked)
 
     result = runner.invoke(app, ["bisect", str(capture), "--strategy", "calls", "--no-tui"])
     assert result.exit_code == 0, result.output
     assert "(from log)" in result.output
     ref = stream_of_calls(capture)[7]
-    assert f"first bad: #{ref.index} {OP} (step 1, layer 3) (item 7)" in result.output
+    assert f"first bad: #{ref.index} {OP} (step 1, layer 3)" in result.output
+    assert "item" not in result.output
     assert "failure: corrupt [wrong_coefficient] experts 3" in result.output
     logged = {call for call, *_ in judge.asked[:asked_before]}
     assert not logged & {call for call, *_ in judge.asked[asked_before:]}  # logged steps are not re-run
@@ -155,7 +159,7 @@ def test_mutations(capture: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.exit_code == 0, result.output
     assert "minimal passing set: flip mul_topk_weights" in result.output
     assert "do not matter: flip use_atomic_add, set moe_block_size=64" in result.output
-    assert capture.with_name("run.zst.bisect-mutations-call1.jsonl").exists()
+    assert default_log_path(capture, "mutations", "call1").exists()
     assert {call for call, *_ in judge.asked} == {1}
 
 

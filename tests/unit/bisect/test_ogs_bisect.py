@@ -6,8 +6,8 @@ that stand for what the Hopper kernel does (the reference executor has no over-r
   tensors — the bytes its swizzled scale rows hold against the bytes a K loop of whole 128-wide tiles reads, the
   weight columns whose scales sit in the last swizzled row, and whether the last expert has rows — under the fill the
   bisect applies (``-m "fill 0xff"``), driven through ``moereplay bisect`` itself;
-- the real replay engine with the reference backend: a shrunk call has no captured output to judge, so every probe
-  is unresolved and the bisect says "not reproduced" — never "passes".
+- the real replay engine with the reference backend: a shrunk call has no captured output to judge, so the bisect
+  says it needs a kernel backend before any probe runs — never "passes", never "does not fail".
 """
 
 from __future__ import annotations
@@ -174,12 +174,17 @@ def test_without_the_fill_the_call_does_not_fail_and_nothing_is_shrunk(
     assert len(model.seen) == 1
 
 
-def test_through_the_replay_engine_with_the_reference_a_shrunk_call_is_unresolved_never_passing(
+def test_through_the_replay_engine_offline_the_shape_strategy_needs_a_kernel_backend(
     capture: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Offline a shrunk call has no captured output to judge: the bisect says it needs a kernel backend before any
+    probe runs (it used to end "not reproduced: the original shape does not fail"), and writes no log."""
     wiring = ReplayWiring(replay_options={"device": "cpu", "isolate": False})
-    code, document = bisect(monkeypatch, wiring, str(capture), "-m", "fill 0xff", "--backend", "reference")
-    assert code == 1
-    assert document["summary"]["result"]["status"] == "not_reproduced"
-    (step,) = document["steps"]
-    assert step["observation"]["outcome"] == "unresolved"
+    monkeypatch.setattr(bisect_cmd, "wiring_factory", lambda: wiring)
+    for strategy in ("shape", "mutations"):
+        args = ["bisect", str(capture), "-s", strategy, "--call", "0", "--backend", "reference", "--no-tui"]
+        result = CliRunner().invoke(app, [*args, "-m", "fill 0xff"])
+        assert result.exit_code != 0
+        message = str(result.exception)
+        assert f"--strategy {strategy} needs a kernel backend" in message, message
+        assert "does not fail" not in result.output

@@ -15,6 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from moereplay.bisect.log import default_log_path
 from moereplay.bisect.replay_wiring import ReplayWiring, stream_of_calls
 from moereplay.cli import app, bisect_cmd
 
@@ -127,12 +128,11 @@ def test_a_mutation_typo_stops_before_any_replay(
     monkeypatch.setattr(
         bisect_cmd, "wiring_factory", lambda: ReplayWiring(replay_options={"device": "cpu", "isolate": False})
     )
-    result = CliRunner().invoke(
-        app, ["bisect", str(capture), "-s", "mutations", "--call", "0", "-m", "flip mul_wieghts", "--no-tui"]
-    )
+    args = ["bisect", str(capture), "-s", "mutations", "--call", "0", "-m", "flip mul_wieghts", "--no-tui"]
+    result = CliRunner().invoke(app, [*args, "--backend", toy.spec("correct")])
     assert result.exit_code != 0
     assert "mul_wieghts" in str(result.exception)
-    assert not capture.with_name("toy.moe.zst.bisect-mutations-call0.jsonl").exists()
+    assert not default_log_path(capture, "mutations", "call0").exists()
 
 
 def test_shape_needs_the_op_to_declare_dimensions(
@@ -141,6 +141,48 @@ def test_shape_needs_the_op_to_declare_dimensions(
     monkeypatch.setattr(
         bisect_cmd, "wiring_factory", lambda: ReplayWiring(replay_options={"device": "cpu", "isolate": False})
     )
-    result = CliRunner().invoke(app, ["bisect", str(capture), "-s", "shape", "--call", "0", "--no-tui"])
+    args = [
+        "bisect",
+        str(capture),
+        "-s",
+        "shape",
+        "--call",
+        "0",
+        "--no-tui",
+        "--backend",
+        toy.spec("correct"),
+    ]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code != 0
     assert "declares no shrinkable dimensions" in str(result.exception)
+
+
+def test_calls_messages_give_the_call_numbers_typed_not_positions_in_the_selection(
+    capture: Path, toy: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layer 1 is calls 1 and 5 (positions 0 and 1 of the selection): every message speaks of calls 1 and 5."""
+    monkeypatch.setattr(
+        bisect_cmd, "wiring_factory", lambda: ReplayWiring(replay_options={"device": "cpu", "isolate": False})
+    )
+    args = [
+        "bisect",
+        str(capture),
+        "-s",
+        "calls",
+        "--layer",
+        "1",
+        "--backend",
+        toy.spec("correct"),
+        "--no-tui",
+    ]
+    result = CliRunner().invoke(app, [*args, "--log", str(capture.with_name("layer1.jsonl"))])
+    assert result.exit_code == 0, result.output
+    assert "first bad: #5 " in result.output
+    assert "item" not in result.output
+    shown = json.loads(
+        CliRunner().invoke(app, [*args, "--json", "--log", str(capture.with_name("layer1b.jsonl"))]).output
+    )
+    assert shown["summary"]["result"]["candidate_numbers"] == [5]
+    refused = CliRunner().invoke(app, [*args, "--good", "5", "--call", "5"])
+    assert refused.exit_code != 0
+    assert "--good 5 must come before the known-bad call 5" in str(refused.exception)

@@ -42,8 +42,16 @@ def records(path: Path) -> list[dict]:
 
 
 def test_log_records_every_step_and_the_summary(tmp_path: Path) -> None:
-    log = default_log_path(tmp_path / "run.mrcap", "calls")
-    assert log.name == "run.mrcap.bisect-calls.jsonl"
+    log = default_log_path(
+        tmp_path / "run.mrcap", "calls", environ={"MOEREPLAY_STATE_DIR": str(tmp_path / "s")}
+    )
+    assert log.parent == tmp_path / "s" / "bisect"
+    assert log.name.startswith("run.mrcap-") and log.name.endswith(".bisect-calls.jsonl")
+    # another capture of the same name elsewhere gets a log of its own; unset, the state is ./moereplay-captures
+    assert default_log_path(tmp_path / "other" / "run.mrcap", "calls", environ={}) != log.with_name(log.name)
+    assert default_log_path(tmp_path / "run.mrcap", "calls", environ={}).parent == Path(
+        "moereplay-captures/bisect"
+    )
     session = Session(
         FirstBadSearch(list(range(50))), stream_predicate(17), log_path=log, capture="run.mrcap"
     )
@@ -183,7 +191,7 @@ def test_resume_refuses_a_log_of_another_search(tmp_path: Path) -> None:
         Session.resume(FirstBadSearch(list(range(21))), log)
     with pytest.raises(BisectLogError, match="not a mutations one"):
         Session.resume(MutationSearch(["a"]), log)
-    with pytest.raises(BisectLogError, match="differs in target"):
+    with pytest.raises(BisectLogError, match=r"differs in target.*--fresh"):
         Session.resume(FirstBadSearch(list(range(20)), target=TARGET), log)
 
 

@@ -18,6 +18,9 @@ from moereplay.format.framing import RecordKind
 def test_header_merges_environment_and_caller_fields(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOEREPLAY_CAPTURE", "1")
     monkeypatch.delenv("MOEREPLAY_CACHE_DIR", raising=False)  # the suite's recipe store (tests/conftest.py)
+    monkeypatch.delenv(
+        "MOEREPLAY_STATE_DIR", raising=False
+    )  # the suite's state directory (tests/conftest.py)
     monkeypatch.setenv("VLLM_USE_V1", "1")
     monkeypatch.setenv("UNRELATED_SECRET", "x")
     monkeypatch.setenv("VLLM_API_KEY", "sk-secret")

@@ -211,3 +211,29 @@ def test_offline_the_calls_without_output_are_left_out_at_once_and_the_rest_repl
     assert result.exit_code == 0, result.output
     assert "call 1 (inputs_saved) left out: no recorded output" in result.stderr
     assert "call #0" in result.stdout and "call #1" not in result.stdout
+
+
+BUNDLED = Path(__file__).resolve().parents[3] / "captures"
+
+
+def test_offline_kernel_only_variants_of_a_bundled_capture_exit_0_and_domain_errors_stay_invalid() -> None:
+    """The bundled GPTQ capture offline: block sizes, launch flags, a cast and a fill need a kernel — rows say
+    "needs a kernel backend" and the exit status is the recorded row's (ok: 0); a setting outside the kernel's
+    domain stays ``invalid`` and fails the run."""
+    path = str(BUNDLED / "marlin-gptq-int4.moe.zst")
+    args = ["run", path, "--call", "0", "--json", "--sweep", "moe_block_size=8,16,32"]
+    args += ["--flip", "use_atomic_add", "--cast", "topk_weights=bfloat16", "--fill", "0xff"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    (report,) = json.loads(result.stdout)["reports"]
+    rows = {item["label"]: item for item in report["results"]}
+    assert rows.pop("recorded")["verdict"] == "ok"
+    assert len(rows) == 7
+    for label, row in rows.items():
+        assert row["verdict"] == "needs-kernel", (label, row)
+        assert "needs a kernel backend" in row["reason"], (label, row)
+    invalid = runner.invoke(app, ["run", path, "--call", "0", "--json", "--set", "thread_k=128"])
+    assert invalid.exit_code == 1, invalid.output
+    (report,) = json.loads(invalid.stdout)["reports"]
+    row = {item["label"]: item for item in report["results"]}["set thread_k=128"]
+    assert row["verdict"] == "invalid" and "needs a kernel" not in row["reason"]

@@ -169,3 +169,22 @@ def test_cli_repro(report_case: Path, tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "repro of call 0 (moe_wna16_marlin_gemm)" in result.output and (out / "repro.py").is_file()
+
+
+def test_the_provenance_holds_no_absolute_path_of_the_exporting_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bundled capture (recorded with `--out /tmp/mrc` and a pack under /work) exported by absolute paths: the
+    script and README name files by their names, and the source by its sha256."""
+    capture = (Path(__file__).resolve().parents[3] / "captures" / "marlin-gptq-int4.moe.zst").resolve()
+    out = (tmp_path / "deep" / "out").resolve()
+    monkeypatch.setattr(sys, "argv", ["moereplay", "repro", str(capture), "--call", "0", "-o", str(out)])
+    result = CliRunner().invoke(app, ["repro", str(capture), "--call", "0", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    for name in ("repro.py", "README.md"):
+        text = (out / name).read_text()
+        for absolute in (str(capture.parent), str(tmp_path), "/tmp/", "/work/", str(Path.home())):
+            assert absolute not in text, (name, absolute)
+    script = (out / "repro.py").read_text()
+    assert "moereplay repro marlin-gptq-int4.moe.zst --call 0 -o out" in script
+    assert hashlib.sha256(capture.read_bytes()).hexdigest() in script

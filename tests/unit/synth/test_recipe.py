@@ -116,3 +116,34 @@ def test_normal_generator_zeroes_the_padding_columns() -> None:
     values = generate("normal", {"seed": 2, "shape": [3, 8], "dtype": "bfloat16", "zero_from": 5})[""]
     assert values.dtype == torch.bfloat16
     assert bool((values[:, 5:] == 0).all()) and bool((values[:, :5] != 0).all())
+
+
+def _budget_asked(path: Path, environ: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> int:
+    """The bytes the reader says call 0's arguments need (a 1-byte budget refuses before anything is drawn)."""
+    import re
+
+    from moereplay.errors import MemoryBudgetError
+    from moereplay.format import CaptureReader
+
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with CaptureReader(path, memory_budget=1) as reader, pytest.raises(MemoryBudgetError) as refused:
+        reader.load_args(0)
+    match = re.search(r"need ([\d,]+) bytes", str(refused.value))
+    assert match is not None
+    return int(match.group(1).replace(",", ""))
+
+
+def test_the_memory_budget_counts_one_draw_per_weight_set_not_one_per_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bundled gemm1 capture expands with a 3.5 GB peak (its four recipe parts come from one draw): the
+    reader must ask for about that, not 52 GB (four parts each charged the whole draw, at 24 B per element),
+    which refused every bundled gpt-oss capture on a 24 GB machine."""
+    capture = Path(__file__).resolve().parents[3] / "captures" / "marlin-nvfp4-gpt-oss-gemm1.moe.zst"
+    asked = _budget_asked(capture, {"MOEREPLAY_CACHE_DIR": "off"}, monkeypatch)
+    assert 3 * 10**9 < asked < 8 * 10**9
+    # with every part kept on disk nothing is drawn: only the kept tensors count
+    empty = tmp_path / "store"
+    asked_with_store = _budget_asked(capture, {"MOEREPLAY_CACHE_DIR": str(empty)}, monkeypatch)
+    assert asked_with_store == asked  # an empty store keeps nothing

@@ -1,0 +1,36 @@
+"""The rendered ``--help`` of every command: flags stand alone (no ``<bool>`` after ``--json`` or ``--help``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from typer.testing import CliRunner
+
+from moereplay.cli import app
+
+
+def _command_paths() -> list[list[str]]:
+    root = typer.main.get_command(app)
+    paths: list[list[str]] = [[]]
+
+    def walk(command: Any, path: list[str]) -> None:
+        for name, child in getattr(command, "commands", {}).items():
+            paths.append([*path, name])
+            walk(child, [*path, name])
+
+    walk(root, [])
+    return paths
+
+
+def test_every_help_shows_flags_without_a_bool_type() -> None:
+    runner = CliRunner()
+    paths = _command_paths()
+    assert ["run"] in paths and ["bisect"] in paths
+    for path in paths:
+        result = runner.invoke(app, [*path, "--help"], terminal_width=100)
+        assert result.exit_code == 0, (path, result.output)
+        assert "<bool>" not in result.output, (path, result.output)
+        assert "--help" in result.output
+    shown = runner.invoke(app, ["run", "--help"], terminal_width=100).output
+    assert "--call" in shown and "<int>" in shown  # options that take a value still say what
