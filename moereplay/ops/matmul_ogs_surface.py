@@ -132,6 +132,7 @@ FAMILY = register_family(
         vllm_series=((0, 25), (0, 33)),
         first_gemm=is_first_gemm,
         pair_fits=pair_fits,
+        layer_probe="moereplay.ops.ogs_layer_probe",
         smoke="moereplay.ops.ogs_smoke:smoke",
         preset_modules=("ogs_presets",),
         library_packages=("triton_kernels",),

@@ -199,6 +199,11 @@ def family_of(op: str) -> FamilySurface | None:
     return None
 
 
+def family_named(name: str) -> FamilySurface | None:
+    """The family declared under ``name``."""
+    return next((family for family in families() if family.name == name), None)
+
+
 def layer_family(op: str) -> FamilySurface | None:
     """The family whose layers pair two calls of kernel op ``op`` (see :class:`FamilySurface`), if any."""
     for family in families():
