@@ -20,11 +20,17 @@ Declared and consumed must agree; when nothing is declared, the probe says which
 the layer to be right, and what vLLM's kernel for the layer's activation reads (``GatedActivation.default_layout``).
 The activation is the parent's ``activation`` argument (Marlin), the fused ``swiglu`` of gemm1 (``matmul_ogs``), or —
 when unknown — every gated activation moereplay has a reference for is tried.
+
+Each family gathers its evidence itself: the layer probe module it declares (``FamilySurface.layer_probe``, e.g.
+:mod:`moereplay.ops.marlin_layer_probe`) reads its calls' activation, weighs the hypotheses and says what vLLM's
+kernel reads; the shared types live in :mod:`moereplay.ops.layer_probe`. This module pairs the calls, judges and
+reports.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +40,28 @@ import torch
 
 from moereplay.errors import ReplayError
 from moereplay.layout.calls import LayerCalls, find_layer
-from moereplay.reference.activation import GatedActivation, W13Layout, apply_gated_activation
+from moereplay.ops.layer_probe import (
+    MATCH_RMS,
+    ActivationSpec,
+    Hypothesis,
+    LayerProbe,
+    activation_from_parent,
+    relative_errors,
+)
+from moereplay.ops.surface import family_named
+from moereplay.reference.activation import GatedActivation, W13Layout
 
-MATCH_RMS = 0.02
-"""RMS relative error (‖a − e‖ / ‖e‖ over the compared rows) under which a hypothesis reproduces the captured data:
-well above bf16 rounding of an fp32 pipeline (~3e-3), far below what a wrong layout gives (≳ 0.5)."""
+__all__ = [
+    "LAYOUT_NAMES",
+    "MATCH_RMS",
+    "TRIED_WHEN_UNKNOWN",
+    "ActivationSpec",
+    "Hypothesis",
+    "LayoutReport",
+    "LayoutVerdict",
+    "probe_layout",
+    "relative_errors",
+]
 
 LAYOUT_NAMES: dict[W13Layout, str] = {
     W13Layout.GATE_UP_INTERLEAVED: "[g,u] interleaved",
@@ -61,62 +84,6 @@ class LayoutVerdict(enum.Enum):
     UNDECLARED = "undeclared"  # one layout consumed; the capture does not say which the weights are in
     AMBIGUOUS = "ambiguous"  # several layouts reproduce the data
     UNDETERMINED = "undetermined"  # none does (the GEMMs themselves may be wrong: see moereplay run)
-
-
-@dataclass(frozen=True)
-class ActivationSpec:
-    """The gated activation of a layer with its constants (``None``: vLLM's defaults)."""
-
-    activation: GatedActivation
-    alpha: float | None = None
-    limit: float | None = None
-    beta: float | None = None
-
-    def apply(self, values: torch.Tensor, layout: W13Layout) -> torch.Tensor:
-        return apply_gated_activation(
-            values, self.activation, layout, alpha=self.alpha, limit=self.limit, beta=self.beta
-        )
-
-    @property
-    def label(self) -> str:
-        return self.activation.value
-
-
-@dataclass(frozen=True)
-class Hypothesis:
-    """One (activation, layout) hypothesis and its errors (``None``: that evidence was not available)."""
-
-    activation: str
-    layout: W13Layout
-    step_max_rel: float | None
-    step_rms_rel: float | None
-    layer_max_rel: float | None
-    layer_rms_rel: float | None
-
-    @property
-    def step_match(self) -> bool:
-        return self.step_rms_rel is not None and self.step_rms_rel <= MATCH_RMS
-
-    @property
-    def layer_match(self) -> bool:
-        return self.layer_rms_rel is not None and self.layer_rms_rel <= MATCH_RMS
-
-    @property
-    def matches(self) -> bool:
-        """Reproduces every piece of evidence there is."""
-        evidence = [e for e in (self.step_rms_rel, self.layer_rms_rel) if e is not None]
-        return bool(evidence) and all(e <= MATCH_RMS for e in evidence)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "activation": self.activation,
-            "layout": self.layout.value,
-            "step_max_rel": self.step_max_rel,
-            "step_rms_rel": self.step_rms_rel,
-            "layer_max_rel": self.layer_max_rel,
-            "layer_rms_rel": self.layer_rms_rel,
-            "matches": self.matches,
-        }
 
 
 @dataclass(frozen=True)
@@ -157,61 +124,6 @@ class LayoutReport:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def relative_errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
-    """(max |a − e| / max |e|, ‖a − e‖ / ‖e‖) in float64; NaN anywhere counts as an infinite error."""
-    a, e = actual.double(), expected.double().to(actual.device)
-    if a.shape != e.shape:
-        raise ReplayError(f"cannot compare shapes {tuple(a.shape)} and {tuple(e.shape)}")
-    if bool(torch.isnan(a).any()) or bool(torch.isnan(e).any()):
-        return float("inf"), float("inf")
-    difference = a - e
-    scale = float(e.abs().max()) if e.numel() else 0.0
-    norm = float(e.norm())
-    tiny = 1e-30
-    return float(difference.abs().max()) / max(scale, tiny), float(difference.norm()) / max(norm, tiny)
-
-
-def _enum_value(value: Any) -> str | None:
-    if isinstance(value, enum.Enum):
-        return str(value.value)
-    inner = getattr(value, "value", None)
-    if isinstance(inner, str):
-        return inner
-    return value if isinstance(value, str) else None
-
-
-def _activation_from_parent(parent_args: Mapping[str, Any]) -> ActivationSpec | None:
-    name = _enum_value(parent_args.get("activation"))
-    try:
-        activation = GatedActivation(name) if name is not None else None
-    except ValueError:
-        return None
-    if activation is None:
-        return None
-    limit = parent_args.get("clamp_limit", parent_args.get("swiglu_limit"))
-    alpha = parent_args.get("gemm1_alpha", parent_args.get("swiglu_alpha"))
-    beta = parent_args.get("gemm1_beta")
-    if activation is GatedActivation.SWIGLUOAI:
-        return ActivationSpec(activation, alpha if isinstance(alpha, float) and alpha != 1.0 else None, None)
-    return ActivationSpec(
-        activation,
-        float(alpha) if isinstance(alpha, (int, float)) and activation.value.startswith("swiglu") else None,
-        float(limit) if isinstance(limit, (int, float)) else None,
-        float(beta) if isinstance(beta, (int, float)) and activation.value.startswith("swiglu") else None,
-    )
-
-
-def _activation_from_ogs(args: Mapping[str, Any]) -> ActivationSpec | None:
-    spec = args.get("fused_activation")
-    specs = getattr(spec, "specs", None)
-    if specs is None or getattr(specs, "name", None) != "swiglu":
-        return None
-    fn_args = tuple(getattr(spec, "fn_args", ()))
-    alpha = float(fn_args[0]) if len(fn_args) > 0 and fn_args[0] is not None else None
-    limit = float(fn_args[1]) if len(fn_args) > 1 and fn_args[1] is not None else None
-    return ActivationSpec(GatedActivation.SWIGLUOAI, alpha, limit)
-
-
 def _declared(*contexts: Mapping[Any, Any]) -> W13Layout | None:
     for context in contexts:
         value = context.get("w13_layout")
@@ -220,16 +132,6 @@ def _declared(*contexts: Mapping[Any, Any]) -> W13Layout | None:
                 return W13Layout(value)
             except ValueError:
                 continue
-    return None
-
-
-def _final_output(outputs: Mapping[str, Any] | None) -> torch.Tensor | None:
-    if not outputs:
-        return None
-    for key in ("return", "output", "output_tensor"):
-        value = outputs.get(key)
-        if isinstance(value, torch.Tensor):
-            return value
     return None
 
 
@@ -263,6 +165,7 @@ def probe_layout(
             f"{path}: the layer's GEMMs must both have completed (recorded outputs) to be probed"
         )
 
+    probe = _layer_probe(calls.family)
     if activation is not None:
         try:
             candidates = [ActivationSpec(GatedActivation(activation))]
@@ -270,79 +173,24 @@ def probe_layout(
             known = ", ".join(a.value for a in GatedActivation)
             raise ReplayError(f"--activation {activation!r}: expected one of {known}") from error
     else:
-        found = (
-            _activation_from_parent(parent_args)
-            if calls.family == "marlin"
-            else _activation_from_ogs(first.args)
-        )
+        found = probe.activation(first.args, parent_args)
         if found is None and parent_args:
-            found = _activation_from_parent(parent_args)
+            found = activation_from_parent(parent_args)
         candidates = [found] if found is not None else [ActivationSpec(a) for a in TRIED_WHEN_UNKNOWN]
 
-    hypotheses = (
-        _marlin(first, second, parent_outputs, candidates)
-        if calls.family == "marlin"
-        else _ogs(first, second, candidates)
-    )
+    hypotheses = probe.hypotheses(first, second, parent_outputs, candidates)
     declared = _declared(parent_record.context if parent_record is not None else {}, first_context)
-    known_activation = candidates[0].activation if len(candidates) == 1 else None
-    expected = known_activation.default_layout if known_activation is not None else None
-    if len(candidates) == 1 and calls.family == "ogs":
-        expected = W13Layout.GATE_UP_INTERLEAVED  # triton_kernels' swiglu reads x[..., ::2] as the gate
+    expected = probe.expected_layout(candidates[0]) if len(candidates) == 1 else None
     return _judge(str(path), calls, candidates, hypotheses, declared, expected)
 
 
-def _rows(mask: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
-    return [t.reshape(mask.shape[0], -1)[mask.to(t.device)] for t in tensors]
-
-
-def _marlin(
-    first: Any, second: Any, parent_outputs: Mapping[str, Any] | None, candidates: list[ActivationSpec]
-) -> list[Hypothesis]:
-    op = first.op
-    reference1 = op.reference(first.args)
-    written1 = reference1.written
-    captured1 = first.captured_output.float()
-    consumed2 = second.args["input"]
-    final = _final_output(parent_outputs)
-    size_m, top_k = int(first.args["size_m"]), int(first.args["top_k"])
-    hypotheses = []
-    for spec in candidates:
-        for layout in W13Layout:
-            step = spec.apply(captured1, layout).to(consumed2.dtype)
-            step_errors = relative_errors(*_rows(written1, step, consumed2))
-            rows = spec.apply(reference1.output, layout).to(consumed2.dtype)
-            reference2 = op.reference({**second.args, "input": rows})
-            if final is not None and tuple(final.shape) == (size_m, reference2.output.shape[1]):
-                predicted = reference2.output.view(size_m, top_k, -1).sum(dim=1)
-                layer_errors = relative_errors(predicted, final.float())
-            else:
-                layer_errors = relative_errors(
-                    *_rows(reference2.written, reference2.output, second.captured_output.float())
-                )
-            hypotheses.append(Hypothesis(spec.label, layout, *step_errors, *layer_errors))
-    return hypotheses
-
-
-def _ogs(first: Any, second: Any, candidates: list[ActivationSpec]) -> list[Hypothesis]:
-    op = first.op
-    plain = dict(first.args)
-    plain["fused_activation"] = None
-    before = op.reference(plain)  # gemm1 without its fused activation: [rows, 2N]
-    written = before.written
-    captured1 = first.captured_output.float()
-    hypotheses = []
-    for spec in candidates:
-        for layout in W13Layout:
-            activated = spec.apply(before.output, layout)
-            step_errors = relative_errors(*_rows(written, activated, captured1))
-            rows = activated.to(second.args["x"].dtype)
-            reference2 = op.reference({**second.args, "x": rows})
-            layer_errors = relative_errors(
-                *_rows(reference2.written, reference2.output, second.captured_output.float())
-            )
-            hypotheses.append(Hypothesis(spec.label, layout, *step_errors, *layer_errors))
-    return hypotheses
+def _layer_probe(name: str) -> LayerProbe:
+    """The layer probe module the family ``name`` declares (``FamilySurface.layer_probe``)."""
+    family = family_named(name)
+    if family is None or not family.layer_probe:
+        raise ReplayError(f"the {name} family declares no layer probe: its layers cannot be probed")
+    probe: LayerProbe = importlib.import_module(family.layer_probe)
+    return probe
 
 
 def _name(layout: W13Layout | None) -> str:

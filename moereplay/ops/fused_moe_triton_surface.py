@@ -13,12 +13,20 @@ Facts, from vLLM 0.25.1's ``vllm/model_executor/layers/fused_moe/fused_moe.py`` 
   ``vllm.model_executor.layers.fused_moe`` (callers such as ``quantization/moe_wna16.py`` import it from the
   package inside the function, i.e. at call time). It allocates its intermediate caches itself and writes none of
   its arguments.
+- ``fused_experts_impl`` launches gemm1 with ``top_k`` = the routing's top-k and ``mul_routed_weight =
+  apply_router_weight_on_input`` (only allowed with top-1), gemm2 with ``top_k = 1`` and ``mul_routed_weight = not
+  apply_router_weight_on_input``; gemm1 writes ``C`` ``[M, top_k, 2N]`` (from ``w1`` ``[E, 2N, K]``, gate rows first:
+  ``silu_and_mul`` takes each row's first half as the gate), gemm2 reads ``A`` ``[M · top_k, N]``. So a layer's two
+  launches without a parent record pair up: gemm1 is the one with ``top_k > 1`` or without ``mul_routed_weight``, and
+  its ``C`` is twice as wide as gemm2's ``A`` (:mod:`moereplay.ops.fused_moe_triton_layer_probe` weighs the
+  layouts).
 - ``compute_type`` is a ``triton.language`` dtype (``tl.bfloat16`` …; class ``triton.language.core.dtype``, whose
   ``name`` is ``bf16`` / ``fp16`` / ``fp32``): recorded as ``{"name": "bfloat16" | "float16" | "float32"}``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from moereplay.ops.surface import CaptureTarget, FamilySurface, register_family
@@ -96,6 +104,32 @@ def register_codecs() -> None:
     register_codec(TRITON_DTYPE, _encode_dtype, _decode_dtype)
 
 
+def is_first_gemm(args: Mapping[str, Any]) -> bool:
+    """Whether a recorded launch is its layer's gemm1 (w13): ``top_k > 1``, or top-1 without routing weights
+    (gemm2 multiplies them in unless the layer applies them on the input — then the pair is told by order only)."""
+    top_k = args.get("top_k")
+    if not isinstance(top_k, int):
+        return False
+    return top_k > 1 or args.get("mul_routed_weight") is False
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    shape = getattr(value, "shape", None)
+    return tuple(int(size) for size in shape) if shape is not None else None
+
+
+def pair_fits(first: Mapping[str, Any], second: Mapping[str, Any]) -> bool:
+    """Whether gemm1's ``C`` rows (``[M, top_k, 2N]``) are twice as wide as gemm2's ``A`` rows and as many
+    (unknown shapes fit)."""
+    written, read = _shape(first.get("C")), _shape(second.get("A"))
+    if not written or not read or len(read) != 2:
+        return True
+    rows = 1
+    for size in written[:-1]:
+        rows *= size
+    return written[-1] == 2 * read[-1] and rows == read[0]
+
+
 def _targets() -> tuple[CaptureTarget, ...]:
     targets: list[CaptureTarget] = []
     for module in (FUSED_MOE_MODULE, EXPERTS_MODULE):
@@ -148,6 +182,9 @@ FAMILY = register_family(
         targets=_targets(),
         vllm_series=((0, 25),),
         preset_modules=("triton_presets",),
+        first_gemm=is_first_gemm,
+        pair_fits=pair_fits,
+        layer_probe="moereplay.ops.fused_moe_triton_layer_probe",
     )
 )
 

@@ -112,6 +112,8 @@ FAMILY = register_family(
         vllm_series=((0, 25), (0, 33)),
         first_gemm=is_first_gemm,
         pair_fits=pair_fits,
+        layer_probe="moereplay.ops.marlin_layer_probe",
+        smoke="moereplay.ops.marlin_smoke:smoke",
         preset_modules=("marlin_presets",),
     )
 )

@@ -40,6 +40,10 @@ GPT_OSS_MODULES = (
 PROCESS_STATE = "moereplay.ops.ogs_process_state"
 """The hooks recording and reapplying triton_kernels' opt_flags (:class:`moereplay.ops.surface.ProcessStateHooks`)."""
 
+VENDORED_DIR = "vllm/third_party/triton_kernels"
+"""Where vLLM's wheel (0.25.1 and main) carries triton_kernels: a kernel pack links it as top-level
+``triton_kernels``, the name the library imports itself by (and the one vLLM prefers when importable)."""
+
 OGS_CODECS = ("moereplay.ops.matmul_ogs",)
 """Importing the matmul_ogs op registers the triton_kernels codecs (layout Tensor, RoutingData, GatherIndx,
 ScatterIndx, PrecisionConfig, FusedActivation, Epilogue) with the format."""
@@ -128,8 +132,11 @@ FAMILY = register_family(
         vllm_series=((0, 25), (0, 33)),
         first_gemm=is_first_gemm,
         pair_fits=pair_fits,
+        layer_probe="moereplay.ops.ogs_layer_probe",
+        smoke="moereplay.ops.ogs_smoke:smoke",
         preset_modules=("ogs_presets",),
         library_packages=("triton_kernels",),
         value_modules=("moereplay.ops.ogs_codecs",),
+        vendored={"triton_kernels": VENDORED_DIR},
     )
 )

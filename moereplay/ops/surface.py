@@ -117,6 +117,13 @@ class FamilySurface:
     classes may be imported to rebuild a recorded argument; ``value_modules``, modules of moereplay's plain values
     for the family's library objects: a loaded value whose type one defines is turned back into the library's object
     by that module's ``to_library(value, backend, cache)`` (``cache``: a dict the module may keep per re-run).
+
+    Kernel packs (``moereplay.pack``): ``vendored``, top-level packages vLLM's wheel carries inside its own tree,
+    name → directory in the wheel (a pack links each under its name, so both import routes reach one copy);
+    ``smoke``, ``"module:function"`` of the family's kernel check on a loaded pack (:class:`SmokeCheck`).
+
+    The w13 layout probe (``moereplay.layout``): ``layer_probe``, the module of the family's layer hypotheses
+    (see :mod:`moereplay.ops.layer_probe`); a family without one is probed only if it pairs no layers.
     """
 
     name: str
@@ -132,6 +139,9 @@ class FamilySurface:
     pair_fits: Callable[[Mapping[str, Any], Mapping[str, Any]], bool] | None = None
     library_packages: tuple[str, ...] = ()
     value_modules: tuple[str, ...] = ()
+    vendored: Mapping[str, str] = field(default_factory=dict)
+    smoke: str = ""
+    layer_probe: str = ""
 
     def __post_init__(self) -> None:
         missing = [op for op in self.kernel_ops if op not in self.op_modules]
@@ -189,6 +199,11 @@ def family_of(op: str) -> FamilySurface | None:
     return None
 
 
+def family_named(name: str) -> FamilySurface | None:
+    """The family declared under ``name``."""
+    return next((family for family in families() if family.name == name), None)
+
+
 def layer_family(op: str) -> FamilySurface | None:
     """The family whose layers pair two calls of kernel op ``op`` (see :class:`FamilySurface`), if any."""
     for family in families():
@@ -210,3 +225,22 @@ def library_packages() -> tuple[str, ...]:
 def value_modules() -> frozenset[str]:
     """Every family's ``value_modules``."""
     return frozenset(module for family in families() for module in family.value_modules)
+
+
+def vendored_packages() -> dict[str, str]:
+    """Every family's ``vendored`` packages: top-level name → directory in vLLM's wheel tree."""
+    return {name: where for family in families() for name, where in family.vendored.items()}
+
+
+def smoke_checks() -> tuple[tuple[str, str], ...]:
+    """(family name, ``"module:function"``) of every family declaring a kernel-pack smoke check, in family order."""
+    return tuple((family.name, family.smoke) for family in families() if family.smoke)
+
+
+@dataclass(frozen=True)
+class SmokeCheck:
+    """What a family's smoke check on a loaded kernel pack found: ``passed``, and ``text``, its part of the one
+    line ``moereplay kernels check`` prints."""
+
+    passed: bool
+    text: str

@@ -5,7 +5,7 @@ Build one with :func:`build_pack` (CLI: ``moereplay kernels pack``), load one wi
     pack = load_pack(".kernelpack")          # checks the torch pin, unpacks once, prepends to sys.path
     ops = pack.custom_ops                     # vllm._custom_ops from the pack (torch.ops._C / _moe_C registered)
     mod = pack.import_module("vllm.model_executor.layers.fused_moe.experts.marlin_moe")
-    tk = pack.triton_kernels                  # the vendored triton_kernels, by its top-level name
+    tk = pack.import_module("triton_kernels") # a vendored library, by its top-level name
 
 A second, separate pack of profile ``serve`` (``moereplay kernels pack --profile serve -o .servepack``) holds what
 ``vllm serve`` needs beyond a kernel pack — FlashAttention 3 and the serving wheels — and is attached to the

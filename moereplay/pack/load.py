@@ -2,9 +2,9 @@
 
 The unpacked pack is a directory ``CACHE/<key>/`` holding ``site/`` (vLLM's tree, its dist-info, the two CUDA
 libraries and the extra wheels' files, as ``pip install --target`` would lay them out) and ``aliases/``, which
-holds one link ``triton_kernels → ../site/vllm/third_party/triton_kernels``: the vendored triton_kernels imports
-itself by its top-level name, and vLLM prefers a top-level ``triton_kernels`` when one is importable, so both routes
-reach the same modules. ``key`` is derived from the archives' sha256, so a changed pack never reuses a stale
+holds one link per package the families declare vendored in vLLM's tree (``FamilySurface.vendored``; e.g.
+``triton_kernels → ../site/vllm/third_party/triton_kernels``): a vendored library imports itself by its top-level
+name, and vLLM prefers a top-level copy when one is importable, so both routes reach the same modules. ``key`` is derived from the archives' sha256, so a changed pack never reuses a stale
 cache. ``CACHE`` is ``$MOEREPLAY_PACK_CACHE`` or ``$XDG_CACHE_HOME/moereplay/packs`` (``~/.cache/…``).
 
 A serve pack (profile ``serve``, built from the same vLLM wheel) is attached to an unpacked kernels pack: it
@@ -32,11 +32,11 @@ from pathlib import Path
 from types import ModuleType
 
 from moereplay.errors import PackError
+from moereplay.ops.surface import vendored_packages
 from moereplay.pack.archive import extract_tar_xz
 from moereplay.pack.manifest import DEPS_ARCHIVE, MANIFEST_NAME, TREE_ARCHIVE, PackManifest, read_manifest
 
 COMPLETE_MARK = ".complete"
-TRITON_KERNELS_DIR = "vllm/third_party/triton_kernels"
 SERVE_PACK_VARIABLE = "MOEREPLAY_SERVE_PACK"
 #: ``bin/vllm`` of an attached serve pack: vLLM's console script is not in the pack, its ``main`` is.
 VLLM_SCRIPT = (
@@ -237,10 +237,13 @@ def unpack_pack(directory: Path, cache_dir: Path | None = None, serve: Path | No
     if not (root / COMPLETE_MARK).is_file():
 
         def finish(staging: Path) -> None:
-            if not (staging / "site" / TRITON_KERNELS_DIR).is_dir():
-                raise PackError(f"kernel pack {directory} has no {TRITON_KERNELS_DIR}")
+            vendored = vendored_packages()
+            for where in vendored.values():
+                if not (staging / "site" / where).is_dir():
+                    raise PackError(f"kernel pack {directory} has no {where}")
             (staging / "aliases").mkdir()
-            (staging / "aliases" / "triton_kernels").symlink_to(Path("..", "site", TRITON_KERNELS_DIR))
+            for name, where in vendored.items():
+                (staging / "aliases" / name).symlink_to(Path("..", "site", where))
 
         _unpack_into(root, directory, manifest, finish)
     if serve is None:
@@ -309,7 +312,7 @@ class LoadedPack:
         except ImportError as error:
             raise PackError(f"cannot import {name} from kernel pack {self.directory}: {error}") from error
         top = name.split(".", 1)[0]
-        if top in ("vllm", "triton_kernels"):
+        if top == "vllm" or top in vendored_packages():
             origin = Path(getattr(module, "__file__", "") or "").resolve()
             if self.unpacked.site.resolve() not in origin.parents:
                 raise PackError(f"{name} was imported from {origin}, not from kernel pack {self.directory}")
@@ -320,15 +323,10 @@ class LoadedPack:
         """``vllm._custom_ops``: loads both CUDA libraries and registers ``torch.ops._C`` / ``torch.ops._moe_C``."""
         return self.import_module("vllm._custom_ops")
 
-    @property
-    def triton_kernels(self) -> ModuleType:
-        """The vendored ``triton_kernels`` package, by its top-level name (no vLLM import needed)."""
-        return self.import_module("triton_kernels")
-
 
 def activate(unpacked: UnpackedPack) -> None:
     """Put the pack's paths first on ``sys.path``; refuse if another vLLM or triton_kernels is already imported."""
-    for top in ("vllm", "triton_kernels"):
+    for top in ("vllm", *vendored_packages()):
         module = sys.modules.get(top)
         if module is None:
             continue

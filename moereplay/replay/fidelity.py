@@ -214,7 +214,11 @@ def _chosen_state(probe: FidelityProbe) -> Cause:
     if getattr(probe.op, "run_state", None) is None:
         return Cause(name, "untested", f"{probe.op.name} reports no process state")
     if probe.recorded_state is None:
-        return Cause(name, "untested", "the capture recorded no process state (e.g. opt_flags) for this call")
+        return Cause(
+            name,
+            "untested",
+            "the capture recorded no process state (e.g. the kernel flags a library chose) for this call",
+        )
     if not probe.replayed_state:
         return Cause(name, "untested", "the replay reported no process state")
     differing = {

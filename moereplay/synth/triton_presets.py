@@ -317,3 +317,135 @@ register_preset(
         build_deepseek,
     )
 )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a fused layer for the w13 layout probe
+# ---------------------------------------------------------------------------------------------------------------
+
+MOE_ACTIVATION = "vllm.model_executor.layers.fused_moe.activation.MoEActivation"
+LAYOUTS = ("gate_up", "up_gate", "gu_interleaved", "ug_interleaved")
+
+LAYER = (
+    Setting("tokens", 8, "tokens in the batch"),
+    Setting("experts", 8, "experts E"),
+    Setting("top_k", 2, "experts per token"),
+    Setting("hidden", 128, "hidden size (K)"),
+    Setting("intermediate", 64, "moe_intermediate_size (w1 holds 2 · intermediate rows per expert)"),
+    Setting("dtype", "bfloat16", "activation dtype", DTYPES),
+    Setting("activation", "silu", "the layer's gated activation", ("silu", "gelu", "swigluoai")),
+    Setting("w13_layout", "gate_up", "the layout the capture declares for w1's rows", LAYOUTS),
+    Setting(
+        "activation_layout",
+        "same",
+        "the layout the activation reads ('same': w13_layout)",
+        ("same", *LAYOUTS),
+    ),
+)
+
+
+def build_layer(ctx: BuildContext) -> list[SynthCall]:
+    """``fused_experts`` as ``fused_experts_impl`` runs it unquantised: gemm1 (``top_k`` rows per token) → the
+    gated activation of its ``[M · top_k, 2N]`` rows → gemm2 (``top_k = 1``, ``mul_routed_weight``) → the top-k sum.
+    The weights are random, so any declared ``w13_layout`` is right as long as the activation reads it."""
+    from moereplay.format.schema import EnumValue
+    from moereplay.ops import get_op
+    from moereplay.reference.activation import GatedActivation, W13Layout, apply_gated_activation
+
+    tokens, experts, top_k = ctx.integer("tokens"), ctx.integer("experts"), ctx.integer("top_k")
+    hidden, inter, dtype = ctx.integer("hidden"), ctx.integer("intermediate"), ctx.text("dtype")
+    w13_layout = W13Layout(ctx.text("w13_layout"))
+    read = ctx.text("activation_layout")
+    activation_layout = w13_layout if read == "same" else W13Layout(read)
+    activation = GatedActivation(ctx.text("activation"))
+    seed = seeds(ctx.integer("seed"))
+    fmt = "bf16" if dtype == "bfloat16" else "fp16"
+    w13 = ctx.drawer.parts(
+        "triton_moe_experts",
+        {"seed": seed(1), "format": fmt, "experts": experts, "n": 2 * inter, "k": hidden},
+    )
+    w2 = ctx.drawer.parts(
+        "triton_moe_experts", {"seed": seed(4), "format": fmt, "experts": experts, "n": hidden, "k": inter}
+    )
+    x = ctx.drawer.draw("normal", {"seed": seed(2), "shape": [tokens, hidden], "dtype": dtype, "std": 0.5})
+    topk = softmax_topk(tokens, experts, top_k, seed(3), renormalize=True)
+    op = get_op(TRITON_OP)
+    device = ctx.runner.device
+
+    def run(args: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+        recorded = to_device(args, device, ctx.drawer)
+        return recorded, ctx.runner.run(TRITON_OP, op.recorded_args(recorded))  # type: ignore[attr-defined]
+
+    gemm1, out1 = run(
+        triton_args(
+            A=x, weights=w13, topk_weights=topk.weights, topk_ids=topk.ids, experts=experts,
+            config=_config(ctx), compute=dtype,
+        )
+    )  # fmt: skip
+    rows = apply_gated_activation(out1.float(), activation, activation_layout).to(out1.dtype)
+    second = triton_args(
+        A=rows.cpu(), weights=w2, topk_weights=topk.weights, topk_ids=topk.ids, experts=experts,
+        config=_config(ctx), compute=dtype, mul_routed_weight=True,
+    )  # fmt: skip
+    second.update(top_k=1, C=torch.zeros(tokens, top_k, hidden, dtype=getattr(torch, dtype)))
+    gemm2, out2 = run(second)
+    final = out2.view(tokens, top_k, hidden).float().sum(dim=1).to(out2.dtype)
+    parent_args = to_device(
+        {
+            "hidden_states": x,
+            "w1": w13["B"],
+            "w2": w2["B"],
+            "topk_weights": topk.weights,
+            "topk_ids": topk.ids,
+            "activation": EnumValue(MOE_ACTIVATION, activation.name, activation.value),
+            "apply_router_weight_on_input": False,
+            "global_num_experts": -1,
+            "expert_map": None,
+        },
+        device,
+        ctx.drawer,
+    )
+    name = "triton-bf16-layer"
+    truth = {"w13_layout": w13_layout.value, "activation_layout": activation_layout.value}
+    context = {"layer": 0, "synth": name}
+    site = f"moereplay.synth:{name}"
+    return [
+        SynthCall(
+            "fused_experts",
+            parent_args,
+            {"return": final},
+            site,
+            {**context, "w13_layout": w13_layout.value, "synth_truth": truth},
+            static=("w1", "w2"),
+        ),
+        SynthCall(
+            TRITON_OP,
+            gemm1,
+            {"C": out1.reshape(gemm1["C"].shape)},
+            site,
+            {**context, "gemm": "gemm1", "w13_layout": w13_layout.value},
+            parent=0,
+            static=TRITON_STATIC,
+        ),
+        SynthCall(
+            TRITON_OP,
+            gemm2,
+            {"C": out2.reshape(gemm2["C"].shape)},
+            site,
+            {**context, "gemm": "gemm2"},
+            parent=0,
+            static=TRITON_STATIC,
+        ),
+    ]
+
+
+register_preset(
+    Preset(
+        "triton-bf16-layer",
+        "a fused bf16 Triton MoE layer (fused_experts + gemm1 + activation + gemm2) for the w13 layout probe",
+        "fused_experts",
+        settings(*LAYER, *CONFIG),
+        False,
+        build_layer,
+    )
+)

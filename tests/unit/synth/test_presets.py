@@ -33,6 +33,7 @@ SMALL: dict[str, list[str]] = {
     "qwen3-30b-a3b-bf16-w13": ["tokens=4", "experts=8", "hidden=128", "intermediate=64"],
     "qwen3-30b-a3b-int4-w13": ["tokens=4", "experts=8", "hidden=128", "intermediate=64", "group_size=32"],
     "deepseek-v3-fp8-w13": ["tokens=4", "experts=8", "global_experts=16", "hidden=256", "intermediate=128"],
+    "triton-bf16-layer": [],
 }
 KERNEL_OPS = ("moe_wna16_marlin_gemm", "matmul_ogs", "fused_moe_kernel", "fused_moe_kernel_gptq_awq")
 
