@@ -639,3 +639,43 @@ def test_a_graph_that_stays_bad_writes_the_trigger_budget_then_counts(
         assert counters["flight_graph_triggers"] == 7 and counters["flight_triggers_suppressed"] == 5
         assert [r.context["graph_sequence"] for r in records] == [0, 1, 2, 3, 4]
         assert [r.context["flight"]["trigger"] for r in records] == [False, False, False, True, True]
+
+
+def test_a_call_with_more_spans_than_a_node_takes_two_nodes_that_share_one_entry(monkeypatch) -> None:
+    # the first node reserves the entry and copies 16 spans; the second reads the published start, copies the
+    # rest, folds the output and finishes — one sequence, one tag word, the launch's cells reset for the next replay
+    monkeypatch.setattr(graph_ring, "_current_stream", lambda index: 1234)
+    monkeypatch.setattr(graph_ring, "_programs", lambda index: 2)
+    ring = GraphRing(1 << 16, torch.device("cpu"), tags=8, launches=4, use_kernel=False)
+    kernels = CapturedKernels()
+    ring.kernels = kernels.launcher(record_kernel)
+    sources = [aligned(24, torch.float32) for _ in range(SPANS + 4)]
+    sizes = [source.numel() * source.element_size() for source in sources]
+    offsets = [i * ALIGNMENT for i in range(len(sources))]
+    out = sources[-1]
+    spans = Spans(
+        tuple(s.data_ptr() for s in sources), tuple(offsets), tuple(sizes), (out.data_ptr(), out.numel(), 3),
+        len(sources) * ALIGNMENT,
+    )  # fmt: skip
+    ring.capture(1, spans, first=True)
+    flags = [args[3 * SPANS + 4 : 3 * SPANS + 6] for _, _, args in kernels.graph]  # (finish, reserve)
+    assert flags == [[0, 1], [1, 0]]
+    for replay in range(3):
+        for i, source in enumerate(sources):
+            source.fill_(float(100 * replay + i))
+        kernels.replay()
+        start = int(ring.meta[replay % 8][1])
+        assert ring.meta[replay % 8].tolist() == [
+            replay,
+            start,
+            1,
+            replay + 1,
+        ]  # sequence, start, launch, step
+        for i, source in enumerate(sources):
+            assert torch.equal(ring.view(start, offsets[i], sizes[i]).view(torch.float32), source)
+        word = int(ring.words[replay % 8])
+        assert word >> 32 == 1 and (word & 0xFFFFFFFF) == int(
+            torch.tensor(float(100 * replay + len(sources) - 1)).view(torch.int32)
+        )
+        assert ring.cells[2:6, 1].tolist() == [0, 0, 0, 0]
+    assert int(ring.state[1]) == 3 and ring.hint == 3
