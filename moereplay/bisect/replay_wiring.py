@@ -416,7 +416,8 @@ class ReplayWiring:
         def predicate(probe: ItemProbe[CallRef]) -> Observation:
             return judge(probe.item.index, always, backend, None)
 
-        return Prepared(search, predicate, f"{len(refs)} calls of {request.capture.name} by step and layer")
+        calls = "1 call" if len(refs) == 1 else f"{len(refs)} calls"
+        return Prepared(search, predicate, f"{calls} of {request.capture.name} by step and layer")
 
     def _mutations(self, request: BisectRequest, judge: Judge, call: int) -> Prepared:
         candidates = request.mutations
