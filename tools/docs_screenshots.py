@@ -1,8 +1,17 @@
-"""Export SVG screenshots of every TUI screen to ``docs/`` (for the README), from small real captures.
+"""Export SVG screenshots of every TUI screen to ``docs/`` (for the README), from the bundled captures.
 
-The captures are the TUI tests' (``tests/tui/tui_captures.py``): real ``moe_wna16_marlin_gemm`` calls whose recorded
-outputs were damaged the way a faulty kernel would (a row tripled; for the heat map also NaN columns and a blown-up
-value), replayed offline with the ``reference`` backend — so this runs on any machine, in a few seconds.
+The app is shown as a user sees it on a machine without a GPU (``--backend reference``), on files in ``captures/``:
+
+- ``marlin-nvfp4-layer`` (vLLM's ``fused_marlin_moe`` and its two Marlin GEMM calls) for the call browser, every call
+  replayed;
+- ``marlin-nvfp4-report`` (the published report's call: bf16 routing weights a float32-reading kernel took as
+  float32) for the call view — variant matrix, arguments with the contract violation, heat map, diff, findings —
+  and for a bisect over its calls.
+
+Offline, rows only a kernel can answer say ``needs-kernel``; the screenshots show that as it is. The app runs in a
+scratch working directory with no ``MOEREPLAY_STATE_DIR``, so bisect logs show the path a user sees
+(``moereplay-captures/bisect/…``) and nothing is written into the repository. The first run expands the captures'
+weight recipes, as ``moereplay run`` does the first time (the README's costs table); later runs take about 20 s.
 
 Usage::
 
@@ -13,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import sys
 import tempfile
@@ -23,23 +31,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "tui"))
 
-from tui_captures import OP, marlin_call, write_marlin_capture  # noqa: E402
 from tui_helpers import settle  # noqa: E402
 
-from moereplay.format import CaptureWriter  # noqa: E402
 from moereplay.tui.app import MoereplayApp  # noqa: E402
 
-
-def write_damaged_call(path: Path) -> Path:
-    """One Marlin call: row 1 tripled, NaN in row 5 columns 16–23, one value of row 6 blown up 10⁴×."""
-    args, output = marlin_call(3)
-    output[1] *= 3
-    output[5, 16:24] = math.nan
-    output[6, 40] = output[6, 40] * 1e4
-    with CaptureWriter(path, header={"rank": 0}) as writer:
-        index = writer.begin_call(OP, args, site="fused_marlin_moe:docs", context={"layer": 11, "step": 42})
-        writer.complete_call(index, {"output": output, "return": output})
-    return path
+CAPTURES = ROOT / "captures"
+BROWSER_CAPTURE = CAPTURES / "marlin-nvfp4-layer.moe.zst"
+CALL_CAPTURE = CAPTURES / "marlin-nvfp4-report.moe.zst"
 
 
 async def shoot(
@@ -73,45 +71,31 @@ def main() -> None:
     out = options.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     size = (options.width, options.height)
+    os.environ.pop("MOEREPLAY_STATE_DIR", None)
     written: list[Path] = []
     with tempfile.TemporaryDirectory() as folder:
-        stream = write_marlin_capture(
-            Path(folder) / "serve-rank0.moe.zst", calls=12, bad_from=7, context_call=True
-        )
-        damaged = write_damaged_call(Path(folder) / "layer11.moe.zst")
+        os.chdir(folder)  # state (bisect logs) goes to ./moereplay-captures here, not into the repository
         written += asyncio.run(
             shoot(
-                MoereplayApp.for_capture(stream, backend="reference"),
+                MoereplayApp.for_capture(BROWSER_CAPTURE, backend="reference"),
                 size,
-                [
-                    ("press", ["R"]),
-                    ("press", ["home", "n"]),
-                    ("shot", "tui-browser"),
-                    ("press", ["end", "b"]),
-                    ("press", ["tab", "enter"]),  # enter in the call field submits the form
-                    ("press", ["space"]),
-                    ("press", ["space"]),
-                    ("press", ["e"]),
-                    ("shot", "tui-bisect"),
-                    ("press", ["p"]),
-                    ("shot", "tui-bisect-done"),
-                ],
+                [("press", ["R"]), ("press", ["home"]), ("shot", "tui-browser")],
                 out,
             )
         )
         written += asyncio.run(
             shoot(
-                MoereplayApp.for_capture(damaged, backend="reference"),
+                MoereplayApp.for_capture(CALL_CAPTURE, backend="reference"),
                 size,
                 [
                     ("press", ["enter"]),
                     ("call", lambda app: app.screen.add_mutation("flip mul_topk_weights")),
-                    ("call", lambda app: app.screen.add_mutation("sweep moe_block_size=8,64")),
+                    ("call", lambda app: app.screen.add_mutation("cast topk_weights=float32")),
                     ("press", ["r"]),
                     ("shot", "tui-call-variants"),
                     ("press", ["1"]),
                     ("shot", "tui-call-arguments"),
-                    ("press", ["4", *["down"] * 5, *["right"] * 18]),
+                    ("press", ["4", *["down"] * 3, *["right"] * 6]),
                     ("shot", "tui-heatmap"),
                     ("press", ["enter"]),
                     ("shot", "tui-diff"),
@@ -119,6 +103,20 @@ def main() -> None:
                     ("shot", "tui-findings"),
                     ("press", ["question_mark"]),
                     ("shot", "tui-help"),
+                ],
+                out,
+            )
+        )
+        written += asyncio.run(
+            shoot(
+                MoereplayApp.for_capture(CALL_CAPTURE, backend="reference"),
+                size,
+                [
+                    ("press", ["b"]),
+                    ("shot", "tui-bisect"),
+                    ("press", ["tab", "enter"]),  # enter in the call field submits the form
+                    ("press", ["p"]),
+                    ("shot", "tui-bisect-done"),
                 ],
                 out,
             )

@@ -52,9 +52,15 @@ def default_log_path(
 ) -> Path:
     """``<state>/bisect/<capture name>-<8 hex>.bisect-<strategy>[-<tag>].jsonl`` (``tag`` e.g. ``call12``)."""
     suffix = f"-{tag}" if tag else ""
-    where = hashlib.sha256(str(Path(capture).resolve()).encode()).hexdigest()[:8]
-    name = f"{Path(capture).name}-{where}.bisect-{strategy}{suffix}.jsonl"
+    name = f"{capture_key(capture)}.bisect-{strategy}{suffix}.jsonl"
     return state_directory(environ) / "bisect" / name
+
+
+def capture_key(capture: Path) -> str:
+    """``<capture name>-<8 hex of its resolved path>``: names state about one capture (two captures of one name
+    in different folders do not share it)."""
+    where = hashlib.sha256(str(Path(capture).resolve()).encode()).hexdigest()[:8]
+    return f"{Path(capture).name}-{where}"
 
 
 def now() -> str:

@@ -33,6 +33,9 @@ NOT_SIGNATURE_KINDS = frozenset({"diagnosis", "sanitizer", "contract_violation",
 run to run, a contract violation describes the inputs rather than the failure, and fidelity compares the replay
 with the recording rather than judging it."""
 MEMORY_DEPENDENT_KIND = "memory_dependent"
+
+MAX_CHOICES_SHOWN = 12
+"""How many call numbers the "needs --call" error lists before it says how many there are in all."""
 """Part of a signature only when it is the verdict's own reason (verdict ``memory-dependent``)."""
 
 
@@ -361,9 +364,21 @@ class ReplayWiring:
 
     @staticmethod
     def _failing_call(request: BisectRequest) -> int:
-        if request.call is None:
-            raise BisectError(f"--strategy {request.strategy} needs --call N (the failing call)")
-        return request.call
+        """``--call``, else the capture's one replayable call; with several, one line naming them."""
+        if request.call is not None:
+            return request.call
+        refs = stream_of_calls(request.capture, op=request.op, layer=request.layer)
+        if len(refs) == 1:
+            return refs[0].index
+        if not refs:
+            raise BisectError(f"{request.capture}: no replayable calls match the selection")
+        numbers = sorted(ref.index for ref in refs)
+        shown = ", ".join(str(number) for number in numbers[:MAX_CHOICES_SHOWN])
+        more = f" … ({len(numbers)} in all)" if len(numbers) > MAX_CHOICES_SHOWN else ""
+        raise BisectError(
+            f"--strategy {request.strategy} needs --call N (the failing call): "
+            f"{request.capture.name} holds calls {shown}{more}"
+        )
 
     def _calls(self, request: BisectRequest, judge: Judge) -> Prepared:
         refs = stream_of_calls(request.capture, op=request.op, layer=request.layer)
@@ -401,7 +416,8 @@ class ReplayWiring:
         def predicate(probe: ItemProbe[CallRef]) -> Observation:
             return judge(probe.item.index, always, backend, None)
 
-        return Prepared(search, predicate, f"{len(refs)} calls of {request.capture.name} by step and layer")
+        calls = "1 call" if len(refs) == 1 else f"{len(refs)} calls"
+        return Prepared(search, predicate, f"{calls} of {request.capture.name} by step and layer")
 
     def _mutations(self, request: BisectRequest, judge: Judge, call: int) -> Prepared:
         candidates = request.mutations
@@ -418,7 +434,7 @@ class ReplayWiring:
         def predicate(probe: SubsetProbe[str]) -> Observation:
             return judge(call, probe.items, backend, None)
 
-        return Prepared(search, predicate, f"call #{call}, {len(candidates)} candidate mutations")
+        return Prepared(search, predicate, f"call #{call}, {len(candidates)} candidate mutations", call)
 
     def _packs(self, request: BisectRequest, judge: Judge, call: int) -> Prepared:
         always = request.mutations
@@ -430,7 +446,7 @@ class ReplayWiring:
         def predicate(probe: ItemProbe[str]) -> Observation:
             return judge(call, always, f"pack:{probe.item}", None)
 
-        return Prepared(search, predicate, f"call #{call} on {len(request.packs)} kernel packs")
+        return Prepared(search, predicate, f"call #{call} on {len(request.packs)} kernel packs", call)
 
     def _shape(self, request: BisectRequest, judge: Judge, call: int) -> Prepared:
         if self._shapes is not None:
@@ -457,4 +473,4 @@ class ReplayWiring:
             return judge(call, always, backend, probe.shape)
 
         names = ", ".join(dimension.name for dimension in dimensions)
-        return Prepared(search, predicate, f"call #{call}, shrinking {names}")
+        return Prepared(search, predicate, f"call #{call}, shrinking {names}", call)

@@ -56,7 +56,7 @@ class SessionSummary(Generic[R]):
 
     def lines(self) -> tuple[str, ...]:
         head = (
-            f"bisect {self.strategy}: {self.status} after {self.steps} steps "
+            f"bisect {self.strategy}: {self.status} after {self.steps} step{'' if self.steps == 1 else 's'} "
             f"({self.auto_steps} auto, {self.person_steps} by a person, {self.unresolved_steps} unresolved)"
         )
         body = () if self.result is None else self.result.lines()

@@ -9,7 +9,7 @@ front ends may inject their own. Nothing here imports torch or the replay engine
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -60,6 +60,10 @@ class BisectRequest:
         """What distinguishes this session's default log from other sessions of the same strategy."""
         return None if self.call is None or self.strategy == "calls" else f"call{self.call}"
 
+    def with_call(self, call: int | None) -> BisectRequest:
+        """This request about ``call`` (the one a wiring chose when ``--call`` was left out); unchanged for ``None``."""
+        return self if call is None or call == self.call else replace(self, call=call)
+
 
 @dataclass(frozen=True)
 class Prepared:
@@ -68,6 +72,8 @@ class Prepared:
     search: Search[Any, Any]
     predicate: Callable[[Any], Observation]
     description: str
+    call: int | None = None
+    """The call a one-call search is about (``--call``, or the capture's only call when it was left out)."""
 
 
 class Wiring(Protocol):

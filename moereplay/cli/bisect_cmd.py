@@ -55,7 +55,8 @@ def bisect_command(
     call: Annotated[
         int | None,
         typer.Option(
-            "--call", help="The failing call (for calls: the known-bad end; default the last call)."
+            "--call",
+            help="The failing call (default: the file's only call; for calls: the known-bad end, default the last).",
         ),
     ] = None,
     good: Annotated[int | None, typer.Option("--good", help="calls: a call index known to be good.")] = None,
@@ -135,6 +136,8 @@ def bisect_command(
         match=signature_match,
     )
     prepared = wiring_factory().prepare(request)
+    request = request.with_call(prepared.call)  # --call left out of a one-call file: that call
+    call = request.call
     log_path = log if log is not None else default_log_path(file, strategy, request.log_tag)
     resumed = 0
     if log_path.exists() and not fresh:

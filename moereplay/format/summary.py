@@ -86,7 +86,7 @@ class CallRow:
         }
 
 
-def _generated_tensor(value: CodecValue) -> str | None:
+def generated_tensor(value: CodecValue) -> str | None:
     """``int32[32,184,5888] (recipe)`` for a codec value that stands for a tensor generated at load time.
 
     Such values (moereplay's seeded recipes) record the tensor's ``dtype`` and ``shape`` and hold only a
@@ -110,7 +110,7 @@ def describe_tensors(tree: Any, path: str = "") -> Iterator[tuple[str, str]]:
     if isinstance(tree, TensorMeta):
         yield path, tree.describe()
     elif isinstance(tree, CodecValue):
-        generated = _generated_tensor(tree)
+        generated = generated_tensor(tree)
         if generated is not None:
             yield path, generated
         else:

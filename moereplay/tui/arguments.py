@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moereplay.format import CallRecord, CodecValue, EnumValue, TensorMeta, Unsupported
+from moereplay.format.summary import generated_tensor
 
 if TYPE_CHECKING:
     from moereplay.ops.base import ContractViolation, OpSpec
@@ -85,6 +86,15 @@ def _node(name: str, value: Any, tags: list[str]) -> ArgumentNode:
             (("repr", value.repr_excerpt),),
             tags=tuple(tags),
         )
+    if isinstance(value, CodecValue) and (generated := generated_tensor(value)) is not None:
+        tree = value.value  # a seeded recipe: the tensor's dtype and shape, generated at load time
+        details = (
+            ("dtype", str(tree.get("dtype"))),
+            ("shape", "(" + ", ".join(str(size) for size in tree.get("shape", ())) + ")"),
+            ("stored as", f"{tree.get('generator', '?')} recipe, expanded when loaded"),
+            ("codec", value.type_name),
+        )
+        return ArgumentNode(name, "tensor", generated, details, tags=tuple(tags))
     if isinstance(value, CodecValue):
         inner = _node(name, value.value, [])
         return ArgumentNode(

@@ -39,6 +39,7 @@ WiringFactory = Callable[[], Wiring]
 def open_session(request: BisectRequest, wiring: Wiring, *, fresh: bool = False) -> BisectLaunch:
     """Prepare ``request`` with ``wiring`` and open (or resume) its session log (in the state directory)."""
     prepared = wiring.prepare(request)
+    request = request.with_call(prepared.call)
     log_path = default_log_path(request.capture, request.strategy, request.log_tag)
     if log_path.exists() and not fresh:
         session: Session[Any, Any] = Session.resume(prepared.search, log_path, prepared.predicate)

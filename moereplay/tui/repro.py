@@ -7,9 +7,11 @@ whose one-line reason the screen shows in a notification.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from moereplay.bisect.log import capture_key, state_directory
 from moereplay.errors import MoereplayError
 
 
@@ -20,13 +22,20 @@ class ReproUnavailable:
     reason: str
 
 
-def default_repro_dir(capture: Path, call: int) -> Path:
-    """Where the TUI writes the repro: beside the capture, ``<capture>.repro-call<N>/`` (replaced on re-export)."""
-    return capture.with_name(f"{capture.name}.repro-call{call}")
+def default_repro_dir(capture: Path, call: int, environ: Mapping[str, str] | None = None) -> Path:
+    """Where the TUI writes the repro: in the state directory, as bisect logs, never beside the capture (a bundled
+    or shared capture's folder is not the user's to write in) — ``$MOEREPLAY_STATE_DIR/repro/``, else
+    ``./moereplay-captures/repro/``, then ``<capture name>-<8 hex>.repro-call<N>/`` (replaced on re-export)."""
+    return repro_root(environ) / f"{capture_key(capture)}.repro-call{call}"
+
+
+def repro_root(environ: Mapping[str, str] | None = None) -> Path:
+    """The folder the TUI's repros go to: ``repro/`` in the state directory (read at call time)."""
+    return state_directory(environ) / "repro"
 
 
 def export_repro(capture: Path, call: int) -> Path | ReproUnavailable:
-    """Export the repro of call ``call`` beside the capture; its directory, or why it could not be written."""
+    """Export the repro of call ``call`` to :func:`default_repro_dir`; its directory, or why it could not be written."""
     from moereplay.repro import export_repro as export
 
     try:

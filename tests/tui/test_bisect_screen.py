@@ -16,6 +16,7 @@ from moereplay.bisect.probes import ItemProbe
 from moereplay.errors import ReplayError
 from moereplay.tui.app import MoereplayApp
 from moereplay.tui.bisect_sessions import BisectLaunch, call_to_export
+from moereplay.tui.repro import repro_root
 from moereplay.tui.screens.bisect import BisectScreen
 from moereplay.tui.screens.dialogs import BisectDialog
 
@@ -57,6 +58,8 @@ async def test_first_bad_call_of_a_real_stream(stream_capture: Path) -> None:
         await pilot.press("x")
         await settle(pilot)
         assert "repro export is not available yet" in notes or "repro of call #6 written to" in notes
+        assert f"into {repro_root()}/" in str(screen.query_one("#bisect-current").render())
+        assert not [path for path in stream_capture.resolve().parent.iterdir() if "repro" in path.name]
         await pilot.press("escape")
         assert not isinstance(app.screen, BisectScreen)
 

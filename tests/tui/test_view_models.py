@@ -17,7 +17,7 @@ from moereplay.tui.catalog import CallCatalog
 from moereplay.tui.error_grid import LARGE_RELATIVE_ERROR, ErrorField
 from moereplay.tui.filters import CallFilter
 from moereplay.tui.replays import ReplayRequest, VariantTensors, mutation_labels, run_replay
-from moereplay.tui.repro import ReproUnavailable, export_repro
+from moereplay.tui.repro import ReproUnavailable, default_repro_dir, export_repro, repro_root
 
 
 def test_catalog_reads_the_index_first_and_rows_on_demand(synthetic_capture: Path) -> None:
@@ -150,10 +150,19 @@ def test_replay_outcome_holds_the_tensors_the_diff_view_draws(marlin_capture: Pa
     assert quick.tensors == {} and quick.report.headline.text == "corrupt (recorded)"
 
 
-def test_repro_export_writes_beside_the_capture_and_replaces_on_re_export(marlin_capture: Path) -> None:
+def test_repro_export_writes_in_the_state_directory_and_replaces_on_re_export(
+    marlin_capture: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / "state"
+    monkeypatch.setenv("MOEREPLAY_STATE_DIR", str(state))
     first = export_repro(marlin_capture, 0)
     assert isinstance(first, Path), first
-    assert first == marlin_capture.with_name(f"{marlin_capture.name}.repro-call0")
+    assert first.parent == state / "repro" == repro_root()
+    assert first.name.startswith(f"{marlin_capture.name}-") and first.name.endswith(".repro-call0")
+    assert not marlin_capture.with_name(
+        f"{marlin_capture.name}.repro-call0"
+    ).exists()  # never beside the capture
+    assert not [path for path in marlin_capture.resolve().parent.iterdir() if "repro" in path.name]
     assert (first / "repro.py").is_file()
     again = export_repro(marlin_capture, 0)  # the TUI may export the same call twice
     assert again == first and (again / "repro.py").is_file()
@@ -201,3 +210,30 @@ def test_a_variant_judged_beyond_a_rounding_bound_hands_it_to_the_heat_map(tmp_p
     assert atomic.allowance is not None and atomic.allowance.shape == atomic.reference.shape
     assert atomic.allowance_label and bool((atomic.allowance >= 0).all())
     assert ErrorField.of(atomic).tolerance_name.endswith("+" + atomic.allowance_label)
+
+
+def test_repro_directory_without_a_state_variable_is_under_the_working_directory(tmp_path: Path) -> None:
+    capture = tmp_path / "bundled" / "x.moe.zst"
+    other = tmp_path / "elsewhere" / "x.moe.zst"
+    folder = default_repro_dir(capture, 3, environ={})
+    assert folder.parent == Path("moereplay-captures") / "repro"
+    assert folder.name.startswith("x.moe.zst-") and folder.name.endswith(".repro-call3")
+    assert default_repro_dir(other, 3, environ={}) != folder  # two captures of one name do not share it
+    assert default_repro_dir(capture, 3, environ={"MOEREPLAY_STATE_DIR": "/s"}).parent == Path("/s/repro")
+
+
+def test_argument_nodes_show_a_recipe_tensor_by_its_dtype_and_shape() -> None:
+    """A weight stored as a seeded recipe reads as the tensor it stands for, not as ``<TensorRecipe>``."""
+    capture = Path(__file__).resolve().parents[2] / "captures" / "marlin-nvfp4-report.moe.zst"
+    catalog = CallCatalog(capture)
+    try:
+        record = catalog.record(0)
+    finally:
+        catalog.close()
+    by_name = {node.name: node for node in argument_nodes(record, get_op(record.op))}
+    weights = by_name["b_qweight"]
+    assert weights.kind == "tensor" and weights.value == "int32[32,184,5760] (recipe)"
+    details = dict(weights.details)
+    assert details["dtype"] == "int32" and details["shape"].startswith("(32, ")
+    assert details["stored as"].endswith("recipe, expanded when loaded")
+    assert "static" in weights.tags and not weights.children

@@ -23,7 +23,7 @@ from moereplay.bisect.observation import Decider, Observation, Outcome
 from moereplay.errors import MoereplayError
 from moereplay.tui.bindings import Area, bindings_for
 from moereplay.tui.bisect_sessions import BisectLaunch, call_to_export, capture_of
-from moereplay.tui.repro import ReproUnavailable, export_repro
+from moereplay.tui.repro import ReproUnavailable, export_repro, repro_root
 from moereplay.tui.text import as_text
 
 if TYPE_CHECKING:
@@ -165,7 +165,9 @@ class BisectScreen(Screen[None]):
         session = self.session
         probe = session.current
         if probe is None:
-            return Text("done — x exports a repro of the call it points at", style="green")
+            return Text(
+                f"done — x exports a repro of the call it points at into {repro_root()}/", style="green"
+            )
         text = Text("now: ", style="dim")
         text.append(probe.label, style="bold")
         pending = session.pending

@@ -193,6 +193,46 @@ def test_inconclusive_search_exits_1(capture: Path, monkeypatch: pytest.MonkeyPa
     assert "no failure" in result.output
 
 
+@pytest.fixture
+def one_call(tmp_path: Path) -> Path:
+    """A parent call and the one kernel call under it (the parent is context, not a call to bisect)."""
+    path = tmp_path / "one.zst"
+    with CaptureWriter(path) as writer:
+        parent = writer.begin_call("fused_marlin_moe", {"x": torch.zeros(2)})
+        index = writer.begin_call(OP, {"a": torch.ones(2, 2)}, parent=parent)
+        writer.complete_call(index, {"out": torch.ones(2)})
+        writer.complete_call(parent, {"out": torch.ones(2)})
+    return path
+
+
+@pytest.mark.parametrize("strategy", ["shape", "mutations"])
+def test_a_one_call_file_needs_no_call(
+    one_call: Path, monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    judge = Judge({1})
+    use(monkeypatch, judge)
+    result = CliRunner().invoke(
+        app, ["bisect", str(one_call), "-s", strategy, "--no-tui", "-m", "flip mul_topk_weights"]
+    )
+    assert result.exit_code == 0, result.output
+    assert f"bisect {strategy}: call #1" in result.output
+    assert {call for call, *_ in judge.asked} == {1}
+    assert default_log_path(one_call, strategy, "call1").exists()  # the same log as with --call 1
+
+
+def test_without_call_several_calls_are_named_in_one_line(
+    capture: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    use(monkeypatch, Judge(set()))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bisect", str(capture), "--no-tui", "-s", "shape", "--layer", "2"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    layer2 = sorted(ref.index for ref in stream_of_calls(capture, layer=2))
+    assert f"run.zst holds calls {', '.join(map(str, layer2))}" in error
+    assert error.count("\n") == 1
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
