@@ -28,9 +28,7 @@ from moereplay.ops.layer_probe import (
     ActivationSpec,
     Hypothesis,
     activation_from_parent,
-    final_output,
-    relative_errors,
-    written_rows,
+    separate_activation_hypotheses,
 )
 from moereplay.reference.activation import W13Layout
 
@@ -50,31 +48,13 @@ def expected_layout(spec: ActivationSpec) -> W13Layout | None:
 def hypotheses(
     first: Any, second: Any, parent_outputs: Mapping[str, Any] | None, candidates: list[ActivationSpec]
 ) -> list[Hypothesis]:
-    op = first.op
     consumed2 = second.args["A"]
     if consumed2.dtype not in _FLOATS or second.args.get("A_scale") is not None:
         raise ReplayError(
             f"gemm2 reads quantised activations ({consumed2.dtype}, A_scale): the layout probe compares "
             "unquantised ones only"
         )
-    reference1 = op.reference(first.args)
-    written1 = reference1.written
-    captured1 = first.captured_output.float()
-    final = final_output(parent_outputs)
-    size_m, top_k = int(first.args["A"].shape[0]), int(first.args["top_k"])
-    found = []
-    for spec in candidates:
-        for layout in W13Layout:
-            step = spec.apply(captured1, layout).to(consumed2.dtype)
-            step_errors = relative_errors(*written_rows(written1, step, consumed2))
-            rows = spec.apply(reference1.output, layout).to(consumed2.dtype)
-            reference2 = op.reference({**second.args, "A": rows})
-            if final is not None and tuple(final.shape) == (size_m, reference2.output.shape[1]):
-                predicted = reference2.output.view(size_m, top_k, -1).sum(dim=1)
-                layer_errors = relative_errors(predicted, final.float())
-            else:
-                layer_errors = relative_errors(
-                    *written_rows(reference2.written, reference2.output, second.captured_output.float())
-                )
-            found.append(Hypothesis(spec.label, layout, *step_errors, *layer_errors))
-    return found
+    return separate_activation_hypotheses(
+        first, second, parent_outputs, candidates, input_name="A",
+        size_m=int(first.args["A"].shape[0]), top_k=int(first.args["top_k"]),
+    )  # fmt: skip

@@ -166,3 +166,41 @@ def final_output(outputs: Mapping[str, Any] | None) -> torch.Tensor | None:
         if isinstance(value, torch.Tensor):
             return value
     return None
+
+
+def separate_activation_hypotheses(
+    first: Any,
+    second: Any,
+    parent_outputs: Mapping[str, Any] | None,
+    candidates: list[ActivationSpec],
+    *,
+    input_name: str,
+    size_m: int,
+    top_k: int,
+) -> list[Hypothesis]:
+    """Every (activation, layout) hypothesis of a layer whose activation runs as its own kernel between the two
+    GEMMs (gemm2 reads it from its ``input_name`` argument): the step is gemm1's captured rows → gemm2's captured
+    input; the layer is gemm1's reference → activation → gemm2's reference, summed over the ``top_k`` slots of the
+    ``size_m`` tokens against the parent's output when recorded, else against gemm2's captured rows."""
+    op = first.op
+    reference1 = op.reference(first.args)
+    written1 = reference1.written
+    captured1 = first.captured_output.float()
+    consumed2 = second.args[input_name]
+    final = final_output(parent_outputs)
+    found = []
+    for spec in candidates:
+        for layout in W13Layout:
+            step = spec.apply(captured1, layout).to(consumed2.dtype)
+            step_errors = relative_errors(*written_rows(written1, step, consumed2))
+            rows = spec.apply(reference1.output, layout).to(consumed2.dtype)
+            reference2 = op.reference({**second.args, input_name: rows})
+            if final is not None and tuple(final.shape) == (size_m, reference2.output.shape[1]):
+                predicted = reference2.output.view(size_m, top_k, -1).sum(dim=1)
+                layer_errors = relative_errors(predicted, final.float())
+            else:
+                layer_errors = relative_errors(
+                    *written_rows(reference2.written, reference2.output, second.captured_output.float())
+                )
+            found.append(Hypothesis(spec.label, layout, *step_errors, *layer_errors))
+    return found
