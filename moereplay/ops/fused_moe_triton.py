@@ -58,6 +58,7 @@ from moereplay.ops.base import (
     dtype_of,
     fixed_dtype,
 )
+import moereplay.ops.fused_moe_triton_codecs  # noqa: F401  (registers the compute_type codec)
 from moereplay.ops.fused_moe_triton_surface import (
     CONFIG_KEYS,
     FUSED_MOE_MODULE,

@@ -39,7 +39,7 @@ GPTQ_AWQ_LAUNCHER = "invoke_fused_moe_wna16_triton_kernel"
 PACKAGE = "vllm.model_executor.layers.fused_moe"
 FUSED_MOE_MODULE = f"{PACKAGE}.fused_moe"
 EXPERTS_MODULE = f"{PACKAGE}.experts.triton_moe"
-CODEC_MODULE = "moereplay.ops.fused_moe_triton_surface"
+CODEC_MODULE = "moereplay.ops.fused_moe_triton_codecs"
 
 CONFIG_KEYS: tuple[str, ...] = (
     "BLOCK_SIZE_M",
@@ -98,7 +98,9 @@ def _decode_dtype(tree: Any) -> str:
 
 
 def register_codecs() -> None:
-    """Register the triton dtype codec with the format's registry (idempotent)."""
+    """Register the triton dtype codec with the format's registry (idempotent). Not run at this module's import:
+    the kernel-pack loader reads every surface before the pack's wheels (zstandard, which the format package
+    imports) are on the path; :data:`CODEC_MODULE` runs it for capture, and the op module for replay."""
     from moereplay.format.codecs import register_codec
 
     register_codec(TRITON_DTYPE, _encode_dtype, _decode_dtype)
@@ -187,5 +189,3 @@ FAMILY = register_family(
         layer_probe="moereplay.ops.fused_moe_triton_layer_probe",
     )
 )
-
-register_codecs()

@@ -222,3 +222,28 @@ def test_layers_only_import_downwards() -> None:
 )
 def test_the_family_words_match_what_they_should(text: str, named: bool) -> None:
     assert bool(FAMILY_WORDS.search(text)) is named
+
+
+def test_family_surfaces_load_before_the_packs_wheels() -> None:
+    """The kernel-pack loader reads every family's surface (vendored packages) on a machine where zstandard,
+    msgpack and torch may not be importable yet (they come with the pack): importing the surfaces must not reach
+    them. (A surface that registered its codec at import pulled in the format package and broke the device
+    prelude.)"""
+    import subprocess
+    import sys
+
+    program = (
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('zstandard', 'msgpack', 'torch', 'numpy'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from moereplay.ops.surface import families, vendored_packages\n"
+        "assert len(families()) >= 3 and vendored_packages()\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=root, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
