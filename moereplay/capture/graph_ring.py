@@ -48,6 +48,13 @@ DEFAULT_TAGS = 1 << 14
 DEFAULT_LAUNCHES = 1 << 14
 """Captured launches a ring can tell apart (vLLM captures ~67 batch sizes × the MoE layers: ~1,600 for gpt-oss)."""
 
+ALONE_BYTES = 32 << 10
+ALONE_ELEMENTS = 8192
+"""A node moving at most this many bytes and checking at most this many output elements runs as one program: the
+arrive/ready/done handshake that lets several programs share an entry is a chain of dependent atomics, which costs
+more than one SM copying 32 KiB (``tools/bench/graph_ring_bench.py`` measures both: ``ring-12`` vs ``ring-12-shared``). A gpt-oss decode layer
+call at batch 1 (two 5.6 KB activations, routing metadata, 2,880 output elements) fits."""
+
 _BLOCK_BYTES = {0: 1024, 1: 8 * 1024}  # graph_ring_kernel.BLOCK elements of a byte / of 8 bytes
 SPANS = 16
 """Spans one kernel node copies (graph_ring_kernel.SPANS, checked when the kernel is imported)."""
@@ -184,6 +191,8 @@ class GraphRing:
             address, numel, code = spans.check if last and spans.check is not None else (0, 0, 0)
             args += (address, numel, code, aligned, int(last), int(first_span == 0), spans.total, int(first))
             work = max(-(-moved // _BLOCK_BYTES[aligned]), -(-numel // 1024))
+            if moved <= ALONE_BYTES and numel <= ALONE_ELEMENTS:
+                work = 1  # one program: no handshake among programs (see graph_ring_kernel)
             record(max(1, min(_programs(self.index), work)), stream, args + common)
 
     # --- what the kernels do, with torch operations (no Triton) -----------------------------------------------

@@ -4,21 +4,24 @@ Captured into a CUDA graph after each recorded layer call, :func:`graph_record` 
 no host work — one kernel node per layer call (up to :data:`SPANS` spans; a call with more gets one more node per
 further :data:`SPANS`, which only copy):
 
-- reserve (the first node of a launch, ``reserve`` 1): the program that arrives first (``atomic_add`` on the
-  launch's ``arrive`` cell returns 0) adds the entry's byte size (fixed at capture) to the ring's
-  device ``head`` and 1 to its device ``sequence``, bumps the graph ``step`` when the launch is the first MoE
-  layer's, publishes start and sequence in the launch's cells and the row ``(sequence, start, launch, step)`` in
-  the sequence's metadata row, stores ``sequence + 1`` into the host's hint word (host-mapped memory: how far the
-  device has reserved, read by the writer thread without a CUDA call), then sets the launch's ``ready`` cell.
-  The other programs wait for ``ready``: they wait only on a program that is already running, so the wait
-  cannot deadlock whatever order the programs are scheduled in;
+- reserve (the first node of a launch, ``reserve`` 1): one program adds the entry's byte size (fixed at capture)
+  to the ring's device ``head`` and 1 to its device ``sequence``, bumps the graph ``step`` when the launch is the
+  first MoE layer's, publishes start and sequence in the launch's cells and the row ``(sequence, start, launch,
+  step)`` in the sequence's metadata row, and stores ``sequence + 1`` into the host's hint word (host-mapped
+  memory: how far the device has reserved, read by the writer thread without a CUDA call). A node run by one
+  program (a decode-sized entry, ``graph_ring.ALONE_BYTES``) does only that. With several programs, the one
+  arriving first (``atomic_add`` on the launch's ``arrive`` cell returns 0) reserves and then releases the launch's
+  ``ready`` cell; the others wait for it — only on a program that is already running, so the wait cannot deadlock
+  whatever order the programs are scheduled in;
 - copy: every program copies its share of the spans (fixed addresses and sizes, captured) to the entry's place
   in the ring (start read through L2: an atomic, never a stale L1 line);
-- finish (the last node, ``finish`` 1): fold the largest magnitude of one float output into the launch's device
-  word with ``atomic_max``; the last program to finish (``atomic_add`` on the launch's ``done`` cell) takes that
-  word, resets the launch's cells for the next replay and stores the finished tag word
-  ``generation << 32 | bits(max |x|)`` of the sequence into the host-mapped tag array — one aligned 8-byte store,
-  never an atomic over PCIe.
+- finish (the last node, ``finish`` 1): fold the largest magnitude of one float output; a lone program stores
+  the finished tag word ``generation << 32 | bits(max |x|)`` of the sequence into the host-mapped tag array after
+  one fenced atomic (its copies before the word); with several programs each folds into the launch's device word
+  with ``atomic_max`` and the last one to finish (``atomic_add`` on the launch's ``done`` cell, acq_rel) takes the
+  word, resets the launch's cells for the next replay and stores the tag word — one aligned 8-byte store, never
+  an atomic over PCIe. Every other atomic is relaxed: a fenced (acq_rel, Triton's default) atomic costs ≈ 0.3 µs
+  in a dependent chain (``tools/bench/graph_ring_bench.py``, 2026-12-04: 12.70 → 8.81 µs a node relaxed).
 
 Concurrent launches (graphs replayed on several streams) reserve with atomics, so their entries never overlap;
 one launch id is never replayed twice at once (a graph's replays are ordered on its stream).
@@ -74,6 +77,26 @@ def _copy(source, target, size, aligned, pid, programs, BLOCK: tl.constexpr):
             _copy_span(source, target, size, pid, programs, False, BLOCK)
 
 
+@triton.jit
+def _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell):
+    """Take the entry's bytes and sequence; publish them in the launch's cells, the metadata row and the hint.
+    Relaxed atomics: the three counters are independent (issued back to back, one round trip to L2); what
+    orders the published cells for the launch's other programs is the caller's release of ``ready``."""
+    state_cells = state.to(tl.pointer_type(tl.int64))
+    head = tl.atomic_add(state_cells, total, sem="relaxed")
+    sequence = tl.atomic_add(state_cells + 1, 1, sem="relaxed")
+    step = tl.atomic_add(state_cells + 2, first, sem="relaxed") + first
+    tl.atomic_xchg(start_cell, head, sem="relaxed")
+    tl.atomic_xchg(sequence_cell, sequence, sem="relaxed")
+    row = meta.to(tl.pointer_type(tl.int64)) + (sequence % tags) * 4
+    tl.store(row, sequence)
+    tl.store(row + 1, head)
+    tl.store(row + 2, launch)
+    tl.store(row + 3, step)
+    tl.store(hint.to(tl.pointer_type(tl.int64)), sequence + 1)
+    return head
+
+
 @triton.jit(do_not_specialize=RECORD_INTS)
 def graph_record(
     s0, o0, n0, s1, o1, n1, s2, o2, n2, s3, o3, n3, s4, o4, n4, s5, o5, n5, s6, o6, n6, s7, o7, n7,
@@ -91,24 +114,18 @@ def graph_record(
     ready_cell = column + 5 * launches  # CELL_READY
     arrive_cell = column + 4 * launches  # CELL_ARRIVE
     if reserve != 0:
-        if tl.atomic_add(arrive_cell, 1) == 0:
-            state_cells = state.to(tl.pointer_type(tl.int64))
-            head = tl.atomic_add(state_cells, total)
-            sequence = tl.atomic_add(state_cells + 1, 1)
-            step = tl.atomic_add(state_cells + 2, first) + first
-            tl.atomic_xchg(start_cell, head)
-            tl.atomic_xchg(sequence_cell, sequence)
-            row = meta.to(tl.pointer_type(tl.int64)) + (sequence % tags) * 4
-            tl.store(row, sequence)
-            tl.store(row + 1, head)
-            tl.store(row + 2, launch)
-            tl.store(row + 3, step)
-            tl.store(hint.to(tl.pointer_type(tl.int64)), sequence + 1)
-            tl.atomic_xchg(ready_cell, 1)  # release: the cells above before "ready"
-        ready = tl.atomic_add(ready_cell, 0)
-        while ready == 0:  # only programs that arrived after the reserving one, which is running: no deadlock
-            ready = tl.atomic_add(ready_cell, 0)
-    start = tl.atomic_add(start_cell, 0)  # through L2: never a stale L1 line of an earlier replay
+        if programs == 1:  # alone (a decode-sized entry): no arrive/ready handshake
+            start = _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell)
+        else:
+            if tl.atomic_add(arrive_cell, 1, sem="relaxed") == 0:
+                _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell)
+                tl.atomic_xchg(ready_cell, 1, sem="release")  # the cells above before "ready"
+            ready = tl.atomic_add(ready_cell, 0, sem="acquire")
+            while ready == 0:  # only programs that arrived after the reserving one, which runs: no deadlock
+                ready = tl.atomic_add(ready_cell, 0, sem="acquire")
+            start = tl.atomic_add(start_cell, 0, sem="relaxed")  # through L2: never a stale L1 line
+    else:  # a later node of the launch: the reserving node's kernel has ended
+        start = tl.atomic_add(start_cell, 0, sem="relaxed")
     target = buffer + start % capacity
     _copy(s0, target + o0, n0, aligned, pid, programs, BLOCK)
     _copy(s1, target + o1, n1, aligned, pid, programs, BLOCK)
@@ -137,18 +154,27 @@ def graph_record(
         largest = tl.max(best, axis=0).to(tl.int64)
         partial = column + 2 * launches  # CELL_PARTIAL
         counter = column + 3 * launches  # CELL_DONE
-        tl.atomic_max(partial, largest)
-        tl.debug_barrier()  # this program's copies and its max before its "done" (acq_rel below)
-        arrived = tl.atomic_add(counter, 1)
-        if arrived == programs - 1:  # the last program: every other one's max is in the word
-            word = tl.atomic_xchg(partial, 0)
-            tl.atomic_xchg(counter, 0)
-            tl.atomic_xchg(arrive_cell, 0)
-            tl.atomic_xchg(ready_cell, 0)
-            sequence = tl.atomic_add(sequence_cell, 0)
+        tl.debug_barrier()  # this program's copies (every thread's) before the fenced atomic below
+        if programs == 1:
+            sequence = tl.atomic_add(sequence_cell, 0)  # acq_rel: the copies before the tag word
+            if reserve == 0:  # an earlier node of the launch may have used the handshake
+                tl.atomic_xchg(arrive_cell, 0, sem="relaxed")
+                tl.atomic_xchg(ready_cell, 0, sem="relaxed")
             generation = ((sequence // tags) + 1) & 0x7FFFFFFF
             slot = words.to(tl.pointer_type(tl.int64)) + sequence % tags
-            tl.store(slot, (generation << 32) | word)
+            tl.store(slot, (generation << 32) | largest)
+        else:
+            tl.atomic_max(partial, largest, sem="relaxed")
+            arrived = tl.atomic_add(counter, 1)  # acq_rel: this program's copies and max before its "done"
+            if arrived == programs - 1:  # the last program: every other one's max is in the word
+                word = tl.atomic_xchg(partial, 0, sem="relaxed")
+                tl.atomic_xchg(counter, 0, sem="relaxed")
+                tl.atomic_xchg(arrive_cell, 0, sem="relaxed")
+                tl.atomic_xchg(ready_cell, 0, sem="relaxed")
+                sequence = tl.atomic_add(sequence_cell, 0, sem="relaxed")
+                generation = ((sequence // tags) + 1) & 0x7FFFFFFF
+                slot = words.to(tl.pointer_type(tl.int64)) + sequence % tags
+                tl.store(slot, (generation << 32) | word)
 
 
 def compile_kernel(device_index: int) -> Any:

@@ -450,22 +450,13 @@ def record_kernel(programs: int, args: list[int]) -> None:
             values = raw.view(np.float16 if code == 1 else np.float32).astype(np.float32)
     bits = np.abs(values).view(np.int32)
     for program in range(programs):
-        if reserve:
+        if reserve and programs == 1:  # alone: no arrive/ready handshake
+            _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell)
+        elif reserve:
             ticket = arrive.value
             arrive.value = ticket + 1
             if ticket == 0:
-                head = _cell(state).value
-                _cell(state).value = head + total
-                sequence = _cell(state + 8).value
-                _cell(state + 8).value = sequence + 1
-                _cell(state + 16).value += first
-                step = _cell(state + 16).value
-                start_cell.value = head
-                sequence_cell.value = sequence
-                row = meta + 32 * (sequence % tags)
-                for i, value in enumerate((sequence, head, launch, step)):
-                    _cell(row + 8 * i).value = value
-                _cell(hint).value = sequence + 1
+                _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell)
                 ready.value = 1
             assert ready.value == 1, "a program went on before the reservation was published"
         target = buffer + start_cell.value % capacity
@@ -482,15 +473,46 @@ def record_kernel(programs: int, args: list[int]) -> None:
             continue
         mine = [bits[start : start + _BLOCK] for start in range(program * _BLOCK, numel, programs * _BLOCK)]
         largest = max((int(block.max()) for block in mine if block.size), default=0)
-        partial.value = max(partial.value, largest)
-        arrived = counter.value
-        counter.value = arrived + 1
-        if arrived == programs - 1:
+        if programs == 1:
+            word = largest
+            if not reserve:
+                arrive.value = ready.value = 0
+        else:
+            partial.value = max(partial.value, largest)
+            arrived = counter.value
+            counter.value = arrived + 1
+            if arrived != programs - 1:
+                continue
             word = partial.value
             partial.value = counter.value = arrive.value = ready.value = 0
-            sequence = sequence_cell.value
-            generation = (sequence // tags + 1) & 0x7FFFFFFF
-            _cell(words + 8 * (sequence % tags)).value = (generation << 32) | word
+        sequence = sequence_cell.value
+        generation = (sequence // tags + 1) & 0x7FFFFFFF
+        _cell(words + 8 * (sequence % tags)).value = (generation << 32) | word
+
+
+def _reserve(
+    state: int,
+    meta: int,
+    hint: int,
+    launch: int,
+    total: int,
+    first: int,
+    tags: int,
+    start_cell: ctypes.c_int64,
+    sequence_cell: ctypes.c_int64,
+) -> None:
+    head = _cell(state).value
+    _cell(state).value = head + total
+    sequence = _cell(state + 8).value
+    _cell(state + 8).value = sequence + 1
+    _cell(state + 16).value += first
+    step = _cell(state + 16).value
+    start_cell.value = head
+    sequence_cell.value = sequence
+    row = meta + 32 * (sequence % tags)
+    for i, value in enumerate((sequence, head, launch, step)):
+        _cell(row + 8 * i).value = value
+    _cell(hint).value = sequence + 1
 
 
 class CapturedKernels:
@@ -525,20 +547,25 @@ def aligned(count: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_kernel_arguments_keep_the_contract_over_replays(monkeypatch, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("tokens", "nodes_programs"), [(88, 3), (24, 1)])
+def test_the_kernel_arguments_keep_the_contract_over_replays(
+    monkeypatch, dtype: torch.dtype, tokens: int, nodes_programs: int
+) -> None:
+    # 88 tokens: more than a lone program takes, so three programs share the entry through the handshake;
+    # 24 tokens: a decode-sized entry, one program, no handshake (the launch's arrive/ready cells stay 0)
     monkeypatch.setattr(graph_ring, "_current_stream", lambda index: 1234)
     monkeypatch.setattr(graph_ring, "_programs", lambda index: 3)
-    harness = Harness(capacity=1 << 18, max_calls=3)
+    harness = Harness(capacity=1 << 19, max_calls=3)
     kernels = CapturedKernels()
     harness.ring.kernels = kernels.launcher(record_kernel)
-    tokens, width = 40, 96  # the output spans several programs' blocks
+    width = 96
     hidden = aligned(tokens * width, dtype).view(tokens, width)
     w1 = torch.randn(width, width).to(dtype)
     weights = aligned(tokens, dtype)
     weights.copy_(torch.rand(tokens))
     out = aligned(tokens * width, dtype).view(tokens, width)
     harness.capture(hidden, w1, weights, out, layer_index=0)
-    assert [programs for _, programs, _ in kernels.graph] == [3]  # one node per layer call
+    assert [programs for _, programs, _ in kernels.graph] == [nodes_programs]  # one node per layer call
     (record_args,) = [args for _, _, args in kernels.graph]
     entry = record_args[3 * SPANS + 6]
     assert entry % ALIGNMENT == 0
