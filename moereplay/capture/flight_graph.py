@@ -83,6 +83,8 @@ STALL = 1024
 class GraphCounters(FlightCounters):
     launches: int = 0  # layer calls captured into graphs with the ring kernels
     not_kept: int = 0  # layer calls captured into graphs without them (see the log for why)
+    lone: int = 0  # of the launches, those whose ring nodes run as one program each (no handshake)
+    entry_bytes: int = 0  # bytes the launches' entries take in the ring, together (each replay copies them)
 
     def as_dict(self) -> dict[str, int]:
         return {f"flight_graph_{key}": value for key, value in self.__dict__.items()}
@@ -212,12 +214,16 @@ class GraphFlight(PollingRecorder):
             at += (size + ALIGNMENT - 1) & ~(ALIGNMENT - 1)
         spans = Spans(tuple(sources), tuple(offsets), tuple(sizes), check_info, total)
         views = None if cuda else fallback_views(tensors, leads, sizes)
-        ring.capture(launch, spans, first=call.where.layer == 0, views=views, check=None if cuda else check)
+        programs = ring.capture(
+            launch, spans, first=call.where.layer == 0, views=views, check=None if cuda else check
+        )
         call.output_copy = (offsets, leads, sizes)
         self.layer._describe(call)  # trees and tensor metadata now; the tensors are let go
         with self._lock:
             watch.launches[launch] = GraphLaunch(launch, ring, call)
         self.counters.launches += 1
+        self.counters.lone += int(programs == 1)
+        self.counters.entry_bytes += total
         return True
 
     def not_kept(self, reason: str, error: BaseException | None = None, *, key: str | None = None) -> bool:

@@ -159,23 +159,25 @@ class GraphRing:
         first: bool,
         views: list[torch.Tensor] | None = None,
         check: torch.Tensor | None = None,
-    ) -> None:
+    ) -> int:
         """Queue the record kernel node(s) of ``launch`` on the current stream — while it captures a graph,
         into the graph. ``first``: the launch bumps the graph step. Without the kernels, ``views`` (the spans'
-        bytes) and ``check`` (the output to reduce) are kept for :meth:`replay`."""
+        bytes) and ``check`` (the output to reduce) are kept for :meth:`replay`. Returns the most programs a
+        node of the launch runs (1: every node alone, without the handshake; 0 without the kernels)."""
         if spans.total > self.max_entry:
             raise ValueError(f"an entry of {spans.total} bytes exceeds the graph ring's {self.max_entry}")
         if self.kernels is None:
             if views is None or len(views) != len(spans.sources):
                 raise ValueError("without the kernels a capture needs a view per span")
             self._fallbacks[launch] = _Fallback(spans, views, check, int(first))
-            return
+            return 0
         record = self.kernels
         stream = _current_stream(self.index)
         common = [self.state.data_ptr(), self.meta.data_ptr(), self._host_address + 8 * self.tags]
         common += [self.buffer.data_ptr(), self.capacity, launch, self.cells.data_ptr(), self.launches]
         common += [self._host_address, self.tags]
         count = len(spans.sources)
+        most = 0
         for first_span in range(0, max(count, 1), SPANS):
             chunk = range(first_span, min(first_span + SPANS, count))
             last = first_span + SPANS >= count
@@ -193,7 +195,10 @@ class GraphRing:
             work = max(-(-moved // _BLOCK_BYTES[aligned]), -(-numel // 1024))
             if moved <= ALONE_BYTES and numel <= ALONE_ELEMENTS:
                 work = 1  # one program: no handshake among programs (see graph_ring_kernel)
-            record(max(1, min(_programs(self.index), work)), stream, args + common)
+            programs = max(1, min(_programs(self.index), work))
+            record(programs, stream, args + common)
+            most = max(most, programs)
+        return most
 
     # --- what the kernels do, with torch operations (no Triton) -----------------------------------------------
 
