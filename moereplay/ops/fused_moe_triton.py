@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+import moereplay.ops.fused_moe_triton_codecs  # noqa: F401  (registers the compute_type codec)
 from moereplay.errors import InvalidMutationError, ReplayError
 from moereplay.ops import register_op
 from moereplay.ops.base import (
@@ -58,7 +59,6 @@ from moereplay.ops.base import (
     dtype_of,
     fixed_dtype,
 )
-import moereplay.ops.fused_moe_triton_codecs  # noqa: F401  (registers the compute_type codec)
 from moereplay.ops.fused_moe_triton_surface import (
     CONFIG_KEYS,
     FUSED_MOE_MODULE,
