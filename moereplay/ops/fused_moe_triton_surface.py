@@ -22,6 +22,18 @@ Facts, from vLLM 0.25.1's ``vllm/model_executor/layers/fused_moe/fused_moe.py`` 
   layouts).
 - ``compute_type`` is a ``triton.language`` dtype (``tl.bfloat16`` …; class ``triton.language.core.dtype``, whose
   ``name`` is ``bf16`` / ``fp16`` / ``fp32``): recorded as ``{"name": "bfloat16" | "float16" | "float32"}``.
+
+What a served model reaches (vLLM 0.25.1, read for ``tools/gpu/triton_session.sh``):
+
+- unquantized (bf16) MoE: ``UnquantizedFusedMoEMethod`` → ``FusedMoEKernel`` → ``TritonExperts.apply``, which
+  calls ``invoke_fused_moe_triton_kernel`` (its module global) twice; ``fused_experts`` is never called, so these
+  kernel calls have **no parent record** and no layer name (the tracker takes layers from parents; ``layout``
+  pairs gemm1/gemm2 by :func:`is_first_gemm` / :func:`pair_fits`). With ``num_tokens · top_k · 4 <= experts``
+  (``_prepare_expert_assignment``) ``sorted_token_ids`` is ``None`` (naive block assignment).
+- ``--quantization moe_wna16`` (GPTQ/AWQ int4/int8): ``MoeWNA16Method.apply`` calls the package's
+  ``fused_experts`` (the recorded parent) → ``dispatch_fused_moe_kernel``, which sends batches with
+  ``num_tokens · top_k / experts <= 6`` (group 32/64/128, int4: ``should_moe_wna16_use_cuda``) to the CUDA op
+  ``moe_wna16_gemm`` (not captured) and the rest to ``invoke_fused_moe_wna16_triton_kernel``.
 """
 
 from __future__ import annotations

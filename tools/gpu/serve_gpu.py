@@ -37,8 +37,12 @@ import harness  # noqa: E402  (tools/ is not a package)
 
 PLUGIN_LINE = re.compile(r"moereplay[^\n]*")
 BACKEND_LINE = re.compile(
-    r"[^\n]*(?:Using [^\n]*backend|MoE backend|Mxfp4|Marlin|marlin)[^\n]*", re.IGNORECASE
+    r"[^\n]*(?:Using [^\n]*backend|MoE backend|MoE config|for MoE layer|PrepareAndFinalize|Mxfp4|Marlin|marlin)"
+    r"[^\n]*",
+    re.IGNORECASE,
 )
+QUANTIZATION = re.compile(r"quantization=[\w-]+")
+"""The ``quantization=…`` item of vLLM's ``Initializing a V1 LLM engine … with config:`` line (too long to print)."""
 
 
 @dataclass
@@ -82,10 +86,17 @@ class ServeRun:
 
     @property
     def kernel_calls(self) -> int:
-        return sum(count for item in self.files for op, count in item.ops.items() if op in KERNEL_OPS)
+        kernels = kernel_ops()
+        return sum(count for item in self.files for op, count in item.ops.items() if op in kernels)
 
 
-KERNEL_OPS = ("moe_wna16_marlin_gemm", "matmul_ogs")
+def kernel_ops() -> frozenset[str]:
+    """Every kernel op a family declares (``moe_wna16_marlin_gemm``, ``matmul_ogs``, ``fused_moe_kernel`` …), read
+    from the capture surfaces (torch-free)."""
+    from moereplay.ops.surface import families
+
+    return frozenset(op for family in families() for op in family.kernel_ops)
+
 
 SERVE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 """vLLM 0.25.1's sampler imports FlashInfer on CUDA unless told not to (no FlashInfer in the packs: seen on the
@@ -151,6 +162,7 @@ def summarise_file(path: Path, titles: dict[int, str]) -> FileSummary:
         names: dict[str, None] = {}
         steps: set[int] = set()
         ranks: list[dict[str, int]] = []
+        kernels = kernel_ops()
         for call in reader.calls():
             ops[call.op] += 1
             statuses[str(getattr(call.status, "value", call.status))] += 1
@@ -165,7 +177,7 @@ def summarise_file(path: Path, titles: dict[int, str]) -> FileSummary:
                 modes[str(context["cudagraph_mode"])] += 1
             if context.get("ranks") and context["ranks"] not in ranks:
                 ranks.append(dict(context["ranks"]))
-            if call.op in KERNEL_OPS and call.parent is not None:
+            if call.op in kernels and call.parent is not None:
                 summary.kernel_calls_with_parent += 1
         summary.ops, summary.statuses = dict(ops), dict(statuses)
         summary.tags, summary.cudagraph_modes = dict(tags), dict(modes)
@@ -244,7 +256,7 @@ def run(options: argparse.Namespace) -> ServeRun:
         files=files,
         fault_samples=[item.text[:80] for item in fault_batch.completions] if fault_batch else [],
         plugin_lines=sorted(set(PLUGIN_LINE.findall(log_text)))[:40],
-        backend_lines=sorted(set(BACKEND_LINE.findall(log_text)))[:20],
+        backend_lines=sorted(set(BACKEND_LINE.findall(log_text)) | set(QUANTIZATION.findall(log_text)))[:24],
         log=str(server.log),
     )
 

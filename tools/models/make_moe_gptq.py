@@ -2,6 +2,13 @@
 
     python3 tools/models/make_moe_gptq.py /tmp/models/qwen3-moe-gptq-2l          # 2 layers, 64 experts, top-8
     python3 tools/models/make_moe_gptq.py /tmp/models/qwen3-moe-gptq-24l --layers 24
+    python3 tools/models/make_moe_gptq.py /tmp/models/qwen3-moe-bf16-2l --unquantized   # bf16 experts, 1.3 GB
+
+``--unquantized`` writes the same model with bf16 experts and no ``quantization_config``: vLLM 0.25.1 gives its
+``FusedMoE`` layers ``UnquantizedFusedMoEMethod``, which on Hopper picks the ``TRITON`` backend (``TritonExperts`` →
+``invoke_fused_moe_triton_kernel`` → ``fused_moe_kernel``). Served with ``--quantization moe_wna16``, the GPTQ
+checkpoint goes to ``MoeWNA16Method`` → ``fused_experts`` → ``fused_moe_kernel_gptq_awq`` (Triton) for batches of
+more than 6 · experts / top_k tokens, the CUDA ``moe_wna16_gemm`` below (``tools/models/README.md``).
 
 Needs torch only; uses the GPU for the random words when there is one (``--device``). Writes ``config.json``
 (``Qwen3MoeForCausalLM``, ``quantization_config`` ``gptq`` 4-bit, group 128, symmetric, no act-order),
@@ -28,6 +35,10 @@ Checkpoint tensors (H hidden, I moe_intermediate, E experts; names as Qwen3-MoE 
   so ``AutoGPTQConfig`` gives every linear layer whose name does not contain it ``UnquantizedLinearMethod`` (the
   experts are a ``FusedMoE``, always quantized). That keeps the linear path out of the picture (no Machete/Marlin
   dense kernels) and the checkpoint simple.
+
+With ``--unquantized`` each expert projection is one bf16 ``mlp.experts.{e}.{p}.weight`` ``[N, K]`` (``nn.Linear``
+layout, as Qwen/Qwen3-30B-A3B has it; vLLM stacks gate and up into ``w13_weight`` ``[E, 2I, H]`` and down into
+``w2_weight`` ``[E, H, I]``), normal with the target std below.
 
 Scales: codes are uniform random (rms of code − 8: 4.64); per group the fp16 scale is target std / 4.64 times a
 jitter uniform in [0.75, 1.25); target std 1/√H for gate/up and (2·layers)**-0.5/√I for down, the same residual
@@ -102,10 +113,11 @@ class MoeShape:
         return (2 * self.layers) ** -0.5
 
 
-def config_json(shape: MoeShape, vocabulary: Vocabulary) -> dict[str, object]:
-    """``config.json`` in the form of Qwen/Qwen3-30B-A3B's (transformers 4.51 keys, read by transformers 5)."""
+def config_json(shape: MoeShape, vocabulary: Vocabulary, *, unquantized: bool = False) -> dict[str, object]:
+    """``config.json`` in the form of Qwen/Qwen3-30B-A3B's (transformers 4.51 keys, read by transformers 5); without
+    ``quantization_config`` when ``unquantized``."""
     ids = vocabulary.ids
-    return {
+    config: dict[str, object] = {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
         "attention_bias": False,
@@ -151,6 +163,9 @@ def config_json(shape: MoeShape, vocabulary: Vocabulary) -> dict[str, object]:
         "use_sliding_window": False,
         "vocab_size": shape.vocab,
     }
+    if unquantized:
+        del config["quantization_config"]
+    return config
 
 
 def projection_dims(shape: MoeShape, projection: str) -> tuple[int, int]:
@@ -163,9 +178,10 @@ def projection_dims(shape: MoeShape, projection: str) -> tuple[int, int]:
 class Builder:
     """Makes each tensor of the checkpoint on demand (a :class:`TensorPlan` per tensor)."""
 
-    def __init__(self, shape: MoeShape, source: TensorSource) -> None:
+    def __init__(self, shape: MoeShape, source: TensorSource, *, unquantized: bool = False) -> None:
         self.shape = shape
         self.source = source
+        self.unquantized = unquantized
 
     def _normal(self, name: str, dims: tuple[int, ...], std: float) -> TensorPlan:
         return TensorPlan(name, torch.bfloat16, dims, lambda: self.source.normal(name, dims, std))
@@ -201,14 +217,24 @@ class Builder:
         ]
         for expert in range(s.experts):
             for projection in PROJECTIONS:
-                plans += self._gptq_plans(f"{prefix}.mlp.experts.{expert}.{projection}", projection)
+                stem = f"{prefix}.mlp.experts.{expert}.{projection}"
+                if self.unquantized:
+                    k, n = projection_dims(s, projection)
+                    plans.append(self._normal(f"{stem}.weight", (n, k), self._target_std(projection)))
+                else:
+                    plans += self._gptq_plans(stem, projection)
         return plans
+
+    def _target_std(self, projection: str) -> float:
+        """Std of an expert projection's values: 1/√K for gate/up, the residual share over √K for down."""
+        k, _ = projection_dims(self.shape, projection)
+        return (self.shape.residual_scale if projection == "down_proj" else 1.0) / math.sqrt(k)
 
     def _gptq_plans(self, prefix: str, projection: str) -> list[TensorPlan]:
         s = self.shape
         k, n = projection_dims(s, projection)
         groups = k // GROUP_SIZE
-        target = (s.residual_scale / math.sqrt(k)) if projection == "down_proj" else 1.0 / math.sqrt(k)
+        target = self._target_std(projection)
 
         def scales() -> torch.Tensor:
             jitter = self.source.uniform(f"{prefix}.scales", (groups, n), 0.75, 1.25)
@@ -236,21 +262,27 @@ class Builder:
 
 
 def make(
-    directory: Path, shape: MoeShape, *, seed: int = 0, device: torch.device | None = None
+    directory: Path,
+    shape: MoeShape,
+    *,
+    seed: int = 0,
+    device: torch.device | None = None,
+    unquantized: bool = False,
 ) -> dict[str, object]:
-    """Write the whole model directory; a JSON-able summary (what ``main`` prints)."""
+    """Write the whole model directory; a JSON-able summary (what ``main`` prints). ``unquantized``: bf16 experts
+    and no ``quantization_config`` instead of GPTQ int4."""
     summary, _vocabulary = write_model_directory(
         directory,
         vocab_size=shape.vocab,
         max_position=shape.max_position,
         specials=SPECIALS,
         chat_template=CHAT_TEMPLATE,
-        config=lambda vocabulary: config_json(shape, vocabulary),
-        shards=lambda source: Builder(shape, source).shards(),
+        config=lambda vocabulary: config_json(shape, vocabulary, unquantized=unquantized),
+        shards=lambda source: Builder(shape, source, unquantized=unquantized).shards(),
         seed=seed,
         device=device,
     )
-    return {**summary, "shape": asdict(shape)}
+    return {**summary, "shape": asdict(shape), "experts": "bf16" if unquantized else "gptq-int4"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,9 +292,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=value, help=f"default {value}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda, cuda:1 …")
+    parser.add_argument(
+        "--unquantized",
+        action="store_true",
+        help="bf16 experts, no quantization_config (vLLM: UnquantizedFusedMoEMethod → Triton fused_moe_kernel)",
+    )
     options = parser.parse_args(argv)
     shape = MoeShape(**{field: getattr(options, field) for field in asdict(MoeShape())})
-    print(json.dumps(make(options.directory, shape, seed=options.seed, device=pick_device(options.device))))
+    summary = make(
+        options.directory,
+        shape,
+        seed=options.seed,
+        device=pick_device(options.device),
+        unquantized=options.unquantized,
+    )
+    print(json.dumps(summary))
     return 0
 
 

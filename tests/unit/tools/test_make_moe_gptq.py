@@ -15,6 +15,10 @@ What vLLM 0.25.1 expects, read from its source, with H hidden, I moe_intermediat
   ``Qwen3MoeModel`` maps ``q/k/v_proj`` to ``qkv_proj``; ``mlp.gate`` is the router.
 - GPTQ int4 symmetric (``uint4b8``): code c in bits 4j…4j+3 of ``qweight[r, n]`` is row k = 8r + j; value
   (c − 8)·scale[g_idx[k], n].
+- ``--unquantized``: no ``quantization_config`` → ``UnquantizedFusedMoEMethod.create_weights``: ``w13_weight`` bf16
+  ``[E, 2I, H]``, ``w2_weight`` ``[E, H, I]``; the per-expert checkpoint tensors ``experts.{e}.gate_proj.weight`` /
+  ``up_proj.weight`` ``[I, H]`` fill the halves of ``w13_weight[e]`` along dim 0, ``down_proj.weight`` ``[H, I]`` is
+  ``w2_weight[e]``.
 """
 
 from __future__ import annotations
@@ -42,7 +46,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def expected_tensors(s: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("bf16") / "qwen3-moe"
+    make_moe_gptq.make(directory, SHAPE, seed=5, device=torch.device("cpu"), unquantized=True)
+    return directory
+
+
+def expected_tensors(s: Any, *, unquantized: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
     h, i, e, g = s.hidden, s.intermediate, s.experts, 128
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     tensors = {
@@ -66,6 +77,9 @@ def expected_tensors(s: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
         for expert in range(e):
             for projection, (k, n) in (("gate_proj", (h, i)), ("up_proj", (h, i)), ("down_proj", (i, h))):
                 x = f"{p}.mlp.experts.{expert}.{projection}"
+                if unquantized:
+                    tensors[f"{x}.weight"] = ("BF16", (n, k))
+                    continue
                 tensors |= {
                     f"{x}.qweight": ("I32", (k // 8, n)),
                     f"{x}.qzeros": ("I32", (k // g, n // 8)),
@@ -161,6 +175,13 @@ def test_experts_decode_to_a_finite_order_one_moe_layer(model: Path) -> None:
     scale = load(f"{p}.experts.3.down_proj.scales")[0, 7].float().item()
     assert dense["down_proj"][3][2 * 8 + 5, 7].item() == (((word >> 20) & 0xF) - 8) * scale
 
+    assert_order_one_moe_layer(load, dense)
+
+
+def assert_order_one_moe_layer(load: Any, dense: dict[str, list[torch.Tensor]]) -> None:
+    """Layer 1's MoE on normalised embeddings is finite and O(1) and routes to more than top_k experts
+    (``dense``: each projection's float32 ``[K, N]`` per expert)."""
+    p = "model.layers.1.mlp"
     up_std = torch.stack(dense["up_proj"]).std().item()
     assert 0.5 / math.sqrt(SHAPE.hidden) < up_std < 2 / math.sqrt(SHAPE.hidden)
 
@@ -182,6 +203,54 @@ def test_experts_decode_to_a_finite_order_one_moe_layer(model: Path) -> None:
     rms = out.pow(2).mean().sqrt().item()
     assert 0.02 < rms < 3.0, rms
     assert len(set(ids.flatten().tolist())) > SHAPE.top_k
+
+
+def test_unquantized_checkpoint_holds_the_bf16_experts_vllm_loads(bf16_model: Path) -> None:
+    found = tensors_by_name(read_checkpoint(bf16_model))
+    expected = expected_tensors(SHAPE, unquantized=True)
+    assert set(found) == set(expected)
+    for name, (dtype, shape) in expected.items():
+        entry = found[name][1]
+        assert (entry.dtype, entry.shape) == (dtype, shape), name
+    # no integer tensor left: vLLM's safetensors scan finds nothing quantized
+    assert {entry.dtype for _, entry in found.values()} == {"BF16"}
+    h, i = SHAPE.hidden, SHAPE.intermediate
+    # UnquantizedFusedMoEMethod: w13_weight [E, 2I, H] (gate rows, then up rows), w2_weight [E, H, I]
+    gate = found["model.layers.0.mlp.experts.0.gate_proj.weight"][1].shape
+    up = found["model.layers.0.mlp.experts.0.up_proj.weight"][1].shape
+    assert (gate[0] + up[0], gate[1]) == (2 * i, h)
+    assert found["model.layers.0.mlp.experts.0.down_proj.weight"][1].shape == (h, i)
+    index = json.loads((bf16_model / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(found)
+
+
+def test_unquantized_config_has_no_quantization(bf16_model: Path, model: Path) -> None:
+    config = json.loads((bf16_model / "config.json").read_text())
+    assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
+    gptq = json.loads((model / "config.json").read_text())
+    del gptq["quantization_config"]
+    assert config == gptq  # the same model otherwise
+    assert (bf16_model / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
+
+
+def test_unquantized_experts_make_a_finite_order_one_moe_layer(bf16_model: Path, model: Path) -> None:
+    found = tensors_by_name(read_checkpoint(bf16_model))
+
+    def load(name: str) -> torch.Tensor:
+        return found[name][0].tensor(name)
+
+    dense: dict[str, list[torch.Tensor]] = {"gate_proj": [], "up_proj": [], "down_proj": []}
+    for expert in range(SHAPE.experts):
+        for projection, matrices in dense.items():
+            matrices.append(load(f"model.layers.1.mlp.experts.{expert}.{projection}.weight").float().T)
+    down_std = torch.stack(dense["down_proj"]).std().item()
+    target = SHAPE.residual_scale / math.sqrt(SHAPE.intermediate)
+    assert 0.9 * target < down_std < 1.1 * target
+    assert_order_one_moe_layer(load, dense)
+    # attention, router and embeddings are the GPTQ model's (same names, same seeds)
+    gptq = tensors_by_name(read_checkpoint(model))
+    name = "model.layers.1.mlp.gate.weight"
+    assert torch.equal(load(name), gptq[name][0].tensor(name))
 
 
 def test_shape_arguments_are_checked() -> None:
