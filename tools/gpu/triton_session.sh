@@ -8,11 +8,13 @@
 # were, and the replay fidelity of every captured call. The bf16 half runs first and is complete before the int4
 # one starts, so a call cut at its limit still brings it back. Step limits shrink to what is left of ~585 s.
 # Logged to $OUT/all.log; summaries, replay reports and server log tails come back (captures only under 15 MB).
+# Env: HALVES (default "bf16 wna16"), MODEL_ARGS (more generator options, e.g. "--hidden 512 --intermediate 256
+# --experts 16" for a capture small enough to come back), BUDGET (seconds the script may take, default 585).
 source tools/gpu/device_setup.sh > "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
 source tools/gpu/steps.sh
 W=/tmp/serve; mkdir -p $W
 limit() {  # $1 seconds, or what is left of the call (at least 1: `timeout 0` would mean no limit)
-    local left=$((585 - SECONDS))
+    local left=$((${BUDGET:-585} - SECONDS))
     [ $left -lt 1 ] && left=1
     [ $left -lt $1 ] && echo $left || echo $1
 }
@@ -76,13 +78,17 @@ half() {  # $1: name, $2: the op to replay
     [ -f $W/run-$1.json ] && { fidelity $W/run-$1.json $2; cp $W/run-$1.json "$OUT/run-$1.json"; }
     [ $(stat -c %s "$F") -lt 15000000 ] && cp "$F" "$OUT/$1-capture.zst"
 }
-step model_bf16 $(limit 90) python3 tools/models/make_moe_gptq.py $W/qwen-bf16 --layers ${LAYERS:-2} --unquantized
+if [[ " ${HALVES:-bf16 wna16} " == *" bf16 "* ]]; then
+step model_bf16 $(limit 90) python3 tools/models/make_moe_gptq.py $W/qwen-bf16 --layers ${LAYERS:-2} --unquantized $MODEL_ARGS
 step bf16_eager $(limit 220) python3 tools/gpu/serve_gpu.py --model $W/qwen-bf16 --mode eager --out $W/bf16 \
     --env MOEREPLAY_PER_SHAPE=2 --env MOEREPLAY_QUEUE_BYTES=6G
 half bf16 fused_moe_kernel
-step model_gptq $(limit 60) python3 tools/models/make_moe_gptq.py $W/qwen-gptq --layers ${LAYERS:-2}
+fi
+if [[ " ${HALVES:-bf16 wna16} " == *" wna16 "* ]]; then
+step model_gptq $(limit 60) python3 tools/models/make_moe_gptq.py $W/qwen-gptq --layers ${LAYERS:-2} $MODEL_ARGS
 step wna16_eager $(limit 220) python3 tools/gpu/serve_gpu.py --model $W/qwen-gptq --mode eager --out $W/wna16 \
     --env MOEREPLAY_PER_SHAPE=2 --env MOEREPLAY_QUEUE_BYTES=6G --serve-arg=--quantization=moe_wna16
 half wna16 fused_moe_kernel_gptq_awq
+fi
 grep -E "^=== |^ +[0-9]+ (Using|quantization|Falling)|fidelity|serve_gpu|layers:|kernel calls|  \('fused|parents|plugin:" \
     "$OUT/all.log" | cut -c1-300 | tail -70
