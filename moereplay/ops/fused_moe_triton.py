@@ -67,6 +67,7 @@ from moereplay.ops.fused_moe_triton_surface import (
     TRITON_LAUNCHER,
     TRITON_OP,
     compute_type_name,
+    required_config_keys,
 )
 
 BLOCK_SIZES_M: tuple[int, ...] = (16, 32, 64, 128, 256)
@@ -526,6 +527,14 @@ DERIVED: tuple[DerivedArg, ...] = (
 )
 
 
+def wna16_default_tiles(args: Args) -> dict[str, int]:
+    """``BLOCK_SIZE_N`` / ``BLOCK_SIZE_K`` that vLLM 0.25.1's ``get_moe_wna16_block_config`` picks for the Triton
+    wna16 kernel when the config has not both: 32 / 64 for a single token (``num_valid_tokens // top_k == 1``),
+    64 / 32 otherwise."""
+    rows = _size(args, "A", 0)
+    return {"BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64} if rows == 1 else {"BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32}
+
+
 def captured_block_size_m(args: Args) -> int:
     """The ``BLOCK_SIZE_M`` the alignment arrays in ``args`` were built for (the current value may be a
     mutation): one ``expert_ids`` entry per block of ``sorted_token_ids``, whole blocks, rows before padding."""
@@ -678,18 +687,48 @@ class TritonMoeOp:
         return loaded
 
     def launch_config(self, args: Args) -> dict[str, Any]:
-        """The ``config`` dict the launcher takes, rebuilt from the pseudo-arguments."""
+        """The ``config`` dict the launcher takes, rebuilt from the pseudo-arguments and the other keys the call
+        carried (``SPLIT_K``: kept as recorded, whatever is mutated). For the wna16 launcher, which keeps
+        ``BLOCK_SIZE_N`` / ``BLOCK_SIZE_K`` only when the config has both (else it picks both), a call that sets
+        one of them (a mutation of a captured call that had neither) gets the other at the launcher's own choice,
+        so the mutated value is the one that runs."""
         config = dict(args.get("config") or {})
         for key in CONFIG_KEYS:
             value = args.get(key)
             if value is not None:
                 config[key] = value
+        if self.name == GPTQ_AWQ_OP and ("BLOCK_SIZE_N" in config) != ("BLOCK_SIZE_K" in config):
+            for key, value in wna16_default_tiles(args).items():
+                config.setdefault(key, value)
         return config
 
     # ---- contracts, derivation, shapes -----------------------------------------------------------------------
 
     def check(self, args: Args, *, check_device: bool = True) -> list[ContractViolation]:
-        return check_contracts(self.contracts, args, check_device=check_device) + layout_violations(args)
+        return (
+            check_contracts(self.contracts, args, check_device=check_device)
+            + layout_violations(args)
+            + self.config_violations(args)
+        )
+
+    def config_violations(self, args: Args) -> list[ContractViolation]:
+        """Config keys the kernel declares as constexprs that neither the call nor its launcher supplies: the
+        launch fails before the kernel runs (Triton: ``missing … required positional argument``)."""
+        config = self.launch_config(args)
+        missing = [key for key in required_config_keys(self.name) if key not in config]
+        if not missing:
+            return []
+        return [
+            ContractViolation(
+                "config",
+                "presence",
+                "keys " + ", ".join(required_config_keys(self.name)),
+                "no " + ", ".join(missing),
+                True,
+                f"{self.launcher} passes the config on as **config to a kernel that declares "
+                f"{', '.join(missing)} tl.constexpr: the launch is rejected",
+            )
+        ]
 
     def rederive(self, args: Args, changed: frozenset[str]) -> dict[str, Any]:
         new_args = dict(args)

@@ -63,6 +63,37 @@ CONFIG_KEYS: tuple[str, ...] = (
 )
 """Keys of the launchers' ``config`` dict that replay exposes as pseudo-arguments."""
 
+CONFIG_CONSTEXPRS: tuple[str, ...] = (
+    "BLOCK_SIZE_M",
+    "BLOCK_SIZE_N",
+    "BLOCK_SIZE_K",
+    "GROUP_SIZE_M",
+    "SPLIT_K",
+)
+"""The meta-parameters both 0.25.1 kernels declare ``tl.constexpr`` and their launchers take from the ``config``
+dict (``**config``; ``num_warps`` / ``num_stages`` are Triton launch options, optional). ``SPLIT_K`` is unused by
+either kernel but declared by both: Triton rejects a launch without it (``missing … argument: 'SPLIT_K'``)."""
+
+LAUNCHER_SUPPLIED: dict[str, frozenset[str]] = {
+    TRITON_OP: frozenset({"SPLIT_K"}),
+    GPTQ_AWQ_OP: frozenset({"BLOCK_SIZE_N", "BLOCK_SIZE_K"}),
+}
+"""Constexprs a launcher fills in itself when the config lacks them: ``invoke_fused_moe_triton_kernel`` sets
+``SPLIT_K = 1``; ``invoke_fused_moe_wna16_triton_kernel`` sets ``BLOCK_SIZE_N`` and ``BLOCK_SIZE_K`` together
+(``get_moe_wna16_block_config``: unless the config has both) — and passes everything else on as it is, so its
+config must carry ``SPLIT_K`` (vLLM's ``get_default_config`` always puts ``"SPLIT_K": 1`` in)."""
+
+CONFIG_DEFAULTS: dict[str, int] = {"SPLIT_K": 1}
+"""The values vLLM puts in every config it builds for keys replay does not expose (synth presets use them)."""
+
+
+def required_config_keys(op: str) -> tuple[str, ...]:
+    """The ``config`` keys a call of ``op`` must carry for its launcher to launch the kernel (see
+    :data:`CONFIG_CONSTEXPRS`, :data:`LAUNCHER_SUPPLIED`)."""
+    supplied = LAUNCHER_SUPPLIED[op]
+    return tuple(key for key in CONFIG_CONSTEXPRS if key not in supplied)
+
+
 TRITON_DTYPE = "triton.language.core.dtype"
 _NAMES = {
     "bf16": "bfloat16",

@@ -11,9 +11,10 @@
   one rank of 8-way expert parallelism: 32 local experts, an ``expert_map``, blocks only for local experts (rows
   routed to other ranks are not written).
 
-The config is ``get_default_config``'s shape of answer (``BLOCK_SIZE_M/N/K``, ``GROUP_SIZE_M``, ``num_warps``,
-``num_stages``), overridable with ``--set``. Activations of the w8a8 preset are quantised as
-``moe_kernel_quantize_input`` does per token group (``amax / 448`` per 128 columns).
+The config is ``get_default_config``'s shape of answer (``BLOCK_SIZE_M/N/K``, ``GROUP_SIZE_M``, ``SPLIT_K = 1``,
+``num_warps``, ``num_stages``), overridable with ``--set`` (but ``SPLIT_K``: both kernels declare it, neither uses
+it). Activations of the w8a8 preset are quantised as ``moe_kernel_quantize_input`` does per token group
+(``amax / 448`` per 128 columns).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from moereplay.errors import SettingsError
+from moereplay.ops.fused_moe_triton_surface import CONFIG_DEFAULTS
 from moereplay.synth.drawing import SynthCall, to_device
 from moereplay.synth.presets import BuildContext, Preset, Setting, register_preset, seeds, settings
 from moereplay.synth.routing import softmax_topk
@@ -35,11 +37,14 @@ DTYPES = ("bfloat16", "float16")
 
 
 def _config(ctx: BuildContext) -> dict[str, int]:
+    """The config dict as vLLM's ``get_default_config`` shapes it — ``SPLIT_K`` included, which the wna16
+    launcher passes on to the kernel as it is (:data:`~moereplay.ops.fused_moe_triton_surface.CONFIG_DEFAULTS`)."""
     return {
         "BLOCK_SIZE_M": ctx.integer("block_m"),
         "BLOCK_SIZE_N": ctx.integer("block_n"),
         "BLOCK_SIZE_K": ctx.integer("block_k"),
         "GROUP_SIZE_M": ctx.integer("group_m"),
+        **CONFIG_DEFAULTS,
         "num_warps": ctx.integer("num_warps"),
         "num_stages": ctx.integer("num_stages"),
     }
