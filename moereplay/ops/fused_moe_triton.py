@@ -210,6 +210,17 @@ def _b_scale_numel(args: Args) -> int | None:
     return experts if _w8a8(args) else None
 
 
+def _output_shape(args: Args) -> tuple[int | None, ...]:
+    """``C`` as the kernel writes it: ``num_valid_tokens`` row ids of N, in C's own split of rows — gemm1 passes
+    ``[M, top_k, 2N]`` with the routing's top_k; vLLM's gemm2 passes ``[M, topk, K]`` with ``top_k=1`` (its A
+    already has ``M · topk`` rows), so the split is C's ``shape[1]`` whenever that divides the row ids."""
+    rows, width, c = num_valid_tokens(args), _size(args, "B", 1), args.get("C")
+    if rows is not None and isinstance(c, torch.Tensor) and c.dim() == 3 and c.shape[1] > 0:
+        if rows % c.shape[1] == 0:
+            return (rows // c.shape[1], int(c.shape[1]), width)
+    return (_size(args, "A", 0), args.get("top_k"), width)
+
+
 def _weights_read(args: Args) -> bool:
     return bool(args.get("mul_routed_weight"))
 
@@ -224,8 +235,9 @@ COMMON_CONTRACTS: tuple[TensorContract, ...] = (
         read_as=compute_dtype,
         host_checked=False,
         contiguous=False,
-        shape=lambda args: (_size(args, "A", 0), args.get("top_k"), _size(args, "B", 1)),
-        note="written as compute_type; rows addressed flat, C.stride(1) apart (checked separately)",
+        shape=lambda args: _output_shape(args),
+        note="written as compute_type; row ids (A rows · top_k of them) addressed flat, C.stride(1) apart "
+        "(checked separately)",
     ),
     TensorContract(
         "topk_weights",
@@ -382,19 +394,18 @@ def layout_violations(args: Args) -> list[ContractViolation]:
     """What the dtype/shape contracts cannot say: C's row addressing, topk_weights' flat read, the sorted-id
     padding."""
     found: list[ContractViolation] = []
-    c, top_k = args.get("C"), args.get("top_k")
+    c = args.get("C")
     if (
         isinstance(c, torch.Tensor)
         and c.dim() == 3
-        and isinstance(top_k, int)
         and c.shape[0] > 1
-        and c.stride(0) != top_k * c.stride(1)
+        and c.stride(0) != c.shape[1] * c.stride(1)
     ):
         found.append(
             ContractViolation(
                 "C",
                 "contiguity",
-                f"stride(0) == top_k · stride(1) = {top_k * c.stride(1)}",
+                f"stride(0) == shape[1] · stride(1) = {c.shape[1] * c.stride(1)}",
                 f"strides {tuple(c.stride())}",
                 False,
                 "the kernel writes row id at id · stride(1): rows land in other tokens' places",

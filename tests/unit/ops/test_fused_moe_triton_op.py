@@ -120,6 +120,24 @@ def test_contracts_name_row_addressing_padding_and_flat_weights(captures: dict[s
     assert any(v.aspect == "dtype" for v in contract_violations(TRITON, fp32_a, check_device=False))
 
 
+def test_vllm_s_gemm2_output_split_is_no_contract_violation(captures: dict[str, Path]) -> None:
+    # vLLM's fused_experts runs gemm2 with top_k=1 on A of M·topk rows and writes C = intermediate_cache3
+    # [M, topk, K]: the kernel's row ids (M·topk of them) land at id · C.stride(1), which that split addresses
+    # flat. The H200 proof run flagged it (shape "expects (1024, 1, 2048)", stride(0) == top_k · stride(1)).
+    args = loaded_args(captures["qwen3-30b-a3b-bf16-w13"])
+    c, a, top_k = args["C"], args["A"], int(args["top_k"])
+    rows = a.shape[0] * top_k
+    gemm2_like = {
+        **args,
+        "A": torch.zeros(rows, a.shape[1], dtype=a.dtype),
+        "top_k": 1,
+        "C": torch.zeros(a.shape[0], top_k, c.shape[2], dtype=c.dtype),
+    }
+    assert not contract_violations(TRITON, gemm2_like, check_device=False)
+    short = {**gemm2_like, "C": torch.zeros(a.shape[0] - 1, top_k, c.shape[2], dtype=c.dtype)}
+    assert ("C", "shape") in {(v.arg, v.aspect) for v in contract_violations(TRITON, short, check_device=False)}
+
+
 @pytest.mark.parametrize(
     "preset", ["qwen3-30b-a3b-bf16-w13", "qwen3-30b-a3b-int4-w13", "deepseek-v3-fp8-w13"]
 )
