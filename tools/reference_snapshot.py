@@ -912,10 +912,11 @@ def compare(directory: Path, only: str | None) -> int:
         print(f"{status} {name} ({elapsed:.2f} s)")
         for line in differences[:8]:
             print(f"           {line}")
-    missing = [name for name in plains if not (only and only not in name)] if seen < len(plains) else []
+    wanted = [name for name in plains if not only or only in name]
     print(f"{seen} cases compared, {problems} differ; reference time {total:.1f} s")
-    if missing and seen < len(plains):
-        print(f"{len(plains) - seen} recorded cases were not run")
+    if seen < len(wanted):
+        print(f"{len(wanted) - seen} recorded cases were not run")
+        problems += 1
     return 1 if problems else 0
 
 

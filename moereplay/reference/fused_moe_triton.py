@@ -43,17 +43,24 @@ dimension it lacks — a 1-D per-token ``A_scale`` is read at element 0 for ever
 - no bias.
 
 The reference does that arithmetic in float32 (dequantised operands, no TF32) for the rows a correct kernel
-writes, and reports what each row is made of so findings can decompose a wrong output.
+writes, and reports what each row is made of so findings can decompose a wrong output. It runs on the inputs'
+device: the rows are grouped by expert on the host (the routing arrays are read back once), the activation rows
+gathered once, only the used experts' weights converted (a run of consecutive experts at a time,
+:data:`DENSE_ELEMENTS_AT_ONCE`), and each used expert's rows are one float32 matmul — the same product, bit for bit,
+a loop over experts computes (:mod:`moereplay.reference.expert_groups`) — with no host sync inside the loop. Cost:
+``rows · K · N`` multiply-adds plus one conversion pass over the used experts' weights.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from moereplay.errors import ReferenceError_
+from moereplay.reference.expert_groups import expert_runs, group_by_expert, matmul_into
 from moereplay.reference.marlin_moe import exact_fp32_matmul
 
 COMPUTE_TYPES: dict[str, torch.dtype] = {
@@ -282,51 +289,113 @@ def _topk_weight_values(topk_weights: torch.Tensor, count: int) -> torch.Tensor:
     return _strided(topk_weights, (count,), (1,), "topk_weights").to(torch.float32)
 
 
+DENSE_ELEMENTS_AT_ONCE = {"cpu": 1 << 24, "cuda": 1 << 28}
+"""Most dequantised float32 weight elements held at once, per device type (64 MB on the CPU, 1 GB on a GPU, where
+Qwen3-30B-A3B's 128 experts of 1536 × 2048 convert in two runs); experts are converted a run of consecutive ids at a
+time, never fewer than one."""
+
+
+class _Launch:
+    """One launch's arithmetic, split into what the loop needs: the activation rows (fp32), the dequantised
+    weights of a run of consecutive experts (fp32 ``[N, K]`` each, laid out as a one-expert computation lays them
+    out) and what comes after each row's dot product."""
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 activations of output rows ``rows`` (``A[rows // top_k]``, dequantised)."""
+        raise NotImplementedError
+
+    def weights(self, first: int, count: int) -> Sequence[torch.Tensor]:
+        raise NotImplementedError
+
+    def finish(self, grouped: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``grouped`` (fp32 ``[R, N]``, rows sorted by expert; ``experts`` their experts) after the dot products."""
+        return grouped
+
+
 def _assemble(
     rows: TritonMoeRows,
     N: int,
     device: torch.device,
-    compute_rows: Any,
+    launch: _Launch,
+    experts_of_b: int,
     bias: torch.Tensor | None,
     topk_weights: torch.Tensor | None,
     mul_routed_weight: bool,
 ) -> TritonMoeResult:
+    """The launch's result from its rows: rows grouped by expert on the host, the activations gathered once, one
+    float32 matmul per used expert (``A[row // top_k] · W[e]ᵀ``, as a per-expert loop computes it:
+    :func:`moereplay.reference.expert_groups.matmul_into`), scattered back; one host-to-device copy of the row
+    bookkeeping, no sync after it. Cost: ``rows · K · N`` multiply-adds; used experts' weights converted a run at a
+    time (:data:`DENSE_ELEMENTS_AT_ONCE`)."""
     count = rows.num_valid_tokens
-    gemm = torch.zeros(count, N, dtype=torch.float32, device=device)
-    bias_rows = torch.zeros(count, N, dtype=torch.float32, device=device) if bias is not None else None
-    written = torch.zeros(count, dtype=torch.bool, device=device)
-    expert_of = torch.full((count,), -1, dtype=torch.long, device=device)
-    block_of = torch.full((count,), -1, dtype=torch.long, device=device)
-    coefficient = torch.zeros(count, dtype=torch.float32, device=device)
     # last occurrence wins, like a later block overwriting an earlier one
-    order = torch.arange(rows.row.numel())
     last = torch.full((count,), -1, dtype=torch.long)
     if rows.row.numel():
-        last.scatter_reduce_(0, rows.row, order, reduce="amax")
+        last.scatter_reduce_(0, rows.row, torch.arange(rows.row.numel()), reduce="amax")
     keep = last[last >= 0]
     row, expert, block = rows.row[keep], rows.expert[keep], rows.block[keep]
-    written[row.to(device)] = True
-    expert_of[row.to(device)] = expert.to(device)
-    block_of[row.to(device)] = block.to(device)
     active = expert >= 0
+    live_rows, live_experts = row[active], expert[active]
+    groups = group_by_expert(live_experts)
+    order = groups.order
+    written = torch.zeros(count, dtype=torch.long)
+    written[row] = 1
+    expert_of = torch.full((count,), -1, dtype=torch.long)
+    expert_of[row] = expert
+    block_of = torch.full((count,), -1, dtype=torch.long)
+    block_of[row] = block
+    # one host-to-device copy: per-row bookkeeping, then the sorted live rows and their experts
+    packed = torch.cat((written, expert_of, block_of, live_rows[order], live_experts[order])).to(device)
+    written_d, expert_of_d, block_of_d = (packed[i * count : (i + 1) * count] for i in range(3))
+    live = live_rows.numel()
+    sorted_rows = packed[3 * count : 3 * count + live]
+    sorted_experts = packed[3 * count + live :]
+    written_mask = written_d.bool()
+
     weights = None
     if mul_routed_weight:
         if topk_weights is None:
             raise ReferenceError_("mul_routed_weight needs topk_weights")
         weights = _topk_weight_values(topk_weights, count).to(device)
-    with exact_fp32_matmul():
-        for e in torch.unique(expert[active]).tolist():
-            chosen = row[expert == e]
-            product = compute_rows(chosen, int(e))
-            gemm[chosen.to(device)] = product
-            if bias is not None and bias_rows is not None:
-                bias_rows[chosen.to(device)] = bias[e].to(device, torch.float32).expand(chosen.numel(), N)
-    live = row[active].to(device)
-    coefficient[live] = weights[live] if weights is not None else 1.0
+
+    gemm = torch.zeros(count, N, dtype=torch.float32, device=device)
+    beyond = [e for e in groups.experts if e >= experts_of_b]
+    within = len(groups.experts) - len(beyond)
+    if live:
+        grouped = torch.empty(live, N, dtype=torch.float32, device=device)
+        with exact_fp32_matmul():
+            x_sorted = launch.rows(sorted_rows)
+            xs: Sequence[torch.Tensor] = torch.split(x_sorted, list(groups.counts))
+            if not x_sorted.is_contiguous():
+                # a strided A gathers into a layout that depends on the row count: gather expert by expert
+                xs = [launch.rows(part) for part in torch.split(sorted_rows, list(groups.counts))]
+            outs = torch.split(grouped, list(groups.counts))
+            k = max(1, int(x_sorted.shape[1]))
+            most = DENSE_ELEMENTS_AT_ONCE.get(device.type, DENSE_ELEMENTS_AT_ONCE["cpu"]) // max(1, N * k)
+            for first, length in expert_runs(groups.experts[:within], most):
+                chunk = launch.weights(groups.experts[first], length)
+                for index, weight in enumerate(chunk):
+                    matmul_into(outs[first + index], xs[first + index], weight.T)
+                del chunk
+        if beyond:
+            raise ReferenceError_(f"expert_ids names expert {beyond[0]}; B holds {experts_of_b}")
+        gemm[sorted_rows] = launch.finish(grouped, sorted_experts)
+
+    bias_rows = None
+    if bias is not None:
+        bias_rows = torch.zeros(count, N, dtype=torch.float32, device=device)
+        if live:
+            bias_rows[sorted_rows] = bias.to(device).index_select(0, sorted_experts).to(torch.float32)
+    coefficient = torch.zeros(count, dtype=torch.float32, device=device)
+    coefficient[sorted_rows] = weights[sorted_rows] if weights is not None else 1.0
     total = gemm if bias_rows is None else gemm + bias_rows
     output = total * coefficient[:, None]
-    weight_index = torch.where(written, torch.arange(count, device=device), torch.full_like(block_of, -1))
-    return TritonMoeResult(output, written, gemm, bias_rows, coefficient, expert_of, block_of, weight_index)
+    weight_index = torch.where(
+        written_mask, torch.arange(count, device=device), torch.full_like(block_of_d, -1)
+    )
+    return TritonMoeResult(
+        output, written_mask, gemm, bias_rows, coefficient, expert_of_d, block_of_d, weight_index
+    )
 
 
 def _block_shape(value: Any) -> tuple[int, int] | None:
@@ -387,28 +456,91 @@ def reference_fused_moe_kernel(
         raise ReferenceError_("w8a8 needs A_scale and B_scale")
     if use_int8_w8a16 and B_scale is None:
         raise ReferenceError_("int8_w8a16 needs B_scale")
-    device = A.device
-    experts_of_b = int(B.shape[0])
+    launch: _Launch
+    if w8a8:
+        assert A_scale is not None and B_scale is not None
+        launch = _W8A8Launch(A, A_scale, B, B_scale, top_k, blockwise, per_channel_quant)
+    elif use_int8_w8a16:
+        assert B_scale is not None
+        launch = _W8A16Launch(A, B, B_scale, top_k)
+    else:
+        launch = _PlainLaunch(A, B, top_k)
+    return _assemble(rows, N, A.device, launch, int(B.shape[0]), B_bias, topk_weights, mul_routed_weight)
 
-    def compute(chosen: torch.Tensor, expert: int) -> torch.Tensor:
-        if expert >= experts_of_b:
-            raise ReferenceError_(f"expert_ids names expert {expert}; B holds {experts_of_b}")
-        source = (chosen // top_k).to(device)
-        index = torch.tensor([expert], device=device)
-        if w8a8:
-            assert A_scale is not None and B_scale is not None
-            a = w8a8_activation(A, A_scale, source, block_shape=blockwise, per_channel=per_channel_quant)
-            w = w8a8_weight(B, B_scale, index, block_shape=blockwise, per_channel=per_channel_quant)[0]
-            return a @ w.T
-        if use_int8_w8a16:
-            assert B_scale is not None
-            s = B_scale.stride()
-            strides = (s[0] if B_scale.dim() >= 2 else 0, s[1] if B_scale.dim() >= 2 else 0)
-            scale = _strided(B_scale, (experts_of_b, N), strides, "B_scale")[expert].to(torch.float32)
-            return (A[source].to(torch.float32) @ B[expert].to(torch.float32).T) * scale[None, :]
-        return A[source].to(torch.float32) @ B[expert].to(torch.float32).T
 
-    return _assemble(rows, N, device, compute, B_bias, topk_weights, mul_routed_weight)
+class _PlainLaunch(_Launch):
+    """bf16/fp16/fp32 operands: ``A[row // top_k]`` and ``B[e]`` converted to float32."""
+
+    def __init__(self, A: torch.Tensor, B: torch.Tensor, top_k: int) -> None:
+        self.A, self.B, self.top_k = A, B, top_k
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.A[rows // self.top_k].to(torch.float32)
+
+    def weights(self, first: int, count: int) -> Sequence[torch.Tensor]:
+        if self.B.is_contiguous():  # one conversion for the run
+            return self.B.narrow(0, first, count).to(torch.float32).unbind(0)
+        return [self.B[e].to(torch.float32) for e in range(first, first + count)]
+
+
+class _W8A16Launch(_PlainLaunch):
+    """int8 weights, the dot product times ``B_scale[e, n]`` (per output channel) afterwards."""
+
+    def __init__(self, A: torch.Tensor, B: torch.Tensor, B_scale: torch.Tensor, top_k: int) -> None:
+        super().__init__(A, B, top_k)
+        self.B_scale = B_scale
+
+    def finish(self, grouped: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        s = self.B_scale.stride()
+        strides = (s[0] if self.B_scale.dim() >= 2 else 0, s[1] if self.B_scale.dim() >= 2 else 0)
+        scale = _strided(self.B_scale, (int(self.B.shape[0]), int(self.B.shape[1])), strides, "B_scale")
+        return grouped * scale[experts.to(scale.device)].to(grouped.device, torch.float32)
+
+
+class _W8A8Launch(_Launch):
+    """fp8/int8 activations and weights, each dequantised by its scales before the dot product."""
+
+    def __init__(
+        self,
+        A: torch.Tensor,
+        A_scale: torch.Tensor,
+        B: torch.Tensor,
+        B_scale: torch.Tensor,
+        top_k: int,
+        blockwise: tuple[int, int] | None,
+        per_channel: bool,
+    ) -> None:
+        self.A, self.A_scale, self.B, self.B_scale = A, A_scale, B, B_scale
+        self.top_k, self.blockwise, self.per_channel = top_k, blockwise, per_channel
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return w8a8_activation(
+            self.A,
+            self.A_scale,
+            rows // self.top_k,
+            block_shape=self.blockwise,
+            per_channel=self.per_channel,
+        )
+
+    def weights(self, first: int, count: int) -> Sequence[torch.Tensor]:
+        return _one_run_or_each(
+            self.B,
+            first,
+            count,
+            lambda experts: w8a8_weight(
+                self.B, self.B_scale, experts, block_shape=self.blockwise, per_channel=self.per_channel
+            ),
+        )
+
+
+def _one_run_or_each(
+    B: torch.Tensor, first: int, count: int, dequantize: Callable[[torch.Tensor], torch.Tensor]
+) -> Sequence[torch.Tensor]:
+    """The dequantised experts ``first … first + count - 1``: one call for the run when ``B`` is contiguous (every
+    expert's matrix then comes out contiguous, as alone), else one call per expert."""
+    if B.is_contiguous():
+        return dequantize(torch.arange(first, first + count, device=B.device)).unbind(0)
+    return [dequantize(torch.tensor([e], device=B.device))[0] for e in range(first, first + count)]
 
 
 def reference_fused_moe_kernel_gptq_awq(
@@ -451,15 +583,42 @@ def reference_fused_moe_kernel_gptq_awq(
         expert_ids=expert_ids,
         num_tokens_post_padded=num_tokens_post_padded,
     )
-    device = A.device
+    launch = _WNA16Launch(A, B, B_scale, B_zp, top_k, shape[1], use_int4_w4a16, compute)
+    return _assemble(rows, N, A.device, launch, int(B.shape[0]), None, topk_weights, mul_routed_weight)
 
-    def compute_rows(chosen: torch.Tensor, expert: int) -> torch.Tensor:
-        if expert >= B.shape[0]:
-            raise ReferenceError_(f"expert_ids names expert {expert}; B holds {B.shape[0]}")
-        index = torch.tensor([expert], device=device)
-        weight = wna16_weight(
-            B, B_scale, B_zp, index, group_size=shape[1], int4=use_int4_w4a16, compute=compute
-        )[0]
-        return A[(chosen // top_k).to(device)].to(torch.float32) @ weight.T
 
-    return _assemble(rows, N, device, compute_rows, None, topk_weights, mul_routed_weight)
+class _WNA16Launch(_Launch):
+    """int4/int8 weight-only: ``A`` as is, the weights ``(q − zp) · scale`` rounded to ``compute_type``."""
+
+    def __init__(
+        self,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        B_scale: torch.Tensor,
+        B_zp: torch.Tensor | None,
+        top_k: int,
+        group_size: int,
+        int4: bool,
+        compute: torch.dtype,
+    ) -> None:
+        self.A, self.B, self.B_scale, self.B_zp = A, B, B_scale, B_zp
+        self.top_k, self.group_size, self.int4, self.compute = top_k, group_size, int4, compute
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.A[rows // self.top_k].to(torch.float32)
+
+    def weights(self, first: int, count: int) -> Sequence[torch.Tensor]:
+        return _one_run_or_each(
+            self.B,
+            first,
+            count,
+            lambda experts: wna16_weight(
+                self.B,
+                self.B_scale,
+                self.B_zp,
+                experts,
+                group_size=self.group_size,
+                int4=self.int4,
+                compute=self.compute,
+            ),
+        )

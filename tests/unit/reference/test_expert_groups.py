@@ -1,0 +1,109 @@
+"""Grouping rows by expert and the per-expert product: the same bits as a plain per-expert loop, whatever the views'
+offsets, run lengths and row counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moereplay.reference import expert_groups, fused_moe_triton
+from moereplay.reference.expert_groups import expert_runs, group_by_expert, matmul_into
+from moereplay.reference.fused_moe_triton import reference_fused_moe_kernel
+from moereplay.reference.moe_align import moe_align_block_size
+
+
+def test_rows_are_grouped_stably_by_expert() -> None:
+    groups = group_by_expert(torch.tensor([3, 1, 3, 0, 1, 3]))
+    assert groups.order.tolist() == [3, 1, 4, 0, 2, 5]
+    assert (groups.experts, groups.counts, groups.starts) == ((0, 1, 3), (1, 2, 3), (0, 1, 3))
+    empty = group_by_expert(torch.zeros(0, dtype=torch.long))
+    assert empty.experts == () and empty.order.numel() == 0
+
+
+def test_runs_are_consecutive_ids_at_most_so_long() -> None:
+    assert list(expert_runs((0, 1, 2, 4, 5, 9), 10)) == [(0, 3), (3, 2), (5, 1)]
+    assert list(expert_runs((0, 1, 2, 3, 4), 2)) == [(0, 2), (2, 2), (4, 1)]
+    assert list(expert_runs((7,), 0)) == [(0, 1)]
+    assert list(expert_runs((), 4)) == []
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3, 16])
+def test_matmul_into_views_at_any_offset_matches_fresh_operands(offset: int) -> None:
+    gen = torch.Generator().manual_seed(offset)
+    k, n = 37, 13
+    x_buffer = torch.randn(offset + 5, k, generator=gen)
+    w_buffer = torch.randn(2 * n * k + offset, generator=gen)
+    x = x_buffer[offset : offset + 5]
+    weight = w_buffer[offset : offset + n * k].view(n, k).T  # [K, N], a transposed view as the references use
+    out_buffer = torch.full((offset + 5, n), float("nan"))
+    out = out_buffer[offset : offset + 5]
+    matmul_into(out, x, weight)
+    expected = x.clone() @ weight.T.clone().T
+    assert torch.equal(out, expected)
+    assert torch.isnan(out_buffer[:offset]).all(), "wrote outside its rows"
+
+
+def test_misaligned_operands_are_copied_before_the_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[int, int, int]] = []
+    real = torch.mm
+
+    def recording(a: torch.Tensor, b: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        out = kwargs.get("out")
+        pointers = (a.data_ptr(), b.data_ptr(), out.data_ptr() if isinstance(out, torch.Tensor) else 0)
+        seen.append(tuple(p % 64 for p in pointers))  # type: ignore[arg-type]
+        return real(a, b, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(expert_groups.torch, "mm", recording)
+    x = torch.randn(4, 9)[1:]  # 36 bytes in: misaligned
+    weight = torch.randn(5 * 9 + 1)[1:].view(5, 9).T
+    out = torch.empty(4, 5)[1:]
+    matmul_into(out, x, weight)
+    assert seen == [(0, 0, 0)]
+
+
+def _naive_triton(kwargs: dict, routed: torch.Tensor) -> torch.Tensor:
+    """The gemm term computed the plain way: every used expert's rows, one fresh matmul each."""
+    top_k, A, B = kwargs["top_k"], kwargs["A"], kwargs["B"]
+    flat = routed.reshape(-1)
+    gemm = torch.zeros(flat.numel(), B.shape[1])
+    for expert in torch.unique(flat).tolist():
+        rows = torch.nonzero(flat == expert).reshape(-1)
+        gemm[rows] = A[rows // top_k].to(torch.float32) @ B[expert].to(torch.float32).T
+    return gemm
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 24])
+@pytest.mark.parametrize("most", [1, 3, 1 << 30])
+def test_triton_gemm_is_a_per_expert_loop_bit_for_bit(
+    tokens: int, most: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Odd K and N put the grouped views at offsets a fresh tensor never has; runs of 1, 3 or all experts."""
+    experts, top_k, k, n = 7, 3, 37, 13
+    gen = torch.Generator().manual_seed(tokens)
+    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=gen), -1), top_k)
+    sorted_ids, expert_ids, padded = moe_align_block_size(ids.to(torch.int32), 16, experts)
+    kwargs = {
+        "A": torch.randn(tokens, k, generator=gen).to(torch.bfloat16),
+        "B": torch.randn(experts, n, k, generator=gen).to(torch.bfloat16),
+        "top_k": top_k,
+    }
+    monkeypatch.setitem(fused_moe_triton.DENSE_ELEMENTS_AT_ONCE, "cpu", most * n * k)
+    result = reference_fused_moe_kernel(
+        **kwargs,
+        A_scale=None,
+        B_scale=None,
+        topk_weights=weights,
+        sorted_token_ids=sorted_ids,
+        expert_ids=expert_ids,
+        num_tokens_post_padded=padded,
+        mul_routed_weight=True,
+        block_size_m=16,
+        compute_type="bfloat16",
+        use_fp8_w8a8=False,
+        use_int8_w8a8=False,
+        use_int8_w8a16=False,
+        use_int4_w4a16=False,
+        per_channel_quant=False,
+    )
+    assert torch.equal(result.gemm, _naive_triton(kwargs, ids))
+    assert torch.equal(result.output, result.gemm * weights.reshape(-1, 1))
