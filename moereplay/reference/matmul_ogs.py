@@ -31,13 +31,18 @@ kernel would see +Inf, see that module).
 Arguments may be triton_kernels objects (read by attribute: ``Tensor.storage.data / .storage.layout / .shape /
 .dtype``, ``RoutingData``, ``GatherIndx``, ``ScatterIndx``, ``PrecisionConfig``, ``FusedActivation``) or the frozen
 mirrors defined here, which a capture decodes to without importing triton. The reference accumulates in float64 and
-returns float32; it works per expert (memory: one expert's dense weight in fp64), on the device of ``x`` unless told
-otherwise. gpt-oss shapes on an H200: well under a second.
+returns float32, on the device of ``x`` unless told otherwise. Each used expert's rows are one float64 matmul by its
+dense weight (the product a loop over experts computes, bit for bit: :mod:`moereplay.reference.expert_groups`);
+MXFP4 weights are decoded straight to float64 by a table lookup per element, a run of experts at a time
+(:mod:`moereplay.reference.mxfp4_dense`, :data:`DENSE_ELEMENTS_AT_ONCE`: one gpt-oss expert, 133 MB, on the CPU),
+and nothing in the expert loop waits for the device. Cost at gpt-oss w13 shapes (32 experts, 2880 × 5760, 256 rows)
+on 2 CPU cores: ≈ 2 s, ≈ 0.25 GB beyond the call's tensors.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
@@ -46,6 +51,7 @@ import torch
 
 from moereplay.errors import ReferenceError_
 from moereplay.reference.activation import W13Layout, swigluoai_and_mul
+from moereplay.reference.expert_groups import expert_runs, matmul_into
 from moereplay.reference.hopper_mxfp4 import (
     HOPPER_NUM_WARPS,
     HOPPER_SCALE,
@@ -54,6 +60,7 @@ from moereplay.reference.hopper_mxfp4 import (
     unswizzle_hopper_scales,
     unswizzle_hopper_values,
 )
+from moereplay.reference.mxfp4_dense import dense_experts_float64
 from moereplay.reference.numerics import decode_e2m1_codes, decode_e8m0
 
 STRIDED = "STRIDED"
@@ -523,6 +530,165 @@ def _trunc_div(a: torch.Tensor, b: int) -> torch.Tensor:
     return torch.div(a, b, rounding_mode="trunc")
 
 
+def _gemm_stage(
+    x_t: torch.Tensor,
+    x64: torch.Tensor,
+    w_spec: TensorSpec,
+    precision: PrecisionSpec,
+    bias: torch.Tensor | None,
+    betas: torch.Tensor | None,
+    gather: GatherIndxSpec | None,
+    ranges: list[tuple[int, int, int]],
+    n_sorted: int,
+    n: int,
+    top_k: int,
+    x_scale: float,
+    dev: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float64 ``gemm`` (``x · W[e]`` × flex scales) and ``bias`` term rows of every expert range, in range order
+    (a later range overwrites an earlier one). Each range is one float64 matmul of its gathered rows by its expert's
+    dense weight, exactly as a loop over experts computes it (:func:`moereplay.reference.expert_groups.matmul_into`);
+    the weights are decoded a run of experts at a time (:func:`_expert_weights`), the gather indices and flex scales
+    read back once, so the loop syncs with the device nowhere."""
+    gemm = torch.zeros((n_sorted, n), dtype=torch.float64, device=dev)
+    bias_term = torch.zeros((n_sorted, n), dtype=torch.float64, device=dev) if bias is not None else None
+    bias64 = None if bias is None else bias.to(device=dev, dtype=torch.float64)
+    betas64 = None if betas is None else betas.to(device=dev, dtype=torch.float64)
+    host_rows = None
+    if gather is not None:
+        host_rows = _trunc_div(gather.src_indx.to(dtype=torch.int64).cpu(), top_k)
+    rhs_scale = precision.flex.rhs_scale
+    rhs_scale = None if rhs_scale is None else rhs_scale.cpu()
+    x_parts = _gathered_rows(x64, host_rows, ranges)
+    weights = _expert_weights(w_spec, precision.weight_scale, [e for e, _, _ in ranges], dev)
+    for index, (e, start, count) in enumerate(ranges):
+        x_rows = host_rows[start : start + count] if host_rows is not None else None
+        low, high = (
+            (int(x_rows.min()), int(x_rows.max())) if x_rows is not None else (start, start + count - 1)
+        )
+        if low < 0 or high >= x_t.shape[0]:
+            raise ReferenceError_(f"expert {e} gathers x rows outside 0..{x_t.shape[0] - 1}")
+        weight = next(weights)
+        w_scale = _scalar(rhs_scale, e)
+        target = gemm[start : start + count]
+        matmul_into(target, x_parts(index), weight)
+        target.mul_(x_scale * w_scale)
+        if bias64 is not None and bias_term is not None:
+            b = bias64[e] if bias64.ndim == 2 else bias64
+            factor = (
+                betas64[start : start + count, None]
+                if betas64 is not None
+                else torch.ones((count, 1), dtype=torch.float64, device=dev)
+            )
+            bias_term[start : start + count] = b[None, :] * factor
+    return gemm, bias_term
+
+
+def _gathered_rows(
+    x64: torch.Tensor, host_rows: torch.Tensor | None, ranges: list[tuple[int, int, int]]
+) -> Callable[[int], torch.Tensor]:
+    """The rows of ``x64`` each range multiplies, by range index: gathered in one go (valid rows only: every range's
+    rows are checked before its product), or — for a strided ``x64``, whose gather's layout depends on the row
+    count — range by range as ``x64[rows]``."""
+    device = x64.device
+    if not x64.is_contiguous():
+
+        def each(index: int) -> torch.Tensor:
+            _, start, count = ranges[index]
+            rows = torch.arange(start, start + count)
+            chosen = host_rows[rows] if host_rows is not None else rows
+            return x64[chosen.to(device)]
+
+        return each
+    limit = x64.shape[0]
+    pieces = [
+        (host_rows[start : start + count] if host_rows is not None else torch.arange(start, start + count))
+        for _, start, count in ranges
+    ]
+    safe = [piece.clamp(0, max(limit - 1, 0)) for piece in pieces]  # out-of-range rows raise before use
+    gathered = x64[torch.cat(safe).to(device)] if safe and limit else x64[:0]
+    splits = torch.split(gathered, [piece.numel() for piece in pieces]) if safe and limit else ()
+    return lambda index: splits[index]
+
+
+def _expert_weights(
+    w_spec: TensorSpec, weight_scale: Any, experts: list[int], device: torch.device
+) -> Iterator[torch.Tensor]:
+    """The float64 dense ``[K, N]`` weight of each expert of ``experts`` (ascending), as
+    ``dequantize_expert_weight(...).to(torch.float64)`` gives it; packed MXFP4 weights are decoded a run of
+    consecutive experts at a time (:data:`DENSE_ELEMENTS_AT_ONCE`) by :mod:`moereplay.reference.mxfp4_dense`."""
+    k, n = _logical_kn(w_spec)
+    if not _decodes_by_table(w_spec, weight_scale, k):
+        for e in experts:
+            yield dequantize_expert_weight(w_spec, weight_scale, e, device=device).to(torch.float64)
+        return
+    most = DENSE_ELEMENTS_AT_ONCE.get(device.type, DENSE_ELEMENTS_AT_ONCE["cpu"]) // max(1, k * n)
+    buffer: torch.Tensor | None = None  # reused while runs have its length: no fresh pages per expert
+    for first, length in expert_runs(tuple(experts), most):
+        packed, scales = _fp4_storage(w_spec, weight_scale, experts[first], length, k, n, device)
+        if buffer is None or buffer.shape[0] != length:
+            buffer = None
+            buffer = torch.empty((length, k, n), dtype=torch.float64, device=device)
+        dense_experts_float64(packed, scales, k, out=buffer)
+        del packed, scales
+        yield from buffer.unbind(0)
+
+
+DENSE_ELEMENTS_AT_ONCE = {"cpu": 1 << 24, "cuda": 1 << 29}
+"""Most float64 dense weight elements decoded at once, per device type (128 MB on the CPU — one gpt-oss expert of
+2880 × 5760 —, 4 GB on a GPU); a run holds at least one expert."""
+
+
+def _decodes_by_table(w_spec: TensorSpec, weight_scale: Any, k: int) -> bool:
+    """Packed fp4 with 1-byte scales and an even K: the table decoder applies (else the per-expert one, which also
+    raises the errors)."""
+    if w_spec.dtype != FP4 or weight_scale is None or k % 2:
+        return False
+    scale = tensor_spec_from(weight_scale)
+    return scale.data.element_size() == 1 and w_spec.data.element_size() == 1
+
+
+def _fp4_storage(
+    w_spec: TensorSpec, weight_scale: Any, first: int, count: int, k: int, n: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unswizzled packed bytes ``[count, K/2, N]`` and scale bytes ``[count, K/32, N]`` of experts ``first …``,
+    with :func:`dequantize_expert_weight`'s checks (and messages)."""
+    packed = _storage_run(w_spec, first, count).to(device)
+    if packed.dtype != torch.uint8:
+        packed = packed.view(torch.uint8)
+    if tuple(packed.shape[1:]) == (k, n // 2) and k % 2 == 0 and (k // 2, n) != (k, n // 2):
+        raise ReferenceError_("fp4 weights packed along N have no reference (matmul_ogs packs along K here)")
+    if tuple(packed.shape[1:]) != (k // 2, n):
+        raise ReferenceError_(
+            f"fp4 storage of shape {tuple(packed.shape[1:])} does not match logical [K, N] = [{k}, {n}]"
+        )
+    scales = _storage_run(tensor_spec_from(weight_scale), first, count).to(device)
+    groups = -(-k // MX_GROUP)
+    if tuple(scales.shape[1:]) != (groups, n):
+        raise ReferenceError_(
+            f"weight scales of shape {tuple(scales.shape[1:])} do not match [K/32, N] = [{groups}, {n}]"
+        )
+    return packed, scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+
+
+def _storage_run(spec: TensorSpec, first: int, count: int) -> torch.Tensor:
+    """:func:`_storage_bytes` of experts ``first … first + count − 1`` stacked on a leading axis (a 2-D weight is
+    its one expert); unswizzled in one go."""
+    data = spec.data
+    if data.ndim < 3:
+        return _storage_bytes(spec, None)[None]
+    layout = spec.layout
+    if layout.name == STRIDED:
+        return data[first : first + count]
+    initial = (count, *layout.initial_shape[1:])
+    mx = int(layout.mx_axis if layout.mx_axis is not None else -2)
+    mx_from_end = mx - len(layout.initial_shape) if mx >= 0 else mx
+    chunk = data[first : first + count]
+    if layout.name == HOPPER_VALUE:
+        return unswizzle_hopper_values(chunk, initial, mx_from_end, layout.mma_version)
+    return unswizzle_hopper_scales(chunk, initial, mx_from_end, layout.num_warps)
+
+
 def reference_matmul_ogs(
     x: Any,
     w: Any,
@@ -606,28 +772,9 @@ def reference_matmul_ogs(
             )
         sorted_expert[start : start + count] = e
 
-    gemm = torch.zeros((n_sorted, n), dtype=torch.float64, device=dev)
-    bias_term = torch.zeros((n_sorted, n), dtype=torch.float64, device=dev) if bias is not None else None
-    bias64 = None if bias is None else bias.to(device=dev, dtype=torch.float64)
-    src_rows = None
-    if gather is not None:
-        src_rows = _trunc_div(gather.src_indx.to(device=dev, dtype=torch.int64), top_k)
-    for e, start, count in ranges:
-        rows = torch.arange(start, start + count, device=dev)
-        x_rows = src_rows[rows] if src_rows is not None else rows
-        if count and (int(x_rows.min()) < 0 or int(x_rows.max()) >= x_t.shape[0]):
-            raise ReferenceError_(f"expert {e} gathers x rows outside 0..{x_t.shape[0] - 1}")
-        weight = dequantize_expert_weight(w_spec, precision.weight_scale, e, device=dev).to(torch.float64)
-        w_scale = _scalar(precision.flex.rhs_scale, e)
-        gemm[start : start + count] = (x64[x_rows] @ weight) * (x_scale * w_scale)
-        if bias64 is not None and bias_term is not None:
-            b = bias64[e] if bias64.ndim == 2 else bias64
-            factor = (
-                betas.to(device=dev, dtype=torch.float64)[start : start + count, None]
-                if betas is not None
-                else torch.ones((count, 1), dtype=torch.float64, device=dev)
-            )
-            bias_term[start : start + count] = b[None, :] * factor
+    gemm, bias_term = _gemm_stage(
+        x_t, x64, w_spec, precision, bias, betas, gather, ranges, n_sorted, n, top_k, x_scale, dev
+    )
 
     computed = (sorted_expert >= 0).to(dev)
     pre = gemm if bias_term is None else gemm + bias_term
