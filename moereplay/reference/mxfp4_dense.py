@@ -24,8 +24,10 @@ import torch
 from moereplay.reference.numerics import decode_e2m1_codes, decode_e8m0
 
 MX_GROUP = 32
-SLICE_ELEMENTS = 1 << 21
-"""Dense elements written per gather (bounds the int32 index temporaries to 8 MB)."""
+SLICE_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 28}
+"""Dense elements written per table gather, per device type: on the CPU small slices keep the int32 index
+temporaries at 8 MB (and in cache); on a GPU a whole run of experts goes in one gather (a few launches, not a few
+per expert and slice), its index temporaries 12 bytes per element."""
 _HIGH = 1 << 16
 """Offset of the high-nibble half of the table."""
 
@@ -57,37 +59,47 @@ def dense_experts_float64(
         out = torch.empty((experts, k, n), dtype=torch.float64, device=device)
     if out.numel() == 0:
         return out
-    table = pair_table(device)
-    # byte rows per slice: whole scale groups (16 byte rows each), about SLICE_ELEMENTS dense elements
-    step = max(16, (SLICE_ELEMENTS // (2 * n)) // 16 * 16)
+    budget = SLICE_ELEMENTS.get(device.type, SLICE_ELEMENTS["cuda"])
+    if out.numel() <= budget:  # the whole run at once
+        _decode(out, packed, scales.to(torch.int32) * 256, 0)
+        return out
+    # byte rows per slice: whole scale groups (16 byte rows each), about `budget` dense elements
+    step = max(16, (budget // (2 * n)) // 16 * 16)
     for expert in range(experts):
-        rows_first = packed[
-            expert
-        ].contiguous()  # one pass over the bytes; every later pass reads contiguously
-        shifted = scales[expert].to(torch.int32) * 256
+        shifted = scales[expert : expert + 1].to(torch.int32) * 256
         for first in range(0, byte_rows, step):
             rows = min(step, byte_rows - first)
-            index = torch.empty((rows, 2, n), dtype=torch.int32, device=device)
-            _low_index(index[:, 0], rows_first[first : first + rows], shifted, first)
-            torch.add(index[:, 0], _HIGH, out=index[:, 1])
-            target = out[expert, 2 * first : 2 * (first + rows)].view(-1)
-            torch.index_select(table, 0, index.view(-1), out=target)
+            target = out[expert : expert + 1, 2 * first : 2 * (first + rows)]
+            _decode(target, packed[expert : expert + 1, first : first + rows], shifted, first)
     return out
 
 
-def _low_index(out: torch.Tensor, packed: torch.Tensor, shifted: torch.Tensor, first: int) -> None:
-    """``scale_byte · 256 + packed_byte`` for byte rows ``first …`` (``packed`` is their ``[rows, N]`` slice,
-    ``shifted`` the expert's ``[G, N]`` scale bytes × 256); byte row ``kb`` reads scale group ``kb // 16``."""
-    rows, n = packed.shape
+def _decode(out: torch.Tensor, packed: torch.Tensor, shifted: torch.Tensor, first: int) -> None:
+    """Dense rows ``2·first …`` into ``out`` (float64 ``[e, 2·rows, N]``, each expert's rows contiguous) from the
+    byte rows ``first …`` (``packed``: ``[e, rows, N]``; ``shifted``: the experts' ``[e, G, N]`` scale bytes ×
+    256). Byte row ``kb`` reads scale group ``kb // 16``; its index is ``scale · 256 + byte`` (low nibble) and that
+    plus 65536 (high nibble)."""
+    experts, rows, n = packed.shape
+    codes = packed.to(
+        torch.int32, memory_format=torch.contiguous_format
+    )  # a contiguous copy: every later pass reads contiguously, same-dtype adds
+    index = torch.empty((experts, rows, 2, n), dtype=torch.int32, device=packed.device)
+    low = index[:, :, 0]
     whole = rows // 16 * 16
     group = first // 16
-    codes = packed.to(torch.int32)  # same-dtype adds take the vectorised path
     if whole:
         torch.add(
-            codes[:whole].view(whole // 16, 16, n),
-            shifted[group : group + whole // 16, None, :],
-            out=out[:whole].view(-1, 16, n),
+            codes[:, :whole].view(experts, whole // 16, 16, n),
+            shifted[:, group : group + whole // 16, None, :],
+            out=low[:, :whole].view(experts, whole // 16, 16, n),
         )
     if whole < rows:
         last = group + whole // 16
-        torch.add(codes[whole:], shifted[last : last + 1], out=out[whole:])
+        torch.add(codes[:, whole:], shifted[:, last : last + 1], out=low[:, whole:])
+    torch.add(low, _HIGH, out=index[:, :, 1])
+    table = pair_table(packed.device)
+    if out.is_contiguous():
+        torch.index_select(table, 0, index.view(-1), out=out.view(-1))
+    else:  # a slice of one expert's rows: contiguous per expert
+        for expert in range(experts):
+            torch.index_select(table, 0, index[expert].view(-1), out=out[expert].view(-1))

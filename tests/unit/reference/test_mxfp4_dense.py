@@ -31,7 +31,7 @@ def _weights(experts: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, tor
 def test_bits_equal_the_float32_dequantisation_widened(
     k: int, slice_elements: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(mxfp4_dense, "SLICE_ELEMENTS", slice_elements)
+    monkeypatch.setitem(mxfp4_dense.SLICE_ELEMENTS, "cpu", slice_elements)
     packed, scales = _weights(3, k, 40, seed=k)
     dense = dense_experts_float64(packed, scales, k)
     assert dense.shape == (3, k, 40) and dense.dtype == torch.float64
