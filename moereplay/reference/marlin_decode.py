@@ -59,6 +59,25 @@ def _nibble_tables(kind: str, device: torch.device) -> tuple[torch.Tensor, torch
     return values[byte & 0x0F].to(device), values[byte >> 4].to(device)
 
 
+SLICE_ELEMENTS = {"cpu": 1 << 20}
+"""Dense elements decoded per pass, per device type (the CPU's: 4 MB of float32, about 8 MB of temporaries); other
+devices decode whole experts (fewer launches)."""
+
+
+def slice_rows(size_k: int, group_rows: int, size_n: int, device: torch.device) -> int:
+    """Rows of K to decode per pass: ``size_k`` when the device decodes whole experts, else whole 16-row tiles
+    aligned with the scale groups (a multiple of ``group_rows``, or a divisor of it) of about
+    :data:`SLICE_ELEMENTS` elements."""
+    budget = SLICE_ELEMENTS.get(device.type)
+    if budget is None or size_k * size_n <= budget:
+        return size_k
+    tiles = max(1, budget // (size_n * TILE_K))
+    group_tiles = max(1, group_rows // TILE_K)
+    if tiles >= group_tiles:
+        return tiles // group_tiles * group_tiles * TILE_K
+    return max(d for d in range(1, tiles + 1) if group_tiles % d == 0) * TILE_K
+
+
 def logical_values(b_qweight: torch.Tensor, num_bits: int, kind: str) -> torch.Tensor:
     """Marlin-packed ``int32[e, K/16, N*16/pack]`` → values ``[e, K/16, a, b, N]`` in logical order, as
     :func:`value_dtype` (every value is exact in it).

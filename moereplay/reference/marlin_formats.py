@@ -33,6 +33,7 @@ Weights come back dense ``float32[experts, K, N]`` in the *original* row order (
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -352,11 +353,35 @@ class MarlinExpertWeights:
             packed = self.b_qweight.narrow(0, experts[0], len(experts))  # no copy
         else:
             packed = self.b_qweight.index_select(0, index)
-        values = marlin_decode.logical_values(packed, self.format.num_bits, kind)
         scales = self._logical_scales(index)
         if self.format is MarlinWeightFormat.NVFP4:  # one rounding of the factor product, as the general path
             scales = scales * self.expert_multipliers(index).view(-1, 1, 1)
-        marlin_decode.dequantize_into(out, values, scales, self._logical_zero_points(index))
+        zero_points = self._logical_zero_points(index)
+        rows = marlin_decode.slice_rows(self.size_k, self.group_size, self.size_n, device)
+        if rows >= self.size_k:
+            values = marlin_decode.logical_values(packed, self.format.num_bits, kind)
+            marlin_decode.dequantize_into(out, values, scales, zero_points)
+            return
+        # one expert and a slice of K tiles at a time: the decoder's temporaries stay a few MB on the CPU
+        per_group = self.group_size
+        for position in range(len(experts)):
+            for first in range(0, self.size_k, rows):
+                count = min(rows, self.size_k - first)
+                groups = slice(first // per_group, -(-(first + count) // per_group))
+                values = marlin_decode.logical_values(
+                    packed[
+                        position : position + 1,
+                        first // marlin_decode.TILE_K : (first + count) // marlin_decode.TILE_K,
+                    ],
+                    self.format.num_bits,
+                    kind,
+                )
+                marlin_decode.dequantize_into(
+                    out[position : position + 1, first : first + count],
+                    values,
+                    scales[position : position + 1, groups],
+                    None if zero_points is None else zero_points[position : position + 1, groups],
+                )
 
     def dequantize_general(self, experts: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`dequantize` by the general (slow, format-agnostic) decoder; for tests of the fast one."""
@@ -448,25 +473,48 @@ def _decode_codes(fmt: MarlinWeightFormat, codes: torch.Tensor) -> torch.Tensor:
     return values
 
 
+SCAN_BYTES = {"cpu": 1 << 22}
+"""Scale bytes examined per pass by :func:`dequant_notes`, per device type (the CPU's: 4 MB, so its boolean
+temporaries stay small; other devices: every used expert at once, one sync)."""
+
+
+def _count_scale_bytes(
+    weights: MarlinExpertWeights,
+    experts: torch.Tensor,
+    allowed: tuple[torch.dtype, ...],
+    what: str,
+    predicate: Callable[[torch.Tensor], torch.Tensor],
+) -> int:
+    """How many scale bytes of ``experts`` satisfy ``predicate``, a few experts at a time."""
+    scales = weights.b_scales
+    per_expert = max(1, scales[0].numel() if scales.shape[0] else 1)
+    step = max(1, SCAN_BYTES.get(scales.device.type, 1 << 62) // per_expert)
+    total = torch.zeros((), dtype=torch.long, device=scales.device)
+    for first in range(0, max(int(experts.numel()), 1), step):
+        raw = _bytes(scales.index_select(0, experts[first : first + step]), allowed, what)
+        total += torch.count_nonzero(predicate(raw))
+    return int(total)
+
+
 def dequant_notes(weights: MarlinExpertWeights, experts: torch.Tensor) -> list[tuple[str, str]]:
     """(code, message) observations about the weight tensors of ``experts`` that the kernel may read differently."""
     notes: list[tuple[str, str]] = []
     fmt = weights.format
     experts = experts.to(weights.b_scales.device, torch.long)
     if fmt is MarlinWeightFormat.NVFP4 and weights.activation_dtype == torch.bfloat16:
-        raw = _bytes(weights.b_scales.index_select(0, experts), _FP8_BYTE_DTYPES, "NVFP4 scales")
-        low = ((raw & 0x80) == 0) & (raw != 0)
-        if bool(low.any()):
+        low_count = _count_scale_bytes(
+            weights, experts, _FP8_BYTE_DTYPES, "NVFP4 scales", lambda raw: ((raw & 0x80) == 0) & (raw != 0)
+        )
+        if low_count:
             notes.append(
                 (
                     "nvfp4_scale_top_bit_clear",
-                    f"{int(low.sum())} non-zero NVFP4 scale bytes have the top bit clear; the bf16 kernel reads "
+                    f"{low_count} non-zero NVFP4 scale bytes have the top bit clear; the bf16 kernel reads "
                     "them 2**-112 times smaller than their S0E5M3 value",
                 )
             )
     if fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
-        raw = _bytes(weights.b_scales.index_select(0, experts), _E8M0_DTYPES, "e8m0 scales")
-        nan_count = int((raw == 0xFF).sum())
+        nan_count = _count_scale_bytes(weights, experts, _E8M0_DTYPES, "e8m0 scales", lambda raw: raw == 0xFF)
         if nan_count:
             notes.append(
                 (
