@@ -1,31 +1,44 @@
-"""The Marlin MoE reference against vLLM's kernel at gpt-oss shapes: GPU time, cached-weights time, CPU time.
+"""The exact references against the kernels they check, at model shapes: GPU time, cached-weights time, CPU time.
 
-Cases: gpt-oss (E=32 experts, top_k=4, 32 tokens, hidden 2880, intermediate 2880 padded to 2944) in NVFP4 and
-MXFP4, gemm1 (``[32, 2880] x [2880, 5888]``, top_k=4) and gemm2 (``[128, 2944] x [2944, 2880]``, top_k=1 with the
-routing weights multiplied in), ``moe_block_size`` 8 as ``fused_marlin_moe`` picks it, bfloat16 activations.
-Weights are packed by moereplay (bit-identical to vLLM's preparation, see tests/gpu/test_marlin_reference.py).
+Cases:
 
-One run prints, per case: the kernel's time (median of CUDA-event timings), the reference's time on the GPU from
-scratch (dequantisation + matmuls) and with an ``ExpertWeightCache`` already holding the dense weights, the
-reference on the CPU (same call, tensors copied to the CPU), each as a ratio to the kernel, and the kernel's
-max/RMS relative error against the reference as a sanity check. Without a GPU (or without an importable vLLM)
-the GPU columns are skipped — said so on stdout — and the CPU reference runs on a locally packed call.
+- Marlin (``moe_wna16_marlin_gemm``): gpt-oss (E=32 experts, top_k=4, 32 tokens, hidden 2880, intermediate 2880
+  padded to 2944) in NVFP4 and MXFP4, gemm1 (``[32, 2880] x [2880, 5888]``, top_k=4) and gemm2
+  (``[128, 2944] x [2944, 2880]``, top_k=1 with the routing weights multiplied in), ``moe_block_size`` 8 as
+  ``fused_marlin_moe`` picks it, bfloat16 activations; weights packed by moereplay (bit-identical to vLLM's
+  preparation, see tests/gpu/test_marlin_reference.py);
+- ``triton-qwen3-bf16``: vLLM's Triton ``fused_moe_kernel`` at Qwen3-30B-A3B gemm1 shapes (E=128, top-8, 64 tokens,
+  K=2048, N=2·768, bf16, ``BLOCK_SIZE_M`` 16) — issue 18's budget is 10× the kernel; the reference is also timed
+  with other :data:`moereplay.reference.fused_moe_triton.DENSE_ELEMENTS_AT_ONCE` run sizes (``--runs``);
+- ``ogs-mxfp4-w13``: triton_kernels ``matmul_ogs`` on the bundled ``captures/ogs-mxfp4-w13-k2880.moe.zst``
+  (gpt-oss-20b w13: 64 tokens, E=32, top-4, K=2880, N=5760, Hopper-swizzled MXFP4, gather, bias, swiglu).
+
+One run prints, per case: the kernel's time, the reference's time on the GPU from scratch (dequantisation +
+matmuls) and — Marlin — with an ``ExpertWeightCache`` already holding the dense weights, the reference on the CPU
+(same call, tensors on the CPU), each as a ratio to the kernel, and a sanity check: Marlin, the kernel's max/RMS
+relative error against the reference; the other cases, the GPU reference's against the CPU reference (they differ
+only by summation order). Marlin times are medians of CUDA-event timings; the other cases' are medians of
+wall-clock times with a device sync (as ``tests/gpu/test_fused_moe_triton_gpu.py`` times them: the launchers'
+host work counts). Without a GPU (or without an importable vLLM or kernel pack) the GPU columns are skipped —
+said so on stdout — and the CPU reference runs on a locally built call.
 
 Usage (GPU machine, repository root)::
 
     source tools/gpu/device_setup.sh && python3 tools/bench/reference_bench.py
     python3 tools/bench/reference_bench.py --no-cpu           # GPU columns only
-    python3 tools/bench/reference_bench.py --cases nvfp4-gemm1 --cpu-repeats 3
+    python3 tools/bench/reference_bench.py --cases nvfp4-gemm1,triton-qwen3-bf16 --cpu-repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -117,6 +130,146 @@ def build_call(case: Case, device: torch.device) -> dict[str, Any]:
     return args
 
 
+@dataclass(frozen=True)
+class CallCase:
+    """A case replayed through its OpSpec: ``build(device)`` returns ``(op, args)``; ``op.run`` is the kernel."""
+
+    name: str
+    shape: str
+    build: Callable[[torch.device], tuple[Any, dict[str, Any]]]
+
+
+def triton_qwen3(device: torch.device) -> tuple[Any, dict[str, Any]]:
+    """Qwen3-30B-A3B's gemm1 launch of ``fused_moe_kernel`` as ``fused_experts_impl`` makes it (64 tokens); drawn
+    on the CPU (the same values whichever the device), then moved."""
+    from moereplay.ops import get_op
+    from moereplay.ops.fused_moe_triton_surface import CONFIG_DEFAULTS
+    from moereplay.synth.routing import softmax_topk
+    from moereplay.synth.triton_presets import triton_args
+
+    experts, top_k, tokens, hidden, intermediate = 128, 8, 64, 2048, 768
+    gen = torch.Generator().manual_seed(2024)
+    weight = (torch.randn(experts, 2 * intermediate, hidden, generator=gen) * 0.02).to(torch.bfloat16)
+    x = (torch.randn(tokens, hidden, generator=gen) * 0.5).to(torch.bfloat16)
+    topk = softmax_topk(tokens, experts, top_k, 3, renormalize=True)
+    config = {
+        "BLOCK_SIZE_M": 16,
+        "BLOCK_SIZE_N": 64,
+        "BLOCK_SIZE_K": 128,
+        "GROUP_SIZE_M": 1,
+        **CONFIG_DEFAULTS,
+    }
+    config.update(num_warps=4, num_stages=3)
+    args = triton_args(
+        A=x, weights={"B": weight}, topk_weights=topk.weights, topk_ids=topk.ids, experts=experts,
+        config=config, compute="bfloat16",
+    )  # fmt: skip
+    op = get_op("fused_moe_kernel")
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    return op, op.recorded_args(moved)  # type: ignore[attr-defined]
+
+
+def ogs_w13(device: torch.device) -> tuple[Any, dict[str, Any]]:
+    """The bundled gpt-oss-20b w13 ``matmul_ogs`` capture (its weights expand from recipes once per machine)."""
+    from moereplay.replay.source import load_call
+
+    call = load_call(
+        Path(__file__).resolve().parents[2] / "captures" / "ogs-mxfp4-w13-k2880.moe.zst", 0, device
+    )
+    return call.op, call.args
+
+
+CALL_CASES = [
+    CallCase("triton-qwen3-bf16", "[512 rows,2048]x128 x[2048,1536]", triton_qwen3),
+    CallCase("ogs-mxfp4-w13", "[256 rows,2880]x32 x[2880,5760]", ogs_w13),
+]
+
+
+def kernel_backend(device: torch.device) -> Any:
+    """vLLM's kernels: the kernel pack in ``MOEREPLAY_PACK`` (the device prelude sets it), else the installed vLLM."""
+    from moereplay.replay.backends import load_backend, parse_backend
+
+    pack = os.environ.get("MOEREPLAY_PACK")
+    if pack:
+        from moereplay.pack import load_pack
+
+        load_pack(pack)
+        return load_backend(parse_backend(f"pack:{pack}"), device)
+    return load_backend(parse_backend("vllm"), device)
+
+
+def wall_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time (ms) of ``repeats`` calls, each ended by a device sync, after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    """Max-per-row and RMS relative error of ``actual`` against ``expected`` (float64, finite elements)."""
+    a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
+    finite = torch.isfinite(a) & torch.isfinite(e)
+    a, e = torch.where(finite, a, 0.0), torch.where(finite, e, 0.0)
+    row_max = (a - e).abs().amax(1) / e.abs().amax(1).clamp_min(1e-30)
+    rms = float(((a - e) ** 2).sum() / (e**2).sum().clamp_min(1e-30)) ** 0.5
+    return f"max_rel={float(row_max.max()):.2e} rms_rel={rms:.2e}"
+
+
+def measure_call(
+    case: CallCase,
+    device: torch.device,
+    *,
+    gpu: bool,
+    cpu: bool,
+    repeats: int,
+    cpu_repeats: int,
+    runs: list[int],
+) -> tuple[Row, list[str]]:
+    """One :class:`CallCase`: kernel and reference wall times on the GPU (the Triton reference also at each run
+    size of ``runs``), the reference on the CPU, the GPU reference against the CPU one."""
+    kernel = reference = cpu_time = None
+    notes: list[str] = []
+    gpu_output = cpu_output = None
+    if gpu:
+        op, args = case.build(device)
+        backend = kernel_backend(device)
+        run_args = {**args, **op.make_scratch(args, device)}  # outputs and workspaces, as a replay makes them
+        kernel = wall_ms(lambda: op.run(run_args, backend), repeats)
+        reference = wall_ms(lambda: op.reference(args), max(3, repeats // 4))
+        gpu_output = op.reference(args).output
+        if case.name.startswith("triton") and runs:
+            from moereplay.reference import fused_moe_triton
+
+            default = fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"]
+            try:
+                for elements in runs:
+                    fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"] = elements
+                    timed = wall_ms(lambda: op.reference(args), max(3, repeats // 4))
+                    notes.append(
+                        f"run of {elements} elements: ref {timed:.2f} ms = {timed / kernel:.1f}x kernel"
+                    )
+            finally:
+                fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"] = default
+        del op, args, run_args
+        torch.cuda.empty_cache()
+    if cpu:
+        op, args = case.build(torch.device("cpu"))
+        cpu_time = cpu_ms(lambda: op.reference(args), cpu_repeats)
+        cpu_output = op.reference(args).output
+    error = (
+        f"gpu ref vs cpu ref {relative_error(gpu_output, cpu_output)}"
+        if gpu_output is not None and cpu_output is not None
+        else ""
+    )
+    return Row(kernel, reference, None, cpu_time, error), notes
+
+
 def run_kernel(args: dict[str, Any]) -> torch.Tensor:
     """``torch.ops._moe_C.moe_wna16_marlin_gemm`` as vLLM's wrapper calls it (b_q_type as its id)."""
     return torch.ops._moe_C.moe_wna16_marlin_gemm(*positional(MARLIN_MOE, args))
@@ -161,6 +314,11 @@ def gpu_unavailable() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     try:
+        pack = os.environ.get("MOEREPLAY_PACK")
+        if pack:
+            from moereplay.pack import load_pack
+
+            load_pack(pack)
         import vllm._custom_ops  # noqa: F401  (registers torch.ops._moe_C)
     except Exception as e:  # any import failure means: no kernel to time
         return f"vLLM's kernels do not import ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
@@ -227,7 +385,13 @@ def _ratio(value: float | None, base: float | None, width: int = 6) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
+    names = [c.name for c in CASES] + [c.name for c in CALL_CASES]
+    parser.add_argument("--cases", default=",".join(names), help="comma-separated case names")
+    parser.add_argument(
+        "--runs",
+        default=f"{1 << 23},{1 << 25}",
+        help="extra float32 run sizes (elements) to time the Triton reference with; empty: none",
+    )
     parser.add_argument("--repeats", type=int, default=20, help="GPU timings per measurement (median)")
     parser.add_argument("--cpu-repeats", type=int, default=1, help="CPU reference runs per case (best)")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU reference")
@@ -236,7 +400,9 @@ def main() -> int:
     )
     options = parser.parse_args()
     chosen = [c for c in CASES if c.name in options.cases.split(",")]
-    if not chosen:
+    chosen_calls = [c for c in CALL_CASES if c.name in options.cases.split(",")]
+    runs = [int(v) for v in options.runs.split(",") if v.strip()]
+    if not chosen and not chosen_calls:
         print(f"reference_bench: no case among {options.cases!r}", file=sys.stderr)
         return 2
 
@@ -250,7 +416,7 @@ def main() -> int:
     if why_not is not None:
         print(f"reference_bench: GPU part skipped: {why_not}")
     print(
-        f"{'case':<12} {'shape':<26} {'kernel ms':>9} {'ref ms':>8} {'x':>6} {'cached ms':>9} {'x':>6} "
+        f"{'case':<17} {'shape':<32} {'kernel ms':>9} {'ref ms':>8} {'x':>6} {'cached ms':>9} {'x':>6} "
         f"{'cpu ms':>8} {'x kernel':>9} {'x gpu ref':>9}  kernel vs ref"
     )
     for case in chosen:
@@ -268,12 +434,31 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         print(
-            f"{case.name:<12} {f'[{rows},{size_k}]x[{size_k},{size_n}]':<26} {_cell(row.kernel, 9)} "
+            f"{case.name:<17} {f'[{rows},{size_k}]x[{size_k},{size_n}]':<32} {_cell(row.kernel, 9)} "
             f"{_cell(row.reference, 8, 2)} {_ratio(row.reference, row.kernel)} {_cell(row.cached, 9, 2)} "
             f"{_ratio(row.cached, row.kernel)} {_cell(row.cpu, 8, 0)} {_ratio(row.cpu, row.kernel, 9)} "
             f"{_ratio(row.cpu, row.reference, 9)}  {row.error}",
             flush=True,
         )
+    for call_case in chosen_calls:
+        row, notes = measure_call(
+            call_case,
+            device,
+            gpu=why_not is None,
+            cpu=not options.no_cpu,
+            repeats=options.repeats,
+            cpu_repeats=options.cpu_repeats,
+            runs=runs,
+        )
+        print(
+            f"{call_case.name:<17} {call_case.shape:<32} {_cell(row.kernel, 9)} {_cell(row.reference, 8, 2)} "
+            f"{_ratio(row.reference, row.kernel)} {_cell(None, 9, 2)} {_ratio(None, row.kernel)} "
+            f"{_cell(row.cpu, 8, 0)} {_ratio(row.cpu, row.kernel, 9)} {_ratio(row.cpu, row.reference, 9)}  "
+            f"{row.error}",
+            flush=True,
+        )
+        for note in notes:
+            print(f"{'':<17} {note}", flush=True)
     return 0
 
 
