@@ -209,26 +209,50 @@ def swizzle_hopper_values(data: torch.Tensor, mx_axis: int, mma_version: int = 3
     """``HopperMXValueLayout.swizzle_data``: packed e2m1 bytes ``[..., K_bytes, N]`` (mx_axis=-2) → swizzled storage.
 
     Returns a transposed view (stride 1 on the second-to-last axis) when ``mx_axis`` is the second-to-last axis, as
-    triton_kernels does. Pads with zero bytes (see the module docstring).
+    triton_kernels does. Pads with zero bytes (see the module docstring). Works one matrix of the batch at a time
+    into the output (temporaries: a few times one matrix, not the whole tensor) and shuffles the bits of each word
+    by two 65536-entry table lookups (:func:`_shuffle_words`).
     """
     shape = HopperValueShape(tuple(data.shape), mx_axis, mma_version)
     as_bytes = data.view(torch.uint8) if data.dtype != torch.uint8 else data
-    work = _to_rows_cols(as_bytes, shape.transposed).contiguous()
+    matrices = _to_rows_cols(as_bytes, shape.transposed)
     rows, cols = shape.rows_cols
     rows_pad, cols_pad = shape.padded_rows_cols
-    work = torch.nn.functional.pad(work, (0, cols_pad - cols, 0, rows_pad - rows))
-    batch = tuple(work.shape[:-2])
-    nb = len(batch)
-    work = work.reshape(_value_view_shape(batch, rows_pad, cols_pad, mma_version))
-    work = work.permute(*range(nb), *(nb + p for p in _VALUE_PERM)).reshape(
-        *batch, rows_pad // 4, cols_pad * 4
-    )
-    groups = work.to(torch.int32).unflatten(-1, (-1, 4))
-    low = [groups[..., i] & 0xF for i in range(4)]
-    high = [(groups[..., i] >> 4) & 0xF for i in range(4)]
-    words = _pack_words(low, high).contiguous()
-    swizzled = words.view(torch.uint8).reshape(*batch, rows_pad // 4, cols_pad * 4)
-    return _to_rows_cols(swizzled, shape.transposed)
+    batch = tuple(matrices.shape[:-2])
+    out = torch.empty((*batch, rows_pad // 4, cols_pad * 4), dtype=torch.uint8, device=data.device)
+    if out.numel():
+        sources = matrices.reshape(-1, rows, cols)
+        targets = out.view(-1, rows_pad // 4, cols_pad * 4)
+        view = _value_view_shape((), rows_pad, cols_pad, mma_version)
+        for index in range(sources.shape[0]):
+            work = torch.nn.functional.pad(sources[index], (0, cols_pad - cols, 0, rows_pad - rows))
+            work = work.reshape(view).permute(*_VALUE_PERM).reshape(rows_pad // 4, cols_pad * 4)
+            targets[index].view(torch.int32).copy_(_shuffle_words(work.view(torch.int32)))
+    return _to_rows_cols(out, shape.transposed)
+
+
+@functools.cache
+def _shuffle_table(device: torch.device) -> torch.Tensor:
+    """int32[65536]: four nibbles ``n0 | n1<<4 | n2<<8 | n3<<12`` → the 16-bit half :func:`_pack_words` makes."""
+    index = torch.arange(1 << 16, dtype=torch.int32)
+    nibbles = [(index >> (4 * i)) & 0xF for i in range(4)]
+    zeros = [torch.zeros_like(index)] * 4
+    return (_pack_words(nibbles, zeros) & 0xFFFF).to(device)
+
+
+def _nibble_index(nibbles: torch.Tensor) -> torch.Tensor:
+    """int32 words with a nibble in bits 0, 8, 16, 24 → ``n0 | n1<<4 | n2<<8 | n3<<12``."""
+    merged = nibbles | (nibbles >> 4)
+    return (merged & 0xFF) | ((merged >> 8) & 0xFF00)
+
+
+def _shuffle_words(words: torch.Tensor) -> torch.Tensor:
+    """Same as :func:`_pack_words` on the four bytes of each int32 word (little-endian), by two table lookups."""
+    table = _shuffle_table(words.device)
+    flat = words.reshape(-1)
+    low = table.index_select(0, _nibble_index(flat & 0x0F0F0F0F))
+    high = table.index_select(0, _nibble_index((flat >> 4) & 0x0F0F0F0F))
+    return low.bitwise_or_(high.bitwise_left_shift_(16)).view(words.shape)
 
 
 def unswizzle_hopper_values(

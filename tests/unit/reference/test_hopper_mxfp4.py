@@ -100,6 +100,26 @@ def test_value_byte_placement_and_bit_shuffle() -> None:
         assert word == half_bits(low) | (half_bits(high) << 16)
 
 
+def test_word_shuffle_by_table_matches_the_bit_formula() -> None:
+    """Every word shuffled by the two table lookups equals the bit-by-bit shuffle of its four bytes."""
+    from moereplay.reference.hopper_mxfp4 import _pack_words, _shuffle_words
+
+    gen = torch.Generator().manual_seed(3)
+    words = torch.randint(-(2**31), 2**31, (4096,), generator=gen, dtype=torch.int64).to(torch.int32)
+    words[:4] = torch.tensor([0, -1, 0x0F0F0F0F, -0x0F0F0F10], dtype=torch.int32)
+    parts = [(words >> (8 * i)) & 0xFF for i in range(4)]
+    expected = _pack_words([p & 0xF for p in parts], [(p >> 4) & 0xF for p in parts])
+    assert torch.equal(_shuffle_words(words.view(64, 64)), expected.view(64, 64))
+
+
+def test_a_batch_swizzles_like_its_matrices_one_by_one() -> None:
+    data = torch.randint(0, 256, (3, 2, 100, 40), dtype=torch.uint8)
+    whole = swizzle_hopper_values(data, mx_axis=2)
+    for i in range(3):
+        for j in range(2):
+            assert torch.equal(whole[i, j], swizzle_hopper_values(data[i, j], mx_axis=0))
+
+
 def test_value_padding_is_zero_bytes() -> None:
     data = torch.full((10, 20), 0xFF, dtype=torch.uint8)
     swz = swizzle_hopper_values(data, mx_axis=1)
