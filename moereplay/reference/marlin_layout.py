@@ -145,8 +145,19 @@ def _words_to_int32(words: torch.Tensor) -> torch.Tensor:
 
 
 def _combine(codes: torch.Tensor, num_bits: int) -> torch.Tensor:
-    """``[..., words * factor]`` codes → ``[..., words]`` int32, code ``p`` of a word at bits ``num_bits * p``."""
+    """``[..., words * factor]`` codes → ``[..., words]`` int32, code ``p`` of a word at bits ``num_bits * p``.
+
+    Codes that fit their width (every real call) are packed as bytes and read as little-endian words: one narrow
+    pass. Anything else (a code past its bits spills into the next one's) takes the general int64 path."""
     factor = 32 // num_bits
+    if sys.byteorder == "little" and codes.numel() and codes.shape[-1] % factor == 0:
+        low, high = torch.aminmax(codes)
+        if int(low) >= 0 and int(high) < (1 << num_bits):
+            data = codes.to(torch.uint8)
+            if num_bits == 4:
+                pairs = data.unflatten(-1, (-1, 2))
+                data = pairs[..., 0] | (pairs[..., 1] << 4)
+            return data.contiguous().view(torch.int32)
     grouped = codes.unflatten(-1, (-1, factor))
     words = torch.zeros(grouped.shape[:-1], dtype=torch.int64, device=codes.device)
     for position in range(factor):  # one position at a time: temporaries of one int64 per word
@@ -184,19 +195,27 @@ def pack_weights(codes: torch.Tensor, num_bits: int, is_a_8bit: bool = False) ->
         raise ReferenceError_("pack_weights needs a [..., K, N] tensor")
     k, n = codes.shape[-2:]
     _check_weight_shape(k, n, is_a_8bit)
+    lead = codes.shape[:-2]
+    out = torch.empty((*lead, k // 16, n * 16 // (32 // num_bits)), dtype=torch.int32, device=codes.device)
+    if out.numel():  # one matrix at a time: temporaries of one expert, not of the whole set
+        targets = out.view(-1, *out.shape[-2:])
+        for index, matrix in enumerate(codes.reshape(-1, k, n)):
+            targets[index] = _pack_matrix(matrix, num_bits, is_a_8bit)
+    return out
+
+
+def _pack_matrix(codes: torch.Tensor, num_bits: int, is_a_8bit: bool) -> torch.Tensor:
+    """:func:`pack_weights` of one ``[K, N]`` matrix."""
+    k, n = codes.shape
     tile_k, tile_n = tile_shape(is_a_8bit)
     sizes, k_axes, n_axes = _tile_axes(num_bits, is_a_8bit)
-    lead = codes.shape[:-2]
-    base = len(lead)
-    # [..., Kt, k digits, Nt, n digits] → [..., Kt, Nt, slot digits]
-    shaped = codes.reshape(
-        *lead, k // tile_k, *(sizes[a] for a in k_axes), n // tile_n, *(sizes[a] for a in n_axes)
-    )
-    source_of = {axis: base + 1 + i for i, axis in enumerate(k_axes)}
-    source_of.update({axis: base + 5 + i for i, axis in enumerate(n_axes)})
-    permuted = shaped.permute(*range(base), base, base + 4, *(source_of[axis] for axis in range(6)))
-    words = _combine(permuted.reshape(*lead, k // tile_k, n // tile_n, TILE_CODES), num_bits)
-    return words.reshape(*lead, k // 16, n * 16 // (32 // num_bits))
+    # [Kt, k digits, Nt, n digits] → [Kt, Nt, slot digits]
+    shaped = codes.reshape(k // tile_k, *(sizes[a] for a in k_axes), n // tile_n, *(sizes[a] for a in n_axes))
+    source_of = {axis: 1 + i for i, axis in enumerate(k_axes)}
+    source_of.update({axis: 5 + i for i, axis in enumerate(n_axes)})
+    permuted = shaped.permute(0, 4, *(source_of[axis] for axis in range(6)))
+    words = _combine(permuted.reshape(k // tile_k, n // tile_n, TILE_CODES), num_bits)
+    return words.reshape(k // 16, n * 16 // (32 // num_bits))
 
 
 def unpack_weights(packed: torch.Tensor, num_bits: int, is_a_8bit: bool = False) -> torch.Tensor:

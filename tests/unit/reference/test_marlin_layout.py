@@ -195,3 +195,29 @@ def test_run_orders_match_their_index_definition() -> None:
         expected = values.view(3, -1, len(order))[..., index].reshape(3, 128)
         assert torch.equal(layout._apply_run_order(values, order, inverse=False), expected)
         assert torch.equal(layout._apply_run_order(expected, order, inverse=True), values)
+
+
+@pytest.mark.parametrize("num_bits", [4, 8])
+def test_byte_packing_matches_the_general_word_packing(num_bits: int) -> None:
+    """Codes that fit their width are packed as bytes read as words; the int64 path (taken for a code past its
+    width) gives the same words for the same codes."""
+    gen = torch.Generator().manual_seed(num_bits)
+    codes = torch.randint(0, 1 << num_bits, (3, 6, 1024), generator=gen, dtype=torch.uint8)
+    fast = layout._combine(codes, num_bits)
+    factor = 32 // num_bits
+    grouped = codes.unflatten(-1, (-1, factor)).to(torch.int64)
+    words = sum(grouped[..., p] << (num_bits * p) for p in range(factor))
+    expected = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    assert torch.equal(fast, expected)
+    spilled = codes.to(torch.int64)
+    spilled[0, 0, 1], spilled[0, 0, 2] = 1 << num_bits, 0  # code 1 too wide: its bit lands in code 2's field
+    assert int(layout._combine(spilled, num_bits)[0, 0, 0]) >> (2 * num_bits) & 1 == 1
+
+
+def test_a_batch_packs_like_its_matrices_one_by_one() -> None:
+    codes = torch.randint(0, 16, (2, 3, 64, 128), dtype=torch.uint8)
+    whole = layout.pack_weights(codes, 4)
+    assert whole.shape == (2, 3, 4, 128 * 16 // 8) and whole.is_contiguous()
+    for i in range(2):
+        for j in range(3):
+            assert torch.equal(whole[i, j], layout.pack_weights(codes[i, j], 4))
