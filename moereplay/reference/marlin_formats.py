@@ -300,9 +300,15 @@ class MarlinExpertWeights:
         )
 
     def dequantize(
-        self, experts: torch.Tensor | None = None, *, max_chunk_elements: int | None = None
+        self,
+        experts: torch.Tensor | None = None,
+        *,
+        max_chunk_elements: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Dense ``float32[len(experts), K, N]`` weights (all experts when ``experts`` is None), original row order.
+        """Dense ``float32[len(experts), K, N]`` weights (all experts when ``experts`` is None), original row order;
+        written into ``out`` when it is a contiguous float32 tensor of that shape (a buffer kept between calls
+        saves the page faults of a fresh one).
 
         Works expert chunk by expert chunk so that no temporary exceeds ~``max_chunk_elements`` elements (default:
         2**26 on the CPU, 2**28 on a GPU — fewer, larger launches). Reads ``experts`` once (one device sync).
@@ -316,7 +322,9 @@ class MarlinExpertWeights:
         if max_chunk_elements is None:
             max_chunk_elements = 1 << (26 if device.type == "cpu" else 28)
         chunk = max(1, max_chunk_elements // max(1, self.size_k * self.size_n))
-        out = torch.empty((len(chosen), self.size_k, self.size_n), dtype=torch.float32, device=device)
+        shape = (len(chosen), self.size_k, self.size_n)
+        if out is None or tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
+            out = torch.empty(shape, dtype=torch.float32, device=device)
         for start in range(0, len(chosen), chunk):
             selected = chosen[start : start + chunk]
             self._dequantize_into(out[start : start + len(selected)], selected)

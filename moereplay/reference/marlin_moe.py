@@ -556,9 +556,11 @@ class _ExpertsInChunks(Sequence[torch.Tensor]):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         if self._chunk is None or not self._start <= index < self._start + self._chunk.shape[0]:
-            self._chunk = None  # free the previous chunk before making the next
+            # the next chunk overwrites the previous one's buffer (same size: no fresh pages), else replaces it
             self._start = index - index % self._per_chunk
-            self._chunk = self._weights.dequantize(self._experts[self._start : self._start + self._per_chunk])
+            self._chunk = self._weights.dequantize(
+                self._experts[self._start : self._start + self._per_chunk], out=self._chunk
+            )
         return self._chunk[index - self._start]
 
 

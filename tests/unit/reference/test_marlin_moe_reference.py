@@ -346,9 +346,11 @@ def test_a_weight_set_over_the_budget_is_dequantized_in_chunks_with_the_same_res
     calls: list[int] = []
     dequantize = MarlinExpertWeights.dequantize
 
-    def counted(self: MarlinExpertWeights, experts: torch.Tensor) -> torch.Tensor:
+    def counted(
+        self: MarlinExpertWeights, experts: torch.Tensor, **options: torch.Tensor | None
+    ) -> torch.Tensor:
         calls.append(int(experts.numel()))
-        return dequantize(self, experts)
+        return dequantize(self, experts, **options)
 
     monkeypatch.setattr(MarlinExpertWeights, "dequantize", counted)
     monkeypatch.setitem(marlin_moe.DENSE_BYTES_AT_ONCE, "cpu", 4 * K * N * 4)  # one expert per chunk
