@@ -634,9 +634,10 @@ def _expert_weights(
         yield from buffer.unbind(0)
 
 
-DENSE_ELEMENTS_AT_ONCE = {"cpu": 1 << 24, "cuda": 1 << 29}
+DENSE_ELEMENTS_AT_ONCE = {"cpu": 1 << 24, "cuda": 1 << 28}
 """Most float64 dense weight elements decoded at once, per device type (128 MB on the CPU — one gpt-oss expert of
-2880 × 5760 —, 4 GB on a GPU); a run holds at least one expert."""
+2880 × 5760 —; 2 GB on a GPU — 16 such experts, decoded in one table gather with ~2 GB of index temporaries); a run
+holds at least one expert."""
 
 
 def _decodes_by_table(w_spec: TensorSpec, weight_scale: Any, k: int) -> bool:
