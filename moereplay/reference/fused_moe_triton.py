@@ -289,10 +289,12 @@ def _topk_weight_values(topk_weights: torch.Tensor, count: int) -> torch.Tensor:
     return _strided(topk_weights, (count,), (1,), "topk_weights").to(torch.float32)
 
 
-DENSE_ELEMENTS_AT_ONCE = {"cpu": 1 << 24, "cuda": 1 << 28}
-"""Most dequantised float32 weight elements held at once, per device type (64 MB on the CPU, 1 GB on a GPU, where
-Qwen3-30B-A3B's 128 experts of 1536 × 2048 convert in two runs); experts are converted a run of consecutive ids at a
-time, never fewer than one."""
+DENSE_ELEMENTS_AT_ONCE = {"cpu": 1 << 22, "cuda": 1 << 28}
+"""Most dequantised float32 weight elements held at once, per device type; experts are converted a run of
+consecutive ids at a time, never fewer than one. On the CPU 16 MB (one Qwen3-30B-A3B expert of 1536 × 2048): a
+bigger run is a fresh mapping the allocator returns to the system each time, and its page faults cost more than the
+conversion (a run of five experts made that reference 3.5× slower). On a GPU 1 GB: Qwen3-30B-A3B's 128 experts
+convert in two launches."""
 
 
 class _Launch:
