@@ -20,7 +20,7 @@ Cases:
   format with and without biases and ``mul_topk_weights``, ``matmul_ogs`` gather/scatter/fused-scatter/split-k,
   flex scales, extreme and 0xff e8m0 scales, K not a multiple of 32, plain weights.
 
-Cost: about a minute and 2 GB on a 2-core machine (the gpt-oss-sized bundled captures dominate).
+Cost: about half a minute and 1.5 GB on a 2-core machine (the gpt-oss-sized bundled captures dominate).
 
 Usage (repository root)::
 
