@@ -215,9 +215,14 @@ def _output_shape(args: Args) -> tuple[int | None, ...]:
     ``[M, top_k, 2N]`` with the routing's top_k; vLLM's gemm2 passes ``[M, topk, K]`` with ``top_k=1`` (its A
     already has ``M · topk`` rows), so the split is C's ``shape[1]`` whenever that divides the row ids."""
     rows, width, c = num_valid_tokens(args), _size(args, "B", 1), args.get("C")
-    if rows is not None and isinstance(c, torch.Tensor) and c.dim() == 3 and c.shape[1] > 0:
-        if rows % c.shape[1] == 0:
-            return (rows // c.shape[1], int(c.shape[1]), width)
+    if (
+        rows is not None
+        and isinstance(c, torch.Tensor)
+        and c.dim() == 3
+        and c.shape[1] > 0
+        and rows % c.shape[1] == 0
+    ):
+        return (rows // c.shape[1], int(c.shape[1]), width)
     return (_size(args, "A", 0), args.get("top_k"), width)
 
 
