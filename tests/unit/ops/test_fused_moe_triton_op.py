@@ -135,7 +135,9 @@ def test_vllm_s_gemm2_output_split_is_no_contract_violation(captures: dict[str, 
     }
     assert not contract_violations(TRITON, gemm2_like, check_device=False)
     short = {**gemm2_like, "C": torch.zeros(a.shape[0] - 1, top_k, c.shape[2], dtype=c.dtype)}
-    assert ("C", "shape") in {(v.arg, v.aspect) for v in contract_violations(TRITON, short, check_device=False)}
+    assert ("C", "shape") in {
+        (v.arg, v.aspect) for v in contract_violations(TRITON, short, check_device=False)
+    }
 
 
 @pytest.mark.parametrize(
