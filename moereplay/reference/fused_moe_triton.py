@@ -378,7 +378,10 @@ def _assemble(
                 chunk = launch.weights(groups.experts[first], length)
                 for index, weight in enumerate(chunk):
                     matmul_into(outs[first + index], xs[first + index], weight.T)
-                del chunk
+                del (
+                    chunk,
+                    weight,
+                )  # the loop variable is a view too: the next run's conversion must not keep this one
         if beyond:
             raise ReferenceError_(f"expert_ids names expert {beyond[0]}; B holds {experts_of_b}")
         gemm[sorted_rows] = launch.finish(grouped, sorted_experts)

@@ -558,6 +558,9 @@ class _ExpertsInChunks(Sequence[torch.Tensor]):
         if self._chunk is None or not self._start <= index < self._start + self._chunk.shape[0]:
             # the next chunk overwrites the previous one's buffer (same size: no fresh pages), else replaces it
             self._start = index - index % self._per_chunk
+            wanted = min(self._per_chunk, len(self) - self._start)
+            if self._chunk is not None and self._chunk.shape[0] != wanted:
+                self._chunk = None  # a shorter last chunk: free the full one before allocating it
             self._chunk = self._weights.dequantize(
                 self._experts[self._start : self._start + self._per_chunk], out=self._chunk
             )

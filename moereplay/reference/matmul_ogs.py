@@ -564,9 +564,11 @@ def _gemm_stage(
     for index, (e, start, count) in enumerate(ranges):
         x_rows = host_rows[start : start + count] if host_rows is not None else None
         low, high = (
-            (int(x_rows.min()), int(x_rows.max())) if x_rows is not None else (start, start + count - 1)
+            (int(x_rows.min()), int(x_rows.max()))
+            if x_rows is not None and count
+            else (start, start + count - 1)
         )
-        if low < 0 or high >= x_t.shape[0]:
+        if count and (low < 0 or high >= x_t.shape[0]):
             raise ReferenceError_(f"expert {e} gathers x rows outside 0..{x_t.shape[0] - 1}")
         weight = next(weights)
         w_scale = _scalar(rhs_scale, e)
@@ -581,6 +583,7 @@ def _gemm_stage(
                 else torch.ones((count, 1), dtype=torch.float64, device=dev)
             )
             bias_term[start : start + count] = b[None, :] * factor
+        del weight  # a view of the decoder's run buffer: let a run of another length free it
     return gemm, bias_term
 
 
@@ -606,8 +609,10 @@ def _gathered_rows(
         for _, start, count in ranges
     ]
     safe = [piece.clamp(0, max(limit - 1, 0)) for piece in pieces]  # out-of-range rows raise before use
-    gathered = x64[torch.cat(safe).to(device)] if safe and limit else x64[:0]
-    splits = torch.split(gathered, [piece.numel() for piece in pieces]) if safe and limit else ()
+    if not safe or not limit:  # no rows to gather (a range naming rows raised before asking for them)
+        return lambda index: x64[:0]
+    gathered = x64[torch.cat(safe).to(device)]
+    splits = torch.split(gathered, [piece.numel() for piece in pieces])
     return lambda index: splits[index]
 
 

@@ -9,7 +9,7 @@ that isolate where a node's time goes:
 - ``ring-12-devwords``: as ``ring-12`` with the tag and hint words in device memory instead of host-mapped memory
   (what the stores over PCIe cost; not a usable recorder: the writer thread could not read them);
 - ``ring-12-nocheck``: as ``ring-12`` without the output's magnitude fold;
-- ``ring-12-shared``: as ``ring-12`` but run by two programs sharing the entry through the arrive/ready/done
+- ``ring-12-shared``: as ``ring-12`` but run by three programs (2,880 output elements to fold) sharing the entry through the arrive/ready/done
   handshake (what entries over ``graph_ring.ALONE_BYTES`` do), so the lone-program path's saving shows.
 
 Interleaved rounds, CUDA-event time per replay, medians; prints µs per layer call over the bare graph.
@@ -64,7 +64,7 @@ def main() -> int:
         graph = torch.cuda.CUDAGraph()
         alone = graph_ring.ALONE_BYTES
         if variant.endswith("shared"):
-            graph_ring.ALONE_BYTES = -1  # never alone: the work per program decides (two programs here)
+            graph_ring.ALONE_BYTES = -1  # never alone: the work per program decides (three programs here)
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
             for i in range(layers):
                 torch.add(inputs[i], 1.0, out=outputs[i])  # the "layer call"

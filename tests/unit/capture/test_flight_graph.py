@@ -171,6 +171,10 @@ def test_graph_replays_are_kept_and_a_nan_writes_them_up_to_the_bad_one(
         assert counters["flight_graph_triggers"] == 1 and counters["flight_graph_written"] == 4
         assert counters["flight_graph_lost"] == 0 and counters["recorder_skipped_graph_capture"] == 0
         assert counters["flight_checked"] == 1 and counters["flight_triggers"] == 0  # the eager call
+        least = sum(t.numel() * t.element_size() for t in (static, out))  # the input and output, at least
+        assert counters["flight_graph_entry_bytes"] >= least, counters
+        # the torch stand-in of the kernels runs no node programs at all
+        assert counters["flight_graph_lone"] == 0
         assert [r.context["graph_sequence"] for r in records] == [4, 5, 6, 7]
         for record, sequence in zip(records, [4, 5, 6, 7], strict=True):
             context = record.context
@@ -668,25 +672,31 @@ def test_a_graph_that_stays_bad_writes_the_trigger_budget_then_counts(
         assert [r.context["flight"]["trigger"] for r in records] == [False, False, False, True, True]
 
 
-def test_a_call_with_more_spans_than_a_node_takes_two_nodes_that_share_one_entry(monkeypatch) -> None:
+@pytest.mark.parametrize(("first_floats", "node_programs"), [(24, [1, 1]), (2048, [2, 1])])
+def test_a_call_with_more_spans_than_a_node_takes_two_nodes_that_share_one_entry(
+    monkeypatch, first_floats: int, node_programs: list[int]
+) -> None:
     # the first node reserves the entry and copies 16 spans; the second reads the published start, copies the
-    # rest, folds the output and finishes — one sequence, one tag word, the launch's cells reset for the next replay
+    # rest, folds the output and finishes — one sequence, one tag word, the launch's cells reset for the next replay.
+    # Small spans: both nodes run alone. 8 KB spans: the first node's programs share it through the arrive/ready
+    # handshake and the lone last node must reset those cells.
     monkeypatch.setattr(graph_ring, "_current_stream", lambda index: 1234)
     monkeypatch.setattr(graph_ring, "_programs", lambda index: 2)
-    ring = GraphRing(1 << 16, torch.device("cpu"), tags=8, launches=4, use_kernel=False)
+    ring = GraphRing(1 << 20, torch.device("cpu"), tags=8, launches=4, use_kernel=False)
     kernels = CapturedKernels()
     ring.kernels = kernels.launcher(record_kernel)
-    sources = [aligned(24, torch.float32) for _ in range(SPANS + 4)]
+    sources = [aligned(first_floats if i < SPANS else 24, torch.float32) for i in range(SPANS + 4)]
     sizes = [source.numel() * source.element_size() for source in sources]
-    offsets = [i * ALIGNMENT for i in range(len(sources))]
+    offsets = [sum(-(-size // ALIGNMENT) * ALIGNMENT for size in sizes[:i]) for i in range(len(sources))]
     out = sources[-1]
     spans = Spans(
         tuple(s.data_ptr() for s in sources), tuple(offsets), tuple(sizes), (out.data_ptr(), out.numel(), 3),
-        len(sources) * ALIGNMENT,
+        offsets[-1] + ALIGNMENT,
     )  # fmt: skip
-    ring.capture(1, spans, first=True)
+    assert ring.capture(1, spans, first=True) == max(node_programs)
     flags = [args[3 * SPANS + 4 : 3 * SPANS + 6] for _, _, args in kernels.graph]  # (finish, reserve)
     assert flags == [[0, 1], [1, 0]]
+    assert [programs for _, programs, _ in kernels.graph] == node_programs
     for replay in range(3):
         for i, source in enumerate(sources):
             source.fill_(float(100 * replay + i))

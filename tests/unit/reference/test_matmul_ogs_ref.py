@@ -438,6 +438,12 @@ def test_dense_without_routing() -> None:
     assert_close64(ref.output, x.double() @ w.double())
 
 
+def test_zero_rows_give_an_empty_answer() -> None:
+    # a prefill chunk can leave an expert group (or a dense call) with no rows: an empty result, not an IndexError
+    ref = reference_matmul_ogs(torch.randn(0, 16), torch.randn(16, 3), None)
+    assert ref.output.shape == (0, 3)
+
+
 def test_bad_calls_raise_reference_errors() -> None:
     experts, tokens, top_k, k, n = 2, 3, 2, 64, 8
     weight = MxWeight(experts, k, n, seed=21)
