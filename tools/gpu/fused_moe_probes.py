@@ -72,8 +72,9 @@ def effective_config(record: Any) -> dict[str, Any]:
     config = dict(record.args.get("config") or {})
     effective = {**TRITON_LAUNCH_DEFAULTS, **config}
     if record.op.endswith("gptq_awq") and not ("BLOCK_SIZE_N" in config and "BLOCK_SIZE_K" in config):
-        one_token = int(record.args["A"].shape[0]) == 1
-        effective.update({"BLOCK_SIZE_N": 32 if one_token else 64, "BLOCK_SIZE_K": 64 if one_token else 32})
+        from moereplay.ops.fused_moe_triton import wna16_default_tiles
+
+        effective.update(wna16_default_tiles(record.args))
     return effective
 
 
