@@ -67,6 +67,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     parser.add_argument("--width", type=int, default=100)
     parser.add_argument("--height", type=int, default=30)
+    parser.add_argument(
+        "--served",
+        type=Path,
+        default=None,
+        help="instead: the call browser on this capture (e.g. one a served model wrote, brought back from the GPU "
+        "machine), every call judged offline, as tui-served-browser.svg",
+    )
     options = parser.parse_args()
     out = options.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -75,6 +82,19 @@ def main() -> None:
     written: list[Path] = []
     with tempfile.TemporaryDirectory() as folder:
         os.chdir(folder)  # state (bisect logs) goes to ./moereplay-captures here, not into the repository
+        if options.served is not None:
+            written += asyncio.run(
+                shoot(
+                    MoereplayApp.for_capture(options.served.resolve(), backend="reference"),
+                    size,
+                    [("press", ["R"]), ("press", ["home"]), ("shot", "tui-served-browser")],
+                    out,
+                )
+            )
+            os.chdir(ROOT)
+            for path in written:
+                print(path)
+            return
         written += asyncio.run(
             shoot(
                 MoereplayApp.for_capture(BROWSER_CAPTURE, backend="reference"),

@@ -2,7 +2,7 @@
 #   bash tools/gpu/bench_session.sh [LAYERS] [MODES]      (default: 24 layers, "graph eager"; env ROUNDS, SETTINGS, LIMIT)
 # Eager full capture writes GBs a round: for the eager table, SETTINGS=off,flight LIMIT=400 in a call of its own.
 # serve_bench: capture off / flight recorder armed / full capture, three servers on the one GPU, interleaved rounds.
-source tools/gpu/device_setup.sh > "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
+source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
 source tools/gpu/steps.sh
 LAYERS=${1:-24}; MODES=${2:-graph eager}; M=/tmp/serve/gpt-oss-${LAYERS}l
 [ -f $M/config.json ] || step model 150 python3 tools/models/make_gpt_oss.py $M --layers $LAYERS

@@ -6,7 +6,7 @@
 # Then: the flight file's info/ls, `moereplay expand` (the real vLLM layer function re-run under capture) and
 # `moereplay run` on the regenerated kernel calls of the bad one.
 # Everything is logged to $OUT/all.log; summaries, the flight file (when small) and server log tails come back.
-source tools/gpu/device_setup.sh > "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
+source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
 source tools/gpu/steps.sh
 W=/tmp/serve; mkdir -p $W
 step models 60 python3 tools/models/make_gpt_oss.py $W/gpt-oss-bad --layers 2 --poison 0:5
@@ -30,7 +30,7 @@ calls = json.load(open("/tmp/serve/expand.json"))["calls"]
 print(" ".join("--call " + str(k) for k in calls[-1]["kernel_calls"]))')
     step run 90 bash -c "python3 -m moereplay run $W/expanded.zst $KCALLS --backend pack:$MOEREPLAY_PACK \
         --json-out $W/run.json"
-    [ $(stat -c %s "$G") -lt 15000000 ] && cp "$G" "$OUT/graph-flight.zst"
+    [ $(stat -c %s "$G") -lt 16000000 ] && cp "$G" "$OUT/graph-flight.zst"
 fi
 for d in graph limits; do cp $W/$d/summary.json "$OUT/$d-summary.json" 2>/dev/null
     tail -c 150000 $W/$d/server.log > "$OUT/$d-server.log" 2>/dev/null; done

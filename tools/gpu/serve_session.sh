@@ -1,7 +1,7 @@
 # One device call for the served-model proof (issues 13/14): carry [".kernelpack", ".servepack"], then
 #   bash tools/gpu/serve_session.sh
 # Everything is logged to $OUT/all.log; summaries, the eager capture (when small) and server log tails come back.
-source tools/gpu/device_setup.sh > "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
+source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
 source tools/gpu/steps.sh
 W=/tmp/serve; mkdir -p $W
 step glibc 5 ldd --version
@@ -20,6 +20,6 @@ print(f"served-capture fidelity: {sum(1 for b in base if b['bit_exact'])}/{len(b
 PY
 step graph_flight 150 python3 tools/gpu/serve_gpu.py --model $W/gpt-oss-bad --mode graph --capture flight --out $W/graph --prompt "the zebra runs" --requests 8
 for d in eager graph; do cp $W/$d/summary.json "$OUT/$d-summary.json" 2>/dev/null; tail -c 200000 $W/$d/server.log > "$OUT/$d-server.log" 2>/dev/null; done
-[ -n "$F" ] && [ $(stat -c %s "$F") -lt 15000000 ] && cp "$F" "$OUT/eager-capture.zst"
+[ -n "$F" ] && [ $(stat -c %s "$F") -lt 16000000 ] && cp "$F" "$OUT/eager-capture.zst"
 G=$(ls -S $W/graph/captures/*.zst 2>/dev/null | head -1); [ -n "$G" ] && python3 -m moereplay ls "$G" 2>&1 | head -30 >> "$OUT/all.log"
 tail -c 12000 "$OUT/all.log" | grep -E "^=== |fidelity|serve_gpu|layers:|counters|plugin:|log:" | tail -60

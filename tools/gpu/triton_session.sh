@@ -10,7 +10,7 @@
 # Logged to $OUT/all.log; summaries, replay reports and server log tails come back (captures only under 15 MB).
 # Env: HALVES (default "bf16 wna16"), MODEL_ARGS (more generator options, e.g. "--hidden 512 --intermediate 256
 # --experts 16" for a capture small enough to come back), BUDGET (seconds the script may take, default 585).
-source tools/gpu/device_setup.sh > "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
+source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
 source tools/gpu/steps.sh
 W=/tmp/serve; mkdir -p $W
 limit() {  # $1 seconds, or what is left of the call (at least 1: `timeout 0` would mean no limit)
@@ -76,7 +76,7 @@ half() {  # $1: name, $2: the op to replay
     step run_$1 $(limit 150) python3 -m moereplay run "$F" --op $2 --backend pack:$MOEREPLAY_PACK \
         --json-out $W/run-$1.json
     [ -f $W/run-$1.json ] && { fidelity $W/run-$1.json $2; cp $W/run-$1.json "$OUT/run-$1.json"; }
-    [ $(stat -c %s "$F") -lt 15000000 ] && cp "$F" "$OUT/$1-capture.zst"
+    [ $(stat -c %s "$F") -lt 16000000 ] && cp "$F" "$OUT/$1-capture.zst"
 }
 if [[ " ${HALVES:-bf16 wna16} " == *" bf16 "* ]]; then
 step model_bf16 $(limit 90) python3 tools/models/make_moe_gptq.py $W/qwen-bf16 --layers ${LAYERS:-2} --unquantized $MODEL_ARGS
