@@ -91,56 +91,53 @@ def main() -> None:
                     out,
                 )
             )
-            os.chdir(ROOT)
-            for path in written:
-                print(path)
-            return
-        written += asyncio.run(
-            shoot(
-                MoereplayApp.for_capture(BROWSER_CAPTURE, backend="reference"),
-                size,
-                [("press", ["R"]), ("press", ["home"]), ("shot", "tui-browser")],
-                out,
+        else:
+            written += asyncio.run(
+                shoot(
+                    MoereplayApp.for_capture(BROWSER_CAPTURE, backend="reference"),
+                    size,
+                    [("press", ["R"]), ("press", ["home"]), ("shot", "tui-browser")],
+                    out,
+                )
             )
-        )
-        written += asyncio.run(
-            shoot(
-                MoereplayApp.for_capture(CALL_CAPTURE, backend="reference"),
-                size,
-                [
-                    ("press", ["enter"]),
-                    ("call", lambda app: app.screen.add_mutation("flip mul_topk_weights")),
-                    ("call", lambda app: app.screen.add_mutation("cast topk_weights=float32")),
-                    ("press", ["r"]),
-                    ("shot", "tui-call-variants"),
-                    ("press", ["1"]),
-                    ("shot", "tui-call-arguments"),
-                    ("press", ["4", *["down"] * 3, *["right"] * 6]),
-                    ("shot", "tui-heatmap"),
-                    ("press", ["enter"]),
-                    ("shot", "tui-diff"),
-                    ("press", ["5"]),
-                    ("shot", "tui-findings"),
-                    ("press", ["question_mark"]),
-                    ("shot", "tui-help"),
-                ],
-                out,
+            written += asyncio.run(
+                shoot(
+                    MoereplayApp.for_capture(CALL_CAPTURE, backend="reference"),
+                    size,
+                    [
+                        ("press", ["enter"]),
+                        ("call", lambda app: app.screen.add_mutation("flip mul_topk_weights")),
+                        ("call", lambda app: app.screen.add_mutation("cast topk_weights=float32")),
+                        ("press", ["r"]),
+                        ("shot", "tui-call-variants"),
+                        ("press", ["1"]),
+                        ("shot", "tui-call-arguments"),
+                        ("press", ["4", *["down"] * 3, *["right"] * 6]),
+                        ("shot", "tui-heatmap"),
+                        ("press", ["enter"]),
+                        ("shot", "tui-diff"),
+                        ("press", ["5"]),
+                        ("shot", "tui-findings"),
+                        ("press", ["question_mark"]),
+                        ("shot", "tui-help"),
+                    ],
+                    out,
+                )
             )
-        )
-        written += asyncio.run(
-            shoot(
-                MoereplayApp.for_capture(CALL_CAPTURE, backend="reference"),
-                size,
-                [
-                    ("press", ["b"]),
-                    ("shot", "tui-bisect"),
-                    ("press", ["tab", "enter"]),  # enter in the call field submits the form
-                    ("press", ["p"]),
-                    ("shot", "tui-bisect-done"),
-                ],
-                out,
+            written += asyncio.run(
+                shoot(
+                    MoereplayApp.for_capture(CALL_CAPTURE, backend="reference"),
+                    size,
+                    [
+                        ("press", ["b"]),
+                        ("shot", "tui-bisect"),
+                        ("press", ["tab", "enter"]),  # enter in the call field submits the form
+                        ("press", ["p"]),
+                        ("shot", "tui-bisect-done"),
+                    ],
+                    out,
+                )
             )
-        )
         os.chdir(ROOT)
     for path in written:
         print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)

@@ -240,7 +240,7 @@ COMMON_CONTRACTS: tuple[TensorContract, ...] = (
         read_as=compute_dtype,
         host_checked=False,
         contiguous=False,
-        shape=lambda args: _output_shape(args),
+        shape=_output_shape,
         note="written as compute_type; row ids (A rows · top_k of them) addressed flat, C.stride(1) apart "
         "(checked separately)",
     ),
