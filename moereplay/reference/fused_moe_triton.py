@@ -60,7 +60,13 @@ from typing import Any
 import torch
 
 from moereplay.errors import ReferenceError_
-from moereplay.reference.expert_groups import expert_runs, group_by_expert, matmul_into
+from moereplay.reference.expert_groups import (
+    BATCHED_DEVICE_TYPES,
+    batched_matmul_into,
+    expert_runs,
+    group_by_expert,
+    matmul_into,
+)
 from moereplay.reference.marlin_moe import exact_fp32_matmul
 
 COMPUTE_TYPES: dict[str, torch.dtype] = {
@@ -179,13 +185,28 @@ def launch_rows(
 
 
 def unpack_int4_along(values: torch.Tensor, dim: int) -> torch.Tensor:
-    """Bytes holding two 4-bit codes, low nibble first, unpacked along ``dim`` (int64 codes 0..15)."""
-    data = values.to(torch.int64) & 0xFF
-    low, high = data & 0xF, (data >> 4) & 0xF
+    """Bytes holding two 4-bit codes, low nibble first, unpacked along ``dim``: codes 0..15, as ``uint8`` (one byte
+    per code: a GPU unpacks a model's experts without int64 temporaries eight times their size)."""
+    data = (
+        values.view(torch.uint8)
+        if values.element_size() == 1
+        else (values.to(torch.int64) & 0xFF).to(torch.uint8)
+    )
+    low, high = data & 0xF, data >> 4
     stacked = torch.stack((low, high), dim=dim + 1)
     shape = list(values.shape)
     shape[dim] *= 2
     return stacked.reshape(shape)
+
+
+def _grouped_last(values: torch.Tensor, group: int) -> torch.Tensor | None:
+    """``values`` (``[..., K]``) viewed as ``[..., K / group, group]``, or ``None`` when ``K`` is not a multiple of
+    ``group`` (the caller then repeats its per-group factors out to ``K``). Applying a per-group factor through
+    this view is the same arithmetic, element by element, as applying the repeated factor."""
+    k = values.shape[-1]
+    if group <= 0 or k % group or not values.is_contiguous():
+        return None
+    return values.view(*values.shape[:-1], k // group, group)
 
 
 def w8a8_weight(
@@ -196,9 +217,10 @@ def w8a8_weight(
     block_shape: tuple[int, int] | None,
     per_channel: bool,
 ) -> torch.Tensor:
-    """fp32 ``[len(experts), N, K]`` dequantised fp8/int8 weights of the given experts."""
+    """fp32 ``[len(experts), N, K]`` dequantised fp8/int8 weights of the given experts (one float32 multiply per
+    element by its scale; block scales applied through a view when the blocks tile ``N`` and ``K``)."""
     E, N, K = B.shape
-    values = B[experts].to(torch.float32)
+    values = B.index_select(0, experts).to(torch.float32)
     s = B_scale.stride()
     if block_shape is not None:
         group_n, group_k = block_shape
@@ -209,14 +231,18 @@ def w8a8_weight(
             s[2] if B_scale.dim() == 3 else 0,
         )
         scales = _strided(B_scale, (E, blocks_n, blocks_k), strides, "B_scale").to(torch.float32)[experts]
+        if N % group_n == 0 and K % group_k == 0:
+            tiles = values.view(-1, blocks_n, group_n, blocks_k, group_k)
+            tiles.mul_(scales[:, :, None, :, None])
+            return values
         scales = scales.repeat_interleave(group_n, dim=1)[:, :N].repeat_interleave(group_k, dim=2)[:, :, :K]
-        return values * scales
+        return values.mul_(scales)
     if per_channel:
         strides2 = (s[0] if B_scale.dim() >= 2 else 0, s[1] if B_scale.dim() >= 2 else 0)
         channel = _strided(B_scale, (E, N), strides2, "B_scale").to(torch.float32)[experts]
-        return values * channel[:, :, None]
+        return values.mul_(channel[:, :, None])
     tensor = _strided(B_scale, (E,), (1,), "B_scale").to(torch.float32)[experts]
-    return values * tensor[:, None, None]
+    return values.mul_(tensor[:, None, None])
 
 
 def w8a8_activation(
@@ -254,9 +280,11 @@ def wna16_weight(
     int4: bool,
     compute: torch.dtype,
 ) -> torch.Tensor:
-    """fp32 ``[len(experts), N, K]`` int4/int8 weight-only weights, rounded to ``compute`` as the kernel rounds."""
-    chosen = B[experts]
-    codes = unpack_int4_along(chosen, 2) if int4 else chosen.to(torch.int64)
+    """fp32 ``[len(experts), N, K]`` int4/int8 weight-only weights, rounded to ``compute`` as the kernel rounds.
+    Cost: the codes unpacked as bytes, one float32 pass for ``(q − zp) · scale`` (per-group factors through a view
+    when groups tile ``K``), and the rounding through ``compute``."""
+    chosen = B.index_select(0, experts)
+    codes = unpack_int4_along(chosen, 2) if int4 else chosen
     N, K = codes.shape[1], codes.shape[2]
     if group_size <= 0:
         raise ReferenceError_(f"group size {group_size} must be positive (block_shape[1])")
@@ -264,18 +292,24 @@ def wna16_weight(
     E = B.shape[0]
     s = B_scale.stride()
     scales = _strided(B_scale, (E, N, groups), (s[0], s[1], s[2]), "B_scale").to(torch.float32)[experts]
-    scales = scales.repeat_interleave(group_size, dim=2)[:, :, :K]
+    zero: torch.Tensor | float
     if B_zp is None:
-        zero: torch.Tensor | float = 8.0 if int4 else 128.0
+        zero = 8.0 if int4 else 128.0
     else:
         z = B_zp.stride()
         if int4:
             packed = _strided(B_zp, (E, -(-N // 2), groups), (z[0], z[1], z[2]), "B_zp")[experts]
-            zp_codes = unpack_int4_along(packed, 1)[:, :N]
+            zero = unpack_int4_along(packed, 1)[:, :N].to(torch.float32)
         else:
-            zp_codes = _strided(B_zp, (E, N, groups), (z[0], z[1], z[2]), "B_zp")[experts].to(torch.int64)
-        zero = zp_codes.to(torch.float32).repeat_interleave(group_size, dim=2)[:, :, :K]
-    weights = (codes.to(torch.float32) - zero) * scales
+            zero = _strided(B_zp, (E, N, groups), (z[0], z[1], z[2]), "B_zp")[experts].to(torch.float32)
+    weights = codes.to(torch.float32)
+    tiles = _grouped_last(weights, group_size)
+    if tiles is not None:
+        tiles.sub_(zero[..., None] if isinstance(zero, torch.Tensor) else zero).mul_(scales[..., None])
+    else:
+        if isinstance(zero, torch.Tensor):
+            zero = zero.repeat_interleave(group_size, dim=2)[:, :, :K]
+        weights.sub_(zero).mul_(scales.repeat_interleave(group_size, dim=2)[:, :, :K])
     return weights.to(compute).to(torch.float32)
 
 
@@ -307,6 +341,11 @@ class _Launch:
         raise NotImplementedError
 
     def weights(self, first: int, count: int) -> Sequence[torch.Tensor]:
+        raise NotImplementedError
+
+    def dense(self, experts: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[len(experts), N, K]`` dequantised weights of ``experts`` (int64 on ``B``'s device), the same
+        values :meth:`weights` gives them (element by element; the layout is the gather's)."""
         raise NotImplementedError
 
     def finish(self, grouped: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -373,15 +412,26 @@ def _assemble(
                 xs = [launch.rows(part) for part in torch.split(sorted_rows, list(groups.counts))]
             outs = torch.split(grouped, list(groups.counts))
             k = max(1, int(x_sorted.shape[1]))
-            most = DENSE_ELEMENTS_AT_ONCE.get(device.type, DENSE_ELEMENTS_AT_ONCE["cpu"]) // max(1, N * k)
-            for first, length in expert_runs(groups.experts[:within], most):
-                chunk = launch.weights(groups.experts[first], length)
-                for index, weight in enumerate(chunk):
-                    matmul_into(outs[first + index], xs[first + index], weight.T)
-                del (
-                    chunk,
-                    weight,
-                )  # the loop variable is a view too: the next run's conversion must not keep this one
+            budget = DENSE_ELEMENTS_AT_ONCE.get(device.type, DENSE_ELEMENTS_AT_ONCE["cpu"])
+            most = budget // max(1, N * k)
+            if device.type in BATCHED_DEVICE_TYPES:
+                batched_matmul_into(
+                    grouped,
+                    x_sorted.contiguous(),
+                    groups,
+                    list(range(within)),
+                    launch.dense,
+                    budget,
+                )
+            else:
+                for first, length in expert_runs(groups.experts[:within], most):
+                    chunk = launch.weights(groups.experts[first], length)
+                    for index, weight in enumerate(chunk):
+                        matmul_into(outs[first + index], xs[first + index], weight.T)
+                    del (
+                        chunk,
+                        weight,
+                    )  # the loop variable is a view too: the next run's conversion must not keep this one
         if beyond:
             raise ReferenceError_(f"expert_ids names expert {beyond[0]}; B holds {experts_of_b}")
         gemm[sorted_rows] = launch.finish(grouped, sorted_experts)
@@ -487,6 +537,9 @@ class _PlainLaunch(_Launch):
             return self.B.narrow(0, first, count).to(torch.float32).unbind(0)
         return [self.B[e].to(torch.float32) for e in range(first, first + count)]
 
+    def dense(self, experts: torch.Tensor) -> torch.Tensor:
+        return self.B.index_select(0, experts).to(torch.float32)
+
 
 class _W8A16Launch(_PlainLaunch):
     """int8 weights, the dot product times ``B_scale[e, n]`` (per output channel) afterwards."""
@@ -532,9 +585,12 @@ class _W8A8Launch(_Launch):
             self.B,
             first,
             count,
-            lambda experts: w8a8_weight(
-                self.B, self.B_scale, experts, block_shape=self.blockwise, per_channel=self.per_channel
-            ),
+            self.dense,
+        )
+
+    def dense(self, experts: torch.Tensor) -> torch.Tensor:
+        return w8a8_weight(
+            self.B, self.B_scale, experts, block_shape=self.blockwise, per_channel=self.per_channel
         )
 
 
@@ -613,17 +669,15 @@ class _WNA16Launch(_Launch):
         return self.A[rows // self.top_k].to(torch.float32)
 
     def weights(self, first: int, count: int) -> Sequence[torch.Tensor]:
-        return _one_run_or_each(
+        return _one_run_or_each(self.B, first, count, self.dense)
+
+    def dense(self, experts: torch.Tensor) -> torch.Tensor:
+        return wna16_weight(
             self.B,
-            first,
-            count,
-            lambda experts: wna16_weight(
-                self.B,
-                self.B_scale,
-                self.B_zp,
-                experts,
-                group_size=self.group_size,
-                int4=self.int4,
-                compute=self.compute,
-            ),
+            self.B_scale,
+            self.B_zp,
+            experts,
+            group_size=self.group_size,
+            int4=self.int4,
+            compute=self.compute,
         )

@@ -1,11 +1,9 @@
 """vLLM 0.25.1's Triton fused MoE kernels on a GPU against moereplay's reference (needs an H200/H100 with vLLM 0.25.1
-installed or its kernel pack in ``MOEREPLAY_PACK``). First H200 run: the bf16 and fp8 presets passed; the int4 one
-failed to launch (its config lacked ``SPLIT_K``, since fixed); the flip test expected ``corrupt`` where ``ok`` is
-right (rewritten); the capture tests through ``fused_experts`` have not run yet.
+installed or its kernel pack in ``MOEREPLAY_PACK``). The reference's speed against the kernel is measured by
+``tools/bench/reference_bench.py`` (a bench prints ratios; tests assert no timings).
 
 - each synth preset (bf16, int4/int8 weight-only with zero points, fp8 block-128 with an expert map) synthesized
   with the kernel backend, replayed baseline + BLOCK_SIZE_M / BLOCK_SIZE_N / num_warps variants: ``ok``;
-- the reference runs within 10× the kernel's time at Qwen3-30B-A3B dimensions (the issue's budget);
 - ``mul_routed_weight`` flipped: ``ok`` against the flipped call's reference, and every routed row differs from the
   baseline's (the kernel honours the flag);
 - capture fidelity through vLLM's own ``fused_experts`` (bf16, and GPTQ int4 on the Triton wna16 path): every
@@ -16,7 +14,6 @@ right (rewritten); the capture tests through ``fused_experts`` have not run yet.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -81,31 +78,6 @@ def test_flipped_routed_weight_is_honoured(tmp_path: Path) -> None:
     assert bool(written.any())
     differs = (flip.output[written].float() != base.output[written].float()).any(dim=1)
     assert bool(differs.all()), f"{int((~differs).sum())} routed rows unchanged by the flag"
-
-
-@pytest.mark.gpu
-def test_reference_within_ten_times_the_kernel(tmp_path: Path) -> None:
-    from moereplay.replay.backends import load_backend, parse_backend
-    from moereplay.replay.source import load_call
-
-    path = tmp_path / "qwen.moe.zst"
-    synthesize("qwen3-30b-a3b-bf16-w13", path, overrides=["tokens=64"], store="bytes", backend=BACKEND)
-    call = load_call(path, 0, device="cuda")
-    backend = load_backend(parse_backend(BACKEND), "cuda")
-    call.op.run(call.args, backend)  # JIT
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        call.op.run(call.args, backend)
-    torch.cuda.synchronize()
-    kernel = (time.perf_counter() - start) / 5
-    call.op.reference(call.args)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    call.op.reference(call.args)
-    torch.cuda.synchronize()
-    reference = time.perf_counter() - start
-    assert reference <= 10 * max(kernel, 1e-4), (reference, kernel)
 
 
 @pytest.mark.gpu

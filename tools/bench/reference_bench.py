@@ -9,7 +9,11 @@ Cases:
   preparation, see tests/gpu/test_marlin_reference.py);
 - ``triton-qwen3-bf16``: vLLM's Triton ``fused_moe_kernel`` at Qwen3-30B-A3B gemm1 shapes (E=128, top-8, 64 tokens,
   K=2048, N=2·768, bf16, ``BLOCK_SIZE_M`` 16) — issue 18's budget is 10× the kernel; the reference is also timed
-  with other :data:`moereplay.reference.fused_moe_triton.DENSE_ELEMENTS_AT_ONCE` run sizes (``--runs``);
+  with other :data:`moereplay.reference.fused_moe_triton.DENSE_ELEMENTS_AT_ONCE` run sizes (``--runs``) and with
+  one product per expert instead of the GPU's bucketed batched products;
+- ``triton-qwen3-int4`` and ``triton-deepseek-fp8``: the synth presets ``qwen3-30b-a3b-int4-w13`` (GPTQ int4 group
+  128 through ``fused_moe_kernel_gptq_awq``) and ``deepseek-v3-fp8-w13`` (fp8 block-128, 32 local of 256 experts
+  through an expert map) at 64 tokens, synthesized with the kernel at the start of the run (GPU only);
 - ``ogs-mxfp4-w13``: triton_kernels ``matmul_ogs`` on the bundled ``captures/ogs-mxfp4-w13-k2880.moe.zst``
   (gpt-oss-20b w13: 64 tokens, E=32, top-4, K=2880, N=5760, Hopper-swizzled MXFP4, gather, bias, swiglu).
 
@@ -137,6 +141,7 @@ class CallCase:
     name: str
     shape: str
     build: Callable[[torch.device], tuple[Any, dict[str, Any]]]
+    gpu_only: bool = False  # built with the kernel (synth presets): skipped without a GPU
 
 
 def triton_qwen3(device: torch.device) -> tuple[Any, dict[str, Any]]:
@@ -179,8 +184,47 @@ def ogs_w13(device: torch.device) -> tuple[Any, dict[str, Any]]:
     return call.op, call.args
 
 
+_SYNTHESIZED: dict[str, Path] = {}
+
+
+def synth_case(preset: str, overrides: list[str]) -> Callable[[torch.device], tuple[Any, dict[str, Any]]]:
+    """A synth preset's first call: synthesized once per run with the kernel (its outputs are the kernel's) into a
+    temporary file, then loaded on the asked device (the CPU column reads the same file)."""
+
+    def build(device: torch.device) -> tuple[Any, dict[str, Any]]:
+        import tempfile
+
+        from moereplay.replay.source import load_call
+        from moereplay.synth.build import synthesize
+
+        if preset not in _SYNTHESIZED:
+            pack = os.environ.get("MOEREPLAY_PACK")
+            path = Path(tempfile.mkdtemp(prefix="reference-bench-")) / f"{preset}.moe.zst"
+            synthesize(
+                preset, path, overrides=overrides, store="bytes",
+                backend=f"pack:{pack}" if pack else "vllm", device="cuda",
+            )  # fmt: skip
+            _SYNTHESIZED[preset] = path
+        call = load_call(_SYNTHESIZED[preset], 0, device)
+        return call.op, call.args
+
+    return build
+
+
 CALL_CASES = [
     CallCase("triton-qwen3-bf16", "[512 rows,2048]x128 x[2048,1536]", triton_qwen3),
+    CallCase(
+        "triton-qwen3-int4",
+        "[512 rows,2048]x128 x[2048,1536] g128",
+        synth_case("qwen3-30b-a3b-int4-w13", ["tokens=64"]),
+        gpu_only=True,
+    ),
+    CallCase(
+        "triton-deepseek-fp8",
+        "[512 rows,7168]x32/256 x[7168,4096]",
+        synth_case("deepseek-v3-fp8-w13", ["tokens=64"]),
+        gpu_only=True,
+    ),
     CallCase("ogs-mxfp4-w13", "[256 rows,2880]x32 x[2880,5760]", ogs_w13),
 ]
 
@@ -230,6 +274,7 @@ def measure_call(
     repeats: int,
     cpu_repeats: int,
     runs: list[int],
+    profile: bool = False,
 ) -> tuple[Row, list[str]]:
     """One :class:`CallCase`: kernel and reference wall times on the GPU (the Triton reference also at each run
     size of ``runs``), the reference on the CPU, the GPU reference against the CPU one."""
@@ -243,6 +288,8 @@ def measure_call(
         kernel = wall_ms(lambda: op.run(run_args, backend), repeats)
         reference = wall_ms(lambda: op.reference(args), max(3, repeats // 4))
         gpu_output = op.reference(args).output
+        if profile:
+            profile_call(case.name, lambda: op.reference(args), device)
         if case.name.startswith("triton") and runs:
             from moereplay.reference import fused_moe_triton
 
@@ -256,6 +303,20 @@ def measure_call(
                     )
             finally:
                 fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"] = default
+        if case.name.startswith("triton"):
+            from moereplay.reference import fused_moe_triton
+
+            batched = fused_moe_triton.BATCHED_DEVICE_TYPES
+            try:
+                fused_moe_triton.BATCHED_DEVICE_TYPES = frozenset()
+                timed = wall_ms(lambda: op.reference(args), max(3, repeats // 4))
+                loop_output = op.reference(args).output
+            finally:
+                fused_moe_triton.BATCHED_DEVICE_TYPES = batched
+            notes.append(
+                f"one product per expert (the CPU's way): ref {timed:.2f} ms = {timed / kernel:.1f}x kernel; "
+                f"batched vs per-expert {relative_error(gpu_output, loop_output)}"
+            )
         del op, args, run_args
         torch.cuda.empty_cache()
     if cpu:
@@ -360,19 +421,25 @@ def measure(case: Case, device: torch.device, *, gpu: bool, cpu: bool, repeats: 
 
 
 def profile_reference(case: Case, device: torch.device) -> None:
-    """Where one reference call spends its time: the top ops by device (GPU) or CPU time."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """Where one Marlin reference call spends its time (:func:`profile_call`)."""
     args = build_call(case, device)
     reference_moe_wna16_marlin_gemm(**args)  # warm-up
+    profile_call(case.name, lambda: reference_moe_wna16_marlin_gemm(**args), device)
+
+
+def profile_call(name: str, fn: Callable[[], object], device: torch.device) -> None:
+    """Where one call of ``fn`` (already warmed up) spends its time: the top ops by device time, and by host
+    time (a host-bound reference shows launches, not kernels, on top)."""
+    from torch.profiler import ProfilerActivity, profile
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        reference_moe_wna16_marlin_gemm(**args)
+        fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(f"--- {case.name}: reference profile ({key})")
-    print(prof.key_averages().table(sort_by=key, row_limit=12))
+    for key in (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
+        print(f"--- {name}: reference profile ({key})")
+        print(prof.key_averages().table(sort_by=key, row_limit=14))
 
 
 def _cell(value: float | None, width: int, digits: int = 3) -> str:
@@ -441,6 +508,11 @@ def main() -> int:
             flush=True,
         )
     for call_case in chosen_calls:
+        if call_case.gpu_only and why_not is not None:
+            print(
+                f"{call_case.name:<17} skipped: its call is synthesized with the kernel, and there is no GPU"
+            )
+            continue
         row, notes = measure_call(
             call_case,
             device,
@@ -449,6 +521,7 @@ def main() -> int:
             repeats=options.repeats,
             cpu_repeats=options.cpu_repeats,
             runs=runs,
+            profile=options.profile,
         )
         print(
             f"{call_case.name:<17} {call_case.shape:<32} {_cell(row.kernel, 9)} {_cell(row.reference, 8, 2)} "

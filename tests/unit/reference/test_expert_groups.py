@@ -107,3 +107,44 @@ def test_triton_gemm_is_a_per_expert_loop_bit_for_bit(
     )
     assert torch.equal(result.gemm, _naive_triton(kwargs, ids))
     assert torch.equal(result.output, result.gemm * weights.reshape(-1, 1))
+
+
+def test_row_buckets_pad_to_powers_of_two() -> None:
+    assert expert_groups.row_buckets((1, 2, 3, 4, 5, 0, 8, 9)) == {
+        1: [0],
+        2: [1],
+        4: [2, 3],
+        8: [4, 6],
+        16: [7],
+    }
+    assert expert_groups.row_buckets(()) == {}
+
+
+@pytest.mark.parametrize("most", [1, 2, 1 << 30])
+def test_batched_products_match_the_loop_to_float32_rounding(most: int) -> None:
+    """Each group's rows against its own expert only; padding rows dropped; groups not asked for left alone;
+    runs of 1, 2 or all experts per bucket product."""
+    gen = torch.Generator().manual_seed(most)
+    k, n = 37, 13
+    expert = torch.tensor([4, 0, 4, 2, 2, 2, 5, 4, 0, 4, 4, 1])
+    groups = group_by_expert(expert)
+    x = torch.randn(expert.numel(), k, generator=gen)  # already in group order
+    weights = torch.randn(6, n, k, generator=gen)
+    out = torch.full((expert.numel(), n), float("nan"))
+    skipped = groups.experts.index(5)
+    members = [i for i in range(len(groups.experts)) if i != skipped]
+    asked: list[list[int]] = []
+
+    def weights_of(experts: torch.Tensor) -> torch.Tensor:
+        asked.append(experts.tolist())
+        return weights[experts]
+
+    expert_groups.batched_matmul_into(out, x, groups, members, weights_of, most * n * k)
+    for index, e in enumerate(groups.experts):
+        rows = slice(groups.starts[index], groups.starts[index] + groups.counts[index])
+        if index == skipped:
+            assert torch.isnan(out[rows]).all()
+            continue
+        torch.testing.assert_close(out[rows], x[rows] @ weights[e].T, rtol=1e-6, atol=1e-5)
+    assert sorted(e for part in asked for e in part) == sorted(groups.experts[i] for i in members)
+    assert max(len(part) for part in asked) <= most

@@ -1,5 +1,6 @@
 """The Triton fused MoE reference against a naive per-(token, slot) torch computation written independently:
-explicit nibble loops for int4, scale lookups by index arithmetic, one expert row at a time."""
+explicit nibble loops for int4, scale lookups by index arithmetic, one expert row at a time. Every test runs both
+ways the reference multiplies: one product per expert (the CPU's) and bucketed batched products (a GPU's)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from moereplay.errors import ReferenceError_
+from moereplay.reference import fused_moe_triton
 from moereplay.reference.fused_moe_triton import (
     reference_fused_moe_kernel,
     reference_fused_moe_kernel_gptq_awq,
@@ -16,6 +18,15 @@ from moereplay.reference.fused_moe_triton import (
 from moereplay.reference.moe_align import moe_align_block_size
 
 TOKENS, EXPERTS, TOP_K, N, K = 5, 6, 2, 32, 64
+
+
+@pytest.fixture(autouse=True, params=["per-expert", "batched"])
+def product_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The CPU takes the batched path too when asked (small runs: several buckets and parts per launch)."""
+    if request.param == "batched":
+        monkeypatch.setattr(fused_moe_triton, "BATCHED_DEVICE_TYPES", frozenset({"cpu"}))
+        monkeypatch.setitem(fused_moe_triton.DENSE_ELEMENTS_AT_ONCE, "cpu", 2 * N * K)
+    return str(request.param)
 
 
 def routing(seed: int = 0, expert_map: torch.Tensor | None = None, block: int = 16) -> dict[str, Any]:
