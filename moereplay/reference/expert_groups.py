@@ -16,7 +16,7 @@ allocations (:func:`matmul_into`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,14 +96,39 @@ at about 23 µs of host time each — and 1.0 ms as bucketed ``W_e · x_eᵀ`` b
 (``tools/bench/expert_matmul_bench.py``). The CPU keeps the per-expert loop: its bits are the recorded snapshots'."""
 
 
+SMALL_GROUP_ROWS = 16
+"""Groups of at most this many rows share one bucket, padded to the largest of them: a product of that few rows
+reads each float32 weight for at most 32 flops (16 multiply-adds), below the flops an H200 can do per byte it
+reads (about 14 per byte in float32), so the padding costs no time and the decode-shaped calls become one product
+over the experts in ascending order (their weights converted in runs of consecutive ids)."""
+
+
 def row_buckets(counts: tuple[int, ...]) -> dict[int, list[int]]:
-    """Group indices by padded row count: a group of ``c`` rows goes to the bucket of the next power of two ≥ ``c``
-    (at most 2× the rows a bucket's product computes; at most ``log2(max count) + 1`` buckets)."""
+    """Group indices by padded row count: groups of at most :data:`SMALL_GROUP_ROWS` rows in one bucket padded to
+    the largest of them, a larger group of ``c`` rows in the bucket of the next power of two ≥ ``c`` (at most 2×
+    its rows; at most ``log2(max count)`` such buckets). Empty groups are left out."""
     buckets: dict[int, list[int]] = {}
+    small = [i for i, count in enumerate(counts) if 0 < count <= SMALL_GROUP_ROWS]
+    if small:
+        buckets[max(counts[i] for i in small)] = small
     for index, count in enumerate(counts):
-        if count > 0:
+        if count > SMALL_GROUP_ROWS:
             buckets.setdefault(1 << (count - 1).bit_length(), []).append(index)
     return dict(sorted(buckets.items()))
+
+
+def gather_experts(
+    source: torch.Tensor, experts: Sequence[int], dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``source[experts]`` along dimension 0 as a fresh contiguous tensor of ``dtype`` (default ``source``'s): one
+    copy — converting as it copies — per run of consecutive ids, so a float32 conversion of stored weights is one
+    pass over them, with no gathered copy in their own dtype first (a byte-wide gather of fp8 or int8 weights is
+    slow on a GPU). Cost: ``len(experts)`` elements written, one launch per run."""
+    out = torch.empty((len(experts), *source.shape[1:]), dtype=dtype or source.dtype, device=source.device)
+    ids = tuple(int(e) for e in experts)
+    for first, length in expert_runs(ids, max(1, len(ids))):
+        out.narrow(0, first, length).copy_(source.narrow(0, ids[first], length))
+    return out
 
 
 def batched_matmul_into(
@@ -111,13 +136,13 @@ def batched_matmul_into(
     x: torch.Tensor,
     groups: ExpertGroups,
     members: list[int],
-    weights_of: Callable[[torch.Tensor], torch.Tensor],
+    weights_of: Callable[[tuple[int, ...]], torch.Tensor],
     most_elements: int,
 ) -> None:
     """``out[rows of g] = x[rows of g] @ W[e_g]ᵀ`` for the groups ``members`` (indices into ``groups.experts``;
     ``out`` and ``x`` hold the rows in group order, ``groups.starts``), one ``torch.bmm`` per bucket of groups of
-    similar row counts (:func:`row_buckets`) zero-padded to the bucket's size. ``weights_of(experts)`` (int64 on
-    ``x``'s device) gives the ``[G, N, K]`` float weights, at most ``most_elements`` elements of them at a time.
+    similar row counts (:func:`row_buckets`) zero-padded to the bucket's size. ``weights_of(experts)`` (expert ids,
+    ascending) gives the ``[G, N, K]`` float weights, at most ``most_elements`` elements of them at a time.
 
     The product is taken as ``W · x_paddedᵀ`` (``[G, N, pad]``): batched skinny products in that orientation run
     at about three times the speed of ``x · Wᵀ`` on an H200. Every row is still its own float32 dot products
@@ -128,12 +153,15 @@ def batched_matmul_into(
     device = x.device
     rows, k = int(x.shape[0]), int(x.shape[1])
     n = int(out.shape[1])
-    padded_x = torch.cat((x, x.new_zeros(1, k)))  # row ``rows`` is the zero padding
     counts = torch.tensor(groups.counts, dtype=torch.long)
     starts = torch.tensor(groups.starts, dtype=torch.long)
     wanted = set(members)
     chosen = row_buckets(tuple(c if i in wanted else 0 for i, c in enumerate(groups.counts)))
     most = max(1, most_elements // max(1, k * n))
+    # every part's index vectors on the host first, then one host-to-device copy (a copy from pageable memory
+    # waits for the device: one per part would serialise the host's planning with the products)
+    plans: list[tuple[int, int, int, tuple[int, ...]]] = []  # (pad, source elements, valid rows, experts)
+    pieces: list[torch.Tensor] = []
     for pad, bucket in chosen.items():
         for first in range(0, len(bucket), most):
             part = torch.tensor(bucket[first : first + most], dtype=torch.long)
@@ -141,12 +169,21 @@ def batched_matmul_into(
             valid = slot[None, :] < counts[part][:, None]  # [G, pad]
             source = torch.where(valid, starts[part][:, None] + slot[None, :], rows).reshape(-1)
             flat_valid = valid.reshape(-1).nonzero().reshape(-1)
-            experts = torch.tensor(groups.experts, dtype=torch.long)[part]
-            packed = torch.cat((source, flat_valid, source[flat_valid], experts)).to(device)
-            total, live = source.numel(), flat_valid.numel()
-            source_d, valid_d = packed[:total], packed[total : total + live]
-            target_d, experts_d = packed[total + live : total + 2 * live], packed[total + 2 * live :]
-            activations = padded_x.index_select(0, source_d).view(-1, pad, k)
-            product = torch.bmm(weights_of(experts_d), activations.transpose(1, 2))  # [G, N, pad]
-            out.index_copy_(0, target_d, product.transpose(1, 2).reshape(-1, n).index_select(0, valid_d))
-            del product
+            pieces += [source, flat_valid, source[flat_valid]]
+            plans.append(
+                (pad, source.numel(), flat_valid.numel(), tuple(groups.experts[i] for i in part.tolist()))
+            )
+    if not plans:
+        return
+    on_device = torch.cat(pieces).to(device)
+    padded_x = torch.cat((x, x.new_zeros(1, k)))  # row ``rows`` is the zero padding
+    at = 0
+    for pad, total, live, experts in plans:
+        source_d = on_device[at : at + total]
+        valid_d = on_device[at + total : at + total + live]
+        target_d = on_device[at + total + live : at + total + 2 * live]
+        at += total + 2 * live
+        activations = padded_x.index_select(0, source_d).view(-1, pad, k)
+        product = torch.bmm(weights_of(experts), activations.transpose(1, 2))  # [G, N, pad]
+        out.index_copy_(0, target_d, product.transpose(1, 2).reshape(-1, n).index_select(0, valid_d))
+        del product

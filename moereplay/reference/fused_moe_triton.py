@@ -64,6 +64,7 @@ from moereplay.reference.expert_groups import (
     BATCHED_DEVICE_TYPES,
     batched_matmul_into,
     expert_runs,
+    gather_experts,
     group_by_expert,
     matmul_into,
 )
@@ -212,7 +213,7 @@ def _grouped_last(values: torch.Tensor, group: int) -> torch.Tensor | None:
 def w8a8_weight(
     B: torch.Tensor,
     B_scale: torch.Tensor,
-    experts: torch.Tensor,
+    experts: Sequence[int],
     *,
     block_shape: tuple[int, int] | None,
     per_channel: bool,
@@ -220,7 +221,7 @@ def w8a8_weight(
     """fp32 ``[len(experts), N, K]`` dequantised fp8/int8 weights of the given experts (one float32 multiply per
     element by its scale; block scales applied through a view when the blocks tile ``N`` and ``K``)."""
     E, N, K = B.shape
-    values = B.index_select(0, experts).to(torch.float32)
+    values = gather_experts(B, experts, torch.float32)
     s = B_scale.stride()
     if block_shape is not None:
         group_n, group_k = block_shape
@@ -230,7 +231,9 @@ def w8a8_weight(
             s[1] if B_scale.dim() >= 2 else 0,
             s[2] if B_scale.dim() == 3 else 0,
         )
-        scales = _strided(B_scale, (E, blocks_n, blocks_k), strides, "B_scale").to(torch.float32)[experts]
+        scales = gather_experts(
+            _strided(B_scale, (E, blocks_n, blocks_k), strides, "B_scale"), experts, torch.float32
+        )
         if N % group_n == 0 and K % group_k == 0:
             tiles = values.view(-1, blocks_n, group_n, blocks_k, group_k)
             tiles.mul_(scales[:, :, None, :, None])
@@ -239,9 +242,9 @@ def w8a8_weight(
         return values.mul_(scales)
     if per_channel:
         strides2 = (s[0] if B_scale.dim() >= 2 else 0, s[1] if B_scale.dim() >= 2 else 0)
-        channel = _strided(B_scale, (E, N), strides2, "B_scale").to(torch.float32)[experts]
+        channel = gather_experts(_strided(B_scale, (E, N), strides2, "B_scale"), experts, torch.float32)
         return values.mul_(channel[:, :, None])
-    tensor = _strided(B_scale, (E,), (1,), "B_scale").to(torch.float32)[experts]
+    tensor = gather_experts(_strided(B_scale, (E,), (1,), "B_scale"), experts, torch.float32)
     return values.mul_(tensor[:, None, None])
 
 
@@ -274,7 +277,7 @@ def wna16_weight(
     B: torch.Tensor,
     B_scale: torch.Tensor,
     B_zp: torch.Tensor | None,
-    experts: torch.Tensor,
+    experts: Sequence[int],
     *,
     group_size: int,
     int4: bool,
@@ -283,7 +286,7 @@ def wna16_weight(
     """fp32 ``[len(experts), N, K]`` int4/int8 weight-only weights, rounded to ``compute`` as the kernel rounds.
     Cost: the codes unpacked as bytes, one float32 pass for ``(q − zp) · scale`` (per-group factors through a view
     when groups tile ``K``), and the rounding through ``compute``."""
-    chosen = B.index_select(0, experts)
+    chosen = gather_experts(B, experts)
     codes = unpack_int4_along(chosen, 2) if int4 else chosen
     N, K = codes.shape[1], codes.shape[2]
     if group_size <= 0:
@@ -291,17 +294,23 @@ def wna16_weight(
     groups = -(-K // group_size)
     E = B.shape[0]
     s = B_scale.stride()
-    scales = _strided(B_scale, (E, N, groups), (s[0], s[1], s[2]), "B_scale").to(torch.float32)[experts]
+    scales = gather_experts(
+        _strided(B_scale, (E, N, groups), (s[0], s[1], s[2]), "B_scale"), experts, torch.float32
+    )
     zero: torch.Tensor | float
     if B_zp is None:
         zero = 8.0 if int4 else 128.0
     else:
         z = B_zp.stride()
         if int4:
-            packed = _strided(B_zp, (E, -(-N // 2), groups), (z[0], z[1], z[2]), "B_zp")[experts]
+            packed = gather_experts(
+                _strided(B_zp, (E, -(-N // 2), groups), (z[0], z[1], z[2]), "B_zp"), experts
+            )
             zero = unpack_int4_along(packed, 1)[:, :N].to(torch.float32)
         else:
-            zero = _strided(B_zp, (E, N, groups), (z[0], z[1], z[2]), "B_zp")[experts].to(torch.float32)
+            zero = gather_experts(
+                _strided(B_zp, (E, N, groups), (z[0], z[1], z[2]), "B_zp"), experts, torch.float32
+            )
     weights = codes.to(torch.float32)
     tiles = _grouped_last(weights, group_size)
     if tiles is not None:
@@ -343,9 +352,9 @@ class _Launch:
     def weights(self, first: int, count: int) -> Sequence[torch.Tensor]:
         raise NotImplementedError
 
-    def dense(self, experts: torch.Tensor) -> torch.Tensor:
-        """fp32 ``[len(experts), N, K]`` dequantised weights of ``experts`` (int64 on ``B``'s device), the same
-        values :meth:`weights` gives them (element by element; the layout is the gather's)."""
+    def dense(self, experts: Sequence[int]) -> torch.Tensor:
+        """fp32 ``[len(experts), N, K]`` dequantised weights of ``experts`` (ids), the same values :meth:`weights`
+        gives them (element by element), contiguous."""
         raise NotImplementedError
 
     def finish(self, grouped: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -406,25 +415,18 @@ def _assemble(
         grouped = torch.empty(live, N, dtype=torch.float32, device=device)
         with exact_fp32_matmul():
             x_sorted = launch.rows(sorted_rows)
-            xs: Sequence[torch.Tensor] = torch.split(x_sorted, list(groups.counts))
-            if not x_sorted.is_contiguous():
-                # a strided A gathers into a layout that depends on the row count: gather expert by expert
-                xs = [launch.rows(part) for part in torch.split(sorted_rows, list(groups.counts))]
-            outs = torch.split(grouped, list(groups.counts))
             k = max(1, int(x_sorted.shape[1]))
             budget = DENSE_ELEMENTS_AT_ONCE.get(device.type, DENSE_ELEMENTS_AT_ONCE["cpu"])
-            most = budget // max(1, N * k)
             if device.type in BATCHED_DEVICE_TYPES:
-                batched_matmul_into(
-                    grouped,
-                    x_sorted.contiguous(),
-                    groups,
-                    list(range(within)),
-                    launch.dense,
-                    budget,
-                )
+                members = list(range(within))
+                batched_matmul_into(grouped, x_sorted.contiguous(), groups, members, launch.dense, budget)
             else:
-                for first, length in expert_runs(groups.experts[:within], most):
+                xs: Sequence[torch.Tensor] = torch.split(x_sorted, list(groups.counts))
+                if not x_sorted.is_contiguous():
+                    # a strided A gathers into a layout that depends on the row count: gather expert by expert
+                    xs = [launch.rows(part) for part in torch.split(sorted_rows, list(groups.counts))]
+                outs = torch.split(grouped, list(groups.counts))
+                for first, length in expert_runs(groups.experts[:within], budget // max(1, N * k)):
                     chunk = launch.weights(groups.experts[first], length)
                     for index, weight in enumerate(chunk):
                         matmul_into(outs[first + index], xs[first + index], weight.T)
@@ -537,8 +539,8 @@ class _PlainLaunch(_Launch):
             return self.B.narrow(0, first, count).to(torch.float32).unbind(0)
         return [self.B[e].to(torch.float32) for e in range(first, first + count)]
 
-    def dense(self, experts: torch.Tensor) -> torch.Tensor:
-        return self.B.index_select(0, experts).to(torch.float32)
+    def dense(self, experts: Sequence[int]) -> torch.Tensor:
+        return gather_experts(self.B, experts, torch.float32)
 
 
 class _W8A16Launch(_PlainLaunch):
@@ -588,20 +590,20 @@ class _W8A8Launch(_Launch):
             self.dense,
         )
 
-    def dense(self, experts: torch.Tensor) -> torch.Tensor:
+    def dense(self, experts: Sequence[int]) -> torch.Tensor:
         return w8a8_weight(
             self.B, self.B_scale, experts, block_shape=self.blockwise, per_channel=self.per_channel
         )
 
 
 def _one_run_or_each(
-    B: torch.Tensor, first: int, count: int, dequantize: Callable[[torch.Tensor], torch.Tensor]
+    B: torch.Tensor, first: int, count: int, dequantize: Callable[[Sequence[int]], torch.Tensor]
 ) -> Sequence[torch.Tensor]:
     """The dequantised experts ``first … first + count - 1``: one call for the run when ``B`` is contiguous (every
     expert's matrix then comes out contiguous, as alone), else one call per expert."""
     if B.is_contiguous():
-        return dequantize(torch.arange(first, first + count, device=B.device)).unbind(0)
-    return [dequantize(torch.tensor([e], device=B.device))[0] for e in range(first, first + count)]
+        return dequantize(range(first, first + count)).unbind(0)
+    return [dequantize((e,))[0] for e in range(first, first + count)]
 
 
 def reference_fused_moe_kernel_gptq_awq(
@@ -671,7 +673,7 @@ class _WNA16Launch(_Launch):
     def weights(self, first: int, count: int) -> Sequence[torch.Tensor]:
         return _one_run_or_each(self.B, first, count, self.dense)
 
-    def dense(self, experts: torch.Tensor) -> torch.Tensor:
+    def dense(self, experts: Sequence[int]) -> torch.Tensor:
         return wna16_weight(
             self.B,
             self.B_scale,

@@ -109,24 +109,33 @@ def test_triton_gemm_is_a_per_expert_loop_bit_for_bit(
     assert torch.equal(result.output, result.gemm * weights.reshape(-1, 1))
 
 
-def test_row_buckets_pad_to_powers_of_two() -> None:
-    assert expert_groups.row_buckets((1, 2, 3, 4, 5, 0, 8, 9)) == {
-        1: [0],
-        2: [1],
-        4: [2, 3],
-        8: [4, 6],
-        16: [7],
-    }
+def test_row_buckets_share_one_for_small_groups_and_powers_of_two_above() -> None:
+    small = expert_groups.SMALL_GROUP_ROWS
+    assert expert_groups.row_buckets((1, 2, 3, 0, 9)) == {9: [0, 1, 2, 4]}
+    counts = (1, small + 1, 3, 4 * small, 2 * small, 0, 2 * small + 1)
+    assert expert_groups.row_buckets(counts) == {
+        3: [0, 2], 2 * small: [1, 4], 4 * small: [3, 6],
+    }  # fmt: skip
     assert expert_groups.row_buckets(()) == {}
+
+
+def test_gather_experts_copies_runs_converting() -> None:
+    source = torch.arange(7 * 3 * 2, dtype=torch.int8).view(7, 3, 2)
+    for experts in ([4, 5, 6, 0, 2, 3], [], [1]):
+        got = expert_groups.gather_experts(source, experts, torch.float32)
+        assert got.dtype == torch.float32 and got.is_contiguous()
+        assert torch.equal(got, source[torch.tensor(experts, dtype=torch.long)].to(torch.float32))
+    strided = source.transpose(1, 2)
+    assert torch.equal(expert_groups.gather_experts(strided, [3, 4]), strided[3:5])
 
 
 @pytest.mark.parametrize("most", [1, 2, 1 << 30])
 def test_batched_products_match_the_loop_to_float32_rounding(most: int) -> None:
     """Each group's rows against its own expert only; padding rows dropped; groups not asked for left alone;
-    runs of 1, 2 or all experts per bucket product."""
+    a small-groups bucket and a power-of-two one; runs of 1, 2 or all experts per bucket product."""
     gen = torch.Generator().manual_seed(most)
     k, n = 37, 13
-    expert = torch.tensor([4, 0, 4, 2, 2, 2, 5, 4, 0, 4, 4, 1])
+    expert = torch.tensor([4, 0, 4, 2, 2, 2, 5, 4, 0, 4, 4, 1] + [3] * (expert_groups.SMALL_GROUP_ROWS + 4))
     groups = group_by_expert(expert)
     x = torch.randn(expert.numel(), k, generator=gen)  # already in group order
     weights = torch.randn(6, n, k, generator=gen)
@@ -135,9 +144,9 @@ def test_batched_products_match_the_loop_to_float32_rounding(most: int) -> None:
     members = [i for i in range(len(groups.experts)) if i != skipped]
     asked: list[list[int]] = []
 
-    def weights_of(experts: torch.Tensor) -> torch.Tensor:
-        asked.append(experts.tolist())
-        return weights[experts]
+    def weights_of(experts: tuple[int, ...]) -> torch.Tensor:
+        asked.append(list(experts))
+        return weights[list(experts)]
 
     expert_groups.batched_matmul_into(out, x, groups, members, weights_of, most * n * k)
     for index, e in enumerate(groups.experts):
