@@ -15,7 +15,7 @@ Cost: at worst O(n²) probes for n mutations, typically O(k log n) for a k-eleme
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
@@ -102,8 +102,9 @@ class MutationSearch(Search[SubsetProbe[T], MutationResult], Generic[T]):
         target: Signature | None = None,
         match: SignatureMatch = SignatureMatch.KINDS,
         check_others: bool = True,
+        settings: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(target=target, match=match)
+        super().__init__(target=target, match=match, settings=settings)
         if not mutations:
             raise BisectError("no mutations to minimise")
         if labels is not None and len(labels) != len(mutations):

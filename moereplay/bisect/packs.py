@@ -9,7 +9,7 @@ where *this* change happened, whether it is a regression (good → bad) or a fix
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
@@ -86,8 +86,9 @@ class PackSearch(Search[ItemProbe[T], PackResult], Generic[T]):
         *,
         labels: Sequence[str] | None = None,
         match: SignatureMatch = SignatureMatch.KINDS,
+        settings: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(target=None, match=match)
+        super().__init__(target=None, match=match, settings=settings)
         if len(packs) < 2:
             raise BisectError("comparing packs needs at least two")
         if labels is not None and len(labels) != len(packs):

@@ -12,6 +12,7 @@ line. Heavy modules (the capture reader, torch, the engine) are imported only wh
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -332,6 +333,15 @@ class ReplayWiring:
         self._shapes = shapes
         self._replay_options = dict(replay_options or {})
 
+    def _settings(self, **settings: Any) -> dict[str, Any]:
+        """A search's settings (:attr:`~moereplay.bisect.search.Search.settings`): what its predicate's answers depend
+        on beyond the search — given per strategy — and the replay options when the default judge is used."""
+        if self._judge is None and self._replay_options:
+            settings["replay_options"] = json.loads(
+                json.dumps(self._replay_options, default=repr, sort_keys=True)
+            )
+        return settings
+
     def prepare(self, request: BisectRequest) -> Prepared:
         judge = (
             self._judge if self._judge is not None else replay_judge(request.capture, **self._replay_options)
@@ -407,6 +417,7 @@ class ReplayWiring:
             known_good=good,
             known_bad=bad,
             match=request.match,
+            settings=self._settings(mutations=list(request.mutations), backend=request.backend or "auto"),
         )
         always = request.mutations
         if always and isinstance(judge, ReplayJudge):
@@ -428,7 +439,11 @@ class ReplayWiring:
                 judge.variant(call, [spec])  # a typo must stop here, not turn every probe unresolved
         if not candidates:
             raise BisectError("--strategy mutations needs candidate mutations (--mutations 'flip ARG' …)")
-        search = MutationSearch(list(candidates), match=request.match)
+        search = MutationSearch(
+            list(candidates),
+            match=request.match,
+            settings=self._settings(call=call, backend=request.backend or "auto"),
+        )
         backend = request.backend
 
         def predicate(probe: SubsetProbe[str]) -> Observation:
@@ -441,7 +456,17 @@ class ReplayWiring:
         if always and isinstance(judge, ReplayJudge):
             judge.variant(call, always)
         labels = [Path(pack).name or pack for pack in request.packs]
-        search = PackSearch(list(request.packs), labels=labels, match=request.match)
+        search = PackSearch(
+            list(request.packs),
+            labels=labels,
+            match=request.match,
+            # the labels are the directories' names only; two folders may hold packs of one name
+            settings=self._settings(
+                call=call,
+                mutations=list(always),
+                packs=[str(Path(pack).expanduser().resolve()) for pack in request.packs],
+            ),
+        )
 
         def predicate(probe: ItemProbe[str]) -> Observation:
             return judge(call, always, f"pack:{probe.item}", None)
@@ -466,7 +491,12 @@ class ReplayWiring:
         always = request.mutations
         if always and isinstance(judge, ReplayJudge):
             judge.variant(call, always)
-        search = ShapeSearch(dimensions, legal=legal, match=request.match)
+        search = ShapeSearch(
+            dimensions,
+            legal=legal,
+            match=request.match,
+            settings=self._settings(call=call, mutations=list(always), backend=request.backend or "auto"),
+        )
         backend = request.backend
 
         def predicate(probe: ShapeProbe) -> Observation:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from moereplay.bisect.errors import BisectError
 from moereplay.bisect.observation import Observation, Outcome, Signature, SignatureMatch, classify
-from moereplay.bisect.probes import Probe
+from moereplay.bisect.probes import Probe, key_json
 from moereplay.errors import InvalidMutationError, ReferenceError_
 
 
@@ -55,13 +55,22 @@ class Search(abc.ABC, Generic[P, R]):
 
     ``target`` is the signature of the bug being hunted (``None``: adopt the signature of the first failure the
     search confirms at its starting point). ``match`` says how closely another failure must resemble it.
+    ``settings``: what else decides the answer but lies outside the search — how its predicate judges a probe (the
+    call, mutations applied to every probe, the backend …), as JSON data. The search never reads them; they are part
+    of :meth:`config`, so a session log resumes only under equal settings.
     """
 
     kind: ClassVar[str]
 
-    def __init__(self, *, target: Signature | None, match: SignatureMatch) -> None:
+    def __init__(
+        self, *, target: Signature | None, match: SignatureMatch, settings: Mapping[str, Any] | None = None
+    ) -> None:
         self._target = target
         self.match = match
+        try:
+            self.settings: dict[str, Any] = key_json(dict(settings or {}))
+        except (TypeError, ValueError) as error:
+            raise BisectError(f"search settings must be JSON data: {error}") from error
         self._initial_target = target
         self._cache: dict[Hashable, Observation] = {}
         self._generator: Asking[P, R] | None = None
@@ -123,13 +132,18 @@ class Search(abc.ABC, Generic[P, R]):
     # ---------------------------------------------------------------------------------------------- configuration
 
     def config(self) -> dict[str, Any]:
-        """JSON-able description of the search as constructed; a resumed log must have been written for an equal one."""
-        return {
+        """JSON-able description of the search as constructed and its :attr:`settings`; a resumed log must have been
+        written for an equal one."""
+        own = {
             "strategy": self.kind,
             "target": None if self._initial_target is None else self._initial_target.to_json(),
             "match": self.match.value,
             **self._config(),
         }
+        clashing = sorted(set(own) & set(self.settings))
+        if clashing:
+            raise BisectError(f"search settings may not redefine {', '.join(clashing)}")
+        return {**own, **self.settings}
 
     @abc.abstractmethod
     def _config(self) -> dict[str, Any]:

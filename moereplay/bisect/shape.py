@@ -337,8 +337,9 @@ class ShapeSearch(Search[ShapeProbe, ShapeResult]):
         target: Signature | None = None,
         match: SignatureMatch = SignatureMatch.KINDS,
         max_rounds: int = 8,
+        settings: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(target=target, match=match)
+        super().__init__(target=target, match=match, settings=settings)
         dimensions = [Dimension.of(dimension) for dimension in dimensions]
         if not dimensions:
             raise BisectError("no dimensions to shrink")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
@@ -89,10 +89,11 @@ class FirstBadSearch(Search[ItemProbe[T], FirstBadResult], Generic[T]):
         match: SignatureMatch = SignatureMatch.KINDS,
         numbers: Sequence[int] | None = None,
         noun: str = "item",
+        settings: Mapping[str, Any] | None = None,
     ) -> None:
         """``numbers``: each item's number as the person typed it (a capture's call numbers; default the positions),
         used with ``noun`` ("call") in progress and result messages; ``known_good`` / ``known_bad`` stay positions."""
-        super().__init__(target=target, match=match)
+        super().__init__(target=target, match=match, settings=settings)
         if not items:
             raise BisectError("the stream to bisect is empty")
         if labels is not None and len(labels) != len(items):

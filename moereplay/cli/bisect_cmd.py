@@ -143,7 +143,7 @@ def bisect_command(
     if log_path.exists() and not fresh:
         session: Session[Any, Any] = Session.resume(prepared.search, log_path, prepared.predicate)
         resumed = len(session.steps)
-        _note(f"resuming {log_path} ({resumed} steps recorded)")
+        _note(f"resuming {log_path} ({resumed} step{'' if resumed == 1 else 's'} recorded)")
     else:
         session = Session(
             prepared.search, prepared.predicate, log_path=log_path, capture=str(file), overwrite=fresh

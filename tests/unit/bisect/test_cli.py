@@ -308,3 +308,69 @@ def test_on_a_terminal_the_session_goes_to_the_tui(capture: Path, monkeypatch: p
     (launch,) = launched
     assert (launch.capture, launch.call, launch.resumed_steps) == (capture, 1, 0)
     assert "minimal passing set: flip mul_topk_weights" in result.output
+
+
+def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``moereplay ARGS`` as the console script runs it: exit status, stdout, stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    captured = capsys.readouterr()
+    code = exit_info.value.code
+    return (code if isinstance(code, int) else 1), captured.out, captured.err
+
+
+def packs_in(folder: Path) -> list[str]:
+    return [option for number in range(1, 6) for option in ("--pack", str(folder / f"v{number}"))]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "first", "changed", "differs"),
+    [
+        ("calls", [], ["-m", "flip mul_topk_weights"], "mutations"),
+        ("calls", [], ["--backend", "reference"], "backend"),
+        ("mutations", ["-m", "flip mul_topk_weights"], ["-m", "flip mul_topk_weights", "--backend", "vllm"],
+         "backend"),
+        ("shape", [], ["-m", "fill 0xff"], "mutations"),
+        ("shape", [], ["--backend", "vllm"], "backend"),
+        ("packs", packs_in(Path("a")), [*packs_in(Path("a")), "-m", "fill 0xff"], "mutations"),
+        ("packs", packs_in(Path("a")), packs_in(Path("b")), "packs"),  # packs of the same names elsewhere
+    ],
+)  # fmt: skip
+def test_a_rerun_with_other_settings_is_refused_and_the_same_settings_resume(
+    capture: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    strategy: str,
+    first: list[str],
+    changed: list[str],
+    differs: str,
+) -> None:
+    use(monkeypatch, Judge(bad_from(capture, 0)))
+    call = [] if strategy == "calls" else ["--call", "1"]
+    base = ["bisect", str(capture), "-s", strategy, "--no-tui", *call]
+    code, _, _ = run_main([*base, *first, "--max-steps", "1"], capsys)
+    assert code == 1  # stopped after one step, logged
+
+    code, out, err = run_main([*base, *changed], capsys)
+    assert code == 2 and not out
+    assert f"the log was written for a different {strategy} search (differs in {differs});" in err
+    assert "--fresh" in err and err.count("\n") == 1 and "Traceback" not in err
+
+    code, out, err = run_main([*base, *first], capsys)  # the same settings still resume the log
+    assert code == 0, err
+    assert "(from log)" in out and "(1 step recorded)" in err
+
+    code, out, err = run_main([*base, *changed, "--fresh"], capsys)
+    assert code != 2, err
+    assert "(from log)" not in out
+
+
+def test_a_rerun_about_another_call_is_refused(
+    capture: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    use(monkeypatch, Judge({1, 3}))
+    log = ["--log", str(tmp_path / "shape.jsonl")]  # one log for both: only the settings tell them apart
+    base = ["bisect", str(capture), "-s", "shape", "--no-tui", *log]
+    assert run_main([*base, "--call", "1", "--max-steps", "1"], capsys)[0] == 1
+    code, _, err = run_main([*base, "--call", "3"], capsys)
+    assert code == 2 and "(differs in call);" in err

@@ -16,6 +16,7 @@ from moereplay.bisect import (
     MutationSearch,
     Observation,
     Outcome,
+    PackSearch,
     Session,
     ShapeSearch,
     Signature,
@@ -193,6 +194,42 @@ def test_resume_refuses_a_log_of_another_search(tmp_path: Path) -> None:
         Session.resume(MutationSearch(["a"]), log)
     with pytest.raises(BisectLogError, match=r"differs in target.*--fresh"):
         Session.resume(FirstBadSearch(list(range(20)), target=TARGET), log)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda settings: FirstBadSearch(list(range(20)), settings=settings),
+        lambda settings: MutationSearch(["a", "b"], settings=settings),
+        lambda settings: ShapeSearch([Dimension.stepped("tokens", 16)], settings=settings),
+        lambda settings: PackSearch(["v1", "v2", "v3"], settings=settings),
+    ],
+    ids=["calls", "mutations", "shape", "packs"],
+)
+def test_settings_are_logged_and_a_resume_needs_equal_ones(tmp_path: Path, build) -> None:
+    """What the predicate does beyond the search (mutations, backend …) decides the answer: part of the log's config."""
+    log = tmp_path / "log.jsonl"
+    settings = {"call": 1, "mutations": ["fill 0xff"], "backend": "auto"}
+    search = build(settings)
+    Session(search, log_path=log)
+    assert records(log)[0]["config"] == search.config()
+    assert {name: search.config()[name] for name in settings} == settings
+    Session.resume(build(dict(settings)), log)  # equal settings: resumes
+    changes = [
+        ({**settings, "mutations": []}, "mutations"),
+        ({**settings, "backend": "vllm"}, "backend"),
+        ({"call": 1}, "backend, mutations"),
+    ]
+    for changed, differs in changes:
+        with pytest.raises(BisectLogError, match=rf"differs in {differs}\); start afresh with --fresh"):
+            Session.resume(build(changed), log)
+
+
+def test_settings_are_json_and_do_not_redefine_the_search() -> None:
+    with pytest.raises(BisectError, match="redefine match"):
+        FirstBadSearch([1, 2], settings={"match": "any"}).config()
+    with pytest.raises(BisectError, match="JSON data"):
+        FirstBadSearch([1, 2], settings={"backend": object()})
 
 
 def test_resume_refuses_a_log_whose_steps_do_not_follow_the_search(tmp_path: Path) -> None:
