@@ -9,14 +9,14 @@ writer deduplicates by content), so ``moereplay info`` on the result shows the d
 Calls are renumbered 0, 1, … in their original order; each keeps its original index in ``context["trimmed_from"]``
 and its parent when the parent is kept too (``parents=True`` keeps every ancestor of a chosen call). The header is
 the original's (versions, GPU, driver, command line of the capture), plus a ``trim`` entry saying what was kept
-from which file. Outputs, timings, status and errors are copied; call start/finish times become the trim's.
+from which file (a caller may rewrite it: ``rewrite_header``). Outputs, timings, status and errors are copied; call start/finish times become the trim's.
 
 Cost: every kept blob is read, verified and written once; nothing is decompressed twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from moereplay.errors import CaptureFileError, SettingsError, UnsupportedValueError
+from moereplay.wording import index_range
 
 
 def parse_call_spec(spec: str) -> list[int]:
@@ -181,8 +182,12 @@ def trim_capture(
     output: str | Path,
     *,
     parents: bool = False,
+    rewrite_header: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> TrimResult:
-    """Copy the calls ``calls`` (a spec like ``"0,3,10-12"`` or indices) of ``source`` into ``output``."""
+    """Copy the calls ``calls`` (a spec like ``"0,3,10-12"`` or indices) of ``source`` into ``output``.
+
+    ``rewrite_header``: applied to the new file's header (the original's plus its ``trim`` entry) before it is
+    written — ``moereplay repro`` cuts the recording machine's directories out of it."""
     from moereplay import __version__
     from moereplay.format import CaptureReader, CaptureWriter
 
@@ -194,7 +199,7 @@ def trim_capture(
         missing = [index for index in wanted if index not in reader.indices]
         if missing:
             raise SettingsError(
-                f"{source}: no call {missing[0]} (the file holds calls 0-{len(reader) - 1})"
+                f"{source}: no call {missing[0]} (the file holds {index_range(len(reader), 'call')})"
                 if reader.indices
                 else f"{source}: the file holds no calls"
             )
@@ -208,6 +213,8 @@ def trim_capture(
             "source_calls": len(reader),
             "moereplay": __version__,
         }
+        if rewrite_header is not None:
+            header = rewrite_header(header)
         counters = dict((reader.footer or {}).get("counters") or {})
         renumbered: dict[int, int] = {}
         with CaptureWriter(output, header=header) as writer:

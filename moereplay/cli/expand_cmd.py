@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from moereplay.cli import app
+from moereplay.wording import plural
 
 
 @app.command("expand")
@@ -57,7 +58,7 @@ def expand_command(
     size = report.file_bytes
     shown = f"{size / 1e6:,.2f} MB" if size >= 100_000 else f"{size:,} B"
     print(
-        f"{report.output}: {report.output_calls} calls, {shown} (backend {report.backend} on {report.device})"
+        f"{report.output}: {plural(report.output_calls, 'call')}, {shown} (backend {report.backend} on {report.device})"
     )
     if json_out is not None:
         try:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from moereplay.cli import app
+from moereplay.wording import plural
 
 if TYPE_CHECKING:
     from moereplay.layout import LayoutReport
@@ -53,6 +54,7 @@ def synth_command(
     list_presets: Annotated[
         bool, typer.Option("--list", help="List the presets and their settings.")
     ] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace FILE if it exists.")] = False,
 ) -> None:
     """Build a capture without a model: a preset's call(s) with seeded inputs, outputs from a kernel or the
     reference."""
@@ -71,6 +73,8 @@ def synth_command(
         raise SettingsError("synth needs a PRESET (moereplay synth --list shows them)")
     if output is None:
         raise SettingsError("synth needs -o FILE")
+    if output.exists() and not force:
+        raise SettingsError(f"{output} exists; choose another -o or pass --force to replace it")
     result = synthesize(
         preset,
         output,
@@ -118,7 +122,7 @@ def trim_command(
         raise SettingsError(f"{output} exists; choose another -o or pass --force to replace it")
     result = trim_capture(file, calls, output, parents=parents)
     print(
-        f"{result.path}: kept {len(result.kept)} of {result.source_calls} calls "
+        f"{result.path}: kept {len(result.kept)} of {plural(result.source_calls, 'call')} "
         f"({', '.join(map(str, result.kept))}), {_bytes(result.file_bytes)} (was {_bytes(result.source_bytes)})"
     )
 
@@ -141,7 +145,10 @@ def repro_command(
     fill: Annotated[
         list[str] | None, typer.Option("--fill", help="Guard fill variant: 0xff, 0xfe, 0x00, nan.")
     ] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into a non-empty directory.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Write into a non-empty directory.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", hidden=True, help="Deprecated spelling of --force.")
+    ] = False,
 ) -> None:
     """Export one call as a standalone repro: script (provenance, variants), trimmed capture, bundled moereplay."""
     from moereplay.errors import SettingsError
@@ -149,6 +156,8 @@ def repro_command(
 
     if not file.exists():
         raise SettingsError(f"{file}: no such file")
+    if overwrite:
+        print("moereplay: --overwrite is deprecated; use --force", file=sys.stderr)
     mutations = (
         [f"flip {text}" for text in flip or ()]
         + [f"set {text}" for text in set_ or ()]
@@ -162,7 +171,7 @@ def repro_command(
         mutations=mutations,
         fills=fill or [],
         command=_command_line(),
-        overwrite=overwrite,
+        overwrite=force or overwrite,
     )
     print(f"{bundle.directory}: repro of call {bundle.call} ({bundle.op})")
     print(

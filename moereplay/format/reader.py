@@ -52,6 +52,7 @@ from moereplay.format.records import (
 )
 from moereplay.format.schema import CodecValue, TensorMeta, iter_tensor_metas
 from moereplay.format.values import ext_hook
+from moereplay.wording import plural
 
 if TYPE_CHECKING:
     import torch
@@ -454,7 +455,7 @@ class CaptureReader:
             slots[call].completion = offset
         if footer.get("calls") != len(slots):
             raise source.fail(
-                f"the footer counts {footer.get('calls')!r} calls, the index lists {len(slots)}"
+                f"the footer's call count is {footer.get('calls')!r}, the index lists {plural(len(slots), 'call')}"
             )
         return slots, footer
 
@@ -570,7 +571,9 @@ class CaptureReader:
     def _documents(self, index: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
         slot = self._slots.get(index)
         if slot is None:
-            raise CaptureFileError(f"{self.path}: no call {index} (the file holds {len(self._order)} calls)")
+            raise CaptureFileError(
+                f"{self.path}: no call {index} (the file holds {plural(len(self._order), 'call')})"
+            )
         try:
             _, call = self._source.document_at(slot.call, RecordKind.CALL, ext_hook)
             checked = _check_call(self._source, call, index, self._header_end)

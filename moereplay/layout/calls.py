@@ -16,6 +16,7 @@ from typing import Any
 
 from moereplay.errors import ReplayError
 from moereplay.ops.surface import layer_family, parent_ops
+from moereplay.wording import plural
 
 PARENT_OPS = parent_ops()
 
@@ -52,16 +53,16 @@ def _pair_fits(first: Any, second: Any) -> bool:
 def find_layer(reader: Any, call: int) -> LayerCalls:
     """The layer ``call`` belongs to (see the module docstring); :class:`ReplayError` when none can be formed."""
     if call not in reader.indices:
-        raise ReplayError(f"{reader.path}: no call {call} (the file holds {len(reader)} calls)")
+        raise ReplayError(f"{reader.path}: no call {call} (the file holds {plural(len(reader), 'call')})")
     record = reader.call(call)
     parent = call if record.op in PARENT_OPS else record.parent
     if parent is not None and parent in reader.indices and reader.call(parent).op in PARENT_OPS:
         children = [r for r in reader.calls() if r.parent == parent and _family(r.op) is not None]
         if len(children) < 2:
             raise ReplayError(
-                f"{reader.path}: the layer of call {parent} ({reader.call(parent).op}) has {len(children)} recorded "
-                f"kernel calls; the layout probe needs gemm1 and gemm2 — run `moereplay expand {reader.path} -o OUT` "
-                "first and probe the expanded layer in OUT"
+                f"{reader.path}: the layer of call {parent} ({reader.call(parent).op}) has "
+                f"{plural(len(children), 'recorded kernel call')}; the layout probe needs gemm1 and gemm2 — "
+                f"run `moereplay expand {reader.path} -o OUT` first and probe the expanded layer in OUT"
             )
         first, second = children[0], children[1]
         family = _family(first.op)

@@ -139,7 +139,13 @@ def load_backend(spec: BackendSpec, device: torch.device | str) -> KernelBackend
                 f"--backend python:{location}: the module has no backend(device, name) function "
                 "(it returns the kernel backend)"
             )
-        backend: KernelBackend = factory(device, name)
+        try:
+            backend: KernelBackend = factory(device, name)
+        except Exception as error:  # the user's code: one line naming the file, never a traceback
+            raise SettingsError(
+                f"--backend python:{location}: backend({str(device)!r}, {name!r}) raised "
+                f"{type(error).__name__}: {error}"
+            ) from error
         return backend
     raise SettingsError("the reference backend runs no kernel")
 

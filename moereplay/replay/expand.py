@@ -65,6 +65,7 @@ from moereplay.replay.expand_report import (
     compare_bytes,
     compare_outputs,
 )
+from moereplay.wording import index_range, plural
 
 __all__ = [
     "REFUSED_OPS",
@@ -116,8 +117,9 @@ def choose_calls(
         chosen = []
         for index in dict.fromkeys(calls):
             if index not in reader.indices:
-                held = f"calls 0-{len(reader) - 1}" if len(reader) else "no calls"
-                raise ReplayError(f"{path}: no call {index} (the file holds {held})")
+                raise ReplayError(
+                    f"{path}: no call {index} (the file holds {index_range(len(reader), 'call')})"
+                )
             record = reader.call(index)
             if record.op not in parent_ops:
                 kind = "kernel call" if record.op in kernel_ops else "call"
@@ -377,7 +379,7 @@ def _judge(
     tops = [record for record in session_records if record.parent is None]
     if len(tops) != len(records):
         raise ReplayError(
-            f"the capture of the re-runs holds {len(tops)} layer calls for {len(records)} re-runs; "
+            f"the capture of the re-runs holds {plural(len(tops), 'layer call')} for {plural(len(records), 're-run')}; "
             "were they recorded?"
         )
     expanded: list[ExpandedCall] = []

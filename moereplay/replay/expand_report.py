@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from moereplay.wording import plural
+
 
 class ExpandVerdict(enum.Enum):
     """What one re-run shows about its recorded call."""
@@ -195,9 +197,7 @@ class ExpandedCall:
             pairs.append(f"{pair.rerun} vs recorded {pair.recorded} {state}")
         counts = ""
         if len(self.kernel_calls) != len(self.recorded_kernel_calls):
-            counts = (
-                f"; recorded {len(self.recorded_kernel_calls)} kernel calls, re-run {len(self.kernel_calls)}"
-            )
+            counts = f"; recorded {plural(len(self.recorded_kernel_calls), 'kernel call')}, re-run {len(self.kernel_calls)}"
         return f" ({'; '.join(pairs)}{counts})"
 
     def to_json(self) -> dict[str, Any]:

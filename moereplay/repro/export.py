@@ -12,7 +12,9 @@ The provenance (moereplay version, the exact export command, and from the captur
 CUDA / driver versions, GPU, when and how it was captured) is written into the script, the README, and printed by
 the script before its table. It names files by their names only: every absolute path in it (the export command's,
 the recording command line's, a kernel pack's) is cut to its last component, and the source capture is identified by
-its sha256 (``source_sha256``) — a repro attached to an issue shows nothing of the machines' directories.
+its sha256 (``source_sha256``) — a repro attached to an issue shows nothing of the machines' directories. The
+header of ``call.moe.zst`` is scrubbed alike (its recorded command line, environment and synth command: see
+:func:`_portable_header`).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from moereplay.errors import ReplayError, SettingsError
+from moereplay.wording import plural
 
 CAPTURE_NAME = "call.moe.zst"
 SCRIPT_NAME = "repro.py"
@@ -78,10 +81,10 @@ def export_repro(
 
     capture, directory = Path(capture), Path(directory)
     if directory.exists() and any(directory.iterdir()) and not overwrite:
-        raise SettingsError(f"{directory}: exists and is not empty (choose another directory)")
+        raise SettingsError(f"{directory}: exists and is not empty (choose another -o or pass --force)")
     with CaptureReader(capture) as reader:
         if call not in reader.indices:
-            raise SettingsError(f"{capture}: no call {call} (the file holds {len(reader)} calls)")
+            raise SettingsError(f"{capture}: no call {call} (the file holds {plural(len(reader), 'call')})")
         record = reader.call(call)
         header = reader.header
     op = get_op(record.op)  # a call of an op moereplay cannot replay fails here (UnknownOpError)
@@ -92,7 +95,7 @@ def export_repro(
         )
     directory.mkdir(parents=True, exist_ok=True)
     trimmed = directory / CAPTURE_NAME
-    trim_capture(capture, [call], trimmed)
+    trim_capture(capture, [call], trimmed, rewrite_header=_portable_header)
     files = copy_bundle((*RUNTIME_ROOTS, type(op).__module__), directory / "support")
     if command is None:
         options = " ".join(f"--{m.split(' ', 1)[0]} {m.split(' ', 1)[1]}" for m in mutations)
@@ -137,6 +140,35 @@ def export_repro(
         bundle_bytes=sum(item.size for item in files),
         capture_bytes=capture_bytes,
     )
+
+
+def _portable_header(header: dict[str, Any]) -> dict[str, Any]:
+    """The trimmed capture's header without the directories of the machines that recorded and exported it.
+
+    Merged over the automatic header first (what the writer would fill in from this process — its command line
+    among them — is scrubbed too). The recording program keeps its name (``/root/.pyenv/…/bin/moereplay`` →
+    ``moereplay``; ``python -m moereplay``'s ``/work/x/moereplay/__main__.py`` → ``moereplay/__main__.py``), and
+    every other absolute path is cut to its last component, as in the provenance (the user's files by their names,
+    ``pack:/a/b/.kernelpack`` → ``pack:.kernelpack``)."""
+    from moereplay.format.environment import collect_environment
+
+    merged = {**collect_environment(), **header}
+    argv = merged.get("argv")
+    if isinstance(argv, list) and argv and isinstance(argv[0], str):
+        merged["argv"] = [_program_name(argv[0]), *argv[1:]]
+    portable: dict[str, Any] = _without_absolute_paths(merged)
+    return portable
+
+
+def _program_name(program: str) -> str:
+    """An absolute ``argv[0]`` without its directory (a package run with ``python -m`` keeps its package's name);
+    a relative one (``tools/make_captures.py``) names no machine's directory and stays."""
+    if not program.startswith(("/", "~")):
+        return program
+    path = PurePosixPath(program)
+    if path.name == "__main__.py" and path.parent.name:
+        return f"{path.parent.name}/{path.name}"
+    return path.name or program
 
 
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.~-])(?:~|/)(?:[^\s/'\"]*/)+(?=[^\s/'\"]*)")

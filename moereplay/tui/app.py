@@ -25,6 +25,7 @@ from moereplay.tui.bisect_sessions import BisectLaunch, WiringFactory, default_w
 from moereplay.tui.catalog import CallCatalog
 from moereplay.tui.replays import ReplayOutcome
 from moereplay.tui.screens.dialogs import BisectChoice
+from moereplay.wording import plural
 
 OUTCOMES_KEPT = 8
 """Replays (with their tensors) kept for recently opened calls."""
@@ -111,7 +112,7 @@ class MoereplayApp(App[None]):
 
         self.push_screen(BisectScreen(launch))
         if launch.resumed_steps:
-            self.notify(f"resumed {launch.resumed_steps} steps from {launch.session.log_path}")
+            self.notify(f"resumed {plural(launch.resumed_steps, 'step')} from {launch.session.log_path}")
 
     def action_help(self) -> None:
         from moereplay.tui.screens.help import HelpScreen

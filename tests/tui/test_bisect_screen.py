@@ -3,6 +3,7 @@ predicate failures and the export-repro action."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -116,6 +117,18 @@ async def test_a_person_overrules_the_predicate_and_the_log_says_so(workdir: Pat
         assert str(screen.query_one("#bisect-log").render()).startswith("log: " + log.name)
         await pilot.press("escape")  # no browser behind it: leaving ends the app
     assert app.return_code == 0
+
+
+@run_async
+async def test_one_resumed_step_is_said_in_the_singular(workdir: Path) -> None:
+    launch = synthetic_launch(workdir / "synthetic.moe.zst.bisect-calls.jsonl", first_bad=20, calls=[])
+    app = MoereplayApp(bisect=dataclasses.replace(launch, resumed_steps=1))
+    notes = Notes(app)
+    async with app.run_test(size=(120, 24)) as pilot:
+        await settle(pilot)
+        assert "resumed 1 step from" in notes and "1 steps" not in notes, notes.messages
+        shown = str(app.screen.query_one("#bisect-log").render())
+        assert shown.endswith("resumed 1 step"), shown
 
 
 @run_async

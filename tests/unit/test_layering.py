@@ -45,6 +45,7 @@ FAMILY_PENDING: dict[str, str] = {}
 
 LAYERS: dict[str, int] = {
     "errors": 0,
+    "wording": 0,
     "format": 1,
     "reference": 2,
     "ops": 3,

@@ -25,6 +25,7 @@ from moereplay.tui.bindings import Area, bindings_for
 from moereplay.tui.bisect_sessions import BisectLaunch, call_to_export, capture_of
 from moereplay.tui.repro import ReproUnavailable, export_repro, repro_root
 from moereplay.tui.text import as_text
+from moereplay.wording import plural
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -158,7 +159,9 @@ class BisectScreen(Screen[None]):
         beside = capture is not None and capture.resolve().parent == log.resolve().parent
         where = " (beside the capture)" if beside else ""
         shown = log.name if where else str(log)
-        resumed = f" · resumed {self.launch.resumed_steps} steps" if self.launch.resumed_steps else ""
+        resumed = (
+            f" · resumed {plural(self.launch.resumed_steps, 'step')}" if self.launch.resumed_steps else ""
+        )
         return f"log: {shown}{where}{resumed}"
 
     def _current_text(self) -> Text:

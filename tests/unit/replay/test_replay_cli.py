@@ -147,6 +147,20 @@ def test_usage_errors_exit_2_with_one_line(
     assert error.startswith("moereplay: ") and "\n" not in error
 
 
+def test_a_backend_function_that_raises_is_one_line_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    factory = tmp_path / "raising_backend.py"
+    factory.write_text("def backend(device, name):\n    raise RuntimeError('no GPU here')\n")
+    argv = ["run", str(capture(tmp_path)), "--device", "cpu", "--call", "0", "--backend", f"python:{factory}"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"moereplay: --backend python:{factory}: ") and "\n" not in error
+    assert error.endswith("raised RuntimeError: no GPU here"), error
+
+
 def test_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["run", str(tmp_path / "absent.zst")])

@@ -13,8 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 import moereplay
-from moereplay.cli import app
+from moereplay.cli import app, main
 from moereplay.errors import InvalidMutationError, SettingsError, UnknownOpError
+from moereplay.format import CaptureReader
 from moereplay.repro import export_repro
 from moereplay.repro.bundle import RUNTIME_ROOTS, module_closure
 from moereplay.synth import synthesize
@@ -171,6 +172,27 @@ def test_cli_repro(report_case: Path, tmp_path: Path) -> None:
     assert "repro of call 0 (moe_wna16_marlin_gemm)" in result.output and (out / "repro.py").is_file()
 
 
+def test_cli_repro_writes_into_a_non_empty_directory_only_with_force(
+    report_case: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "x").write_text("taken")
+    argv = ["repro", str(report_case), "--call", "0", "-o", str(out)]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and "not empty" in capsys.readouterr().err
+    assert not (out / "repro.py").exists()
+    forced = CliRunner().invoke(app, [*argv, "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert (out / "repro.py").is_file()
+    old = CliRunner().invoke(app, [*argv, "--overwrite"])  # the old spelling still works, and says it is old
+    assert old.exit_code == 0, old.output
+    assert "--overwrite is deprecated; use --force" in old.stderr
+    shown = CliRunner().invoke(app, ["repro", "--help"], terminal_width=100).output
+    assert "--force" in shown and "--overwrite" not in shown
+
+
 def test_the_provenance_holds_no_absolute_path_of_the_exporting_machine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -181,10 +203,51 @@ def test_the_provenance_holds_no_absolute_path_of_the_exporting_machine(
     monkeypatch.setattr(sys, "argv", ["moereplay", "repro", str(capture), "--call", "0", "-o", str(out)])
     result = CliRunner().invoke(app, ["repro", str(capture), "--call", "0", "-o", str(out)])
     assert result.exit_code == 0, result.output
-    for name in ("repro.py", "README.md"):
-        text = (out / name).read_text()
+    with CaptureReader(out / "call.moe.zst") as reader:
+        header = json.dumps(reader.header, default=str)  # the recording's argv, env and synth command
+    for name, text in [(name, (out / name).read_text()) for name in ("repro.py", "README.md")] + [
+        ("call.moe.zst header", header)
+    ]:
         for absolute in (str(capture.parent), str(tmp_path), "/tmp/", "/work/", str(Path.home())):
             assert absolute not in text, (name, absolute)
     script = (out / "repro.py").read_text()
     assert "moereplay repro marlin-gptq-int4.moe.zst --call 0 -o out" in script
     assert hashlib.sha256(capture.read_bytes()).hexdigest() in script
+
+
+@pytest.mark.parametrize(
+    ("program", "shown"),
+    [
+        ("/root/.pyenv/versions/3.12.3/bin/moereplay", "moereplay"),  # the console script
+        ("/work/wt18/moereplay/__main__.py", "moereplay/__main__.py"),  # python -m moereplay
+    ],
+)
+def test_the_exported_capture_keeps_the_recording_command_without_its_directories(
+    program: str, shown: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trimmed capture's header names the recording program and the user's files by their names only."""
+    source = (tmp_path / "deep" / "report.moe.zst").resolve()
+    source.parent.mkdir()
+    argv = [program, "synth", "marlin-nvfp4-report", "--set", "tokens=4", "-o", str(source)]
+    monkeypatch.setattr(sys, "argv", argv)
+    command = f"moereplay synth marlin-nvfp4-report --set tokens=4 -o {source}"
+    synthesize(
+        "marlin-nvfp4-report", source, overrides=["tokens=4", "experts=4", "n=256", "k=256"], command=command
+    )
+    out = tmp_path / "out"
+    export_repro(source, 0, out, command="cmd")
+    with CaptureReader(out / "call.moe.zst") as reader:
+        header = reader.header
+    assert header["argv"] == [
+        shown,
+        "synth",
+        "marlin-nvfp4-report",
+        "--set",
+        "tokens=4",
+        "-o",
+        "report.moe.zst",
+    ]
+    assert (
+        header["synth"]["command"] == "moereplay synth marlin-nvfp4-report --set tokens=4 -o report.moe.zst"
+    )
+    assert str(tmp_path) not in json.dumps(header, default=str)

@@ -205,3 +205,23 @@ def test_cli_synth_writes_a_capture_and_lists_presets(tmp_path: Path) -> None:
     assert "1 call(s)" in made.output and "biases on" in made.output
     with CaptureReader(path) as reader:
         assert reader.header["synth"]["bias"] is True and reader.load_args(0)["b_bias"] is not None
+
+
+def test_cli_synth_refuses_an_existing_output_unless_forced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moereplay.cli import main
+
+    path = tmp_path / "taken.moe.zst"
+    path.write_bytes(b"keep me")
+    args = ["synth", "fp8-marlin", "-o", str(path), "--set", "hidden=256", "--set", "intermediate=128"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    error = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in error
+    assert error == f"moereplay: {path} exists; choose another -o or pass --force to replace it"
+    assert path.read_bytes() == b"keep me"
+    made = CliRunner().invoke(app, [*args, "--force"])
+    assert made.exit_code == 0, made.output
+    with CaptureReader(path) as reader:
+        assert len(reader) == 1
