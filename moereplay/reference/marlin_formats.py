@@ -33,6 +33,7 @@ Weights come back dense ``float32[experts, K, N]`` in the *original* row order (
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -611,10 +612,18 @@ def nvfp4_scale_factor(scales: torch.Tensor, activation_dtype: torch.dtype) -> f
     if activation_dtype == torch.float16:
         return 1.0
     top = scales.to(torch.float32) * 2.0**7
-    positive = top[top > 0]
-    if positive.numel() == 0:
+    if top.numel() == 0:
         return 1.0
-    peak = float(positive.max())
+    peak = float(
+        top.max()
+    )  # the largest positive scale whenever there is one (a masked copy cost 1.5 s per layer)
+    if math.isnan(peak):  # NaN scales take no part: the largest of the positive ones
+        positive = top[top > 0]
+        if positive.numel() == 0:
+            return 1.0
+        peak = float(positive.max())
+    if peak <= 0:
+        return 1.0
     if peak >= 448 * 2.0**7:
         return 1.0
     return float(

@@ -103,6 +103,12 @@ def test_nvfp4_scale_factor() -> None:
     assert nvfp4_scale_factor(scales, torch.float16) == 1.0
     assert nvfp4_scale_factor(torch.tensor([448.0]), torch.bfloat16) == 1.0
     assert nvfp4_scale_factor(torch.zeros(3), torch.bfloat16) == 1.0
+    # the largest positive scale decides, whatever negative, zero or NaN scales lie beside it
+    assert nvfp4_scale_factor(torch.tensor([-500.0, 2.0, 0.0]), torch.bfloat16) == 128.0
+    assert nvfp4_scale_factor(torch.tensor([float("nan"), 2.0, 1.0]), torch.bfloat16) == 128.0
+    assert nvfp4_scale_factor(torch.tensor([float("nan"), -1.0]), torch.bfloat16) == 1.0
+    assert nvfp4_scale_factor(torch.tensor([-3.0, 0.0]), torch.bfloat16) == 1.0
+    assert nvfp4_scale_factor(torch.zeros(0), torch.bfloat16) == 1.0
 
 
 def test_nvfp4_global_scale_carries_compensation() -> None:
