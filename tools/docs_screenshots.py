@@ -82,28 +82,16 @@ def main() -> None:
     written: list[Path] = []
     with tempfile.TemporaryDirectory() as folder:
         os.chdir(folder)  # state (bisect logs) goes to ./moereplay-captures here, not into the repository
-        if options.served is not None:
-            written += asyncio.run(
-                shoot(
-                    MoereplayApp.for_capture(options.served.resolve(), backend="reference"),
-                    size,
-                    [("press", ["R"]), ("press", ["home"]), ("shot", "tui-served-browser")],
-                    out,
-                )
-            )
-        else:
-            written += asyncio.run(
-                shoot(
-                    MoereplayApp.for_capture(BROWSER_CAPTURE, backend="reference"),
-                    size,
-                    [("press", ["R"]), ("press", ["home"]), ("shot", "tui-browser")],
-                    out,
-                )
-            )
-            written += asyncio.run(
-                shoot(
-                    MoereplayApp.for_capture(CALL_CAPTURE, backend="reference"),
-                    size,
+        browse = [("press", ["R"]), ("press", ["home"])]  # replay every shown call, back to the top
+        sessions: list[tuple[Path, list[tuple[str, Any]]]] = (
+            [(options.served.resolve(), [*browse, ("shot", "tui-served-browser")])]
+            if options.served is not None
+            else [(BROWSER_CAPTURE, [*browse, ("shot", "tui-browser")])]
+        )
+        if options.served is None:
+            sessions += [
+                (
+                    CALL_CAPTURE,
                     [
                         ("press", ["enter"]),
                         ("call", lambda app: app.screen.add_mutation("flip mul_topk_weights")),
@@ -121,13 +109,9 @@ def main() -> None:
                         ("press", ["question_mark"]),
                         ("shot", "tui-help"),
                     ],
-                    out,
-                )
-            )
-            written += asyncio.run(
-                shoot(
-                    MoereplayApp.for_capture(CALL_CAPTURE, backend="reference"),
-                    size,
+                ),
+                (
+                    CALL_CAPTURE,
                     [
                         ("press", ["b"]),
                         ("shot", "tui-bisect"),
@@ -135,8 +119,11 @@ def main() -> None:
                         ("press", ["p"]),
                         ("shot", "tui-bisect-done"),
                     ],
-                    out,
-                )
+                ),
+            ]
+        for capture, steps in sessions:
+            written += asyncio.run(
+                shoot(MoereplayApp.for_capture(capture, backend="reference"), size, steps, out)
             )
         os.chdir(ROOT)
     for path in written:

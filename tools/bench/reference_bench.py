@@ -290,33 +290,8 @@ def measure_call(
         gpu_output = op.reference(args).output
         if profile:
             profile_call(case.name, lambda: op.reference(args), device)
-        if case.name.startswith("triton") and runs:
-            from moereplay.reference import fused_moe_triton
-
-            default = fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"]
-            try:
-                for elements in runs:
-                    fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"] = elements
-                    timed = wall_ms(lambda: op.reference(args), max(3, repeats // 4))
-                    notes.append(
-                        f"run of {elements} elements: ref {timed:.2f} ms = {timed / kernel:.1f}x kernel"
-                    )
-            finally:
-                fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"] = default
         if case.name.startswith("triton"):
-            from moereplay.reference import fused_moe_triton
-
-            batched = fused_moe_triton.BATCHED_DEVICE_TYPES
-            try:
-                fused_moe_triton.BATCHED_DEVICE_TYPES = frozenset()
-                timed = wall_ms(lambda: op.reference(args), max(3, repeats // 4))
-                loop_output = op.reference(args).output
-            finally:
-                fused_moe_triton.BATCHED_DEVICE_TYPES = batched
-            notes.append(
-                f"one product per expert (the CPU's way): ref {timed:.2f} ms = {timed / kernel:.1f}x kernel; "
-                f"batched vs per-expert {relative_error(gpu_output, loop_output)}"
-            )
+            notes += triton_variants(op, args, kernel, gpu_output, repeats, runs)
         del op, args, run_args
         torch.cuda.empty_cache()
     if cpu:
@@ -329,6 +304,35 @@ def measure_call(
         else ""
     )
     return Row(kernel, reference, None, cpu_time, error), notes
+
+
+def triton_variants(
+    op: Any, args: dict[str, Any], kernel: float, output: torch.Tensor, repeats: int, runs: list[int]
+) -> list[str]:
+    """The Triton reference timed again at each run size of ``runs`` and with one product per expert (the CPU's
+    way) instead of the GPU's batched products, as notes; the module's settings are restored afterwards."""
+    from moereplay.reference import fused_moe_triton
+
+    notes = []
+    default = fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"]
+    batched = fused_moe_triton.BATCHED_DEVICE_TYPES
+    try:
+        for elements in runs:
+            fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"] = elements
+            timed = wall_ms(lambda: op.reference(args), max(3, repeats // 4))
+            notes.append(f"run of {elements} elements: ref {timed:.2f} ms = {timed / kernel:.1f}x kernel")
+        fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"] = default
+        fused_moe_triton.BATCHED_DEVICE_TYPES = frozenset()
+        timed = wall_ms(lambda: op.reference(args), max(3, repeats // 4))
+        loop_output = op.reference(args).output
+    finally:
+        fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"] = default
+        fused_moe_triton.BATCHED_DEVICE_TYPES = batched
+    notes.append(
+        f"one product per expert (the CPU's way): ref {timed:.2f} ms = {timed / kernel:.1f}x kernel; "
+        f"batched vs per-expert {relative_error(output, loop_output)}"
+    )
+    return notes
 
 
 def run_kernel(args: dict[str, Any]) -> torch.Tensor:
@@ -442,6 +446,17 @@ def profile_call(name: str, fn: Callable[[], object], device: torch.device) -> N
         print(prof.key_averages().table(sort_by=key, row_limit=14))
 
 
+def print_row(name: str, shape: str, row: Row) -> None:
+    """One case's line of the table (columns as the header names them; ``-`` where the case has no value)."""
+    print(
+        f"{name:<17} {shape:<32} {_cell(row.kernel, 9)} {_cell(row.reference, 8, 2)} "
+        f"{_ratio(row.reference, row.kernel)} {_cell(row.cached, 9, 2)} {_ratio(row.cached, row.kernel)} "
+        f"{_cell(row.cpu, 8, 0)} {_ratio(row.cpu, row.kernel, 9)} {_ratio(row.cpu, row.reference, 9)}  "
+        f"{row.error}",
+        flush=True,
+    )
+
+
 def _cell(value: float | None, width: int, digits: int = 3) -> str:
     return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
@@ -500,13 +515,7 @@ def main() -> int:
             profile_reference(case, device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        print(
-            f"{case.name:<17} {f'[{rows},{size_k}]x[{size_k},{size_n}]':<32} {_cell(row.kernel, 9)} "
-            f"{_cell(row.reference, 8, 2)} {_ratio(row.reference, row.kernel)} {_cell(row.cached, 9, 2)} "
-            f"{_ratio(row.cached, row.kernel)} {_cell(row.cpu, 8, 0)} {_ratio(row.cpu, row.kernel, 9)} "
-            f"{_ratio(row.cpu, row.reference, 9)}  {row.error}",
-            flush=True,
-        )
+        print_row(case.name, f"[{rows},{size_k}]x[{size_k},{size_n}]", row)
     for call_case in chosen_calls:
         if call_case.gpu_only and why_not is not None:
             print(
@@ -523,13 +532,7 @@ def main() -> int:
             runs=runs,
             profile=options.profile,
         )
-        print(
-            f"{call_case.name:<17} {call_case.shape:<32} {_cell(row.kernel, 9)} {_cell(row.reference, 8, 2)} "
-            f"{_ratio(row.reference, row.kernel)} {_cell(None, 9, 2)} {_ratio(None, row.kernel)} "
-            f"{_cell(row.cpu, 8, 0)} {_ratio(row.cpu, row.kernel, 9)} {_ratio(row.cpu, row.reference, 9)}  "
-            f"{row.error}",
-            flush=True,
-        )
+        print_row(call_case.name, call_case.shape, row)
         for note in notes:
             print(f"{'':<17} {note}", flush=True)
     return 0

@@ -3,8 +3,7 @@ w13 layout probe, and kernel vs reference time. Each takes the proof's state (``
 
 from __future__ import annotations
 
-import statistics
-import time
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -216,18 +215,13 @@ def launches(inputs: Any, action: Callable[[], Any], force_triton: bool) -> list
 
 
 def median_s(action: Callable[[], Any], runs: int) -> float:
-    """Median wall seconds of ``action`` (synchronised), after one untimed run."""
-    import torch
+    """Median wall seconds of ``action`` (synchronised), after one untimed run: the reference bench's timer."""
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from reference_bench import wall_ms
 
-    action()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        action()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return float(wall_ms(action, runs)) / 1e3
 
 
 def time_format(proof: Any, fmt: Any, backend: Any, rows: list[list[Any]]) -> None:
