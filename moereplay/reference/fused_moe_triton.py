@@ -60,11 +60,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from moereplay.errors import ReferenceError_
+from moereplay.reference import dequant_bmm
+from moereplay.reference.dequant_bmm import QuantizedWeights
 from moereplay.reference.expert_groups import (
     BATCHED_DEVICE_TYPES,
     batched_matmul_into,
@@ -253,6 +256,35 @@ def w8a8_weight(
     return values.mul_(tensor[:, None, None])
 
 
+def w8a8_quantized(
+    B: torch.Tensor,
+    B_scale: torch.Tensor,
+    *,
+    block_shape: tuple[int, int] | None,
+    per_channel: bool,
+) -> QuantizedWeights:
+    """:func:`w8a8_weight`'s dequantisation as a description (the scale of weight ``(e, n, k)`` at the same element
+    of ``B_scale`` it reads)."""
+    E, N, K = B.shape
+    s = B_scale.stride()
+    if block_shape is not None:
+        group_n, group_k = block_shape
+        strides = (
+            s[0] if B_scale.dim() >= 2 else 0,
+            s[1] if B_scale.dim() >= 2 else 0,
+            s[2] if B_scale.dim() == 3 else 0,
+        )
+        blocks = (E, -(-N // group_n), -(-K // group_k))
+        scale = _strided(B_scale, blocks, strides, "B_scale")
+        return QuantizedWeights(B, mode=1, scale=scale, group_n=group_n, group_k=group_k)
+    if per_channel:
+        strides2 = (s[0] if B_scale.dim() >= 2 else 0, s[1] if B_scale.dim() >= 2 else 0)
+        scale = _strided(B_scale, (E, N, 1), (*strides2, 0), "B_scale")
+        return QuantizedWeights(B, mode=1, scale=scale, group_k=max(1, K))
+    scale = _strided(B_scale, (E, 1, 1), (1, 0, 0), "B_scale")
+    return QuantizedWeights(B, mode=1, scale=scale, group_n=max(1, N), group_k=max(1, K))
+
+
 def w8a8_activation(
     A: torch.Tensor,
     A_scale: torch.Tensor,
@@ -327,6 +359,41 @@ def wna16_weight(
     return weights.to(compute).to(torch.float32)
 
 
+def wna16_quantized(
+    B: torch.Tensor,
+    B_scale: torch.Tensor,
+    B_zp: torch.Tensor | None,
+    *,
+    group_size: int,
+    int4: bool,
+    compute: torch.dtype,
+) -> QuantizedWeights:
+    """:func:`wna16_weight`'s dequantisation as a description."""
+    if group_size <= 0:
+        raise ReferenceError_(f"group size {group_size} must be positive (block_shape[1])")
+    E, N = int(B.shape[0]), int(B.shape[1])
+    K = int(B.shape[2]) * (2 if int4 else 1)
+    groups = -(-K // group_size)
+    s = B_scale.stride()
+    scale = _strided(B_scale, (E, N, groups), (s[0], s[1], s[2]), "B_scale")
+    zero_points = None
+    if B_zp is not None:
+        z = B_zp.stride()
+        rows = -(-N // 2) if int4 else N
+        zero_points = _strided(B_zp, (E, rows, groups), (z[0], z[1], z[2]), "B_zp")
+    return QuantizedWeights(
+        B,
+        mode=2,
+        scale=scale,
+        group_k=group_size,
+        int4=int4,
+        zero_points=zero_points,
+        zero_points_int4=int4,
+        zero_default=8.0 if int4 else 128.0,
+        round_to=compute,
+    )
+
+
 # --------------------------------------------------------------------------------------------------------------
 # the launches
 # --------------------------------------------------------------------------------------------------------------
@@ -365,6 +432,12 @@ class _Launch:
     def finish(self, grouped: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``grouped`` (fp32 ``[R, N]``, rows sorted by expert; ``experts`` their experts) after the dot products."""
         return grouped
+
+    def quantized(self) -> QuantizedWeights | None:
+        """The stored weights and their dequantisation, for products that dequantise on the fly
+        (:mod:`moereplay.reference.dequant_bmm`): element by element the values :meth:`dense` gives; ``None``
+        where this launch's weights have no such description."""
+        return None
 
 
 def _assemble(
@@ -424,7 +497,20 @@ def _assemble(
             budget = DENSE_ELEMENTS_AT_ONCE.get(device.type, DENSE_ELEMENTS_AT_ONCE["cpu"])
             if device.type in BATCHED_DEVICE_TYPES:
                 members = list(range(within))
-                batched_matmul_into(grouped, x_sorted.contiguous(), groups, members, launch.dense, budget)
+                described = launch.quantized() if dequant_bmm.available(device) else None
+                fused = None
+                if described is not None and dequant_bmm.usable(described):
+                    fused = partial(_fused_product, described)
+                batched_matmul_into(
+                    grouped,
+                    x_sorted.contiguous(),
+                    groups,
+                    members,
+                    launch.dense,
+                    budget,
+                    fused=fused,
+                    fused_max_pad=dequant_bmm.FUSED_MAX_PAD,
+                )
             else:
                 xs: Sequence[torch.Tensor] = torch.split(x_sorted, list(groups.counts))
                 if not x_sorted.is_contiguous():
@@ -458,6 +544,12 @@ def _assemble(
     return TritonMoeResult(
         output, written_mask, gemm, bias_rows, coefficient, expert_of_d, block_of_d, weight_index
     )
+
+
+def _fused_product(
+    weights: QuantizedWeights, activations: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    return dequant_bmm.dequant_bmm(activations, weights, experts)
 
 
 def _block_shape(value: Any) -> tuple[int, int] | None:
@@ -547,6 +639,9 @@ class _PlainLaunch(_Launch):
     def dense(self, experts: Sequence[int]) -> torch.Tensor:
         return gather_experts(self.B, experts, torch.float32)
 
+    def quantized(self) -> QuantizedWeights | None:
+        return QuantizedWeights(self.B)
+
 
 class _W8A16Launch(_PlainLaunch):
     """int8 weights, the dot product times ``B_scale[e, n]`` (per output channel) afterwards."""
@@ -599,6 +694,9 @@ class _W8A8Launch(_Launch):
         return w8a8_weight(
             self.B, self.B_scale, experts, block_shape=self.blockwise, per_channel=self.per_channel
         )
+
+    def quantized(self) -> QuantizedWeights | None:
+        return w8a8_quantized(self.B, self.B_scale, block_shape=self.blockwise, per_channel=self.per_channel)
 
 
 def _one_run_or_each(
@@ -687,4 +785,9 @@ class _WNA16Launch(_Launch):
             group_size=self.group_size,
             int4=self.int4,
             compute=self.compute,
+        )
+
+    def quantized(self) -> QuantizedWeights | None:
+        return wna16_quantized(
+            self.B, self.B_scale, self.B_zp, group_size=self.group_size, int4=self.int4, compute=self.compute
         )

@@ -28,7 +28,13 @@ CORE_PACKAGES = (
     "layout",
 )
 FORBIDDEN = ("textual", "rich", "typer", "click")
-NEEDS_TRITON = frozenset({"moereplay.capture.ring_kernel", "moereplay.capture.graph_ring_kernel"})
+NEEDS_TRITON = frozenset(
+    {
+        "moereplay.capture.ring_kernel",
+        "moereplay.capture.graph_ring_kernel",
+        "moereplay.reference.dequant_bmm_kernel",
+    }
+)
 """Modules that are Triton kernels themselves (imported only where Triton is, by their users)."""
 
 

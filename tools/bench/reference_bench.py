@@ -225,8 +225,23 @@ CALL_CASES = [
         synth_case("deepseek-v3-fp8-w13", ["tokens=64"]),
         gpu_only=True,
     ),
+    CallCase(
+        "triton-qwen3-int4-p",
+        "[8192 rows,2048]x128 x[2048,1536] g128",
+        synth_case("qwen3-30b-a3b-int4-w13", ["tokens=1024"]),
+        gpu_only=True,
+    ),
+    CallCase(
+        "triton-deepseek-fp8-p",
+        "[4096 rows,7168]x32/256 x[7168,4096]",
+        synth_case("deepseek-v3-fp8-w13", ["tokens=512"]),
+        gpu_only=True,
+    ),
     CallCase("ogs-mxfp4-w13", "[256 rows,2880]x32 x[2880,5760]", ogs_w13),
 ]
+"""The ``-p`` cases are prefill-shaped (about 64 and 128 rows per used expert): they time the reference where its
+products are compute-bound, on dense weights and cuBLAS rather than the on-the-fly kernel
+(:data:`moereplay.reference.dequant_bmm.FUSED_MAX_PAD`)."""
 
 
 def kernel_backend(device: torch.device) -> Any:
@@ -309,14 +324,24 @@ def measure_call(
 def triton_variants(
     op: Any, args: dict[str, Any], kernel: float, output: torch.Tensor, repeats: int, runs: list[int]
 ) -> list[str]:
-    """The Triton reference timed again at each run size of ``runs`` and with one product per expert (the CPU's
-    way) instead of the GPU's batched products, as notes; the module's settings are restored afterwards."""
-    from moereplay.reference import fused_moe_triton
+    """The Triton reference timed again at each run size of ``runs``, with dense weights instead of dequantising
+    them on the fly, and with one product per expert (the CPU's way) instead of the GPU's batched products, as
+    notes; the modules' settings are restored afterwards."""
+    from moereplay.reference import dequant_bmm, fused_moe_triton
 
     notes = []
     default = fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"]
     batched = fused_moe_triton.BATCHED_DEVICE_TYPES
+    fused = dequant_bmm.FUSED_DEVICE_TYPES
     try:
+        dequant_bmm.FUSED_DEVICE_TYPES = frozenset()
+        timed = wall_ms(lambda: op.reference(args), max(3, repeats // 4))
+        dense_output = op.reference(args).output
+        dequant_bmm.FUSED_DEVICE_TYPES = fused
+        notes.append(
+            f"dense weights + bmm: ref {timed:.2f} ms = {timed / kernel:.1f}x kernel; "
+            f"on-the-fly vs dense {relative_error(output, dense_output)}"
+        )
         for elements in runs:
             fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"] = elements
             timed = wall_ms(lambda: op.reference(args), max(3, repeats // 4))
@@ -328,6 +353,7 @@ def triton_variants(
     finally:
         fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"] = default
         fused_moe_triton.BATCHED_DEVICE_TYPES = batched
+        dequant_bmm.FUSED_DEVICE_TYPES = fused
     notes.append(
         f"one product per expert (the CPU's way): ref {timed:.2f} ms = {timed / kernel:.1f}x kernel; "
         f"batched vs per-expert {relative_error(output, loop_output)}"
