@@ -115,6 +115,48 @@ def _baseline(report: dict) -> dict:
     raise AssertionError(f"no baseline row in {[r['label'] for r in report['results']]}")
 
 
+FILTERS = {
+    "MOEREPLAY_LAYERS": "1",
+    "MOEREPLAY_STEPS": "4-",
+    "MOEREPLAY_PER_SHAPE": "3",
+    "MOEREPLAY_MAX_BYTES": "40M",
+}
+
+
+def test_eager_serve_honours_the_capture_filters(gpt_oss_model: Path, tmp_path: Path) -> None:
+    """``MOEREPLAY_LAYERS``, ``STEPS``, ``PER_SHAPE`` and ``MAX_BYTES`` in a real server: only layer 1, only steps
+    from 4 on, at most three calls per (op, tensor shapes) signature, and a file that stops at its bound — with the
+    counts of what was left out in the footer."""
+    extra = [argument for key, value in FILTERS.items() for argument in ("--env", f"{key}={value}")]
+    summary = _serve(gpt_oss_model, tmp_path / "filters", "eager", *extra)
+    worker = _worker_file(summary)
+    print(f"filters {FILTERS}: {worker['calls']} calls {worker['ops']}, layers {worker['layer_names']}, steps "
+          f"{worker['steps'][:1]}..{worker['steps'][-1:]}, counters {worker['counters']}")  # fmt: skip
+    assert worker["layer_names"] == ["model.layers.1.mlp.experts"], worker["layer_names"]
+    assert worker["steps"] and min(worker["steps"]) >= 4, worker["steps"]
+    counters = worker["counters"]
+    assert counters.get("skipped_filters", 0) > 0 and counters.get("skipped_limit", 0) > 0, counters
+    capture = tmp_path / "filters" / "captures" / worker["name"]
+    assert capture.stat().st_size <= 40 * 2**20 + 2**20, capture.stat().st_size  # the bound, plus the footer
+    from moereplay.format import CaptureReader
+    from moereplay.format.records import TensorMeta
+
+    signatures: dict[tuple, int] = {}
+    with CaptureReader(capture) as reader:
+        for call in reader.calls():
+            # the recorder's signature (capture.recorder.shape_signature): tensor shapes and dtypes, scalar values
+            key = tuple(
+                (name, tuple(value.shape), value.dtype) if isinstance(value, TensorMeta) else (name, value)
+                for name, value in call.args.items()
+                if isinstance(value, TensorMeta)
+                or value is None
+                or isinstance(value, (bool, int, float, str))
+            )
+            signatures[(call.op, key)] = signatures.get((call.op, key), 0) + 1
+    print(f"calls per signature: at most {max(signatures.values())}, {len(signatures)} signatures")
+    assert max(signatures.values()) <= 3, sorted(signatures.values())
+
+
 def test_graph_mode_serve_keeps_working_and_captures_eager_calls(gpt_oss_model: Path, tmp_path: Path) -> None:
     summary = _serve(gpt_oss_model, tmp_path / "graph", "graph")
     assert summary["requests"] >= 12 and summary["completion_tokens"] > 0
