@@ -76,6 +76,13 @@ def main() -> int:
     parser.add_argument("--kv-cache-bytes", type=int, default=4 << 30, help="KV cache of each server")
     parser.add_argument("--timeout", type=float, default=540.0)
     parser.add_argument("--json", type=Path, default=None, help="write every measurement here")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="start no further round once another as long as the last would end past this many seconds from the "
+        "start (0: no bound); the table then covers the rounds done",
+    )
     options = parser.parse_args()
     names = [name.strip() for name in options.settings.split(",") if name.strip()]
     unknown = [name for name in names if name not in SETTINGS]
@@ -84,6 +91,10 @@ def main() -> int:
     words = serve_gpu.vocabulary_words(options.model)
     memory = max(0.08, min(0.28, 0.85 / len(names)))
     servers: dict[str, harness.Server] = {}
+    started = time.monotonic()
+    measurements = ("decode_b1", "decode_b32", "prefill")
+    results: dict[str, dict[str, list[float]]] = {n: {m: [] for m in measurements} for n in names}
+    rounds_done, last_round = 0, 0.0
     try:
         for name in names:
             out = options.out / name
@@ -102,26 +113,37 @@ def main() -> int:
             command += ["--kv-cache-memory-bytes", str(options.kv_cache_bytes)]
             servers[name] = harness.start(command, str(options.model), port, env, out / "server.log")
             time.sleep(5.0)  # let each take its memory before the next measures what is free
-        measurements = ("decode_b1", "decode_b32", "prefill")
         for name, server in servers.items():
             print(f"serve_bench: {name} ready in {server.wait_ready(options.timeout):.1f} s", flush=True)
             for what in measurements:  # warm-up: every batch shape once (compiles, first allocations)
                 measure(server, words, what, options)
-        results: dict[str, dict[str, list[float]]] = {n: {m: [] for m in measurements} for n in names}
         for round_index in range(options.rounds):
+            began = time.monotonic()
+            if options.budget_s and rounds_done and began - started + last_round > options.budget_s:
+                print(f"serve_bench: stopping after {rounds_done} rounds (--budget-s {options.budget_s:.0f})")
+                break
             order = names[round_index % len(names) :] + names[: round_index % len(names)]
             for what in measurements:
                 for name in order:
                     results[name][what].append(measure(servers[name], words, what, options))
-            print(f"serve_bench: round {round_index + 1}/{options.rounds} done", flush=True)
+            rounds_done, last_round = round_index + 1, time.monotonic() - began
+            values = "; ".join(
+                f"{name} " + " ".join(f"{results[name][what][-1]:.1f}" for what in measurements)
+                for name in names
+            )
+            print(
+                f"serve_bench: round {rounds_done}/{options.rounds} done in {last_round:.0f} s: {values}",
+                flush=True,
+            )
     finally:
         for server in servers.values():
             server.stop()
+    if not rounds_done:
+        print("serve_bench: no round finished")
+        return 1
     medians = {n: {m: statistics.median(v) for m, v in by.items()} for n, by in results.items()}
     header = f"{'setting':<14} " + " ".join(f"{m + ' tok/s':>18} {'×':>6}" for m in measurements)
-    print(
-        f"\nserve_bench: {options.model.name}, {options.mode}, median of {options.rounds} interleaved rounds"
-    )
+    print(f"\nserve_bench: {options.model.name}, {options.mode}, median of {rounds_done} interleaved rounds")
     print(header)
     for name in names:
         cells = []
