@@ -138,8 +138,6 @@ def batched_matmul_into(
     members: list[int],
     weights_of: Callable[[tuple[int, ...]], torch.Tensor],
     most_elements: int,
-    fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    fused_max_pad: int = 0,
 ) -> None:
     """``out[rows of g] = x[rows of g] @ W[e_g]ᵀ`` for the groups ``members`` (indices into ``groups.experts``;
     ``out`` and ``x`` hold the rows in group order, ``groups.starts``), one ``torch.bmm`` per bucket of groups of
@@ -151,11 +149,7 @@ def batched_matmul_into(
     (padding rows are zeros and are dropped), but the summation order is the batched kernel's, so the bits may
     differ from a per-expert loop by float32 rounding. Cost: the products, plus one gather of the padded rows, one
     transpose of the bucket's result and one scatter per bucket; a few host microseconds per bucket, none per
-    expert.
-
-    ``fused(activations, experts)`` (``[G, pad, K]`` float32 and the experts' ids on the device → ``[G, pad, N]``),
-    when given, takes the buckets of at most ``fused_max_pad`` rows instead of ``weights_of`` and ``torch.bmm``
-    (:func:`moereplay.reference.dequant_bmm.dequant_bmm`: the weights dequantised on the fly)."""
+    expert."""
     device = x.device
     rows, k = int(x.shape[0]), int(x.shape[1])
     n = int(out.shape[1])
@@ -175,8 +169,7 @@ def batched_matmul_into(
             valid = slot[None, :] < counts[part][:, None]  # [G, pad]
             source = torch.where(valid, starts[part][:, None] + slot[None, :], rows).reshape(-1)
             flat_valid = valid.reshape(-1).nonzero().reshape(-1)
-            ids = torch.tensor([groups.experts[i] for i in part.tolist()], dtype=torch.long)
-            pieces += [source, flat_valid, source[flat_valid], ids]
+            pieces += [source, flat_valid, source[flat_valid]]
             plans.append(
                 (pad, source.numel(), flat_valid.numel(), tuple(groups.experts[i] for i in part.tolist()))
             )
@@ -189,12 +182,8 @@ def batched_matmul_into(
         source_d = on_device[at : at + total]
         valid_d = on_device[at + total : at + total + live]
         target_d = on_device[at + total + live : at + total + 2 * live]
-        experts_d = on_device[at + total + 2 * live : at + total + 2 * live + len(experts)]
-        at += total + 2 * live + len(experts)
+        at += total + 2 * live
         activations = padded_x.index_select(0, source_d).view(-1, pad, k)
-        if fused is not None and pad <= fused_max_pad:
-            rows_out = fused(activations, experts_d)  # [G, pad, N]
-        else:
-            rows_out = torch.bmm(weights_of(experts), activations.transpose(1, 2)).transpose(1, 2)
-        out.index_copy_(0, target_d, rows_out.reshape(-1, n).index_select(0, valid_d))
-        del rows_out
+        product = torch.bmm(weights_of(experts), activations.transpose(1, 2))  # [G, N, pad]
+        out.index_copy_(0, target_d, product.transpose(1, 2).reshape(-1, n).index_select(0, valid_d))
+        del product

@@ -66,8 +66,8 @@ from typing import Any
 import torch
 
 from moereplay.errors import ReferenceError_
-from moereplay.reference import dequant_bmm
-from moereplay.reference.dequant_bmm import QuantizedWeights
+from moereplay.reference import dequant_dense
+from moereplay.reference.dequant_dense import QuantizedWeights
 from moereplay.reference.expert_groups import (
     BATCHED_DEVICE_TYPES,
     batched_matmul_into,
@@ -434,8 +434,8 @@ class _Launch:
         return grouped
 
     def quantized(self) -> QuantizedWeights | None:
-        """The stored weights and their dequantisation, for products that dequantise on the fly
-        (:mod:`moereplay.reference.dequant_bmm`): element by element the values :meth:`dense` gives; ``None``
+        """The stored weights and their dequantisation, for the one-pass dequantising kernel
+        (:mod:`moereplay.reference.dequant_dense`): element by element the values :meth:`dense` gives; ``None``
         where this launch's weights have no such description."""
         return None
 
@@ -497,20 +497,12 @@ def _assemble(
             budget = DENSE_ELEMENTS_AT_ONCE.get(device.type, DENSE_ELEMENTS_AT_ONCE["cpu"])
             if device.type in BATCHED_DEVICE_TYPES:
                 members = list(range(within))
-                described = launch.quantized() if dequant_bmm.available(device) else None
-                fused = None
-                if described is not None and dequant_bmm.usable(described):
-                    fused = partial(_fused_product, described)
-                batched_matmul_into(
-                    grouped,
-                    x_sorted.contiguous(),
-                    groups,
-                    members,
-                    launch.dense,
-                    budget,
-                    fused=fused,
-                    fused_max_pad=dequant_bmm.FUSED_MAX_PAD,
-                )
+                described = launch.quantized() if dequant_dense.available(device) else None
+                weights_of: Callable[[Sequence[int]], torch.Tensor] = launch.dense
+                if described is not None and described.mode != 0 and dequant_dense.usable(described):
+                    # plain weights are one conversion pass either way; quantised ones save passes
+                    weights_of = partial(dequant_dense.dequant_dense, described)
+                batched_matmul_into(grouped, x_sorted.contiguous(), groups, members, weights_of, budget)
             else:
                 xs: Sequence[torch.Tensor] = torch.split(x_sorted, list(groups.counts))
                 if not x_sorted.is_contiguous():
@@ -544,12 +536,6 @@ def _assemble(
     return TritonMoeResult(
         output, written_mask, gemm, bias_rows, coefficient, expert_of_d, block_of_d, weight_index
     )
-
-
-def _fused_product(
-    weights: QuantizedWeights, activations: torch.Tensor, experts: torch.Tensor
-) -> torch.Tensor:
-    return dequant_bmm.dequant_bmm(activations, weights, experts)
 
 
 def _block_shape(value: Any) -> tuple[int, int] | None:

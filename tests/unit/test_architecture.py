@@ -32,7 +32,7 @@ NEEDS_TRITON = frozenset(
     {
         "moereplay.capture.ring_kernel",
         "moereplay.capture.graph_ring_kernel",
-        "moereplay.reference.dequant_bmm_kernel",
+        "moereplay.reference.dequant_kernel",
     }
 )
 """Modules that are Triton kernels themselves (imported only where Triton is, by their users)."""

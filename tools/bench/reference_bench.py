@@ -239,9 +239,8 @@ CALL_CASES = [
     ),
     CallCase("ogs-mxfp4-w13", "[256 rows,2880]x32 x[2880,5760]", ogs_w13),
 ]
-"""The ``-p`` cases are prefill-shaped (about 64 and 128 rows per used expert): they time the reference where its
-products are compute-bound, on dense weights and cuBLAS rather than the on-the-fly kernel
-(:data:`moereplay.reference.dequant_bmm.FUSED_MAX_PAD`)."""
+"""The ``-p`` cases are prefill-shaped (about 64 and 128 rows per used expert): the reference's products are
+compute-bound there, its dequantisation as at decode."""
 
 
 def kernel_backend(device: torch.device) -> Any:
@@ -324,23 +323,23 @@ def measure_call(
 def triton_variants(
     op: Any, args: dict[str, Any], kernel: float, output: torch.Tensor, repeats: int, runs: list[int]
 ) -> list[str]:
-    """The Triton reference timed again at each run size of ``runs``, with dense weights instead of dequantising
-    them on the fly, and with one product per expert (the CPU's way) instead of the GPU's batched products, as
+    """The Triton reference timed again at each run size of ``runs``, with torch's dequantisation passes instead of
+    the one-pass kernel (:mod:`moereplay.reference.dequant_dense`), and with one product per expert (the CPU's way) instead of the GPU's batched products, as
     notes; the modules' settings are restored afterwards."""
-    from moereplay.reference import dequant_bmm, fused_moe_triton
+    from moereplay.reference import dequant_dense, fused_moe_triton
 
     notes = []
     default = fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"]
     batched = fused_moe_triton.BATCHED_DEVICE_TYPES
-    fused = dequant_bmm.FUSED_DEVICE_TYPES
+    fused = dequant_dense.FUSED_DEVICE_TYPES
     try:
-        dequant_bmm.FUSED_DEVICE_TYPES = frozenset()
+        dequant_dense.FUSED_DEVICE_TYPES = frozenset()
         timed = wall_ms(lambda: op.reference(args), max(3, repeats // 4))
         dense_output = op.reference(args).output
-        dequant_bmm.FUSED_DEVICE_TYPES = fused
+        dequant_dense.FUSED_DEVICE_TYPES = fused
         notes.append(
-            f"dense weights + bmm: ref {timed:.2f} ms = {timed / kernel:.1f}x kernel; "
-            f"on-the-fly vs dense {relative_error(output, dense_output)}"
+            f"torch dequantisation: ref {timed:.2f} ms = {timed / kernel:.1f}x kernel; "
+            f"one-pass kernel vs torch {relative_error(output, dense_output)}"
         )
         for elements in runs:
             fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"] = elements
@@ -353,7 +352,7 @@ def triton_variants(
     finally:
         fused_moe_triton.DENSE_ELEMENTS_AT_ONCE["cuda"] = default
         fused_moe_triton.BATCHED_DEVICE_TYPES = batched
-        dequant_bmm.FUSED_DEVICE_TYPES = fused
+        dequant_dense.FUSED_DEVICE_TYPES = fused
     notes.append(
         f"one product per expert (the CPU's way): ref {timed:.2f} ms = {timed / kernel:.1f}x kernel; "
         f"batched vs per-expert {relative_error(output, loop_output)}"
