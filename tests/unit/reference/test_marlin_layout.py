@@ -221,3 +221,37 @@ def test_a_batch_packs_like_its_matrices_one_by_one() -> None:
     for i in range(2):
         for j in range(3):
             assert torch.equal(whole[i, j], layout.pack_weights(codes[i, j], 4))
+
+
+def _packed_by_the_general_path(codes: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """One [K, N] matrix packed the general way: permute the codes into slot order, then pair them into words."""
+    k, n = codes.shape
+    sizes, k_axes, n_axes = layout._tile_axes(num_bits, False)
+    shaped = codes.reshape(k // 16, *(sizes[a] for a in k_axes), n // 64, *(sizes[a] for a in n_axes))
+    source_of = {axis: 1 + i for i, axis in enumerate(k_axes)}
+    source_of.update({axis: 5 + i for i, axis in enumerate(n_axes)})
+    slots = shaped.permute(0, 4, *(source_of[axis] for axis in range(6))).reshape(k // 16, n // 64, 1024)
+    return layout._combine(slots, num_bits).reshape(k // 16, -1)
+
+
+@pytest.mark.parametrize("numpy_on_cpu", [True, False])
+@pytest.mark.parametrize(("k", "n"), [(16, 64), (48, 192), (320, 512)])
+def test_4bit_codes_paired_first_pack_like_the_general_path(k: int, n: int, numpy_on_cpu: bool) -> None:
+    """The 4-bit fast path (rows k and k + 8 paired into bytes, then one byte reorder; numpy on the CPU, torch
+    elsewhere) gives the words of the general path, which permutes codes first."""
+    codes = torch.randint(0, 16, (k, n), generator=torch.Generator().manual_seed(k + n), dtype=torch.uint8)
+    out = torch.full((k // 16, n * 2), -1, dtype=torch.int32)
+    layout._pack_nibbles(codes, out, numpy_on_cpu=numpy_on_cpu)
+    assert torch.equal(out, _packed_by_the_general_path(codes, 4))
+    assert torch.equal(layout.pack_weights(codes.to(torch.int64), 4), out)  # any integer dtype of codes
+
+
+def test_pack_weights_writes_into_a_given_buffer_of_its_shape_only() -> None:
+    codes = torch.randint(0, 16, (2, 32, 128), dtype=torch.uint8)
+    out = torch.empty(2, 2, 256, dtype=torch.int32)
+    assert layout.pack_weights(codes, 4, out=out) is out
+    assert torch.equal(out, layout.pack_weights(codes, 4))
+    with pytest.raises(ReferenceError_, match="contiguous int32"):
+        layout.pack_weights(codes, 4, out=torch.empty(2, 2, 255, dtype=torch.int32))
+    with pytest.raises(ReferenceError_, match="contiguous int32"):
+        layout.pack_weights(codes, 4, out=torch.empty(2, 256, 2, dtype=torch.int32).mT)
