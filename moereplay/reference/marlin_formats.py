@@ -631,6 +631,110 @@ def nvfp4_scale_factor(scales: torch.Tensor, activation_dtype: torch.dtype) -> f
     )
 
 
+def nvfp4_scale_bytes(
+    activation_dtype: torch.dtype, factor: float, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """uint8[256]: the Marlin scale byte vLLM 0.25.1 stores for each e4m3 scale byte (``table[b]``), given the
+    shared rescale factor (:func:`nvfp4_scale_factor`): the scale as the activation type, then fp16, times the
+    factor (through float32), times ``2**7``, the byte of :func:`encode_s0e5m3`."""
+    values = torch.arange(256, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    marlin = values.to(activation_dtype).to(torch.float16)
+    if factor > 1.0:
+        marlin = (marlin.to(torch.float32) * factor).to(torch.float16)
+    return encode_s0e5m3(marlin * 2.0**7)
+
+
+@dataclass(frozen=True)
+class PackedScales:
+    """The scale side of :func:`pack_experts`: kernel-ready ``b_scales``, ``global_scale`` (NVFP4) and ``b_qzeros``,
+    and (when asked for) the exact float64 scale and zero point of every ``(group, n)``."""
+
+    b_scales: torch.Tensor
+    global_scale: torch.Tensor | None
+    b_qzeros: torch.Tensor | None
+    scale_dense: torch.Tensor | None
+    zp_dense: torch.Tensor | None
+
+
+def pack_scales(
+    fmt: MarlinWeightFormat,
+    scales: torch.Tensor,
+    *,
+    activation_dtype: torch.dtype = torch.bfloat16,
+    global_scale: torch.Tensor | None = None,
+    zero_points: torch.Tensor | None = None,
+    with_dense: bool = True,
+) -> PackedScales:
+    """Logical ``[E, groups, N]`` scales (and global scales, zero points) → what vLLM 0.25.1 gives the kernel; the
+    arguments are :func:`pack_experts`' (NVFP4 scales may also come as ``float8_e4m3fn`` already). ``with_dense``:
+    also the exact float64 scales and zero points (an ``[E, groups, N]`` float64 pass or two; skipped otherwise)."""
+    _check_activation_dtype(activation_dtype)
+    if scales.dim() != 3:
+        raise ReferenceError_("scales must be [E, groups, N]")
+    num_experts, groups = scales.shape[:2]
+    grouped = layout.scales_are_grouped(groups)
+    global_out: torch.Tensor | None = None
+    zp_out: torch.Tensor | None = None
+    zp_dense: torch.Tensor | None = None
+    scale_dense: torch.Tensor | None = None
+    if fmt is MarlinWeightFormat.NVFP4:
+        if global_scale is None:
+            raise ReferenceError_("NVFP4 needs global_scale")
+        s_fp8 = scales.to(torch.float8_e4m3fn)
+        raw = s_fp8.view(torch.uint8)
+        # The rescale factor depends only on which scale values occur, and the stored byte of a scale only on its
+        # value and the factor: both are worked out once per e4m3 value (256 of them) — the same operations on the
+        # same values as over every scale — and the scales then go through a byte table and the two reorders.
+        present = torch.zeros(256, dtype=torch.bool, device=raw.device)
+        for expert in range(num_experts):
+            present |= torch.bincount(raw[expert].reshape(-1), minlength=256) > 0
+        values = torch.arange(256, dtype=torch.uint8, device=raw.device).view(torch.float8_e4m3fn)
+        factor = nvfp4_scale_factor(values[present].to(activation_dtype), activation_dtype)
+        table = nvfp4_scale_bytes(activation_dtype, factor, raw.device)
+        codes = torch.empty(raw.shape, dtype=torch.uint8, device=raw.device)
+        for expert in range(num_experts):  # int64 indices of one expert at a time
+            stored = torch.take(table, raw[expert].to(torch.int64))
+            codes[expert] = layout.swap_scale_pairs(layout.permute_scales(stored, grouped))
+        b_scales = codes.view(torch.float8_e4m3fn)
+        shift = fp4_exponent_compensation(activation_dtype) - 7
+        gs32 = global_scale.to(torch.float32).reshape(num_experts)
+        global_out = (gs32 * 2.0**shift) / factor
+        if with_dense:
+            kept = s_fp8.to(torch.float64) * factor * 2.0**7 >= 2  # vLLM zeroes scales below 2 after * 2**7
+            scale_dense = torch.where(kept, s_fp8.to(torch.float64), 0.0) * gs32.to(torch.float64).view(
+                -1, 1, 1
+            )
+    elif fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
+        e8m0 = _bytes(scales, _E8M0_DTYPES, "e8m0 scales") if scales.dtype in _E8M0_DTYPES else None
+        if e8m0 is None:
+            raise ReferenceError_("MX scales must be e8m0 bytes (uint8 or float8_e8m0fnu)")
+        b_scales = layout.swap_scale_pairs(layout.permute_scales(e8m0, grouped)).view(torch.float8_e8m0fnu)
+        if with_dense:
+            scale_dense = decode_e8m0(e8m0).to(torch.float64)
+    else:
+        s_16 = scales.to(activation_dtype)
+        permuted = layout.permute_scales(s_16, grouped)
+        if fmt is MarlinWeightFormat.FP8:
+            b_scales = (permuted.to(torch.float32) * 2.0 ** fp8_exponent_compensation(activation_dtype)).to(
+                activation_dtype
+            )
+        else:
+            b_scales = permuted
+        if with_dense:
+            scale_dense = s_16.to(torch.float64)
+        if fmt.has_zero_points:
+            if zero_points is None:
+                raise ReferenceError_(f"{fmt.value} needs zero points")
+            if fmt is MarlinWeightFormat.AWQ_INT4_FZP:
+                zp_16 = zero_points.to(torch.float16)
+                zp_out = layout.permute_float_zero_points(zp_16)
+                zp_dense = zp_16.to(torch.float64) if with_dense else None
+            else:
+                zp_out = layout.pack_zero_points(zero_points.to(torch.uint8), fmt.num_bits)
+                zp_dense = zero_points.to(torch.float64) if with_dense else None
+    return PackedScales(b_scales.contiguous(), global_out, zp_out, scale_dense, zp_dense)
+
+
 def pack_experts(
     fmt: MarlinWeightFormat,
     codes: torch.Tensor,
@@ -649,69 +753,32 @@ def pack_experts(
     ``[E, groups, N]`` are the logical scales: fp8-e4m3 values (NVFP4), e8m0 bytes (MX formats) or real numbers
     (rounded to the activation dtype, as vLLM stores them). ``global_scale`` float32 ``[E]`` (NVFP4),
     ``zero_points`` ``[E, groups, N]`` (int codes, or floats for ``AWQ_INT4_FZP``), ``g_idx`` int ``[E, K]``
-    (act order: group of each original row), ``bias`` ``[E, N]``.
+    (act order: group of each original row), ``bias`` ``[E, N]``. The parts: :func:`pack_scales`,
+    :func:`marlin_layout.pack_weights <moereplay.reference.marlin_layout.pack_weights>`, :func:`pack_bias`.
     """
     _check_activation_dtype(activation_dtype)
     if codes.dim() != 3 or scales.dim() != 3:
         raise ReferenceError_("codes must be [E, K, N] and scales [E, groups, N]")
-    num_experts, k, n = codes.shape
+    _, k, n = codes.shape
     groups = scales.shape[1]
     if k % groups:
         raise ReferenceError_(f"K={k} is not divisible by {groups} groups")
     group_size = k // groups
-    grouped = layout.scales_are_grouped(groups)
-    bits = fmt.num_bits
     codes = codes.to(torch.uint8)
-
-    # The exact scale of every (group, n) in float64 (scale_dense) is worked out along the way.
-    global_out: torch.Tensor | None = None
-    zp_out: torch.Tensor | None = None
-    zp_dense: torch.Tensor | None = None
-    if fmt is MarlinWeightFormat.NVFP4:
-        if global_scale is None:
-            raise ReferenceError_("NVFP4 needs global_scale")
-        s_fp8 = scales.to(torch.float8_e4m3fn)
-        s_16 = s_fp8.to(activation_dtype)
-        factor = nvfp4_scale_factor(s_16, activation_dtype)
-        marlin = layout.swap_scale_pairs(layout.permute_scales(s_16, grouped)).to(torch.float16)
-        if factor > 1.0:
-            marlin = (marlin.to(torch.float32) * factor).to(torch.float16)
-        b_scales = encode_s0e5m3(marlin * 2.0**7).view(torch.float8_e4m3fn)
-        shift = fp4_exponent_compensation(activation_dtype) - 7
-        gs32 = global_scale.to(torch.float32).reshape(num_experts)
-        global_out = (gs32 * 2.0**shift) / factor
-        kept = s_fp8.to(torch.float64) * factor * 2.0**7 >= 2  # vLLM zeroes scales below 2 after * 2**7
-        scale_dense = torch.where(kept, s_fp8.to(torch.float64), 0.0) * gs32.to(torch.float64).view(-1, 1, 1)
-    elif fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
-        e8m0 = _bytes(scales, _E8M0_DTYPES, "e8m0 scales") if scales.dtype in _E8M0_DTYPES else None
-        if e8m0 is None:
-            raise ReferenceError_("MX scales must be e8m0 bytes (uint8 or float8_e8m0fnu)")
-        b_scales = layout.swap_scale_pairs(layout.permute_scales(e8m0, grouped)).view(torch.float8_e8m0fnu)
-        scale_dense = decode_e8m0(e8m0).to(torch.float64)
-    else:
-        s_16 = scales.to(activation_dtype)
-        permuted = layout.permute_scales(s_16, grouped)
-        if fmt is MarlinWeightFormat.FP8:
-            b_scales = (permuted.to(torch.float32) * 2.0 ** fp8_exponent_compensation(activation_dtype)).to(
-                activation_dtype
-            )
-        else:
-            b_scales = permuted
-        scale_dense = s_16.to(torch.float64)
-        if fmt.has_zero_points:
-            if zero_points is None:
-                raise ReferenceError_(f"{fmt.value} needs zero points")
-            if fmt is MarlinWeightFormat.AWQ_INT4_FZP:
-                zp_16 = zero_points.to(torch.float16)
-                zp_out = layout.permute_float_zero_points(zp_16)
-                zp_dense = zp_16.to(torch.float64)
-            else:
-                zp_out = layout.pack_zero_points(zero_points.to(torch.uint8), bits)
-                zp_dense = zero_points.to(torch.float64)
-
+    side = pack_scales(
+        fmt,
+        scales,
+        activation_dtype=activation_dtype,
+        global_scale=global_scale,
+        zero_points=zero_points,
+        with_dense=with_dense,
+    )
     if g_idx is not None and not fmt.supports_act_order:
         raise ReferenceError_(f"act order is not supported for {fmt.value}")
-    dense = _dense_weights(fmt, codes, scale_dense, zp_dense, g_idx, group_size) if with_dense else None
+    dense = None
+    if with_dense:
+        assert side.scale_dense is not None
+        dense = _dense_weights(fmt, codes, side.scale_dense, side.zp_dense, g_idx, group_size)
 
     g_idx_out: torch.Tensor | None = None
     perm_out: torch.Tensor | None = None
@@ -719,22 +786,16 @@ def pack_experts(
     if g_idx is not None:
         g_idx_out, perm_out = layout.sort_act_order(g_idx.to(torch.int32))
         stored = layout.act_order_rows(codes, perm_out)
-    b_qweight = layout.pack_weights(stored, bits)
-
-    bias_out: torch.Tensor | None = None
-    bias_dense: torch.Tensor | None = None
-    if bias is not None:
-        bias_16 = bias.to(activation_dtype)
-        bias_out = layout.permute_bias(bias_16)
-        bias_dense = bias_16.to(torch.float64)
+    b_qweight = layout.pack_weights(stored, fmt.num_bits)
+    bias_out, bias_dense = pack_bias(bias, activation_dtype)
 
     return PackedExperts(
         format=fmt,
         activation_dtype=activation_dtype,
         b_qweight=b_qweight,
-        b_scales=b_scales.contiguous(),
-        global_scale=global_out,
-        b_qzeros=zp_out,
+        b_scales=side.b_scales,
+        global_scale=side.global_scale,
+        b_qzeros=side.b_qzeros,
         g_idx=g_idx_out,
         perm=perm_out,
         b_bias=bias_out,
@@ -743,6 +804,16 @@ def pack_experts(
         size_k=k,
         size_n=n,
     )
+
+
+def pack_bias(
+    bias: torch.Tensor | None, activation_dtype: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Logical ``[E, N]`` bias → (``b_bias`` in the kernel's order and dtype, its exact float64 values)."""
+    if bias is None:
+        return None, None
+    bias_16 = bias.to(activation_dtype)
+    return layout.permute_bias(bias_16), bias_16.to(torch.float64)
 
 
 def _dense_weights(

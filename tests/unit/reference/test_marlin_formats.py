@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moereplay.errors import ReferenceError_
+from moereplay.reference import marlin_formats as mf
 from moereplay.reference import scalar_types as st
 from moereplay.reference.marlin_formats import (
     MarlinExpertWeights,
@@ -14,9 +15,12 @@ from moereplay.reference.marlin_formats import (
     dequant_notes,
     detect_format,
     encode_s0e5m3,
+    nvfp4_scale_bytes,
     nvfp4_scale_factor,
     pack_experts,
+    pack_scales,
     random_experts,
+    random_logical_experts,
 )
 
 F = MarlinWeightFormat
@@ -109,6 +113,69 @@ def test_nvfp4_scale_factor() -> None:
     assert nvfp4_scale_factor(torch.tensor([float("nan"), -1.0]), torch.bfloat16) == 1.0
     assert nvfp4_scale_factor(torch.tensor([-3.0, 0.0]), torch.bfloat16) == 1.0
     assert nvfp4_scale_factor(torch.zeros(0), torch.bfloat16) == 1.0
+
+
+@pytest.mark.parametrize("activation_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("factor", [1.0, 2.0, 128.0])
+def test_nvfp4_scale_table_is_the_elementwise_preparation_of_every_e4m3_byte(
+    activation_dtype: torch.dtype, factor: float
+) -> None:
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    marlin = values.to(activation_dtype).to(torch.float16)
+    if factor > 1.0:
+        marlin = (marlin.to(torch.float32) * factor).to(torch.float16)
+    assert torch.equal(nvfp4_scale_bytes(activation_dtype, factor), encode_s0e5m3(marlin * 2.0**7))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nvfp4_scales_through_the_table_are_the_elementwise_preparation(seed: int) -> None:
+    """Every e4m3 byte — NaN, negative, zero and subnormal ones included — packs as vLLM's steps applied to the
+    whole tensor: as the activation type, reordered, fp16, times the shared factor, the byte of ``s * 2**7``."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256 if seed else 0x70, (3, 4, 128), generator=gen, dtype=torch.uint8)
+    scales = raw.view(torch.float8_e4m3fn)
+    assert seed or nvfp4_scale_factor(scales, torch.bfloat16) > 1.0  # no large scale: the factor path runs
+    for dtype in (torch.bfloat16, torch.float16):
+        s_16 = scales.to(dtype)
+        factor = nvfp4_scale_factor(s_16, dtype)
+        grouped = mf.layout.scales_are_grouped(4)
+        marlin = mf.layout.swap_scale_pairs(mf.layout.permute_scales(s_16, grouped)).to(torch.float16)
+        if factor > 1.0:
+            marlin = (marlin.to(torch.float32) * factor).to(torch.float16)
+        expected = encode_s0e5m3(marlin * 2.0**7)
+        packed = pack_scales(
+            F.NVFP4, scales, activation_dtype=dtype, global_scale=torch.ones(3), with_dense=False
+        )
+        assert torch.equal(packed.b_scales.view(torch.uint8), expected)
+
+
+def test_scales_pack_the_same_without_their_dense_values() -> None:
+    for fmt in (F.NVFP4, F.MXFP4, F.AWQ_INT4, F.AWQ_INT4_FZP):
+        logical = random_logical_experts(
+            fmt,
+            2,
+            128,
+            128,
+            group_size=fmt.fixed_group_size or 32,
+            generator=torch.Generator().manual_seed(7),
+        )
+        with_dense = pack_scales(
+            fmt, logical.scales, global_scale=logical.global_scale, zero_points=logical.zero_points
+        )
+        without = pack_scales(
+            fmt,
+            logical.scales,
+            global_scale=logical.global_scale,
+            zero_points=logical.zero_points,
+            with_dense=False,
+        )
+        assert without.scale_dense is None and without.zp_dense is None and with_dense.scale_dense is not None
+        for name in ("b_scales", "global_scale", "b_qzeros"):
+            ours, theirs = getattr(without, name), getattr(with_dense, name)
+            assert (ours is None and theirs is None) or torch.equal(
+                ours.view(torch.uint8) if ours.dtype.itemsize == 1 else ours,
+                theirs.view(torch.uint8) if theirs.dtype.itemsize == 1 else theirs,
+            )
 
 
 def test_nvfp4_global_scale_carries_compensation() -> None:
