@@ -58,6 +58,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from moereplay.errors import ReferenceError_
@@ -210,8 +211,8 @@ def swizzle_hopper_values(data: torch.Tensor, mx_axis: int, mma_version: int = 3
 
     Returns a transposed view (stride 1 on the second-to-last axis) when ``mx_axis`` is the second-to-last axis, as
     triton_kernels does. Pads with zero bytes (see the module docstring). Works one matrix of the batch at a time
-    into the output (temporaries: a few times one matrix, not the whole tensor) and shuffles the bits of each word
-    by two 65536-entry table lookups (:func:`_shuffle_words`).
+    into the output (:func:`swizzle_hopper_value_matrix`; temporaries: a few times one matrix, not the whole
+    tensor).
     """
     shape = HopperValueShape(tuple(data.shape), mx_axis, mma_version)
     as_bytes = data.view(torch.uint8) if data.dtype != torch.uint8 else data
@@ -223,12 +224,72 @@ def swizzle_hopper_values(data: torch.Tensor, mx_axis: int, mma_version: int = 3
     if out.numel():
         sources = matrices.reshape(-1, rows, cols)
         targets = out.view(-1, rows_pad // 4, cols_pad * 4)
-        view = _value_view_shape((), rows_pad, cols_pad, mma_version)
         for index in range(sources.shape[0]):
-            work = torch.nn.functional.pad(sources[index], (0, cols_pad - cols, 0, rows_pad - rows))
-            work = work.reshape(view).permute(*_VALUE_PERM).reshape(rows_pad // 4, cols_pad * 4)
-            targets[index].view(torch.int32).copy_(_shuffle_words(work.view(torch.int32)))
+            swizzle_hopper_value_matrix(sources[index], targets[index], mma_version)
     return _to_rows_cols(out, shape.transposed)
+
+
+def swizzle_hopper_value_matrix(matrix: torch.Tensor, out: torch.Tensor, mma_version: int = 3) -> None:
+    """One matrix of :func:`swizzle_hopper_values` in its rows/cols orientation — ``[N, K/2]`` bytes for vLLM's
+    mx_axis=1, the checkpoint's own layout — into ``out`` (contiguous uint8 ``[rows_pad/4, 4·cols_pad]``).
+
+    On the CPU (mma_version 3) the byte reorder and the bit shuffle are one step: the four bytes of a swizzled word
+    are rows ``r`` and ``r + 8`` (w0) of columns ``c`` and ``c + 4`` (w1), so rows ``r`` and ``r + 8`` are paired
+    into 16-bit values in one contiguous pass, and each word is two lookups (w1 = 0 and 1) in 65536-entry tables
+    of the shuffled bits, gathered straight in the swizzled order (numpy: 0.45 s for a gpt-oss w13 set on one core,
+    against 1.2 s for the reorder then the shuffle). Elsewhere the reorder and the shuffle run as torch ops.
+    """
+    rows, cols = matrix.shape
+    as_bytes = matrix.view(torch.uint8) if matrix.dtype != torch.uint8 else matrix
+    probe = HopperValueShape((rows, cols), 1, mma_version)
+    rows_pad, cols_pad = probe.padded_rows_cols
+    if (
+        tuple(out.shape) != (rows_pad // 4, cols_pad * 4)
+        or out.dtype != torch.uint8
+        or not out.is_contiguous()
+    ):
+        raise ReferenceError_(
+            f"swizzled Hopper values of a [{rows}, {cols}] matrix are a contiguous uint8 "
+            f"[{rows_pad // 4}, {cols_pad * 4}], got {out.dtype} {list(out.shape)}"
+        )
+    if (rows_pad, cols_pad) != (rows, cols):
+        as_bytes = torch.nn.functional.pad(as_bytes, (0, cols_pad - cols, 0, rows_pad - rows))
+    if mma_version == 3 and as_bytes.device.type == "cpu":
+        _swizzle_words_numpy(as_bytes.numpy(), out.numpy())
+        return
+    view = _value_view_shape((), rows_pad, cols_pad, mma_version)
+    work = as_bytes.reshape(view).permute(*_VALUE_PERM).reshape(rows_pad // 4, cols_pad * 4)
+    out.view(torch.int32).copy_(_shuffle_words(work.view(torch.int32)))
+
+
+@functools.cache
+def _word_tables() -> tuple[numpy.ndarray, numpy.ndarray]:
+    """uint32[65536] each: the shuffled word (:func:`_pack_words`) holding bytes ``b0 | b1 << 8`` of a group as its
+    bytes 0 and 1 (the other two zero), and the same for bytes 2 and 3; a shuffle moves bits, so a word is the OR
+    of its two halves' entries."""
+    pairs = torch.arange(1 << 16, dtype=torch.int32)
+    first, second = pairs & 0xFF, pairs >> 8
+    zero = torch.zeros_like(pairs)
+    low = _pack_words([first & 0xF, second & 0xF, zero, zero], [first >> 4, second >> 4, zero, zero])
+    high = _pack_words([zero, zero, first & 0xF, second & 0xF], [zero, zero, first >> 4, second >> 4])
+    return low.numpy().view(numpy.uint32), high.numpy().view(numpy.uint32)
+
+
+def _swizzle_words_numpy(matrix: numpy.ndarray, out: numpy.ndarray) -> None:
+    """:func:`swizzle_hopper_value_matrix` for mma_version 3 (padded ``[rows, cols]`` uint8 → ``out``)."""
+    rows, cols = matrix.shape
+    low_table, high_table = _word_tables()
+    # rows = 16·r0 + 8·w0 + 2·t0 + s0: rows r and r + 8 (w0 = 0, 1) become one 16-bit value, w0 = 1 the high byte
+    halves = matrix.reshape(rows // 16, 2, 8, cols)
+    paired = halves[:, 1].astype(numpy.uint16)
+    paired <<= 8
+    paired |= halves[:, 0]
+    # [r0, t0, s0, c0, q, w1, t1] → words in the swizzled order r0 t0 | c0 s0 t1 q, one gather per w1
+    digits = paired.reshape(rows // 16, 4, 2, cols // 32, 4, 2, 4)
+    words = out.view(numpy.uint32).reshape(rows // 16, 4, cols // 32, 2, 4, 4)
+    # (indices are 16-bit: always in range; mode="clip" only spares numpy buffering ``out``, as "raise" does)
+    numpy.take(low_table, digits[:, :, :, :, :, 0].transpose(0, 1, 3, 2, 5, 4), out=words, mode="clip")
+    words |= numpy.take(high_table, digits[:, :, :, :, :, 1].transpose(0, 1, 3, 2, 5, 4), mode="clip")
 
 
 @functools.cache

@@ -238,3 +238,26 @@ def test_matches_triton_kernels_layout_classes() -> None:
         data = _random_bytes(shape, seed=12)
         theirs = scale_mod.HopperMXScaleLayout(list(shape), mx_axis, num_warps=num_warps).swizzle_data(data)
         assert torch.equal(theirs, swizzle_hopper_scales(data, mx_axis, num_warps))
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(5760 // 8, 1440 // 8), (100, 40), (16, 32), (48, 64)])
+def test_cpu_value_swizzle_is_the_reorder_then_the_word_shuffle(rows: int, cols: int) -> None:
+    """On the CPU (mma_version 3) rows r / r + 8 are paired and each word is two table lookups, gathered in the
+    swizzled order: the same bytes as reordering them (the layout's permute) and shuffling each word after."""
+    from moereplay.reference.hopper_mxfp4 import (
+        _VALUE_PERM,
+        _shuffle_words,
+        _value_view_shape,
+        swizzle_hopper_value_matrix,
+    )
+
+    matrix = _random_bytes((rows, cols), rows + cols)
+    rows_pad, cols_pad = HopperValueShape((cols, rows), 0, 3).padded_rows_cols
+    padded = torch.nn.functional.pad(matrix, (0, cols_pad - cols, 0, rows_pad - rows))
+    reordered = padded.reshape(_value_view_shape((), rows_pad, cols_pad, 3)).permute(*_VALUE_PERM)
+    expected = _shuffle_words(reordered.reshape(rows_pad // 4, cols_pad * 4).contiguous().view(torch.int32))
+    out = torch.empty(rows_pad // 4, cols_pad * 4, dtype=torch.uint8)
+    swizzle_hopper_value_matrix(matrix, out)
+    assert torch.equal(out.view(torch.int32), expected)
+    with pytest.raises(ReferenceError_, match="contiguous uint8"):
+        swizzle_hopper_value_matrix(matrix, out[:, :-4])
