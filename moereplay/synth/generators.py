@@ -17,17 +17,26 @@ change, but old captures would no longer load).
   swizzled for Hopper like vLLM's ``_swizzle_mxfp4`` (``HOPPER_VALUE`` mx_axis 1, ``HOPPER_SCALE`` mx_axis 1 and
   ``num_warps``): outputs ``values`` and ``scales``, the swizzled storages (transposed views, as triton_kernels
   keeps them). ``w13_layout``: the N rows are drawn as ``[gate; up]`` and rearranged into that layout.
+
+The two weight generators draw their codes one expert at a time and pack (swizzle) each on a worker thread while the
+next is drawn (:mod:`moereplay.synth.expert_pipeline`): the same stream in the same order, so the same bytes as
+drawing every tensor whole — which they still do where an expert's codes are not one piece of the stream (FP8's
+magnitudes then signs) or its rows move (act order). A gpt-oss w13 set then costs about its serial draw (1.5 s of
+half a billion codes on one core) and little more than its packed bytes of memory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from moereplay.errors import SettingsError
 from moereplay.format.tensors import torch_dtype
+from moereplay.reference.marlin_formats import MarlinWeightFormat
+from moereplay.synth.expert_pipeline import ExpertPipeline
 from moereplay.synth.recipe import register_generator
 
 
@@ -127,12 +136,63 @@ def _pad_rows(values: torch.Tensor, rows: int) -> torch.Tensor:
 
 @register_generator("marlin_experts", _marlin_bytes)
 def marlin_experts(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    from moereplay.reference.marlin_formats import MarlinWeightFormat, pack_experts
+    return _marlin_experts(params, streamed=True)
 
-    gen = _generator(params)
+
+@dataclass(frozen=True)
+class _MarlinDraw:
+    """The parameters of one ``marlin_experts`` call, checked, and how each expert's drawn values are laid out."""
+
+    fmt: MarlinWeightFormat
+    experts: int
+    size_k: int
+    size_n: int
+    group_size: int
+    report: bool
+    pad_k: int | None
+    shards: int
+    pad_n: int | None
+    order: torch.Tensor | None  # the w13 column order, None when the columns stay as drawn
+
+    @property
+    def groups(self) -> int:
+        return self.size_k // self.group_size
+
+    @property
+    def drawn_k(self) -> int:
+        """Rows of codes drawn per expert: the report draws over the padded K."""
+        return self.pad_k if self.report and self.pad_k is not None else self.size_k
+
+    @property
+    def packed_pad_k(self) -> int | None:
+        """Rows the codes are padded to after drawing (the report's padding is drawn, then zeroed)."""
+        return None if self.report else self.pad_k
+
+    def interior(self, padded: torch.Tensor) -> torch.Tensor:
+        """The ``[drawn_k, shards, n]`` view of one expert's padded ``[K, N]`` codes that its drawn codes fill."""
+        rows = padded[: self.drawn_k]
+        width = self.size_n // self.shards
+        if self.pad_n is None:
+            return rows.view(self.drawn_k, self.shards, width)
+        return rows.view(self.drawn_k, self.shards, self.pad_n)[..., :width]
+
+    def arrange(self, values: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """``[..., r, n]`` drawn values (codes, scales, zero points) → columns in the w13 layout, each shard padded
+        to ``pad_n`` and (``rows``) zero rows appended; any leading dimensions (all experts, or one)."""
+        lead = values.shape[:-2]
+        values = values.reshape(-1, *values.shape[-2:])
+        if self.order is not None:
+            values = values[..., self.order]
+        if self.pad_n is not None:
+            values = _pad_shards(values, self.shards, self.pad_n)
+        if rows is not None:
+            values = _pad_rows(values, rows)
+        return values.reshape(*lead, *values.shape[-2:])
+
+
+def _marlin_draw(params: Mapping[str, Any]) -> _MarlinDraw:
     fmt = MarlinWeightFormat(params["format"])
     experts, size_k, size_n = int(params["experts"]), int(params["size_k"]), int(params["size_n"])
-    activation_dtype = _dtype(params.get("activation_dtype", "bfloat16"))
     style = params.get("style", "uniform")
     group_size = params.get("group_size")
     fixed = fmt.fixed_group_size
@@ -144,76 +204,78 @@ def marlin_experts(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     pad_k = params.get("pad_k")
     if pad_k is not None and (int(pad_k) - size_k) % group_size:
         raise SettingsError(f"K padding {size_k} → {pad_k} is not whole groups of {group_size}")
-    groups = size_k // group_size
-    shape_codes = (experts, size_k, size_n)
-    shape_scales = (experts, groups, size_n)
-    zero_points = global_scale = g_idx = None
-
-    if style == "report":
-        # The published report's draw: every code/scale over the padded K first, then the padding zeroed.
-        if fmt is not MarlinWeightFormat.NVFP4:
-            raise SettingsError("style 'report' draws NVFP4 weights only")
-        total_k = int(pad_k) if pad_k is not None else size_k
-        codes = torch.randint(0, 16, (experts, total_k, size_n), generator=gen, dtype=torch.uint8)
-        codes[:, size_k:, :] = 0
-        scales = torch.rand(experts, total_k // 16, size_n, generator=gen) * 3 + 0.5
-        scales[:, size_k // 16 :, :] = 0
-        global_scale = torch.rand(experts, generator=gen) * 0.002 + 1e-4
-        pad_k = None
-    else:
-        if fmt in (MarlinWeightFormat.NVFP4, MarlinWeightFormat.MXFP4):
-            codes = _integers(gen, 0, 16, shape_codes)
-        elif fmt in (MarlinWeightFormat.FP8, MarlinWeightFormat.MXFP8):
-            codes = _integers(gen, 0, 0x7F, shape_codes) | (_integers(gen, 0, 2, shape_codes) << 7)
-        else:
-            codes = _integers(gen, 0, 1 << fmt.num_bits, shape_codes)
-        if fmt is MarlinWeightFormat.NVFP4:
-            scales = _uniform(gen, shape_scales, 0.5, 440.0).to(torch.float8_e4m3fn).to(torch.float32)
-            global_scale = _uniform(gen, (experts,), 1e-5, 1e-3).to(torch.float32)
-        elif fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
-            scales = _integers(gen, 118, 130, shape_scales)
-        else:
-            scales = _uniform(gen, shape_scales, 1e-3, 2e-2)
-            if fmt is MarlinWeightFormat.AWQ_INT4:
-                zero_points = _integers(gen, 0, 16, shape_scales)
-            elif fmt is MarlinWeightFormat.AWQ_INT4_FZP:
-                zero_points = _uniform(gen, shape_scales, 0.0, 15.0)
-        if params.get("act_order"):
-            if not fmt.supports_act_order or groups < 2:
-                raise SettingsError("act order needs a GPTQ format with more than one group")
-            rows = torch.arange(size_k) // group_size
-            g_idx = torch.stack([rows[torch.randperm(size_k, generator=gen)] for _ in range(experts)]).to(
-                torch.int32
-            )
-    bias = _uniform(gen, (experts, size_n), -1.0, 1.0) if params.get("bias") else None
-
+    if style == "report" and fmt is not MarlinWeightFormat.NVFP4:
+        raise SettingsError("style 'report' draws NVFP4 weights only")
+    order = None
     layout = params.get("w13_layout")
     if layout is not None:
-        # codes, scales and bias were drawn as [gate; up] along N; lay their columns out as asked
+        # codes, scales and bias are drawn as [gate; up] along N; their columns are laid out as asked
         from moereplay.reference.activation import W13Layout, w13_permutation
 
         order = w13_permutation(size_n, W13Layout.GATE_UP_CONCAT, W13Layout(layout))
-        codes, scales = codes[..., order], scales[..., order]
-        if zero_points is not None:
-            zero_points = zero_points[..., order]
-        if bias is not None:
-            bias = bias[..., order]
-
-    shards = int(params.get("shards", 1))
     pad_n = params.get("pad_n")
-    if pad_n is not None:
-        width = int(pad_n)
-        codes = _pad_shards(codes, shards, width)
-        scales = _pad_shards(scales, shards, width)
-        if zero_points is not None:
-            zero_points = _pad_shards(zero_points, shards, width)
-        if bias is not None:
-            bias = _pad_shards(bias.unsqueeze(1), shards, width).squeeze(1)
-    if pad_k is not None:
-        codes = _pad_rows(codes, int(pad_k))
-        scales = _pad_rows(scales, int(pad_k) // group_size)  # zero scales: the padded rows weigh nothing
-        if zero_points is not None:
-            zero_points = _pad_rows(zero_points, int(pad_k) // group_size)
+    return _MarlinDraw(
+        fmt,
+        experts,
+        size_k,
+        size_n,
+        group_size,
+        style == "report",
+        None if pad_k is None else int(pad_k),
+        int(params.get("shards", 1)),
+        None if pad_n is None else int(pad_n),
+        order,
+    )
+
+
+def _marlin_experts(params: Mapping[str, Any], *, streamed: bool) -> dict[str, torch.Tensor]:
+    """``marlin_experts``: ``streamed`` draws and packs the codes one expert at a time (NVFP4 scales too) where the
+    format draws its codes in one piece (not FP8/MXFP8: magnitudes then signs) and rows keep their order (no act
+    order); otherwise — and for the tests that compare the two — every tensor is drawn whole and packed after."""
+    from moereplay.reference.marlin_formats import pack_experts
+
+    draw = _marlin_draw(params)
+    fmt = draw.fmt
+    gen = _generator(params)
+    activation_dtype = _dtype(params.get("activation_dtype", "bfloat16"))
+    act_order = bool(params.get("act_order")) and not draw.report  # the report's draw has no act order
+    if act_order and (not fmt.supports_act_order or draw.groups < 2):
+        raise SettingsError("act order needs a GPTQ format with more than one group")
+    two_draws = fmt in (MarlinWeightFormat.FP8, MarlinWeightFormat.MXFP8)
+    if streamed and not two_draws and not act_order:
+        return _marlin_streamed(draw, gen, activation_dtype, params)
+
+    experts, size_k, size_n, groups = draw.experts, draw.size_k, draw.size_n, draw.groups
+    shape_codes = (experts, size_k, size_n)
+    shape_scales = (experts, groups, size_n)
+    zero_points = global_scale = g_idx = None
+    if draw.report:
+        # The published report's draw: every code/scale over the padded K first, then the padding zeroed.
+        codes = torch.randint(0, 16, (experts, draw.drawn_k, size_n), generator=gen, dtype=torch.uint8)
+        codes[:, size_k:, :] = 0
+        scales = _report_scales(gen, draw, (experts,))
+        global_scale = torch.rand(experts, generator=gen) * 0.002 + 1e-4
+    else:
+        if two_draws:
+            codes = _integers(gen, 0, 0x7F, shape_codes) | (_integers(gen, 0, 2, shape_codes) << 7)
+        else:
+            codes = _integers(gen, 0, _code_bound(fmt), shape_codes)
+        if fmt is MarlinWeightFormat.NVFP4:
+            scales = _nvfp4_scales(gen, shape_scales)
+            global_scale = _uniform(gen, (experts,), 1e-5, 1e-3).to(torch.float32)
+        else:
+            scales, zero_points = _other_scales(gen, fmt, shape_scales)
+        if act_order:
+            rows = torch.arange(size_k) // draw.group_size
+            g_idx = torch.stack([rows[torch.randperm(size_k, generator=gen)] for _ in range(experts)]).to(
+                torch.int32
+            )
+    bias = _bias(gen, params, experts, size_n)
+    pad_k = draw.packed_pad_k
+    codes = draw.arrange(codes, pad_k)
+    scales = draw.arrange(scales, None if pad_k is None else pad_k // draw.group_size)  # zero scales: padding
+    if zero_points is not None:
+        zero_points = draw.arrange(zero_points, None if pad_k is None else pad_k // draw.group_size)
     packed = pack_experts(
         fmt,
         codes,
@@ -222,7 +284,7 @@ def marlin_experts(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         global_scale=global_scale,
         zero_points=zero_points,
         g_idx=g_idx,
-        bias=bias,
+        bias=None if bias is None else draw.arrange(bias.unsqueeze(1)).squeeze(1),
         with_dense=False,
     )
     outputs = {
@@ -237,6 +299,143 @@ def marlin_experts(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return {name: value.contiguous() for name, value in outputs.items() if value is not None}
 
 
+def _marlin_streamed(
+    draw: _MarlinDraw, gen: torch.Generator, activation_dtype: torch.dtype, params: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The streamed ``marlin_experts`` (see there): the same draws in the same order, each expert's codes packed
+    straight into ``b_qweight`` (and its NVFP4 scales rounded and laid out) on a worker while the next expert is
+    drawn."""
+    from moereplay.reference import marlin_layout
+    from moereplay.reference.marlin_formats import pack_bias, pack_scales
+
+    fmt, experts, size_n = draw.fmt, draw.experts, draw.size_n
+    pad_k = draw.packed_pad_k
+    scale_rows = None if pad_k is None else pad_k // draw.group_size
+    final_k = pad_k if pad_k is not None else draw.drawn_k
+    final_n = draw.shards * draw.pad_n if draw.pad_n is not None else size_n
+    marlin_layout.pack_weights(
+        torch.empty(0, final_k, final_n, dtype=torch.uint8), fmt.num_bits
+    )  # checks K, N
+    b_qweight = torch.empty((experts, final_k // 16, final_n * 16 // (32 // fmt.num_bits)), dtype=torch.int32)
+
+    # Fixed buffers, not a fresh allocation per expert (a few hundred MB of freed 17 MB blocks would stay with the
+    # allocator): two to draw into — expert e + 2 reuses e's, which the pipeline has packed by then — and, when the
+    # codes are padded, one zeroed buffer whose interior the worker overwrites with each expert's codes.
+    drawn = [torch.empty((draw.drawn_k, size_n), dtype=torch.uint8) for _ in range(2)]
+    padded = None
+    if (final_k, final_n) != (draw.drawn_k, size_n):
+        padded = torch.zeros((final_k, final_n), dtype=torch.uint8)
+
+    def pack(expert: int, codes: torch.Tensor) -> None:
+        if draw.order is not None:
+            codes = codes[:, draw.order]
+        if padded is not None:
+            draw.interior(padded).copy_(codes.view(draw.drawn_k, draw.shards, -1))
+            codes = padded
+        marlin_layout.pack_weights(codes, fmt.num_bits, out=b_qweight[expert])
+
+    zero_points = global_scale = None
+    with ExpertPipeline() as pipeline:
+        for expert in range(experts):
+            codes = torch.randint(0, _code_bound(fmt), drawn[0].shape, generator=gen, out=drawn[expert % 2])
+            if draw.report:
+                codes[draw.size_k :] = 0
+            pipeline.submit(pack, expert, codes)
+        if fmt is MarlinWeightFormat.NVFP4:
+            rows = draw.drawn_k // 16 if scale_rows is None else scale_rows
+            scales = torch.empty((experts, rows, final_n), dtype=torch.float8_e4m3fn)
+
+            def place(expert: int, uniform: torch.Tensor) -> None:
+                values = _report_scale_values(draw, uniform) if draw.report else _nvfp4_scale_values(uniform)
+                scales[expert] = draw.arrange(values, scale_rows)  # e4m3 values: exact both ways
+
+            for expert in range(experts):  # one expert's draw at a time: the stream is serial
+                if draw.report:
+                    uniform = _report_scale_draw(gen, draw, ())
+                else:
+                    uniform = torch.rand((draw.groups, size_n), generator=gen, dtype=torch.float64)
+                pipeline.submit(place, expert, uniform)
+            if draw.report:
+                global_scale = torch.rand(experts, generator=gen) * 0.002 + 1e-4
+            else:
+                global_scale = _uniform(gen, (experts,), 1e-5, 1e-3).to(torch.float32)
+        else:
+            scales, zero_points = _other_scales(gen, fmt, (experts, draw.groups, size_n))
+            scales = draw.arrange(scales, scale_rows)
+            if zero_points is not None:
+                zero_points = draw.arrange(zero_points, scale_rows)
+        bias = _bias(gen, params, experts, size_n)
+    side = pack_scales(
+        fmt,
+        scales,
+        activation_dtype=activation_dtype,
+        global_scale=global_scale,
+        zero_points=zero_points,
+        with_dense=False,
+    )
+    b_bias, _ = pack_bias(
+        None if bias is None else draw.arrange(bias.unsqueeze(1)).squeeze(1), activation_dtype
+    )
+    outputs = {
+        "b_qweight": b_qweight,
+        "b_scales": side.b_scales,
+        "global_scale": side.global_scale,
+        "b_qzeros": side.b_qzeros,
+        "b_bias": b_bias,
+    }
+    return {name: value.contiguous() for name, value in outputs.items() if value is not None}
+
+
+def _code_bound(fmt: MarlinWeightFormat) -> int:
+    """One past the largest code a format's single-draw codes take (fp4 bit patterns: 16)."""
+    if fmt in (MarlinWeightFormat.NVFP4, MarlinWeightFormat.MXFP4):
+        return 16
+    return 1 << fmt.num_bits
+
+
+def _nvfp4_scales(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    """NVFP4 scales: uniform in [0.5, 440] rounded to e4m3 (as float32)."""
+    return _nvfp4_scale_values(torch.rand(shape, generator=gen, dtype=torch.float64))
+
+
+def _nvfp4_scale_values(uniform: torch.Tensor) -> torch.Tensor:
+    """:func:`_nvfp4_scales` from its float64 draw (what :func:`_uniform` does with it, then the roundings)."""
+    return (uniform * (440.0 - 0.5) + 0.5).to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def _report_scales(gen: torch.Generator, draw: _MarlinDraw, lead: tuple[int, ...]) -> torch.Tensor:
+    """The report's float32 scales over the padded K (``lead``: all experts, or one), the padding's zeroed."""
+    return _report_scale_values(draw, _report_scale_draw(gen, draw, lead))
+
+
+def _report_scale_draw(gen: torch.Generator, draw: _MarlinDraw, lead: tuple[int, ...]) -> torch.Tensor:
+    return torch.rand(*lead, draw.drawn_k // 16, draw.size_n, generator=gen)
+
+
+def _report_scale_values(draw: _MarlinDraw, uniform: torch.Tensor) -> torch.Tensor:
+    scales = uniform * 3 + 0.5
+    scales[..., draw.size_k // 16 :, :] = 0
+    return scales
+
+
+def _other_scales(
+    gen: torch.Generator, fmt: MarlinWeightFormat, shape: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scales (and zero points) of every format but NVFP4, drawn whole (at most an eighth of the codes)."""
+    if fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
+        return _integers(gen, 118, 130, shape), None
+    scales = _uniform(gen, shape, 1e-3, 2e-2)
+    if fmt is MarlinWeightFormat.AWQ_INT4:
+        return scales, _integers(gen, 0, 16, shape)
+    if fmt is MarlinWeightFormat.AWQ_INT4_FZP:
+        return scales, _uniform(gen, shape, 0.0, 15.0)
+    return scales, None
+
+
+def _bias(gen: torch.Generator, params: Mapping[str, Any], experts: int, size_n: int) -> torch.Tensor | None:
+    return _uniform(gen, (experts, size_n), -1.0, 1.0) if params.get("bias") else None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Hopper MXFP4 for matmul_ogs
 # ---------------------------------------------------------------------------------------------------------------
@@ -244,27 +443,56 @@ def marlin_experts(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 @register_generator("hopper_mxfp4", _hopper_bytes)
 def hopper_mxfp4(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    from moereplay.reference.hopper_mxfp4 import swizzle_hopper_scales, swizzle_hopper_values
+    return _hopper_mxfp4(params, streamed=True)
+
+
+def _hopper_mxfp4(params: Mapping[str, Any], *, streamed: bool) -> dict[str, torch.Tensor]:
+    """``hopper_mxfp4``: ``streamed`` draws the values one expert at a time and swizzles each on a worker while the
+    next is drawn (:class:`ExpertPipeline`); otherwise — for the tests that compare the two — they are drawn whole
+    and swizzled after."""
+    from moereplay.reference.hopper_mxfp4 import (
+        HopperValueShape,
+        swizzle_hopper_scales,
+        swizzle_hopper_value_matrix,
+        swizzle_hopper_values,
+    )
 
     gen = _generator(params)
     experts, k, n = int(params["experts"]), int(params["k"]), int(params["n"])
     if k % 32:
         raise SettingsError(f"MXFP4 needs K a multiple of 32, got {k}")
-    values = torch.randint(0, 256, (experts, n, k // 2), generator=gen, dtype=torch.uint8)
     low, high = int(params.get("scale_low", 121)), int(params.get("scale_high", 127))
-    scales = torch.randint(low, high, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
+    mma_version, num_warps = int(params.get("mma_version", 3)), int(params.get("num_warps", 8))
+    order = None
     layout = params.get("w13_layout")
     if layout is not None:
         # rows drawn as [gate; up] along N, laid out as asked (a fused w13)
         from moereplay.reference.activation import W13Layout, w13_permutation
 
         order = w13_permutation(n, W13Layout.GATE_UP_CONCAT, W13Layout(layout))
-        values, scales = values[:, order], scales[:, order]
-    num_warps = int(params.get("num_warps", 8))
-    return {
-        "values": swizzle_hopper_values(values.transpose(1, 2), 1, int(params.get("mma_version", 3))),
-        "scales": swizzle_hopper_scales(scales.transpose(1, 2), 1, num_warps),
-    }
+    if streamed:
+        rows_pad, cols_pad = HopperValueShape((experts, k // 2, n), 1, mma_version).padded_rows_cols
+        swizzled = torch.empty((experts, rows_pad // 4, cols_pad * 4), dtype=torch.uint8)
+        drawn = [torch.empty((n, k // 2), dtype=torch.uint8) for _ in range(2)]  # expert e + 2 reuses e's
+
+        def swizzle(expert: int, rows: torch.Tensor) -> None:
+            swizzle_hopper_value_matrix(rows if order is None else rows[order], swizzled[expert], mma_version)
+
+        with ExpertPipeline() as pipeline:
+            for expert in range(experts):
+                rows = torch.randint(0, 256, drawn[0].shape, generator=gen, out=drawn[expert % 2])
+                pipeline.submit(swizzle, expert, rows)
+            scales = torch.randint(low, high, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
+        values = swizzled.mT  # the transposed view swizzle_hopper_values hands back
+    else:
+        values = torch.randint(0, 256, (experts, n, k // 2), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(low, high, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
+        if order is not None:
+            values = values[:, order]
+        values = swizzle_hopper_values(values.transpose(1, 2), 1, mma_version)
+    if order is not None:
+        scales = scales[:, order]
+    return {"values": values, "scales": swizzle_hopper_scales(scales.transpose(1, 2), 1, num_warps)}
 
 
 from moereplay.synth import triton_generators  # noqa: E402, F401 - registers triton_moe_experts
