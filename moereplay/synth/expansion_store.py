@@ -54,7 +54,7 @@ def _storage_view(tensor: torch.Tensor) -> memoryview:
     return raw.numpy().data.cast("B")
 
 
-def _spans_its_storage(tensor: torch.Tensor) -> bool:
+def spans_its_storage(tensor: torch.Tensor) -> bool:
     """True when the tensor's elements are exactly its storage (no offset, no gaps, no overlap)."""
     if tensor.storage_offset() != 0 or tensor.device.type != "cpu":
         return False
@@ -87,7 +87,12 @@ def load(
     stride: tuple[int, ...],
     environ: Mapping[str, str] | None = None,
 ) -> torch.Tensor | None:
-    """The stored expansion (a fresh CPU tensor with this shape and stride), or ``None`` when there is none."""
+    """The stored expansion (a CPU tensor with this shape and stride), or ``None`` when there is none.
+
+    The tensor is a private (copy-on-write) mapping of the file, so reading it back copies nothing; its bytes are
+    hashed through the mapping before it is handed out, and the store never rewrites a file in place (a new entry is
+    renamed over, a stale one unlinked), so what was checked is what the tensor holds. Writing to the tensor writes
+    to the process's own copy of those pages, never to the file."""
     directory = store_directory(environ)
     if directory is None:
         return None
@@ -95,36 +100,50 @@ def load(
     checksum = path.with_suffix(".sum")
     try:
         expected = checksum.read_text().strip()
-        out = torch.empty_strided(shape, stride, dtype=dtype)
-        if not _spans_its_storage(out) or path.stat().st_size != out.untyped_storage().nbytes():
+        layout = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        size = _storage_bytes(layout)
+        if size is None or path.stat().st_size != size:
             return None
-        view = _storage_view(out)
-        with path.open("rb") as handle:
-            if handle.readinto(view) != len(view):
-                return None
-    except OSError:
+        raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    except (OSError, RuntimeError):
         return None
-    if hashlib.sha256(view).hexdigest() != expected:
+    if hashlib.sha256(raw.numpy().data).hexdigest() != expected:
         for stale in (path, checksum):
             stale.unlink(missing_ok=True)
         return None
-    return out
+    return raw.view(dtype).as_strided(shape, stride)
 
 
-def save(digest: str, tensor: torch.Tensor, environ: Mapping[str, str] | None = None) -> None:
-    """Keep ``tensor`` (whose elements hash to ``digest``: the caller checked) for later runs; best effort."""
+def _storage_bytes(layout: torch.Tensor) -> int | None:
+    """Bytes of the storage a tensor with this shape and stride spans exactly (``None``: it does not)."""
+    if layout.numel() == 0 or layout.storage_offset() != 0:
+        return None
+    span = 1 + sum((size - 1) * step for size, step in zip(layout.shape, layout.stride(), strict=True))
+    return span * layout.element_size() if span == layout.numel() else None
+
+
+def save(
+    digest: str,
+    tensor: torch.Tensor,
+    environ: Mapping[str, str] | None = None,
+    *,
+    checksum: str | None = None,
+) -> bool:
+    """Keep ``tensor`` (whose elements hash to ``digest``: the caller checked) for later runs; best effort. True when
+    the store holds it afterwards. ``checksum``: the sha256 of the tensor's storage bytes when the caller knows it
+    (a contiguous tensor's storage bytes are its elements: ``digest``), so they are not hashed twice."""
     directory = store_directory(environ)
-    if directory is None or not _spans_its_storage(tensor):
-        return
+    if directory is None or not spans_its_storage(tensor):
+        return False
     path = _entry(directory, digest, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
     if path.exists():
-        return
+        return True
     view = _storage_view(tensor)
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         partial.write_bytes(view)
-        path.with_suffix(".sum").write_text(hashlib.sha256(view).hexdigest() + "\n")
+        path.with_suffix(".sum").write_text((checksum or hashlib.sha256(view).hexdigest()) + "\n")
         partial.replace(path)
     except OSError as error:
         partial.unlink(missing_ok=True)
@@ -134,3 +153,5 @@ def save(digest: str, tensor: torch.Tensor, environ: Mapping[str, str] | None = 
             RuntimeWarning,
             stacklevel=2,
         )
+        return False
+    return True

@@ -58,6 +58,7 @@ _GENERATORS: dict[str, GeneratorFunction] = {}
 _SIZES: dict[str, SizeFunction] = {}
 _lock = threading.Lock()
 _cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+_partial: set[str] = set()  # cached entries some parts were taken out of (see _take)
 _cache_bytes = 0
 
 
@@ -88,11 +89,37 @@ def _canonical(params: Mapping[str, Any]) -> str:
     return json.dumps(params, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
+_DIGEST_PIECE = 1 << 26
+"""Bytes of a non-contiguous tensor made contiguous at a time while hashing it (64 MB, not a copy of the whole)."""
+
+
 def tensor_digest(tensor: torch.Tensor) -> str:
-    """sha256 (hex) of a tensor's elements in row-major order (strides do not matter), computed on the host."""
-    flat = tensor.detach().contiguous().cpu().reshape(-1)
-    raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    return hashlib.sha256(raw.numpy().data).hexdigest()
+    """sha256 (hex) of a tensor's elements in row-major order (strides do not matter), computed on the host.
+
+    A contiguous CPU tensor is hashed where it lies; any other is copied (to the host, contiguous) a piece of whole
+    leading-dimension slices at a time, fed to one hash in order: the same digest as one copy of the whole."""
+    hasher = hashlib.sha256()
+    for piece in _row_major_pieces(tensor.detach()):
+        flat = piece.contiguous().cpu().reshape(-1)
+        if flat.numel():
+            hasher.update(flat.view(torch.uint8).numpy().data)
+    return hasher.hexdigest()
+
+
+def _row_major_pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """``tensor`` as consecutive pieces in row-major order, each of at most :data:`_DIGEST_PIECE` bytes or one
+    slice along the first dimension that does not split further (contiguous CPU tensors: one piece)."""
+    size = tensor.numel() * tensor.element_size()
+    if size <= _DIGEST_PIECE or tensor.dim() == 0 or (tensor.is_contiguous() and tensor.device.type == "cpu"):
+        return [tensor]
+    if tensor.shape[0] == 1:
+        return _row_major_pieces(tensor[0])
+    rows = max(1, tensor.shape[0] * _DIGEST_PIECE // size)
+    pieces: list[torch.Tensor] = []
+    for start in range(0, tensor.shape[0], rows):
+        piece = tensor[start : start + rows]
+        pieces.extend(_row_major_pieces(piece) if piece.shape[0] == 1 else [piece])
+    return pieces
 
 
 @dataclass(frozen=True)
@@ -150,29 +177,88 @@ def recipe_for(
 
 def generate(generator: str, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Every output of one generator call, on the CPU (cached; callers must not modify the tensors)."""
-    global _cache_bytes
+    key = f"{generator}:{_canonical(params)}"
+    with _lock:
+        cached = _cache.get(key)
+        if cached is not None and key not in _partial:
+            _cache.move_to_end(key)
+            return cached
+    outputs = _draw(generator, params)
+    with _lock:
+        _keep(key, outputs)
+    return outputs
+
+
+def _draw(generator: str, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     _ensure_builtin_generators()
     function = _GENERATORS.get(generator)
     if function is None:
         raise CaptureFileError(
             f"recipe generator {generator!r} is unknown to this moereplay (known: {', '.join(generator_names())})"
         )
-    key = f"{generator}:{_canonical(params)}"
+    return function(params)
+
+
+def _fetch(recipe: TensorRecipe, take: bool) -> tuple[dict[str, torch.Tensor], bool]:
+    """The outputs of the recipe's generator call (from the cache when an entry there still holds the recipe's
+    part), and whether the part was taken out of the cache for the caller to own (``take``: wanted, and only a part
+    that spans a storage of its own is ever taken). An entry some parts were taken out of serves the others;
+    :func:`generate`, which wants them all, draws afresh."""
+    key = recipe.cache_key
     with _lock:
         cached = _cache.get(key)
-        if cached is not None:
+        if cached is not None and recipe.part in cached:
             _cache.move_to_end(key)
-            return cached
-    outputs = function(params)
-    size = sum(t.untyped_storage().nbytes() for t in outputs.values())
+            return cached, take and _take(key, cached, recipe.part)
+    outputs = _draw(recipe.generator, recipe.params)
     with _lock:
-        if size <= CACHE_BYTES:
-            _cache[key] = outputs
-            _cache_bytes += size
-            while _cache_bytes > CACHE_BYTES and len(_cache) > 1:
-                _, evicted = _cache.popitem(last=False)
-                _cache_bytes -= sum(t.untyped_storage().nbytes() for t in evicted.values())
-    return outputs
+        _keep(key, outputs)
+        return outputs, take and recipe.part in outputs and _take(key, outputs, recipe.part)
+
+
+def _keep(key: str, outputs: dict[str, torch.Tensor]) -> None:
+    """Cache a generator call's outputs, least recently used out first (the caller holds the lock)."""
+    global _cache_bytes
+    _drop(key)
+    size = sum(t.untyped_storage().nbytes() for t in outputs.values())
+    if size <= CACHE_BYTES:
+        _cache[key] = outputs
+        _cache_bytes += size
+        while _cache_bytes > CACHE_BYTES and len(_cache) > 1:
+            _drop(next(iter(_cache)))
+
+
+def _drop(key: str) -> None:
+    """Forget one cached entry (the caller holds the lock)."""
+    global _cache_bytes
+    evicted = _cache.pop(key, None)
+    _partial.discard(key)
+    if evicted is not None:
+        _cache_bytes -= sum(t.untyped_storage().nbytes() for t in evicted.values())
+
+
+def _take(key: str, outputs: dict[str, torch.Tensor], part: str) -> bool:
+    """Take ``part`` out of the cached entry ``outputs`` (the caller holds the lock): True when the tensor spans a
+    storage of its own, which no other part shares — the caller then owns it and nothing else will hand it out."""
+    global _cache_bytes
+    from moereplay.synth.expansion_store import spans_its_storage
+
+    tensor = outputs[part]
+    storage = tensor.untyped_storage().data_ptr()
+    others = {name: value for name, value in outputs.items() if name != part}
+    if not spans_its_storage(tensor) or any(
+        v.untyped_storage().data_ptr() == storage for v in others.values()
+    ):
+        return False
+    if _cache.get(key) is outputs:
+        _cache_bytes -= tensor.untyped_storage().nbytes()
+        if others:
+            _cache[key] = others
+            _partial.add(key)
+        else:
+            _cache.pop(key)
+            _partial.discard(key)
+    return True
 
 
 def clear_cache() -> None:
@@ -180,6 +266,7 @@ def clear_cache() -> None:
     global _cache_bytes
     with _lock:
         _cache.clear()
+        _partial.clear()
         _cache_bytes = 0
 
 
@@ -188,6 +275,10 @@ def expand(recipe: TensorRecipe, device: torch.device | str = "cpu", *, verify: 
 
     Raises :class:`CaptureFileError` when the generator is unknown, its output does not have the recorded dtype,
     shape or stride, or (``verify``) its bytes do not hash to the recorded digest.
+
+    Read back from the expansion store when it holds the recipe. Otherwise drawn (or found in the in-process cache),
+    checked and kept in the store; with the store on, a CPU expansion is taken out of the in-process cache and
+    handed over as it is (the next expansion of the recipe reads the store) instead of being copied.
     """
     from moereplay.synth import expansion_store
 
@@ -197,7 +288,8 @@ def expand(recipe: TensorRecipe, device: torch.device | str = "cpu", *, verify: 
         stored = expansion_store.load(recipe.sha256, dtype_object, recipe.shape, recipe.stride)
         if stored is not None:
             return stored if target.type == "cpu" else stored.to(target)
-    outputs = generate(recipe.generator, recipe.params)
+    take = verify and target.type == "cpu" and expansion_store.store_directory() is not None
+    outputs, owned = _fetch(recipe, take)
     tensor = outputs.get(recipe.part)
     what = recipe.describe()
     if tensor is None:
@@ -214,15 +306,22 @@ def expand(recipe: TensorRecipe, device: torch.device | str = "cpu", *, verify: 
             f"recipe {what}: expanded to {dtype}{list(tensor.shape)} stride {list(tensor.stride())}, the capture "
             f"recorded {recipe.dtype}{list(recipe.shape)} stride {list(recipe.stride)}"
         )
-    if verify and tensor_digest(tensor) != recipe.sha256:
+    if not verify:
+        return _copy(tensor, target)
+    digest = tensor_digest(tensor)
+    if digest != recipe.sha256:
         raise CaptureFileError(
             f"recipe {what}: this machine expands it to different bytes than the machine that recorded it "
             f"(torch {torch.__version__}); the recorded digest is {recipe.sha256[:16]}…"
         )
-    out = torch.empty_strided(recipe.shape, recipe.stride, dtype=tensor.dtype, device=target)
+    # a contiguous tensor's storage bytes are its elements: the store need not hash them again
+    expansion_store.save(recipe.sha256, tensor, checksum=digest if tensor.is_contiguous() else None)
+    return tensor if owned else _copy(tensor, target)
+
+
+def _copy(tensor: torch.Tensor, target: torch.device) -> torch.Tensor:
+    out = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device=target)
     out.copy_(tensor)
-    if verify:
-        expansion_store.save(recipe.sha256, out if target.type == "cpu" else tensor)
     return out
 
 

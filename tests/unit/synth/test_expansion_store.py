@@ -63,3 +63,33 @@ def test_the_store_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyP
         expansion_store.store_directory({"XDG_CACHE_HOME": str(tmp_path)})
         == tmp_path / "moereplay" / "recipes"
     )
+
+
+def test_a_kept_expansion_is_handed_over_and_the_next_one_reads_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the store on, the first expansion hands over the drawn tensor itself (no copy), the next reads the store:
+    two tensors that share nothing, and the generator's other parts are still all there for whoever asks."""
+    monkeypatch.setenv("MOEREPLAY_CACHE_DIR", str(tmp_path))
+    recipe = _recipe()
+    recipes.clear_cache()
+    first = expand(recipe)
+    pristine = first.clone()
+    first[0, 0, :8] = 0x55  # the caller owns it: nothing else sees this
+    second = expand(recipe)
+    assert torch.equal(second, pristine) and second.stride() == pristine.stride()
+    assert second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    second[0, 0, :8] = 0xAA  # a private mapping of the kept file: writes stay in this process
+    assert torch.equal(expand(recipe), pristine)
+    whole = generate("hopper_mxfp4", SWIZZLED)
+    assert set(whole) == {"values", "scales"} and torch.equal(whole["values"], pristine)
+
+
+def test_without_the_store_every_expansion_is_a_fresh_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOEREPLAY_CACHE_DIR", "off")
+    recipe = _recipe()
+    first = expand(recipe)
+    pristine = first.clone()
+    first[0, 0, :8] = 0x55
+    assert torch.equal(expand(recipe), pristine)
+    assert torch.equal(generate("hopper_mxfp4", SWIZZLED)["values"], pristine)

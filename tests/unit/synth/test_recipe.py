@@ -68,6 +68,19 @@ def test_expansion_is_deterministic_and_matches_a_fresh_process(tmp_path: Path) 
     assert done.stdout.strip() == recipe.sha256
 
 
+def test_a_strided_tensor_is_hashed_in_pieces_as_one_row_major_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    tensors = [
+        torch.randn(3, 40, 50).transpose(1, 2),
+        torch.randn(1, 1, 300, 7).mT,
+        torch.randint(0, 255, (7, 9, 11), dtype=torch.uint8).permute(2, 0, 1),
+        torch.randn(1000, 3)[::2],
+        torch.randn(2, 3000).t(),
+    ]
+    whole = [recipes.tensor_digest(t.contiguous()) for t in tensors]
+    monkeypatch.setattr(recipes, "_DIGEST_PIECE", 1000)
+    assert [recipes.tensor_digest(t) for t in tensors] == whole
+
+
 def test_a_recipe_whose_bytes_differ_from_its_digest_is_refused() -> None:
     recipe = recipe_for(
         generate("normal", {"seed": 1, "shape": [4, 4]})[""], "normal", {"seed": 1, "shape": [4, 4]}
