@@ -52,8 +52,11 @@ experts are bucketed by row count and each bucket is one batched float32 product
 (:func:`moereplay.reference.expert_groups.batched_matmul_into`: the same dot products, summed in the batched
 kernel's order, within float32 rounding of the loop's). No host sync inside either. Cost: ``rows · K · N``
 multiply-adds (GPU: up to 16 padding rows per expert, free at these sizes) plus one conversion pass over the used
-experts' weights. On an H200 at Qwen3-30B-A3B gemm1 shapes (64 tokens) the reference takes 7.2× the kernel in bf16,
-10.5× in int4 and 17.3× for DeepSeek-V3 fp8 block-128 (``tools/bench/reference_bench.py``).
+experts' weights — on a GPU with Triton, quantised weights are dequantised in that one pass by a kernel
+(:mod:`moereplay.reference.dequant_dense`: the same bits as the torch passes the CPU makes). On an H200 at
+Qwen3-30B-A3B gemm1 shapes (64 tokens) the reference takes 8.1× the kernel in bf16 and 5.0× in int4 g128, and 9.5×
+for DeepSeek-V3 fp8 block-128 (``tools/bench/reference_bench.py``, 2026-12-04; with the torch passes 11.5× and
+16.6×).
 """
 
 from __future__ import annotations
