@@ -1,12 +1,18 @@
 """Expanded recipes kept on disk, so a bundled capture's weights are drawn and packed once per machine, not per run.
 
-Drawing and packing a gpt-oss weight set from its recipe takes 10–15 s on a few cores (the seeded CPU generator is
-serial); reading the 270 MB it expands to back from disk takes a fraction of a second. Each expanded tensor is one
-file ``<sha256>-<dtype>-<shape>-<stride>.bin`` holding the tensor's storage bytes (exactly what ``torch.empty_strided``
+Drawing and packing a gpt-oss weight set from its recipe takes seconds (the seeded CPU generator is serial); reading
+the 270 MB it expands to back from disk takes a fraction of a second. Each expanded tensor is one file
+``<sha256>-<dtype>-<shape>-<stride>.bin`` holding the tensor's storage bytes (exactly what ``torch.empty_strided``
 with the recorded shape and stride allocates), written once its bytes hashed to the recipe's recorded digest, beside a
-``.sum`` file with the sha256 of those storage bytes; a load re-hashes the file (≈0.2 s per 256 MB) and ignores
-— and removes — an entry whose bytes no longer match. Files are written under a temporary name and renamed, so
-a reader never sees half a file.
+``.sum`` file with the sha256 of those storage bytes. A load maps the file privately (copy-on-write: no read copy),
+re-hashes it through the mapping (≈0.2 s per 300 MB) and ignores — and removes — an entry whose bytes no longer
+match. Files are written under a temporary name and renamed, so a reader never sees half a file, and never rewritten
+in place.
+
+Writing can be left to one background thread (:func:`save` with ``background``; 0.1–0.7 s per 300 MB, while the
+caller goes on): its checksum is worked out before the call returns, so bytes changed by their owner before they
+reach the disk fail the load's check, and a load or :func:`has` in this process waits for a pending write of its
+entry; the interpreter waits for the writes at exit, and :func:`flush` waits for them now.
 
 Where: ``$MOEREPLAY_CACHE_DIR`` (``off`` turns the store off), else ``$XDG_CACHE_HOME/moereplay/recipes``, else
 ``~/.cache/moereplay/recipes``; read when a recipe is expanded, not at import. The store is a cache: a directory that
@@ -17,13 +23,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 CACHE_VARIABLE = "MOEREPLAY_CACHE_DIR"
+
+_writes: dict[Path, Future[bool]] = {}  # entries being written in the background
+_writes_lock = threading.Lock()
+_writer: ThreadPoolExecutor | None = None
 
 
 def store_directory(environ: Mapping[str, str] | None = None) -> Path | None:
@@ -77,7 +89,11 @@ def has(
 ) -> bool:
     """Whether an expansion is kept (by name; :func:`load` still checks its bytes): a stat, no read."""
     directory = store_directory(environ)
-    return directory is not None and _entry(directory, digest, dtype, shape, stride).is_file()
+    if directory is None:
+        return False
+    path = _entry(directory, digest, dtype, shape, stride)
+    _wait_for(path)
+    return path.is_file()
 
 
 def load(
@@ -97,6 +113,7 @@ def load(
     if directory is None:
         return None
     path = _entry(directory, digest, dtype, shape, stride)
+    _wait_for(path)
     checksum = path.with_suffix(".sum")
     try:
         expected = checksum.read_text().strip()
@@ -128,22 +145,64 @@ def save(
     environ: Mapping[str, str] | None = None,
     *,
     checksum: str | None = None,
+    background: bool = False,
 ) -> bool:
     """Keep ``tensor`` (whose elements hash to ``digest``: the caller checked) for later runs; best effort. True when
-    the store holds it afterwards. ``checksum``: the sha256 of the tensor's storage bytes when the caller knows it
-    (a contiguous tensor's storage bytes are its elements: ``digest``), so they are not hashed twice."""
+    the store holds it afterwards (``background``: will hold it, unless writing fails — with a warning).
+    ``checksum``: the sha256 of the tensor's storage bytes when the caller knows it (a contiguous tensor's storage
+    bytes are its elements: ``digest``); otherwise they are hashed now, before this returns."""
     directory = store_directory(environ)
     if directory is None or not spans_its_storage(tensor):
         return False
     path = _entry(directory, digest, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+    with _writes_lock:
+        if path in _writes:
+            return True
     if path.exists():
         return True
+    checksum = checksum or hashlib.sha256(_storage_view(tensor)).hexdigest()
+    if background:
+        with _writes_lock:
+            if path in _writes:
+                return True
+            try:
+                _writes[path] = _background().submit(_write, directory, path, tensor, checksum)
+                return True
+            except RuntimeError:  # the interpreter is shutting down: write now
+                pass
+    return _write(directory, path, tensor, checksum)
+
+
+def flush() -> None:
+    """Wait for every background write of this process."""
+    with _writes_lock:
+        pending = list(_writes.values())
+    for write in pending:
+        write.result()
+
+
+def _background() -> ThreadPoolExecutor:
+    """The one writer thread (the caller holds the lock); the interpreter joins it at exit."""
+    global _writer
+    if _writer is None:
+        _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moereplay-store")
+    return _writer
+
+
+def _wait_for(path: Path) -> None:
+    with _writes_lock:
+        pending = _writes.get(path)
+    if pending is not None:
+        pending.result()
+
+
+def _write(directory: Path, path: Path, tensor: torch.Tensor, checksum: str) -> bool:
     view = _storage_view(tensor)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         partial.write_bytes(view)
-        path.with_suffix(".sum").write_text((checksum or hashlib.sha256(view).hexdigest()) + "\n")
+        path.with_suffix(".sum").write_text(checksum + "\n")
         partial.replace(path)
     except OSError as error:
         partial.unlink(missing_ok=True)
@@ -154,4 +213,7 @@ def save(
             stacklevel=2,
         )
         return False
+    finally:
+        with _writes_lock:
+            _writes.pop(path, None)
     return True

@@ -14,10 +14,13 @@ codes, never the whole set's.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
+
+import torch
 
 
 class ExpertPipeline:
@@ -52,3 +55,26 @@ class ExpertPipeline:
                 self._wait()
         finally:
             self._executor.shutdown(wait=True)
+
+
+class SliceDigests:
+    """sha256 of an ``[E, ...]`` output, fed one expert's slice at a time in expert order, once its bytes are final:
+    of its elements in row-major order and of its storage bytes (the two of :class:`moereplay.synth.recipe.Drawn`).
+
+    ``add(stored)`` for a contiguous output (its storage bytes are its elements); ``add(stored, elements)`` for one
+    kept as a view of another layout, with ``elements`` the expert's slice of that view (copied contiguous here)."""
+
+    def __init__(self) -> None:
+        self._elements = hashlib.sha256()
+        self._storage = hashlib.sha256()
+
+    def add(self, stored: torch.Tensor, elements: torch.Tensor | None = None) -> None:
+        raw = stored.view(-1).view(torch.uint8).numpy().data  # view: raises unless ``stored`` is contiguous
+        self._storage.update(raw)
+        if elements is None:
+            self._elements.update(raw)
+        else:
+            self._elements.update(elements.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    def digests(self) -> tuple[str, str]:
+        return self._elements.hexdigest(), self._storage.hexdigest()

@@ -36,8 +36,8 @@ import torch
 from moereplay.errors import SettingsError
 from moereplay.format.tensors import torch_dtype
 from moereplay.reference.marlin_formats import MarlinWeightFormat
-from moereplay.synth.expert_pipeline import ExpertPipeline
-from moereplay.synth.recipe import register_generator
+from moereplay.synth.expert_pipeline import ExpertPipeline, SliceDigests
+from moereplay.synth.recipe import Drawn, register_generator
 
 
 def _generator(params: Mapping[str, Any]) -> torch.Generator:
@@ -326,6 +326,8 @@ def _marlin_streamed(
     if (final_k, final_n) != (draw.drawn_k, size_n):
         padded = torch.zeros((final_k, final_n), dtype=torch.uint8)
 
+    hashes = SliceDigests()
+
     def pack(expert: int, codes: torch.Tensor) -> None:
         if draw.order is not None:
             codes = codes[:, draw.order]
@@ -333,6 +335,7 @@ def _marlin_streamed(
             draw.interior(padded).copy_(codes.view(draw.drawn_k, draw.shards, -1))
             codes = padded
         marlin_layout.pack_weights(codes, fmt.num_bits, out=b_qweight[expert])
+        hashes.add(b_qweight[expert])
 
     zero_points = global_scale = None
     with ExpertPipeline() as pipeline:
@@ -383,7 +386,8 @@ def _marlin_streamed(
         "b_qzeros": side.b_qzeros,
         "b_bias": b_bias,
     }
-    return {name: value.contiguous() for name, value in outputs.items() if value is not None}
+    kept = {name: value.contiguous() for name, value in outputs.items() if value is not None}
+    return Drawn(kept, {"b_qweight": hashes.digests()})
 
 
 def _code_bound(fmt: MarlinWeightFormat) -> int:
@@ -475,8 +479,11 @@ def _hopper_mxfp4(params: Mapping[str, Any], *, streamed: bool) -> dict[str, tor
         swizzled = torch.empty((experts, rows_pad // 4, cols_pad * 4), dtype=torch.uint8)
         drawn = [torch.empty((n, k // 2), dtype=torch.uint8) for _ in range(2)]  # expert e + 2 reuses e's
 
+        hashes = SliceDigests()
+
         def swizzle(expert: int, rows: torch.Tensor) -> None:
             swizzle_hopper_value_matrix(rows if order is None else rows[order], swizzled[expert], mma_version)
+            hashes.add(swizzled[expert], swizzled[expert].mT)
 
         with ExpertPipeline() as pipeline:
             for expert in range(experts):
@@ -484,7 +491,9 @@ def _hopper_mxfp4(params: Mapping[str, Any], *, streamed: bool) -> dict[str, tor
                 pipeline.submit(swizzle, expert, rows)
             scales = torch.randint(low, high, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
         values = swizzled.mT  # the transposed view swizzle_hopper_values hands back
+        digests = {"values": hashes.digests()}
     else:
+        digests = {}
         values = torch.randint(0, 256, (experts, n, k // 2), generator=gen, dtype=torch.uint8)
         scales = torch.randint(low, high, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
         if order is not None:
@@ -492,7 +501,9 @@ def _hopper_mxfp4(params: Mapping[str, Any], *, streamed: bool) -> dict[str, tor
         values = swizzle_hopper_values(values.transpose(1, 2), 1, mma_version)
     if order is not None:
         scales = scales[:, order]
-    return {"values": values, "scales": swizzle_hopper_scales(scales.transpose(1, 2), 1, num_warps)}
+    return Drawn(
+        {"values": values, "scales": swizzle_hopper_scales(scales.transpose(1, 2), 1, num_warps)}, digests
+    )
 
 
 from moereplay.synth import triton_generators  # noqa: E402, F401 - registers triton_moe_experts

@@ -57,7 +57,7 @@ SizeFunction = Callable[[Mapping[str, Any]], int]
 _GENERATORS: dict[str, GeneratorFunction] = {}
 _SIZES: dict[str, SizeFunction] = {}
 _lock = threading.Lock()
-_cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+_cache: OrderedDict[str, Drawn] = OrderedDict()
 _partial: set[str] = set()  # cached entries some parts were taken out of (see _take)
 _cache_bytes = 0
 
@@ -175,6 +175,19 @@ def recipe_for(
     )
 
 
+class Drawn(dict[str, torch.Tensor]):
+    """A generator's outputs, with the digests of those it hashed while writing them: part → (sha256 of its elements
+    in row-major order, sha256 of its storage bytes). A generator that finishes its experts on a worker thread hashes
+    each expert's bytes there, once they are final, while the next expert is drawn; the first expansion of such a
+    part checks that digest instead of reading the whole tensor again (parts without one are hashed as usual)."""
+
+    def __init__(
+        self, outputs: Mapping[str, torch.Tensor], digests: Mapping[str, tuple[str, str]] | None = None
+    ) -> None:
+        super().__init__(outputs)
+        self.digests: dict[str, tuple[str, str]] = dict(digests or {})
+
+
 def generate(generator: str, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Every output of one generator call, on the CPU (cached; callers must not modify the tensors)."""
     key = f"{generator}:{_canonical(params)}"
@@ -189,17 +202,18 @@ def generate(generator: str, params: Mapping[str, Any]) -> dict[str, torch.Tenso
     return outputs
 
 
-def _draw(generator: str, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def _draw(generator: str, params: Mapping[str, Any]) -> Drawn:
     _ensure_builtin_generators()
     function = _GENERATORS.get(generator)
     if function is None:
         raise CaptureFileError(
             f"recipe generator {generator!r} is unknown to this moereplay (known: {', '.join(generator_names())})"
         )
-    return function(params)
+    outputs = function(params)
+    return outputs if isinstance(outputs, Drawn) else Drawn(outputs)
 
 
-def _fetch(recipe: TensorRecipe, take: bool) -> tuple[dict[str, torch.Tensor], bool]:
+def _fetch(recipe: TensorRecipe, take: bool) -> tuple[Drawn, bool]:
     """The outputs of the recipe's generator call (from the cache when an entry there still holds the recipe's
     part), and whether the part was taken out of the cache for the caller to own (``take``: wanted, and only a part
     that spans a storage of its own is ever taken). An entry some parts were taken out of serves the others;
@@ -216,7 +230,7 @@ def _fetch(recipe: TensorRecipe, take: bool) -> tuple[dict[str, torch.Tensor], b
         return outputs, take and recipe.part in outputs and _take(key, outputs, recipe.part)
 
 
-def _keep(key: str, outputs: dict[str, torch.Tensor]) -> None:
+def _keep(key: str, outputs: Drawn) -> None:
     """Cache a generator call's outputs, least recently used out first (the caller holds the lock)."""
     global _cache_bytes
     _drop(key)
@@ -237,7 +251,7 @@ def _drop(key: str) -> None:
         _cache_bytes -= sum(t.untyped_storage().nbytes() for t in evicted.values())
 
 
-def _take(key: str, outputs: dict[str, torch.Tensor], part: str) -> bool:
+def _take(key: str, outputs: Drawn, part: str) -> bool:
     """Take ``part`` out of the cached entry ``outputs`` (the caller holds the lock): True when the tensor spans a
     storage of its own, which no other part shares — the caller then owns it and nothing else will hand it out."""
     global _cache_bytes
@@ -253,7 +267,7 @@ def _take(key: str, outputs: dict[str, torch.Tensor], part: str) -> bool:
     if _cache.get(key) is outputs:
         _cache_bytes -= tensor.untyped_storage().nbytes()
         if others:
-            _cache[key] = others
+            _cache[key] = Drawn(others, outputs.digests)
             _partial.add(key)
         else:
             _cache.pop(key)
@@ -308,14 +322,17 @@ def expand(recipe: TensorRecipe, device: torch.device | str = "cpu", *, verify: 
         )
     if not verify:
         return _copy(tensor, target)
-    digest = tensor_digest(tensor)
+    known = outputs.digests.pop(recipe.part, None)  # hashed by the generator as it wrote it: used once
+    digest = known[0] if known is not None else tensor_digest(tensor)
     if digest != recipe.sha256:
         raise CaptureFileError(
             f"recipe {what}: this machine expands it to different bytes than the machine that recorded it "
             f"(torch {torch.__version__}); the recorded digest is {recipe.sha256[:16]}…"
         )
-    # a contiguous tensor's storage bytes are its elements: the store need not hash them again
-    expansion_store.save(recipe.sha256, tensor, checksum=digest if tensor.is_contiguous() else None)
+    # a contiguous tensor's storage bytes are its elements: the store need not hash them again; the file is written
+    # while the caller goes on (a change the caller makes first fails the next load's check, never passes it)
+    checksum = known[1] if known is not None else digest if tensor.is_contiguous() else None
+    expansion_store.save(recipe.sha256, tensor, checksum=checksum, background=True)
     return tensor if owned else _copy(tensor, target)
 
 

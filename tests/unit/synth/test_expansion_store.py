@@ -27,6 +27,7 @@ def test_a_verified_expansion_is_read_back_without_drawing(
     recipe = _recipe()
     recipes.clear_cache()
     first = expand(recipe)
+    expansion_store.flush()  # written in the background
     assert len(list(tmp_path.glob("*.bin"))) == 1
     recipes.clear_cache()
 
@@ -44,6 +45,7 @@ def test_a_damaged_entry_is_dropped_and_the_recipe_drawn_again(
     monkeypatch.setenv("MOEREPLAY_CACHE_DIR", str(tmp_path))
     recipe = _recipe()
     first = expand(recipe)
+    expansion_store.flush()
     (entry,) = tmp_path.glob("*.bin")
     raw = bytearray(entry.read_bytes())
     raw[0] ^= 0xFF
@@ -93,3 +95,27 @@ def test_without_the_store_every_expansion_is_a_fresh_copy(monkeypatch: pytest.M
     first[0, 0, :8] = 0x55
     assert torch.equal(expand(recipe), pristine)
     assert torch.equal(generate("hopper_mxfp4", SWIZZLED)["values"], pristine)
+
+
+def test_a_background_write_is_waited_for_and_checked_against_the_bytes_as_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MOEREPLAY_CACHE_DIR", str(tmp_path))
+    kept = torch.arange(4096, dtype=torch.int32).reshape(64, 64)
+    digest = recipes.tensor_digest(kept)
+    assert expansion_store.save(digest, kept, checksum=digest, background=True)
+    loaded = expansion_store.load(digest, kept.dtype, (64, 64), (64, 1))  # waits for the write
+    assert loaded is not None and torch.equal(loaded, kept)
+
+    changed = kept.t().contiguous().t()  # strided: its storage checksum is worked out before save returns
+    real_write = expansion_store._write
+
+    def owner_changes_it_first(*args: object) -> bool:
+        changed[0, 0] = -1
+        return real_write(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(expansion_store, "_write", owner_changes_it_first)
+    other = recipes.tensor_digest(changed)
+    assert expansion_store.save(other, changed, background=True)
+    assert expansion_store.load(other, changed.dtype, (64, 64), (1, 64)) is None  # refused and dropped
+    assert not list(tmp_path.glob(f"{other}-int32-64x64-1x64.*"))

@@ -81,6 +81,28 @@ def test_a_strided_tensor_is_hashed_in_pieces_as_one_row_major_copy(monkeypatch:
     assert [recipes.tensor_digest(t) for t in tensors] == whole
 
 
+def test_the_digest_a_generator_hashed_while_writing_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generator may hand over the digests it worked out as it wrote a part; the first expansion checks that one
+    (a wrong one fails like wrong bytes), the next expansions hash the tensor again."""
+    params = {"seed": 0, "shape": [8, 8]}
+    values = recipes.generate("normal", {"seed": 0, "shape": [8, 8]})[""].clone()
+    recipe = recipe_for(values, "toy_hashed", params)
+    claimed = {"digest": "0" * 64}
+
+    def toy(given: object) -> recipes.Drawn:
+        return recipes.Drawn({"": values.clone()}, {"": (claimed["digest"], claimed["digest"])})
+
+    monkeypatch.setitem(recipes._GENERATORS, "toy_hashed", toy)
+    monkeypatch.setenv("MOEREPLAY_CACHE_DIR", "off")
+    recipes.clear_cache()
+    with pytest.raises(CaptureFileError, match="different bytes"):
+        expand(recipe)
+    assert torch.equal(expand(recipe), values)  # the claim is used once: the cached tensor is hashed now
+    recipes.clear_cache()
+    claimed["digest"] = recipe.sha256
+    assert torch.equal(expand(recipe), values)
+
+
 def test_a_recipe_whose_bytes_differ_from_its_digest_is_refused() -> None:
     recipe = recipe_for(
         generate("normal", {"seed": 1, "shape": [4, 4]})[""], "normal", {"seed": 1, "shape": [4, 4]}

@@ -3,6 +3,7 @@ the recorded digests of every capture depend on it."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 
 from moereplay.synth import generators
 from moereplay.synth.expert_pipeline import ExpertPipeline
+from moereplay.synth.recipe import Drawn, tensor_digest
 
 BASE: dict[str, Any] = {"seed": 3, "experts": 3, "size_k": 256, "size_n": 256}
 MARLIN = [
@@ -45,16 +47,29 @@ def _same(streamed: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> 
         assert torch.equal(ours.contiguous().view(torch.uint8), tensor.contiguous().view(torch.uint8)), name
 
 
+def _hashed_as_written(outputs: dict[str, torch.Tensor]) -> None:
+    """The digests a generator worked out expert by expert are those of the finished tensors (a whole draw has
+    none: its expansion hashes the tensors)."""
+    digests = outputs.digests if isinstance(outputs, Drawn) else {}
+    for part, (elements, storage) in digests.items():
+        tensor = outputs[part]
+        raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+        assert elements == tensor_digest(tensor) and storage == hashlib.sha256(raw.numpy().data).hexdigest()
+
+
 @pytest.mark.parametrize("params", MARLIN, ids=lambda p: "-".join(str(v) for v in p.values()))
 def test_marlin_experts_streamed_are_the_whole_draw(params: dict[str, Any]) -> None:
-    _same(
-        generators._marlin_experts(params, streamed=True), generators._marlin_experts(params, streamed=False)
-    )
+    streamed = generators._marlin_experts(params, streamed=True)
+    _same(streamed, generators._marlin_experts(params, streamed=False))
+    _hashed_as_written(streamed)
 
 
 @pytest.mark.parametrize("params", HOPPER, ids=lambda p: "-".join(str(v) for v in p.values()))
 def test_hopper_mxfp4_streamed_is_the_whole_draw(params: dict[str, Any]) -> None:
-    _same(generators._hopper_mxfp4(params, streamed=True), generators._hopper_mxfp4(params, streamed=False))
+    streamed = generators._hopper_mxfp4(params, streamed=True)
+    _same(streamed, generators._hopper_mxfp4(params, streamed=False))
+    _hashed_as_written(streamed)
+    assert set(streamed.digests) == {"values"}  # the transposed view: its elements and its storage differ
 
 
 def test_the_cpu_generator_draws_a_tensor_piece_by_piece_as_it_draws_it_whole() -> None:
