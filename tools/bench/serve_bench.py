@@ -15,12 +15,23 @@ machine (clocks, other tenants) touches all settings alike. Measurements, all gr
 
 Each number includes the HTTP round trip, identical for all settings. Prints one table: the median of the rounds
 per setting and its ratio to capture off (slowdown ×: off tokens/s ÷ setting tokens/s, so 1.05 is 5 % slower).
+
+Two ways a number can mean something else, both handled:
+
+- the prompts repeat between rounds, and vLLM caches prompt prefixes by default, so every server runs with
+  ``--no-enable-prefix-caching`` (else "prefill" after the warm-up measures a few cached steps);
+- a capture that stops — the file reached ``MOEREPLAY_MAX_BYTES`` (full capture of an eager server writes GBs a
+  minute), a write failed — leaves vLLM running with the recorder off, so that server measures capture off. Each
+  server's log is read for the recorder's "capture disabled" line; a setting whose recorder stopped before or
+  during the measured rounds is marked in the table with when and why, and its ratios are not capture's cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import re
 import statistics
 import sys
 import time
@@ -47,6 +58,30 @@ SETTINGS: dict[str, dict[str, str]] = {
 }
 """Full capture is bounded so the GPU machine's disk (64 GiB, the model on it too) cannot fill: past the bound the
 file is closed and the rest is counted, not written — the table's last lines say how much each setting wrote."""
+
+
+DISABLED = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d)[^\n]*moereplay: capture disabled: ([^\n]*)")
+"""The recorder's warning when it stops (``capture/recorder.py``), with vLLM's log timestamp (month-day time)."""
+
+
+def capture_stopped(log: Path, rounds_began: float) -> str | None:
+    """Why and when the server's recorder stopped, relative to the first measured round (``rounds_began``, a
+    ``time.time()``), or ``None`` if it never did."""
+    try:
+        found = DISABLED.search(log.read_text(errors="replace"))
+    except OSError:
+        return None
+    if not found:
+        return None
+    reason = found.group(2).split(" (vLLM keeps running")[0]
+    now = datetime.datetime.now()
+    try:
+        stamp = datetime.datetime.strptime(f"{now.year}-{found.group(1)}", "%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        return f"stopped ({reason})"
+    when = stamp.timestamp() - rounds_began
+    place = "before the measured rounds" if when < 0 else f"{when:.0f} s into the measured rounds"
+    return f"stopped {place}: {reason}"
 
 
 def measure(server: harness.Server, words: list[str], what: str, options: argparse.Namespace) -> float:
@@ -95,6 +130,7 @@ def main() -> int:
     measurements = ("decode_b1", "decode_b32", "prefill")
     results: dict[str, dict[str, list[float]]] = {n: {m: [] for m in measurements} for n in names}
     rounds_done, last_round = 0, 0.0
+    rounds_began = time.time()
     try:
         for name in names:
             out = options.out / name
@@ -110,13 +146,14 @@ def main() -> int:
             # a fixed KV cache for every setting: servers started together would otherwise size theirs from
             # a memory profile that sees the others' allocations (seen on the H200: one server estimated 85 GiB
             # of CUDA-graph memory and refused to start, the other two got 1.8 and 14 GiB of KV cache)
-            command += ["--kv-cache-memory-bytes", str(options.kv_cache_bytes)]
+            command += ["--kv-cache-memory-bytes", str(options.kv_cache_bytes), "--no-enable-prefix-caching"]
             servers[name] = harness.start(command, str(options.model), port, env, out / "server.log")
             time.sleep(5.0)  # let each take its memory before the next measures what is free
         for name, server in servers.items():
             print(f"serve_bench: {name} ready in {server.wait_ready(options.timeout):.1f} s", flush=True)
             for what in measurements:  # warm-up: every batch shape once (compiles, first allocations)
                 measure(server, words, what, options)
+        rounds_began = time.time()
         for round_index in range(options.rounds):
             began = time.monotonic()
             if options.budget_s and rounds_done and began - started + last_round > options.budget_s:
@@ -145,6 +182,7 @@ def main() -> int:
     header = f"{'setting':<14} " + " ".join(f"{m + ' tok/s':>18} {'×':>6}" for m in measurements)
     print(f"\nserve_bench: {options.model.name}, {options.mode}, median of {rounds_done} interleaved rounds")
     print(header)
+    stopped = {name: capture_stopped(options.out / name / "server.log", rounds_began) for name in names}
     for name in names:
         cells = []
         for what in measurements:
@@ -152,7 +190,10 @@ def main() -> int:
             base = medians.get("off", {}).get(what)
             ratio = f"{base / value:6.3f}" if base else f"{'':>6}"
             cells.append(f"{value:18.1f} {ratio}")
-        print(f"{name:<14} " + " ".join(cells))
+        print(f"{name + ('*' if stopped[name] else ''):<14} " + " ".join(cells))
+    for name, why in stopped.items():
+        if why:
+            print(f"* {name}: the recorder {why} — what follows it measured capture off, not {name}")
     for name in names:
         for path in sorted((options.out / name / "captures").glob("**/*.zst")):
             try:
@@ -167,7 +208,9 @@ def main() -> int:
                     f"counters {counters}"
                 )
     if options.json:
-        options.json.write_text(json.dumps({"results": results, "medians": medians, "mode": options.mode}))
+        options.json.write_text(
+            json.dumps({"results": results, "medians": medians, "mode": options.mode, "stopped": stopped})
+        )
     return 0
 
 

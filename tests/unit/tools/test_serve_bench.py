@@ -1,0 +1,63 @@
+"""``tools/bench/serve_bench.py``'s guards on what a number means (the servers themselves run only on the GPU
+machine): a recorder that stopped — its file at ``MOEREPLAY_MAX_BYTES`` — is found in the server's log and placed
+before or inside the measured rounds; every server is started without prefix caching."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[3] / "tools" / "bench" / "serve_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("serve_bench_under_test", BENCH)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _log(path: Path, when: datetime.datetime) -> Path:
+    stamp = when.strftime("%m-%d %H:%M:%S")
+    path.write_text(
+        "(EngineCore pid=1631) INFO 12-04 08:10:00 [core.py:1] ready\n"
+        f"(EngineCore pid=1631) WARNING {stamp} [recorder.py:154] moereplay: capture disabled: the capture file "
+        "reached MOEREPLAY_MAX_BYTES=12884901888 (vLLM keeps running; the file keeps what was written)\n"
+    )
+    return path
+
+
+def test_a_recorder_stopped_during_warm_up_is_placed_before_the_rounds(
+    bench: types.ModuleType, tmp_path: Path
+):
+    began = datetime.datetime.now().replace(microsecond=0)
+    log = _log(tmp_path / "server.log", began - datetime.timedelta(seconds=40))
+    why = bench.capture_stopped(log, began.timestamp())
+    assert (
+        why == "stopped before the measured rounds: the capture file reached MOEREPLAY_MAX_BYTES=12884901888"
+    )
+
+
+def test_a_recorder_stopped_mid_run_says_how_far_in(bench: types.ModuleType, tmp_path: Path) -> None:
+    began = datetime.datetime.now().replace(microsecond=0)
+    log = _log(tmp_path / "server.log", began + datetime.timedelta(seconds=75))
+    assert bench.capture_stopped(log, began.timestamp()).startswith("stopped 75 s into the measured rounds: ")
+
+
+def test_a_recorder_that_kept_running_and_a_missing_log_say_nothing(bench: types.ModuleType, tmp_path: Path):
+    quiet = tmp_path / "quiet.log"
+    quiet.write_text("(EngineCore pid=1) INFO moereplay: capture armed in pid 1\n")
+    assert bench.capture_stopped(quiet, 0.0) is None
+    assert bench.capture_stopped(tmp_path / "absent.log", 0.0) is None
+
+
+def test_servers_start_without_prefix_caching() -> None:
+    assert '"--no-enable-prefix-caching"' in BENCH.read_text()
