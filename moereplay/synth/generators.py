@@ -71,8 +71,9 @@ def _normal_bytes(params: Mapping[str, Any]) -> int:
 
 _PACKED_DRAW_BYTES = 12
 """Bytes a packed-weight generator (Marlin, Hopper MXFP4) holds per weight element at its peak, at most: its codes are
-drawn as bytes and its float draws are per group (measured: expanding the bundled gpt-oss sets peaks at 6–9 bytes
-per element, interpreter included)."""
+drawn as bytes and its float draws are per group (measured, interpreter included: a whole draw — FP8, act order —
+peaks at 6–9 bytes per element; the streamed draw of the bundled gpt-oss sets at about 1, their packed output plus a
+few experts' codes)."""
 
 
 def _marlin_bytes(params: Mapping[str, Any]) -> int:
@@ -168,13 +169,13 @@ class _MarlinDraw:
         """Rows the codes are padded to after drawing (the report's padding is drawn, then zeroed)."""
         return None if self.report else self.pad_k
 
-    def interior(self, padded: torch.Tensor) -> torch.Tensor:
-        """The ``[drawn_k, shards, n]`` view of one expert's padded ``[K, N]`` codes that its drawn codes fill."""
-        rows = padded[: self.drawn_k]
+    def interior(self, padded: torch.Tensor, rows: int) -> torch.Tensor:
+        """The ``[rows, shards, n]`` view of one expert's padded ``[R, N]`` codes (or scales) that its ``rows``
+        drawn rows fill (the rest is padding)."""
         width = self.size_n // self.shards
         if self.pad_n is None:
-            return rows.view(self.drawn_k, self.shards, width)
-        return rows.view(self.drawn_k, self.shards, self.pad_n)[..., :width]
+            return padded[:rows].view(rows, self.shards, width)
+        return padded[:rows].view(rows, self.shards, self.pad_n)[..., :width]
 
     def arrange(self, values: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """``[..., r, n]`` drawn values (codes, scales, zero points) → columns in the w13 layout, each shard padded
@@ -332,7 +333,7 @@ def _marlin_streamed(
         if draw.order is not None:
             codes = codes[:, draw.order]
         if padded is not None:
-            draw.interior(padded).copy_(codes.view(draw.drawn_k, draw.shards, -1))
+            draw.interior(padded, draw.drawn_k).copy_(codes.view(draw.drawn_k, draw.shards, -1))
             codes = padded
         marlin_layout.pack_weights(codes, fmt.num_bits, out=b_qweight[expert])
         hashes.add(b_qweight[expert])
@@ -346,11 +347,16 @@ def _marlin_streamed(
             pipeline.submit(pack, expert, codes)
         if fmt is MarlinWeightFormat.NVFP4:
             rows = draw.drawn_k // 16 if scale_rows is None else scale_rows
-            scales = torch.empty((experts, rows, final_n), dtype=torch.float8_e4m3fn)
+            scales = torch.zeros((experts, rows, final_n), dtype=torch.float8_e4m3fn)  # padding stays zero
 
             def place(expert: int, uniform: torch.Tensor) -> None:
                 values = _report_scale_values(draw, uniform) if draw.report else _nvfp4_scale_values(uniform)
-                scales[expert] = draw.arrange(values, scale_rows)  # e4m3 values: exact both ways
+                if draw.order is not None:
+                    values = values[..., draw.order]
+                # rounded to e4m3 by the copy (the report's float32), as pack_scales would round them
+                draw.interior(scales[expert], values.shape[0]).copy_(
+                    values.view(values.shape[0], draw.shards, -1)
+                )
 
             for expert in range(experts):  # one expert's draw at a time: the stream is serial
                 if draw.report:
@@ -399,12 +405,12 @@ def _code_bound(fmt: MarlinWeightFormat) -> int:
 
 def _nvfp4_scales(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
     """NVFP4 scales: uniform in [0.5, 440] rounded to e4m3 (as float32)."""
-    return _nvfp4_scale_values(torch.rand(shape, generator=gen, dtype=torch.float64))
+    return _nvfp4_scale_values(torch.rand(shape, generator=gen, dtype=torch.float64)).to(torch.float32)
 
 
 def _nvfp4_scale_values(uniform: torch.Tensor) -> torch.Tensor:
-    """:func:`_nvfp4_scales` from its float64 draw (what :func:`_uniform` does with it, then the roundings)."""
-    return (uniform * (440.0 - 0.5) + 0.5).to(torch.float8_e4m3fn).to(torch.float32)
+    """:func:`_nvfp4_scales` from its float64 draw, as e4m3 (what :func:`_uniform` does with it, then the rounding)."""
+    return (uniform * (440.0 - 0.5) + 0.5).to(torch.float8_e4m3fn)
 
 
 def _report_scales(gen: torch.Generator, draw: _MarlinDraw, lead: tuple[int, ...]) -> torch.Tensor:
