@@ -16,10 +16,12 @@ off); elsewhere the torch path runs.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from moereplay.errors import ReferenceError_
 
 FUSED_DEVICE_TYPES = frozenset({"cuda"})
 """Device types whose reference dequantises with the one-pass kernel (when Triton imports)."""
@@ -46,15 +48,32 @@ class QuantizedWeights:
     zero_default: float = 0.0
     round_to: torch.dtype = torch.float32
 
+    def __post_init__(self) -> None:
+        if self.mode not in (0, 1, 2):
+            raise ReferenceError_(
+                f"mode must be 0 (codes), 1 (times a scale) or 2 (zero point and rounding), not {self.mode}"
+            )
+        if self.mode and (self.scale is None or self.scale.dim() != 3):
+            raise ReferenceError_(f"mode {self.mode} needs a 3-D scale view")
+        if self.group_n < 1 or self.group_k < 1:
+            raise ReferenceError_(f"groups must be positive, got {self.group_n} x {self.group_k}")
+        if self.zero_points is not None and (self.mode != 2 or self.zero_points.dim() != 3):
+            raise ReferenceError_("zero points need mode 2 and a 3-D view")
+
     @property
     def k(self) -> int:
         return int(self.codes.shape[2]) * (2 if self.int4 else 1)
 
 
-def available(device: torch.device) -> bool:
+SWITCH_VARIABLE = "MOEREPLAY_REFERENCE_FUSED"
+"""``0`` keeps the torch passes on every device (to compare, or to rule the kernel out)."""
+
+
+def available(device: torch.device, environ: Mapping[str, str] | None = None) -> bool:
     """Whether weights on ``device`` may be dequantised by the kernel: a CUDA device, Triton importable, not
-    switched off."""
-    if device.type not in FUSED_DEVICE_TYPES or os.environ.get("MOEREPLAY_REFERENCE_FUSED", "1") == "0":
+    switched off (``environ``: default ``os.environ``, read when called)."""
+    environment = os.environ if environ is None else environ
+    if device.type not in FUSED_DEVICE_TYPES or environment.get(SWITCH_VARIABLE, "1").strip() == "0":
         return False
     try:
         from moereplay.reference import dequant_kernel  # noqa: F401
