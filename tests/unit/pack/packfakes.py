@@ -4,6 +4,7 @@ wheels, and a complete fake vLLM wheel. Nothing here downloads anything."""
 from __future__ import annotations
 
 import struct
+import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,3 +217,14 @@ def fake_extra_wheels(directory: Path) -> Path:
             files["pyzmq-27.3.0.data/scripts/zmq-tool"] = b"#!/bin/sh\n"
         write_wheel(directory / file_name, files)
     return directory
+
+
+def python_on_path(bin_dir: Path) -> Path:
+    """``bin_dir/python3``: this interpreter, as a wrapper script, not a symlink — a venv's interpreter reached
+    through a link elsewhere loses its site-packages (``pyvenv.cfg`` is looked up beside the link), and a prelude
+    that runs ``python3`` from ``PATH`` then cannot import torch or moereplay."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    wrapper = bin_dir / "python3"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper

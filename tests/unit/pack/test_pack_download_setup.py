@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from packfakes import fake_extra_wheels, fake_vllm_wheel
+from packfakes import fake_extra_wheels, fake_vllm_wheel, python_on_path
 
 from moereplay.errors import PackError
 from moereplay.pack import BuildOptions, build_pack
@@ -64,12 +64,7 @@ def test_device_setup_prelude_unpacks_and_exports(tmp_path: Path) -> None:
         )
     )
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    # a wrapper, not a symlink: a venv's interpreter reached through a link elsewhere loses its site-packages
-    # (pyvenv.cfg is looked up beside the link), and the prelude's python3 then cannot import moereplay
-    wrapper = bin_dir / "python3"
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    wrapper.chmod(0o755)
+    python_on_path(bin_dir)
     env = {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "HOME": str(tmp_path),

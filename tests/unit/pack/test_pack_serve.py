@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from packfakes import fake_extra_wheels, fake_serve_wheels, fake_vllm_wheel, write_wheel
+from packfakes import fake_extra_wheels, fake_serve_wheels, fake_vllm_wheel, python_on_path, write_wheel
 from typer.testing import CliRunner
 
 from moereplay.cli import app
@@ -123,8 +123,7 @@ def test_vllm_script_runs_the_cli_module(packs: tuple[Path, Path], tmp_path: Pat
     unpacked = unpack_pack(kernels, tmp_path / "cache", serve=serve)
     assert unpacked.serve is not None
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
+    python_on_path(bin_dir)
     env = {
         "PATH": f"{unpacked.serve.bin}{os.pathsep}{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": os.pathsep.join(str(path) for path in unpacked.paths),
@@ -238,8 +237,7 @@ def test_kernels_pack_command_with_serve_profile(tmp_path: Path) -> None:
 def test_device_setup_prelude_with_serve_pack(packs: tuple[Path, Path], tmp_path: Path) -> None:
     kernels, serve = packs
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
+    python_on_path(bin_dir)
     env = {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "HOME": str(tmp_path),
@@ -275,8 +273,7 @@ def test_device_setup_leaves_out_a_default_serve_pack_that_does_not_fit(
     (repo / "moereplay").symlink_to(REPO / "moereplay")
     _build(tmp_path, "serve", fake_vllm_wheel(tmp_path, salt=b"# another build\n"), name="repo/.servepack")
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
+    python_on_path(bin_dir)
     env = {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "HOME": str(tmp_path),
