@@ -749,8 +749,10 @@ def _cut_description(cut: TruncatedFileError, start: int, size: int) -> tuple[in
             f"that starts at byte {start} (its length is unknown)"
         )
     missing = cut.record_end - size
+    kind = cut.kind or "record"
+    article = "an" if kind[:1] in "aeiou" else "a"
     return missing, (
-        f"the file ends at byte {size} inside a {cut.kind or 'record'} record that starts at byte {start} "
+        f"the file ends at byte {size} inside {article} {kind} record that starts at byte {start} "
         f"and ends at byte {cut.record_end} ({missing} bytes missing)"
     )
 

@@ -251,3 +251,18 @@ def test_info_shows_expanded_recipe_bytes_and_the_memory_a_replay_holds() -> Non
     assert "call (#0) holds 154.9 MB of arguments and outputs" in shown.output
     stats = json.loads(runner.invoke(app, ["info", str(capture), "--json"]).output)["stats"]
     assert stats["expanded_bytes"] == 154_850_268 and stats["largest_call"] == 0
+
+
+def test_a_cut_inside_the_index_record_reads_an_index_record(tmp_path: Path) -> None:
+    """The record's kind takes its article ("an index record", "a blob record")."""
+    data = (Path(__file__).resolve().parents[2] / "captures" / "marlin-nvfp4-layer.moe.zst").read_bytes()
+    found = []
+    for size in range(len(data) - 1, len(data) - 400, -7):  # the tail holds the index, then the footer
+        cut = tmp_path / "cut.zst"
+        cut.write_bytes(data[:size])
+        human = " ".join(runner.invoke(app, ["info", str(cut)]).stdout.split())
+        if "index record" in human:
+            found.append(human)
+            break
+    assert found, "no cut in the last 400 bytes landed inside the index record"
+    assert "inside an index record that starts at byte" in found[0], found[0]
