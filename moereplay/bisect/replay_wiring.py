@@ -247,13 +247,30 @@ class ReplayJudge:
             self._loaded = (call, self._load_call(self.capture, call, device))
         return self._loaded[1]
 
+    def op_of(self, call: int) -> Any:
+        """The call's op, from its record alone (no tensor decoded, no recipe expanded: a typo in a mutation is
+        refused in well under a second); an op this process does not know yet (a ``python:`` backend registers its
+        own when it loads) comes from the loaded call."""
+        from moereplay.errors import ReplayError
+        from moereplay.format import CaptureReader
+        from moereplay.ops import get_op
+
+        if self._loaded is not None and self._loaded[0] == call:
+            return self._loaded[1].op
+        with CaptureReader(self.capture) as reader:
+            name = reader.call(call).op
+        try:
+            return get_op(name)
+        except ReplayError:
+            return self.loaded(call).op
+
     def variant(self, call: int, mutations: Sequence[str]) -> Any:
         """One replay ``Variant`` applying every mutation of ``mutations``; malformed specs raise
         ``InvalidMutationError`` and a spec that makes several variants (a sweep) is refused."""
         from moereplay.replay.engine import parse_variants
         from moereplay.replay.mutations import Variant
 
-        op = self.loaded(call).op
+        op = self.op_of(call)
         parts: list[Any] = []
         for spec in mutations:
             variants = parse_variants(op, [spec])

@@ -374,3 +374,24 @@ def test_a_rerun_about_another_call_is_refused(
     assert run_main([*base, "--call", "1", "--max-steps", "1"], capsys)[0] == 1
     code, _, err = run_main([*base, "--call", "3"], capsys)
     assert code == 2 and "(differs in call);" in err
+
+
+def test_a_mutation_typo_fails_before_any_weight_is_rebuilt(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``bisect -m 'flip topk_weights'`` on a recipe capture: refused from the call's record, as `run` refuses it
+    (it used to rebuild the report capture's weights first, ~5-15 s)."""
+    from moereplay.synth import recipe
+
+    def no_expansion(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights were rebuilt before the mutations were checked")
+
+    monkeypatch.setattr(recipe, "expand", no_expansion)
+    report = Path(__file__).resolve().parents[3] / "captures" / "marlin-nvfp4-report.moe.zst"
+    code, out, err = run_main(
+        ["bisect", str(report), "-s", "calls", "--no-tui", "-m", "flip topk_weights",
+         "--backend", "reference", "--log", str(tmp_path / "typo.jsonl")],
+        capsys,
+    )  # fmt: skip
+    assert code == 2 and not out, err
+    assert "topk_weights" in err and "mul_topk_weights" in err and err.count("\n") == 1, err
