@@ -34,3 +34,20 @@ def test_every_help_shows_flags_without_a_bool_type() -> None:
         assert "--help" in result.output
     shown = runner.invoke(app, ["run", "--help"], terminal_width=100).output
     assert "--call" in shown and "<int>" in shown  # options that take a value still say what
+
+
+def test_every_command_is_in_the_readmes_commands_table() -> None:
+    """Each command and subcommand appears as ``moereplay …`` in a row of the README's Commands table."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("## Commands", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `moereplay ")]
+    missing = []
+    for path in _command_paths():
+        if not path:
+            continue
+        spelled = "moereplay " + " ".join(path)
+        if not any(spelled in row or (len(path) > 1 and f"/ `{' '.join(path)} " in row) for row in rows):
+            missing.append(spelled)
+    assert not missing, f"not in the README's Commands table: {missing}"
