@@ -49,8 +49,9 @@ expert E−1; for N=2880 the affected columns (2928.., 3056..) are padding and m
 :func:`scale_overrun` computes those columns for any shape. (Read from the kernel source; the GPU test
 ``tests/gpu/test_matmul_ogs_reference.py::test_scale_fill_past_the_end`` measures it on the real kernel.)
 
-Pure torch, any device; swizzle and unswizzle are exact inverses (unswizzle crops the padding). Cost: one permuted
-copy of the storage (plus four int32 temporaries for the value bit shuffle).
+Torch on any device (the CPU value swizzle of mma_version 3 runs in numpy: :func:`swizzle_hopper_value_matrix`);
+swizzle and unswizzle are exact inverses (unswizzle crops the padding). Cost: one permuted copy of the storage (plus
+four int32 temporaries for the value bit shuffle; on the CPU two 65536-entry gathers instead).
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ Act order (GPTQ ``desc_act``)
     ``perm[k]`` (vLLM's ``g_idx_sort_indices``) is the original row stored at packed row ``k``; ``g_idx`` passed to
     the kernel is already sorted; the kernel multiplies packed row ``k`` with input column ``perm[k]``.
 
-Every function takes any number of leading (expert) dimensions, runs on the tensors' device and costs a few
-elementwise passes over the data plus one 1024-entry gather per tile.
+Every function takes any number of leading (expert) dimensions, runs on the tensors' device (4-bit packing on the
+CPU in numpy: :func:`_pack_nibbles`) and costs a few elementwise passes over the data plus one 1024-entry gather per
+tile.
 """
 
 from __future__ import annotations
