@@ -169,6 +169,8 @@ class LayerCall:
 @dataclass
 class LayerCounters(FlightCounters):
     too_large: int = 0
+    polls: int = 0  # writer-thread polls that looked at the eager ring
+    poll_ns: int = 0  # their time (GIL held for most of it: time the serving thread may wait)
 
 
 @dataclass(eq=False)
@@ -347,12 +349,15 @@ class LayerFlight(PollingRecorder):
         copy-outs) only with ``launch`` (the writer thread, inside the graph gate)."""
         if not launch:
             return
+        started = time.perf_counter_ns()
         with self._lock:
             self._take_new()
             self._finish_copy_outs()
             self._read_words()
             self._launch_reads()
             self._evict()
+        self.counters.polls += 1
+        self.counters.poll_ns += time.perf_counter_ns() - started
         if self.graph is not None:
             self.graph.poll(launch=True)
 

@@ -65,6 +65,7 @@ class RecorderCounters:
     skipped_limit: int = 0
     dropped_queue_full: int = 0
     internal_errors: int = 0
+    host_ns: int = 0  # layer scope: serving-thread time spent in the recorder around outermost calls
 
     def as_dict(self) -> dict[str, int]:
         return {f"recorder_{key}": value for key, value in self.__dict__.items()}
@@ -252,6 +253,7 @@ class Recorder(CallHandler):
         parents = self._local.parents
         if parents:
             return original(*args, **kwargs)
+        started = time.perf_counter_ns()
         try:
             call = self._layer_before(target, binder, args, kwargs, original)
         except TooLarge as error:  # the call does not fit the ring: not kept, counted
@@ -261,6 +263,7 @@ class Recorder(CallHandler):
         except Exception as error:
             self._internal_error(f"{target.op} (before the call)", error)
             call = None
+        spent = time.perf_counter_ns() - started
         parents.append(_OUTERMOST)
         try:
             result = original(*args, **kwargs)
@@ -271,7 +274,10 @@ class Recorder(CallHandler):
         finally:
             parents.pop()
         if call is not None:
+            started = time.perf_counter_ns()
             self._layer_after(call, result, None)
+            spent += time.perf_counter_ns() - started
+        self.counters.host_ns += spent
         return result
 
     def _layer_before(

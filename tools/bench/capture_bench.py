@@ -8,6 +8,11 @@ per file and not counted) ÷ wall time from the first call until the writer has 
 for the bytes of the compressed file. Every iteration uses its own activations and routing, so the file's
 content deduplication cannot flatter the rate; drops (full queue) are printed and should be 0.
 
+``--family ogs``: the same measurements on vLLM's gpt-oss MXFP4 entry point as a served gpt-oss model runs it
+(``triton_kernel_moe_forward``: triton_kernels routing, then ``triton_kernel_fused_experts`` with its two
+``matmul_ogs`` calls; gpt-oss-20b shapes, fp32 biases, swizzled by vLLM's own ``_swizzle_mxfp4``). Its patch points
+for the floors are ``triton_kernel_fused_experts`` and ``matmul_ogs`` of that module.
+
 Usage (GPU machine, vLLM 0.25.1 importable, e.g. ``source tools/gpu/device_setup.sh``)::
 
     python tools/bench/capture_bench.py [--iterations 200] [--prefill-iterations 20]
@@ -90,11 +95,68 @@ def timed(call: Callable[[int], object], iterations: int, warmup: int = 3) -> fl
     return (time.perf_counter() - start) / iterations
 
 
-def plain_wrappers(marlin, launch: torch.Tensor | None) -> Callable[[], None]:
-    """Wrap the three patch points with a pass-through (plus one tiny kernel per call when ``launch``);
-    returns the undo."""
+GPT_OSS_MODULE = "vllm.model_executor.layers.fused_moe.experts.gpt_oss_triton_kernels_moe"
+
+
+def marlin_family(sizes_and_counts: dict[int, int]) -> tuple[dict[int, Callable[[int], object]], list, str]:
+    """Per M a call ``call(i)`` of ``fused_marlin_moe`` (NVFP4), the patch points of the floors, and a title."""
+    from vllm.scalar_type import scalar_types
+
+    marlin = importlib.import_module("vllm.model_executor.layers.fused_moe.experts.marlin_moe")
     ops = importlib.import_module("vllm._custom_ops")
-    originals = [(marlin, "fused_marlin_moe"), (ops, "moe_wna16_marlin_gemm")]
+    (w1, s1, g1), (w2, s2, g2) = build_weights()
+    calls: dict[int, Callable[[int], object]] = {}
+    for m, count in sizes_and_counts.items():
+        inputs = make_inputs(m, count)
+
+        def call(i: int, inputs=inputs) -> torch.Tensor:
+            x, weights, ids = inputs[i % len(inputs)]
+            return marlin.fused_marlin_moe(
+                x, w1, w2, None, None, s1, s2, weights, ids, scalar_types.float4_e2m1f.id,
+                global_scale1=g1, global_scale2=g2,
+            )  # fmt: skip
+
+        calls[m] = call
+    title = f"fused_marlin_moe NVFP4 E={EXPERTS} top-{TOP_K} hidden={HIDDEN} inner={INNER}"
+    return calls, [(marlin, "fused_marlin_moe"), (ops, "moe_wna16_marlin_gemm")], title
+
+
+def ogs_family(sizes_and_counts: dict[int, int]) -> tuple[dict[int, Callable[[int], object]], list, str]:
+    """Per M a call of vLLM's gpt-oss entry point ``triton_kernel_moe_forward`` (routing by triton_kernels, then
+    ``triton_kernel_fused_experts``), gpt-oss-20b shapes (hidden = intermediate = 2880), MXFP4 weights."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
+    from ogs_inputs import gpt_oss_mxfp4_layer
+
+    moe = importlib.import_module(GPT_OSS_MODULE)
+    activation = importlib.import_module("vllm.model_executor.layers.fused_moe.activation")
+    generator = torch.Generator(device="cuda").manual_seed(2880)
+    weights = gpt_oss_mxfp4_layer(importlib.import_module, EXPERTS, HIDDEN, HIDDEN, generator)
+    calls: dict[int, Callable[[int], object]] = {}
+    for m, count in sizes_and_counts.items():
+        inputs = [
+            (
+                (torch.randn(m, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16),
+                torch.randn(m, EXPERTS, device="cuda"),
+            )
+            for _ in range(count)
+        ]
+
+        def call(i: int, inputs=inputs) -> torch.Tensor:
+            x, logits = inputs[i % len(inputs)]
+            return moe.triton_kernel_moe_forward(
+                x, weights.w13, weights.w2, logits, TOP_K, True,
+                activation=activation.MoEActivation.SWIGLUOAI, quant_config=weights.quant_config,
+            )  # fmt: skip
+
+        calls[m] = call
+    title = f"gpt-oss triton_kernel_moe_forward MXFP4 E={EXPERTS} top-{TOP_K} hidden=intermediate={HIDDEN}"
+    return calls, [(moe, "triton_kernel_fused_experts"), (moe, "matmul_ogs")], title
+
+
+def plain_wrappers(points: list, launch: torch.Tensor | None) -> Callable[[], None]:
+    """Wrap the patch points with a pass-through (plus one tiny kernel per call when ``launch``); returns the
+    undo."""
+    originals = points
     saved = [(owner, name, getattr(owner, name)) for owner, name in originals]
     for owner, name, original in saved:
 
@@ -142,25 +204,35 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--family",
+        choices=("marlin", "ogs"),
+        default="marlin",
+        help="marlin: fused_marlin_moe NVFP4; ogs: vLLM's gpt-oss MXFP4 entry point (triton_kernels matmul_ogs)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
-        help="cProfile the first M's flight-armed loops; print writer phases",
+        help="cProfile the flight-layer loop of --profile-m's last round; print the writer's poll time",
+    )
+    parser.add_argument(
+        "--profile-m", type=int, default=None, help="the M --profile profiles (default: the first)"
     )
     options = parser.parse_args()
     compression = parse_compression(options.compression)
     sizes = [int(m) for m in options.sizes.split(",")]
-
-    from vllm.scalar_type import scalar_types
+    if options.profile_m is None:
+        options.profile_m = sizes[0]
 
     from moereplay.capture import session as session_module
 
-    marlin = importlib.import_module("vllm.model_executor.layers.fused_moe.experts.marlin_moe")
     torch.manual_seed(0)
-    (w1, s1, g1), (w2, s2, g2) = build_weights()
+    counts = {m: (options.iterations if m < 2048 else options.prefill_iterations) + 3 for m in sizes}
+    family = marlin_family if options.family == "marlin" else ogs_family
+    calls, points, title = family(counts)
     out_dir = options.out or Path(tempfile.mkdtemp(prefix="capture-bench-"))
     print(
         f"capture_bench: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {os.cpu_count()} CPUs; "
-        f"fused_marlin_moe NVFP4 E={EXPERTS} top-{TOP_K} hidden={HIDDEN} inner={INNER}; "
+        f"{title}; "
         f"full capture at zstd level:threads {options.compression}; queue {QUEUE}; files under {out_dir}",
         flush=True,
     )
@@ -188,15 +260,7 @@ def main() -> int:
     rows = []
     for m in sizes:
         iterations = options.iterations if m < 2048 else options.prefill_iterations
-        inputs = make_inputs(m, iterations + 3)
-
-        def call(i: int, inputs=inputs) -> torch.Tensor:
-            x, weights, ids = inputs[i % len(inputs)]
-            return marlin.fused_marlin_moe(
-                x, w1, w2, None, None, s1, s2, weights, ids, scalar_types.float4_e2m1f.id,
-                global_scale1=g1, global_scale2=g2,
-            )  # fmt: skip
-
+        call = calls[m]
         # the first launch of this M (and the Marlin PTX JIT on a fresh machine) stays outside the timing
         timed(call, 3)
         result: dict[str, object] = {"M": m, "iterations": iterations}
@@ -207,7 +271,7 @@ def main() -> int:
             off = timed(call, iterations)
             offs.append(off)
             for floor, launch in (("bare", None), ("+launch", torch.zeros(1, device="cuda"))):
-                undo = plain_wrappers(marlin, launch)
+                undo = plain_wrappers(points, launch)
                 try:
                     samples[floor].append(timed(call, iterations) / off)
                 finally:
@@ -224,7 +288,12 @@ def main() -> int:
                 if name == "layer-nopoll":
                     session.writer._poll = None
                 profiler = None
-                if options.profile and m == sizes[0] and round_index == rounds - 1 and name == "flight-layer":
+                if (
+                    options.profile
+                    and m == options.profile_m
+                    and round_index == rounds - 1
+                    and name == "flight-layer"
+                ):
                     import cProfile
 
                     profiler = cProfile.Profile()
@@ -236,6 +305,15 @@ def main() -> int:
                     profiler.disable()
                     print(f"--- cProfile of the serving thread, {name}, M={m}, {iterations} calls")
                     pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+                    print("--- the same, moereplay's functions by cumulative time")
+                    pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(
+                        "moereplay", 25
+                    )
+                    writer = session.writer
+                    print(
+                        f"--- writer thread: {writer.polls} polls, {writer.seconds['poll'] * 1e3:.1f} ms in them "
+                        f"({writer.seconds['poll'] / max(writer.polls, 1) * 1e6:.0f} µs a poll)"
+                    )
                 assert session.flush(timeout=60)
                 disabled = session.recorder.disabled_reason
                 counters = session.recorder.counter_values()

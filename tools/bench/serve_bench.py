@@ -84,6 +84,25 @@ def capture_stopped(log: Path, rounds_began: float) -> str | None:
     return f"stopped {place}: {reason}"
 
 
+def recorder_cost(counters: dict[str, int]) -> str | None:
+    """The recorder's own time from a file's footer counters: serving-thread µs per selected outermost call and
+    writer-thread µs per flight poll (None when the footer has neither)."""
+    parts = []
+    selected = counters.get("recorder_selected", 0)
+    if counters.get("recorder_host_ns") and selected:
+        parts.append(
+            f"recorder {counters['recorder_host_ns'] / selected / 1e3:.1f} µs of serving-thread time per layer "
+            f"call ({selected} calls)"
+        )
+    polls = counters.get("flight_polls", 0)
+    if polls:
+        parts.append(
+            f"writer {counters.get('flight_poll_ns', 0) / polls / 1e3:.1f} µs per flight poll ({polls} polls, "
+            f"{counters.get('flight_poll_ns', 0) / 1e9:.2f} s)"
+        )
+    return "; ".join(parts) or None
+
+
 def measure(server: harness.Server, words: list[str], what: str, options: argparse.Namespace) -> float:
     if what == "decode_b1":
         batch = server.complete_many(serve_gpu.prompts(words, [8]), options.decode_tokens)
@@ -207,6 +226,9 @@ def main() -> int:
                     f"{name:<14} {path.name}: {item.calls} calls in file, {path.stat().st_size / 2**20:.0f} MiB, "
                     f"counters {counters}"
                 )
+                cost = recorder_cost(counters)
+                if cost:
+                    print(f"{name:<14} {path.name}: {cost}")
     if options.json:
         options.json.write_text(
             json.dumps({"results": results, "medians": medians, "mode": options.mode, "stopped": stopped})

@@ -61,3 +61,14 @@ def test_a_recorder_that_kept_running_and_a_missing_log_say_nothing(bench: types
 
 def test_servers_start_without_prefix_caching() -> None:
     assert '"--no-enable-prefix-caching"' in BENCH.read_text()
+
+
+def test_recorder_cost_reads_the_footer_timers(bench: types.ModuleType) -> None:
+    line = bench.recorder_cost(
+        {"recorder_host_ns": 3_000_000, "recorder_selected": 100, "flight_polls": 4, "flight_poll_ns": 2_000_000}
+    )
+    assert line == (
+        "recorder 30.0 µs of serving-thread time per layer call (100 calls); "
+        "writer 500.0 µs per flight poll (4 polls, 0.00 s)"
+    )
+    assert bench.recorder_cost({"recorder_selected": 5}) is None
