@@ -6,13 +6,18 @@ cost to Python arithmetic on data pointers plus one launch of a small Triton ker
 launcher (no argument binding, no specialisation lookup, no tensor objects made):
 
 - copy up to :data:`MAX_SPANS` byte spans (the call's dynamic inputs and its outputs) into the ring, 8 bytes at a
-  time when every address and size allows it, else byte by byte;
+  time: every span starts on a 256-byte boundary of its storage and of the ring, and its length is rounded up to
+  whole 8-byte words (the last word holds the span's last byte, so it lies in memory that is mapped; the ring
+  keeps the span's true size);
 - reduce one floating-point output (contiguous float16 / bfloat16 / float32) to its largest magnitude and fold it
   into the entry's 64-bit *tag word* with ``atomic_max``: ``generation << 32 | bits(max |x|)``. Magnitudes are
   non-negative, so their float32 bit patterns order as the values do and a NaN (positive after ``abs``) orders
   above +Inf: the word says "NaN" or "Inf" or the largest finite magnitude, without a second pass. The
   generation (how many times the tag slot has been used) tells a reader whether the word belongs to the entry it
-  expects, to an older one (not run yet) or to a newer one (overwritten: lost).
+  expects, to an older one (not run yet) or to a newer one (overwritten: lost);
+- publish the finished word: the launch's last program stores it into :attr:`DeviceRing.host_words` (pinned
+  host memory mapped into the device), so the writer thread reads checks with plain memory reads — no event, no
+  copy, no CUDA call per poll.
 
 Positions are absolute byte counts (``head`` only grows); an allocation never straddles the end of the buffer
 (the rest of the lap is skipped), and an entry ``[start, end)`` is intact while ``head <= start + capacity``
@@ -23,17 +28,20 @@ Without Triton (CPU, tests) the same contract is kept with torch operations (sev
 
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from moereplay.capture.snapshot import byte_span
 
-MAX_SPANS = 8
-"""Spans one launch copies; a call with more is copied by several launches (rare: four for a Marlin layer)."""
+MAX_SPANS = 24
+"""Spans one launch copies (``ring_kernel.SPANS``); a call with more is copied by several launches (a gpt-oss
+layer call has 18: hidden states, routing data and indices, output)."""
 
 ALIGNMENT = 256
 """Every span starts on a 256-byte boundary of the ring, as the capture format aligns copied spans."""
@@ -92,6 +100,21 @@ class DeviceRing:
         if use_kernel is None:
             use_kernel = cuda and _kernel_available()
         self.launcher: _Launcher | None = _Launcher(device) if use_kernel else None
+        # finished tag words where the writer thread reads them without a CUDA call: on CUDA with the kernel,
+        # host-mapped words its last program stores (and per slot a counter of finished programs); on the CPU,
+        # the words themselves. None: CUDA without the kernel (read back with an event and a copy).
+        self.host_words: np.ndarray | None = None
+        self._done = 0
+        self._host = 0
+        if use_kernel and cuda:
+            self.done = torch.zeros(tags, dtype=torch.int32, device=device)
+            self._done = self.done.data_ptr()
+            self.host_words, self._host = host_words(tags, True)
+        elif not cuda:
+            self.host_words = self.words.numpy()
+            self.done = torch.zeros(tags, dtype=torch.int32)
+            self._done = self.done.data_ptr()
+            self._host = self._words
 
     # --- allocation -------------------------------------------------------------------------------------------
 
@@ -134,28 +157,30 @@ class DeviceRing:
             if tag is not None:
                 self._fold(check, tag)
             return starts, leads, sizes, tag
-        word = (self._words + 8 * tag[0], tag[1]) if tag is not None else None
+        word = (
+            (self._words + 8 * tag[0], tag[1], self._done + 4 * tag[0], self._host + 8 * tag[0])
+            if tag is not None
+            else None
+        )
         target = self._base + head % self.capacity
         count = len(sources)
         for first in range(0, max(count, 1), MAX_SPANS):
             last = first + MAX_SPANS >= count
             args: list[int] = []
-            aligned = 1
             chunk = 0
             for source, size in zip(
                 sources[first : first + MAX_SPANS], sizes[first : first + MAX_SPANS], strict=True
             ):
-                args += (source, target, size)
-                if size & 7:
-                    aligned = (
-                        0  # sources and targets are 256-byte aligned: only the size can break 8-byte words
-                    )
-                chunk += size
+                # sources and targets are 256-byte aligned; whole words: the last one holds the span's last
+                # byte (mapped memory), and the ring's 256-byte slot has room for it
+                words = (size + 7) & ~7
+                args += (source, target, words)
+                chunk += words
                 target += (size + 255) & ~255
             launcher.launch_prepared(
                 args,
                 min(MAX_SPANS, count - first),
-                aligned,
+                1,
                 chunk,
                 check_info if last else None,
                 word if last else None,
@@ -243,6 +268,33 @@ def _raw_at(tensor: torch.Tensor, lead: int, size: int) -> torch.Tensor:
     return raw
 
 
+_CUDA_HOST_ALLOC_PORTABLE_DEVICEMAP = 0x01 | 0x02
+
+
+def host_words(count: int, cuda: bool) -> tuple[np.ndarray, int]:
+    """``count`` zeroed int64 words the writer thread reads and, on CUDA, the device writes: pinned host memory
+    allocated with ``cuMemHostAlloc(PORTABLE | DEVICEMAP)`` (never freed: a kernel still in flight may store into
+    it), as a NumPy view and its device address. On the CPU an ordinary array and its own address."""
+    if not cuda:
+        array = np.zeros(count, dtype=np.int64)
+        return array, int(array.ctypes.data)
+    driver = ctypes.CDLL("libcuda.so.1")
+    nbytes = 8 * count
+    host = ctypes.c_void_p()
+    status = driver.cuMemHostAlloc(
+        ctypes.byref(host), ctypes.c_size_t(nbytes), _CUDA_HOST_ALLOC_PORTABLE_DEVICEMAP
+    )
+    if status or not host.value:
+        raise RuntimeError(f"cuMemHostAlloc failed with CUresult {status}")
+    device = ctypes.c_uint64()
+    status = driver.cuMemHostGetDevicePointer_v2(ctypes.byref(device), host, ctypes.c_uint(0))
+    if status:
+        raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUresult {status}")
+    ctypes.memset(host.value, 0, nbytes)
+    array = np.ctypeslib.as_array((ctypes.c_int64 * count).from_address(host.value))
+    return array, int(device.value)
+
+
 # --- the Triton kernel ------------------------------------------------------------------------------------------
 
 _KERNEL: Any = None
@@ -258,8 +310,8 @@ def _kernel_available() -> bool:
     try:
         from moereplay.capture import ring_kernel
 
-        if _BLOCK_BYTES[0] != ring_kernel.BLOCK:
-            raise ImportError("ring_kernel.BLOCK does not match the launcher's block size")
+        if _BLOCK_BYTES[0] != ring_kernel.BLOCK or ring_kernel.SPANS != MAX_SPANS:
+            raise ImportError("ring_kernel's BLOCK or SPANS does not match the launcher's")
         _KERNEL = ring_kernel
         return True
     except Exception as error:  # no triton, or one whose language differs
@@ -289,24 +341,25 @@ class _Launcher:
         aligned: int,
         total: int,
         check: tuple[int, int, int] | None,
-        word: tuple[int, int] | None,
+        word: tuple[int, int, int, int] | None,
     ) -> None:
         """One launch. ``args``: ``count`` (source, target, size) triples, flattened (extended here); ``aligned``:
         every size a multiple of 8 (8-byte words); ``total``: bytes copied; ``check``: (address, numel, dtype
-        code) of the tensor to reduce, or None; ``word``: (address, generation) of the tag word, or None."""
+        code) of the tensor to reduce, or None; ``word``: (address, generation, finished-programs counter
+        address, host word address) of the tag, or None."""
         if count < MAX_SPANS:
             args += _PADDING[count]
         code = 0
         if check is not None and word is not None:
             address, numel, code = check
-            args += (address, numel, word[0], word[1] & 0x7FFFFFFF)
+            args += (address, numel, word[0], word[1] & 0x7FFFFFFF, word[2], word[3])
             total += numel * _ITEMSIZE[code]
             mode = 2
         elif word is not None:
-            args += (0, 0, word[0], word[1] & 0x7FFFFFFF)
+            args += (0, 0, word[0], word[1] & 0x7FFFFFFF, word[2], word[3])
             mode = 1
         else:
-            args += (0, 0, 0, 0)
+            args += (0, 0, 0, 0, 0, 0)
             mode = 0
         key = (aligned, code, mode)
         variant = self._variants.get(key)

@@ -456,21 +456,31 @@ class LayerFlight(PollingRecorder):
         return side
 
     def _launch_reads(self) -> None:
-        """One read of the tag words per ring, after an event on each serving stream the calls were made on."""
+        """Check the new calls. A ring with host words (the kernel's, or the CPU's) is read in place: finished
+        words are decoded, the rest stay unchecked for the next poll — no CUDA call. Otherwise one read of the
+        tag words per ring, after an event on each serving stream the calls were made on."""
         if not self._unchecked:
             return
         by_ring: dict[int, list[LayerCall]] = {}
         rings: dict[int, DeviceRing] = {}
+        waiting: list[LayerCall] = []
         while self._unchecked:
             call = self._unchecked.popleft()
-            assert call.ring is not None
-            by_ring.setdefault(id(call.ring), []).append(call)
-            rings[id(call.ring)] = call.ring
+            ring = call.ring
+            assert ring is not None
+            if ring.host_words is not None:
+                assert call.tag is not None
+                state, value = decode_word(int(ring.host_words[call.tag[0]]), call.tag[1])
+                if state == "pending":  # its launch has not finished
+                    waiting.append(call)
+                else:
+                    self._checked(call, state, value)
+                continue
+            by_ring.setdefault(id(ring), []).append(call)
+            rings[id(ring)] = ring
+        self._unchecked.extend(waiting)
         for key, calls in by_ring.items():
             ring = rings[key]
-            if ring.device.type != "cuda":
-                self._reads.append(_WordRead(calls, None, ring.words.clone()))
-                continue
             index = calls[0].device_index
             side = self._side(index)
             for raw in {call.stream for call in calls}:
@@ -497,16 +507,19 @@ class LayerFlight(PollingRecorder):
                 if state == "pending":  # not possible after the event; read again later
                     self._unchecked.append(call)
                     continue
-                if state == "lost":
-                    self.counters.unchecked += 1
-                    call.checked = True
-                    continue
-                call.checked = True
-                call.value = value
-                self.counters.checked += 1
-                bad = not math.isfinite(value) or (self.absmax is not None and value > self.absmax)
-                if bad and not call.emitted:  # an emitted call was written (as history) by an earlier trigger
-                    self._trigger(call)
+                self._checked(call, state, value)
+
+    def _checked(self, call: LayerCall, state: str, value: float) -> None:
+        """A call's finished (or overwritten) tag word: count it, and trigger on a bad magnitude."""
+        call.checked = True
+        if state == "lost":
+            self.counters.unchecked += 1
+            return
+        call.value = value
+        self.counters.checked += 1
+        bad = not math.isfinite(value) or (self.absmax is not None and value > self.absmax)
+        if bad and not call.emitted:  # an emitted call was written (as history) by an earlier trigger
+            self._trigger(call)
 
     def _trigger(self, trigger: LayerCall) -> None:
         self.counters.triggers += 1

@@ -30,16 +30,15 @@ a "graph" by re-running the call and then ``replay`` of each launch id it captur
 
 from __future__ import annotations
 
-import ctypes
 import math
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from moereplay.capture.device_ring import ALIGNMENT, _raw_at
+from moereplay.capture.device_ring import host_words as _host_words
 
 STATE_HEAD, STATE_SEQUENCE, STATE_STEP = 0, 1, 2
 META_SEQUENCE, META_START, META_LAUNCH, META_STEP = 0, 1, 2, 3
@@ -58,7 +57,6 @@ call at batch 1 (two 5.6 KB activations, routing metadata, 2,880 output elements
 _BLOCK_BYTES = {0: 1024, 1: 8 * 1024}  # graph_ring_kernel.BLOCK elements of a byte / of 8 bytes
 SPANS = 16
 """Spans one kernel node copies (graph_ring_kernel.SPANS, checked when the kernel is imported)."""
-_CUDA_HOST_ALLOC_PORTABLE_DEVICEMAP = 0x01 | 0x02
 _KEEP: list[GraphRing] = []
 _KEEP_LOCK = threading.Lock()
 
@@ -260,30 +258,6 @@ class _NoDevice:
 def fallback_views(tensors: list[torch.Tensor], leads: list[int], sizes: list[int]) -> list[torch.Tensor]:
     """The spans' bytes as uint8 views (what :meth:`GraphRing.replay` reads on each replay)."""
     return [_raw_at(tensor, lead, size) for tensor, lead, size in zip(tensors, leads, sizes, strict=True)]
-
-
-def _host_words(count: int, cuda: bool) -> tuple[np.ndarray, int]:
-    """``count`` zeroed int64 words the writer thread reads and, on CUDA, the device writes: pinned host memory
-    allocated with ``cuMemHostAlloc(PORTABLE | DEVICEMAP)`` (never freed), as a NumPy view and its device
-    address. On the CPU an ordinary array and its own address."""
-    if not cuda:
-        array = np.zeros(count, dtype=np.int64)
-        return array, int(array.ctypes.data)
-    driver = ctypes.CDLL("libcuda.so.1")
-    nbytes = 8 * count
-    host = ctypes.c_void_p()
-    status = driver.cuMemHostAlloc(
-        ctypes.byref(host), ctypes.c_size_t(nbytes), _CUDA_HOST_ALLOC_PORTABLE_DEVICEMAP
-    )
-    if status or not host.value:
-        raise RuntimeError(f"cuMemHostAlloc failed with CUresult {status}")
-    device = ctypes.c_uint64()
-    status = driver.cuMemHostGetDevicePointer_v2(ctypes.byref(device), host, ctypes.c_uint(0))
-    if status:
-        raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUresult {status}")
-    ctypes.memset(host.value, 0, nbytes)
-    array = np.ctypeslib.as_array((ctypes.c_int64 * count).from_address(host.value))
-    return array, int(device.value)
 
 
 def _current_stream(index: int) -> int:

@@ -1,8 +1,11 @@
 """The Triton kernel behind :class:`moereplay.capture.device_ring.DeviceRing` (imported only where Triton is).
 
-One launch: up to eight byte spans copied (source address, target address, size — plain 64-bit integers, so the
+One launch: up to 24 byte spans copied (source address, target address, size — plain 64-bit integers, so the
 caller makes no tensor objects), then optionally one contiguous float tensor reduced to its largest magnitude and
-folded into a 64-bit tag word by ``atomic_max`` (see the device_ring module docstring for the encoding).
+folded into a 64-bit tag word by ``atomic_max`` (see the device_ring module docstring for the encoding). Every
+program then counts itself done on the slot's counter (a fenced atomic, after its copies); the last one resets the
+counter and stores the finished word into the slot's *host* word — pinned host memory mapped into the device, one
+aligned 8-byte store — so the writer thread reads a finished check with a plain memory read, no CUDA call.
 
 :func:`compile_variant` compiles one variant (``aligned``: 8-byte words instead of bytes; ``code``: the checked
 dtype, 0 for none; ``mode``: 0 no tag word, 1 tag word without a check, 2 tag word with the check) with every
@@ -25,10 +28,11 @@ import triton.language as tl
 BLOCK = 1024
 """Elements per program and loop step (bytes, or 8-byte words when aligned)."""
 
-_INTS = [
-    "s0", "t0", "n0", "s1", "t1", "n1", "s2", "t2", "n2", "s3", "t3", "n3",
-    "s4", "t4", "n4", "s5", "t5", "n5", "s6", "t6", "n6", "s7", "t7", "n7",
-    "check", "numel", "word", "generation",
+SPANS = 24
+"""Spans one launch copies (the host's ``device_ring.MAX_SPANS``)."""
+
+_INTS = [name for i in range(SPANS) for name in (f"s{i}", f"t{i}", f"n{i}")] + [
+    "check", "numel", "word", "generation", "done", "host",
 ]  # fmt: skip
 
 
@@ -51,9 +55,11 @@ def _copy_span(source, target, size, pid, programs, ALIGNED: tl.constexpr, BLOCK
 
 @triton.jit(do_not_specialize=_INTS)
 def ring_copy(
-    s0, t0, n0, s1, t1, n1, s2, t2, n2, s3, t3, n3,
-    s4, t4, n4, s5, t5, n5, s6, t6, n6, s7, t7, n7,
-    check, numel, word, generation,
+    s0, t0, n0, s1, t1, n1, s2, t2, n2, s3, t3, n3, s4, t4, n4, s5, t5, n5,
+    s6, t6, n6, s7, t7, n7, s8, t8, n8, s9, t9, n9, s10, t10, n10, s11, t11, n11,
+    s12, t12, n12, s13, t13, n13, s14, t14, n14, s15, t15, n15, s16, t16, n16, s17, t17, n17,
+    s18, t18, n18, s19, t19, n19, s20, t20, n20, s21, t21, n21, s22, t22, n22, s23, t23, n23,
+    check, numel, word, generation, done, host,
     ALIGNED: tl.constexpr, CODE: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
@@ -66,9 +72,25 @@ def ring_copy(
     _copy_span(s5, t5, n5, pid, programs, ALIGNED, BLOCK)
     _copy_span(s6, t6, n6, pid, programs, ALIGNED, BLOCK)
     _copy_span(s7, t7, n7, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s8, t8, n8, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s9, t9, n9, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s10, t10, n10, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s11, t11, n11, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s12, t12, n12, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s13, t13, n13, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s14, t14, n14, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s15, t15, n15, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s16, t16, n16, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s17, t17, n17, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s18, t18, n18, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s19, t19, n19, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s20, t20, n20, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s21, t21, n21, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s22, t22, n22, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s23, t23, n23, pid, programs, ALIGNED, BLOCK)
     if MODE != 0:
         tag = word.to(tl.pointer_type(tl.int64))
-        high = generation << 32
+        folded = generation << 32
         if MODE == 2:
             if CODE == 1:
                 values = check.to(tl.pointer_type(tl.float16))
@@ -83,10 +105,15 @@ def ring_copy(
                 x = tl.load(values + index, mask=index < numel, other=0.0).to(tl.float32)
                 best = tl.maximum(best, tl.abs(x).to(tl.int32, bitcast=True))
             largest = tl.max(best, axis=0)
-            tl.atomic_max(tag, high | largest.to(tl.int64))
-        else:
-            if pid == 0:
-                tl.atomic_max(tag, high)
+            folded = folded | largest.to(tl.int64)
+        tl.atomic_max(tag, folded, sem="relaxed")
+        tl.debug_barrier()  # this program's copies (every thread's) before the fenced atomic below
+        counter = done.to(tl.pointer_type(tl.int32))
+        arrived = tl.atomic_add(counter, 1)  # acq_rel: this program's copies and max before its "done"
+        if arrived == programs - 1:  # the last program: every other one's max is in the word
+            finished = tl.atomic_add(tag, 0, sem="relaxed")
+            tl.atomic_xchg(counter, 0, sem="relaxed")
+            tl.store(host.to(tl.pointer_type(tl.int64)), finished)
 
 
 _BIG = 1 << 40  # warm-up values: every integer argument compiles as int64

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -103,6 +104,32 @@ def test_the_ring_kernel_is_what_copies(kernels, tmp_path: Path) -> None:
     assert rings and rings[0].launcher is not None, "Triton ring kernel not in use on this GPU"
     session.flush()
     session.close()
+
+
+def test_the_ring_kernel_publishes_finished_words_to_host_memory(tmp_path: Path) -> None:
+    """The kernel's last program stores each finished tag word into host-mapped memory: after the stream
+    finishes, the host word equals the device word for every dtype, several programs or one, NaN and Inf
+    included — what the writer thread reads without a CUDA call."""
+    from moereplay.capture.device_ring import DeviceRing, decode_word
+
+    ring = DeviceRing(1 << 26, torch.device("cuda", 0))
+    assert ring.launcher is not None and ring.host_words is not None
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for n in (1, 2880, 2048 * 2880 + 3):  # one program, a few, every one the launch may take
+            for special in (None, float("nan"), float("inf")):
+                x = torch.randn(n, device="cuda").to(dtype)
+                if special is not None:
+                    x[n // 2] = special
+                odd = torch.zeros(n * 2 + 3, dtype=torch.uint8, device="cuda")
+                _, _, _, tag = ring.record([x, odd], x, True)
+                assert tag is not None
+                torch.cuda.synchronize()
+                device_word = int(ring.words[tag[0]])
+                assert int(ring.host_words[tag[0]]) == device_word, (dtype, n, special)
+                state, value = decode_word(device_word, tag[1])
+                expect = float(torch.linalg.vector_norm(x.float(), ord=math.inf))
+                assert state == "ok" and (value == expect or (math.isnan(value) and math.isnan(expect)))
+    assert int(ring.done.sum()) == 0  # every slot's counter reset by its last program
 
 
 def test_nan_writes_the_layer_calls_bit_exact(kernels, tmp_path: Path) -> None:

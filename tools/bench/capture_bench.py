@@ -174,6 +174,49 @@ def plain_wrappers(points: list, launch: torch.Tensor | None) -> Callable[[], No
     return undo
 
 
+def phase_timers() -> tuple[dict[str, list[int]], Callable[[], None]]:
+    """Time the layer-scope recorder's pieces on the serving thread: wraps them with ``perf_counter_ns``
+    accumulators (≈ 0.3 µs each). Returns ``{piece: [ns, calls]}`` and the undo."""
+    from moereplay.capture import context, device_ring, flight_layer, recorder
+
+    spots = [
+        (recorder.Recorder, "_layer_before"),
+        (recorder.Recorder, "_layer_after"),
+        (context.ContextTracker, "where"),
+        (recorder, "_bind"),
+        (flight_layer.LayerFlight, "collect"),
+        (flight_layer.LayerFlight, "after"),
+        (flight_layer, "collect_outputs"),
+        (device_ring.DeviceRing, "record"),
+        (device_ring.DeviceRing, "_measure"),
+        (device_ring.DeviceRing, "_reserve"),
+        (device_ring._Launcher, "launch_prepared"),
+    ]
+    times: dict[str, list[int]] = {}
+    saved = []
+    for owner, name in spots:
+        raw = owner.__dict__[name]
+        original = raw.__func__ if isinstance(raw, staticmethod) else raw
+        cell = times.setdefault(name, [0, 0])
+
+        def timed_piece(*args, __original=original, __cell=cell, **kwargs):
+            started = time.perf_counter_ns()
+            try:
+                return __original(*args, **kwargs)
+            finally:
+                __cell[0] += time.perf_counter_ns() - started
+                __cell[1] += 1
+
+        setattr(owner, name, staticmethod(timed_piece) if isinstance(raw, staticmethod) else timed_piece)
+        saved.append((owner, name, raw))
+
+    def undo() -> None:
+        for owner, name, raw in saved:
+            setattr(owner, name, raw)
+
+    return times, undo
+
+
 def parse_compression(text: str) -> list[tuple[int, int, int | None]]:
     """``LEVEL:THREADS[:WORKERS]`` items: zstd level, zstd threads per frame, writer pool threads (default: the
     setting's default)."""
@@ -213,6 +256,11 @@ def main() -> int:
         "--profile",
         action="store_true",
         help="cProfile the flight-layer loop of --profile-m's last round; print the writer's poll time",
+    )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="time the layer recorder's pieces (serving thread, no polls) in each M's last round",
     )
     parser.add_argument(
         "--profile-m", type=int, default=None, help="the M --profile profiles (default: the first)"
@@ -287,6 +335,9 @@ def main() -> int:
                 assert session is not None
                 if name == "layer-nopoll":
                     session.writer._poll = None
+                timers = None
+                if options.phases and name == "layer-nopoll" and round_index == rounds - 1:
+                    timers, undo_timers = phase_timers()
                 profiler = None
                 if (
                     options.profile
@@ -299,6 +350,15 @@ def main() -> int:
                     profiler = cProfile.Profile()
                     profiler.enable()
                 samples[name].append(timed(call, iterations) / off)
+                if timers is not None:
+                    undo_timers()
+                    pieces = ", ".join(
+                        f"{piece} {ns / max(count, 1) / 1e3:.1f} µs ×{count / (iterations + 3):.1f}"
+                        for piece, (ns, count) in timers.items()
+                    )
+                    print(
+                        f"--- M={m} layer-nopoll, per call of each piece (× calls per layer call): {pieces}"
+                    )
                 if profiler is not None:
                     import pstats
 

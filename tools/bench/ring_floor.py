@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from capture_bench import build_weights, make_inputs
 
-from moereplay.capture.device_ring import DeviceRing, decode_word
+from moereplay.capture.device_ring import MAX_SPANS, DeviceRing, decode_word
 
 
 def per_call(fn, count: int) -> float:
@@ -48,13 +48,16 @@ def correctness(ring: DeviceRing) -> None:
                 odd = torch.randint(0, 255, (n * 3 + 1,), dtype=torch.uint8, device="cuda")
                 odd = (
                     odd[1:] if n % 2 else odd[:-1]
-                )  # odd n: a misaligned span (byte copies), else 8-byte words
+                )  # odd n: a span whose size is no multiple of 8 (copied as whole words all the same)
                 starts, leads, _sizes, tag = ring.record([x, odd], x, True)
                 assert tag is not None
                 torch.cuda.synchronize()
                 same = torch.equal(ring.view(starts[0] + leads[0], x.nbytes), x.view(torch.uint8).reshape(-1))
                 same &= torch.equal(ring.view(starts[1] + leads[1], odd.nbytes), odd)
                 state, value = decode_word(int(ring.words[tag[0]]), tag[1])
+                assert ring.host_words is not None
+                published = decode_word(int(ring.host_words[tag[0]]), tag[1])
+                same &= published[0] == state and (published[1] == value or math.isnan(value))
                 expect = float(torch.linalg.vector_norm(x.float(), ord=math.inf))
                 ok = (
                     same and state == "ok" and (value == expect or (math.isnan(value) and math.isnan(expect)))
@@ -95,13 +98,19 @@ def main() -> int:
     assert launcher is not None
     variant = launcher._variants[(1, 2, 2)]  # aligned, bfloat16 check, tag word: what ring_launch compiled
     stream = torch.cuda.current_stream().cuda_stream
-    args = [a.data_ptr(), ring._base, 2048] + [0, 0, 0] * 7 + [a.data_ptr(), 1024, ring._words, 1]
+    args = [a.data_ptr(), ring._base, 2048] + [0, 0, 0] * (MAX_SPANS - 1)
+    args += [a.data_ptr(), 1024, ring._words, 1, ring._done, ring._host]
     parts = (
         ("ring.record (4 tensors + check)", ring_launch),
         (
             "launcher.launch_prepared (4 spans + check)",
             lambda i: launcher.launch_prepared(
-                [a.data_ptr(), ring._base, 2048] * 4, 4, 1, 8192, (a.data_ptr(), 1024, 2), (ring._words, 1)
+                [a.data_ptr(), ring._base, 2048] * 4,
+                4,
+                1,
+                8192,
+                (a.data_ptr(), 1024, 2),
+                (ring._words, 1, ring._done, ring._host),
             ),
         ),
         ("cuLaunchKernel only (prepared arguments)", lambda i: variant(4, stream, args)),

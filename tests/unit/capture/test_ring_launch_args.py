@@ -1,7 +1,8 @@
 """The host side of the ring's one-launch path, on the CPU: :meth:`DeviceRing.record` builds the Triton kernel's
-28 integer arguments (8 × source/target/size, check address and length, tag word address and generation) and picks
-its variant; here the "kernel" is an emulator that does what ``ring_kernel.ring_copy`` does, on host memory through
-those very addresses (``ctypes.memmove``; NumPy views for the check). The device side of the same contract is
+78 integer arguments (24 × source/target/size, check address and length, tag word address and generation, the
+slot's finished-programs counter and its host word) and picks its variant; here the "kernel" is an emulator that
+does what ``ring_kernel.ring_copy`` does as one program, on host memory through those very addresses
+(``ctypes.memmove``; NumPy views for the check), publishing the finished word to the host word last. The device side of the same contract is
 ``tests/gpu/test_flight_layer_gpu.py`` and ``tools/bench/ring_floor.py``'s correctness pass on the H200."""
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ _DTYPES = {1: np.float16, 3: np.float32}
 class Emulator:
     """One compiled variant: ``(aligned, code, mode)``; records each launch's arguments."""
 
-    def __init__(self, aligned: int, code: int, mode: int, launches: list) -> None:
+    def __init__(self, aligned: int, code: int, mode: int, launches: list, held: list | None = None) -> None:
         self.aligned, self.code, self.mode = aligned, code, mode
         self.launches = launches
+        self.held = held  # when a list: host-word stores wait there (a launch that has not finished yet)
 
     def __call__(self, programs: int, stream: int, args: list[int]) -> None:
-        assert len(args) == 3 * MAX_SPANS + 4 and programs >= 1
+        assert len(args) == 3 * MAX_SPANS + 6 and programs >= 1
         self.launches.append((self.aligned, self.code, self.mode, list(args)))
         for i in range(MAX_SPANS):
             source, target, size = args[3 * i : 3 * i + 3]
@@ -37,7 +39,7 @@ class Emulator:
                 assert (source | target | size) % 8 == 0, "an aligned variant got unaligned spans"
             if size:
                 ctypes.memmove(target, source, size)
-        check, numel, word, generation = args[3 * MAX_SPANS :]
+        check, numel, word, generation, done, host = args[3 * MAX_SPANS :]
         if self.mode == 0:
             return
         best = 0
@@ -57,13 +59,29 @@ class Emulator:
             best = int(bits.max()) if numel else 0
         slot = ctypes.c_int64.from_address(word)
         slot.value = max(slot.value, (generation << 32) | best)
+        counter = ctypes.c_int32.from_address(done)
+        assert counter.value == 0, "the slot's counter was not reset by its last launch"
+        finished = slot.value
+
+        def publish() -> None:
+            ctypes.c_int64.from_address(host).value = finished
+
+        if self.held is None:
+            publish()
+        else:
+            self.held.append(publish)
 
 
 @pytest.fixture
 def emulated(monkeypatch: pytest.MonkeyPatch):
     launches: list = []
+    held: list = []
     kernel = types.SimpleNamespace(
-        BLOCK=1024, compile_variant=lambda aligned, code, mode, index: Emulator(aligned, code, mode, launches)
+        BLOCK=1024,
+        SPANS=MAX_SPANS,
+        compile_variant=lambda aligned, code, mode, index: Emulator(
+            aligned, code, mode, launches, held if make.hold else None
+        ),
     )
     monkeypatch.setattr(device_ring, "_KERNEL", kernel)
 
@@ -74,9 +92,12 @@ def emulated(monkeypatch: pytest.MonkeyPatch):
         launcher._variants = {}
         launcher._get_stream = lambda index: 0
         ring.launcher = launcher
+        ring.host_words, ring._host = device_ring.host_words(ring.tags, False)  # apart, as on CUDA
         return ring
 
     make.launches = launches  # type: ignore[attr-defined]
+    make.held = held  # type: ignore[attr-defined]
+    make.hold = False  # type: ignore[attr-defined]
     return make
 
 
@@ -111,8 +132,11 @@ def test_one_launch_copies_every_span_and_folds_the_check(emulated) -> None:
             ring._base + start % ring.capacity,
             tensor.nbytes,
         ]
-    assert args[12:24] == [0] * 12  # four unused span slots
-    assert args[24:] == [out.data_ptr(), out.numel(), ring._words + 8 * tag[0], tag[1]]
+    assert args[12 : 3 * MAX_SPANS] == [0] * (3 * MAX_SPANS - 12)  # unused span slots
+    assert args[3 * MAX_SPANS :] == [
+        out.data_ptr(), out.numel(), ring._words + 8 * tag[0], tag[1], ring._done + 4 * tag[0],
+        ring._host + 8 * tag[0],
+    ]  # fmt: skip
     assert all(start % ALIGNMENT == 0 for start in starts)
     for tensor, start in zip((hidden, weights, ids, out), starts, strict=True):
         assert torch.equal(ring.view(start, tensor.nbytes), tensor.view(torch.uint8))
@@ -131,18 +155,19 @@ def test_non_finite_outputs_read_back_as_such(emulated, special: float) -> None:
     assert state == "ok" and (math.isnan(value) if math.isnan(special) else value == math.inf)
 
 
-def test_views_off_a_boundary_copy_from_the_boundary_and_odd_sizes_use_bytes(emulated) -> None:
+def test_views_off_a_boundary_copy_from_the_boundary_in_whole_words(emulated) -> None:
     ring = emulated()
     odd = aligned(38, torch.uint8, offset=3).copy_(torch.arange(38, dtype=torch.uint8))
     starts, leads, sizes, tag = ring.record([odd], None, True)
-    aligned_flag, _code, mode, _ = emulated.launches[-1]
-    assert (aligned_flag, mode) == (0, 1)  # byte copies; a tag word without a check
-    assert leads == [3] and sizes == [41]  # from the boundary: 3 + 38 bytes, not a multiple of 8
+    aligned_flag, _code, mode, args = emulated.launches[-1]
+    assert (aligned_flag, mode) == (1, 1)  # 8-byte words; a tag word without a check
+    assert leads == [3] and sizes == [41]  # from the boundary: 3 + 38 bytes, the size the ring keeps
+    assert args[2] == 48  # copied as whole words: the last one holds byte 41
     assert torch.equal(ring.view(starts[0] + 3, 38), odd)
     assert tag is not None and decode_word(int(ring.words[tag[0]]), tag[1]) == ("ok", 0.0)
 
 
-def test_more_than_eight_spans_take_several_launches_and_check_in_the_last(emulated) -> None:
+def test_more_spans_than_a_launch_takes_several_launches_and_check_in_the_last(emulated) -> None:
     ring = emulated()
     tensors = [aligned(16, torch.float32).fill_(float(i)) for i in range(MAX_SPANS + 3)]
     starts, _, _, tag = ring.record(tensors, tensors[-1], True)
@@ -170,6 +195,9 @@ def test_tag_generations_wrap_their_slots_and_never_read_zero_as_done(emulated) 
     ring.tags = 2
     ring.words = torch.zeros(2, dtype=torch.int64)
     ring._words = ring.words.data_ptr()
+    ring.host_words, ring._host = device_ring.host_words(2, False)
+    ring.done = torch.zeros(2, dtype=torch.int32)
+    ring._done = ring.done.data_ptr()
     x = aligned(4, torch.float32).fill_(1.0)
     tags = [ring.record([x], x, True)[3] for _ in range(5)]
     assert tags == [(0, 1), (1, 1), (0, 2), (1, 2), (0, 3)]
@@ -209,3 +237,28 @@ def test_layer_calls_written_through_the_launch_path_are_exact(
             result = reader.load_outputs(record.index)["return"]
             assert torch.equal(recorded.view(torch.uint8), hidden.view(torch.uint8))  # bytes: NaN included
             assert torch.equal(result.view(torch.uint8), output.view(torch.uint8))
+
+
+def test_the_writer_checks_a_call_only_once_its_host_word_is_published(emulated, monkeypatch) -> None:
+    """Host words are read in place, with no event: a launch that has not finished leaves its call unchecked
+    (nothing triggers, nothing is lost) until its last program publishes the word."""
+    from moereplay.capture import flight_layer
+    from moereplay.capture.patch_points import CaptureTarget
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    emulated.hold = True
+    flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
+    target = CaptureTarget(op="layer", role="parent", module="test", attribute="layer", inputs_intact=True)
+    hidden = aligned(32, torch.float32).fill_(1.0)
+    out = aligned(32, torch.float32).fill_(2.0)
+    out[3] = float("nan")
+    where = types.SimpleNamespace(call=0, as_dict=lambda ranks: {"call": 0})
+    call = flight.before(target, {"hidden": hidden}, where, 0)
+    flight.after(call, out, None)
+    assert len(emulated.held) == 1
+    flight.poll(launch=True)
+    assert flight.counters.checked == 0 and flight.counters.triggers == 0 and not call.checked
+    emulated.held.pop()()  # the launch finishes
+    flight.poll(launch=True)
+    assert call.checked and flight.counters.checked == 1 and flight.counters.triggers == 1
+    assert math.isnan(call.value)
