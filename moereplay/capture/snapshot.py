@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from moereplay.format.codecs import codec_for
+from moereplay.format.codecs import generation as codecs_generation
 from moereplay.format.schema import CodecValue, TensorBytes, Unsupported
 from moereplay.format.tensors import SPAN_ALIGNMENT
 
@@ -184,10 +185,25 @@ class _Pending:
 CodecLookup = Callable[[type], "tuple[str, Callable[[Any], Any]] | None"]
 
 
+_CODEC_CACHE: dict[type, tuple[str, Callable[[Any], Any]] | None] = {}
+_CODEC_CACHE_GENERATION = [-1]
+
+
 def format_codec(kind: type) -> tuple[str, Callable[[Any], Any]] | None:
-    """The format registry's codec for ``kind`` (ops modules register theirs there)."""
-    codec = codec_for(qualified_type_name(kind))
-    return None if codec is None else (codec.type_name, codec.encode)
+    """The format registry's codec for ``kind`` (ops modules register theirs there), cached by type until the
+    registry changes (the layer-scope flight recorder looks codecs up on the serving thread, every call)."""
+    generation = codecs_generation()
+    if generation != _CODEC_CACHE_GENERATION[0]:
+        _CODEC_CACHE.clear()
+        _CODEC_CACHE_GENERATION[0] = generation
+    try:
+        return _CODEC_CACHE[kind]
+    except KeyError:
+        pass
+    codec = codec_for(qualified_type_name(kind))  # may import a provider, which registers (a new generation)
+    found = None if codec is None else (codec.type_name, codec.encode)
+    _CODEC_CACHE[kind] = found
+    return found
 
 
 _PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes, torch.dtype, torch.device})
@@ -248,28 +264,55 @@ def snapshot(
     return result
 
 
+_LEAF_TYPES = frozenset({type(None), bool, int, float, str, bytes, torch.dtype, torch.device})
+
+
 def _leaf(value: Any) -> bool:
-    return value is None or isinstance(
+    return type(value) in _LEAF_TYPES or isinstance(
         value, (bool, int, float, str, bytes, torch.dtype, torch.device, enum.Enum)
     )
 
 
 def _walk(value: Any, found: list[torch.Tensor], codec_lookup: CodecLookup, depth: int) -> Any:
-    if _leaf(value):
+    """``value`` with every tensor in it appended to ``found`` and replaced by its :class:`_Pending` index. The
+    layer-scope flight recorder walks a layer call's routing objects with this on the serving thread: exact
+    leaf types and tensors in containers are handled without a call of their own."""
+    kind = type(value)
+    if kind in _LEAF_TYPES:
         return value
     if isinstance(value, torch.Tensor):
         found.append(value)
         return _Pending(len(found) - 1)
     if depth >= MAX_DEPTH:
-        return Unsupported(qualified_type_name(type(value)), "nested too deeply to record")
+        return (
+            value if _leaf(value) else Unsupported(qualified_type_name(kind), "nested too deeply to record")
+        )
     deeper = depth + 1
-    if type(value) is list:
-        return [_walk(item, found, codec_lookup, deeper) for item in value]
-    if type(value) is tuple or type(value) is torch.Size:
-        return tuple(_walk(item, found, codec_lookup, deeper) for item in value)
-    if type(value) is dict:
-        return {key: _walk(item, found, codec_lookup, deeper) for key, item in value.items()}
-    codec = codec_lookup(type(value))
+    if kind is list or kind is tuple or kind is torch.Size:
+        items = []
+        for item in value:
+            if type(item) in _LEAF_TYPES:
+                items.append(item)
+            elif type(item) is torch.Tensor:
+                found.append(item)
+                items.append(_Pending(len(found) - 1))
+            else:
+                items.append(_walk(item, found, codec_lookup, deeper))
+        return items if kind is list else tuple(items)
+    if kind is dict:
+        out = {}
+        for key, item in value.items():
+            if type(item) in _LEAF_TYPES:
+                out[key] = item
+            elif type(item) is torch.Tensor:
+                found.append(item)
+                out[key] = _Pending(len(found) - 1)
+            else:
+                out[key] = _walk(item, found, codec_lookup, deeper)
+        return out
+    if _leaf(value):  # subclasses of the leaf types, enum members
+        return value
+    codec = codec_lookup(kind)
     if codec is not None:
         type_name, encode = codec
         return CodecValue(type_name, _walk(encode(value), found, codec_lookup, deeper))

@@ -59,6 +59,12 @@ class Codec:
 _lock = threading.Lock()
 _codecs: dict[str, Codec] = {}
 _enums: dict[str, type[enum.Enum]] = {}
+_generation = [0]  # bumped on every (un)registration: caches keyed by type check it
+
+
+def generation() -> int:
+    """A number that changes whenever a codec is registered or forgotten (for caches of lookups by type)."""
+    return _generation[0]
 
 
 def _key(type_or_qualname: type | str) -> str:
@@ -82,6 +88,7 @@ def register_codec(
     codec = Codec(_key(type_or_qualname), encode, decode, nbytes, scratch)
     with _lock:
         _codecs[codec.type_name] = codec
+        _generation[0] += 1
     return codec
 
 
@@ -89,6 +96,7 @@ def unregister_codec(type_or_qualname: type | str) -> None:
     """Forget a codec (no error if none was registered)."""
     with _lock:
         _codecs.pop(_key(type_or_qualname), None)
+        _generation[0] += 1
 
 
 #: moereplay's own codecs that register themselves when their module is imported. A reader may import these

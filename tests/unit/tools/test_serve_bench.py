@@ -65,7 +65,12 @@ def test_servers_start_without_prefix_caching() -> None:
 
 def test_recorder_cost_reads_the_footer_timers(bench: types.ModuleType) -> None:
     line = bench.recorder_cost(
-        {"recorder_host_ns": 3_000_000, "recorder_selected": 100, "flight_polls": 4, "flight_poll_ns": 2_000_000}
+        {
+            "recorder_host_ns": 3_000_000,
+            "recorder_selected": 100,
+            "flight_polls": 4,
+            "flight_poll_ns": 2_000_000,
+        }
     )
     assert line == (
         "recorder 30.0 µs of serving-thread time per layer call (100 calls); "
