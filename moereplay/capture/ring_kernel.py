@@ -135,7 +135,10 @@ _DRIVER: Any = None
 def _driver() -> Any:
     global _DRIVER
     if _DRIVER is None:
-        library = ctypes.CDLL("libcuda.so.1")
+        # PyDLL: the call keeps the GIL (a CDLL call releases it, and on a serving thread every release lets
+        # another thread — the writer's poll, vLLM's own — take it for up to the 5 ms switch interval;
+        # cuLaunchKernel queues the launch and returns in microseconds, as torch's own launches do with the GIL)
+        library = ctypes.PyDLL("libcuda.so.1")
         launch = library.cuLaunchKernel
         launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
         launch.restype = ctypes.c_int
