@@ -32,6 +32,7 @@ import ctypes
 import math
 import struct
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,25 @@ ALIGNMENT = 256
 _CHECK_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _ITEMSIZE = {1: 2, 2: 2, 3: 4}
 _WORD = struct.Struct("<f")
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """:meth:`DeviceRing.measure` of some tensors: per tensor its copy's source address, lead and size; and the
+    ring bytes they take together."""
+
+    sources: list[int]
+    leads: list[int]
+    sizes: list[int]
+    total: int
+
+    def overlaps(self, low: int, high: int) -> bool:
+        """Whether bytes ``[low, high)`` (device addresses) meet any measured span (spans begin at their 256-byte
+        boundary: an output just before an input may count as overlapping, which only copies the inputs first)."""
+        return any(
+            source < high and low < source + max(size, 1)
+            for source, size in zip(self.sources, self.sizes, strict=True)
+        )
 
 
 class TooLarge(ValueError):
@@ -130,8 +150,18 @@ class DeviceRing:
 
     # --- the per-call copy ------------------------------------------------------------------------------------
 
+    def measure(self, tensors: list[torch.Tensor]) -> Measured:
+        """Where ``tensors``' copies start, their leads, sizes and ring bytes — what :meth:`record` would measure
+        (for a caller that needs the spans before the call, and hands them to ``record`` after it)."""
+        sources, leads, sizes, total, _ = self._measure(tensors, None, self.launcher is not None)
+        return Measured(sources, leads, sizes, total)
+
     def record(
-        self, tensors: list[torch.Tensor], check: torch.Tensor | None, tagged: bool
+        self,
+        tensors: list[torch.Tensor],
+        check: torch.Tensor | None,
+        tagged: bool,
+        measured: Measured | None = None,
     ) -> tuple[list[int], list[int], list[int], tuple[int, int] | None]:
         """Copy the storage spans of ``tensors`` (each from its first byte rounded down to 256 bytes of its
         storage) into the ring and, when ``tagged``, fold the largest magnitude of ``check`` (or nothing) into a
@@ -143,7 +173,17 @@ class DeviceRing:
         per :data:`MAX_SPANS` spans). Without the kernel, or for an output it cannot reduce (strided, another
         dtype), the copies and the check are torch operations."""
         launcher = self.launcher
-        sources, leads, sizes, total, check_info = self._measure(tensors, check, launcher is not None)
+        if measured is None:
+            sources, leads, sizes, total, check_info = self._measure(tensors, check, launcher is not None)
+        else:  # the first len(measured.sizes) tensors were measured before (their addresses do not change)
+            done = len(measured.sizes)
+            sources, leads, sizes, total, check_info = self._measure(
+                tensors[done:], check, launcher is not None
+            )
+            sources = measured.sources + sources
+            leads = measured.leads + leads
+            sizes = measured.sizes + sizes
+            total += measured.total
         head, tag = self._reserve(total, tagged)
         starts = []
         at = head

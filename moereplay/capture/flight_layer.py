@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moereplay.capture.context import Ranks, Where
-from moereplay.capture.device_ring import DeviceRing, decode_word
+from moereplay.capture.device_ring import DeviceRing, Measured, decode_word
 from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerBudget, TriggerDelivery
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.snapshot import (
@@ -127,6 +127,7 @@ class LayerCall:
     ended: float = 0.0  # perf_counter() after it
     status: str = "completed"
     error: str | None = None
+    measured: Measured | None = None  # the dynamic inputs' spans, measured before the call (overlap check)
     probe: Any = None  # the triton_kernels opt_flags probe of a matmul_ogs call made outside a layer
     state_module: Any = None  # the process state of a layer call's GEMMs (process_state_via): .context()
     extra_context: dict[str, Any] | None = None
@@ -265,7 +266,7 @@ class LayerFlight(PollingRecorder):
             assert tensors is not None
             ring = self._ring(tensors[0])
             call.ring = ring
-            call.input_copy = ring.record(tensors, None, False)[:3]
+            call.input_copy = ring.record(tensors, None, False, call.measured)[:3]
         call.started = time.perf_counter()
         return call
 
@@ -294,10 +295,17 @@ class LayerFlight(PollingRecorder):
                 if len(tensors) != before:
                     trees[name] = tree
         call = LayerCall(target, where, sequence, bound, trees, tensors)
-        copy_first = bool(tensors) and (
-            not target.inputs_intact or bool(plan.outputs and _outputs_overlap(plan.outputs, bound, tensors))
-        )
-        return call, copy_first
+        if not tensors:
+            return call, False
+        if not target.inputs_intact:
+            return call, True
+        if plan.outputs:  # an output buffer passed in that overlaps an input: copy the inputs first
+            ring = self._rings.get(tensors[0].get_device())  # made by the first eager call (never made here:
+            if ring is None:  # this may run inside a graph capture)
+                return call, _outputs_overlap_exact(plan.outputs, bound, tensors)
+            measured = call.measured = ring.measure(tensors)  # measured once: record reuses it
+            return call, _outputs_overlap(plan.outputs, bound, measured)
+        return call, False
 
     def after(self, call: LayerCall, result: Any, error: BaseException | None) -> None:
         """Copy the outputs (and the inputs, unless copied before) and fold the check: one launch."""
@@ -327,7 +335,9 @@ class LayerFlight(PollingRecorder):
             if index >= 0:
                 call.device_index = index
                 call.stream = _get_stream(index) if _get_stream is not None else 0
-            starts, leads, sizes, tag = ring.record(copied, check, error is None)
+            starts, leads, sizes, tag = ring.record(
+                copied, check, error is None, call.measured if copied is tensors else None
+            )
             call.output_copy = (starts, leads, sizes)
             call.tag = tag
         self._new.append(call)
@@ -703,9 +713,22 @@ def _share_storages(copies: list[TensorCopy]) -> None:
             )
 
 
-def _outputs_overlap(names: tuple[str, ...], bound: dict[str, Any], inputs: list[torch.Tensor]) -> bool:
-    """Whether an output buffer passed in (``names``) shares bytes with a dynamic input (then the inputs are copied
-    before the call)."""
+def _outputs_overlap(names: tuple[str, ...], bound: dict[str, Any], inputs: Measured) -> bool:
+    """Whether an output buffer passed in (``names``) shares bytes with a dynamic input's measured span (then the
+    inputs are copied before the call). Device addresses are unique in the process (unified addressing)."""
+    for name in names:
+        out = bound.get(name)
+        if not isinstance(out, torch.Tensor):
+            continue
+        low = out.data_ptr()
+        high = low + out.nbytes
+        if high != low and inputs.overlaps(low, high):
+            return True
+    return False
+
+
+def _outputs_overlap_exact(names: tuple[str, ...], bound: dict[str, Any], inputs: list[torch.Tensor]) -> bool:
+    """:func:`_outputs_overlap` from the tensors themselves (before any ring exists to measure them)."""
     for name in names:
         out = bound.get(name)
         if not isinstance(out, torch.Tensor):
@@ -717,7 +740,7 @@ def _outputs_overlap(names: tuple[str, ...], bound: dict[str, Any], inputs: list
         for tensor in inputs:
             if tensor is out:
                 return True
-            start = tensor.data_ptr()  # device addresses are unique in the process (unified addressing)
+            start = tensor.data_ptr()
             if start < high and low < start + max(tensor.nbytes, 1):
                 return True
     return False

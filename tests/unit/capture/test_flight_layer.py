@@ -292,6 +292,49 @@ def test_an_intact_layer_copies_its_output_buffer_once_after_the_call(arm, stand
         assert record.aliases() == {"output": ("output",)}  # one storage, as in a full capture
 
 
+def layer_doubling(hidden: torch.Tensor, w1: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    output.copy_(hidden[:, : output.shape[1]] * 2)
+    return output
+
+
+def test_an_output_buffer_over_an_input_is_found_with_the_measured_spans(arm, stand_in_module) -> None:
+    """The overlap check before the call: the first call (no ring yet) checks the tensors themselves; later ones
+    measure the inputs' spans once and hand them to the copy after the call. An output buffer that is a view of
+    the input makes the inputs copy first, so the file holds the input as it was before the call wrote it."""
+    stand_in_module("moereplay_test_doubling", layer=layer_doubling)
+    targets = (
+        CaptureTarget(
+            "layer", "parent", "moereplay_test_doubling", "layer", static=("w1",), outputs=("output",),
+            inputs_intact=True,
+        ),
+    )  # fmt: skip
+    session = arm(targets=targets, trigger="flight", flight_calls="4")
+    module = sys.modules["moereplay_test_doubling"]
+    w1 = torch.ones(8, 6)
+    apart = torch.arange(40, dtype=torch.float32).reshape(5, 8)
+    module.layer(apart, w1, torch.zeros(5, 6))  # makes the ring
+    separate = apart + 1
+    module.layer(separate, w1, torch.zeros(5, 6))  # measured spans, no overlap
+    shared = torch.arange(40, dtype=torch.float32).reshape(5, 8) + 100
+    shared[0, 0] = float("nan")
+    before = shared.clone()
+    module.layer(shared, w1, shared[:, 2:8])  # the output is a view of the input: copied before the call
+    flight = session.recorder.flight
+    ring = next(iter(flight._rings.values()))  # type: ignore[union-attr]
+    assert ring.head == 6 * 256  # each call one input and one output span (the last: its input before the call)
+    close(session)
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        assert [r.context["call"] for r in records] == [0, 1, 2] and records[-1].context["flight"]["trigger"]
+        hidden = [reader.load_args(r.index)["hidden"] for r in records]
+        assert torch.equal(hidden[0], apart) and torch.equal(hidden[1], separate)
+        assert torch.equal(
+            hidden[2].view(torch.uint8), before.view(torch.uint8)
+        )  # as before the call wrote it
+        output = reader.load_outputs(records[2].index)["output"]
+        assert torch.equal(output.view(torch.uint8), shared[:, 2:8].view(torch.uint8))
+
+
 def test_a_check_that_lags_behind_later_calls_still_finds_the_calls_before_it(arm, kernels, inputs) -> None:
     """The writer thread's checks lag behind the serving thread's calls: calls made after a bad one, before its
     check, must not push the calls before it out of the history (K = 3: calls 2, 3, 4 for a bad call 4)."""
