@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from moereplay.format.codecs import codec_for
+from moereplay.format.codecs import Codec, codec_for
 from moereplay.format.codecs import generation as codecs_generation
 from moereplay.format.schema import CodecValue, TensorBytes, Unsupported
 from moereplay.format.tensors import SPAN_ALIGNMENT
@@ -185,13 +185,13 @@ class _Pending:
 CodecLookup = Callable[[type], "tuple[str, Callable[[Any], Any]] | None"]
 
 
-_CODEC_CACHE: dict[type, tuple[str, Callable[[Any], Any]] | None] = {}
+_CODEC_CACHE: dict[type, Codec | None] = {}
 _CODEC_CACHE_GENERATION = [-1]
 
 
-def format_codec(kind: type) -> tuple[str, Callable[[Any], Any]] | None:
-    """The format registry's codec for ``kind`` (ops modules register theirs there), cached by type until the
-    registry changes (the layer-scope flight recorder looks codecs up on the serving thread, every call)."""
+def _codec_of(kind: type) -> Codec | None:
+    """The format registry's codec for ``kind``, cached by type until the registry changes (the layer-scope
+    flight recorder looks codecs up on the serving thread, every call)."""
     generation = codecs_generation()
     if generation != _CODEC_CACHE_GENERATION[0]:
         _CODEC_CACHE.clear()
@@ -201,9 +201,14 @@ def format_codec(kind: type) -> tuple[str, Callable[[Any], Any]] | None:
     except KeyError:
         pass
     codec = codec_for(qualified_type_name(kind))  # may import a provider, which registers (a new generation)
-    found = None if codec is None else (codec.type_name, codec.encode)
-    _CODEC_CACHE[kind] = found
-    return found
+    _CODEC_CACHE[kind] = codec
+    return codec
+
+
+def format_codec(kind: type) -> tuple[str, Callable[[Any], Any]] | None:
+    """The format registry's codec for ``kind`` (ops modules register theirs there)."""
+    codec = _codec_of(kind)
+    return None if codec is None else (codec.type_name, codec.encode)
 
 
 _PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes, torch.dtype, torch.device})
@@ -312,6 +317,15 @@ def _walk(value: Any, found: list[torch.Tensor], codec_lookup: CodecLookup, dept
         return out
     if _leaf(value):  # subclasses of the leaf types, enum members
         return value
+    if codec_lookup is format_codec:
+        found_codec = _codec_of(kind)
+        if found_codec is not None and found_codec.collect is not None:  # encode and walk in one pass
+
+            def leaf(tensor: torch.Tensor) -> _Pending:
+                found.append(tensor)
+                return _Pending(len(found) - 1)
+
+            return CodecValue(found_codec.type_name, found_codec.collect(value, leaf))
     codec = codec_lookup(kind)
     if codec is not None:
         type_name, encode = codec

@@ -47,6 +47,9 @@ class Codec:
     :class:`~moereplay.errors.MoereplayError` for a tree it would refuse anyway. ``scratch`` (optional, same
     argument): ``(key, bytes)`` that decoding needs besides what it keeps, shared by every value with the same key —
     one generator draw several recipes are cut from — so a reader counts each key once per call (its largest).
+    ``collect`` (optional): ``collect(obj, leaf)`` is ``encode(obj)`` with every tensor in the tree replaced by
+    ``leaf(tensor)``, tensors met in the order a walk of ``encode``'s tree meets them — one pass where a capture
+    would encode and then walk the tree (the layer-scope flight recorder does this on the serving thread).
     """
 
     type_name: str
@@ -54,6 +57,7 @@ class Codec:
     decode: Callable[[Any], Any]
     nbytes: Callable[[Any], int] | None = None
     scratch: Callable[[Any], tuple[str, int]] | None = None
+    collect: Callable[[Any, Callable[[Any], Any]], Any] | None = None
 
 
 _lock = threading.Lock()
@@ -83,9 +87,10 @@ def register_codec(
     decode: Callable[[Any], Any],
     nbytes: Callable[[Any], int] | None = None,
     scratch: Callable[[Any], tuple[str, int]] | None = None,
+    collect: Callable[[Any, Callable[[Any], Any]], Any] | None = None,
 ) -> Codec:
     """Register (or replace) the codec for a type; returns it."""
-    codec = Codec(_key(type_or_qualname), encode, decode, nbytes, scratch)
+    codec = Codec(_key(type_or_qualname), encode, decode, nbytes, scratch, collect)
     with _lock:
         _codecs[codec.type_name] = codec
         _generation[0] += 1

@@ -262,13 +262,21 @@ def _is_type(value: Any, name: str) -> bool:
     Matching by name, not identity, because the library may be imported as ``triton_kernels`` or as
     ``vllm.third_party.triton_kernels`` (two distinct module objects with the same classes).
     """
-    for kind in type(value).__mro__:
-        module = kind.__module__
-        if kind.__qualname__ == name and (
-            module.startswith(TRITON_KERNELS + ".") or module.startswith(VENDORED_TRITON_KERNELS + ".")
-        ):
-            return True
-    return False
+    key = (type(value), name)
+    found = _IS_TYPE.get(key)
+    if found is None:
+        found = _IS_TYPE[key] = any(
+            kind.__qualname__ == name
+            and (
+                kind.__module__.startswith(TRITON_KERNELS + ".")
+                or kind.__module__.startswith(VENDORED_TRITON_KERNELS + ".")
+            )
+            for kind in type(value).__mro__
+        )
+    return found
+
+
+_IS_TYPE: dict[tuple[type, str], bool] = {}  # (type, class name) -> _is_type's answer (classes do not change)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -574,6 +582,53 @@ def encode_routing(value: RoutingSpec | Any) -> dict[str, Any]:
     }
 
 
+def _leaf_or_none(value: Any, what: str, leaf: Callable[[Any], Any]) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return leaf(value)
+    raise UnsupportedValueError(f"recorded {what} is not a tensor")
+
+
+def _block_map_collected(mapping: Any, what: str, leaf: Callable[[Any], Any]) -> list[list[Any]] | None:
+    if mapping is None:
+        return None
+    return [
+        [int(block), _leaf_or_none(tensor, what, leaf)] for block, tensor in sorted(dict(mapping).items())
+    ]
+
+
+def collect_routing(value: RoutingSpec | Any, leaf: Callable[[Any], Any]) -> dict[str, Any]:
+    """:func:`encode_routing` with each tensor passed through ``leaf``, in the order a walk of its tree meets
+    them (the format's ``Codec.collect``)."""
+    if not isinstance(value, RoutingSpec) and not _is_type(value, "RoutingData"):
+        raise UnsupportedValueError(f"{_type_name(value)} is not a triton_kernels RoutingData")
+    gate_scal = _leaf_or_none(value.gate_scal, "routing gate_scal", leaf)
+    expt_hist = _leaf_or_none(value.expt_hist, "routing expt_hist", leaf)
+    n_expts_tot = int(value.n_expts_tot)
+    n_expts_act = int(value.n_expts_act)
+    expt_data = value.expt_data
+    expt_tree = None
+    if expt_data is not None:
+        expt_tree = {
+            "hist": _leaf_or_none(expt_data.hist, "expt_data.hist", leaf),
+            "token_offs_raw": _leaf_or_none(expt_data.token_offs_raw, "expt_data.token_offs_raw", leaf),
+            "token_offs_pad": _block_map_collected(
+                expt_data.token_offs_pad, "expt_data.token_offs_pad", leaf
+            ),
+            "block_pid_map": _block_map_collected(expt_data.block_pid_map, "expt_data.block_pid_map", leaf),
+        }
+    expected = value.expected_tokens_per_expt
+    return {
+        "gate_scal": gate_scal,
+        "expt_hist": expt_hist,
+        "n_expts_tot": n_expts_tot,
+        "n_expts_act": n_expts_act,
+        "expt_data": expt_tree,
+        "expected_tokens_per_expt": None if expected is None else int(expected),
+    }
+
+
 def decode_routing_spec(data: Any) -> RoutingSpec:
     tree = _require_mapping(data, "routing data")
     expt = tree.get("expt_data")
@@ -625,6 +680,23 @@ def _encode_index(value: Any, plain: type, library_name: str) -> dict[str, Any]:
         "src_indx": _tensor_or_none(value.src_indx, f"{library_name}.src_indx"),
         "dst_indx": _tensor_or_none(value.dst_indx, f"{library_name}.dst_indx"),
     }
+
+
+def _collect_index(value: Any, plain: type, library_name: str, leaf: Callable[[Any], Any]) -> dict[str, Any]:
+    if not isinstance(value, plain) and not _is_type(value, library_name):
+        raise UnsupportedValueError(f"{_type_name(value)} is not a triton_kernels {library_name}")
+    return {
+        "src_indx": _leaf_or_none(value.src_indx, f"{library_name}.src_indx", leaf),
+        "dst_indx": _leaf_or_none(value.dst_indx, f"{library_name}.dst_indx", leaf),
+    }
+
+
+def collect_gather(value: GatherSpec | Any, leaf: Callable[[Any], Any]) -> dict[str, Any]:
+    return _collect_index(value, GatherSpec, "GatherIndx", leaf)
+
+
+def collect_scatter(value: ScatterSpec | Any, leaf: Callable[[Any], Any]) -> dict[str, Any]:
+    return _collect_index(value, ScatterSpec, "ScatterIndx", leaf)
 
 
 def encode_gather(value: GatherSpec | Any) -> dict[str, Any]:
@@ -1017,6 +1089,7 @@ class TreeCodec:
     decode_tree: Callable[[Any], Any]
     build: Callable[[Any, TritonKernels], Any]
     plain_types: tuple[type, ...]
+    collect_tree: Callable[[Any, Callable[[Any], Any]], Any] | None = None  # encode + walk in one pass
 
     def encode(self, value: Any) -> Any:
         return self.encode_tree(value)
@@ -1106,6 +1179,7 @@ ROUTING = TreeCodec(
     decode_routing_spec,
     build_routing,
     (RoutingSpec,),
+    collect_routing,
 )
 GATHER = TreeCodec(
     "triton_kernels.GatherIndx",
@@ -1114,6 +1188,7 @@ GATHER = TreeCodec(
     decode_gather_spec,
     build_gather,
     (GatherSpec,),
+    collect_gather,
 )
 SCATTER = TreeCodec(
     "triton_kernels.ScatterIndx",
@@ -1122,6 +1197,7 @@ SCATTER = TreeCodec(
     decode_scatter_spec,
     build_scatter,
     (ScatterSpec,),
+    collect_scatter,
 )
 PRECISION = TreeCodec(
     "triton_kernels.PrecisionConfig",
@@ -1226,7 +1302,10 @@ def register_with_format(register: Callable[..., Any]) -> None:
     """
     for codec in TYPE_CODECS:
         for qualname in codec.qualnames():
-            register(qualname, codec.encode, codec.decode_plain)
+            if codec.collect_tree is None:
+                register(qualname, codec.encode, codec.decode_plain)
+            else:
+                register(qualname, codec.encode, codec.decode_plain, collect=codec.collect_tree)
 
 
 def to_library(value: Any, backend: Any, cache: dict[str, Any]) -> Any:

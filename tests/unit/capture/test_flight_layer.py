@@ -321,7 +321,9 @@ def test_an_output_buffer_over_an_input_is_found_with_the_measured_spans(arm, st
     module.layer(shared, w1, shared[:, 2:8])  # the output is a view of the input: copied before the call
     flight = session.recorder.flight
     ring = next(iter(flight._rings.values()))  # type: ignore[union-attr]
-    assert ring.head == 6 * 256  # each call one input and one output span (the last: its input before the call)
+    assert (
+        ring.head == 6 * 256
+    )  # each call one input and one output span (the last: its input before the call)
     close(session)
     with CaptureReader(session.path) as reader:
         records = list(reader.calls())

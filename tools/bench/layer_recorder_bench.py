@@ -1,0 +1,150 @@
+"""Serving-thread cost of the layer-scope flight recorder per gpt-oss layer call, on the CPU (no GPU, no vLLM).
+
+The layer recorder's host work per outermost call is Python: binding, the walk of triton_kernels' routing objects
+through their codecs, measuring the copy spans, building the launch's arguments. This times exactly that work —
+``LayerFlight.before`` and ``after`` — on a call shaped like vLLM 0.25.1's ``triton_kernel_fused_experts`` at
+decode (hidden states, RoutingData with its ExptData block maps, GatherIndx, ScatterIndx, the output buffer; the
+weights static), with the ring's launch replaced by a no-op that takes the same arguments (the launch itself is
+``capture_bench --phases``' business, on the GPU). The routing objects are moereplay's plain specs of them, which
+go through the same codecs.
+
+Prints µs per layer call (median of rounds) and, with ``--pieces``, where it goes. Run it before and after a
+change to the recorder's serving path: the ratio between two runs on one machine is the measurement.
+
+    python tools/bench/layer_recorder_bench.py [--calls 2000] [--rounds 7] [--pieces]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from moereplay.capture import device_ring, flight_layer
+from moereplay.capture.context import Where
+from moereplay.ops import (
+    matmul_ogs,  # noqa: F401  (registers the triton_kernels codecs)
+    ogs_codecs,
+)
+from moereplay.ops.surface import CaptureTarget
+
+TOKENS, TOP_K, EXPERTS, HIDDEN = 32, 4, 32, 2880
+
+
+def layer_call_arguments() -> dict[str, object]:
+    """Bound arguments shaped as vLLM's gpt-oss layer call at decode (CPU tensors)."""
+    rows = TOKENS * TOP_K
+
+    def ints(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.int32)
+
+    blocks = (16, 32, 64, 128)
+    expt = ogs_codecs.ExptDataSpec(
+        hist=ints(EXPERTS),
+        token_offs_raw=ints(EXPERTS + 1),
+        token_offs_pad={block: ints(EXPERTS + 1) for block in blocks},
+        block_pid_map={block: ints(rows // block + EXPERTS) for block in blocks},
+    )
+    routing = ogs_codecs.RoutingSpec(
+        gate_scal=torch.rand(rows), expt_hist=ints(EXPERTS), n_expts_tot=EXPERTS, n_expts_act=TOP_K,
+        expt_data=expt, expected_tokens_per_expt=None,
+    )  # fmt: skip
+    return {
+        "output_tensor": torch.zeros(TOKENS, HIDDEN, dtype=torch.bfloat16),
+        "hidden_states": torch.randn(TOKENS, HIDDEN).to(torch.bfloat16),
+        "w1": torch.zeros(8, 8),
+        "w2": torch.zeros(8, 8),
+        "routing_data": routing,
+        "gather_indx": ogs_codecs.GatherSpec(ints(rows), ints(rows)),
+        "scatter_indx": ogs_codecs.ScatterSpec(ints(rows), ints(rows)),
+        "topk": TOP_K,
+        "activation": "swigluoai",
+        "quant_config": None,
+        "apply_router_weight_on_input": False,
+        "global_num_experts": EXPERTS,
+        "expert_map": None,
+        "intermediate_cache": torch.zeros(rows, 2 * HIDDEN, dtype=torch.bfloat16),
+        "a1q_scale": None,
+    }
+
+
+class NoLaunch:
+    """Stands in for a compiled ring variant: takes the launch's arguments, launches nothing."""
+
+    def __call__(self, programs: int, stream: int, args: list[int]) -> None:
+        pass
+
+
+def flight_with_a_no_op_launch() -> flight_layer.LayerFlight:
+    def ring(capacity: int, device: torch.device) -> device_ring.DeviceRing:
+        made = device_ring.DeviceRing(capacity, torch.device("cpu"), use_kernel=False)
+        launcher = object.__new__(device_ring._Launcher)
+        launcher.device, launcher.index, launcher.programs = torch.device("cpu"), 0, 264
+        variants = ((a, c, m) for a in (0, 1) for c in (0, 1, 2, 3) for m in (0, 1, 2))
+        launcher._variants = {key: NoLaunch() for key in variants}
+        launcher._get_stream = lambda index: 0
+        made.launcher = launcher
+        if hasattr(device_ring, "host_words"):  # (absent before 2026-12-04: lets the bench time older trees)
+            made.host_words, made._host = device_ring.host_words(made.tags, False)
+        return made
+
+    flight_layer.DeviceRing = ring  # type: ignore[misc,assignment]
+    return flight_layer.LayerFlight(max_calls=16, max_bytes=1 << 26, absmax=None, emit=lambda *a: True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--pieces", action="store_true", help="also time the recorder's pieces (cProfile)")
+    options = parser.parse_args()
+    target = CaptureTarget(
+        "triton_kernel_fused_experts", "parent", "bench", "triton_kernel_fused_experts",
+        static=("w1", "w2", "quant_config"), outputs=("output_tensor",), scratch=("intermediate_cache",),
+        inputs_intact=True,
+    )  # fmt: skip
+    bound = layer_call_arguments()
+    output = bound["output_tensor"]
+    flight = flight_with_a_no_op_launch()
+    where = Where(0, 1, 0, "model.layers.0.mlp.experts", "run", "NONE")
+
+    def one(sequence: int) -> None:
+        call = flight.before(target, dict(bound), where, sequence)
+        flight.after(call, output, None)
+        if sequence % 64 == 63:  # the writer thread's share, off the clock in serving: keep the history short
+            flight._new.clear()
+
+    for i in range(200):
+        one(i)
+    samples = []
+    for _ in range(options.rounds):
+        started = time.perf_counter()
+        for i in range(options.calls):
+            one(i)
+        samples.append((time.perf_counter() - started) / options.calls * 1e6)
+    print(
+        f"layer_recorder_bench: {torch.__version__}, {TOKENS} tokens, top-{TOP_K}: "
+        f"{statistics.median(samples):.1f} µs of serving-thread time per layer call "
+        f"(min {min(samples):.1f}, max {max(samples):.1f}; {options.rounds} rounds of {options.calls})"
+    )
+    if options.pieces:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for i in range(options.calls):
+            one(i)
+        profiler.disable()
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(18)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
