@@ -65,10 +65,10 @@ class Measured:
     def overlaps(self, low: int, high: int) -> bool:
         """Whether bytes ``[low, high)`` (device addresses) meet any measured span (spans begin at their 256-byte
         boundary: an output just before an input may count as overlapping, which only copies the inputs first)."""
-        return any(
-            source < high and low < source + max(size, 1)
-            for source, size in zip(self.sources, self.sizes, strict=True)
-        )
+        for source, size in zip(self.sources, self.sizes, strict=True):
+            if source < high and low < source + size:
+                return True
+        return False
 
 
 class TooLarge(ValueError):
