@@ -15,12 +15,13 @@ kernels to regenerate (and prove) the kernel calls.
 Threads. Serving thread (per layer call): bind the arguments, collect the dynamic tensors, call, one ring launch,
 append to a queue (no event, no host transfer, no allocation). Writer thread (:meth:`LayerFlight.poll` with
 ``launch=True``, inside the graph gate, every ≈ 5 ms whether the serving thread is busy or idle: a bad output is
-found about two polls after its call ran on the device, see ``WriterThread``): read the tag words of the new calls
-(one event on the serving stream, one small copy on a side stream, one integer decode per call — its Python time is
-GIL time taken from the serving thread, so it does nothing else per call), and on a bad word describe the offending
-call and the K calls before it (tensor metadata, argument trees), copy their ring regions to the host, check that
-nothing overwrote them meanwhile (the ring's ``head`` had not lapped them when the copy finished) and hand them to
-the writer. Until a call leaves the history (K calls later, once checked) its argument references are held — not
+found about one poll after its call ran on the device, see ``WriterThread``): read the tag words of the new calls
+where the ring kernel's last program stored them, in host-mapped memory (plain memory reads, no CUDA call; one
+integer decode per call — its Python time is GIL time taken from the serving thread, so it does nothing else per
+call; without the kernel, one event and one small copy per poll, read at the next), and on a bad word describe
+the offending call and the K calls before it (tensor metadata, argument trees), copy their ring regions to the
+host, check that nothing overwrote them meanwhile (the ring's ``head`` had not lapped them when the copy
+finished) and hand them to the writer. Until a call leaves the history (K calls later, once checked) its argument references are held — not
 copies: the allocator reuses those tensors' memory K calls later than it would have.
 
 Scratch buffers are recorded as :class:`~moereplay.format.schema.Unsupported` (``"scratch …"``); an output

@@ -12,8 +12,9 @@ its engine and worker processes that way) still leaves every record written befo
 Polling (the flight recorders' checks, :meth:`set_poll`): the thread runs ``poll`` whenever its queue has been
 idle ``poll_interval`` seconds (5 ms) and, while it is busy writing, between two messages once ``poll_interval``
 has passed since the last poll — so a check never waits on the serving thread, which may be idle: the delay from
-a call's completion on the device to its check is about ``poll_interval`` (two polls on CUDA: one launches the
-read, the next reads it), plus at most one message's write.
+a call's completion on the device to its check is about ``poll_interval`` (the ring kernels store finished checks
+in host-mapped memory; on CUDA without them, two polls: one launches the read, the next reads it), plus at most
+one message's write.
 
 Delivery: a :class:`Begin` or :class:`Complete` may carry ``delivered``, told exactly once whether the message
 reached the file — ``(True, None)`` after the sink's write returned, ``(False, why)`` when it never will (refused
