@@ -190,18 +190,20 @@ class DeviceRing:
         for size in sizes:
             starts.append(at)
             at += (size + 255) & ~255
+        word = (
+            (self._words + 8 * tag[0], tag[1], self._done + 4 * tag[0], self._host + 8 * tag[0])
+            if tag is not None
+            else None
+        )
         if launcher is None or (check is not None and check_info is None):
             for tensor, start, lead, size in zip(tensors, starts, leads, sizes, strict=True):
                 if size:
                     self.view(start, size).copy_(_raw_at(tensor, lead, size))
             if tag is not None:
                 self._fold(check, tag)
+                if launcher is not None:  # the kernel's host word: a launch without spans publishes what
+                    launcher.launch_prepared([], 0, 1, 0, None, word)  # _fold wrote (its atomic_max keeps it)
             return starts, leads, sizes, tag
-        word = (
-            (self._words + 8 * tag[0], tag[1], self._done + 4 * tag[0], self._host + 8 * tag[0])
-            if tag is not None
-            else None
-        )
         target = self._base + head % self.capacity
         count = len(sources)
         for first in range(0, max(count, 1), MAX_SPANS):

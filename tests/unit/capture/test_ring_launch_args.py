@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
+import sys
 import types
 
 import numpy as np
@@ -184,10 +185,13 @@ def test_a_strided_output_is_checked_by_the_torch_path(emulated) -> None:
     strided = base.view(8, 8).t()  # not contiguous: the kernel's check cannot read it
     strided[3, 2] = float("nan")  # base[2 * 8 + 3]
     starts, leads, sizes, tag = ring.record([strided], strided, True)
-    assert emulated.launches == []  # copied and checked with torch operations instead
+    # copied and checked with torch operations instead; one launch without spans publishes the word to the host
+    ((_aligned, _code, mode, args),) = emulated.launches
+    assert mode == 1 and args[: 3 * MAX_SPANS] == [0] * (3 * MAX_SPANS)
     assert sizes == [256] and leads == [0]
     assert torch.equal(ring.view(starts[0], 256), base.view(torch.uint8))
     assert tag is not None and math.isnan(decode_word(int(ring.words[tag[0]]), tag[1])[1])
+    assert ring.host_words is not None and math.isnan(decode_word(int(ring.host_words[tag[0]]), tag[1])[1])
 
 
 def test_tag_generations_wrap_their_slots_and_never_read_zero_as_done(emulated) -> None:
@@ -262,3 +266,54 @@ def test_the_writer_checks_a_call_only_once_its_host_word_is_published(emulated,
     flight.poll(launch=True)
     assert call.checked and flight.counters.checked == 1 and flight.counters.triggers == 1
     assert math.isnan(call.value)
+
+
+def _doubling(hidden: torch.Tensor, w1: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    output.copy_(hidden[:, : output.shape[1]] * 2)
+    return output
+
+
+def test_an_intact_layer_through_the_launch_path_reuses_its_measured_spans(
+    emulated, arm, stand_in_module, monkeypatch
+) -> None:
+    """An intact layer with an output buffer, over the one-launch path (leads from addresses, as on CUDA): the
+    inputs' spans measured before the call go into the one launch after it, with the output's, and every written
+    call is bit-exact."""
+    from moereplay.capture import flight_layer
+    from moereplay.capture.patch_points import CaptureTarget
+    from moereplay.format import CaptureReader
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    stand_in_module("moereplay_test_doubling_launch", layer=_doubling)
+    targets = (
+        CaptureTarget(
+            "layer", "parent", "moereplay_test_doubling_launch", "layer", static=("w1",), outputs=("output",),
+            inputs_intact=True,
+        ),
+    )  # fmt: skip
+    session = arm(targets=targets, trigger="flight", flight_calls="4")
+    module = sys.modules["moereplay_test_doubling_launch"]
+    w1 = torch.ones(8, 6)
+    seen = []
+    for step in range(4):
+        hidden = aligned(40, torch.float32, offset=16 * step).copy_(torch.arange(40) + 10 * step).view(5, 8)
+        if step == 3:
+            hidden[0, 1] = float("nan")
+        out = aligned(30, torch.float32, offset=8).view(5, 6)
+        module.layer(hidden, w1, out)
+        seen.append((hidden.clone(), out.clone()))
+    session.flush()
+    session.close()
+    assert [launch[2] for launch in emulated.launches] == [2, 2, 2, 2]  # one launch a call: inputs and output
+    for _aligned, _code, _mode, args in emulated.launches:
+        assert all(size % 8 == 0 for size in args[2 : 3 * MAX_SPANS : 3])  # whole words
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        assert [r.context["call"] for r in records] == [0, 1, 2, 3] and records[-1].context["flight"][
+            "trigger"
+        ]
+        for record, (hidden, output) in zip(records, seen, strict=True):
+            recorded = reader.load_args(record.index)["hidden"]
+            result = reader.load_outputs(record.index)["output"]
+            assert torch.equal(recorded.view(torch.uint8), hidden.view(torch.uint8))
+            assert torch.equal(result.view(torch.uint8), output.view(torch.uint8))
