@@ -41,7 +41,7 @@ import threading
 import time
 import types
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -626,22 +626,27 @@ class LayerFlight(PollingRecorder):
                 )
             )
         n_inputs = len(call.copies or ()) - len(call.outputs)
-        inputs_copies, output_copies = copies[:n_inputs], copies[n_inputs:]
-        _share_storages(inputs_copies)  # per snapshot: an output written over an input keeps its own bytes
-        _share_storages(output_copies)
-        copies = inputs_copies + output_copies
+        # one data buffer per storage in each snapshot. The inputs' may name an output copy too (an intact
+        # target's output buffer, recorded as the call left it), whose storage may hold an input: their bytes
+        # share a buffer, the inputs' winning where they overlap (bytes before the call); the outputs' apart
+        later = call.target.outputs if call.target.inputs_intact else ()
+        named = {call.outputs[name] for name in later if name in call.outputs}  # see _describe
+        input_side = copies[:]
+        _share_storages(input_side, [*range(n_inputs), *sorted(named)], first=n_inputs)
+        output_side = copies[:]
+        _share_storages(output_side, range(n_inputs, len(copies)))
         context = call.where.as_dict(self.ranks())
         context.update(call.extra_context or {})
         context["flight"] = {"scope": "layer", "trigger": trigger, "magnitude": call.value}
         inputs = Snapshot(
-            _fill(call.input_tree, copies), copied=sum(c.size for c in (call.copies or ())[:n_inputs])
+            _fill(call.input_tree, input_side), copied=sum(c.size for c in (call.copies or ())[:n_inputs])
         )
         target = call.target
         begin = Begin(call.sequence, target.op, target.site, inputs, context, None, target.static)
         finished = time.time() - (time.perf_counter() - call.ended)
         begin.started = finished - call.host_s
         outputs = Snapshot(
-            _fill(call.output_tree, copies), copied=sum(c.size for c in (call.copies or ())[n_inputs:])
+            _fill(call.output_tree, output_side), copied=sum(c.size for c in (call.copies or ())[n_inputs:])
         )
         complete = Complete(call.sequence, outputs, {"host_s": call.host_s}, call.status, call.error)
         complete.finished = finished
@@ -685,22 +690,23 @@ def collect_outputs(call: LayerCall, result: Any) -> tuple[list[torch.Tensor], t
     return outputs, None
 
 
-def _share_storages(copies: list[TensorCopy]) -> None:
-    """Copies of one original storage in one call get one data buffer (the union of their spans), as the
-    snapshot module gives them: the file records views of one storage over one storage."""
+def _share_storages(copies: list[TensorCopy], positions: Iterable[int], *, first: int = 0) -> None:
+    """The copies at ``positions`` (one snapshot's) that are of one original storage get one data buffer (the
+    union of their spans), as the snapshot module gives them: the file records views of one storage over one
+    storage. Where spans overlap, positions before ``first`` are written last (their bytes win)."""
     by_storage: dict[tuple[str, int], list[int]] = {}
-    for position, copy in enumerate(copies):
-        by_storage.setdefault(copy.storage, []).append(position)
-    for positions in by_storage.values():
-        if len(positions) < 2:
+    for position in positions:
+        by_storage.setdefault(copies[position].storage, []).append(position)
+    for group in by_storage.values():
+        if len(group) < 2:
             continue
-        low = min(copies[p].base for p in positions)
-        high = max(copies[p].base + copies[p].data.numel() for p in positions)
+        low = min(copies[p].base for p in group)
+        high = max(copies[p].base + copies[p].data.numel() for p in group)
         union = torch.zeros(high - low, dtype=torch.uint8)
-        for p in positions:
+        for p in sorted(group, key=lambda position: position < first):
             copy = copies[p]
             union.narrow(0, copy.base - low, copy.data.numel()).copy_(copy.data)
-        for p in positions:
+        for p in group:
             copy = copies[p]
             copies[p] = TensorCopy(
                 copy.dtype,

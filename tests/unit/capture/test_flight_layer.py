@@ -392,3 +392,45 @@ def test_the_trigger_budget_setting_is_validated() -> None:
     assert settings_from_environ(on).flight_triggers == 8
     with pytest.raises(SettingsError, match="MOEREPLAY_FLIGHT_TRIGGERS"):
         settings_from_environ({**on, "MOEREPLAY_FLIGHT_TRIGGERS": "-1"})
+
+
+def test_an_intact_layer_whose_output_shares_a_storage_with_its_input_is_written(
+    arm, stand_in_module
+) -> None:
+    """Hidden states and the output buffer as views of one storage (a workspace): the inputs' snapshot names the
+    output buffer as the call left it, so the two copies share one buffer there — the input's bytes from before
+    the call where they overlap — and the outputs' snapshot keeps the output's own. Every call is written exact.
+    (Before 2026-12-04 such a trigger failed to write: two buffers for one storage in one snapshot.)"""
+    stand_in_module("moereplay_test_pool", layer=layer_doubling)
+    targets = (
+        CaptureTarget(
+            "layer", "parent", "moereplay_test_pool", "layer", static=("w1",), outputs=("output",),
+            inputs_intact=True,
+        ),
+    )  # fmt: skip
+    session = arm(targets=targets, trigger="flight", flight_calls="4")
+    module = sys.modules["moereplay_test_pool"]
+    pool = torch.zeros(4096)
+    w1 = torch.ones(8, 6)
+    seen = []
+    for step in range(3):
+        hidden = pool[512 * step : 512 * step + 40].view(5, 8)
+        hidden.copy_((torch.arange(40.0) + step).view(5, 8))
+        out = pool[3000:3030].view(5, 6)
+        module.layer(hidden, w1, out)
+        seen.append((hidden.clone(), out.clone()))
+    shared = pool[2048 : 2048 + 40].view(5, 8)
+    shared.copy_((torch.arange(40.0) + 100).view(5, 8))
+    shared[0, 0] = float("nan")
+    before = shared.clone()
+    module.layer(shared, w1, shared[:, 2:8])  # the output over its own input
+    seen.append((before, shared[:, 2:8].clone()))
+    close(session)
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        assert [r.context["call"] for r in records] == [0, 1, 2, 3], reader.footer["counters"]
+        for record, (hidden, output) in zip(records, seen, strict=True):
+            args = reader.load_args(record.index)
+            result = reader.load_outputs(record.index)["output"]
+            assert torch.equal(args["hidden"].view(torch.uint8), hidden.view(torch.uint8))
+            assert torch.equal(result.view(torch.uint8), output.view(torch.uint8))
