@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -215,6 +216,9 @@ def _render_info(info: CaptureInfo) -> None:
         )
     if stats.counters:
         lines.append(("counters", ", ".join(f"{name}={value}" for name, value in stats.counters.items())))
+        cost = recorder_cost(stats.counters)
+        if cost:
+            lines.append(("cost", cost))
     console = Console(highlight=False, soft_wrap=True, emoji=False)
     for (
         name,
@@ -243,3 +247,23 @@ def _version_text(name: str, value: Any) -> str:
     if value:
         return f"{name} {value}"
     return f"{name} (not recorded)" if name == "moereplay" else f"{name} —"
+
+
+def recorder_cost(counters: Mapping[str, int]) -> str | None:
+    """The flight recorder's own time, from a file's footer counters: serving-thread µs per recorded layer call
+    (layer scope) and writer-thread µs per check poll — what leaving it armed cost that process (None when the
+    footer has neither)."""
+    parts = []
+    selected = counters.get("recorder_selected", 0)
+    if counters.get("recorder_host_ns") and selected:
+        parts.append(
+            f"recorder {counters['recorder_host_ns'] / selected / 1e3:.1f} µs of serving-thread time per layer "
+            f"call ({selected} calls)"
+        )
+    polls = counters.get("flight_polls", 0)
+    if polls:
+        parts.append(
+            f"writer {counters.get('flight_poll_ns', 0) / polls / 1e3:.1f} µs per flight poll ({polls} polls, "
+            f"{counters.get('flight_poll_ns', 0) / 1e9:.2f} s)"
+        )
+    return "; ".join(parts) or None

@@ -44,6 +44,8 @@ sys.path.insert(0, str(REPOSITORY / "tools" / "gpu"))
 import harness  # noqa: E402
 import serve_gpu  # noqa: E402
 
+from moereplay.cli.inspect_cmds import recorder_cost  # noqa: E402  (also printed by moereplay info)
+
 SETTINGS: dict[str, dict[str, str]] = {
     "off": {},
     "flight": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight"},
@@ -82,25 +84,6 @@ def capture_stopped(log: Path, rounds_began: float) -> str | None:
     when = stamp.timestamp() - rounds_began
     place = "before the measured rounds" if when < 0 else f"{when:.0f} s into the measured rounds"
     return f"stopped {place}: {reason}"
-
-
-def recorder_cost(counters: dict[str, int]) -> str | None:
-    """The recorder's own time from a file's footer counters: serving-thread µs per selected outermost call and
-    writer-thread µs per flight poll (None when the footer has neither)."""
-    parts = []
-    selected = counters.get("recorder_selected", 0)
-    if counters.get("recorder_host_ns") and selected:
-        parts.append(
-            f"recorder {counters['recorder_host_ns'] / selected / 1e3:.1f} µs of serving-thread time per layer "
-            f"call ({selected} calls)"
-        )
-    polls = counters.get("flight_polls", 0)
-    if polls:
-        parts.append(
-            f"writer {counters.get('flight_poll_ns', 0) / polls / 1e3:.1f} µs per flight poll ({polls} polls, "
-            f"{counters.get('flight_poll_ns', 0) / 1e9:.2f} s)"
-        )
-    return "; ".join(parts) or None
 
 
 def measure(server: harness.Server, words: list[str], what: str, options: argparse.Namespace) -> float:

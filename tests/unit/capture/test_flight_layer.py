@@ -434,3 +434,28 @@ def test_an_intact_layer_whose_output_shares_a_storage_with_its_input_is_written
             result = reader.load_outputs(record.index)["output"]
             assert torch.equal(args["hidden"].view(torch.uint8), hidden.view(torch.uint8))
             assert torch.equal(result.view(torch.uint8), output.view(torch.uint8))
+
+
+def test_info_shows_what_the_armed_recorder_cost(arm, kernels, inputs) -> None:
+    """The footer's timers become one line of ``moereplay info``: serving-thread µs per recorded layer call and the
+    writer's µs per check poll."""
+    from typer.testing import CliRunner
+
+    from moereplay.cli import app
+
+    session = arm(trigger="flight", flight_calls="6")
+    run(kernels, inputs)
+    close(session)
+    with CaptureReader(session.path) as reader:
+        counters = reader.footer["counters"]
+    assert (
+        counters["recorder_host_ns"] > 0
+        and counters["recorder_selected"] == 12
+        and counters["flight_polls"] > 0
+    )
+    result = CliRunner().invoke(app, ["info", str(session.path)])
+    assert result.exit_code == 0, result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("cost")]
+    per_call = counters["recorder_host_ns"] / 12 / 1e3
+    assert f"recorder {per_call:.1f} µs of serving-thread time per layer call (12 calls)" in line
+    assert "µs per flight poll" in line
