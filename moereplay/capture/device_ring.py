@@ -63,10 +63,11 @@ class Measured:
     total: int
 
     def overlaps(self, low: int, high: int) -> bool:
-        """Whether bytes ``[low, high)`` (device addresses) meet any measured span (spans begin at their 256-byte
-        boundary: an output just before an input may count as overlapping, which only copies the inputs first)."""
-        for source, size in zip(self.sources, self.sizes, strict=True):
-            if source < high and low < source + size:
+        """Whether bytes ``[low, high)`` (device addresses) meet any measured tensor's own bytes (from its first
+        byte: the lead before it is not the tensor's — a graph-captured call found overlapping is not kept)."""
+        for source, lead, size in zip(self.sources, self.leads, self.sizes, strict=True):
+            first = source + lead
+            if first < high and low < max(source + size, first + 1):
                 return True
         return False
 

@@ -59,6 +59,7 @@ from moereplay.capture.snapshot import (
     _Pending,
     _walk,
     _walk_static,
+    byte_span,
     format_codec,
     is_view_of_any,
     storage_key,
@@ -367,8 +368,8 @@ class LayerFlight(PollingRecorder):
             self._read_words()
             self._launch_reads()
             self._evict()
-        self.counters.polls += 1
-        self.counters.poll_ns += time.perf_counter_ns() - started
+            self.counters.polls += 1
+            self.counters.poll_ns += time.perf_counter_ns() - started
         if self.graph is not None:
             self.graph.poll(launch=True)
 
@@ -494,7 +495,7 @@ class LayerFlight(PollingRecorder):
             ring = rings[key]
             index = calls[0].device_index
             side = self._side(index)
-            for raw in {call.stream for call in calls}:
+            for raw in {call.stream for call in calls if call.device_index >= 0}:
                 event = torch.cuda.Event()
                 event.record(self._stream(index, raw))
                 side.wait_event(event)
@@ -561,6 +562,13 @@ class LayerFlight(PollingRecorder):
         assert ring is not None
         cuda = ring.device.type == "cuda"
         side = self._side(trigger.device_index) if cuda else None
+        if side is not None:
+            # the trigger's finished word says its own stream got that far; calls of its history made on other
+            # streams may still be queued there: the copy-out waits for every stream the calls ran on
+            for raw in {call.stream for call in calls}:
+                ordered = torch.cuda.Event()
+                ordered.record(self._stream(trigger.device_index, raw))
+                side.wait_event(ordered)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for call in calls:
                 total = sum(copy.size for copy in call.copies or ())
@@ -727,11 +735,19 @@ def _outputs_overlap(names: tuple[str, ...], bound: dict[str, Any], inputs: Meas
         out = bound.get(name)
         if not isinstance(out, torch.Tensor):
             continue
-        low = out.data_ptr()
-        high = low + out.nbytes
+        low, high = _address_span(out)
         if high != low and inputs.overlaps(low, high):
             return True
     return False
+
+
+def _address_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """``[first, end)`` device addresses of the bytes ``tensor`` touches (a strided view's whole span)."""
+    low = tensor.data_ptr()
+    if tensor.is_contiguous():
+        return low, low + tensor.nbytes
+    start, end = byte_span(tensor)
+    return low, low + (end - start)
 
 
 def _outputs_overlap_exact(names: tuple[str, ...], bound: dict[str, Any], inputs: list[torch.Tensor]) -> bool:
@@ -740,15 +756,14 @@ def _outputs_overlap_exact(names: tuple[str, ...], bound: dict[str, Any], inputs
         out = bound.get(name)
         if not isinstance(out, torch.Tensor):
             continue
-        low = out.data_ptr()
-        high = low + out.nbytes
+        low, high = _address_span(out)
         if high == low:
             continue
         for tensor in inputs:
             if tensor is out:
                 return True
-            start = tensor.data_ptr()
-            if start < high and low < start + max(tensor.nbytes, 1):
+            start, end = _address_span(tensor)
+            if start < high and low < max(end, start + 1):
                 return True
     return False
 

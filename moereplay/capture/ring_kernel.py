@@ -112,7 +112,9 @@ def ring_copy(
         arrived = tl.atomic_add(counter, 1)  # acq_rel: this program's copies and max before its "done"
         if arrived == programs - 1:  # the last program: every other one's max is in the word
             finished = tl.atomic_add(tag, 0, sem="relaxed")
-            tl.atomic_xchg(counter, 0, sem="relaxed")
+            # the reset releases at system scope: every copy this program acquired above is visible to the
+            # host (and the copy engine) before the word it stores next — a plain store, no atomic over PCIe
+            tl.atomic_xchg(counter, 0, sem="release", scope="sys")
             tl.store(host.to(tl.pointer_type(tl.int64)), finished)
 
 

@@ -201,7 +201,8 @@ def _codec_of(kind: type) -> Codec | None:
     except KeyError:
         pass
     codec = codec_for(qualified_type_name(kind))  # may import a provider, which registers (a new generation)
-    _CODEC_CACHE[kind] = codec
+    if codecs_generation() == generation:  # not if a registration raced this lookup
+        _CODEC_CACHE[kind] = codec
     return codec
 
 
@@ -317,7 +318,7 @@ def _walk(value: Any, found: list[torch.Tensor], codec_lookup: CodecLookup, dept
         return out
     if _leaf(value):  # subclasses of the leaf types, enum members
         return value
-    if codec_lookup is format_codec:
+    if codec_lookup is format_codec and depth == 0:  # (deeper, the walk applies MAX_DEPTH inside the tree)
         found_codec = _codec_of(kind)
         if found_codec is not None and found_codec.collect is not None:  # encode and walk in one pass
 

@@ -254,11 +254,11 @@ def recorder_cost(counters: Mapping[str, int]) -> str | None:
     (layer scope) and writer-thread µs per check poll — what leaving it armed cost that process (None when the
     footer has neither)."""
     parts = []
-    selected = counters.get("recorder_selected", 0)
-    if counters.get("recorder_host_ns") and selected:
+    seen = counters.get("recorder_seen", 0)  # the time counts every outermost call, filtered out or recorded
+    if counters.get("recorder_host_ns") and seen:
         parts.append(
-            f"recorder {counters['recorder_host_ns'] / selected / 1e3:.1f} µs of serving-thread time per layer "
-            f"call ({selected} calls)"
+            f"recorder {counters['recorder_host_ns'] / seen / 1e3:.1f} µs of serving-thread time per layer "
+            f"call ({seen} calls)"
         )
     polls = counters.get("flight_polls", 0)
     if polls:

@@ -60,6 +60,7 @@ CASES = {
     "gather": ogs_codecs.GatherSpec(_ints(8), _ints(8)),
     "scatter": ogs_codecs.ScatterSpec(_ints(8), _ints(8)),
     "a list of them": [ogs_codecs.GatherSpec(_ints(8), _ints(8)), _routing(), 3, None],
+    "nested past the depth limit": [[[[[[_routing()]]]]]],  # the walk's MAX_DEPTH cuts inside the tree
 }
 
 

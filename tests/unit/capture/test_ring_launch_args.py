@@ -317,3 +317,27 @@ def test_an_intact_layer_through_the_launch_path_reuses_its_measured_spans(
             result = reader.load_outputs(record.index)["output"]
             assert torch.equal(recorded.view(torch.uint8), hidden.view(torch.uint8))
             assert torch.equal(result.view(torch.uint8), output.view(torch.uint8))
+
+
+def test_measured_spans_overlap_only_on_the_tensors_own_bytes(emulated) -> None:
+    """The overlap check before a call uses the tensors' own bytes, not the lead before them: an output buffer
+    just before an input in the same 256-byte block does not overlap it (a graph-captured call found
+    overlapping would not be kept); a strided output counts its whole span."""
+    from moereplay.capture.flight_layer import _outputs_overlap, _outputs_overlap_exact
+
+    ring = emulated()  # leads from addresses, as on CUDA
+    block = aligned(64, torch.float32)
+    output, hidden = block[:16], block[16:48]  # the output's last byte is just before the input's first
+    measured = ring.measure([hidden])
+    assert measured.leads == [64] and not measured.overlaps(
+        output.data_ptr(), output.data_ptr() + output.nbytes
+    )
+    bound = {"output": output}
+    assert not _outputs_overlap(("output",), bound, measured)
+    assert not _outputs_overlap_exact(("output",), bound, [hidden])
+    grid = aligned(64, torch.float32).view(8, 8)
+    strided = grid[:, :2]  # 16 elements, but its bytes run to row 7
+    late = grid[6, 4:]  # the input: bytes 208-224, inside the strided view's span (0-232), past its first 64
+    bound = {"output": strided}
+    assert _outputs_overlap(("output",), bound, ring.measure([late]))
+    assert _outputs_overlap_exact(("output",), bound, [late])

@@ -67,7 +67,7 @@ def test_recorder_cost_reads_the_footer_timers(bench: types.ModuleType) -> None:
     line = bench.recorder_cost(
         {
             "recorder_host_ns": 3_000_000,
-            "recorder_selected": 100,
+            "recorder_seen": 100,
             "flight_polls": 4,
             "flight_poll_ns": 2_000_000,
         }
@@ -76,4 +76,4 @@ def test_recorder_cost_reads_the_footer_timers(bench: types.ModuleType) -> None:
         "recorder 30.0 µs of serving-thread time per layer call (100 calls); "
         "writer 500.0 µs per flight poll (4 polls, 0.00 s)"
     )
-    assert bench.recorder_cost({"recorder_selected": 5}) is None
+    assert bench.recorder_cost({"recorder_seen": 5}) is None
