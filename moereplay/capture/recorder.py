@@ -269,7 +269,10 @@ class Recorder(CallHandler):
             result = original(*args, **kwargs)
         except BaseException as error:
             if call is not None:
+                started = time.perf_counter_ns()
                 self._layer_after(call, None, error)
+                spent += time.perf_counter_ns() - started
+            self.counters.host_ns += spent
             raise
         finally:
             parents.pop()
