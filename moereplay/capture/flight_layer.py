@@ -21,8 +21,8 @@ integer decode per call — its Python time is GIL time taken from the serving t
 call; without the kernel, one event and one small copy per poll, read at the next), and on a bad word describe
 the offending call and the K calls before it (tensor metadata, argument trees), copy their ring regions to the
 host, check that nothing overwrote them meanwhile (the ring's ``head`` had not lapped them when the copy
-finished) and hand them to the writer. Until a call leaves the history (K calls later, once checked) its argument references are held — not
-copies: the allocator reuses those tensors' memory K calls later than it would have.
+finished) and hand them to the writer. Until a call leaves the history (K calls later, once checked) its argument
+references are held — not copies: the allocator reuses those tensors' memory K calls later than it would have.
 
 Scratch buffers are recorded as :class:`~moereplay.format.schema.Unsupported` (``"scratch …"``); an output
 buffer passed in (``output``) is recorded as an input with its bytes *after* the call when the call may be
@@ -467,6 +467,14 @@ class LayerFlight(PollingRecorder):
             side = self._sides[device_index] = torch.cuda.Stream(device_index)
         return side
 
+    def _after_streams(self, side: Any, device_index: int, calls: list[LayerCall]) -> None:
+        """Make ``side`` wait for the work queued so far on every serving stream ``calls`` ran on (calls that
+        copied nothing ran on none)."""
+        for raw in {call.stream for call in calls if call.device_index >= 0}:
+            event = torch.cuda.Event()
+            event.record(self._stream(device_index, raw))
+            side.wait_event(event)
+
     def _launch_reads(self) -> None:
         """Check the new calls. A ring with host words (the kernel's, or the CPU's) is read in place: finished
         words are decoded, the rest stay unchecked for the next poll — no CUDA call. Otherwise one read of the
@@ -495,10 +503,7 @@ class LayerFlight(PollingRecorder):
             ring = rings[key]
             index = calls[0].device_index
             side = self._side(index)
-            for raw in {call.stream for call in calls if call.device_index >= 0}:
-                event = torch.cuda.Event()
-                event.record(self._stream(index, raw))
-                side.wait_event(event)
+            self._after_streams(side, index, calls)
             host = torch.empty(ring.tags, dtype=torch.int64, pin_memory=True)
             with torch.cuda.stream(side):
                 host.copy_(ring.words, non_blocking=True)
@@ -509,7 +514,7 @@ class LayerFlight(PollingRecorder):
     def _read_words(self) -> None:
         while self._reads:
             read = self._reads[0]
-            if read.event is not None and not read.event.query():
+            if not read.event.query():
                 return
             self._reads.popleft()
             words = read.host.numpy()  # a view: only the calls' own slots become Python integers
@@ -565,10 +570,7 @@ class LayerFlight(PollingRecorder):
         if side is not None:
             # the trigger's finished word says its own stream got that far; calls of its history made on other
             # streams may still be queued there: the copy-out waits for every stream the calls ran on
-            for raw in {call.stream for call in calls}:
-                ordered = torch.cuda.Event()
-                ordered.record(self._stream(trigger.device_index, raw))
-                side.wait_event(ordered)
+            self._after_streams(side, trigger.device_index, calls)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for call in calls:
                 total = sum(copy.size for copy in call.copies or ())
