@@ -72,6 +72,13 @@ class Measured:
         return False
 
 
+def measure(tensors: list[torch.Tensor], by_address: bool) -> Measured:
+    """:meth:`DeviceRing.measure` without a ring (``by_address``: leads from addresses, as the kernel path takes
+    them; else from storage offsets). Either way a tensor's own bytes start at ``source + lead``."""
+    sources, leads, sizes, total, _ = DeviceRing._measure(tensors, None, by_address)
+    return Measured(sources, leads, sizes, total)
+
+
 class TooLarge(ValueError):
     """A call's copies do not fit the ring (nothing was launched)."""
 
@@ -154,8 +161,7 @@ class DeviceRing:
     def measure(self, tensors: list[torch.Tensor]) -> Measured:
         """Where ``tensors``' copies start, their leads, sizes and ring bytes — what :meth:`record` would measure
         (for a caller that needs the spans before the call, and hands them to ``record`` after it)."""
-        sources, leads, sizes, total, _ = self._measure(tensors, None, self.launcher is not None)
-        return Measured(sources, leads, sizes, total)
+        return measure(tensors, self.launcher is not None)
 
     def record(
         self,

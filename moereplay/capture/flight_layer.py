@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moereplay.capture.context import Ranks, Where
-from moereplay.capture.device_ring import DeviceRing, Measured, decode_word
+from moereplay.capture.device_ring import DeviceRing, Measured, decode_word, measure
 from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerBudget, TriggerDelivery
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.snapshot import (
@@ -304,7 +304,7 @@ class LayerFlight(PollingRecorder):
         if plan.outputs:  # an output buffer passed in that overlaps an input: copy the inputs first
             ring = self._rings.get(tensors[0].get_device())  # made by the first eager call (never made here:
             if ring is None:  # this may run inside a graph capture)
-                return call, _outputs_overlap_exact(plan.outputs, bound, tensors)
+                return call, _outputs_overlap(plan.outputs, bound, measure(tensors, by_address=False))
             measured = call.measured = ring.measure(tensors)  # measured once: record reuses it
             return call, _outputs_overlap(plan.outputs, bound, measured)
         return call, False
@@ -750,24 +750,6 @@ def _address_span(tensor: torch.Tensor) -> tuple[int, int]:
         return low, low + tensor.nbytes
     start, end = byte_span(tensor)
     return low, low + (end - start)
-
-
-def _outputs_overlap_exact(names: tuple[str, ...], bound: dict[str, Any], inputs: list[torch.Tensor]) -> bool:
-    """:func:`_outputs_overlap` from the tensors themselves (before any ring exists to measure them)."""
-    for name in names:
-        out = bound.get(name)
-        if not isinstance(out, torch.Tensor):
-            continue
-        low, high = _address_span(out)
-        if high == low:
-            continue
-        for tensor in inputs:
-            if tensor is out:
-                return True
-            start, end = _address_span(tensor)
-            if start < high and low < max(end, start + 1):
-                return True
-    return False
 
 
 def is_capturing() -> bool:

@@ -323,7 +323,8 @@ def test_measured_spans_overlap_only_on_the_tensors_own_bytes(emulated) -> None:
     """The overlap check before a call uses the tensors' own bytes, not the lead before them: an output buffer
     just before an input in the same 256-byte block does not overlap it (a graph-captured call found
     overlapping would not be kept); a strided output counts its whole span."""
-    from moereplay.capture.flight_layer import _outputs_overlap, _outputs_overlap_exact
+    from moereplay.capture.device_ring import measure
+    from moereplay.capture.flight_layer import _outputs_overlap
 
     ring = emulated()  # leads from addresses, as on CUDA
     block = aligned(64, torch.float32)
@@ -334,10 +335,12 @@ def test_measured_spans_overlap_only_on_the_tensors_own_bytes(emulated) -> None:
     )
     bound = {"output": output}
     assert not _outputs_overlap(("output",), bound, measured)
-    assert not _outputs_overlap_exact(("output",), bound, [hidden])
+    assert not _outputs_overlap(
+        ("output",), bound, measure([hidden], by_address=False)
+    )  # before a ring exists
     grid = aligned(64, torch.float32).view(8, 8)
     strided = grid[:, :2]  # 16 elements, but its bytes run to row 7
     late = grid[6, 4:]  # the input: bytes 208-224, inside the strided view's span (0-232), past its first 64
     bound = {"output": strided}
     assert _outputs_overlap(("output",), bound, ring.measure([late]))
-    assert _outputs_overlap_exact(("output",), bound, [late])
+    assert _outputs_overlap(("output",), bound, measure([late], by_address=False))
