@@ -535,12 +535,6 @@ def build_maybe_wrapped(value: torch.Tensor | LayoutTensor | None, library: Trit
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _block_map(mapping: Any, what: str) -> list[list[Any]] | None:
-    if mapping is None:
-        return None
-    return [[int(block), _tensor_or_none(tensor, what)] for block, tensor in sorted(dict(mapping).items())]
-
-
 def _block_dict(pairs: Any, what: str) -> dict[int, torch.Tensor] | None:
     if pairs is None:
         return None
@@ -560,26 +554,12 @@ def _block_dict(pairs: Any, what: str) -> dict[int, torch.Tensor] | None:
 
 
 def encode_routing(value: RoutingSpec | Any) -> dict[str, Any]:
-    if not isinstance(value, RoutingSpec) and not _is_type(value, "RoutingData"):
-        raise UnsupportedValueError(f"{_type_name(value)} is not a triton_kernels RoutingData")
-    expt_data = value.expt_data
-    expt_tree = None
-    if expt_data is not None:
-        expt_tree = {
-            "hist": _tensor_or_none(expt_data.hist, "expt_data.hist"),
-            "token_offs_raw": _tensor_or_none(expt_data.token_offs_raw, "expt_data.token_offs_raw"),
-            "token_offs_pad": _block_map(expt_data.token_offs_pad, "expt_data.token_offs_pad"),
-            "block_pid_map": _block_map(expt_data.block_pid_map, "expt_data.block_pid_map"),
-        }
-    expected = value.expected_tokens_per_expt
-    return {
-        "gate_scal": _tensor_or_none(value.gate_scal, "routing gate_scal"),
-        "expt_hist": _tensor_or_none(value.expt_hist, "routing expt_hist"),
-        "n_expts_tot": int(value.n_expts_tot),
-        "n_expts_act": int(value.n_expts_act),
-        "expt_data": expt_tree,
-        "expected_tokens_per_expt": None if expected is None else int(expected),
-    }
+    return collect_routing(value, _same)
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    """The leaf of an encode: the tensor itself (``collect`` with it is ``encode``)."""
+    return tensor
 
 
 def _leaf_or_none(value: Any, what: str, leaf: Callable[[Any], Any]) -> Any:
@@ -590,7 +570,7 @@ def _leaf_or_none(value: Any, what: str, leaf: Callable[[Any], Any]) -> Any:
     raise UnsupportedValueError(f"recorded {what} is not a tensor")
 
 
-def _block_map_collected(mapping: Any, what: str, leaf: Callable[[Any], Any]) -> list[list[Any]] | None:
+def _block_map(mapping: Any, what: str, leaf: Callable[[Any], Any]) -> list[list[Any]] | None:
     if mapping is None:
         return None
     return [
@@ -613,10 +593,8 @@ def collect_routing(value: RoutingSpec | Any, leaf: Callable[[Any], Any]) -> dic
         expt_tree = {
             "hist": _leaf_or_none(expt_data.hist, "expt_data.hist", leaf),
             "token_offs_raw": _leaf_or_none(expt_data.token_offs_raw, "expt_data.token_offs_raw", leaf),
-            "token_offs_pad": _block_map_collected(
-                expt_data.token_offs_pad, "expt_data.token_offs_pad", leaf
-            ),
-            "block_pid_map": _block_map_collected(expt_data.block_pid_map, "expt_data.block_pid_map", leaf),
+            "token_offs_pad": _block_map(expt_data.token_offs_pad, "expt_data.token_offs_pad", leaf),
+            "block_pid_map": _block_map(expt_data.block_pid_map, "expt_data.block_pid_map", leaf),
         }
     expected = value.expected_tokens_per_expt
     return {
@@ -674,12 +652,7 @@ def build_routing(spec: RoutingSpec, library: TritonKernels) -> Any:
 
 
 def _encode_index(value: Any, plain: type, library_name: str) -> dict[str, Any]:
-    if not isinstance(value, plain) and not _is_type(value, library_name):
-        raise UnsupportedValueError(f"{_type_name(value)} is not a triton_kernels {library_name}")
-    return {
-        "src_indx": _tensor_or_none(value.src_indx, f"{library_name}.src_indx"),
-        "dst_indx": _tensor_or_none(value.dst_indx, f"{library_name}.dst_indx"),
-    }
+    return _collect_index(value, plain, library_name, _same)
 
 
 def _collect_index(value: Any, plain: type, library_name: str, leaf: Callable[[Any], Any]) -> dict[str, Any]:
