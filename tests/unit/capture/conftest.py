@@ -75,6 +75,39 @@ def arm(kernels: types.ModuleType, tmp_path: Path):
     return _arm
 
 
+INTACT_MODULE = "moereplay_test_intact"
+
+
+def layer_doubling(hidden: torch.Tensor, w1: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """An intact layer: reads ``hidden``, writes only its output buffer."""
+    output.copy_(hidden[:, : output.shape[1]] * 2)
+    return output
+
+
+@pytest.fixture
+def arm_intact(arm, stand_in_module: Callable[..., types.ModuleType]):
+    """``arm_intact(function, **settings)`` → ``(session, module)``: ``function(hidden, w1, output)`` armed as the
+    only target, a layer whose inputs stay intact, ``w1`` static and ``output`` its output buffer; call it as
+    ``module.layer``."""
+
+    def _arm(function: Callable[..., torch.Tensor], **settings: str):
+        stand_in_module(INTACT_MODULE, layer=function)
+        targets = (
+            CaptureTarget(
+                "layer",
+                "parent",
+                INTACT_MODULE,
+                "layer",
+                static=("w1",),
+                outputs=("output",),
+                inputs_intact=True,
+            ),
+        )
+        return arm(targets=targets, **settings), sys.modules[INTACT_MODULE]
+
+    return _arm
+
+
 def make_inputs(tokens: int = 5, hidden: int = 8, inner: int = 6, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=generator)

@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from conftest import layer_doubling
 
 from moereplay.capture import session as session_module
 from moereplay.capture.device_ring import ALIGNMENT, DeviceRing, decode_word
@@ -258,21 +259,8 @@ def layer_into(hidden: torch.Tensor, w1: torch.Tensor, output: torch.Tensor) -> 
     return output
 
 
-def test_an_intact_layer_copies_its_output_buffer_once_after_the_call(arm, stand_in_module, inputs) -> None:
-    stand_in_module("moereplay_test_into", layer=layer_into)
-    targets = (
-        CaptureTarget(
-            "layer",
-            "parent",
-            "moereplay_test_into",
-            "layer",
-            static=("w1",),
-            outputs=("output",),
-            inputs_intact=True,
-        ),
-    )
-    session = arm(targets=targets, trigger="flight", flight_calls="4")
-    module = sys.modules["moereplay_test_into"]
+def test_an_intact_layer_copies_its_output_buffer_once_after_the_call(arm_intact, inputs) -> None:
+    session, module = arm_intact(layer_into, trigger="flight", flight_calls="4")
     x, w1, _w2, _weights = inputs()
     out = torch.full((5, 6), 7.0)  # stale bytes before the call: not what is recorded
     x[0, 0] = float("nan")
@@ -292,24 +280,11 @@ def test_an_intact_layer_copies_its_output_buffer_once_after_the_call(arm, stand
         assert record.aliases() == {"output": ("output",)}  # one storage, as in a full capture
 
 
-def layer_doubling(hidden: torch.Tensor, w1: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-    output.copy_(hidden[:, : output.shape[1]] * 2)
-    return output
-
-
-def test_an_output_buffer_over_an_input_is_found_with_the_measured_spans(arm, stand_in_module) -> None:
+def test_an_output_buffer_over_an_input_is_found_with_the_measured_spans(arm_intact) -> None:
     """The overlap check before the call: the first call (no ring yet) checks the tensors themselves; later ones
     measure the inputs' spans once and hand them to the copy after the call. An output buffer that is a view of
     the input makes the inputs copy first, so the file holds the input as it was before the call wrote it."""
-    stand_in_module("moereplay_test_doubling", layer=layer_doubling)
-    targets = (
-        CaptureTarget(
-            "layer", "parent", "moereplay_test_doubling", "layer", static=("w1",), outputs=("output",),
-            inputs_intact=True,
-        ),
-    )  # fmt: skip
-    session = arm(targets=targets, trigger="flight", flight_calls="4")
-    module = sys.modules["moereplay_test_doubling"]
+    session, module = arm_intact(layer_doubling, trigger="flight", flight_calls="4")
     w1 = torch.ones(8, 6)
     apart = torch.arange(40, dtype=torch.float32).reshape(5, 8)
     module.layer(apart, w1, torch.zeros(5, 6))  # makes the ring
@@ -394,22 +369,12 @@ def test_the_trigger_budget_setting_is_validated() -> None:
         settings_from_environ({**on, "MOEREPLAY_FLIGHT_TRIGGERS": "-1"})
 
 
-def test_an_intact_layer_whose_output_shares_a_storage_with_its_input_is_written(
-    arm, stand_in_module
-) -> None:
+def test_an_intact_layer_whose_output_shares_a_storage_with_its_input_is_written(arm_intact) -> None:
     """Hidden states and the output buffer as views of one storage (a workspace): the inputs' snapshot names the
     output buffer as the call left it, so the two copies share one buffer there — the input's bytes from before
     the call where they overlap — and the outputs' snapshot keeps the output's own. Every call is written exact.
     (Before 2026-12-04 such a trigger failed to write: two buffers for one storage in one snapshot.)"""
-    stand_in_module("moereplay_test_pool", layer=layer_doubling)
-    targets = (
-        CaptureTarget(
-            "layer", "parent", "moereplay_test_pool", "layer", static=("w1",), outputs=("output",),
-            inputs_intact=True,
-        ),
-    )  # fmt: skip
-    session = arm(targets=targets, trigger="flight", flight_calls="4")
-    module = sys.modules["moereplay_test_pool"]
+    session, module = arm_intact(layer_doubling, trigger="flight", flight_calls="4")
     pool = torch.zeros(4096)
     w1 = torch.ones(8, 6)
     seen = []

@@ -10,12 +10,12 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
-import sys
 import types
 
 import numpy as np
 import pytest
 import torch
+from conftest import layer_doubling
 
 from moereplay.capture import device_ring
 from moereplay.capture.device_ring import ALIGNMENT, MAX_SPANS, DeviceRing, decode_word
@@ -268,31 +268,17 @@ def test_the_writer_checks_a_call_only_once_its_host_word_is_published(emulated,
     assert math.isnan(call.value)
 
 
-def _doubling(hidden: torch.Tensor, w1: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-    output.copy_(hidden[:, : output.shape[1]] * 2)
-    return output
-
-
 def test_an_intact_layer_through_the_launch_path_reuses_its_measured_spans(
-    emulated, arm, stand_in_module, monkeypatch
+    emulated, arm_intact, monkeypatch
 ) -> None:
     """An intact layer with an output buffer, over the one-launch path (leads from addresses, as on CUDA): the
     inputs' spans measured before the call go into the one launch after it, with the output's, and every written
     call is bit-exact."""
     from moereplay.capture import flight_layer
-    from moereplay.capture.patch_points import CaptureTarget
     from moereplay.format import CaptureReader
 
     monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
-    stand_in_module("moereplay_test_doubling_launch", layer=_doubling)
-    targets = (
-        CaptureTarget(
-            "layer", "parent", "moereplay_test_doubling_launch", "layer", static=("w1",), outputs=("output",),
-            inputs_intact=True,
-        ),
-    )  # fmt: skip
-    session = arm(targets=targets, trigger="flight", flight_calls="4")
-    module = sys.modules["moereplay_test_doubling_launch"]
+    session, module = arm_intact(layer_doubling, trigger="flight", flight_calls="4")
     w1 = torch.ones(8, 6)
     seen = []
     for step in range(4):
