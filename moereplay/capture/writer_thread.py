@@ -197,8 +197,7 @@ class WriterThread:
         self.sink = sink
         self.counters = Counters()
         # writer-thread time: waiting for copies, writing the file, looking ahead (prefetch)
-        self.seconds = {"wait": 0.0, "sink": 0.0, "prefetch": 0.0, "poll": 0.0}
-        self.polls = 0  # polls run (``seconds["poll"]`` is their thread time, GIL held for most of it)
+        self.seconds = {"wait": 0.0, "sink": 0.0, "prefetch": 0.0}
         self.max_calls_queued = max_calls_queued
         self.max_bytes_queued = max_bytes_queued
         self.max_file_bytes = max_file_bytes
@@ -472,7 +471,6 @@ class WriterThread:
         self._last_poll = time.monotonic()
         if self._poll is None or self._failed is not None:
             return
-        started = time.perf_counter()
         try:
             if self._gate is None:
                 self._poll()
@@ -481,8 +479,6 @@ class WriterThread:
                     self._poll()
         except Exception as error:
             self._fail(f"the flight recorder check failed: {type(error).__name__}: {error}")
-        self.polls += 1
-        self.seconds["poll"] += time.perf_counter() - started
 
     def _write(self, message: Begin | Complete) -> str | None:
         """Write ``message``; ``None`` when the sink took it, else why it was not written."""

@@ -255,7 +255,7 @@ def main() -> int:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="cProfile the flight-layer loop of --profile-m's last round; print the writer's poll time",
+        help="cProfile the flight-layer loop of --profile-m's last round; print the recorder's footer timers",
     )
     parser.add_argument(
         "--phases",
@@ -272,6 +272,7 @@ def main() -> int:
         options.profile_m = sizes[0]
 
     from moereplay.capture import session as session_module
+    from moereplay.cli.inspect_cmds import recorder_cost
 
     torch.manual_seed(0)
     counts = {m: (options.iterations if m < 2048 else options.prefill_iterations) + 3 for m in sizes}
@@ -369,11 +370,7 @@ def main() -> int:
                     pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(
                         "moereplay", 25
                     )
-                    writer = session.writer
-                    print(
-                        f"--- writer thread: {writer.polls} polls, {writer.seconds['poll'] * 1e3:.1f} ms in them "
-                        f"({writer.seconds['poll'] / max(writer.polls, 1) * 1e6:.0f} µs a poll)"
-                    )
+                    print(f"--- the footer's timers: {recorder_cost(session.recorder.counter_values())}")
                 assert session.flush(timeout=60)
                 disabled = session.recorder.disabled_reason
                 counters = session.recorder.counter_values()
