@@ -4,17 +4,20 @@ A sweep of ``--variants`` units (default 1,000) over the calls of a capture — 
 worker file of ``tools/gpu/serve_session.sh``) with ``--capture``, else a small synthetic Marlin capture — is run by
 :func:`moereplay.replay.ray_sweep.sweep` on a local Ray cluster limited to W workers, for each W of ``--workers``.
 Units are (call, variant) pairs from ``--mutation`` (default: the four guard fills) cycled until there are
-``--variants`` of them. Each W starts its own cluster and runs W units untimed first (worker start-up and the
-backend's first load are not sweep throughput); then the clock runs from submitting the sweep to the last result.
+``--variants`` of them. Each W starts its own cluster sized for W workers and runs a pool of W actors
+(``sweep(workers=W)``). A sweep of W units runs untimed first (the backend's first load in a machine: the kernel
+JIT's disk cache, pack files in the page cache); then the clock runs from submitting the sweep to the last result.
+Each sweep starts its own W actors and kills them at its end, so the timed sweep includes W actor start-ups (in
+parallel, once per worker, not once per unit: seconds against a sweep of minutes).
 
 Prints per W: wall seconds, variants/s, speed-up over W = 1 and efficiency = speed-up ÷ W; ``--json`` prints the
 rows as one JSON document.
 
-GPU workers (one GPU per task, ``--gpus-per-task`` for a fraction): run on a machine with 8 GPUs and a kernel
+GPU workers (one GPU per worker, ``--gpus-per-task`` for a fraction): run on a machine with 8 GPUs and a kernel
 backend (``--backend pack:DIR`` or ``vllm``); W ≤ the GPUs present. CPU workers (``--cpu``): the ``reference``
-backend on W CPU workers — it measures the fan-out machinery (task dispatch, per-unit capture reads, merge), not
-kernel time. Numbers from this script on CPU say nothing about GPU scaling; GPU numbers belong to a session with
-a multi-GPU machine.
+backend on W CPU workers — it measures the fan-out machinery (unit dispatch to the actors, per-unit capture
+reads, merge), not kernel time. Numbers from this script on CPU say nothing about GPU scaling; GPU numbers belong
+to a session with a multi-GPU machine.
 
     python tools/bench/ray_sweep_bench.py --cpu --workers 1,2,4 --variants 200
     python tools/bench/ray_sweep_bench.py --capture rank0-pid123.zst --backend pack:.kernelpack --workers 1,2,4,8
@@ -63,9 +66,9 @@ def _measure(units: list, workers: int, gpu: bool, gpus_per_task: float) -> floa
     else:
         ray.init(num_cpus=workers, num_gpus=0, include_dashboard=False, logging_level="ERROR")
     per_task = {"gpus_per_task": gpus_per_task if gpu else 0.0, "cpus_per_task": 1.0}
-    sweep(units[:workers], **per_task)  # untimed: workers start, the backend loads
+    sweep(units[:workers], workers=workers, **per_task)  # untimed: the backend's first load on this machine
     started = time.perf_counter()
-    sweep(units, **per_task)
+    sweep(units, workers=workers, **per_task)
     return time.perf_counter() - started
 
 
