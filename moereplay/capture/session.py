@@ -137,6 +137,26 @@ class Session:
                 )
         self.writer.flush(timeout=30.0)
         self.writer.close()
+        self._name_by_rank()
+
+    def _name_by_rank(self) -> None:
+        """Give the closed file its process's world rank (``rank{r}-pid{p}.zst``). vLLM's workers arm before their
+        process groups exist, so the name chosen at arming says rank 0 on every rank; the first recorded call knows
+        better. A file that already exists under that name is left alone (never overwritten)."""
+        ranks = self.recorder.tracker.ranks
+        world = getattr(ranks, "world", None)
+        if world is None:
+            return
+        wanted = self.path.with_name(file_name(int(world), self.pid))
+        if wanted == self.path or wanted.exists() or not self.path.exists():
+            return
+        try:
+            self.path.rename(wanted)
+        except OSError as error:
+            logger.warning("moereplay: could not rename %s to %s: %s", self.path, wanted.name, error)
+            return
+        logger.warning("moereplay: rank %d: %s renamed to %s", int(world), self.path.name, wanted.name)
+        self.path = wanted
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         return self.writer.flush(timeout)

@@ -133,3 +133,24 @@ def test_a_layer_without_parallel_attributes_records_no_parallel(monkeypatch: py
     _install(monkeypatch, _parallel_state(tp=(0, 1), ep=None, world=(0, 1)), context)
     tracker = ContextTracker()
     assert "parallel" not in tracker.where(parent=None, is_parent=True).as_dict(tracker.ranks)
+
+
+def test_a_closed_file_is_named_by_the_world_rank_its_calls_saw(monkeypatch: pytest.MonkeyPatch, arm) -> None:
+    # vLLM's workers arm before their process groups exist: every rank's file starts as rank0-pid….zst
+    session = arm()
+    first_name = session.path.name
+    assert first_name.startswith("rank0-")
+    layer = Runner(MoeConfig(8, 8, ParallelConfig(tp_size=2, tp_rank=1, ep_size=1, ep_rank=0)), None)
+    context = ForwardContext({"model.layers.0.mlp.experts": layer}, ["model.layers.0.mlp.experts"])
+    _install(monkeypatch, _parallel_state(tp=(1, 2), ep=None, world=(1, 2)), context)
+    session.recorder.tracker.where(parent=None, is_parent=True)  # what a recorded call does first
+    session.close()
+    assert session.path.name == f"rank1-pid{session.pid}.zst"
+    assert session.path.exists() and not session.path.with_name(first_name).exists()
+
+
+def test_a_file_keeps_its_name_when_no_rank_was_seen(arm) -> None:
+    session = arm()
+    name = session.path.name
+    session.close()
+    assert session.path.name == name and session.path.exists()

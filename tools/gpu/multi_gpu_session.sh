@@ -1,0 +1,48 @@
+# Device calls for the multi-GPU issue on nvidia-h200-x2 (or larger): carry [".kernelpack", ".servepack"], then
+#   PARTS="tp ep graph" bash tools/gpu/multi_gpu_session.sh   # the default: all three (~10 min with a cold start)
+# tp: -tp 2 eager; ep: -tp 2 --enable-expert-parallel eager; graph: -tp 2 in vLLM's default CUDA-graph mode.
+# The 2-layer Qwen3-MoE GPTQ int4 checkpoint (fused_marlin_moe → moe_wna16_marlin_gemm on every rank), full capture
+# with two calls per shape. Per run: the server's summary (one file per rank, ranks and parallel sizes in context),
+# `moereplay ranks ls` / `ranks check` on the two workers' files (each layer call recombined across ranks against
+# the single-GPU reference) and the replay fidelity of rank 1's kernel calls on one GPU. Logged to $OUT/all.log.
+source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
+source tools/gpu/steps.sh
+W=/tmp/multi; mkdir -p $W
+fidelity() {  # $1: run --json-out file
+python3 - "$1" >> "$OUT/all.log" 2>&1 <<'PY'
+import json, sys
+reports = json.load(open(sys.argv[1]))["reports"]
+base = [next(r for r in rep["results"] if r["label"] == "baseline") for rep in reports]
+print(f"one-GPU replay of a rank's calls: {sum(1 for b in base if b['bit_exact'])}/{len(base)} bit-exact; "
+      f"verdicts {sorted({b['verdict'] for b in base})}")
+PY
+}
+ranks() {  # $1: run directory name
+    local d=$W/$1 files
+    files=$(ls -S $d/captures/rank*.zst 2>/dev/null | head -2 | sort)
+    [ -z "$files" ] && return
+    step ${1}_info 40 bash -c "for f in $(echo $files); do python3 -m moereplay info \$f | head -30; done"
+    step ${1}_ranks_ls 40 bash -c "python3 -m moereplay ranks ls $(echo $files) | head -30"
+    step ${1}_ranks_check 240 python3 -m moereplay ranks check $(echo $files)
+    local last=$(echo $files | tr ' ' '\n' | tail -1)
+    [ -n "$SKIP_REPLAY" ] || step ${1}_replay 150 python3 -m moereplay run "$last" --op moe_wna16_marlin_gemm --backend pack:$MOEREPLAY_PACK \
+        --json-out $W/run-$1.json
+    [ -n "$SKIP_REPLAY" ] || fidelity $W/run-$1.json
+    for f in $files; do [ $(stat -c %s "$f") -lt 12000000 ] && cp "$f" "$OUT/$1-$(basename $f)"; done
+    cp $d/summary.json "$OUT/$1-summary.json" 2>/dev/null; tail -c 60000 $d/server.log > "$OUT/$1-server.log"
+}
+step gpus 10 nvidia-smi --query-gpu=index,name,memory.used --format=csv
+[ -d $W/qwen-gptq ] || step model 90 python3 tools/models/make_moe_gptq.py $W/qwen-gptq --layers 2
+for part in ${PARTS:-tp ep graph}; do
+    case $part in
+        tp) step tp 260 python3 tools/gpu/serve_gpu.py --model $W/qwen-gptq --mode eager --out $W/tp \
+                --env MOEREPLAY_PER_SHAPE=2 --serve-arg=--tensor-parallel-size=2 ;;
+        ep) step ep 260 python3 tools/gpu/serve_gpu.py --model $W/qwen-gptq --mode eager --out $W/ep \
+                --env MOEREPLAY_PER_SHAPE=2 --serve-arg=--tensor-parallel-size=2 --serve-arg=--enable-expert-parallel ;;
+        graph) step graph 260 python3 tools/gpu/serve_gpu.py --model $W/qwen-gptq --mode graph --out $W/graph \
+                --env MOEREPLAY_PER_SHAPE=2 --serve-arg=--tensor-parallel-size=2 ;;
+    esac
+    ranks $part
+done
+grep -E "^=== |fidelity|one-GPU|serve_gpu|layers:|ranks|parallel|tp_size|ep_size|verdict|MoE|Marlin" "$OUT/all.log" \
+    | cut -c1-300 | tail -70
