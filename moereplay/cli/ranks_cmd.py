@@ -90,14 +90,10 @@ def ranks_check_command(
             verdict = "ok" if result.ok else "FAILED"
             sys.stdout.write(
                 f"step {row.step} layer {name} {row.op} [{result.mode.value} × {len(row.calls)}] {verdict}: "
-                f"combined {combined.bad_rows}/{combined.rows} bad rows, max rel {combined.max_rel:.2e}\n"
+                f"combined {combined.describe()}\n"
             )
             for rank, partial in result.partials.items():
-                status = (
-                    "ok"
-                    if partial.ok
-                    else f"{partial.bad_rows}/{partial.rows} bad rows, first {partial.first_bad}"
-                )
+                status = "ok" if partial.ok else partial.describe()
                 sys.stdout.write(
                     f"  rank {rank} (call #{dict((c.rank, c.index) for c in row.calls)[rank]}): {status}\n"
                 )

@@ -37,6 +37,12 @@ class LayerReference(Protocol):
     @property
     def expert_map(self) -> str | None: ...
 
+    @property
+    def roundings(self) -> int:
+        """How many buffers between the layer's input and its output the parent stores in the activation dtype
+        (its reference rounds none of them): the tolerance is the output dtype's, chained that many times."""
+        ...
+
     def reference(self, args: Mapping[str, Any], context: Mapping[Any, Any]) -> torch.Tensor: ...
 
 

@@ -67,8 +67,20 @@ class MarlinLayerReference:
     name: str = "fused_marlin_moe"
     replicated: tuple[str, ...] = ("hidden_states", "topk_ids", "topk_weights")
     expert_map: str | None = "expert_map"
+    # intermediate_cache1 (GEMM 1), intermediate_cache2 (activation), intermediate_cache3 (GEMM 2, weighted, per
+    # slot) and the top-k sum: vLLM 0.25.1 allocates all four in hidden_states' dtype
+    roundings: int = 4
 
-    def reference(self, args: Mapping[str, Any], context: Mapping[Any, Any]) -> torch.Tensor:
+    def reference(
+        self, args: Mapping[str, Any], context: Mapping[Any, Any], *, store: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The layer's output in float64. ``store`` (e.g. bfloat16) rounds the four buffers vLLM keeps in the
+        activation dtype (see :attr:`roundings`) as it does — what a correct kernel chain returns, for synthetic
+        captures; the reference proper (``store=None``) rounds nothing."""
+
+        def stored(value: torch.Tensor) -> torch.Tensor:
+            return value if store is None else value.to(store).double()
+
         hidden = args["hidden_states"]
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
             raise ReferenceError_("fused_marlin_moe: hidden_states must be a [tokens, hidden] tensor")
@@ -104,6 +116,7 @@ class MarlinLayerReference:
             gate_up = inputs @ w1[expert]
             if bias1 is not None:
                 gate_up = gate_up + bias1[expert].double()
+            gate_up = stored(gate_up)
             activated = apply_gated_activation(
                 gate_up,
                 activation,
@@ -115,12 +128,13 @@ class MarlinLayerReference:
                 beta=_float_or_none(args.get("gemm1_beta"))
                 if activation is GatedActivation.SWIGLUOAI
                 else None,
-            ).double()
+            )
+            activated = stored(activated.double())
             down = activated @ w2[expert]
             if bias2 is not None:
                 down = down + bias2[expert].double()
-            out.index_add_(0, rows, down if on_input else down * coefficient)
-        return out
+            out.index_add_(0, rows, stored(down if on_input else down * coefficient))
+        return stored(out)
 
 
 register_layer_reference(MarlinLayerReference())

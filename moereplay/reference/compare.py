@@ -51,6 +51,20 @@ class Tolerance:
         if not (self.max_rel > 0 and self.rms_rel > 0):
             raise ReferenceError_(f"tolerance {self.name!r} needs positive bounds")
 
+    def chained(self, roundings: int) -> Tolerance:
+        """The bounds for a chain of kernels judged as one against an unrounded reference: each of ``roundings``
+        intermediate buffers stored in the output's dtype (a layer's GEMM outputs, its activation, the per-slot
+        results before the top-k sum) costs what one kernel's output may; at worst those errors add, so the bounds
+        scale linearly. ``roundings`` ≤ 1 is this tolerance."""
+        if roundings <= 1:
+            return self
+        return Tolerance(
+            f"{self.name}×{roundings}",
+            max_rel=self.max_rel * roundings,
+            rms_rel=self.rms_rel * roundings,
+            rationale=f"{roundings} stored roundings in a chain, each within {self.name} ({self.rationale})",
+        )
+
 
 TOLERANCE_FP32 = Tolerance(
     "fp32",

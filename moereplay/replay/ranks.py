@@ -210,6 +210,17 @@ class Judgement:
     rms_rel: float
     max_abs: float
     first_bad: str | None = None
+    profile: str = ""
+    max_bound: float = math.nan
+    rms_bound: float = math.nan
+
+    def describe(self) -> str:
+        """``N/M bad rows, max rel …, rms rel … (bounds … / …, profile)``: what failed and against what."""
+        text = (
+            f"{self.bad_rows}/{self.rows} bad rows, max rel {self.max_rel:.2e}, rms rel {self.rms_rel:.2e} "
+            f"(bounds {self.max_bound:.0e} / {self.rms_bound:.0e}, {self.profile})"
+        )
+        return text if self.first_bad is None else f"{text}, first {self.first_bad}"
 
     def to_json(self) -> dict[str, Any]:
         def number(value: float) -> float | None:
@@ -223,6 +234,9 @@ class Judgement:
             "rms_rel": number(self.rms_rel),
             "max_abs": number(self.max_abs),
             "first_bad": self.first_bad,
+            "profile": self.profile,
+            "max_bound": number(self.max_bound),
+            "rms_bound": number(self.rms_bound),
         }
 
 
@@ -253,12 +267,16 @@ class CrossRankResult:
         }
 
 
-def _judge(actual: Any, reference: Any, dtype: Any) -> Judgement:
+def _judge(actual: Any, reference: Any, dtype: Any, roundings: int = 1) -> Judgement:
     from moereplay.reference.compare import compare, profile_for
 
-    comparison = compare(actual, reference, profile=profile_for(dtype))
+    profile = profile_for(dtype).chained(roundings)
+    comparison = compare(actual, reference, profile=profile)
     first = comparison.first_bad
     return Judgement(
+        profile=profile.name,
+        max_bound=profile.max_rel,
+        rms_bound=profile.rms_rel,
         ok=comparison.ok,
         bad_rows=len(comparison.bad_rows),
         rows=comparison.rows_compared,
@@ -417,15 +435,18 @@ def _check_one(
     if len(shapes) != 1:
         raise SettingsError(f"the ranks' layer outputs have different shapes {sorted(shapes)}")
     dtype = next(iter(outputs.values())).dtype
+    roundings = int(getattr(layer, "roundings", 1))
     combined = torch.zeros(next(iter(shapes)), dtype=torch.float64)
     reference = torch.zeros_like(combined)
     partials = {}
     for rank in sorted(args):
         own = layer.reference(args[rank], contexts[rank]).reshape(combined.shape)
-        partials[rank] = _judge(outputs[rank], own, dtype)
+        partials[rank] = _judge(outputs[rank], own, dtype, roundings)
         combined += outputs[rank].double()
         reference += own
-    return CrossRankResult(row, chosen, _judge(combined, reference, dtype), partials, tuple(problems))
+    return CrossRankResult(
+        row, chosen, _judge(combined, reference, dtype, roundings), partials, tuple(problems)
+    )
 
 
 def iter_problems(results: Sequence[CrossRankResult]) -> Iterator[str]:

@@ -8,8 +8,8 @@ what vLLM 0.25.1 would load on it and records ``fused_marlin_moe`` with the rank
 - ``ep``: whole experts, ``expert_map`` from vLLM's linear placement (``determine_expert_map``: rank r holds a
   contiguous run, the first ``E % ep`` ranks one more), -1 for the others.
 
-The recorded output is the rank's fp64 layer reference rounded to the activation dtype (what a correct kernel
-returns, to rounding). ``corrupt`` = (rank, row) scales that rank's recorded row by 1.5, a bad partial for the
+The recorded output is the rank's layer computed as vLLM's chain stores it (GEMM 1, the activation, the weighted
+per-slot results and their sum each rounded to the activation dtype: what a correct kernel chain returns). ``corrupt`` = (rank, row) scales that rank's recorded row by 1.5, a bad partial for the
 check to find. Returns the paths written and the single-GPU layer output (fp64, from the unsliced dense weights,
 independently of the per-rank packing) so tests can hold the check against it.
 """
@@ -135,7 +135,7 @@ def write_rank_captures(
             "parallel": {**parallel, "dp": 0, "dp_size": 1, "global_experts": experts,
                          "local_experts": int(packed1.b_qweight.shape[0])},
         }  # fmt: skip
-        output = layer.reference(args, context).to(torch.bfloat16)
+        output = layer.reference(args, context, store=torch.bfloat16).to(torch.bfloat16)
         if corrupt is not None and corrupt[0] == rank:
             output[corrupt[1]] *= 1.5
         path = directory / f"rank{rank}-pid{1000 + rank}.zst"

@@ -125,3 +125,24 @@ def test_cli_ranks_ls_check_and_ls_rank(tmp_path: Path) -> None:
     assert bad.exit_code != 0 and "--mode must be auto, tp or ep" in str(bad.exception)
     assert runner.invoke(app, ["ls", files[1], "--rank", "1"]).output.count("fused_marlin_moe") == 1
     assert "fused_marlin_moe" not in runner.invoke(app, ["ls", files[1], "--rank", "0"]).output
+
+
+def test_the_layer_bounds_allow_the_chains_stored_roundings_and_no_more(tp_files) -> None:
+    from moereplay.reference.compare import TOLERANCE_BF16, compare
+
+    layer = get_layer_reference("fused_marlin_moe")
+    assert layer.roundings == 4
+    chained = TOLERANCE_BF16.chained(layer.roundings)
+    assert (chained.max_rel, chained.rms_rel) == (4 * TOLERANCE_BF16.max_rel, 4 * TOLERANCE_BF16.rms_rel)
+    assert TOLERANCE_BF16.chained(1) is TOLERANCE_BF16
+    with CaptureReader(tp_files.paths[0]) as reader:
+        args, context = reader.load_args(0), reader.call(0).context
+    exact = layer.reference(args, context)
+    stored = layer.reference(args, context, store=torch.bfloat16)
+    assert not torch.equal(stored, exact)  # the stored chain really differs from the unrounded reference
+    assert compare(stored.to(torch.bfloat16), exact, profile=chained).ok
+    # a row scaled by 1.1 (a wrong routing weight of similar size) is still caught under the chained bounds
+    wrong = stored.clone()
+    wrong[2] *= 1.1
+    result = compare(wrong.to(torch.bfloat16), exact, profile=chained)
+    assert not result.ok and [int(r) for r in result.bad_rows] == [2]
