@@ -28,19 +28,34 @@ ranks() {  # $1: run directory name
     [ -n "$SKIP_REPLAY" ] || step ${1}_replay 150 python3 -m moereplay run "$last" --op moe_wna16_marlin_gemm --backend pack:$MOEREPLAY_PACK \
         --json-out $W/run-$1.json
     [ -n "$SKIP_REPLAY" ] || fidelity $W/run-$1.json
-    for f in $files; do [ $(stat -c %s "$f") -lt 12000000 ] && cp "$f" "$OUT/$1-$(basename $f)"; done
+    if [ ! -f $W/served.zst ]; then  # a few served kernel calls of one rank, for tools/gpu/ray_session.sh
+        local keep=$(python3 -c "
+import sys
+from moereplay.format import CaptureReader
+with CaptureReader(sys.argv[1]) as r:
+    calls = [c.index for c in r.calls() if c.op == 'moe_wna16_marlin_gemm' and c.status == 'completed'
+             and (c.context or {}).get('step', 0) > 0]
+print(','.join(str(i) for i in calls[:8]))" "$last")
+        [ -n "$keep" ] && step ${1}_trim 60 python3 -m moereplay trim "$last" --calls "$keep" -o $W/served.zst
+        [ -f $W/served.zst ] && cp $W/served.zst "$OUT/$1-served-trimmed.zst"
+    fi
+    for f in $files; do [ $(stat -c %s "$f") -lt ${COPY_MAX:-12000000} ] && cp "$f" "$OUT/$1-$(basename $f)"; done
     cp $d/summary.json "$OUT/$1-summary.json" 2>/dev/null; tail -c 60000 $d/server.log > "$OUT/$1-server.log"
 }
 step gpus 10 nvidia-smi --query-gpu=index,name,memory.used --format=csv
-[ -d $W/qwen-gptq ] || step model 90 python3 tools/models/make_moe_gptq.py $W/qwen-gptq --layers 2
+# SMALL=1: a small Qwen3-MoE GPTQ (hidden 512, intermediate 256, 8 experts, top-2) whose rank files come back whole
+if [ -n "$SMALL" ]; then MODEL=$W/qwen-gptq-small; MODEL_ARGS="--hidden 512 --intermediate 256 --experts 8 --top-k 2 --heads 8 --kv-heads 2 --head-dim 64"
+    EXTRA="--env MOEREPLAY_STEPS=1-"; : ${COPY_MAX:=60000000}  # no warm-up (dummy) calls of 8,192 tokens
+else MODEL=$W/qwen-gptq; MODEL_ARGS=""; EXTRA=""; fi
+[ -d $MODEL ] || step model 90 python3 tools/models/make_moe_gptq.py $MODEL --layers 2 $MODEL_ARGS
 for part in ${PARTS:-tp ep graph}; do
     case $part in
-        tp) step tp 260 python3 tools/gpu/serve_gpu.py --model $W/qwen-gptq --mode eager --out $W/tp \
-                --env MOEREPLAY_PER_SHAPE=2 --serve-arg=--tensor-parallel-size=2 ;;
-        ep) step ep 260 python3 tools/gpu/serve_gpu.py --model $W/qwen-gptq --mode eager --out $W/ep \
-                --env MOEREPLAY_PER_SHAPE=2 --serve-arg=--tensor-parallel-size=2 --serve-arg=--enable-expert-parallel ;;
-        graph) step graph 260 python3 tools/gpu/serve_gpu.py --model $W/qwen-gptq --mode graph --out $W/graph \
-                --env MOEREPLAY_PER_SHAPE=2 --serve-arg=--tensor-parallel-size=2 ;;
+        tp) step tp 260 python3 tools/gpu/serve_gpu.py --model $MODEL --mode eager --out $W/tp \
+                --env MOEREPLAY_PER_SHAPE=2 $EXTRA --serve-arg=--tensor-parallel-size=2 ;;
+        ep) step ep 260 python3 tools/gpu/serve_gpu.py --model $MODEL --mode eager --out $W/ep \
+                --env MOEREPLAY_PER_SHAPE=2 $EXTRA --serve-arg=--tensor-parallel-size=2 --serve-arg=--enable-expert-parallel ;;
+        graph) step graph 260 python3 tools/gpu/serve_gpu.py --model $MODEL --mode graph --out $W/graph \
+                --env MOEREPLAY_PER_SHAPE=2 $EXTRA --serve-arg=--tensor-parallel-size=2 ;;
     esac
     ranks $part
 done
