@@ -36,6 +36,10 @@ class TruncatedFileError(CaptureFileError):
         self.kind = kind
 
 
+class FileLimitError(CaptureFileError):
+    """A record would take a capture file past its byte limit (``MOEREPLAY_MAX_BYTES``); nothing of it was written."""
+
+
 class MemoryBudgetError(CaptureFileError):
     """Loading a call would allocate more than the reader's memory budget (``MOEREPLAY_LOAD_BUDGET``)."""
 

@@ -34,6 +34,15 @@ class FormatSink:
         with torch.cuda.stream(self._side_stream):
             return action()
 
+    @property
+    def byte_limit(self) -> int:
+        """The file's byte limit (0: none); a record that would pass it raises ``FileLimitError``."""
+        return int(getattr(self.writer, "byte_limit", 0))
+
+    @byte_limit.setter
+    def byte_limit(self, value: int) -> None:
+        self.writer.byte_limit = int(value)
+
     def begin(self, message: Begin, parent: int | None) -> int:
         args = materialize(message.snapshot.tree)
         return int(

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 
 from moereplay.capture.graph_gate import GraphGate
 from moereplay.capture.snapshot import Snapshot
+from moereplay.errors import FileLimitError
 
 logger = logging.getLogger("moereplay.capture")
 
@@ -201,6 +202,9 @@ class WriterThread:
         self.max_calls_queued = max_calls_queued
         self.max_bytes_queued = max_bytes_queued
         self.max_file_bytes = max_file_bytes
+        if max_file_bytes and hasattr(sink, "byte_limit"):
+            # the sink knows what a call adds to the file (weights are written once per file, not per call)
+            sink.byte_limit = max_file_bytes
         self._on_failure = on_failure
         self._queue: deque[Message | None] = deque()
         self._ready = threading.Condition()
@@ -492,7 +496,13 @@ class WriterThread:
             message.snapshot.wait()
             waited = time.perf_counter()
             parent = None if message.parent_sequence is None else self._indices.get(message.parent_sequence)
-            index = self.sink.begin(message, parent)
+            try:
+                index = self.sink.begin(message, parent)
+            except FileLimitError:  # its weights, new to this file, would pass the bound
+                self.counters.dropped_max_bytes += 1
+                reason = f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}"
+                self._fail(reason)
+                return reason
             self.seconds["wait"] += waited - started
             self.seconds["sink"] += time.perf_counter() - waited
             self._indices[message.sequence] = index
@@ -516,7 +526,13 @@ class WriterThread:
             self._fail(reason)
             return reason
         started = time.perf_counter()
-        self.sink.complete(index_or_none, message)
+        try:
+            self.sink.complete(index_or_none, message)
+        except FileLimitError:
+            self.counters.outputs_dropped += 1
+            reason = f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}"
+            self._fail(reason)
+            return reason
         self.seconds["sink"] += time.perf_counter() - started
         self.counters.completed += 1
         self.counters.copied_bytes += message.nbytes

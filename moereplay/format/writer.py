@@ -50,7 +50,7 @@ from typing import IO, Any
 
 import torch
 
-from moereplay.errors import CaptureFileError, UnsupportedValueError
+from moereplay.errors import CaptureFileError, FileLimitError, UnsupportedValueError
 from moereplay.format.dtypes import dtype_name
 from moereplay.format.environment import collect_environment, late_gpu
 from moereplay.format.framing import (
@@ -331,6 +331,9 @@ class CaptureWriter:
         self._static_cache: dict[tuple[Any, ...], tuple[bytes, int, Any]] = {}
         self._static_given: dict[Any, tuple[bytes, int, int]] = {}
         self._static_lengths: dict[Any, int] = {}
+        self.byte_limit = 0
+        """When positive: a call or completion whose new blobs (uncompressed, before deduplication: an upper bound)
+        would take the file past this many bytes raises :class:`FileLimitError` and records nothing."""
         self.blob_count = 0
         self.blob_bytes = 0
         self.completed = 0
@@ -468,6 +471,7 @@ class CaptureWriter:
                 }
                 return self._sink.write_document(RecordKind.CALL, index, document)
 
+            self._check_limit(tensors)
             offset = self._guarded(write)
             self._record_written(False)
             self._next_call += 1
@@ -524,6 +528,7 @@ class CaptureWriter:
                 }
                 return self._sink.write_document(RecordKind.COMPLETION, index, document)
 
+            self._check_limit(tensors)
             offset = self._guarded(write)
             self._record_written(True)
             self._pending.pop(index, None)
@@ -609,6 +614,35 @@ class CaptureWriter:
     def _stop_pool(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _new_bytes(self, tensors: _TreeTensors) -> int:
+        """Bytes of the blobs :meth:`_store` would write for ``tensors`` before compression and deduplication:
+        every storage span except static ones this file already holds (weights are written once per file)."""
+        total = 0
+        for use in tensors.uses.values():
+            if use.given is not None:
+                key = use.given.static_key
+                cached = self._static_given.get(key) if key is not None else None
+                if cached is None or cached[2] != use.given_length:
+                    total += use.given_length
+                continue
+            base = span_start(use.start)
+            if use.static and (use.device, use.address, use.storage_bytes, base, use.end, use.version) in (
+                self._static_cache
+            ):
+                continue
+            total += use.end - base
+        return total
+
+    def _check_limit(self, tensors: _TreeTensors) -> None:
+        if self.byte_limit <= 0:
+            return
+        needed = self._new_bytes(tensors)
+        if self.bytes_written + needed > self.byte_limit:
+            raise FileLimitError(
+                f"the record needs up to {needed} bytes of new blobs; the file holds {self.bytes_written} of "
+                f"its {self.byte_limit}"
+            )
 
     def _store(self, tensors: _TreeTensors) -> dict[int, dict[str, Any]]:
         """Write the blobs a tree needs; return its storage table (storage id → where its bytes are).

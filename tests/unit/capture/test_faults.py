@@ -120,20 +120,37 @@ def test_full_disk_disables_capture_and_the_caller_keeps_running(
 
 
 def test_max_bytes_stops_writing_and_keeps_a_valid_file(arm, kernels: types.ModuleType, inputs) -> None:
-    session = arm(max_bytes="6K")
-    x, w1, w2, weights = inputs(tokens=16, hidden=32, inner=32)
+    session = arm(max_bytes="24K")
+    x, w1, w2, weights = inputs(tokens=16, hidden=32, inner=32)  # 8 KB of weights: the first calls fit
     for step in range(40):
         kernels.fused(x + step, w1, w2, weights)
     session.flush()
     assert "MOEREPLAY_MAX_BYTES" in (session.recorder.disabled_reason or "")
     session.close()
-    # the cap is checked before each record (the record that would cross it is the last one tried), and the
-    # first copy of the weights rides on the first call: the overshoot is bounded by one call plus its weights
-    assert session.path.stat().st_size < 6 * 1024 + 16 * 1024
+    # the cap is checked before each record, counting the weights a call writes the first time: only the
+    # footer and index pass it
+    assert session.path.stat().st_size < 24 * 1024 + 4 * 1024
     with CaptureReader(session.path) as reader:
         assert reader.recovery.complete
         assert reader.footer["counters"]["dropped_max_bytes"] >= 1
         assert 0 < len(reader) < 120
+
+
+def test_weights_larger_than_max_bytes_are_never_written(arm, kernels: types.ModuleType, inputs) -> None:
+    """Weights are written once per file, with the first call that uses them, outside what the call copies: the
+    bound must count them (on the H200 a 40 MB bound let a served gpt-oss layer's 398 MB of weights in)."""
+    session = arm(max_bytes="64K")
+    x, w1, w2, weights = inputs(tokens=4, hidden=128, inner=256)  # w1 + w2: 256 KB of float32
+    for step in range(3):
+        kernels.fused(x + step, w1, w2, weights)
+    session.flush()
+    assert "MOEREPLAY_MAX_BYTES" in (session.recorder.disabled_reason or "")
+    session.close()
+    assert session.path.stat().st_size < 64 * 1024
+    with CaptureReader(session.path) as reader:
+        assert reader.recovery.complete
+        assert reader.footer["counters"]["dropped_max_bytes"] == 1
+        assert len(reader) == 0
 
 
 CHILD = Path(__file__).with_name("capture_stream_child.py")

@@ -233,3 +233,27 @@ def test_a_gpu_not_initialised_at_the_start_is_read_again_at_close(
         writer.complete_call(writer.begin_call("op", {"x": torch.zeros(4)}), {"y": 1})
     with CaptureReader(tmp_path / "early.zst") as reader:
         assert "gpu" not in (reader.footer or {})
+
+
+def test_a_byte_limit_refuses_a_record_whose_new_blobs_pass_it_and_counts_weights_once(
+    tmp_path: Path,
+) -> None:
+    from moereplay.errors import FileLimitError
+
+    path = tmp_path / "bound.moe.zst"
+    weight = torch.randn(64, 64)  # 16 KB, written once per file
+    with CaptureWriter(path) as writer:
+        writer.byte_limit = writer.bytes_written + 24 * 1024
+        first = writer.begin_call("gemm", {"x": torch.randn(4, 64), "w": weight}, static=["w"])
+        writer.complete_call(first, {"out": torch.randn(4, 64)})
+        # the weights are in the file now: a second call needs only its own few bytes
+        second = writer.begin_call("gemm", {"x": torch.randn(4, 64), "w": weight}, static=["w"])
+        writer.complete_call(second, {"out": torch.randn(4, 64)})
+        with pytest.raises(FileLimitError, match="new blobs"):
+            writer.begin_call("gemm", {"x": torch.randn(4, 64), "w": torch.randn(64, 64)}, static=["w"])
+        with pytest.raises(FileLimitError):
+            writer.begin_call("gemm", {"x": torch.randn(64, 128), "w": weight}, static=["w"])
+        assert writer.calls == 2  # nothing of a refused call was recorded
+    with CaptureReader(path) as reader:
+        assert reader.recovery.complete and len(reader) == 2
+        assert torch.equal(reader.load_args(1)["w"], weight)
