@@ -157,25 +157,28 @@ def test_eager_serve_honours_layers_steps_and_per_shape(gpt_oss_model: Path, tmp
 
 
 def test_eager_serve_stops_writing_at_max_bytes(gpt_oss_model: Path, tmp_path: Path) -> None:
-    """``MOEREPLAY_MAX_BYTES`` below one layer's weights: the file stops at its bound, the call that would pass it
-    and every later one are dropped and counted, and the file stays readable. (Seen on the H200, 2026-12-04, with
-    layer 1 and steps from 4 on: 1 call in the file, ``dropped_max_bytes`` 1, ``dropped_after_failure`` 7.)"""
-    bound = 40 * 2**20
-    # Without the layer and step filters the first call vLLM makes (its warm-up batch) is already larger than the
-    # bound, and the file stays empty (seen on the H200): the filters let small decode calls in before the bound.
+    """``MOEREPLAY_MAX_BYTES`` between one and two layers' weights (a layer of this gpt-oss holds ~400 MB; weights
+    are written once per file, with the first call that uses them): layer 0's calls are kept, layer 1's first call
+    would pass the bound and is dropped with every later one, counted, and the file stays readable and within the
+    bound. (On the H200, 2026-12-04, a 40 MB bound let a call in together with its 398 MB of weights: the bound
+    counted only the per-call copies.)"""
+    bound = 600 * 2**20
     summary = _serve(
         gpt_oss_model, tmp_path / "bound", "eager",
-        "--env", "MOEREPLAY_MAX_BYTES=40M", "--env", "MOEREPLAY_LAYERS=1", "--env", "MOEREPLAY_STEPS=4-",
+        "--env", "MOEREPLAY_MAX_BYTES=600M", "--env", "MOEREPLAY_STEPS=4-",
     )  # fmt: skip
     worker = _worker_file(summary)
     counters = worker["counters"]
-    print(f"MOEREPLAY_MAX_BYTES=40M: {worker['calls']} calls, counters {counters}")
+    print(
+        f"MOEREPLAY_MAX_BYTES=600M: {worker['calls']} calls, layers {worker['layer_names']}, counters {counters}"
+    )
     assert worker["calls"] >= 1, counters  # calls before the bound are kept
     assert counters.get("dropped_max_bytes", 0) >= 1, counters
     assert counters.get("recorder_seen", 0) > worker["calls"], counters
+    assert worker["layer_names"] == ["model.layers.0.mlp.experts"], worker["layer_names"]
     assert worker["footer"], worker["recovery"]
     capture = tmp_path / "bound" / "captures" / worker["name"]
-    assert capture.stat().st_size <= bound + 2**20, capture.stat().st_size  # the bound, plus the footer
+    assert capture.stat().st_size <= bound + 2**20, capture.stat().st_size  # the bound, plus footer and index
 
 
 def test_graph_mode_serve_keeps_working_and_captures_eager_calls(gpt_oss_model: Path, tmp_path: Path) -> None:
