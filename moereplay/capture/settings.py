@@ -16,7 +16,8 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            patterns on the layer name (``*.layers.1[0-9].*``)
 ``MOEREPLAY_STEPS``        forward steps to record: ``N``, ``A-B``, ``A-`` or ``-B`` (inclusive, from 0)
 ``MOEREPLAY_MAX_CALLS``    stop recording after this many calls (0 or unset: no limit)
-``MOEREPLAY_MAX_BYTES``    stop writing when the file would pass this size (``512M``, ``2G``, ``1GiB``, bytes)
+``MOEREPLAY_MAX_BYTES``    stop writing when the file would pass this size (``512M``, ``2G``, ``1GiB``, bytes),
+                           counting the weights a call writes the first time
 ``MOEREPLAY_PER_SHAPE``    at most N calls per distinct (op, argument shapes/dtypes/scalars) signature
 ``MOEREPLAY_SAMPLE``       keep this fraction of eligible calls, evenly spaced (``0.25`` or ``1/4``)
 ``MOEREPLAY_TRIGGER``      ``always`` (default: record every selected call) or ``flight`` (see below)
