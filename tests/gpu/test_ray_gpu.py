@@ -1,6 +1,6 @@
-"""Replay sweeps on Ray over two GPUs: the kernel pack's Marlin MoE GEMM, and a genuine device fault.
+"""Replay sweeps on Ray over the GPUs: the kernel pack's Marlin MoE GEMM, and a genuine device fault.
 
-Run on a machine with at least two GPUs, after ``source tools/gpu/device_setup.sh`` (the kernel pack in
+Run on a machine with a GPU (the spread over GPUs needs two), after ``source tools/gpu/device_setup.sh`` (the kernel pack in
 ``$MOEREPLAY_PACK``; Ray installed: ``pip install 'moereplay[ray]'``)::
 
     python -m pytest tests/gpu/test_ray_gpu.py -q -rA -s
@@ -38,8 +38,8 @@ from typing import Any
 import pytest
 import torch
 
-if not torch.cuda.is_available() or torch.cuda.device_count() < 2:  # pragma: no cover - needs two GPUs
-    pytest.skip("needs two CUDA GPUs", allow_module_level=True)
+if not torch.cuda.is_available():  # pragma: no cover - needs a GPU
+    pytest.skip("needs CUDA", allow_module_level=True)
 ray = pytest.importorskip("ray")
 PACK = os.environ.get("MOEREPLAY_PACK", "")
 if not PACK:  # pragma: no cover
@@ -122,6 +122,7 @@ def test_the_cli_on_ray_reports_what_the_serial_run_reports(capture: Path, seria
     assert on_ray == serial
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_units_spread_over_both_gpus_in_reused_workers(
     capture: Path, serial: dict[str, str], cluster: Any, tmp_path: Path
 ) -> None:
