@@ -73,12 +73,18 @@ def ranks_check_command(
     mode: Annotated[
         str, typer.Option("--mode", help="auto (from the recorded context / expert map) | tp | ep.")
     ] = "auto",
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device", help="Where the float64 references run: cpu, cuda, cuda:N (default: a GPU if any)."
+        ),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
 ) -> None:
     """Recombine each layer call across ranks and judge it against the single-GPU reference. Exit 1 if any fails."""
     from moereplay.replay.ranks import check_ranks
 
-    results = check_ranks(files, op=op, layer=layer, step=step, mode=mode)
+    results = check_ranks(files, op=op, layer=layer, step=step, mode=mode, device=device)
     failed = not all(result.ok for result in results)
     if json_output:
         sys.stdout.write(json.dumps({"failed": failed, "calls": [r.to_json() for r in results]}) + "\n")

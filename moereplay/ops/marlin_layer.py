@@ -105,7 +105,7 @@ class MarlinLayerReference:
                 )
             local = mapping[ids]
         x = hidden.double()
-        out = torch.zeros((tokens, size_k), dtype=torch.float64)
+        out = torch.zeros((tokens, size_k), dtype=torch.float64, device=hidden.device)
         experts = w1.shape[0]
         for expert in sorted({int(e) for e in local.reshape(-1).tolist() if e >= 0}):
             if expert >= experts:

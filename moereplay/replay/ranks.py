@@ -383,8 +383,10 @@ def check_ranks(
     layer: Any = None,
     step: Any = None,
     mode: str = "auto",
+    device: str | None = None,
 ) -> list[CrossRankResult]:
-    """Check every layer call (a parent call with a family layer reference) that two or more ranks recorded."""
+    """Check every layer call (a parent call with a family layer reference) that two or more ranks recorded.
+    ``device``: where the float64 references run (``cpu``, ``cuda``, ``cuda:N``; None: a GPU when there is one)."""
     from moereplay.ops.layers import get_layer_reference, has_layer_reference
 
     if len(paths) < 2:
@@ -396,16 +398,37 @@ def check_ranks(
     ]
     if not merged:
         raise SettingsError("no layer call with a layer reference was recorded by two or more of these ranks")
+    where = _reference_device(device)
     results = []
     with ExitStack() as stack:
         readers = {str(path): stack.enter_context(CaptureReader(path)) for path in paths}
         for row in merged:
-            results.append(_check_one(row, readers, get_layer_reference(row.op), mode))
+            results.append(_check_one(row, readers, get_layer_reference(row.op), mode, where))
     return results
 
 
+def _reference_device(device: str | None) -> Any:
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, ValueError) as error:
+        raise SettingsError(f"--device {device!r}: not a torch device") from error
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise SettingsError(f"--device {device}: CUDA is not available here")
+    return chosen
+
+
+def _on(value: Any, device: Any) -> Any:
+    import torch
+
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
 def _check_one(
-    row: MergedCall, readers: Mapping[str, CaptureReader], layer: Any, mode: str
+    row: MergedCall, readers: Mapping[str, CaptureReader], layer: Any, mode: str, device: Any = "cpu"
 ) -> CrossRankResult:
     import torch
 
@@ -416,9 +439,9 @@ def _check_one(
         if call.status != "completed":
             raise SettingsError(f"rank {call.rank}'s call {call.index} did not complete ({call.status})")
         reader = readers[call.path]
-        args[call.rank] = reader.load_args(call.index)
+        args[call.rank] = {name: _on(value, device) for name, value in reader.load_args(call.index).items()}
         contexts[call.rank] = reader.call(call.index).context
-        outputs[call.rank] = _recorded_output(reader.load_outputs(call.index), args[call.rank])
+        outputs[call.rank] = _recorded_output(reader.load_outputs(call.index), args[call.rank]).to(device)
     maps = {rank: _expert_map(args[rank], contexts[rank], layer.expert_map) for rank in args}
     chosen = _mode(mode, list(contexts.values()), list(maps.values()))
     for context in contexts.values():
@@ -436,7 +459,7 @@ def _check_one(
         raise SettingsError(f"the ranks' layer outputs have different shapes {sorted(shapes)}")
     dtype = next(iter(outputs.values())).dtype
     roundings = int(getattr(layer, "roundings", 1))
-    combined = torch.zeros(next(iter(shapes)), dtype=torch.float64)
+    combined = torch.zeros(next(iter(shapes)), dtype=torch.float64, device=device)
     reference = torch.zeros_like(combined)
     partials = {}
     for rank in sorted(args):

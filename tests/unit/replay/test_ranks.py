@@ -146,3 +146,10 @@ def test_the_layer_bounds_allow_the_chains_stored_roundings_and_no_more(tp_files
     wrong[2] *= 1.1
     result = compare(wrong.to(torch.bfloat16), exact, profile=chained)
     assert not result.ok and [int(r) for r in result.bad_rows] == [2]
+
+
+def test_the_reference_device_is_checked_before_any_work(tp_files) -> None:
+    with pytest.raises(SettingsError, match="not a torch device"):
+        check_ranks(tp_files.paths, device="bogus")
+    [result] = check_ranks(tp_files.paths, device="cpu")
+    assert result.ok
