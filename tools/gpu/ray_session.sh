@@ -24,5 +24,5 @@ step ray_gpu 330 python3 -m pytest tests/gpu/test_ray_gpu.py -q -rA -s
 step ranks_gpu 120 python3 -m pytest tests/gpu/test_ranks_gpu.py -q -rA
 CAPTURE=(); [ -f /tmp/multi/served.zst ] && CAPTURE=(--capture /tmp/multi/served.zst)
 step ray_bench ${BENCH_LIMIT:-300} python3 tools/bench/ray_sweep_bench.py "${CAPTURE[@]}" --backend pack:$MOEREPLAY_PACK \
-    --workers 1,2 --variants ${VARIANTS:-1000}
+    --workers ${WORKERS:-1,2} --variants ${VARIANTS:-1000}
 grep -E "^=== |^(PASSED|FAILED|ERROR)|passed|failed|variants/s|efficiency|workers|^ *[0-9]+ " "$OUT/all.log" | cut -c1-250 | tail -40
