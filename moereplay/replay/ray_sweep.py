@@ -267,7 +267,9 @@ def _sweep(
     try:
         for slot in range(slots):
             pending[pool.start(slot)] = (slot, None)
-        while pending:
+        # until every unit has its outcome: once none is queued or running, actors still waiting to be placed
+        # (the pool is sized from the cluster's totals; another job may hold some) are not waited for
+        while pending and (queue or any(position is not None for _, position in pending.values())):
             (ref,), _ = ray.wait(list(pending), num_returns=1)
             slot, position = pending.pop(ref)
             if position is None:  # an actor has started, or could not start

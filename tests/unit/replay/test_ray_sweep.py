@@ -186,3 +186,29 @@ def test_the_context_check_never_sets_up_cuda() -> None:
 
     assert context_poisoned() is False
     assert not torch.cuda.is_initialized()
+
+
+@ray.remote(num_cpus=2)
+class _Holder:
+    """Another job's actor, holding two of the cluster's three CPUs."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_a_sweep_ends_when_its_units_are_done_though_some_workers_never_started(tmp_path: Path) -> None:
+    import threading
+
+    holder = _Holder.remote()
+    ray.get(holder.ready.remote())
+    try:
+        units = _units(tmp_path, "correct", ["fill 0xff", "flip mul_weights"])
+        finished: list[list[ReplayReport]] = []
+        # the pool is sized from the cluster's totals (3 slots); only one actor can be placed while the holder lives
+        worker = threading.Thread(target=lambda: finished.append(sweep(units, cpus_per_task=1.0)), daemon=True)
+        worker.start()
+        worker.join(timeout=120)  # liveness, not speed: before the fix the sweep never returned
+        assert finished, "the sweep waited for workers that could never start"
+        assert set(_sweep_verdicts(finished[0])) >= {"baseline", "fill 0xff", "flip mul_weights"}
+    finally:
+        ray.kill(holder)
