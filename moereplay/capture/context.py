@@ -28,11 +28,15 @@ Cheap by construction (a few attribute reads per call, no imports on the hot pat
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger("moereplay.capture")
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,8 @@ class ContextTracker:
         self._layer_names: tuple[str, ...] = ()
         self._layer_names_source: tuple[int, int] = (0, -1)
         self.ranks: Ranks | None = None
+        self.on_ranks: Callable[[Ranks], None] | None = None
+        """Called once, on the serving thread, when this process's ranks are first known."""
         self._parallel = LayerParallelCache()
 
     def _forward_context(self) -> Any:
@@ -282,6 +288,11 @@ class ContextTracker:
                 self._layer_in_step = -1
                 if self.ranks is None:
                     self.ranks = _vllm_ranks()
+                    if self.ranks is not None and self.on_ranks is not None:
+                        try:
+                            self.on_ranks(self.ranks)
+                        except Exception:  # naming the file must never break a forward pass
+                            logger.exception("moereplay: acting on this process's ranks failed")
             parallel = None
             if parent is not None:
                 layer, layer_name, parallel = parent.layer, parent.layer_name, parent.parallel

@@ -137,13 +137,14 @@ class Session:
                 )
         self.writer.flush(timeout=30.0)
         self.writer.close()
-        self._name_by_rank()
+        self.name_by_rank(self.recorder.tracker.ranks)
 
-    def _name_by_rank(self) -> None:
-        """Give the closed file its process's world rank (``rank{r}-pid{p}.zst``). vLLM's workers arm before their
-        process groups exist, so the name chosen at arming says rank 0 on every rank; the first recorded call knows
-        better. A file that already exists under that name is left alone (never overwritten)."""
-        ranks = self.recorder.tracker.ranks
+    def name_by_rank(self, ranks: Any) -> None:
+        """Give the file its process's world rank (``rank{r}-pid{p}.zst``) as soon as the ranks are known (the
+        tracker calls this at the first forward step; close calls it again). vLLM's workers arm before their
+        process groups exist, so the name chosen at arming says rank 0 on every rank. The file may be open (a
+        rename keeps it writable), so a worker vLLM kills later keeps the right name. A file that already exists
+        under that name is left alone (never overwritten)."""
         world = getattr(ranks, "world", None)
         if world is None:
             return
@@ -157,6 +158,9 @@ class Session:
             return
         logger.warning("moereplay: rank %d: %s renamed to %s", int(world), self.path.name, wanted.name)
         self.path = wanted
+        file_writer = getattr(self.writer.sink, "writer", None)
+        if file_writer is not None and hasattr(file_writer, "path"):
+            file_writer.path = wanted  # what its messages and the closing line name
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         return self.writer.flush(timeout)
@@ -263,6 +267,7 @@ def arm(
         patcher.install()
         unhook_graphs = install_graph_gate(gate)
         session = Session(settings, path, recorder, writer, patcher, pid, gate, unhook_graphs)
+        recorder.tracker.on_ranks = session.name_by_rank
         _session = session
     _report_patch_points(patcher)
     logger.warning("moereplay: capture armed in pid %d → %s (%s)", pid, path, settings.describe())

@@ -522,6 +522,7 @@ class WriterThread:
             message.timings["device_ms"] = float(start.elapsed_time(end))
         if self.max_file_bytes and self.sink.bytes_written() + message.nbytes > self.max_file_bytes:
             self.counters.outputs_dropped += 1
+            self.counters.dropped_max_bytes += 1
             reason = f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}"
             self._fail(reason)
             return reason
@@ -530,6 +531,7 @@ class WriterThread:
             self.sink.complete(index_or_none, message)
         except FileLimitError:
             self.counters.outputs_dropped += 1
+            self.counters.dropped_max_bytes += 1
             reason = f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}"
             self._fail(reason)
             return reason

@@ -314,7 +314,7 @@ def _expert_map(args: Mapping[str, Any], context: Mapping[Any, Any], name: str |
 
     value = args.get(name) if name else None
     if isinstance(value, torch.Tensor):
-        return value.long().reshape(-1)
+        return value.long().reshape(-1).cpu()  # beside a map from the context (CPU), whatever --device is
     parallel = context.get("parallel")
     recorded = parallel.get("expert_map") if isinstance(parallel, dict) else None
     return torch.tensor(recorded, dtype=torch.long) if isinstance(recorded, list) else None
@@ -418,6 +418,8 @@ def _reference_device(device: str | None) -> Any:
         raise SettingsError(f"--device {device!r}: not a torch device") from error
     if chosen.type == "cuda" and not torch.cuda.is_available():
         raise SettingsError(f"--device {device}: CUDA is not available here")
+    if chosen.type == "cuda" and chosen.index is not None and chosen.index >= torch.cuda.device_count():
+        raise SettingsError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s)")
     return chosen
 
 

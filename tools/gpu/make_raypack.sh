@@ -7,9 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 version="${RAY_VERSION:-2.60.0}"
 work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 pip download "ray==$version" --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 -d "$work/wheels" -q
-pip download click jsonschema protobuf pyyaml requests filelock packaging --only-binary=:all: \
+pip download click jsonschema msgpack protobuf pyyaml requests filelock packaging --only-binary=:all: \
     --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     -d "$work/wheels" -q
 mkdir -p "$work/site"
@@ -19,5 +20,4 @@ strip --strip-unneeded "$work/site/ray/_raylet.so" "$work/site/ray/core/src/ray/
     "$work/site/ray/core/src/ray/raylet/raylet"
 mkdir -p .raypack
 tar cJf .raypack/site.tar.xz -C "$work/site" .
-rm -rf "$work"
 ls -l .raypack/site.tar.xz

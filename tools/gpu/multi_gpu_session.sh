@@ -1,5 +1,5 @@
 # Device calls for the multi-GPU issue on nvidia-h200-x2 (or larger): carry [".kernelpack", ".servepack"], then
-#   PARTS="tp ep graph" bash tools/gpu/multi_gpu_session.sh   # the default: all three (~10 min with a cold start)
+#   PARTS="tp ep" bash tools/gpu/multi_gpu_session.sh   # default "tp ep graph": more than one call's 600 s
 # tp: -tp 2 eager; ep: -tp 2 --enable-expert-parallel eager; graph: -tp 2 in vLLM's default CUDA-graph mode.
 # The 2-layer Qwen3-MoE GPTQ int4 checkpoint (fused_marlin_moe → moe_wna16_marlin_gemm on every rank), full capture
 # with two calls per shape. Per run: the server's summary (one file per rank, ranks and parallel sizes in context),
@@ -48,7 +48,9 @@ if [ -n "$SMALL" ]; then MODEL=$W/qwen-gptq-small; MODEL_ARGS="--hidden 512 --in
     EXTRA="--env MOEREPLAY_STEPS=1-"; : ${COPY_MAX:=60000000}  # no warm-up (dummy) calls of 8,192 tokens
 else MODEL=$W/qwen-gptq; MODEL_ARGS=""; EXTRA=""; fi
 [ -d $MODEL ] || step model 90 python3 tools/models/make_moe_gptq.py $MODEL --layers 2 $MODEL_ARGS
+rm -f $W/served.zst  # the trimmed capture is this call's
 for part in ${PARTS:-tp ep graph}; do
+    rm -rf $W/$part  # serve_gpu.py does not clear its --out: an earlier run's files would mix in
     case $part in
         tp) step tp 260 python3 tools/gpu/serve_gpu.py --model $MODEL --mode eager --out $W/tp \
                 --env MOEREPLAY_PER_SHAPE=2 $EXTRA --serve-arg=--tensor-parallel-size=2 ;;

@@ -9,20 +9,22 @@
 source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
 source tools/gpu/steps.sh
 R=/tmp/moereplay-ray
-if [ ! -d $R/ray ]; then
-    mkdir -p $R && tar xJf .raypack/site.tar.xz -C $R
-    for entry in $R/*; do
+if [ ! -f $R/.complete ]; then  # unpacked whole (a call cut mid-way unpacks again)
+    rm -rf $R $R.tmp && mkdir -p $R.tmp && tar xJf .raypack/site.tar.xz -C $R.tmp
+    for entry in $R.tmp/*; do  # keep Ray, and only the dependencies this interpreter lacks
         name=$(basename "$entry"); module=${name%.py}
-        case $name in ray|*.dist-info|*.libs) continue ;; google) module=google.protobuf ;; esac
+        case $name in ray|ray-*.dist-info|*.libs) continue ;; *.dist-info) rm -rf "$entry"; continue ;;
+            google) module=google.protobuf ;; esac
         python3 -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('$module') else 1)" \
             2>/dev/null && rm -rf "$entry"
     done
+    mv $R.tmp $R && touch $R/.complete
 fi
 export PYTHONPATH="$PYTHONPATH:$R"
 step ray_import 60 python3 -c "import ray, torch; print('ray', ray.__version__, 'gpus', torch.cuda.device_count())"
-step ray_gpu 330 python3 -m pytest tests/gpu/test_ray_gpu.py -q -rA -s
-step ranks_gpu 120 python3 -m pytest tests/gpu/test_ranks_gpu.py -q -rA
+step ray_gpu 300 python3 -m pytest tests/gpu/test_ray_gpu.py -q -rA -s
+step ranks_gpu 60 python3 -m pytest tests/gpu/test_ranks_gpu.py -q -rA
 CAPTURE=(); [ -f /tmp/multi/served.zst ] && CAPTURE=(--capture /tmp/multi/served.zst)
-step ray_bench ${BENCH_LIMIT:-300} python3 tools/bench/ray_sweep_bench.py "${CAPTURE[@]}" --backend pack:$MOEREPLAY_PACK \
+step ray_bench ${BENCH_LIMIT:-200} python3 tools/bench/ray_sweep_bench.py "${CAPTURE[@]}" --backend pack:$MOEREPLAY_PACK \
     --workers ${WORKERS:-1,2} --variants ${VARIANTS:-1000}
 grep -E "^=== |^(PASSED|FAILED|ERROR)|passed|failed|variants/s|efficiency|workers|^ *[0-9]+ " "$OUT/all.log" | cut -c1-250 | tail -40

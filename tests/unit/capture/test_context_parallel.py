@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from moereplay.capture.context import ContextTracker
+from moereplay.format import CaptureReader
 
 
 @dataclass
@@ -144,9 +145,13 @@ def test_a_closed_file_is_named_by_the_world_rank_its_calls_saw(monkeypatch: pyt
     context = ForwardContext({"model.layers.0.mlp.experts": layer}, ["model.layers.0.mlp.experts"])
     _install(monkeypatch, _parallel_state(tp=(1, 2), ep=None, world=(1, 2)), context)
     session.recorder.tracker.where(parent=None, is_parent=True)  # what a recorded call does first
-    session.close()
+    # renamed at once, while open (a worker vLLM kills before its capture closes keeps the right name)
     assert session.path.name == f"rank1-pid{session.pid}.zst"
     assert session.path.exists() and not session.path.with_name(first_name).exists()
+    session.close()
+    assert session.path.name == f"rank1-pid{session.pid}.zst"
+    with CaptureReader(session.path) as reader:
+        assert reader.recovery.complete  # the footer went to the renamed file
 
 
 def test_a_file_keeps_its_name_when_no_rank_was_seen(arm) -> None:
