@@ -205,7 +205,9 @@ def test_a_sweep_ends_when_its_units_are_done_though_some_workers_never_started(
         units = _units(tmp_path, "correct", ["fill 0xff", "flip mul_weights"])
         finished: list[list[ReplayReport]] = []
         # the pool is sized from the cluster's totals (3 slots); only one actor can be placed while the holder lives
-        worker = threading.Thread(target=lambda: finished.append(sweep(units, cpus_per_task=1.0)), daemon=True)
+        worker = threading.Thread(
+            target=lambda: finished.append(sweep(units, cpus_per_task=1.0)), daemon=True
+        )
         worker.start()
         worker.join(timeout=120)  # liveness, not speed: before the fix the sweep never returned
         assert finished, "the sweep waited for workers that could never start"
