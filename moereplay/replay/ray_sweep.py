@@ -182,7 +182,9 @@ class UnitWorker:
     def run(self, unit: SweepUnit) -> tuple[ReplayReport, bool]:
         """The unit's report, and whether this process's CUDA context is poisoned after it."""
         report = self.runner(unit)
-        return report, context_poisoned()
+        # a kernel that crashed in this process leaves it suspect even where the context still answers
+        crashed = any(row.verdict is Verdict.CRASH for row in (report.baseline, *report.variants))
+        return report, crashed or context_poisoned()
 
 
 def sweep(

@@ -194,11 +194,15 @@ def test_a_device_fault_costs_its_variant_and_a_fresh_worker_runs_the_rest(
     reports = sweep(units, gpus_per_task=1.0, runner=_Where(str(folder)), workers=1)
     verdicts = _verdicts(reports)
     (report,) = reports
+    notes = _notes(folder)
+    for row in (report.baseline, *report.variants):  # what each unit said, and where it ran
+        print(
+            f"{row.label}: {row.verdict.value} pid {notes.get(row.label, {}).get('pid')} {row.reason[:300]!r}"
+        )
     faulted = next(row for row in report.variants if row.label == FAULT)
     assert faulted.verdict.value == "crash", faulted
     assert "illegal memory access" in faulted.reason or "Ray worker died" in faulted.reason, faulted.reason
     assert {label: verdicts[label] for label in serial} == serial  # the others, as the serial run judged them
-    notes = _notes(folder)
     after = labels[labels.index(FAULT) + 1 :]
     assert notes["baseline"]["pid"] == notes[FAULT]["pid"]  # one worker, reused up to the fault
     assert {notes[label]["pid"] for label in after}.isdisjoint({notes[FAULT]["pid"]})  # then a fresh one
