@@ -6,15 +6,6 @@
 source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
 source tools/gpu/steps.sh
 W=/tmp/serve; mkdir -p $W
-fidelity() {  # $1: run --json-out file
-python3 - "$1" >> "$OUT/all.log" 2>&1 <<'PY'
-import json, sys
-reports = json.load(open(sys.argv[1]))["reports"]
-base = [next(r for r in rep["results"] if r["label"] == "baseline") for rep in reports]
-print(f"served-capture fidelity: {sum(1 for b in base if b['bit_exact'])}/{len(base)} calls bit-exact; "
-      f"verdicts {sorted({b['verdict'] for b in base})}")
-PY
-}
 step model_qwen 90 python3 tools/models/make_moe_gptq.py $W/qwen-gptq --layers ${LAYERS:-2}
 step model_oss 60 python3 tools/models/make_gpt_oss.py $W/gpt-oss-2l --layers 2
 step qwen_eager 200 python3 tools/gpu/serve_gpu.py --model $W/qwen-gptq --mode eager --out $W/qwen --env MOEREPLAY_PER_SHAPE=2

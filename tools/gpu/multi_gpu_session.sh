@@ -8,15 +8,6 @@
 source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
 source tools/gpu/steps.sh
 W=/tmp/multi; mkdir -p $W
-fidelity() {  # $1: run --json-out file
-python3 - "$1" >> "$OUT/all.log" 2>&1 <<'PY'
-import json, sys
-reports = json.load(open(sys.argv[1]))["reports"]
-base = [next(r for r in rep["results"] if r["label"] == "baseline") for rep in reports]
-print(f"one-GPU replay of a rank's calls: {sum(1 for b in base if b['bit_exact'])}/{len(base)} bit-exact; "
-      f"verdicts {sorted({b['verdict'] for b in base})}")
-PY
-}
 ranks() {  # $1: run directory name
     local d=$W/$1 files
     files=$(ls -S $d/captures/rank*.zst 2>/dev/null | head -2 | sort)
@@ -27,7 +18,7 @@ ranks() {  # $1: run directory name
     local last=$(echo $files | tr ' ' '\n' | tail -1)
     [ -n "$SKIP_REPLAY" ] || step ${1}_replay 150 python3 -m moereplay run "$last" --op moe_wna16_marlin_gemm --backend pack:$MOEREPLAY_PACK \
         --json-out $W/run-$1.json
-    [ -n "$SKIP_REPLAY" ] || fidelity $W/run-$1.json
+    [ -n "$SKIP_REPLAY" ] || fidelity $W/run-$1.json "calls of one rank replayed on one GPU,"
     if [ ! -f $W/served.zst ]; then  # a few served kernel calls of one rank, for tools/gpu/ray_session.sh
         local keep=$(python3 -c "
 import sys

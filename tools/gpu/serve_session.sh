@@ -11,13 +11,7 @@ F=$(ls -S $W/eager/captures/*.zst 2>/dev/null | head -1)
 step info 30 python3 -m moereplay info "$F"
 step ls 30 bash -c "python3 -m moereplay ls '$F' | head -40"
 step replay 90 python3 -m moereplay run "$F" --op matmul_ogs --backend pack:$MOEREPLAY_PACK --json-out $W/run.json
-python3 - $W/run.json >> "$OUT/all.log" 2>&1 <<'PY'
-import json, sys
-reports = json.load(open(sys.argv[1]))["reports"]
-base = [next(r for r in rep["results"] if r["label"] == "baseline") for rep in reports]
-print(f"served-capture fidelity: {sum(1 for b in base if b['bit_exact'])}/{len(base)} matmul_ogs calls bit-exact; "
-      f"verdicts {sorted({b['verdict'] for b in base})}")
-PY
+fidelity $W/run.json "matmul_ogs calls"
 step graph_flight 150 python3 tools/gpu/serve_gpu.py --model $W/gpt-oss-bad --mode graph --capture flight --out $W/graph --prompt "the zebra runs" --requests 8
 for d in eager graph; do cp $W/$d/summary.json "$OUT/$d-summary.json" 2>/dev/null; tail -c 200000 $W/$d/server.log > "$OUT/$d-server.log" 2>/dev/null; done
 [ -n "$F" ] && [ $(stat -c %s "$F") -lt 16000000 ] && cp "$F" "$OUT/eager-capture.zst"

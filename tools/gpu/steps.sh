@@ -15,3 +15,15 @@ step() {
     status=$?
     echo "=== $name rc=$status $(( $(date +%s) - started ))s" | tee -a "$OUT/all.log"
 }
+
+# fidelity RUN_JSON [WHAT]: one line into $OUT/all.log from a `moereplay run --json-out` file — how many of its
+# calls' baselines replayed bit-exactly, and their verdicts ("served-capture fidelity: 47/47 calls bit-exact; …").
+fidelity() {
+python3 - "$1" "${2:-calls}" >> "$OUT/all.log" 2>&1 <<'PY'
+import json, sys
+reports = json.load(open(sys.argv[1]))["reports"]
+base = [next(r for r in rep["results"] if r["label"] == "baseline") for rep in reports]
+print(f"served-capture fidelity: {sum(1 for b in base if b['bit_exact'])}/{len(base)} {sys.argv[2]} bit-exact; "
+      f"verdicts {sorted({b['verdict'] for b in base})}")
+PY
+}

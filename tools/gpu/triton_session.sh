@@ -18,15 +18,6 @@ limit() {  # $1 seconds, or what is left of the call (at least 1: `timeout 0` wo
     [ $left -lt 1 ] && left=1
     [ $left -lt $1 ] && echo $left || echo $1
 }
-fidelity() {  # $1: run --json-out file, $2: the op
-python3 - "$1" "$2" >> "$OUT/all.log" 2>&1 <<'PY'
-import json, sys
-reports = json.load(open(sys.argv[1]))["reports"]
-base = [next(r for r in rep["results"] if r["label"] == "baseline") for rep in reports]
-print(f"served-capture fidelity: {sum(1 for b in base if b['bit_exact'])}/{len(base)} {sys.argv[2]} calls "
-      f"bit-exact; verdicts {sorted({b['verdict'] for b in base})}")
-PY
-}
 cat > $W/kernels.py <<'PY'
 # What a capture's Triton launches were (and, for fused_experts parents, which route their batch took).
 import sys
@@ -75,7 +66,7 @@ half() {  # $1: name, $2: the op to replay
     step kernels_$1 $(limit 60) python3 $W/kernels.py "$F"
     step run_$1 $(limit 150) python3 -m moereplay run "$F" --op $2 --backend pack:$MOEREPLAY_PACK \
         --json-out $W/run-$1.json
-    [ -f $W/run-$1.json ] && { fidelity $W/run-$1.json $2; cp $W/run-$1.json "$OUT/run-$1.json"; }
+    [ -f $W/run-$1.json ] && { fidelity $W/run-$1.json "$2 calls"; cp $W/run-$1.json "$OUT/run-$1.json"; }
     [ $(stat -c %s "$F") -lt 16000000 ] && cp "$F" "$OUT/$1-capture.zst"
 }
 if [[ " ${HALVES:-bf16 wna16} " == *" bf16 "* ]]; then
