@@ -408,19 +408,22 @@ def check_ranks(
 
 
 def _reference_device(device: str | None) -> Any:
+    """``--device`` checked to one line, then :func:`~moereplay.replay.session.resolve_device` (None: a GPU when
+    there is one)."""
     import torch
 
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        chosen = torch.device(device)
-    except (RuntimeError, ValueError) as error:
-        raise SettingsError(f"--device {device!r}: not a torch device") from error
-    if chosen.type == "cuda" and not torch.cuda.is_available():
-        raise SettingsError(f"--device {device}: CUDA is not available here")
-    if chosen.type == "cuda" and chosen.index is not None and chosen.index >= torch.cuda.device_count():
-        raise SettingsError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s)")
-    return chosen
+    from moereplay.replay.session import resolve_device
+
+    if device is not None:
+        try:
+            chosen = torch.device(device)
+        except (RuntimeError, ValueError) as error:
+            raise SettingsError(f"--device {device!r}: not a torch device") from error
+        if chosen.type == "cuda" and not torch.cuda.is_available():
+            raise SettingsError(f"--device {device}: CUDA is not available here")
+        if chosen.type == "cuda" and chosen.index is not None and chosen.index >= torch.cuda.device_count():
+            raise SettingsError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return resolve_device(device)
 
 
 def _on(value: Any, device: Any) -> Any:
