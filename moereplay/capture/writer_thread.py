@@ -484,14 +484,19 @@ class WriterThread:
         except Exception as error:
             self._fail(f"the flight recorder check failed: {type(error).__name__}: {error}")
 
+    def _at_bound(self, *, outputs: bool) -> str:
+        """A record refused by ``MOEREPLAY_MAX_BYTES``: counted, and writing stops; returns why."""
+        self.counters.dropped_max_bytes += 1
+        self.counters.outputs_dropped += outputs
+        reason = f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}"
+        self._fail(reason)
+        return reason
+
     def _write(self, message: Begin | Complete) -> str | None:
         """Write ``message``; ``None`` when the sink took it, else why it was not written."""
         if isinstance(message, Begin):
             if self.max_file_bytes and self.sink.bytes_written() + message.nbytes > self.max_file_bytes:
-                self.counters.dropped_max_bytes += 1
-                reason = f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}"
-                self._fail(reason)
-                return reason
+                return self._at_bound(outputs=False)
             started = time.perf_counter()
             message.snapshot.wait()
             waited = time.perf_counter()
@@ -499,10 +504,7 @@ class WriterThread:
             try:
                 index = self.sink.begin(message, parent)
             except FileLimitError:  # its weights, new to this file, would pass the bound
-                self.counters.dropped_max_bytes += 1
-                reason = f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}"
-                self._fail(reason)
-                return reason
+                return self._at_bound(outputs=False)
             self.seconds["wait"] += waited - started
             self.seconds["sink"] += time.perf_counter() - waited
             self._indices[message.sequence] = index
@@ -521,20 +523,12 @@ class WriterThread:
             end.synchronize()
             message.timings["device_ms"] = float(start.elapsed_time(end))
         if self.max_file_bytes and self.sink.bytes_written() + message.nbytes > self.max_file_bytes:
-            self.counters.outputs_dropped += 1
-            self.counters.dropped_max_bytes += 1
-            reason = f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}"
-            self._fail(reason)
-            return reason
+            return self._at_bound(outputs=True)
         started = time.perf_counter()
         try:
             self.sink.complete(index_or_none, message)
         except FileLimitError:
-            self.counters.outputs_dropped += 1
-            self.counters.dropped_max_bytes += 1
-            reason = f"the capture file reached MOEREPLAY_MAX_BYTES={self.max_file_bytes}"
-            self._fail(reason)
-            return reason
+            return self._at_bound(outputs=True)
         self.seconds["sink"] += time.perf_counter() - started
         self.counters.completed += 1
         self.counters.copied_bytes += message.nbytes

@@ -615,23 +615,29 @@ class CaptureWriter:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
+    def _given_cached(self, use: _StorageUse) -> tuple[bytes, int, int] | None:
+        """Where this file already holds a given static tensor's bytes (same key and length), else None."""
+        assert use.given is not None
+        key = use.given.static_key
+        cached = self._static_given.get(key) if key is not None else None
+        return cached if cached is not None and cached[2] == use.given_length else None
+
+    @staticmethod
+    def _static_key(use: _StorageUse, base: int) -> tuple[Any, ...]:
+        """A live static tensor's identity in :attr:`_static_cache` (storage, span, version)."""
+        return (use.device, use.address, use.storage_bytes, base, use.end, use.version)
+
     def _new_bytes(self, tensors: _TreeTensors) -> int:
         """Bytes of the blobs :meth:`_store` would write for ``tensors`` before compression and deduplication:
         every storage span except static ones this file already holds (weights are written once per file)."""
         total = 0
         for use in tensors.uses.values():
             if use.given is not None:
-                key = use.given.static_key
-                cached = self._static_given.get(key) if key is not None else None
-                if cached is None or cached[2] != use.given_length:
-                    total += use.given_length
+                total += 0 if self._given_cached(use) is not None else use.given_length
                 continue
             base = span_start(use.start)
-            if use.static and (use.device, use.address, use.storage_bytes, base, use.end, use.version) in (
-                self._static_cache
-            ):
-                continue
-            total += use.end - base
+            if not (use.static and self._static_key(use, base) in self._static_cache):
+                total += use.end - base
         return total
 
     def _check_limit(self, tensors: _TreeTensors) -> None:
@@ -656,8 +662,8 @@ class CaptureWriter:
         for storage_id, use in tensors.uses.items():
             if use.given is not None:
                 given, key, length = use.given, use.given.static_key, use.given_length
-                cached = self._static_given.get(key) if key is not None else None
-                if cached is not None and cached[2] == length:
+                cached = self._given_cached(use)
+                if cached is not None:
                     entries[storage_id] = self._given_entry(given, use.start, length, cached[0], cached[1])
                     continue
                 if given.data is None:
@@ -675,7 +681,7 @@ class CaptureWriter:
                 continue
             assert use.tensor is not None
             base = span_start(use.start)
-            static_key = (use.device, use.address, use.storage_bytes, base, use.end, use.version)
+            static_key = self._static_key(use, base)
             cached_static = self._static_cache.get(static_key) if use.static else None
             if cached_static is not None:
                 entries[storage_id] = self._storage_entry(use, base, cached_static[0], cached_static[1])
