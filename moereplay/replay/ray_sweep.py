@@ -21,7 +21,8 @@ findings that set variants beside each other (which variants fix a failing basel
 
 A device fault (an illegal memory access) does not end the process that ran it: it leaves the CUDA context unusable
 (a sticky error), and every later unit there would fail and be blamed wrongly. So after each unit the actor says
-whether its context still works (:func:`context_poisoned`); a poisoned actor is killed and a fresh one takes its
+whether its context still works (:func:`context_poisoned`; a unit with a ``crash`` row counts as poisoned whatever
+the context answers); a poisoned actor is killed and a fresh one takes its
 slot, and the unit keeps its own report (the engine has already made the fault that variant's ``crash`` row). Units
 are never retried: an actor that dies mid-unit (``os._exit``, a segfault), or whose unit raises, costs that unit,
 which becomes a ``crash`` row with Ray's reason; a fresh actor takes the slot and the sweep goes on. Every actor is
