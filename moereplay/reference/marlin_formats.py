@@ -331,7 +331,7 @@ class MarlinExpertWeights:
             self._dequantize_into(out[start : start + len(selected)], selected)
         return out
 
-    def _fast_kind(self) -> str | None:
+    def fast_kind(self) -> str | None:
         """The :mod:`marlin_decode` value kind of this format, or None where only the general decoder applies
         (act order, float zero points)."""
         if self.has_act_order or self.format is MarlinWeightFormat.AWQ_INT4_FZP:
@@ -354,7 +354,7 @@ class MarlinExpertWeights:
             index = torch.arange(experts[0], experts[0] + len(experts), device=device)
         else:
             index = torch.tensor(experts, dtype=torch.long).to(device, non_blocking=True)
-        kind = self._fast_kind()
+        kind = self.fast_kind()
         if kind is None:
             out.copy_(self._dequantize_general(index))
             return
@@ -362,10 +362,7 @@ class MarlinExpertWeights:
             packed = self.b_qweight.narrow(0, experts[0], len(experts))  # no copy
         else:
             packed = self.b_qweight.index_select(0, index)
-        scales = self._logical_scales(index)
-        if self.format is MarlinWeightFormat.NVFP4:  # one rounding of the factor product, as the general path
-            scales = scales * self.expert_multipliers(index).view(-1, 1, 1)
-        zero_points = self._logical_zero_points(index)
+        scales, zero_points = self._fast_scales(index)
         rows = marlin_decode.slice_rows(self.size_k, self.group_size, self.size_n, device)
         if rows >= self.size_k:
             values = marlin_decode.logical_values(packed, self.format.num_bits, kind)
@@ -391,6 +388,23 @@ class MarlinExpertWeights:
                     scales[position : position + 1, groups],
                     None if zero_points is None else zero_points[position : position + 1, groups],
                 )
+
+    def _fast_scales(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logical float32 ``[e, G, N]`` scales of ``experts`` (NVFP4: times the expert's factor, one rounding, as
+        the general path) and integer zero points (or None), as the fast decoder applies them."""
+        scales = self._logical_scales(experts)
+        if self.format is MarlinWeightFormat.NVFP4:
+            scales = scales * self.expert_multipliers(experts).view(-1, 1, 1)
+        return scales, self._logical_zero_points(experts)
+
+    def fast_factors(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(scales, offsets)``, float32 ``[e, G, N]`` in logical order for ``experts`` (device ids): the fast
+        decoder's weight of code value ``q`` in group ``g``, column ``n`` is ``q * scales[., g, n]``, plus
+        ``offsets[., g, n]`` (``−zero · scale``) with integer zero points (None without)."""
+        scales, zero_points = self._fast_scales(experts)
+        if zero_points is None:
+            return scales, None
+        return scales, -zero_points * scales
 
     def dequantize_general(self, experts: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`dequantize` by the general (slow, format-agnostic) decoder; for tests of the fast one."""
@@ -446,19 +460,56 @@ class MarlinExpertWeights:
         return (chosen.to(torch.float64) * compensation).to(torch.float32).to(experts.device)
 
     def _logical_scales(self, experts: torch.Tensor) -> torch.Tensor:
+        return self._order_scales(self._decode_scales(self.b_scales.index_select(0, experts)))
+
+    @property
+    def scales_are_bytes(self) -> bool:
+        """Whether the scales are one-byte codes (NVFP4 S0E5M3, e8m0) rather than float16/bfloat16 values."""
+        return self.format in (MarlinWeightFormat.NVFP4, MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8)
+
+    def _decode_scales(self, raw: torch.Tensor) -> torch.Tensor:
+        """Stored scales (any shape, Marlin order) → float32 values, element by element (FP8: with its exponent
+        compensation)."""
         fmt = self.format
-        raw = self.b_scales.index_select(0, experts)
-        grouped = layout.scales_are_grouped(self.num_groups)
         if fmt is MarlinWeightFormat.NVFP4:
-            decoded = decode_s0e5m3(_bytes(raw, _FP8_BYTE_DTYPES, "NVFP4 scales"))
-            return layout.unpermute_scales(layout.swap_scale_pairs(decoded), grouped)
+            return decode_s0e5m3(_bytes(raw, _FP8_BYTE_DTYPES, "NVFP4 scales"))
         if fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
-            decoded = decode_e8m0(_bytes(raw, _E8M0_DTYPES, "e8m0 scales"))
-            return layout.unpermute_scales(layout.swap_scale_pairs(decoded), grouped)
-        scales = layout.unpermute_scales(raw.to(torch.float32), grouped)
+            return decode_e8m0(_bytes(raw, _E8M0_DTYPES, "e8m0 scales"))
+        scales = raw.to(torch.float32)
         if fmt is MarlinWeightFormat.FP8:
-            scales = scales * 2.0 ** -fp8_exponent_compensation(self.activation_dtype)
+            scales = scales * self._fp8_scale_factor()
         return scales
+
+    def _fp8_scale_factor(self) -> float:
+        return 2.0 ** -fp8_exponent_compensation(self.activation_dtype)
+
+    def _order_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        """Marlin-ordered ``[..., G, N]`` → logical order (a permutation of each row's columns)."""
+        grouped = layout.scales_are_grouped(self.num_groups)
+        if self.scales_are_bytes:  # the FP4/MX fragment order swaps the middle two of every 4 first
+            scales = layout.swap_scale_pairs(scales)
+        return layout.unpermute_scales(scales, grouped)
+
+    def scale_parts(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """How the fast decoder's logical scale of expert ``e``, group ``g``, column ``n`` is read from the stored
+        ``b_scales``, for a kernel that reads them itself: ``(table, columns, multipliers)`` with ``columns``
+        (int64 ``[N]``) the stored column of logical column ``n`` (in the same row ``g``); the value is
+        ``table[byte]`` (float32 ``[256]``, byte formats) or the stored float16/bfloat16 value as float32 (``table``
+        None), times ``multipliers[e]`` (float32 ``[E]``: NVFP4's per-expert factor, FP8's exponent compensation,
+        else 1) — the same float32 operations as :meth:`fast_factors`' scales, on the CPU."""
+        order = torch.arange(self.size_n, dtype=torch.float32).view(1, 1, self.size_n)
+        columns = self._order_scales(order)[0, 0].to(torch.int64)
+        experts = torch.arange(self.num_experts)
+        table = None
+        if self.scales_are_bytes:
+            table = self._decode_scales(torch.arange(256, dtype=torch.int32).to(torch.uint8))
+        if self.format is MarlinWeightFormat.NVFP4:
+            multipliers = self.expert_multipliers(experts.to(self.b_scales.device)).cpu()
+        elif self.format is MarlinWeightFormat.FP8:
+            multipliers = torch.full((self.num_experts,), self._fp8_scale_factor(), dtype=torch.float32)
+        else:
+            multipliers = torch.ones(self.num_experts, dtype=torch.float32)
+        return table, columns, multipliers
 
     def _logical_zero_points(self, experts: torch.Tensor) -> torch.Tensor | None:
         if self.b_qzeros is None:

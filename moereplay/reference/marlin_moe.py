@@ -34,6 +34,7 @@ from typing import overload
 import torch
 
 from moereplay.errors import ReferenceError_
+from moereplay.reference import marlin_rows
 from moereplay.reference import scalar_types as st
 from moereplay.reference.marlin_formats import (
     MarlinExpertWeights,
@@ -445,16 +446,28 @@ def reference_moe_wna16_marlin_gemm(
     for code, message in dequant_notes(weights, experts_used):
         notes.append(ReferenceNote(code, message))
 
-    dense: torch.Tensor | Sequence[torch.Tensor]
-    dense_bytes = int(experts_used.numel()) * size_k * size_n * 4
-    budget = DENSE_BYTES_AT_ONCE.get(device.type, DENSE_BYTES_AT_ONCE["cpu"])
-    if weight_cache is not None and dense_bytes <= budget:
-        dense = weight_cache.get_each(weights, experts_used)
-    elif dense_bytes <= budget:
-        dense = weights.dequantize(experts_used)
+    if marlin_rows.available(device) and marlin_rows.usable(weights):
+        # no dense weights: one kernel reads the packed codes (the same weights, a fixed float32 sum order)
+        gemm_rows = marlin_rows.expert_rows(
+            input,
+            weights,
+            experts_used,
+            [int(e) for e in experts_used.tolist()],
+            grouping.per_expert,
+            rows.slot[grouping.order] // top_k,
+            grouping.order,
+        )
     else:
-        dense = _ExpertsInChunks(weights, experts_used, budget // 4)
-    gemm_rows = _expert_rows_matmul(input, rows, top_k, grouping, dense, size_n)
+        dense: torch.Tensor | Sequence[torch.Tensor]
+        dense_bytes = int(experts_used.numel()) * size_k * size_n * 4
+        budget = DENSE_BYTES_AT_ONCE.get(device.type, DENSE_BYTES_AT_ONCE["cpu"])
+        if weight_cache is not None and dense_bytes <= budget:
+            dense = weight_cache.get_each(weights, experts_used)
+        elif dense_bytes <= budget:
+            dense = weights.dequantize(experts_used)
+        else:
+            dense = _ExpertsInChunks(weights, experts_used, budget // 4)
+        gemm_rows = _expert_rows_matmul(input, rows, top_k, grouping, dense, size_n)
 
     gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
     gemm[rows.slot] = gemm_rows

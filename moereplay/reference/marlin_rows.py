@@ -1,0 +1,196 @@
+"""The Marlin MoE reference's products on a GPU without dense weights: one Triton kernel reads the packed codes.
+
+The dense path (:mod:`.marlin_decode`, then one float32 matmul per used expert) writes every used expert's weights
+as float32 and reads them again: at gpt-oss shapes (32 experts, 2880 × 5888) 2.2 GB each way, 46–74× the Marlin
+kernel's own time on an H200. :func:`expert_rows` computes the same rows from the packed and stored tensors
+(:mod:`.marlin_rows_kernel`): each weight is formed in registers with the dense decoder's float32 operations (the
+same code value; the same scale, decoded from its stored byte or 16-bit value and multiplied by NVFP4's per-expert
+factor or FP8's compensation as :meth:`MarlinExpertWeights.scale_parts` describes; with integer zero points the same
+``−zero · scale`` offset), so the weights are the dense decoder's bits; only the order of the float32 sum differs
+from cuBLAS's (IEEE float32 fused multiply-adds, k in order, per 16-row tile, then tile by tile), and it is the same
+for every row whatever else the call holds.
+
+Used on CUDA devices with Triton present for the formats the fast decoder handles (no act order, no float zero
+points; :meth:`MarlinExpertWeights.fast_kind`); ``MOEREPLAY_REFERENCE_FUSED=0`` (the switch of
+:mod:`.dequant_dense`) keeps the dense path everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from moereplay.reference import marlin_layout as layout
+from moereplay.reference.dequant_dense import FUSED_DEVICE_TYPES, SWITCH_VARIABLE
+from moereplay.reference.marlin_formats import MarlinExpertWeights
+from moereplay.reference.numerics import E2M1_VALUES
+
+TILE_K, TILE_N = 16, 64
+"""One Marlin tile of 16-bit activations: 16 rows of K by 64 columns of N."""
+
+BLOCK_M = 16
+"""Rows of one expert a program multiplies (the smallest a ``tl.dot`` takes); an expert's rows in blocks of it."""
+
+BLOCK_N = 64
+"""Columns of one program."""
+
+
+def available(device: torch.device, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the kernel may run on ``device``: a CUDA device, Triton importable, not switched off
+    (``environ``: default ``os.environ``, read when called)."""
+    environment = os.environ if environ is None else environ
+    if device.type not in FUSED_DEVICE_TYPES or environment.get(SWITCH_VARIABLE, "1").strip() == "0":
+        return False
+    try:
+        from moereplay.reference import marlin_rows_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def usable(weights: MarlinExpertWeights) -> bool:
+    """Whether the kernel reads these weights: a format of the fast decoder in the 16-bit-activation layout."""
+    return (
+        weights.fast_kind() is not None
+        and weights.size_k % TILE_K == 0
+        and weights.size_n % TILE_N == 0
+        and weights.group_size % TILE_K == 0
+    )
+
+
+@functools.cache
+def _byte_table_cpu(num_bits: int) -> torch.Tensor:
+    sources = layout.tile_slot_sources(num_bits)  # slot -> k * 64 + n
+    slots = torch.empty_like(sources)
+    slots[sources] = torch.arange(sources.numel())
+    # 4-bit: byte slot // 2, the code's nibble is the slot's low bit; 8-bit: byte slot
+    entries = (slots // 2) * 8 + (slots % 2) * 4 if num_bits == 4 else slots * 8
+    return entries.to(torch.int32).view(TILE_K, TILE_N)
+
+
+def byte_table(num_bits: int) -> torch.Tensor:
+    """int32 ``[16, 64]``: for row ``k`` and column ``n`` of a Marlin tile, ``byte · 8 + shift`` — the byte of the
+    packed tile holding that code and the bit its code starts at (4-bit: 0 or 4; 8-bit: 0)."""
+    return _byte_table_cpu(num_bits).clone()
+
+
+@functools.cache
+def _value_table_cpu(kind: str) -> torch.Tensor:
+    code = torch.arange(256)
+    if kind == "e2m1":
+        values = torch.tensor(E2M1_VALUES, dtype=torch.float32)[code % 16]
+    elif kind == "uint4b8":
+        values = (code % 16 - 8).to(torch.float32)
+    elif kind == "uint4":
+        values = (code % 16).to(torch.float32)
+    elif kind == "e4m3":
+        values = code.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    elif kind == "uint8b128":
+        values = (code - 128).to(torch.float32)
+    else:
+        raise ValueError(f"no value table for {kind!r}")
+    return values
+
+
+def value_table(kind: str) -> torch.Tensor:
+    """float32 ``[256]``: the exact value of each code of ``kind`` (4-bit kinds repeat every 16 entries)."""
+    return _value_table_cpu(kind).clone()
+
+
+@functools.cache
+def _device_tables(num_bits: int, kind: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return _byte_table_cpu(num_bits).to(device), _value_table_cpu(kind).to(device)
+
+
+def plan_tiles(per_expert: Sequence[int], experts: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """Programs' row blocks ``(start, count, expert, position)``: ``per_expert[u]`` rows of expert ``experts[u]``
+    start at the sum of the earlier counts in the grouped order, in blocks of at most :data:`BLOCK_M`."""
+    plan: list[tuple[int, int, int, int]] = []
+    start = 0
+    for position, (count, expert) in enumerate(zip(per_expert, experts, strict=True)):
+        for first in range(0, count, BLOCK_M):
+            plan.append((start + first, min(BLOCK_M, count - first), int(expert), position))
+        start += count
+    return plan
+
+
+def expert_rows(
+    input: torch.Tensor,
+    weights: MarlinExpertWeights,
+    experts_used: torch.Tensor,
+    experts_host: Sequence[int],
+    per_expert: Sequence[int],
+    source_rows: torch.Tensor,
+    order: torch.Tensor,
+) -> torch.Tensor:
+    """float32 ``[R, N]``: row ``order[g]`` is ``input[source_rows[g]] @ W[e]`` for the ``g``-th row of the grouped
+    order (``per_expert[u]`` rows of ``experts_used[u]`` after one another; ``experts_host`` the same ids on the
+    host). One launch; no sync."""
+    from moereplay.reference.marlin_rows_kernel import marlin_rows
+
+    device = input.device
+    count = int(order.numel())
+    size_n = weights.size_n
+    out = torch.empty((count, size_n), dtype=torch.float32, device=device)
+    if count == 0:
+        return out
+    kind = weights.fast_kind()
+    assert kind is not None
+    num_bits = weights.format.num_bits
+    table, lut = _device_tables(num_bits, kind, device)
+    scale_table, columns, multipliers = _scale_parts(weights)
+    offsets = None
+    if weights.b_qzeros is not None:  # integer zero points: −zero · scale per used expert, from the host
+        offsets = weights.fast_factors(experts_used)[1]
+        assert offsets is not None
+        offsets = offsets.contiguous()
+    stored = weights.b_scales.view(torch.uint8) if weights.scales_are_bytes else weights.b_scales
+    tiles = plan_tiles(per_expert, experts_host)
+    fields = torch.tensor(tiles, dtype=torch.int64).to(device, non_blocking=True)  # [tiles, 4]
+    packed = weights.b_qweight.contiguous().view(torch.uint8)
+    marlin_rows[(len(tiles), -(-size_n // BLOCK_N))](
+        input,
+        input.stride(0),
+        input.stride(1),
+        source_rows.contiguous(),
+        order.contiguous(),
+        out,
+        out.stride(0),
+        packed,
+        table,
+        lut,
+        stored,
+        *stored.stride(),
+        columns,
+        scale_table if scale_table is not None else lut,  # never read for 16-bit scales
+        multipliers,
+        offsets if offsets is not None else lut,  # never read without zero points
+        fields,
+        weights.size_k // TILE_K,
+        size_n // TILE_N,
+        size_n,
+        weights.num_groups,
+        weights.group_size // TILE_K,
+        FOUR_BIT=num_bits == 4,
+        SCALE_BYTES=scale_table is not None,
+        HAS_OFFSET=offsets is not None,
+        TILE_BYTES=TILE_K * TILE_N * num_bits // 8,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        num_warps=4,
+    )
+    return out
+
+
+def _scale_parts(weights: MarlinExpertWeights) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """:meth:`MarlinExpertWeights.scale_parts` on the weights' device (small: 256 + N + E entries)."""
+    device = weights.b_qweight.device
+    table, columns, multipliers = weights.scale_parts()
+    return (
+        None if table is None else table.to(device, non_blocking=True),
+        columns.to(device, non_blocking=True),
+        multipliers.to(device, non_blocking=True),
+    )

@@ -1,0 +1,134 @@
+"""The Marlin reference's packed-code product on the GPU (marlin_rows) against its dense path and float64.
+
+The packed-code kernel forms each weight as the dense decoder does (the CPU tests check that element by element);
+here the products themselves: the same rows as the dense path within float32 summation order, against float64
+within 1e-5, and a row's bits independent of the other rows of the call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moereplay.reference import marlin_rows
+from moereplay.reference.dequant_dense import SWITCH_VARIABLE
+from moereplay.reference.marlin_formats import MarlinWeightFormat, PackedExperts, random_experts
+from moereplay.reference.marlin_moe import reference_moe_wna16_marlin_gemm
+from moereplay.reference.moe_align import moe_align_block_size
+
+F = MarlinWeightFormat
+CUDA = torch.device("cuda")
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or not marlin_rows.available(CUDA, {}),
+    reason="needs a CUDA GPU and Triton",
+)
+
+FAST = [
+    (F.NVFP4, None, torch.bfloat16),
+    (F.NVFP4, None, torch.float16),
+    (F.MXFP4, None, torch.bfloat16),
+    (F.MXFP8, None, torch.bfloat16),
+    (F.FP8, -1, torch.bfloat16),
+    (F.FP8, 128, torch.float16),
+    (F.GPTQ_INT4, 32, torch.bfloat16),
+    (F.GPTQ_INT4, -1, torch.float16),
+    (F.GPTQ_INT8, 64, torch.bfloat16),
+    (F.AWQ_INT4, 32, torch.float16),
+    (F.AWQ_INT4, -1, torch.bfloat16),
+]
+
+
+def _call(packed: PackedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, top_k: int, block: int,
+          experts: int, mul: bool = True):  # fmt: skip
+    sorted_ids, expert_ids, total = moe_align_block_size(ids.to(torch.int32), block, experts)
+    return reference_moe_wna16_marlin_gemm(
+        input=x,
+        output=None,
+        a_scales=None,
+        workspace=None,
+        sorted_token_ids=sorted_ids,
+        expert_ids=expert_ids,
+        num_tokens_past_padded=total,
+        topk_weights=weights,
+        moe_block_size=block,
+        top_k=top_k,
+        mul_topk_weights=mul,
+        size_m=x.shape[0],
+        **packed.kernel_kwargs(),
+    )
+
+
+def _routing(tokens: int, top_k: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=gen), -1), top_k)
+    return weights.to(CUDA, torch.float32), ids.to(CUDA)
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).abs().max() / expected.double().abs().max())
+
+
+@pytest.mark.parametrize(("fmt", "group_size", "dtype"), FAST)
+def test_packed_code_rows_agree_with_the_dense_path_and_float64(
+    fmt, group_size, dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    experts, k, n, tokens, top_k = 8, 256, 192, 37, 3
+    packed = random_experts(
+        fmt,
+        experts,
+        k,
+        n,
+        group_size=group_size,
+        activation_dtype=dtype,
+        with_bias=True,
+        generator=torch.Generator().manual_seed(3),
+        device=CUDA,
+    )
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(4)).to(CUDA, dtype)
+    weights, ids = _routing(tokens, top_k, experts, 5)
+    fused = _call(packed, x, ids, weights, top_k=top_k, block=16, experts=experts)
+    assert packed.dense is not None and packed.dense_bias is not None
+    expected = torch.einsum("mk,mjkn->mjn", x.double(), packed.dense.to(CUDA)[ids])
+    expected = (expected + packed.dense_bias.to(CUDA)[ids]) * weights.double().unsqueeze(-1)
+    assert _relative(fused.output.view(tokens, top_k, n), expected) < 1e-5
+    monkeypatch.setenv(SWITCH_VARIABLE, "0")
+    dense = _call(packed, x, ids, weights, top_k=top_k, block=16, experts=experts)
+    assert torch.equal(fused.written, dense.written) and fused.notes == dense.notes
+    assert _relative(fused.output, dense.output) < 1e-5
+    assert _relative(fused.gemm, dense.gemm) < 1e-5
+
+
+def test_a_rows_bits_do_not_depend_on_the_other_rows() -> None:
+    """Rows of the first tokens, computed in calls of 1 … 300 tokens (every block height), are the same bits."""
+    experts, k, n, top_k = 8, 512, 256, 4
+    packed = random_experts(
+        F.NVFP4, experts, k, n, with_dense=False, generator=torch.Generator().manual_seed(6), device=CUDA
+    )
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(7)).to(CUDA, torch.bfloat16)
+    weights, ids = _routing(300, top_k, experts, 8)
+    full = _call(packed, x, ids, weights, top_k=top_k, block=64, experts=experts)
+    for tokens in (1, 2, 5, 17, 40, 120):
+        part = _call(
+            packed, x[:tokens], ids[:tokens], weights[:tokens], top_k=top_k, block=8, experts=experts
+        )
+        rows = tokens * top_k
+        assert torch.equal(part.output[:rows], full.output[:rows]), (
+            f"rows of the first {tokens} tokens changed"
+        )
+
+
+@pytest.mark.parametrize("fmt", [F.NVFP4, F.MXFP4])
+def test_gpt_oss_shapes_agree_with_the_dense_path(fmt, monkeypatch: pytest.MonkeyPatch) -> None:
+    """E=32, top-4, K=2880 → N=5888 (gemm1) at 32 tokens, the reference_bench case."""
+    experts, k, n, tokens, top_k = 32, 2880, 5888, 32, 4
+    packed = random_experts(
+        fmt, experts, k, n, with_dense=False, generator=torch.Generator().manual_seed(9), device=CUDA
+    )
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(10)).to(CUDA, torch.bfloat16)
+    weights, ids = _routing(tokens, top_k, experts, 11)
+    fused = _call(packed, x, ids, weights, top_k=top_k, block=8, experts=experts, mul=False)
+    monkeypatch.setenv(SWITCH_VARIABLE, "0")
+    dense = _call(packed, x, ids, weights, top_k=top_k, block=8, experts=experts, mul=False)
+    assert torch.equal(fused.written, dense.written)
+    assert _relative(fused.output, dense.output) < 1e-5

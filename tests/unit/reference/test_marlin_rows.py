@@ -1,0 +1,152 @@
+"""The host side of the packed-code Marlin product (marlin_rows): the kernel's addressing, value tables and
+factors, applied in torch element by element, rebuild the dense decoder's weights bit for bit; the tile plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moereplay.reference import marlin_rows
+from moereplay.reference.dequant_dense import SWITCH_VARIABLE
+from moereplay.reference.marlin_formats import MarlinExpertWeights, MarlinWeightFormat, random_experts
+
+F = MarlinWeightFormat
+
+FAST = [
+    (F.NVFP4, None, torch.bfloat16),
+    (F.NVFP4, None, torch.float16),
+    (F.MXFP4, None, torch.bfloat16),
+    (F.MXFP8, None, torch.bfloat16),
+    (F.FP8, -1, torch.bfloat16),
+    (F.FP8, 128, torch.float16),
+    (F.GPTQ_INT4, 32, torch.bfloat16),
+    (F.GPTQ_INT4, -1, torch.float16),
+    (F.GPTQ_INT8, 64, torch.bfloat16),
+    (F.AWQ_INT4, 32, torch.float16),
+    (F.AWQ_INT4, -1, torch.bfloat16),
+]
+
+
+def _weights(fmt, group_size, dtype, *, experts: int = 4, k: int = 256, n: int = 192, **extra):
+    packed = random_experts(
+        fmt,
+        experts,
+        k,
+        n,
+        group_size=group_size,
+        activation_dtype=dtype,
+        generator=torch.Generator().manual_seed(11),
+        **extra,
+    )
+    kwargs = packed.kernel_kwargs()
+    return MarlinExpertWeights.from_kernel_args(
+        b_qweight=kwargs["b_qweight"],
+        b_scales=kwargs["b_scales"],
+        b_q_type=fmt.scalar_type,
+        activation_dtype=dtype,
+        size_k=k,
+        size_n=n,
+        global_scale=kwargs["global_scale"],
+        b_qzeros=kwargs["b_qzeros"],
+        g_idx=kwargs["g_idx"],
+        perm=kwargs["perm"],
+        is_zp_float=bool(kwargs["is_zp_float"]),
+    )
+
+
+def _kernel_weights(weights: MarlinExpertWeights, experts: torch.Tensor) -> torch.Tensor:
+    """The weights as the kernel forms them: table → byte and shift, code → value, ``value * scale (+ offset)``."""
+    kind = weights.fast_kind()
+    assert kind is not None
+    bits = weights.format.num_bits
+    table = marlin_rows.byte_table(bits).long()
+    lut = marlin_rows.value_table(kind)
+    offsets = weights.fast_factors(experts)[1]
+    scale_table, columns, multipliers = weights.scale_parts()
+    size_k, size_n = weights.size_k, weights.size_n
+    packed = weights.b_qweight.contiguous().view(torch.uint8).reshape(weights.num_experts, size_k // 16, -1)
+    k = torch.arange(size_k).view(-1, 1)
+    n = torch.arange(size_n).view(1, -1)
+    entry = table[k % 16, n % 64]
+    tile_bytes = 16 * 64 * bits // 8
+    data = packed[experts][:, k // 16, (n // 64) * tile_bytes + (entry >> 3)].to(torch.int64)
+    code = (data >> (entry & 7)) & 0xF if bits == 4 else data
+    value = lut[code]
+    group = k // weights.group_size
+    stored = weights.b_scales[experts][:, group, columns[n]]
+    if scale_table is not None:
+        decoded = scale_table[stored.view(torch.uint8).long()]
+    else:
+        decoded = stored.to(torch.float32)
+    scales = decoded * multipliers[experts].view(-1, 1, 1)
+    result = value * scales
+    if offsets is not None:
+        result = result + offsets[:, group, n]
+    return result
+
+
+@pytest.mark.parametrize(("fmt", "group_size", "dtype"), FAST)
+def test_the_kernels_addressing_rebuilds_the_dense_decoders_weights(fmt, group_size, dtype) -> None:
+    weights = _weights(fmt, group_size, dtype)
+    assert marlin_rows.usable(weights)
+    experts = torch.tensor([3, 0, 2])
+    expected = weights.dequantize(experts)
+    assert torch.equal(_kernel_weights(weights, experts), expected)
+
+
+def test_a_swapped_table_row_breaks_the_weights() -> None:
+    """The check above can fail: two rows of the byte table exchanged give other weights."""
+    weights = _weights(F.GPTQ_INT4, 32, torch.bfloat16)
+    experts = torch.tensor([1])
+    table = marlin_rows.byte_table(4)
+    swapped = table.clone()
+    swapped[[0, 1]] = table[[1, 0]]
+    original = marlin_rows._byte_table_cpu
+    marlin_rows._byte_table_cpu = lambda bits: swapped  # type: ignore[assignment]
+    try:
+        assert not torch.equal(_kernel_weights(weights, experts), weights.dequantize(experts))
+    finally:
+        marlin_rows._byte_table_cpu = original
+
+
+def test_byte_table_entries() -> None:
+    four, eight = marlin_rows.byte_table(4), marlin_rows.byte_table(8)
+    assert four.shape == eight.shape == (16, 64)
+    # 4-bit: rows k and k + 8 share their bytes, the low nibble is row k
+    assert torch.equal(four[:8] >> 3, four[8:] >> 3)
+    assert set((four[:8] & 7).unique().tolist()) == {0} and set((four[8:] & 7).unique().tolist()) == {4}
+    assert sorted((four[:8].reshape(-1) >> 3).tolist()) == list(range(512))
+    assert sorted((eight.reshape(-1) >> 3).tolist()) == list(range(1024))
+
+
+def test_value_tables() -> None:
+    assert marlin_rows.value_table("uint4b8")[:16].tolist() == [float(q - 8) for q in range(16)]
+    assert marlin_rows.value_table("uint8b128")[[0, 128, 255]].tolist() == [-128.0, 0.0, 127.0]
+    e2m1 = marlin_rows.value_table("e2m1")
+    assert e2m1[[1, 7, 15]].tolist() == [0.5, 6.0, -6.0] and torch.signbit(e2m1[8])
+    e4m3 = marlin_rows.value_table("e4m3")
+    assert e4m3[0x38].item() == 1.0 and torch.isnan(e4m3[0x7F]) and torch.isnan(e4m3[0xFF])
+    with pytest.raises(ValueError):
+        marlin_rows.value_table("e8m0")
+
+
+def test_plan_tiles_gives_each_row_to_one_program_of_its_expert() -> None:
+    counts, experts = [3, 1, 0, 70, 16, 17], [5, 7, 9, 11, 2, 4]
+    plan = marlin_rows.plan_tiles(counts, experts)
+    covered: list[int] = []
+    starts = [sum(counts[:u]) for u in range(len(counts))]
+    for start, count, expert, position in plan:
+        assert 0 < count <= marlin_rows.BLOCK_M
+        assert expert == experts[position]
+        assert starts[position] <= start and start + count <= starts[position] + counts[position]
+        covered.extend(range(start, start + count))
+    assert sorted(covered) == list(range(sum(counts)))
+    assert plan[:3] == [(0, 3, 5, 0), (3, 1, 7, 1), (4, 16, 11, 3)]
+    assert [c for _, c, e, _ in plan if e == 11] == [16, 16, 16, 16, 6]
+
+
+def test_usable_and_available() -> None:
+    assert not marlin_rows.usable(_weights(F.GPTQ_INT4, 32, torch.bfloat16, act_order=True))
+    assert not marlin_rows.usable(_weights(F.AWQ_INT4_FZP, 32, torch.float16))
+    assert not marlin_rows.available(torch.device("cpu"), {})
+    assert not marlin_rows.available(torch.device("cuda"), {SWITCH_VARIABLE: "0"})
