@@ -490,26 +490,27 @@ class MarlinExpertWeights:
             scales = layout.swap_scale_pairs(scales)
         return layout.unpermute_scales(scales, grouped)
 
-    def scale_parts(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """How the fast decoder's logical scale of expert ``e``, group ``g``, column ``n`` is read from the stored
-        ``b_scales``, for a kernel that reads them itself: ``(table, columns, multipliers)`` with ``columns``
-        (int64 ``[N]``) the stored column of logical column ``n`` (in the same row ``g``); the value is
-        ``table[byte]`` (float32 ``[256]``, byte formats) or the stored float16/bfloat16 value as float32 (``table``
-        None), times ``multipliers[e]`` (float32 ``[E]``: NVFP4's per-expert factor, FP8's exponent compensation,
-        else 1) — the same float32 operations as :meth:`fast_factors`' scales, on the CPU."""
+    def scale_layout(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """How the fast decoder's logical scale of group ``g``, column ``n`` is read from the stored ``b_scales``,
+        for a kernel that reads them itself: ``(table, columns)``, on the CPU, with ``columns`` (int64 ``[N]``) the
+        stored column of logical column ``n`` (in the same row ``g``) and the value ``table[byte]`` (float32
+        ``[256]``, byte formats) or the stored float16/bfloat16 value as float32 (``table`` None), then times
+        :meth:`scale_multipliers` — the same float32 operations as :meth:`fast_factors`' scales. Depends only on
+        the format, the activation dtype, the number of groups and N."""
         order = torch.arange(self.size_n, dtype=torch.float32).view(1, 1, self.size_n)
         columns = self._order_scales(order)[0, 0].to(torch.int64)
-        experts = torch.arange(self.num_experts)
         table = None
         if self.scales_are_bytes:
             table = self._decode_scales(torch.arange(256, dtype=torch.int32).to(torch.uint8))
+        return table, columns
+
+    def scale_multipliers(self, experts: torch.Tensor) -> torch.Tensor:
+        """float32 per expert of ``experts`` (on their device) that :meth:`scale_layout`'s values are multiplied by:
+        NVFP4's per-expert factor, FP8's exponent compensation, else 1."""
         if self.format is MarlinWeightFormat.NVFP4:
-            multipliers = self.expert_multipliers(experts.to(self.b_scales.device)).cpu()
-        elif self.format is MarlinWeightFormat.FP8:
-            multipliers = torch.full((self.num_experts,), self._fp8_scale_factor(), dtype=torch.float32)
-        else:
-            multipliers = torch.ones(self.num_experts, dtype=torch.float32)
-        return table, columns, multipliers
+            return self.expert_multipliers(experts)
+        value = self._fp8_scale_factor() if self.format is MarlinWeightFormat.FP8 else 1.0
+        return torch.full((experts.numel(),), value, dtype=torch.float32, device=experts.device)
 
     def _logical_zero_points(self, experts: torch.Tensor) -> torch.Tensor | None:
         if self.b_qzeros is None:

@@ -258,16 +258,20 @@ def _route(
     )
     block_experts = expert_ids[:blocks].to(device=device, dtype=torch.long)
     valid = (ids >= 0) & (ids < num_slots)
-    if bool((ids < 0).any()):
+    padding_before = torch.cumsum((~valid).to(torch.int32), dim=1) > 0
+    inner = valid & padding_before
+    bad_expert = (block_experts < 0) | (block_experts >= num_experts)
+    dropped = valid & bad_expert.view(-1, 1)
+    # one sync for the three contract checks; their details cost more only when one of them holds
+    negative_any, inner_any, dropped_any = torch.stack(((ids < 0).any(), inner.any(), dropped.any())).tolist()
+    if negative_any:
         notes.append(
             ReferenceNote(
                 "negative_sorted_id",
                 f"{int((ids < 0).sum())} sorted_token_ids entries are negative; the kernel counts them as rows",
             )
         )
-    padding_before = torch.cumsum((~valid).to(torch.int32), dim=1) > 0
-    inner = valid & padding_before
-    if bool(inner.any()):
+    if inner_any:
         bad_blocks = torch.nonzero(inner.any(dim=1)).reshape(-1)
         notes.append(
             ReferenceNote(
@@ -276,9 +280,7 @@ def _route(
                 "first `count` entries of a block",
             )
         )
-    bad_expert = (block_experts < 0) | (block_experts >= num_experts)
-    dropped = valid & bad_expert.view(-1, 1)
-    if bool(dropped.any()):
+    if dropped_any:
         bad_blocks = torch.nonzero(dropped.any(dim=1)).reshape(-1)
         notes.append(
             ReferenceNote(
@@ -287,7 +289,7 @@ def _route(
                 f"({_short_list(block_experts[bad_blocks])}); their rows are left unwritten here",
             )
         )
-        valid = valid & ~bad_expert.view(-1, 1)
+    valid = valid & ~bad_expert.view(-1, 1)
     positions = torch.nonzero(valid.reshape(-1)).reshape(-1)
     slot = ids.reshape(-1)[positions]
     block = positions // moe_block_size
@@ -342,10 +344,11 @@ def _row_weights(
                 f"topk_weights has {flat.numel()} values for {num_slots} slots; the kernel reads past it",
             )
         )
+    if flat.numel() == 0:
+        return torch.full(slot.shape, float("nan"), dtype=torch.float32, device=slot.device)
     inside = slot < flat.numel()
-    values = torch.full(slot.shape, float("nan"), dtype=torch.float32, device=slot.device)
-    values[inside] = flat[slot[inside]]
-    return values
+    read = flat[slot.clamp(max=flat.numel() - 1)]  # no sync: a slot past the end reads NaN below
+    return torch.where(inside, read, torch.full_like(read, float("nan")))
 
 
 def reference_moe_wna16_marlin_gemm(
@@ -441,8 +444,8 @@ def reference_moe_wna16_marlin_gemm(
         device,
         notes,
     )
-    experts_used = torch.unique(rows.expert)
-    grouping = _group_rows(rows, experts_used)  # the last sync before the (asynchronous) heavy work
+    grouping = _group_rows(rows)  # the last sync before the (asynchronous) heavy work
+    experts_used = grouping.experts_used
     for code, message in dequant_notes(weights, experts_used):
         notes.append(ReferenceNote(code, message))
 
@@ -452,7 +455,7 @@ def reference_moe_wna16_marlin_gemm(
             input,
             weights,
             experts_used,
-            [int(e) for e in experts_used.tolist()],
+            grouping.experts,
             grouping.per_expert,
             rows.slot[grouping.order] // top_k,
             grouping.order,
@@ -498,7 +501,7 @@ def reference_moe_wna16_marlin_gemm(
         total *= row_weights.unsqueeze(1)
     else:
         row_weights[rows.slot] = 1.0
-        total[~written] = 0.0
+        total.masked_fill_(~written.unsqueeze(1), 0.0)
 
     minus_one = torch.full((num_slots,), -1, dtype=torch.long, device=device)
     input_row, expert, k_slot, block = (
@@ -528,14 +531,17 @@ def reference_moe_wna16_marlin_gemm(
 @dataclass(frozen=True)
 class _Grouping:
     order: torch.Tensor  # int64 [R]: rows sorted by expert (stable)
+    experts_used: torch.Tensor  # int64 [U]: the experts rows use, ascending (on the rows' device)
+    experts: list[int]  # the same on the host
     per_expert: list[int]  # rows of each used expert, in experts_used order
 
 
-def _group_rows(rows: _Rows, experts_used: torch.Tensor) -> _Grouping:
-    position = torch.searchsorted(experts_used, rows.expert)
-    order = torch.argsort(position, stable=True)
-    per_expert = torch.bincount(position, minlength=experts_used.numel()).tolist()
-    return _Grouping(order, [int(c) for c in per_expert])
+def _group_rows(rows: _Rows) -> _Grouping:
+    """The used experts, their row counts and the rows' stable order by expert (one sync)."""
+    experts_used, counts = torch.unique(rows.expert, return_counts=True)
+    order = torch.argsort(rows.expert, stable=True)
+    experts, per_expert = torch.stack((experts_used, counts)).tolist()
+    return _Grouping(order, experts_used, [int(e) for e in experts], [int(c) for c in per_expert])
 
 
 DENSE_BYTES_AT_ONCE = {"cpu": 256 << 20, "cuda": 8 << 30}

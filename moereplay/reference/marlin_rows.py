@@ -185,12 +185,18 @@ def expert_rows(
     return out
 
 
+_SCALE_LAYOUTS: dict[tuple[object, ...], tuple[torch.Tensor | None, torch.Tensor]] = {}
+"""Device copies of :meth:`MarlinExpertWeights.scale_layout`, by what it depends on (and the device)."""
+
+
 def _scale_parts(weights: MarlinExpertWeights) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """:meth:`MarlinExpertWeights.scale_parts` on the weights' device (small: 256 + N + E entries)."""
+    """:meth:`MarlinExpertWeights.scale_layout` (kept per format, dtype, groups, N and device) and the experts'
+    multipliers, on the weights' device; no sync."""
     device = weights.b_qweight.device
-    table, columns, multipliers = weights.scale_parts()
-    return (
-        None if table is None else table.to(device, non_blocking=True),
-        columns.to(device, non_blocking=True),
-        multipliers.to(device, non_blocking=True),
-    )
+    key = (weights.format, weights.activation_dtype, weights.num_groups, weights.size_n, device)
+    if key not in _SCALE_LAYOUTS:
+        table, columns = weights.scale_layout()
+        _SCALE_LAYOUTS[key] = (None if table is None else table.to(device)), columns.to(device)
+    table, columns = _SCALE_LAYOUTS[key]
+    multipliers = weights.scale_multipliers(torch.arange(weights.num_experts, device=device))
+    return table, columns, multipliers

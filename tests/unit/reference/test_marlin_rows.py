@@ -62,7 +62,8 @@ def _kernel_weights(weights: MarlinExpertWeights, experts: torch.Tensor) -> torc
     table = marlin_rows.byte_table(bits).long()
     lut = marlin_rows.value_table(kind)
     offsets = weights.fast_factors(experts)[1]
-    scale_table, columns, multipliers = weights.scale_parts()
+    scale_table, columns = weights.scale_layout()
+    multipliers = weights.scale_multipliers(torch.arange(weights.num_experts))
     size_k, size_n = weights.size_k, weights.size_n
     packed = weights.b_qweight.contiguous().view(torch.uint8).reshape(weights.num_experts, size_k // 16, -1)
     k = torch.arange(size_k).view(-1, 1)
