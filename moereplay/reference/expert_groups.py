@@ -17,9 +17,13 @@ allocations (:func:`matmul_into`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
+
+_T = TypeVar("_T")
 
 ALIGNMENT_BYTES = {"cpu": 64, "cuda": 512}
 """Where fresh tensors start, per device type: the CPU allocator hands out 64-byte multiples, CUDA's caching
@@ -64,6 +68,29 @@ def expert_runs(experts: tuple[int, ...], most: int) -> Iterator[tuple[int, int]
         if index == len(experts) or experts[index] != experts[index - 1] + 1 or index - first == most:
             yield first, index - first
             first = index
+
+
+def on_threads(function: Callable[..., _T], jobs: Sequence[tuple[Any, ...]]) -> list[_T]:
+    """``[function(*job) for job in jobs]``, the jobs spread over ``torch.get_num_threads()`` worker threads that
+    run torch with one intra-op thread each (restored after), for many small independent jobs — an expert's
+    products a slice of columns at a time: each small operator split over the intra-op threads would wait at a
+    barrier for all of them, and on a loaded machine (or beside another thread of this process) a barrier waits
+    for a descheduled thread's time slice. Results in job order; the first job's error (in job order) is raised."""
+    threads = min(torch.get_num_threads(), len(jobs))
+    if threads <= 1:
+        return [function(*job) for job in jobs]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moereplay-experts") as pool:
+            futures = [pool.submit(function, *job) for job in jobs]
+            try:
+                return [future.result() for future in futures]
+            finally:
+                for future in futures:
+                    future.cancel()
+    finally:
+        torch.set_num_threads(before)
 
 
 def aligned(tensor: torch.Tensor, alignment: int | None = None) -> torch.Tensor:

@@ -34,14 +34,18 @@ mirrors defined here, which a capture decodes to without importing triton. The r
 returns float32, on the device of ``x`` unless told otherwise. Each used expert's rows are one float64 matmul by its
 dense weight (the product a loop over experts computes, bit for bit: :mod:`moereplay.reference.expert_groups`);
 MXFP4 weights are decoded straight to float64 by a table lookup per element, a run of experts at a time
-(:mod:`moereplay.reference.mxfp4_dense`, :data:`DENSE_ELEMENTS_AT_ONCE`: one gpt-oss expert, 133 MB, on the CPU),
-and nothing in the expert loop waits for the device. Cost at gpt-oss w13 shapes (32 experts, 2880 × 5760, 256 rows)
-on 2 CPU cores: ≈ 2 s, ≈ 0.25 GB beyond the call's tensors.
+(:mod:`moereplay.reference.mxfp4_dense`, :data:`DENSE_ELEMENTS_AT_ONCE`), and nothing in the expert loop waits for
+the device. On the CPU an expert whose product is exact in float64 (bf16 activations of an ordinary range by MXFP4
+weights: every summation order gives its bits) is instead unswizzled, decoded and multiplied a slice of weight
+columns at a time, experts spread over the intra-op threads (:class:`_ExactProducts`), never holding its 133 MB
+dense weight. Cost at gpt-oss w13 shapes (32 experts, 2880 × 5760, 256 rows) on 2 CPU cores: ≈ 0.8 s, ≈ 0.1 GB
+beyond the call's tensors.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -51,16 +55,22 @@ import torch
 
 from moereplay.errors import ReferenceError_
 from moereplay.reference.activation import W13Layout, swigluoai_and_mul
-from moereplay.reference.expert_groups import expert_runs, matmul_into
+from moereplay.reference.expert_groups import expert_runs, matmul_into, on_threads
 from moereplay.reference.hopper_mxfp4 import (
     HOPPER_NUM_WARPS,
     HOPPER_SCALE,
     HOPPER_VALUE,
     MX_GROUP,
+    HopperValueShape,
     unswizzle_hopper_scales,
     unswizzle_hopper_values,
 )
-from moereplay.reference.mxfp4_dense import dense_experts_float64
+from moereplay.reference.mxfp4_dense import (
+    ColumnBytes,
+    dense_experts_float64,
+    exact_matmul_into,
+    packed_columns,
+)
 from moereplay.reference.numerics import decode_e2m1_codes, decode_e8m0
 
 STRIDED = "STRIDED"
@@ -549,7 +559,8 @@ def _gemm_stage(
     (a later range overwrites an earlier one). Each range is one float64 matmul of its gathered rows by its expert's
     dense weight, exactly as a loop over experts computes it (:func:`moereplay.reference.expert_groups.matmul_into`);
     the weights are decoded a run of experts at a time (:func:`_expert_weights`), the gather indices and flex scales
-    read back once, so the loop syncs with the device nowhere."""
+    read back once, so the loop syncs with the device nowhere. Ranges that share no row take their products from
+    :class:`_ExactProducts` where it applies, all of them before their flex scales and bias terms."""
     gemm = torch.zeros((n_sorted, n), dtype=torch.float64, device=dev)
     bias_term = torch.zeros((n_sorted, n), dtype=torch.float64, device=dev) if bias is not None else None
     bias64 = None if bias is None else bias.to(device=dev, dtype=torch.float64)
@@ -560,7 +571,23 @@ def _gemm_stage(
     rhs_scale = precision.flex.rhs_scale
     rhs_scale = None if rhs_scale is None else rhs_scale.cpu()
     x_parts = _gathered_rows(x64, host_rows, ranges)
-    weights = _expert_weights(w_spec, precision.weight_scale, [e for e, _, _ in ranges], dev)
+    experts = [e for e, _, _ in ranges]
+    exact = _ExactProducts.of(w_spec, precision.weight_scale, dev) if _disjoint(ranges) else None
+    products = None if exact is not None else _expert_products(w_spec, precision.weight_scale, experts, dev)
+    jobs: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def finish(e: int, start: int, count: int) -> None:
+        """The range's flex scales and bias term (after its product)."""
+        gemm[start : start + count].mul_(x_scale * _scalar(rhs_scale, e))
+        if bias64 is not None and bias_term is not None:
+            b = bias64[e] if bias64.ndim == 2 else bias64
+            factor = (
+                betas64[start : start + count, None]
+                if betas64 is not None
+                else torch.ones((count, 1), dtype=torch.float64, device=dev)
+            )
+            bias_term[start : start + count] = b[None, :] * factor
+
     for index, (e, start, count) in enumerate(ranges):
         x_rows = host_rows[start : start + count] if host_rows is not None else None
         low, high = (
@@ -570,20 +597,20 @@ def _gemm_stage(
         )
         if count and (low < 0 or high >= x_t.shape[0]):
             raise ReferenceError_(f"expert {e} gathers x rows outside 0..{x_t.shape[0] - 1}")
-        weight = next(weights)
-        w_scale = _scalar(rhs_scale, e)
-        target = gemm[start : start + count]
-        matmul_into(target, x_parts(index), weight)
-        target.mul_(x_scale * w_scale)
-        if bias64 is not None and bias_term is not None:
-            b = bias64[e] if bias64.ndim == 2 else bias64
-            factor = (
-                betas64[start : start + count, None]
-                if betas64 is not None
-                else torch.ones((count, 1), dtype=torch.float64, device=dev)
-            )
-            bias_term[start : start + count] = b[None, :] * factor
-        del weight  # a view of the decoder's run buffer: let a run of another length free it
+        if exact is not None:
+            if not jobs:
+                exact.storage(e)  # raises what decoding the first expert raises, where it would
+            jobs.append((e, gemm[start : start + count], x_parts(index)))
+            continue
+        assert products is not None
+        multiply = next(products)
+        multiply(gemm[start : start + count], x_parts(index))
+        del multiply  # may hold a view of the decoder's run buffer: let a run of another length free it
+        finish(e, start, count)
+    if exact is not None:
+        exact.run(jobs)
+        for e, start, count in ranges:
+            finish(e, start, count)
     return gemm, bias_term
 
 
@@ -614,6 +641,88 @@ def _gathered_rows(
     gathered = x64[torch.cat(safe).to(device)]
     splits = torch.split(gathered, [piece.numel() for piece in pieces])
     return lambda index: splits[index]
+
+
+def _disjoint(ranges: list[tuple[int, int, int]]) -> bool:
+    """Whether no two ranges share a row (then their products may be computed in any order)."""
+    spans = sorted((start, start + count) for _, start, count in ranges if count)
+    return all(end <= following for (_, end), (following, _) in itertools.pairwise(spans))
+
+
+def _expert_products(
+    w_spec: TensorSpec, weight_scale: Any, experts: list[int], device: torch.device
+) -> Iterator[Callable[[torch.Tensor, torch.Tensor], None]]:
+    """For each expert of ``experts`` (ascending), a function ``(out, x)`` that writes ``x @ W[e]`` (float64) into
+    ``out`` as :func:`moereplay.reference.expert_groups.matmul_into` computes it with the dense weight of
+    :func:`_expert_weights` — by :class:`_ExactProducts` where it applies."""
+    exact = _ExactProducts.of(w_spec, weight_scale, device)
+    if exact is None:
+        for weight in _expert_weights(w_spec, weight_scale, experts, device):
+            yield functools.partial(_multiply_by, weight)
+        return
+    for e in experts:
+        exact.storage(e)
+        yield functools.partial(exact.product, e)
+
+
+class _ExactProducts:
+    """Products of packed MXFP4 experts on the CPU (:data:`EXACT_PRODUCT_DEVICE_TYPES`), each first tried as an
+    exact one (:func:`moereplay.reference.mxfp4_dense.exact_matmul_into`: the bits of the dense product, its
+    weight unswizzled and decoded a slice of columns at a time instead of 133 MB at once for a gpt-oss expert);
+    an expert whose product could round is decoded whole and multiplied as :func:`_expert_weights` does."""
+
+    def __init__(self, w_spec: TensorSpec, weight_scale: Any, device: torch.device) -> None:
+        self.w_spec, self.weight_scale, self.device = w_spec, weight_scale, device
+        self.k, self.n = _logical_kn(w_spec)
+        self._dense: torch.Tensor | None = None  # the dense weight of an expert whose product is not exact
+
+    @classmethod
+    def of(cls, w_spec: TensorSpec, weight_scale: Any, device: torch.device) -> _ExactProducts | None:
+        k, _ = _logical_kn(w_spec)
+        if device.type not in EXACT_PRODUCT_DEVICE_TYPES or not _decodes_by_table(w_spec, weight_scale, k):
+            return None
+        return cls(w_spec, weight_scale, device)
+
+    def storage(self, expert: int) -> tuple[ColumnBytes, int, torch.Tensor]:
+        """A reader of the expert's packed bytes a slice of columns at a time, the column multiple its slices
+        start at, and its scale bytes ``[K/32, N]`` — with :func:`_fp4_storage`'s checks, in its order."""
+        k, n, device = self.k, self.n, self.device
+        reader = _fp4_columns(self.w_spec, expert, k, n)
+        if reader is None:
+            reader = packed_columns(_fp4_values(self.w_spec, expert, 1, k, n, device)[0]), 1
+        return (*reader, _fp4_scales(self.weight_scale, expert, 1, k, n, device)[0])
+
+    def exact(self, expert: int, out: torch.Tensor, x: torch.Tensor) -> bool:
+        """``out[:] = x @ W[expert]`` when that product is exact (else False, ``out`` unspecified)."""
+        columns, align, scales = self.storage(expert)
+        return exact_matmul_into(out, x, columns, scales, self.k, align=align)
+
+    def dense(self, expert: int, out: torch.Tensor, x: torch.Tensor) -> None:
+        """``out[:] = x @ W[expert]`` with the whole dense weight, as :func:`_expert_weights` gives it."""
+        packed, scales = _fp4_storage(self.w_spec, self.weight_scale, expert, 1, self.k, self.n, self.device)
+        if self._dense is None:
+            self._dense = torch.empty((1, self.k, self.n), dtype=torch.float64, device=self.device)
+        matmul_into(out, x, dense_experts_float64(packed, scales, self.k, out=self._dense)[0])
+
+    def product(self, expert: int, out: torch.Tensor, x: torch.Tensor) -> None:
+        if not self.exact(expert, out, x):
+            self.dense(expert, out, x)
+
+    def run(self, jobs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Every ``(expert, out, x)`` product, the exact ones spread over the intra-op threads
+        (:func:`moereplay.reference.expert_groups.on_threads`), the others after them on this thread."""
+        for (expert, out, x), done in zip(jobs, on_threads(self.exact, jobs), strict=True):
+            if not done:
+                self.dense(expert, out, x)
+
+
+def _multiply_by(weight: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> None:
+    matmul_into(out, x, weight)
+
+
+EXACT_PRODUCT_DEVICE_TYPES = frozenset({"cpu"})
+"""Device types whose MXFP4 products are tried as exact ones first (:func:`_expert_products`): on the CPU the
+dense weight of one expert costs more time and memory than its product; a GPU decodes runs of experts whole."""
 
 
 def _expert_weights(
@@ -659,6 +768,14 @@ def _fp4_storage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unswizzled packed bytes ``[count, K/2, N]`` and scale bytes ``[count, K/32, N]`` of experts ``first …``,
     with :func:`dequantize_expert_weight`'s checks (and messages)."""
+    packed = _fp4_values(w_spec, first, count, k, n, device)
+    return packed, _fp4_scales(weight_scale, first, count, k, n, device)
+
+
+def _fp4_values(
+    w_spec: TensorSpec, first: int, count: int, k: int, n: int, device: torch.device
+) -> torch.Tensor:
+    """The packed bytes of :func:`_fp4_storage`."""
     packed = _storage_run(w_spec, first, count).to(device)
     if packed.dtype != torch.uint8:
         packed = packed.view(torch.uint8)
@@ -668,13 +785,58 @@ def _fp4_storage(
         raise ReferenceError_(
             f"fp4 storage of shape {tuple(packed.shape[1:])} does not match logical [K, N] = [{k}, {n}]"
         )
+    return packed
+
+
+def _fp4_scales(
+    weight_scale: Any, first: int, count: int, k: int, n: int, device: torch.device
+) -> torch.Tensor:
+    """The scale bytes of :func:`_fp4_storage`."""
     scales = _storage_run(tensor_spec_from(weight_scale), first, count).to(device)
     groups = -(-k // MX_GROUP)
     if tuple(scales.shape[1:]) != (groups, n):
         raise ReferenceError_(
             f"weight scales of shape {tuple(scales.shape[1:])} do not match [K/32, N] = [{groups}, {n}]"
         )
-    return packed, scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    return scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+
+
+def _fp4_columns(w_spec: TensorSpec, expert: int, k: int, n: int) -> tuple[ColumnBytes, int] | None:
+    """A reader of one expert's packed bytes a slice of weight columns at a time, and the column multiple its
+    slices start at, for the CPU storages it applies to: a strided ``[E, K/2, N]`` one (views), or a Hopper value
+    layout swizzled from ``[E, K/2, N]`` with ``mx_axis`` on ``K/2`` (vLLM's), whose swizzled rows ``4i … 4i + 3``
+    hold the 16 weight columns ``16i …`` — a slice of 16-column blocks is unswizzled on its own. ``None``
+    otherwise (and for storage :func:`_fp4_values` would refuse): the expert is unswizzled whole."""
+    data = w_spec.data
+    layout = w_spec.layout
+    if data.ndim != 3 or data.element_size() != 1 or data.device.type != "cpu":
+        return None
+    matrix = data[expert].view(torch.uint8) if data.dtype != torch.uint8 else data[expert]
+    if layout.name == STRIDED:
+        return (packed_columns(matrix), 1) if tuple(matrix.shape) == (k // 2, n) else None
+    if layout.name != HOPPER_VALUE or len(layout.initial_shape) != 3:
+        return None
+    mx = int(layout.mx_axis if layout.mx_axis is not None else -2)
+    mx_from_end = mx - 3 if mx >= 0 else mx
+    try:
+        shape = HopperValueShape(tuple(layout.initial_shape), mx_from_end, layout.mma_version)
+        usable = (
+            shape.transposed
+            and tuple(shape.initial[1:]) == (k // 2, n)
+            and shape.swizzled == tuple(data.shape)
+        )
+    except ReferenceError_:
+        return None
+    if not usable:
+        return None
+    mma_version = layout.mma_version
+
+    def read(first: int, width: int) -> torch.Tensor:
+        blocks = -(-width // 16)
+        swizzled = matrix[:, first // 4 : first // 4 + 4 * blocks]
+        return unswizzle_hopper_values(swizzled, (k // 2, width), -2, mma_version).mT
+
+    return read, 16
 
 
 def _storage_run(spec: TensorSpec, first: int, count: int) -> torch.Tensor:

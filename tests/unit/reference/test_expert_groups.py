@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moereplay.reference import expert_groups, fused_moe_triton
-from moereplay.reference.expert_groups import expert_runs, group_by_expert, matmul_into
+from moereplay.reference.expert_groups import expert_runs, group_by_expert, matmul_into, on_threads
 from moereplay.reference.fused_moe_triton import reference_fused_moe_kernel
 from moereplay.reference.moe_align import moe_align_block_size
 
@@ -157,3 +157,38 @@ def test_batched_products_match_the_loop_to_float32_rounding(most: int) -> None:
         torch.testing.assert_close(out[rows], x[rows] @ weights[e].T, rtol=1e-6, atol=1e-5)
     assert sorted(e for part in asked for e in part) == sorted(groups.experts[i] for i in members)
     assert max(len(part) for part in asked) <= most
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_on_threads_returns_in_job_order_with_one_intra_op_thread_each(threads: int) -> None:
+    import threading
+
+    def job(index: int) -> tuple[int, int, str]:
+        return index, torch.get_num_threads(), threading.current_thread().name
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = on_threads(job, [(i,) for i in range(7)])
+        assert torch.get_num_threads() == threads  # restored
+    finally:
+        torch.set_num_threads(before)
+    assert [index for index, _, _ in results] == list(range(7))
+    if threads > 1:
+        assert all(inside == 1 and name.startswith("moereplay-experts") for _, inside, name in results)
+
+
+def test_on_threads_raises_the_first_jobs_error_and_restores_the_threads() -> None:
+    def job(index: int) -> int:
+        if index in (2, 4):
+            raise ValueError(f"job {index}")
+        return index
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(ValueError, match="job 2"):
+            on_threads(job, [(i,) for i in range(6)])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
