@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from moereplay.errors import ReferenceError_
 from moereplay.reference import marlin_layout as layout
 from moereplay.reference.dequant_dense import FUSED_DEVICE_TYPES, SWITCH_VARIABLE
 from moereplay.reference.marlin_formats import MarlinExpertWeights
@@ -31,11 +32,16 @@ from moereplay.reference.numerics import E2M1_VALUES
 TILE_K, TILE_N = 16, 64
 """One Marlin tile of 16-bit activations: 16 rows of K by 64 columns of N."""
 
-BLOCK_M = 16
-"""Rows of one expert a program multiplies (the smallest a ``tl.dot`` takes); an expert's rows in blocks of it."""
+BLOCK_ROWS = (4, 8, 16)
+"""Rows of one expert a program multiplies: the smallest of these that holds the expert's rows, larger experts in
+blocks of the last (a program decodes each weight once for all its rows)."""
 
-BLOCK_N = 64
+BLOCK_N = 256
 """Columns of one program."""
+
+MAX_SPLITS, MIN_TILES_PER_SPLIT = 4, 16
+"""K's 16-row tiles are cut into at most this many splits of at least that many tiles (more programs in flight;
+the splits' partial sums are added in order). The cut depends on K alone, never on the rows of a call."""
 
 
 def available(device: torch.device, environ: Mapping[str, str] | None = None) -> bool:
@@ -78,6 +84,26 @@ def byte_table(num_bits: int) -> torch.Tensor:
 
 
 @functools.cache
+def _entries_cpu(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    table = _byte_table_cpu(num_bits)
+    columns, rows = table[0] - table[0, 0], table[:, 0]
+    if not torch.equal(table, rows[:, None] + columns[None, :]) or bool((columns & 7).any()):
+        raise ReferenceError_(
+            f"the {num_bits}-bit Marlin tile permutation does not separate into rows and columns"
+        )
+    if num_bits == 4 and not torch.equal(rows[8:] >> 3, rows[:8] >> 3):
+        raise ReferenceError_("4-bit Marlin rows k and k + 8 do not share their bytes")
+    return columns, rows
+
+
+def tile_entries(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`byte_table` as ``column_entries[n] + row_entries[k]`` (int32 ``[64]`` and ``[16]``; the column
+    part's shift is 0): the kernel reads the column part once and the row part per row of a tile."""
+    columns, rows = _entries_cpu(num_bits)
+    return columns.clone(), rows.clone()
+
+
+@functools.cache
 def _value_table_cpu(kind: str) -> torch.Tensor:
     code = torch.arange(256)
     if kind == "e2m1":
@@ -101,20 +127,36 @@ def value_table(kind: str) -> torch.Tensor:
 
 
 @functools.cache
-def _device_tables(num_bits: int, kind: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return _byte_table_cpu(num_bits).to(device), _value_table_cpu(kind).to(device)
+def _device_tables(
+    num_bits: int, kind: str, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    columns, rows = _entries_cpu(num_bits)
+    return columns.to(device), rows.to(device), _value_table_cpu(kind).to(device)
 
 
-def plan_tiles(per_expert: Sequence[int], experts: Sequence[int]) -> list[tuple[int, int, int, int]]:
-    """Programs' row blocks ``(start, count, expert, position)``: ``per_expert[u]`` rows of expert ``experts[u]``
-    start at the sum of the earlier counts in the grouped order, in blocks of at most :data:`BLOCK_M`."""
-    plan: list[tuple[int, int, int, int]] = []
+def plan_tiles(
+    per_expert: Sequence[int], experts: Sequence[int]
+) -> dict[int, list[tuple[int, int, int, int]]]:
+    """Programs' row blocks by height: ``{BLOCK_M: [(start, count, expert, position), ...]}``. ``per_expert[u]``
+    rows of expert ``experts[u]`` start at the sum of the earlier counts in the grouped order; they go to the
+    smallest :data:`BLOCK_ROWS` height that holds them, or in blocks of the largest."""
+    plan: dict[int, list[tuple[int, int, int, int]]] = {}
     start = 0
     for position, (count, expert) in enumerate(zip(per_expert, experts, strict=True)):
-        for first in range(0, count, BLOCK_M):
-            plan.append((start + first, min(BLOCK_M, count - first), int(expert), position))
+        height = next((h for h in BLOCK_ROWS if h >= count), BLOCK_ROWS[-1])
+        for first in range(0, count, height):
+            plan.setdefault(height, []).append(
+                (start + first, min(height, count - first), int(expert), position)
+            )
         start += count
     return plan
+
+
+def k_splits(k_tiles: int) -> tuple[int, int]:
+    """``(splits, tiles per split)`` for K's ``k_tiles`` 16-row tiles (:data:`MAX_SPLITS`)."""
+    splits = max(1, min(MAX_SPLITS, k_tiles // MIN_TILES_PER_SPLIT))
+    per_split = -(-k_tiles // splits)
+    return -(-k_tiles // per_split), per_split
 
 
 def expert_rows(
@@ -128,19 +170,21 @@ def expert_rows(
 ) -> torch.Tensor:
     """float32 ``[R, N]``: row ``order[g]`` is ``input[source_rows[g]] @ W[e]`` for the ``g``-th row of the grouped
     order (``per_expert[u]`` rows of ``experts_used[u]`` after one another; ``experts_host`` the same ids on the
-    host). One launch; no sync."""
+    host). One launch per block height, then the K splits added in order; no sync."""
     from moereplay.reference.marlin_rows_kernel import marlin_rows
 
     device = input.device
     count = int(order.numel())
     size_n = weights.size_n
-    out = torch.empty((count, size_n), dtype=torch.float32, device=device)
+    k_tiles = weights.size_k // TILE_K
+    splits, per_split = k_splits(k_tiles)
+    partial = torch.empty((splits, count, size_n), dtype=torch.float32, device=device)
     if count == 0:
-        return out
+        return partial[0] if splits else torch.empty((0, size_n), dtype=torch.float32, device=device)
     kind = weights.fast_kind()
     assert kind is not None
     num_bits = weights.format.num_bits
-    table, lut = _device_tables(num_bits, kind, device)
+    column_entries, row_entries, lut = _device_tables(num_bits, kind, device)
     scale_table, columns, multipliers = _scale_parts(weights)
     offsets = None
     if weights.b_qzeros is not None:  # integer zero points: −zero · scale per used expert, from the host
@@ -148,41 +192,54 @@ def expert_rows(
         assert offsets is not None
         offsets = offsets.contiguous()
     stored = weights.b_scales.view(torch.uint8) if weights.scales_are_bytes else weights.b_scales
-    tiles = plan_tiles(per_expert, experts_host)
-    fields = torch.tensor(tiles, dtype=torch.int64).to(device, non_blocking=True)  # [tiles, 4]
+    plan = plan_tiles(per_expert, experts_host)
+    flat = [tile for height in sorted(plan) for tile in plan[height]]
+    fields = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)  # [tiles, 4]
     packed = weights.b_qweight.contiguous().view(torch.uint8)
-    marlin_rows[(len(tiles), -(-size_n // BLOCK_N))](
-        input,
-        input.stride(0),
-        input.stride(1),
-        source_rows.contiguous(),
-        order.contiguous(),
-        out,
-        out.stride(0),
-        packed,
-        table,
-        lut,
-        stored,
-        *stored.stride(),
-        columns,
-        scale_table if scale_table is not None else lut,  # never read for 16-bit scales
-        multipliers,
-        offsets if offsets is not None else lut,  # never read without zero points
-        fields,
-        weights.size_k // TILE_K,
-        size_n // TILE_N,
-        size_n,
-        weights.num_groups,
-        weights.group_size // TILE_K,
-        FOUR_BIT=num_bits == 4,
-        SCALE_BYTES=scale_table is not None,
-        HAS_OFFSET=offsets is not None,
-        TILE_BYTES=TILE_K * TILE_N * num_bits // 8,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        num_warps=4,
-    )
-    return out
+    source = source_rows.contiguous()
+    destination = order.contiguous()
+    first = 0
+    for height in sorted(plan):
+        tiles = len(plan[height])
+        marlin_rows[(tiles, -(-size_n // BLOCK_N), splits)](
+            input,
+            input.stride(0),
+            input.stride(1),
+            source,
+            destination,
+            partial,
+            partial.stride(0),
+            partial.stride(1),
+            packed,
+            column_entries,
+            row_entries,
+            lut,
+            stored,
+            *stored.stride(),
+            columns,
+            scale_table if scale_table is not None else lut,  # never read for 16-bit scales
+            multipliers,
+            offsets if offsets is not None else lut,  # never read without zero points
+            fields[first : first + tiles],
+            k_tiles,
+            per_split,
+            size_n // TILE_N,
+            size_n,
+            weights.num_groups,
+            weights.group_size // TILE_K,
+            FOUR_BIT=num_bits == 4,
+            SCALE_BYTES=scale_table is not None,
+            HAS_OFFSET=offsets is not None,
+            TILE_BYTES=TILE_K * TILE_N * num_bits // 8,
+            BLOCK_M=height,
+            BLOCK_N=BLOCK_N,
+            num_warps=4,
+        )
+        first += tiles
+    result = partial[0]
+    for split in range(1, splits):  # in order: the same sum for every row
+        result.add_(partial[split])
+    return result
 
 
 _SCALE_LAYOUTS: dict[tuple[object, ...], tuple[torch.Tensor | None, torch.Tensor]] = {}

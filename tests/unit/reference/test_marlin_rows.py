@@ -59,7 +59,7 @@ def _kernel_weights(weights: MarlinExpertWeights, experts: torch.Tensor) -> torc
     kind = weights.fast_kind()
     assert kind is not None
     bits = weights.format.num_bits
-    table = marlin_rows.byte_table(bits).long()
+    column_entries, row_entries = (t.long() for t in marlin_rows.tile_entries(bits))
     lut = marlin_rows.value_table(kind)
     offsets = weights.fast_factors(experts)[1]
     scale_table, columns = weights.scale_layout()
@@ -68,7 +68,7 @@ def _kernel_weights(weights: MarlinExpertWeights, experts: torch.Tensor) -> torc
     packed = weights.b_qweight.contiguous().view(torch.uint8).reshape(weights.num_experts, size_k // 16, -1)
     k = torch.arange(size_k).view(-1, 1)
     n = torch.arange(size_n).view(1, -1)
-    entry = table[k % 16, n % 64]
+    entry = column_entries[n % 64] + row_entries[k % 16]
     tile_bytes = 16 * 64 * bits // 8
     data = packed[experts][:, k // 16, (n // 64) * tile_bytes + (entry >> 3)].to(torch.int64)
     code = (data >> (entry & 7)) & 0xF if bits == 4 else data
@@ -99,15 +99,15 @@ def test_a_swapped_table_row_breaks_the_weights() -> None:
     """The check above can fail: two rows of the byte table exchanged give other weights."""
     weights = _weights(F.GPTQ_INT4, 32, torch.bfloat16)
     experts = torch.tensor([1])
-    table = marlin_rows.byte_table(4)
-    swapped = table.clone()
-    swapped[[0, 1]] = table[[1, 0]]
-    original = marlin_rows._byte_table_cpu
-    marlin_rows._byte_table_cpu = lambda bits: swapped  # type: ignore[assignment]
+    columns, rows = marlin_rows.tile_entries(4)
+    swapped = rows.clone()
+    swapped[[0, 1]] = rows[[1, 0]]
+    original = marlin_rows._entries_cpu
+    marlin_rows._entries_cpu = lambda bits: (columns, swapped)  # type: ignore[assignment]
     try:
         assert not torch.equal(_kernel_weights(weights, experts), weights.dequantize(experts))
     finally:
-        marlin_rows._byte_table_cpu = original
+        marlin_rows._entries_cpu = original
 
 
 def test_byte_table_entries() -> None:
@@ -118,6 +118,17 @@ def test_byte_table_entries() -> None:
     assert set((four[:8] & 7).unique().tolist()) == {0} and set((four[8:] & 7).unique().tolist()) == {4}
     assert sorted((four[:8].reshape(-1) >> 3).tolist()) == list(range(512))
     assert sorted((eight.reshape(-1) >> 3).tolist()) == list(range(1024))
+    for bits, table in ((4, four), (8, eight)):
+        columns, rows = marlin_rows.tile_entries(bits)
+        assert torch.equal(rows[:, None] + columns[None, :], table) and not bool((columns & 7).any())
+
+
+def test_k_splits_depend_on_k_alone_and_cover_it() -> None:
+    for k_tiles in (1, 15, 16, 33, 64, 180, 184, 448):
+        splits, per_split = marlin_rows.k_splits(k_tiles)
+        assert 1 <= splits <= marlin_rows.MAX_SPLITS
+        assert (splits - 1) * per_split < k_tiles <= splits * per_split
+    assert marlin_rows.k_splits(180) == (4, 45) and marlin_rows.k_splits(8) == (1, 8)
 
 
 def test_value_tables() -> None:
@@ -132,18 +143,20 @@ def test_value_tables() -> None:
 
 
 def test_plan_tiles_gives_each_row_to_one_program_of_its_expert() -> None:
-    counts, experts = [3, 1, 0, 70, 16, 17], [5, 7, 9, 11, 2, 4]
+    counts, experts = [3, 1, 0, 70, 16, 17, 6], [5, 7, 9, 11, 2, 4, 8]
     plan = marlin_rows.plan_tiles(counts, experts)
+    assert set(plan) <= set(marlin_rows.BLOCK_ROWS)
     covered: list[int] = []
     starts = [sum(counts[:u]) for u in range(len(counts))]
-    for start, count, expert, position in plan:
-        assert 0 < count <= marlin_rows.BLOCK_M
-        assert expert == experts[position]
-        assert starts[position] <= start and start + count <= starts[position] + counts[position]
-        covered.extend(range(start, start + count))
+    for height, tiles in plan.items():
+        for start, count, expert, position in tiles:
+            assert 0 < count <= height
+            assert expert == experts[position]
+            assert starts[position] <= start and start + count <= starts[position] + counts[position]
+            covered.extend(range(start, start + count))
     assert sorted(covered) == list(range(sum(counts)))
-    assert plan[:3] == [(0, 3, 5, 0), (3, 1, 7, 1), (4, 16, 11, 3)]
-    assert [c for _, c, e, _ in plan if e == 11] == [16, 16, 16, 16, 6]
+    assert plan[4] == [(0, 3, 5, 0), (3, 1, 7, 1)] and plan[8] == [(107, 6, 8, 6)]
+    assert [c for _, c, e, _ in plan[16] if e == 11] == [16, 16, 16, 16, 6]
 
 
 def test_usable_and_available() -> None:
