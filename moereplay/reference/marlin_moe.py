@@ -24,6 +24,7 @@ a repeated call on the same weight tensors skips the dequantisation.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 import weakref
 from collections import OrderedDict
@@ -434,6 +435,9 @@ def reference_moe_wna16_marlin_gemm(
             ReferenceNote("zp_float_dtype", "the kernel accepts float zero points with float16 input only")
         )
 
+    # the routing arrays are small: on a GPU they are read once and routed on the host (no launch, no sync per
+    # step), and the rows' indices go back in one copy
+    route_device = torch.device("cpu") if ROUTE_ON_HOST and device.type != "cpu" else device
     rows = _route(
         sorted_token_ids,
         expert_ids,
@@ -441,10 +445,16 @@ def reference_moe_wna16_marlin_gemm(
         moe_block_size,
         num_slots,
         num_experts,
-        device,
+        route_device,
         notes,
     )
     grouping = _group_rows(rows)  # the last sync before the (asynchronous) heavy work
+    if route_device != device:
+        moved = torch.stack((rows.slot, rows.expert, rows.block, grouping.order)).to(device)
+        rows = _Rows(moved[0], moved[1], moved[2])
+        grouping = dataclasses.replace(
+            grouping, order=moved[3], experts_used=grouping.experts_used.to(device, non_blocking=True)
+        )
     experts_used = grouping.experts_used
     for code, message in dequant_notes(weights, experts_used):
         notes.append(ReferenceNote(code, message))
@@ -542,6 +552,11 @@ def _group_rows(rows: _Rows) -> _Grouping:
     order = torch.argsort(rows.expert, stable=True)
     experts, per_expert = torch.stack((experts_used, counts)).tolist()
     return _Grouping(order, experts_used, [int(e) for e in experts], [int(c) for c in per_expert])
+
+
+ROUTE_ON_HOST = True
+"""Whether a GPU call's routing (sorted ids → rows, their experts and order) runs on the host: a few thousand
+integers, about 40 small steps and five syncs on the device, a copy each way on the host."""
 
 
 DENSE_BYTES_AT_ONCE = {"cpu": 256 << 20, "cuda": 8 << 30}
