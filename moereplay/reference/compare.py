@@ -321,6 +321,7 @@ def compare(
     ref_square = ref_finite.square()
     row_ms = ref_square.sum(dim=1) / counted.clamp(min=1)
     tensor_rms = torch.sqrt(ref_square.sum() / counted.sum().clamp(min=1))
+    del ref_finite, ref_square  # each temporary here is one float64 copy of the output: freed once used
     if scale == "row":
         row_scale = torch.maximum(torch.sqrt(row_ms), tensor_rms * ROW_SCALE_FLOOR)
     else:
@@ -342,12 +343,16 @@ def compare(
         allowance_ok = (torch.isfinite(allow) & (allow >= 0)).all()
         judged = (diff - allow).clamp(min=0) / denom
         judged_bad = torch.where(mismatch, infinite, judged)
+        del allow
+    del denom
 
     n_finite = both_finite.sum()
     finite_count = n_finite.to(torch.float64)
     elements = rel.numel()
     rel_square = rel.square()
     rel_square_rows = rel_square.sum(dim=1)
+    rel_square_total = rel_square.sum()
+    del rel_square
     finite_per_row = both_finite.sum(dim=1).clamp(min=1)
     row_max_rel = rel_bad.amax(dim=1) if cols else torch.zeros(rows, dtype=torch.float64, device=device)
     row_rms_rel = torch.sqrt(rel_square_rows / finite_per_row)
@@ -389,7 +394,6 @@ def compare(
         ]
     else:
         picked = [torch.zeros(len(_QUANTILES) + 6, dtype=torch.float64, device=device)]
-    rel_square_total = rel_square.sum()
     judged_square = rel_square_total if allowance is None else judged.square().sum()
     sums = torch.stack([rel_square_total, rel.sum(), judged_square])
     packed = torch.cat(

@@ -945,9 +945,13 @@ def reference_matmul_ogs(
     )
 
     computed = (sorted_expert >= 0).to(dev)
-    pre = gemm if bias_term is None else gemm + bias_term
+    # what the result reports of the two terms, then their sum in place (each float64 term is 8 bytes an element)
+    gemm32 = gemm.to(torch.float32)
+    bias32 = None if bias_term is None else bias_term.to(torch.float32)
+    pre = gemm if bias_term is None else gemm.add_(bias_term)
+    del gemm, bias_term
     if out_alpha is not None:
-        pre = pre * float(out_alpha)
+        pre.mul_(float(out_alpha))
     gamma = None
     if gammas is not None:
         gamma = gammas.to(device=dev, dtype=torch.float64).reshape(-1)[:n_sorted]
@@ -1042,8 +1046,8 @@ def reference_matmul_ogs(
     return MatmulOgsReference(
         output=output.to(torch.float32),
         row_map=row_map,
-        gemm=gemm.to(torch.float32),
-        bias=None if bias_term is None else bias_term.to(torch.float32),
+        gemm=gemm32,
+        bias=bias32,
         gammas=None if gamma is None else gamma.to(torch.float32),
         rows=per_row.to(torch.float32),
         sorted_expert=sorted_expert,

@@ -166,10 +166,10 @@ def exact_matmul_into(
     if not _sums_are_exact(x, scales, k):
         return False
     device = scales.device
-    shifted = scales.mT.to(torch.int32).mul_(256)  # [N, G]
     step = max(align, EXACT_CHUNK_ELEMENTS // k // align * align)
     whole = byte_rows // 16
     index = torch.empty((min(step, n), byte_rows), dtype=torch.int32, device=device)
+    shifts = torch.empty((min(step, n), groups), dtype=torch.int32, device=device)
     pairs = torch.empty((min(step, n), byte_rows), dtype=torch.complex128, device=device)
     product = torch.empty((x.shape[0], min(step, n)), dtype=torch.float64, device=device)
     table = _pair_values(device)
@@ -179,16 +179,18 @@ def exact_matmul_into(
         packed = columns(first, width)
         if tuple(packed.shape) != (width, byte_rows) or packed.dtype != torch.uint8:
             raise ValueError(f"columns {first}.. of K = {k} are not uint8 [{width}, {byte_rows}]")
+        shifted = shifts[:width]
+        shifted.copy_(scales[:, first : first + width].mT).mul_(256)  # [n, G]: scale byte · 256 (int32)
         if whole:
             torch.add(
                 packed[:, : 16 * whole].unflatten(1, (whole, 16)),
-                shifted[first : first + width, :whole, None],
+                shifted[:, :whole, None],
                 out=chunk[:, : 16 * whole].unflatten(1, (whole, 16)),
             )
         if 16 * whole < byte_rows:
             torch.add(
                 packed[:, 16 * whole :],
-                shifted[first : first + width, whole : whole + 1],
+                shifted[:, whole : whole + 1],
                 out=chunk[:, 16 * whole :],
             )
         del packed
