@@ -451,21 +451,20 @@ def _bias(gen: torch.Generator, params: Mapping[str, Any], experts: int, size_n:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+_SWIZZLE_ROWS = 512
+"""Rows of one expert's ``[N, K/2]`` bytes swizzled at a time by the streamed ``hopper_mxfp4`` (a multiple of 16)."""
+
+
 @register_generator("hopper_mxfp4", _hopper_bytes)
 def hopper_mxfp4(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return _hopper_mxfp4(params, streamed=True)
 
 
 def _hopper_mxfp4(params: Mapping[str, Any], *, streamed: bool) -> dict[str, torch.Tensor]:
-    """``hopper_mxfp4``: ``streamed`` draws the values one expert at a time and swizzles each on a worker while the
-    next is drawn (:class:`ExpertPipeline`); otherwise — for the tests that compare the two — they are drawn whole
-    and swizzled after."""
-    from moereplay.reference.hopper_mxfp4 import (
-        HopperValueShape,
-        swizzle_hopper_scales,
-        swizzle_hopper_value_matrix,
-        swizzle_hopper_values,
-    )
+    """``hopper_mxfp4``: ``streamed`` draws the values and then the scales one expert at a time and swizzles each on
+    a worker while the next is drawn (:func:`_hopper_streamed`); otherwise — for the tests that compare the two —
+    they are drawn whole and swizzled after."""
+    from moereplay.reference.hopper_mxfp4 import swizzle_hopper_scales, swizzle_hopper_values
 
     gen = _generator(params)
     experts, k, n = int(params["experts"]), int(params["k"]), int(params["n"])
@@ -481,35 +480,74 @@ def _hopper_mxfp4(params: Mapping[str, Any], *, streamed: bool) -> dict[str, tor
 
         order = w13_permutation(n, W13Layout.GATE_UP_CONCAT, W13Layout(layout))
     if streamed:
-        rows_pad, cols_pad = HopperValueShape((experts, k // 2, n), 1, mma_version).padded_rows_cols
-        swizzled = torch.empty((experts, rows_pad // 4, cols_pad * 4), dtype=torch.uint8)
-        drawn = [torch.empty((n, k // 2), dtype=torch.uint8) for _ in range(2)]  # expert e + 2 reuses e's
-
-        hashes = SliceDigests()
-
-        def swizzle(expert: int, rows: torch.Tensor) -> None:
-            swizzle_hopper_value_matrix(rows if order is None else rows[order], swizzled[expert], mma_version)
-            hashes.add(swizzled[expert], swizzled[expert].mT)
-
-        with ExpertPipeline() as pipeline:
-            for expert in range(experts):
-                rows = torch.randint(0, 256, drawn[0].shape, generator=gen, out=drawn[expert % 2])
-                pipeline.submit(swizzle, expert, rows)
-            scales = torch.randint(low, high, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
-        values = swizzled.mT  # the transposed view swizzle_hopper_values hands back
-        digests = {"values": hashes.digests()}
-    else:
-        digests = {}
-        values = torch.randint(0, 256, (experts, n, k // 2), generator=gen, dtype=torch.uint8)
-        scales = torch.randint(low, high, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
-        if order is not None:
-            values = values[:, order]
-        values = swizzle_hopper_values(values.transpose(1, 2), 1, mma_version)
+        return _hopper_streamed(gen, (experts, k, n), (low, high), mma_version, num_warps, order)
+    values = torch.randint(0, 256, (experts, n, k // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(low, high, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
     if order is not None:
-        scales = scales[:, order]
+        values, scales = values[:, order], scales[:, order]
     return Drawn(
-        {"values": values, "scales": swizzle_hopper_scales(scales.transpose(1, 2), 1, num_warps)}, digests
+        {
+            "values": swizzle_hopper_values(values.transpose(1, 2), 1, mma_version),
+            "scales": swizzle_hopper_scales(scales.transpose(1, 2), 1, num_warps),
+        }
     )
+
+
+_SWIZZLE_ROWS = 512
+"""Rows of one expert's ``[N, K/2]`` value bytes the streamed ``hopper_mxfp4`` swizzles at a time (a multiple of
+16: 16 rows fill 4 swizzled ones), so its temporaries are a few hundred KB, not a few times the expert."""
+
+
+def _hopper_streamed(
+    gen: torch.Generator,
+    shape: tuple[int, int, int],
+    scale_range: tuple[int, int],
+    mma_version: int,
+    num_warps: int,
+    order: torch.Tensor | None,
+) -> Drawn:
+    """The streamed ``hopper_mxfp4``: the draws of the whole-tensor one in the same order (every expert's values,
+    then every expert's scales: a draw of ``[E, ...]`` is its experts' draws one after the other), each expert
+    swizzled straight into the outputs on a worker — the values a block of rows at a time, hashed once final."""
+    from moereplay.reference.hopper_mxfp4 import (
+        HopperScaleShape,
+        HopperValueShape,
+        swizzle_hopper_scales,
+        swizzle_hopper_value_matrix,
+    )
+
+    experts, k, n = shape
+    rows_pad, cols_pad = HopperValueShape((experts, k // 2, n), 1, mma_version).padded_rows_cols
+    values = torch.empty((experts, rows_pad // 4, cols_pad * 4), dtype=torch.uint8)
+    scale_rows, scale_cols = HopperScaleShape((k // 32, n), 0, num_warps).padded_rows_cols
+    scales = torch.empty((experts, scale_rows // 32, scale_cols * 32), dtype=torch.uint8)
+    drawn = [torch.empty((n, k // 2), dtype=torch.uint8) for _ in range(2)]  # expert e + 2 reuses e's
+    hashes = SliceDigests()
+
+    def swizzle(expert: int, rows: torch.Tensor) -> None:
+        for first in range(0, n, _SWIZZLE_ROWS):
+            block = (
+                rows[first : first + _SWIZZLE_ROWS]
+                if order is None
+                else rows[order[first : first + _SWIZZLE_ROWS]]
+            )
+            target = values[expert, first // 4 : first // 4 + 4 * -(-block.shape[0] // 16)]
+            swizzle_hopper_value_matrix(block, target, mma_version)
+        hashes.add(values[expert], values[expert].mT)
+
+    def swizzle_scales(expert: int, drawn_scales: torch.Tensor) -> None:
+        ordered = drawn_scales if order is None else drawn_scales[order]
+        scales[expert].copy_(swizzle_hopper_scales(ordered.mT, 0, num_warps).mT)
+
+    with ExpertPipeline() as pipeline:
+        for expert in range(experts):
+            rows = torch.randint(0, 256, drawn[0].shape, generator=gen, out=drawn[expert % 2])
+            pipeline.submit(swizzle, expert, rows)
+        for expert in range(experts):
+            drawn_scales = torch.randint(*scale_range, (n, k // 32), generator=gen, dtype=torch.uint8)
+            pipeline.submit(swizzle_scales, expert, drawn_scales)
+    # the transposed views swizzle_hopper_values / swizzle_hopper_scales hand back
+    return Drawn({"values": values.mT, "scales": scales.mT}, {"values": hashes.digests()})
 
 
 from moereplay.synth import triton_generators  # noqa: E402, F401 - registers triton_moe_experts

@@ -36,6 +36,8 @@ HOPPER = [
     {"seed": 3, "experts": 2, "k": 96, "n": 100, "num_warps": 4},  # padded rows and columns
     {"seed": 4, "experts": 2, "k": 128, "n": 64, "mma_version": 2, "w13_layout": "gu_interleaved"},
     {"seed": 2, "experts": 2, "k": 2880, "n": 5760, "w13_layout": "gu_interleaved"},
+    {"seed": 5, "experts": 2, "k": 96, "n": 1030},  # swizzled a block of rows at a time, the last one padded
+    {"seed": 6, "experts": 2, "k": 64, "n": 600, "num_warps": 4, "w13_layout": "gu_interleaved"},
 ]
 
 
