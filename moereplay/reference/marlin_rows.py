@@ -86,7 +86,7 @@ def byte_table(num_bits: int) -> torch.Tensor:
 @functools.cache
 def _entries_cpu(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     table = _byte_table_cpu(num_bits)
-    columns, rows = table[0] - table[0, 0], table[:, 0]
+    columns, rows = (table[0] - table[0, 0]).contiguous(), table[:, 0].contiguous()
     if not torch.equal(table, rows[:, None] + columns[None, :]) or bool((columns & 7).any()):
         raise ReferenceError_(
             f"the {num_bits}-bit Marlin tile permutation does not separate into rows and columns"
