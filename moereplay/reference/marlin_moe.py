@@ -459,6 +459,7 @@ def reference_moe_wna16_marlin_gemm(
     for code, message in dequant_notes(weights, experts_used):
         notes.append(ReferenceNote(code, message))
 
+    gemm_rows = None
     if marlin_rows.available(device) and marlin_rows.usable(weights):
         # no dense weights: one kernel reads the packed codes (the same weights, a fixed float32 sum order)
         gemm_rows = marlin_rows.expert_rows(
@@ -470,7 +471,7 @@ def reference_moe_wna16_marlin_gemm(
             rows.slot[grouping.order] // top_k,
             grouping.order,
         )
-    else:
+    if gemm_rows is None:
         dense: torch.Tensor | Sequence[torch.Tensor]
         dense_bytes = int(experts_used.numel()) * size_k * size_n * 4
         budget = DENSE_BYTES_AT_ONCE.get(device.type, DENSE_BYTES_AT_ONCE["cpu"])

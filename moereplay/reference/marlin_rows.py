@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -44,11 +45,17 @@ MAX_SPLITS, MIN_TILES_PER_SPLIT = 4, 16
 the splits' partial sums are added in order). The cut depends on K alone, never on the rows of a call."""
 
 
+_FAILED: list[str] = []
+"""Why the kernel could not run in this process (then the dense path runs from there on), empty while it can."""
+
+
 def available(device: torch.device, environ: Mapping[str, str] | None = None) -> bool:
     """Whether the kernel may run on ``device``: a CUDA device, Triton importable, not switched off
     (``environ``: default ``os.environ``, read when called)."""
     environment = os.environ if environ is None else environ
     if device.type not in FUSED_DEVICE_TYPES or environment.get(SWITCH_VARIABLE, "1").strip() == "0":
+        return False
+    if _FAILED:
         return False
     try:
         from moereplay.reference import marlin_rows_kernel  # noqa: F401
@@ -167,12 +174,11 @@ def expert_rows(
     per_expert: Sequence[int],
     source_rows: torch.Tensor,
     order: torch.Tensor,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """float32 ``[R, N]``: row ``order[g]`` is ``input[source_rows[g]] @ W[e]`` for the ``g``-th row of the grouped
     order (``per_expert[u]`` rows of ``experts_used[u]`` after one another; ``experts_host`` the same ids on the
-    host). One launch per block height, then the K splits added in order; no sync."""
-    from moereplay.reference.marlin_rows_kernel import marlin_rows
-
+    host). One launch per block height, then the K splits added in order; no sync. None when the kernel cannot
+    run here (a Triton or driver error: said once as a warning; the caller takes the dense path, from then on)."""
     device = input.device
     count = int(order.numel())
     size_n = weights.size_n
@@ -180,7 +186,7 @@ def expert_rows(
     splits, per_split = k_splits(k_tiles)
     partial = torch.empty((splits, count, size_n), dtype=torch.float32, device=device)
     if count == 0:
-        return partial[0] if splits else torch.empty((0, size_n), dtype=torch.float32, device=device)
+        return partial[0]
     kind = weights.fast_kind()
     assert kind is not None
     num_bits = weights.format.num_bits
@@ -199,43 +205,55 @@ def expert_rows(
     source = source_rows.contiguous()
     destination = order.contiguous()
     first = 0
-    for height in sorted(plan):
-        tiles = len(plan[height])
-        marlin_rows[(tiles, -(-size_n // BLOCK_N), splits)](
-            input,
-            input.stride(0),
-            input.stride(1),
-            source,
-            destination,
-            partial,
-            partial.stride(0),
-            partial.stride(1),
-            packed,
-            column_entries,
-            row_entries,
-            lut,
-            stored,
-            *stored.stride(),
-            columns,
-            scale_table if scale_table is not None else lut,  # never read for 16-bit scales
-            multipliers,
-            offsets if offsets is not None else lut,  # never read without zero points
-            fields[first : first + tiles],
-            k_tiles,
-            per_split,
-            size_n // TILE_N,
-            size_n,
-            weights.num_groups,
-            weights.group_size // TILE_K,
-            FOUR_BIT=num_bits == 4,
-            SCALE_BYTES=scale_table is not None,
-            HAS_OFFSET=offsets is not None,
-            TILE_BYTES=TILE_K * TILE_N * num_bits // 8,
-            BLOCK_M=height,
-            BLOCK_N=BLOCK_N,
-            num_warps=4,
+    try:
+        from moereplay.reference.marlin_rows_kernel import marlin_rows
+
+        for height in sorted(plan):
+            tiles = len(plan[height])
+            marlin_rows[(tiles, -(-size_n // BLOCK_N), splits)](
+                input,
+                input.stride(0),
+                input.stride(1),
+                source,
+                destination,
+                partial,
+                partial.stride(0),
+                partial.stride(1),
+                packed,
+                column_entries,
+                row_entries,
+                lut,
+                stored,
+                *stored.stride(),
+                columns,
+                scale_table if scale_table is not None else lut,  # never read for 16-bit scales
+                multipliers,
+                offsets if offsets is not None else lut,  # never read without zero points
+                fields[first : first + tiles],
+                k_tiles,
+                per_split,
+                size_n // TILE_N,
+                size_n,
+                weights.num_groups,
+                weights.group_size // TILE_K,
+                FOUR_BIT=num_bits == 4,
+                SCALE_BYTES=scale_table is not None,
+                HAS_OFFSET=offsets is not None,
+                TILE_BYTES=TILE_K * TILE_N * num_bits // 8,
+                BLOCK_M=height,
+                BLOCK_N=BLOCK_N,
+                num_warps=4,
+            )
+            first += tiles
+    except Exception as error:  # a kernel that cannot compile or launch here: the dense path answers
+        _FAILED.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
+        warnings.warn(
+            f"moereplay: the packed-code Marlin reference kernel cannot run here ({_FAILED[0]}); the reference "
+            "dequantises to dense weights instead",
+            RuntimeWarning,
+            stacklevel=2,
         )
-        first += tiles
+        return None
     result = partial[0]
     for split in range(1, splits):  # in order: the same sum for every row
         result.add_(partial[split])

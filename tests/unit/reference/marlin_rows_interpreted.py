@@ -96,7 +96,7 @@ def main() -> int:
         )
         if relative > 1e-5 or not same:
             return 1
-        if fmt not in (F.NVFP4, F.GPTQ_INT8, F.AWQ_INT4) or dtype != torch.bfloat16 and fmt is F.NVFP4:
+        if fmt not in (F.NVFP4, F.GPTQ_INT8, F.AWQ_INT4) or (dtype != torch.bfloat16 and fmt is F.NVFP4):
             continue
         for tokens in (1, 5):  # fewer rows per expert: other block heights, the same bits
             part = _call(packed, x[:tokens], ids[:tokens], weights[:tokens], fused=True)

@@ -164,3 +164,33 @@ def test_usable_and_available() -> None:
     assert not marlin_rows.usable(_weights(F.AWQ_INT4_FZP, 32, torch.float16))
     assert not marlin_rows.available(torch.device("cpu"), {})
     assert not marlin_rows.available(torch.device("cuda"), {SWITCH_VARIABLE: "0"})
+
+
+def test_a_kernel_that_cannot_run_warns_once_and_the_dense_path_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU the kernel cannot launch (no GPU; no Triton in CI): forced on, the reference warns, answers with
+    the dense path's bits and keeps to the dense path afterwards."""
+    from moereplay.reference.marlin_moe import reference_moe_wna16_marlin_gemm
+    from moereplay.reference.moe_align import moe_align_block_size
+
+    packed = random_experts(
+        F.NVFP4, 4, 256, 128, generator=torch.Generator().manual_seed(1), with_dense=False
+    )
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
+    weights, ids = torch.topk(torch.softmax(torch.randn(5, 4, generator=gen), -1), 2)
+    sorted_ids, expert_ids, total = moe_align_block_size(ids.to(torch.int32), 8, 4)
+    args = dict(
+        input=x, output=None, a_scales=None, workspace=None, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
+        num_tokens_past_padded=total, topk_weights=weights, moe_block_size=8, top_k=2, mul_topk_weights=True,
+        size_m=5, **packed.kernel_kwargs(),
+    )  # fmt: skip
+    expected = reference_moe_wna16_marlin_gemm(**args)
+    monkeypatch.setattr(marlin_rows, "_FAILED", [])
+    monkeypatch.setattr(marlin_rows, "FUSED_DEVICE_TYPES", frozenset({"cpu"}))
+    assert marlin_rows.available(torch.device("cpu"), {})
+    with pytest.warns(RuntimeWarning, match="packed-code Marlin reference kernel cannot run here"):
+        result = reference_moe_wna16_marlin_gemm(**args)
+    assert torch.equal(result.output, expected.output)
+    assert not marlin_rows.available(torch.device("cpu"), {})
