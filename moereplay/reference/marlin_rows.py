@@ -7,7 +7,7 @@ kernel's own time on an H200. :func:`expert_rows` computes the same rows from th
 same code value; the same scale, decoded from its stored byte or 16-bit value and multiplied by NVFP4's per-expert
 factor or FP8's compensation as :meth:`MarlinExpertWeights.scale_parts` describes; with integer zero points the same
 ``−zero · scale`` offset), so the weights are the dense decoder's bits; only the order of the float32 sum differs
-from cuBLAS's (IEEE float32 fused multiply-adds, k in order, per 16-row tile, then tile by tile), and it is the same
+from cuBLAS's (IEEE float32 fused multiply-adds per 16-row tile, then tile by tile), and it is the same
 for every row whatever else the call holds.
 
 Used on CUDA devices with Triton present for the formats the fast decoder handles (no act order, no float zero
@@ -17,6 +17,7 @@ points; :meth:`MarlinExpertWeights.fast_kind`); ``MOEREPLAY_REFERENCE_FUSED=0`` 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -141,13 +142,11 @@ def _device_tables(
     return columns.to(device), rows.to(device), _value_table_cpu(kind).to(device)
 
 
-def plan_tiles(
-    per_expert: Sequence[int], experts: Sequence[int]
-) -> dict[int, list[tuple[int, int, int, int]]]:
+def plan_tiles(per_expert: Sequence[int], experts: Sequence[int]) -> dict[int, list[Tile]]:
     """Programs' row blocks by height: ``{BLOCK_M: [(start, count, expert, position), ...]}``. ``per_expert[u]``
     rows of expert ``experts[u]`` start at the sum of the earlier counts in the grouped order; they go to the
     smallest :data:`BLOCK_ROWS` height that holds them, or in blocks of the largest."""
-    plan: dict[int, list[tuple[int, int, int, int]]] = {}
+    plan: dict[int, list[Tile]] = {}
     start = 0
     for position, (count, expert) in enumerate(zip(per_expert, experts, strict=True)):
         height = next((h for h in BLOCK_ROWS if h >= count), BLOCK_ROWS[-1])
@@ -166,6 +165,44 @@ def k_splits(k_tiles: int) -> tuple[int, int]:
     return -(-k_tiles // per_split), per_split
 
 
+PARTIAL_BYTES = 1 << 30
+"""Largest buffer of split partial sums (``splits × rows × N`` float32) one pass of launches writes; a call with more
+rows (a long prefill) goes in passes of whole row blocks, which changes no row's value."""
+
+
+Tile = tuple[int, int, int, int]
+"""A program's row block: (start in the grouped order, rows, expert, position among the used experts)."""
+
+
+def passes(plan: dict[int, list[Tile]], row_budget: int) -> list[dict[int, list[Tile]]]:
+    """The plan's row blocks in grouped order cut into runs of whole blocks of at most ``row_budget`` rows (at
+    least one block each), each run again by block height."""
+    runs: list[dict[int, list[Tile]]] = []
+    rows = 0
+    for start, height, tile in sorted(
+        (tile[0], height, tile) for height, tiles in plan.items() for tile in tiles
+    ):
+        del start
+        if not runs or rows + tile[1] > row_budget:
+            runs.append({})
+            rows = 0
+        runs[-1].setdefault(height, []).append(tile)
+        rows += tile[1]
+    return runs
+
+
+def _launch_errors() -> tuple[type[BaseException], ...]:
+    """What a kernel that cannot be built or launched on this machine raises (its module missing, Triton's compiler
+    or resource errors); anything else is a bug or a device fault and is not caught."""
+    errors: list[type[BaseException]] = [ImportError]
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+    except ImportError:
+        return tuple(errors)
+    return (*errors, CompilationError, OutOfResources)
+
+
 def expert_rows(
     input: torch.Tensor,
     weights: MarlinExpertWeights,
@@ -177,16 +214,17 @@ def expert_rows(
 ) -> torch.Tensor | None:
     """float32 ``[R, N]``: row ``order[g]`` is ``input[source_rows[g]] @ W[e]`` for the ``g``-th row of the grouped
     order (``per_expert[u]`` rows of ``experts_used[u]`` after one another; ``experts_host`` the same ids on the
-    host). One launch per block height, then the K splits added in order; no sync. None when the kernel cannot
-    run here (a Triton or driver error: said once as a warning; the caller takes the dense path, from then on)."""
+    host). One launch per block height (per pass of :data:`PARTIAL_BYTES`), the K splits added in order, no sync.
+    None when the kernel cannot be built or launched here (said once as a warning; the caller takes the dense
+    path, from then on)."""
     device = input.device
     count = int(order.numel())
     size_n = weights.size_n
+    out = torch.empty((count, size_n), dtype=torch.float32, device=device)
+    if count == 0:
+        return out
     k_tiles = weights.size_k // TILE_K
     splits, per_split = k_splits(k_tiles)
-    partial = torch.empty((splits, count, size_n), dtype=torch.float32, device=device)
-    if count == 0:
-        return partial[0]
     kind = weights.fast_kind()
     assert kind is not None
     num_bits = weights.format.num_bits
@@ -198,54 +236,66 @@ def expert_rows(
         assert offsets is not None
         offsets = offsets.contiguous()
     stored = weights.b_scales.view(torch.uint8) if weights.scales_are_bytes else weights.b_scales
-    plan = plan_tiles(per_expert, experts_host)
-    flat = [tile for height in sorted(plan) for tile in plan[height]]
-    fields = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)  # [tiles, 4]
     packed = weights.b_qweight.contiguous().view(torch.uint8)
     source = source_rows.contiguous()
     destination = order.contiguous()
+    row_budget = max(BLOCK_ROWS[-1], PARTIAL_BYTES // (splits * size_n * 4))
+    runs = passes(plan_tiles(per_expert, experts_host), row_budget)
+    fields = torch.tensor(  # [tiles, 4], run by run, by height within a run
+        [tile for run in runs for height in sorted(run) for tile in run[height]], dtype=torch.int64
+    ).to(device, non_blocking=True)
     first = 0
     try:
         from moereplay.reference.marlin_rows_kernel import marlin_rows
 
-        for height in sorted(plan):
-            tiles = len(plan[height])
-            marlin_rows[(tiles, -(-size_n // BLOCK_N), splits)](
-                input,
-                input.stride(0),
-                input.stride(1),
-                source,
-                destination,
-                partial,
-                partial.stride(0),
-                partial.stride(1),
-                packed,
-                column_entries,
-                row_entries,
-                lut,
-                stored,
-                *stored.stride(),
-                columns,
-                scale_table if scale_table is not None else lut,  # never read for 16-bit scales
-                multipliers,
-                offsets if offsets is not None else lut,  # never read without zero points
-                fields[first : first + tiles],
-                k_tiles,
-                per_split,
-                size_n // TILE_N,
-                size_n,
-                weights.num_groups,
-                weights.group_size // TILE_K,
-                FOUR_BIT=num_bits == 4,
-                SCALE_BYTES=scale_table is not None,
-                HAS_OFFSET=offsets is not None,
-                TILE_BYTES=TILE_K * TILE_N * num_bits // 8,
-                BLOCK_M=height,
-                BLOCK_N=BLOCK_N,
-                num_warps=4,
-            )
-            first += tiles
-    except Exception as error:  # a kernel that cannot compile or launch here: the dense path answers
+        # Triton launches on the current device's current stream (the CPU: Triton's interpreter, for tests)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            for run in runs:
+                row_base = min(tile[0] for tiles in run.values() for tile in tiles)
+                rows = sum(tile[1] for tiles in run.values() for tile in tiles)
+                partial = torch.empty((splits, rows, size_n), dtype=torch.float32, device=device)
+                for height in sorted(run):
+                    tiles = len(run[height])
+                    marlin_rows[(tiles, -(-size_n // BLOCK_N), splits)](
+                        input,
+                        input.stride(0),
+                        input.stride(1),
+                        source,
+                        row_base,
+                        partial,
+                        partial.stride(0),
+                        partial.stride(1),
+                        packed,
+                        column_entries,
+                        row_entries,
+                        lut,
+                        stored,
+                        *stored.stride(),
+                        columns,
+                        scale_table if scale_table is not None else lut,  # never read for 16-bit scales
+                        multipliers,
+                        offsets if offsets is not None else lut,  # never read without zero points
+                        fields[first : first + tiles],
+                        k_tiles,
+                        per_split,
+                        size_n // TILE_N,
+                        size_n,
+                        weights.num_groups,
+                        weights.group_size // TILE_K,
+                        FOUR_BIT=num_bits == 4,
+                        SCALE_BYTES=scale_table is not None,
+                        HAS_OFFSET=offsets is not None,
+                        TILE_BYTES=TILE_K * TILE_N * num_bits // 8,
+                        BLOCK_M=height,
+                        BLOCK_N=BLOCK_N,
+                        num_warps=4,
+                    )
+                    first += tiles
+                summed = partial[0]
+                for split in range(1, splits):  # in order: the same sum for every row
+                    summed.add_(partial[split])
+                out.index_copy_(0, destination[row_base : row_base + rows], summed)
+    except _launch_errors() as error:
         _FAILED.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
         warnings.warn(
             f"moereplay: the packed-code Marlin reference kernel cannot run here ({_FAILED[0]}); the reference "
@@ -254,10 +304,7 @@ def expert_rows(
             stacklevel=2,
         )
         return None
-    result = partial[0]
-    for split in range(1, splits):  # in order: the same sum for every row
-        result.add_(partial[split])
-    return result
+    return out
 
 
 _SCALE_LAYOUTS: dict[tuple[object, ...], tuple[torch.Tensor | None, torch.Tensor]] = {}

@@ -3,7 +3,8 @@ from the Marlin-packed codes and stored scales, with no dense weight in memory (
 GPU are; :mod:`.marlin_rows` decides and launches).
 
 One program computes ``BLOCK_M`` rows (consecutive in the grouped order, all of one expert) by ``BLOCK_N`` columns
-over one split of K's 16-row Marlin tiles, and stores that partial sum (the host adds the splits in order). A code's
+over one split of K's 16-row Marlin tiles, and stores that partial sum at the rows' places in the grouped order,
+counted from ``row_base`` (the host adds the splits in order and puts the rows where they belong). A code's
 byte in a packed tile is ``column_entries[n % 64] + row_entries[k % 16]`` (``byte · 8 + bit shift``: the tile
 permutation separates into a column part and a row part); the code (a nibble or the byte) is looked up in ``lut``
 for its exact value. The column's scale is read from the stored scales at its stored column (``columns``), decoded
@@ -11,8 +12,8 @@ through ``scale_lut`` (byte formats) or converted from float16/bfloat16, and mul
 ``multipliers`` entry; the weight is ``value · scale`` (``value · scale + offset`` with integer zero points,
 ``offset = −zero · scale`` from the host) — the float32 operations the dense decoder applies to that element, so
 every weight is the dense decoder's. Each output element is an explicit chain of IEEE float32 fused multiply-adds
-into a tile sum (4-bit: rows k and k + 8 of a tile share a byte and go in pairs), added to the split's total tile by
-tile: the same operations whichever other rows share its program, so a row's value does not depend on the other
+into a tile sum (rows k in order; 4-bit: rows k and k + 8 share a byte and go in pairs, 0, 8, 1, 9, …), added to
+the split's total tile by tile: the same operations whichever other rows share its program, so a row's value does not depend on the other
 rows of the call.
 """
 
@@ -28,7 +29,7 @@ def marlin_rows(
     stride_xm,
     stride_xk,
     src_ptr,
-    dst_ptr,
+    row_base,
     out_ptr,
     stride_os,
     stride_om,
@@ -89,7 +90,7 @@ def marlin_rows(
         if HAS_OFFSET:
             offset = tl.load(offset_row + group * N, mask=n_ok, other=0.0)
         tile = w_expert + kt * n_tiles * TILE_BYTES + column_bytes  # one expert: < 2**31 bytes
-        x_tile = x_rows + kt * 16 * stride_xk
+        x_tile = x_rows + tl.cast(kt, tl.int64) * 16 * stride_xk
         tile_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if FOUR_BIT:
             for kk in tl.static_range(8):
@@ -120,6 +121,6 @@ def marlin_rows(
                 x = tl.load(x_tile + kk * stride_xk, mask=row_ok, other=0.0).to(tl.float32)
                 tile_sum = tl.fma(x[:, None], weight[None, :], tile_sum)
         total += tile_sum
-    dst = tl.load(dst_ptr + start + m, mask=row_ok, other=0)
-    out = out_ptr + split * stride_os + dst[:, None] * stride_om + n[None, :]
+    local = (start - row_base + m).to(tl.int64)  # the row's place in this launch's range of the grouped order
+    out = out_ptr + split.to(tl.int64) * stride_os + local[:, None] * stride_om + n[None, :]
     tl.store(out, total, mask=row_ok[:, None] & n_ok[None, :])

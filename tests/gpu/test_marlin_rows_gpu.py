@@ -12,7 +12,12 @@ import torch
 
 from moereplay.reference import marlin_rows
 from moereplay.reference.dequant_dense import SWITCH_VARIABLE
-from moereplay.reference.marlin_formats import MarlinWeightFormat, PackedExperts, random_experts
+from moereplay.reference.marlin_formats import (
+    MarlinExpertWeights,
+    MarlinWeightFormat,
+    PackedExperts,
+    random_experts,
+)
 from moereplay.reference.marlin_moe import reference_moe_wna16_marlin_gemm
 from moereplay.reference.moe_align import moe_align_block_size
 
@@ -132,3 +137,66 @@ def test_gpt_oss_shapes_agree_with_the_dense_path(fmt, monkeypatch: pytest.Monke
     dense = _call(packed, x, ids, weights, top_k=top_k, block=8, experts=experts, mul=False)
     assert torch.equal(fused.written, dense.written)
     assert _relative(fused.output, dense.output) < 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _the_kernel_ran():
+    """Every test here must have run the kernel: a build or launch failure falls back to the dense path with a
+    warning (an error under pytest's warning filter) and is remembered in ``_FAILED``."""
+    yield
+    assert not marlin_rows._FAILED, marlin_rows._FAILED
+
+
+@pytest.mark.parametrize(("fmt", "group_size", "dtype"), FAST)
+def test_one_hot_rows_give_the_dense_decoders_weights_bit_for_bit(fmt, group_size, dtype) -> None:
+    """Input rows e_0 … e_{K-1}, all on one expert: each output row is one weight row, exactly."""
+    experts, k, n = 4, 256, 192
+    packed = random_experts(
+        fmt, experts, k, n, group_size=group_size, activation_dtype=dtype, with_dense=False,
+        generator=torch.Generator().manual_seed(12), device=CUDA,
+    )  # fmt: skip
+    x = torch.eye(k, device=CUDA).to(dtype)
+    ids = torch.full((k, 1), 2, dtype=torch.int64, device=CUDA)
+    result = _call(
+        packed, x, ids, torch.ones((k, 1), device=CUDA), top_k=1, block=16, experts=experts, mul=False
+    )
+    kwargs = packed.kernel_kwargs()
+    weights = MarlinExpertWeights.from_kernel_args(
+        b_qweight=kwargs["b_qweight"], b_scales=kwargs["b_scales"], b_q_type=fmt.scalar_type,
+        activation_dtype=dtype, size_k=k, size_n=n, global_scale=kwargs["global_scale"],
+        b_qzeros=kwargs["b_qzeros"], g_idx=kwargs["g_idx"], perm=kwargs["perm"],
+        is_zp_float=bool(kwargs["is_zp_float"]),
+    )  # fmt: skip
+    assert torch.equal(result.gemm, weights.dequantize(torch.tensor([2], device=CUDA))[0])
+
+
+def test_a_long_call_in_passes_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    experts, k, n, tokens, top_k = 8, 1024, 320, 200, 4
+    packed = random_experts(
+        F.GPTQ_INT4, experts, k, n, group_size=128, with_dense=False,
+        generator=torch.Generator().manual_seed(13), device=CUDA,
+    )  # fmt: skip
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(14)).to(CUDA, torch.bfloat16)
+    weights, ids = _routing(tokens, top_k, experts, 15)
+    whole = _call(packed, x, ids, weights, top_k=top_k, block=64, experts=experts)
+    splits = marlin_rows.k_splits(k // 16)[0]
+    monkeypatch.setattr(marlin_rows, "PARTIAL_BYTES", 40 * n * 4 * splits)  # passes of at most 40 rows
+    cut = _call(packed, x, ids, weights, top_k=top_k, block=64, experts=experts)
+    assert torch.equal(cut.output, whole.output)
+
+
+def test_a_call_on_another_gpu_than_the_current_one() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    device = torch.device("cuda", 1)
+    packed = random_experts(
+        F.NVFP4, 4, 256, 128, with_dense=False, generator=torch.Generator().manual_seed(16), device=device
+    )
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(17)).to(device, torch.bfloat16)
+    weights, ids = _routing(9, 2, 4, 18)
+    on_one = _call(packed, x, ids.to(device), weights.to(device), top_k=2, block=8, experts=4)
+    packed0 = random_experts(
+        F.NVFP4, 4, 256, 128, with_dense=False, generator=torch.Generator().manual_seed(16), device=CUDA
+    )
+    on_zero = _call(packed0, x.to(CUDA), ids, weights, top_k=2, block=8, experts=4)
+    assert torch.equal(on_one.output.cpu(), on_zero.output.cpu())

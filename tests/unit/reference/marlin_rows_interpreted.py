@@ -10,7 +10,7 @@ import torch
 import triton.runtime.interpreter as interpreter
 
 from moereplay.reference import marlin_rows
-from moereplay.reference.marlin_formats import MarlinWeightFormat, random_experts
+from moereplay.reference.marlin_formats import MarlinExpertWeights, MarlinWeightFormat, random_experts
 from moereplay.reference.marlin_moe import reference_moe_wna16_marlin_gemm
 from moereplay.reference.moe_align import moe_align_block_size
 
@@ -68,6 +68,32 @@ def _call(packed, x, ids, weights, fused: bool):  # type: ignore[no-untyped-def]
         marlin_rows.available = marlin_rows_available  # type: ignore[assignment]
 
 
+def _one_hot_rows(packed, fmt, dtype) -> bool:  # type: ignore[no-untyped-def]
+    """Input rows e_0 … e_{K-1}, all on expert 1: each output row is one weight row, so the kernel's weights are
+    compared with the dense decoder's bit for bit (an exact product: one nonzero term per row)."""
+    x = torch.eye(K).to(dtype)
+    ids = torch.ones((K, 1), dtype=torch.int64)
+    sorted_ids, expert_ids, total = moe_align_block_size(ids.to(torch.int32), 16, EXPERTS)
+    available = marlin_rows.available
+    marlin_rows.available = lambda device, environ=None: True  # type: ignore[assignment]
+    try:
+        result = reference_moe_wna16_marlin_gemm(
+            input=x, output=None, a_scales=None, workspace=None, sorted_token_ids=sorted_ids,
+            expert_ids=expert_ids, num_tokens_past_padded=total, topk_weights=torch.ones((K, 1)),
+            moe_block_size=16, top_k=1, mul_topk_weights=False, size_m=K, **packed.kernel_kwargs(),
+        )  # fmt: skip
+    finally:
+        marlin_rows.available = available  # type: ignore[assignment]
+    kwargs = packed.kernel_kwargs()
+    weights = MarlinExpertWeights.from_kernel_args(
+        b_qweight=kwargs["b_qweight"], b_scales=kwargs["b_scales"], b_q_type=fmt.scalar_type,
+        activation_dtype=dtype, size_k=K, size_n=N, global_scale=kwargs["global_scale"],
+        b_qzeros=kwargs["b_qzeros"], g_idx=kwargs["g_idx"], perm=kwargs["perm"],
+        is_zp_float=bool(kwargs["is_zp_float"]),
+    )  # fmt: skip
+    return torch.equal(result.gemm, weights.dequantize(torch.tensor([1]))[0])
+
+
 def main() -> int:
     _index_first_element()
     gen = torch.Generator().manual_seed(4)
@@ -94,10 +120,24 @@ def main() -> int:
         print(
             f"{fmt.value} group {group_size} {dtype}: max rel {relative:.2e}, written and notes the same: {same}"
         )
-        if relative > 1e-5 or not same:
+        if relative > 1e-5 or not same or marlin_rows._FAILED:
+            print(f"the kernel did not run: {marlin_rows._FAILED}" if marlin_rows._FAILED else "differs")
+            return 1
+        exact = _one_hot_rows(packed, fmt, dtype)
+        print(f"  one-hot rows are the dense decoder's weights bit for bit: {exact}")
+        if not exact:
             return 1
         if fmt not in (F.NVFP4, F.GPTQ_INT8, F.AWQ_INT4) or (dtype != torch.bfloat16 and fmt is F.NVFP4):
             continue
+        budget = marlin_rows.PARTIAL_BYTES
+        marlin_rows.PARTIAL_BYTES = 20 * N * 4 * marlin_rows.k_splits(K // 16)[0]  # passes of ≤ 20 rows
+        try:
+            passes = _call(packed, x, ids, weights, fused=True)
+        finally:
+            marlin_rows.PARTIAL_BYTES = budget
+        if not torch.equal(passes.output, fused.output):
+            print("a call in passes of at most 20 rows gave other bits")
+            return 1
         for tokens in (1, 5):  # fewer rows per expert: other block heights, the same bits
             part = _call(packed, x[:tokens], ids[:tokens], weights[:tokens], fused=True)
             if not torch.equal(part.output, fused.output[: tokens * TOP_K]):

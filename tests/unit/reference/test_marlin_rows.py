@@ -3,6 +3,8 @@ factors, applied in torch element by element, rebuild the dense decoder's weight
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -159,6 +161,24 @@ def test_plan_tiles_gives_each_row_to_one_program_of_its_expert() -> None:
     assert [c for _, c, e, _ in plan[16] if e == 11] == [16, 16, 16, 16, 6]
 
 
+def test_passes_cut_the_plan_into_runs_of_whole_blocks_keeping_their_heights() -> None:
+    plan = marlin_rows.plan_tiles([3, 1, 70, 6], [5, 7, 11, 8])
+    runs = marlin_rows.passes(plan, row_budget=20)
+    seen = [tile for run in runs for tiles in run.values() for tile in tiles]
+    assert sorted(seen) == sorted(tile for tiles in plan.values() for tile in tiles)
+    for run in runs:
+        rows = [tile for tiles in run.values() for tile in tiles]
+        assert sum(tile[1] for tile in rows) <= 20 or len(rows) == 1
+        starts = sorted(tile[0] for tile in rows)
+        assert starts == sorted(set(starts))
+        for height, tiles in run.items():
+            assert all(tile in plan[height] for tile in tiles)  # a block keeps its height
+    assert any(
+        (68, 6, 11, 2) in run.get(16, []) for run in runs
+    )  # the 70-row expert's last 6 rows: height 16
+    assert len(marlin_rows.passes(plan, row_budget=10**6)) == 1
+
+
 def test_usable_and_available() -> None:
     assert not marlin_rows.usable(_weights(F.GPTQ_INT4, 32, torch.bfloat16, act_order=True))
     assert not marlin_rows.usable(_weights(F.AWQ_INT4_FZP, 32, torch.float16))
@@ -169,8 +189,8 @@ def test_usable_and_available() -> None:
 def test_a_kernel_that_cannot_run_warns_once_and_the_dense_path_answers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On the CPU the kernel cannot launch (no GPU; no Triton in CI): forced on, the reference warns, answers with
-    the dense path's bits and keeps to the dense path afterwards."""
+    """A kernel that cannot be built here (its module cannot be imported): forced on, the reference warns,
+    answers with the dense path's bits and keeps to the dense path afterwards."""
     from moereplay.reference.marlin_moe import reference_moe_wna16_marlin_gemm
     from moereplay.reference.moe_align import moe_align_block_size
 
@@ -187,10 +207,12 @@ def test_a_kernel_that_cannot_run_warns_once_and_the_dense_path_answers(
         size_m=5, **packed.kernel_kwargs(),
     )  # fmt: skip
     expected = reference_moe_wna16_marlin_gemm(**args)
+    real_available = marlin_rows.available
+    monkeypatch.setitem(sys.modules, "moereplay.reference.marlin_rows_kernel", None)  # cannot be imported
     monkeypatch.setattr(marlin_rows, "_FAILED", [])
-    monkeypatch.setattr(marlin_rows, "FUSED_DEVICE_TYPES", frozenset({"cpu"}))
-    assert marlin_rows.available(torch.device("cpu"), {})
+    monkeypatch.setattr(marlin_rows, "available", lambda device, environ=None: not marlin_rows._FAILED)
     with pytest.warns(RuntimeWarning, match="packed-code Marlin reference kernel cannot run here"):
         result = reference_moe_wna16_marlin_gemm(**args)
     assert torch.equal(result.output, expected.output)
-    assert not marlin_rows.available(torch.device("cpu"), {})
+    assert marlin_rows._FAILED and "marlin_rows_kernel" in marlin_rows._FAILED[0]
+    assert not real_available(torch.device("cuda"), {})  # the dense path from then on

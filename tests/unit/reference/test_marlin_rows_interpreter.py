@@ -1,5 +1,6 @@
 """The packed-code Marlin kernel run by Triton's interpreter on the CPU (where Triton is installed; CI has none and
-skips): every fast format against the dense path, and a row's bits independent of the other rows. It found a bug
+skips): every fast format against the dense path, its weights bit for bit (one-hot input rows), a row's bits
+independent of the other rows and of the passes a long call is cut into. It found a bug
 the element-wise CPU checks could not (a strided table handed to the kernel as if contiguous)."""
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed"),
+    pytest.mark.slow,  # about four minutes on two cores: `pytest -m slow tests/unit/reference/test_marlin_rows_interpreter.py`
+]
 
 
 def test_the_kernel_agrees_with_the_dense_path_in_the_interpreter() -> None:
@@ -23,3 +27,4 @@ def test_the_kernel_agrees_with_the_dense_path_in_the_interpreter() -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("written and notes the same: True") == 11, done.stdout
+    assert done.stdout.count("bit for bit: True") == 11, done.stdout
