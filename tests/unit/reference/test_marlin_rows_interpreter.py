@@ -1,4 +1,4 @@
-"""The packed-code Marlin kernel run by Triton's interpreter on the CPU (where Triton is installed; CI has none and
+"""The packed-code Marlin kernel compiled for Hopper and run by Triton's interpreter on the CPU (where Triton is installed; CI has none and
 skips): every fast format against the dense path, its weights bit for bit (one-hot input rows), a row's bits
 independent of the other rows and of the passes a long call is cut into. It found a bug
 the element-wise CPU checks could not (a strided table handed to the kernel as if contiguous)."""
@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed"),
-    pytest.mark.slow,  # about four minutes on two cores: `pytest -m slow tests/unit/reference/test_marlin_rows_interpreter.py`
-]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
 
+@pytest.mark.slow  # about four minutes on two cores: `pytest -m slow tests/unit/reference/test_marlin_rows_interpreter.py`
 def test_the_kernel_agrees_with_the_dense_path_in_the_interpreter() -> None:
     script = Path(__file__).with_name("marlin_rows_interpreted.py")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[3])}
@@ -28,3 +26,54 @@ def test_the_kernel_agrees_with_the_dense_path_in_the_interpreter() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("written and notes the same: True") == 11, done.stdout
     assert done.stdout.count("bit for bit: True") == 11, done.stdout
+
+
+COMPILE_CASES = [
+    (four, scale_bytes, offset, block_m)
+    for four in (True, False)
+    for scale_bytes in (True, False)
+    for offset in (True, False)
+    for block_m in (4, 16)
+    if not (scale_bytes and offset)  # byte scales (FP4/MX formats) never come with zero points
+]
+
+
+@pytest.mark.parametrize(("four_bit", "scale_bytes", "has_offset", "block_m"), COMPILE_CASES)
+def test_the_kernel_compiles_for_hopper_without_spills_or_flushed_denormals(
+    four_bit: bool, scale_bytes: bool, has_offset: bool, block_m: int
+) -> None:
+    """Triton compiles for sm_90 without a GPU: every launch variant builds a cubin, keeps its accumulators in
+    registers (no local memory) and flushes no denormal (no ``.ftz``: the weights must be the dense decoder's)."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from moereplay.reference.marlin_rows_kernel import marlin_rows
+
+    names = list(inspect.signature(marlin_rows.fn).parameters)
+    pointers = {
+        "x_ptr": "*bf16", "src_ptr": "*i64", "out_ptr": "*fp32", "w_ptr": "*u8", "column_entries_ptr": "*i32",
+        "row_entries_ptr": "*i32", "lut_ptr": "*fp32", "scale_ptr": "*u8" if scale_bytes else "*bf16",
+        "columns_ptr": "*i64", "scale_lut_ptr": "*fp32", "multipliers_ptr": "*fp32", "offset_ptr": "*fp32",
+        "tiles_ptr": "*i64",
+    }  # fmt: skip
+    constants = {
+        "FOUR_BIT": four_bit,
+        "SCALE_BYTES": scale_bytes,
+        "HAS_OFFSET": has_offset,
+        "TILE_BYTES": 512 if four_bit else 1024,
+        "BLOCK_M": block_m,
+        "BLOCK_N": 256,
+    }
+    assert set(pointers) <= set(names) and set(constants) <= set(names)
+    signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
+    source = ASTSource(
+        marlin_rows, signature, constexprs={(names.index(n),): v for n, v in constants.items()}
+    )
+    built = compile(source, target=GPUTarget("cuda", 90, 32))
+    ptx = built.asm["ptx"]
+    assert built.asm["cubin"]
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert ".ftz" not in ptx
+    assert ptx.count("fma.rn.f32") >= block_m * 2 * 16  # every tile row's multiply-add is a fused one
