@@ -33,6 +33,7 @@ NEEDS_TRITON = frozenset(
         "moereplay.capture.ring_kernel",
         "moereplay.capture.graph_ring_kernel",
         "moereplay.reference.dequant_kernel",
+        "moereplay.reference.marlin_rows_kernel",
     }
 )
 """Modules that are Triton kernels themselves (imported only where Triton is, by their users)."""
