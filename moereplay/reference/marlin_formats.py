@@ -642,6 +642,22 @@ class PackedExperts:
     def is_zp_float(self) -> bool:
         return self.format is MarlinWeightFormat.AWQ_INT4_FZP
 
+    def expert_weights(self) -> MarlinExpertWeights:
+        """These tensors as the reference reads them (:meth:`MarlinExpertWeights.from_kernel_args`)."""
+        return MarlinExpertWeights.from_kernel_args(
+            b_qweight=self.b_qweight,
+            b_scales=self.b_scales,
+            b_q_type=self.format.scalar_type,
+            activation_dtype=self.activation_dtype,
+            size_k=self.size_k,
+            size_n=self.size_n,
+            global_scale=self.global_scale,
+            b_qzeros=self.b_qzeros,
+            g_idx=self.g_idx,
+            perm=self.perm,
+            is_zp_float=self.is_zp_float,
+        )
+
     def kernel_kwargs(self) -> dict[str, object]:
         """The weight-side keyword arguments of ``moe_wna16_marlin_gemm``."""
         return {

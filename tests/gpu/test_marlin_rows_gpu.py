@@ -12,12 +12,7 @@ import torch
 
 from moereplay.reference import marlin_rows
 from moereplay.reference.dequant_dense import SWITCH_VARIABLE
-from moereplay.reference.marlin_formats import (
-    MarlinExpertWeights,
-    MarlinWeightFormat,
-    PackedExperts,
-    random_experts,
-)
+from moereplay.reference.marlin_formats import MarlinWeightFormat, PackedExperts, random_experts
 from moereplay.reference.marlin_moe import reference_moe_wna16_marlin_gemm
 from moereplay.reference.moe_align import moe_align_block_size
 
@@ -160,13 +155,7 @@ def test_one_hot_rows_give_the_dense_decoders_weights_bit_for_bit(fmt, group_siz
     result = _call(
         packed, x, ids, torch.ones((k, 1), device=CUDA), top_k=1, block=16, experts=experts, mul=False
     )
-    kwargs = packed.kernel_kwargs()
-    weights = MarlinExpertWeights.from_kernel_args(
-        b_qweight=kwargs["b_qweight"], b_scales=kwargs["b_scales"], b_q_type=fmt.scalar_type,
-        activation_dtype=dtype, size_k=k, size_n=n, global_scale=kwargs["global_scale"],
-        b_qzeros=kwargs["b_qzeros"], g_idx=kwargs["g_idx"], perm=kwargs["perm"],
-        is_zp_float=bool(kwargs["is_zp_float"]),
-    )  # fmt: skip
+    weights = packed.expert_weights()
     assert torch.equal(result.gemm, weights.dequantize(torch.tensor([2], device=CUDA))[0])
 
 

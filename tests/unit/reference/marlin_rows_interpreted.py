@@ -8,26 +8,14 @@ import sys
 
 import torch
 import triton.runtime.interpreter as interpreter
+from test_marlin_rows import FAST
 
 from moereplay.reference import marlin_rows
-from moereplay.reference.marlin_formats import MarlinExpertWeights, MarlinWeightFormat, random_experts
+from moereplay.reference.marlin_formats import MarlinWeightFormat, random_experts
 from moereplay.reference.marlin_moe import reference_moe_wna16_marlin_gemm
 from moereplay.reference.moe_align import moe_align_block_size
 
 F = MarlinWeightFormat
-FAST = [
-    (F.NVFP4, None, torch.bfloat16),
-    (F.NVFP4, None, torch.float16),
-    (F.MXFP4, None, torch.bfloat16),
-    (F.MXFP8, None, torch.bfloat16),
-    (F.FP8, -1, torch.bfloat16),
-    (F.FP8, 128, torch.float16),
-    (F.GPTQ_INT4, 32, torch.bfloat16),
-    (F.GPTQ_INT4, -1, torch.float16),
-    (F.GPTQ_INT8, 64, torch.bfloat16),
-    (F.AWQ_INT4, 32, torch.float16),
-    (F.AWQ_INT4, -1, torch.bfloat16),
-]
 EXPERTS, K, N, TOKENS, TOP_K = 6, 512, 192, 12, 3  # K: two splits; N: a partial column block
 
 
@@ -84,13 +72,7 @@ def _one_hot_rows(packed, fmt, dtype) -> bool:  # type: ignore[no-untyped-def]
         )  # fmt: skip
     finally:
         marlin_rows.available = available  # type: ignore[assignment]
-    kwargs = packed.kernel_kwargs()
-    weights = MarlinExpertWeights.from_kernel_args(
-        b_qweight=kwargs["b_qweight"], b_scales=kwargs["b_scales"], b_q_type=fmt.scalar_type,
-        activation_dtype=dtype, size_k=K, size_n=N, global_scale=kwargs["global_scale"],
-        b_qzeros=kwargs["b_qzeros"], g_idx=kwargs["g_idx"], perm=kwargs["perm"],
-        is_zp_float=bool(kwargs["is_zp_float"]),
-    )  # fmt: skip
+    weights = packed.expert_weights()
     return torch.equal(result.gemm, weights.dequantize(torch.tensor([1]))[0])
 
 

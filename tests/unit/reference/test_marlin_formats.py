@@ -44,19 +44,7 @@ CASES = [
 
 
 def _weights(packed, experts: int = 3) -> MarlinExpertWeights:
-    return MarlinExpertWeights.from_kernel_args(
-        b_qweight=packed.b_qweight,
-        b_scales=packed.b_scales,
-        b_q_type=packed.format.scalar_type,
-        activation_dtype=packed.activation_dtype,
-        size_k=packed.size_k,
-        size_n=packed.size_n,
-        global_scale=packed.global_scale,
-        b_qzeros=packed.b_qzeros,
-        g_idx=packed.g_idx,
-        perm=packed.perm,
-        is_zp_float=packed.is_zp_float,
-    )
+    return packed.expert_weights()
 
 
 @pytest.mark.parametrize(("fmt", "group_size", "dtype", "act_order"), CASES)

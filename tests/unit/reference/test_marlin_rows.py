@@ -40,20 +40,7 @@ def _weights(fmt, group_size, dtype, *, experts: int = 4, k: int = 256, n: int =
         generator=torch.Generator().manual_seed(11),
         **extra,
     )
-    kwargs = packed.kernel_kwargs()
-    return MarlinExpertWeights.from_kernel_args(
-        b_qweight=kwargs["b_qweight"],
-        b_scales=kwargs["b_scales"],
-        b_q_type=fmt.scalar_type,
-        activation_dtype=dtype,
-        size_k=k,
-        size_n=n,
-        global_scale=kwargs["global_scale"],
-        b_qzeros=kwargs["b_qzeros"],
-        g_idx=kwargs["g_idx"],
-        perm=kwargs["perm"],
-        is_zp_float=bool(kwargs["is_zp_float"]),
-    )
+    return packed.expert_weights()
 
 
 def _kernel_weights(weights: MarlinExpertWeights, experts: torch.Tensor) -> torch.Tensor:
