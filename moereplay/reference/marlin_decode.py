@@ -44,17 +44,26 @@ def value_dtype(device: torch.device) -> torch.dtype:
 
 
 @functools.cache
+def code_values(kind: str) -> torch.Tensor:
+    """float32 on the CPU: the exact value of every code of ``kind`` — 16 entries for the 4-bit kinds (``"e2m1"``,
+    ``"uint4b8"``: q - 8, ``"uint4"``: q), 256 for the 8-bit ones (``"e4m3"``, ``"uint8b128"``: q - 128)."""
+    if kind == "e2m1":
+        return torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    if kind in ("uint4b8", "uint4"):
+        return torch.arange(16, dtype=torch.float32) - (8 if kind == "uint4b8" else 0)
+    if kind == "e4m3":
+        return (
+            torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+        )
+    if kind == "uint8b128":
+        return torch.arange(256, dtype=torch.float32) - 128
+    raise ReferenceError_(f"no code values for {kind!r}")
+
+
+@functools.cache
 def _nibble_tables(kind: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """[256] tables: byte → value of its low nibble, byte → value of its high nibble (:func:`value_dtype`)."""
-    if kind == "e2m1":
-        nibble = list(E2M1_VALUES)
-    elif kind == "uint4b8":
-        nibble = [float(q - 8) for q in range(16)]
-    elif kind == "uint4":
-        nibble = [float(q) for q in range(16)]
-    else:  # pragma: no cover - callers pass one of the above
-        raise ReferenceError_(f"no nibble table for {kind!r}")
-    values = torch.tensor(nibble, dtype=torch.float32).to(value_dtype(device))
+    values = code_values(kind).to(value_dtype(device))
     byte = torch.arange(256)
     return values[byte & 0x0F].to(device), values[byte >> 4].to(device)
 

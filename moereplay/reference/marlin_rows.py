@@ -26,10 +26,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from moereplay.errors import ReferenceError_
+from moereplay.reference import marlin_decode
 from moereplay.reference import marlin_layout as layout
 from moereplay.reference.dequant_dense import FUSED_DEVICE_TYPES, SWITCH_VARIABLE
 from moereplay.reference.marlin_formats import MarlinExpertWeights
-from moereplay.reference.numerics import E2M1_VALUES
 
 TILE_K, TILE_N = 16, 64
 """One Marlin tile of 16-bit activations: 16 rows of K by 64 columns of N."""
@@ -113,20 +113,8 @@ def tile_entries(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def _value_table_cpu(kind: str) -> torch.Tensor:
-    code = torch.arange(256)
-    if kind == "e2m1":
-        values = torch.tensor(E2M1_VALUES, dtype=torch.float32)[code % 16]
-    elif kind == "uint4b8":
-        values = (code % 16 - 8).to(torch.float32)
-    elif kind == "uint4":
-        values = (code % 16).to(torch.float32)
-    elif kind == "e4m3":
-        values = code.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
-    elif kind == "uint8b128":
-        values = (code - 128).to(torch.float32)
-    else:
-        raise ValueError(f"no value table for {kind!r}")
-    return values
+    values = marlin_decode.code_values(kind)
+    return values[torch.arange(256) % 16] if values.numel() == 16 else values
 
 
 def value_table(kind: str) -> torch.Tensor:
@@ -140,6 +128,10 @@ def _device_tables(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     columns, rows = _entries_cpu(num_bits)
     return columns.to(device), rows.to(device), _value_table_cpu(kind).to(device)
+
+
+Tile = tuple[int, int, int, int]
+"""A program's row block: (start in the grouped order, rows, expert, position among the used experts)."""
 
 
 def plan_tiles(per_expert: Sequence[int], experts: Sequence[int]) -> dict[int, list[Tile]]:
@@ -170,19 +162,14 @@ PARTIAL_BYTES = 1 << 30
 rows (a long prefill) goes in passes of whole row blocks, which changes no row's value."""
 
 
-Tile = tuple[int, int, int, int]
-"""A program's row block: (start in the grouped order, rows, expert, position among the used experts)."""
-
-
 def passes(plan: dict[int, list[Tile]], row_budget: int) -> list[dict[int, list[Tile]]]:
     """The plan's row blocks in grouped order cut into runs of whole blocks of at most ``row_budget`` rows (at
     least one block each), each run again by block height."""
     runs: list[dict[int, list[Tile]]] = []
     rows = 0
-    for start, height, tile in sorted(
-        (tile[0], height, tile) for height, tiles in plan.items() for tile in tiles
+    for height, tile in sorted(
+        ((height, tile) for height, tiles in plan.items() for tile in tiles), key=lambda item: item[1][0]
     ):
-        del start
         if not runs or rows + tile[1] > row_budget:
             runs.append({})
             rows = 0

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from moereplay.errors import ReferenceError_
 from moereplay.reference import marlin_rows
 from moereplay.reference.dequant_dense import SWITCH_VARIABLE
 from moereplay.reference.marlin_formats import MarlinExpertWeights, MarlinWeightFormat, random_experts
@@ -127,7 +128,7 @@ def test_value_tables() -> None:
     assert e2m1[[1, 7, 15]].tolist() == [0.5, 6.0, -6.0] and torch.signbit(e2m1[8])
     e4m3 = marlin_rows.value_table("e4m3")
     assert e4m3[0x38].item() == 1.0 and torch.isnan(e4m3[0x7F]) and torch.isnan(e4m3[0xFF])
-    with pytest.raises(ValueError):
+    with pytest.raises(ReferenceError_, match="no code values for 'e8m0'"):
         marlin_rows.value_table("e8m0")
 
 
