@@ -389,6 +389,49 @@ class MarlinExpertWeights:
                     None if zero_points is None else zero_points[position : position + 1, groups],
                 )
 
+    def dequantize_columns(
+        self,
+        expert: int,
+        first: int,
+        count: int,
+        factors: tuple[torch.Tensor, torch.Tensor | None],
+    ) -> torch.Tensor:
+        """Dense ``float32[K, count]``: columns ``first .. first + count`` of ``expert``'s weight, original row
+        order, the same numbers as the same columns of :meth:`dequantize` (each element is one elementwise product
+        of one code value and one scale). ``first`` and ``count`` are multiples of 64 (Marlin tiles are 64
+        columns wide, and a tile's bytes are one contiguous run of its 16-row slab); ``factors`` is
+        :meth:`fast_scales` of ``[expert]``, worked out once for all its column slices. Formats
+        :meth:`fast_kind` does not cover raise :class:`ReferenceError_`. Temporaries: about three times the
+        result's bytes."""
+        kind = self.fast_kind()
+        if kind is None:
+            raise ReferenceError_(f"{self.format.value} with act order has no column-slice decoder")
+        tile_n = 64
+        if first % tile_n or count % tile_n or count <= 0 or first + count > self.size_n:
+            raise ReferenceError_(
+                f"columns {first}..{first + count} are not whole {tile_n}-column tiles of N={self.size_n}"
+            )
+        bits = self.format.num_bits
+        words = tile_n * marlin_decode.TILE_K * bits // 32  # int32 words of one 16 x 64 tile
+        packed = self.b_qweight[
+            expert : expert + 1, :, first // tile_n * words : (first + count) // tile_n * words
+        ]
+        values = marlin_decode.logical_values(packed, bits, kind)
+        scales, zero_points = factors
+        out = torch.empty((1, self.size_k, count), dtype=torch.float32, device=self.b_qweight.device)
+        marlin_decode.dequantize_into(
+            out,
+            values,
+            scales[..., first : first + count],
+            None if zero_points is None else zero_points[..., first : first + count],
+        )
+        return out[0]
+
+    def fast_scales(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logical float32 ``[e, G, N]`` scales and integer zero points (or None) of ``experts``, as the fast
+        decoder applies them (:meth:`dequantize_columns` takes them)."""
+        return self._fast_scales(experts)
+
     def _fast_scales(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logical float32 ``[e, G, N]`` scales of ``experts`` (NVFP4: times the expert's factor, one rounding, as
         the general path) and integer zero points (or None), as the fast decoder applies them."""

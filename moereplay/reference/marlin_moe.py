@@ -472,13 +472,15 @@ def reference_moe_wna16_marlin_gemm(
             grouping.order,
         )
     if gemm_rows is None:
-        dense: torch.Tensor | Sequence[torch.Tensor]
+        dense: torch.Tensor | Sequence[torch.Tensor] | _ExpertColumns
         dense_bytes = int(experts_used.numel()) * size_k * size_n * 4
         budget = DENSE_BYTES_AT_ONCE.get(device.type, DENSE_BYTES_AT_ONCE["cpu"])
         if weight_cache is not None and dense_bytes <= budget:
             dense = weight_cache.get_each(weights, experts_used)
         elif dense_bytes <= budget:
             dense = weights.dequantize(experts_used)
+        elif device.type == "cpu" and weights.fast_kind() is not None and size_n % 64 == 0:
+            dense = _ExpertColumns(weights, grouping.experts)
         else:
             dense = _ExpertsInChunks(weights, experts_used, budget // 4)
         gemm_rows = _expert_rows_matmul(input, rows, top_k, grouping, dense, size_n)
@@ -604,12 +606,47 @@ class _ExpertsInChunks(Sequence[torch.Tensor]):
         return self._chunk[index - self._start]
 
 
+COLUMN_SLICE_BYTES = 4 << 20
+"""Dense float32 bytes of one column slice of an expert that :class:`_ExpertColumns` decodes (whole 64-column
+tiles, at least one)."""
+
+
+class _ExpertColumns:
+    """The dense weights of the used experts (host order ``experts``), decoded a column slice at a time, for weight
+    sets too big to decode whole on the CPU: one slice of :data:`COLUMN_SLICE_BYTES` and its decoder temporaries
+    (about three times that) at a time instead of a whole expert (68 MB at gpt-oss shapes). The columns of a
+    product are the same numbers as the whole product's (the float32 sum over K of each output element does not
+    depend on the other columns). Decoding stays on the calling thread with its intra-op threads: on worker
+    threads with one intra-op thread each it took 1.7–2.3× longer on a 2-CPU machine (the products' OpenMP
+    threads spin between them)."""
+
+    def __init__(self, weights: MarlinExpertWeights, experts: list[int]) -> None:
+        self._weights = weights
+        self._experts = experts
+        tiles = max(1, COLUMN_SLICE_BYTES // (weights.size_k * 4 * 64))
+        self.width = min(weights.size_n, tiles * 64)
+
+    def __len__(self) -> int:
+        return len(self._experts)
+
+    def slices(self, index: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(first column, float32[K, width])`` of ``experts[index]``, left to right."""
+        weights = self._weights
+        expert = self._experts[index]
+        factors = weights.fast_scales(torch.tensor([expert]))
+        for first in range(0, weights.size_n, self.width):
+            yield (
+                first,
+                weights.dequantize_columns(expert, first, min(self.width, weights.size_n - first), factors),
+            )
+
+
 def _expert_rows_matmul(
     input: torch.Tensor,
     rows: _Rows,
     top_k: int,
     grouping: _Grouping,
-    dense: torch.Tensor | Sequence[torch.Tensor],
+    dense: torch.Tensor | Sequence[torch.Tensor] | _ExpertColumns,
     size_n: int,
 ) -> torch.Tensor:
     """``input[slot // top_k] @ dense[expert]`` for every row: the rows grouped by expert, one float32 matmul per
@@ -630,7 +667,16 @@ def _expert_rows_matmul(
     start = 0
     with exact_fp32_matmul():
         for index, rows_of_expert in enumerate(grouping.per_expert):
-            if rows_of_expert == 1:
+            if isinstance(dense, _ExpertColumns):
+                x = pair if rows_of_expert == 1 else x_rows[start : start + rows_of_expert]
+                if rows_of_expert == 1:
+                    pair[0] = x_rows[start]
+                for first, columns in dense.slices(index):
+                    product = torch.mm(x, columns)
+                    grouped[start : start + rows_of_expert, first : first + columns.shape[1]] = product[
+                        :rows_of_expert
+                    ]
+            elif rows_of_expert == 1:
                 pair[0] = x_rows[start]
                 torch.mm(pair, dense[index], out=lone)
                 grouped[start] = lone[0]

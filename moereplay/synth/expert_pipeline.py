@@ -39,6 +39,10 @@ class ExpertPipeline:
         self._wait()
         self._pending = self._executor.submit(function, *args)
 
+    def wait(self) -> None:
+        """Wait for the work handed so far (re-raising its error)."""
+        self._wait()
+
     def _wait(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:

@@ -345,6 +345,11 @@ def _marlin_streamed(
             if draw.report:
                 codes[draw.size_k :] = 0
             pipeline.submit(pack, expert, codes)
+        # the code buffers (two or three experts' worth: 51 MB at gpt-oss shapes) go before the scales are drawn
+        pipeline.wait()
+        codes = torch.empty(0, dtype=torch.uint8)
+        drawn.clear()
+        padded = None
         if fmt is MarlinWeightFormat.NVFP4:
             rows = draw.drawn_k // 16 if scale_rows is None else scale_rows
             scales = torch.zeros((experts, rows, final_n), dtype=torch.float8_e4m3fn)  # padding stays zero

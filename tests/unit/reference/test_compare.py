@@ -161,3 +161,19 @@ def test_aligned_drops_only_leading_dimensions_of_one() -> None:
     assert aligned(output[0], (1, 3, 4)) is not None and aligned(output, (1, 3, 4)) is output
     for other in ((4, 3), (12,), (3, 1, 4)):  # other elements, or the same ones in another layout
         assert aligned(output, other) is None
+
+
+@pytest.mark.parametrize("finite", [0, 1, 2, 7, 100, 1000])
+def test_the_in_place_quantiles_are_those_of_a_full_sort(finite: int) -> None:
+    """The CPU picks the quantiles of the finite relative errors by a partial sort in place: the same elements
+    as sorting a copy (the rest of the elements are +inf and sort last)."""
+    from moereplay.reference import compare as compare_module
+
+    gen = torch.Generator().manual_seed(finite)
+    values = torch.rand(1000, generator=gen, dtype=torch.float64) ** 3
+    values[finite:] = float("inf")
+    values = values[torch.randperm(1000, generator=gen)]
+    count = torch.tensor(float(finite), dtype=torch.float64)
+    expected = values.sort().values.index_select(0, compare_module._quantile_positions(count))
+    got = compare_module._order_statistics(values.clone(), count)
+    assert torch.equal(got, expected)

@@ -295,3 +295,28 @@ def test_fast_decoder_is_bit_identical_to_the_general_one(fmt, group_size, dtype
     # NaN payloads may differ (e4m3 NaN bytes pass through bfloat16 on the fast path); NaN positions may not
     differs = (fast.view(torch.int32) != general.view(torch.int32)) & ~(fast.isnan() & general.isnan())
     assert not bool(differs.any()), f"{fmt.value}: fast decoder differs at {int(differs.sum())} elements"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "group_size"),
+    [
+        (MarlinWeightFormat.NVFP4, None),
+        (MarlinWeightFormat.MXFP8, None),
+        (MarlinWeightFormat.GPTQ_INT8, 64),
+        (MarlinWeightFormat.AWQ_INT4, 32),
+    ],
+)
+def test_a_column_slice_has_the_bits_of_those_columns_of_the_whole_expert(fmt, group_size) -> None:
+    packed = mf.random_experts(
+        fmt, 3, 128, 256, group_size=group_size, generator=torch.Generator().manual_seed(4), with_dense=False
+    )
+    weights = packed.expert_weights()
+    whole = weights.dequantize(torch.tensor([1]))[0]
+    factors = weights.fast_scales(torch.tensor([1]))
+    for first, count in ((0, 64), (64, 128), (192, 64), (0, 256)):
+        part = weights.dequantize_columns(1, first, count, factors)
+        assert part.shape == (128, count)
+        assert torch.equal(part.view(torch.int32), whole[:, first : first + count].view(torch.int32))
+    for first, count in ((32, 64), (0, 100), (192, 128), (0, 0)):
+        with pytest.raises(ReferenceError_, match="64-column tiles"):
+            weights.dequantize_columns(1, first, count, factors)

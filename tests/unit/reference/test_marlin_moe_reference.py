@@ -333,12 +333,15 @@ def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
 def test_a_weight_set_over_the_budget_is_dequantized_in_chunks_with_the_same_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A gpt-oss layer's dense fp32 weights (2.2 GB) must not be held at once on the CPU: chunks of experts."""
+    """A gpt-oss layer's dense fp32 weights (2.2 GB) must not be held at once on the CPU: a format without the
+    column-slice decoder (act order) is dequantized a chunk of experts at a time."""
     from moereplay.reference import marlin_moe
     from moereplay.reference.marlin_formats import MarlinExpertWeights
 
     gen = torch.Generator().manual_seed(11)
-    packed = random_experts(F.AWQ_INT4, E, K, N, group_size=32, activation_dtype=torch.float16, generator=gen)
+    packed = random_experts(
+        F.GPTQ_INT4, E, K, N, group_size=32, act_order=True, activation_dtype=torch.float16, generator=gen
+    )
     x = torch.randn(M, K, generator=gen).to(torch.float16)
     weights, ids = _routing(gen, M, TOP_K, E)
     aligned = moe_align_block_size(ids, 16, E)
@@ -359,3 +362,54 @@ def test_a_weight_set_over_the_budget_is_dequantized_in_chunks_with_the_same_res
     )
     assert torch.equal(chunked.output, whole.output)
     assert calls and max(calls) == 1 and sum(calls) == whole.experts_used.numel()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "group_size", "dtype"),
+    [
+        (F.NVFP4, None, torch.bfloat16),
+        (F.MXFP4, None, torch.bfloat16),
+        (F.MXFP8, None, torch.bfloat16),
+        (F.FP8, -1, torch.float16),
+        (F.GPTQ_INT4, 32, torch.bfloat16),
+        (F.GPTQ_INT8, 64, torch.float16),
+        (F.AWQ_INT4, 32, torch.float16),
+    ],
+)
+def test_a_weight_set_over_the_budget_is_decoded_a_column_slice_at_a_time_with_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, fmt, group_size, dtype
+) -> None:
+    """Over the budget, formats with the fast decoder are decoded 64 columns at a time (never a whole expert) and
+    multiplied slice by slice: every row, lone rows included, has the bits of the whole-expert product."""
+    from moereplay.reference import marlin_moe
+    from moereplay.reference.marlin_formats import MarlinExpertWeights
+
+    n, k = 192, 256
+    gen = torch.Generator().manual_seed(5)
+    packed = random_experts(fmt, E, k, n, group_size=group_size, activation_dtype=dtype, generator=gen)
+    x = torch.randn(M, k, generator=gen).to(dtype)
+    weights, ids = _routing(gen, M, TOP_K, E)
+    ids[0, 0] = E - 1  # expert E - 1 has exactly one row: the lone-row product
+    ids[1:, :] = torch.where(ids[1:, :] == E - 1, 0, ids[1:, :])
+    ids[0, 1:] = torch.where(ids[0, 1:] == E - 1, 0, ids[0, 1:])
+    aligned = moe_align_block_size(ids, 16, E)
+    whole = _call(packed, x, aligned, weights, top_k=TOP_K, block=16, mul=True)
+    slices: list[tuple[int, int, int]] = []
+    columns = MarlinExpertWeights.dequantize_columns
+
+    def counted(self: MarlinExpertWeights, expert: int, first: int, count: int, factors) -> torch.Tensor:
+        slices.append((expert, first, count))
+        return columns(self, expert, first, count, factors)
+
+    def whole_experts(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("a whole expert was dequantized")
+
+    monkeypatch.setattr(MarlinExpertWeights, "dequantize_columns", counted)
+    monkeypatch.setattr(MarlinExpertWeights, "dequantize", whole_experts)
+    monkeypatch.setitem(marlin_moe.DENSE_BYTES_AT_ONCE, "cpu", k * n * 4)  # less than the experts used
+    monkeypatch.setattr(marlin_moe, "COLUMN_SLICE_BYTES", k * 64 * 4)  # one 64-column tile a slice
+    sliced = _call(packed, x, aligned, weights, top_k=TOP_K, block=16, mul=True)
+    used = [int(e) for e in whole.experts_used.tolist()]
+    assert slices == [(e, first, 64) for e in used for first in (0, 64, 128)]
+    assert torch.equal(sliced.gemm.view(torch.int32), whole.gemm.view(torch.int32))
+    assert torch.equal(sliced.output.view(torch.int32), whole.output.view(torch.int32))
