@@ -402,11 +402,12 @@ def compare(
     if elements:
         # quantiles of the relative error over the finite elements: sorted with every other element last (+inf);
         # picked with index_select (indexing by a device scalar would read it on the host)
-        picked = [
-            _order_statistics(torch.where(both_finite, rel, infinite).reshape(-1), finite_count),
-            torch.stack([diff.max(), rel_max := rel.max(), rel_max if allowance is None else judged.max()]),
-            *(values.reshape(-1).index_select(0, first.reshape(1)) for values in (act, ref, rel_bad)),
-        ]
+        maxima = torch.stack([diff.max(), rel_max := rel.max(), rel_max if allowance is None else judged.max()])
+        at_first = [values.reshape(-1).index_select(0, first.reshape(1)) for values in (act, ref, rel_bad)]
+        # diff is not read after this: its buffer takes the elements to be ordered
+        ordered = torch.where(both_finite, rel, infinite, out=diff).reshape(-1)
+        picked = [_order_statistics(ordered, finite_count), maxima, *at_first]
+        del ordered, diff
     else:
         picked = [torch.zeros(len(_QUANTILES) + 6, dtype=torch.float64, device=device)]
     judged_square = rel_square_total if allowance is None else judged.square().sum()
