@@ -402,7 +402,9 @@ def compare(
     if elements:
         # quantiles of the relative error over the finite elements: sorted with every other element last (+inf);
         # picked with index_select (indexing by a device scalar would read it on the host)
-        maxima = torch.stack([diff.max(), rel_max := rel.max(), rel_max if allowance is None else judged.max()])
+        maxima = torch.stack(
+            [diff.max(), rel_max := rel.max(), rel_max if allowance is None else judged.max()]
+        )
         at_first = [values.reshape(-1).index_select(0, first.reshape(1)) for values in (act, ref, rel_bad)]
         # diff is not read after this: its buffer takes the elements to be ordered
         ordered = torch.where(both_finite, rel, infinite, out=diff).reshape(-1)

@@ -487,6 +487,7 @@ def reference_moe_wna16_marlin_gemm(
 
     gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
     gemm[rows.slot] = gemm_rows
+    del gemm_rows  # 12 MB at gpt-oss shapes, before the output and bias rows are made
     written = torch.zeros(num_slots, dtype=torch.bool, device=device)
     written[rows.slot] = True
 
@@ -664,16 +665,17 @@ def _expert_rows_matmul(
     grouped = torch.empty((count, size_n), dtype=torch.float32, device=input.device)
     lone = torch.empty((2, size_n), dtype=torch.float32, device=input.device)
     pair = torch.zeros((2, input.shape[1]), dtype=torch.float32, device=input.device)
+    operand = pair
     start = 0
     with exact_fp32_matmul():
         for index, rows_of_expert in enumerate(grouping.per_expert):
             if isinstance(dense, _ExpertColumns):
-                x = pair if rows_of_expert == 1 else x_rows[start : start + rows_of_expert]
+                operand = pair if rows_of_expert == 1 else x_rows[start : start + rows_of_expert]
                 if rows_of_expert == 1:
                     pair[0] = x_rows[start]
                 for first, columns in dense.slices(index):
-                    product = torch.mm(x, columns)
-                    grouped[start : start + rows_of_expert, first : first + columns.shape[1]] = product[
+                    part = torch.mm(operand, columns)
+                    grouped[start : start + rows_of_expert, first : first + columns.shape[1]] = part[
                         :rows_of_expert
                     ]
             elif rows_of_expert == 1:
@@ -687,6 +689,7 @@ def _expert_rows_matmul(
                     out=grouped[start : start + rows_of_expert],
                 )
             start += rows_of_expert
+    x_rows = operand = torch.empty(0)  # the gathered rows go before the ordered copy
     product = torch.empty_like(grouped)
     product[order] = grouped
     return product
