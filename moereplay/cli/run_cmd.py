@@ -122,8 +122,7 @@ def run_command(
 ) -> None:
     """Replay captured calls (baseline and variants); print verdicts and findings. Exit 1 if anything failed."""
     from moereplay.errors import SettingsError
-    from moereplay.replay.engine import check_mutations, replay
-    from moereplay.replay.source import select_calls
+    from moereplay.replay import mutation_names
 
     selectors = sum(value is not None for value in (call, op, layer)) + int(every)
     if selectors > 1:
@@ -139,6 +138,11 @@ def run_command(
         + [f"sweep {text}" for text in sweep or ()]
         + [f"fill {text}" for text in fill or ()]
     )
+    mutation_names.check_file(file, mutations)  # a mistyped name fails here, before torch is imported
+
+    from moereplay.replay.engine import check_mutations, replay
+    from moereplay.replay.source import select_calls
+
     indices = select_calls(file, call=call, op=op, layer=layer, every=every)
     if ray_address is not None and not ray:
         raise SettingsError("--ray-address needs --ray")

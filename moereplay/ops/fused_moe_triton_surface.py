@@ -215,6 +215,10 @@ def _targets() -> tuple[CaptureTarget, ...]:
     return tuple(targets)
 
 
+_CONFIG_MUTABLE = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+"""The Triton launch configuration a replay may change (both kernels)."""
+
+
 FAMILY = register_family(
     FamilySurface(
         name="triton_fused_moe",
@@ -230,5 +234,9 @@ FAMILY = register_family(
         first_gemm=is_first_gemm,
         pair_fits=pair_fits,
         layer_probe="moereplay.ops.fused_moe_triton_layer_probe",
+        mutable_names={
+            TRITON_OP: (*_CONFIG_MUTABLE, "mul_routed_weight"),
+            GPTQ_AWQ_OP: (*_CONFIG_MUTABLE, "mul_routed_weight", "use_int4_w4a16", "use_int8_w8a16"),
+        },
     )
 )

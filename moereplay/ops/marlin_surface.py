@@ -115,5 +115,17 @@ FAMILY = register_family(
         layer_probe="moereplay.ops.marlin_layer_probe",
         smoke="moereplay.ops.marlin_smoke:smoke",
         preset_modules=("marlin_presets",),
+        mutable_names={
+            GEMM_OP: (
+                "mul_topk_weights",
+                "use_atomic_add",
+                "use_fp32_reduce",
+                "is_k_full",
+                "moe_block_size",
+                "thread_k",
+                "thread_n",
+                "blocks_per_sm",
+            )
+        },
     )
 )

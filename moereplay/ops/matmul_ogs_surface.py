@@ -138,5 +138,17 @@ FAMILY = register_family(
         library_packages=("triton_kernels",),
         value_modules=("moereplay.ops.ogs_codecs",),
         vendored={"triton_kernels": VENDORED_DIR},
+        mutable_names={
+            GEMM_OP: (
+                "block_m",
+                "block_k",
+                "split_k",
+                "num_stages",
+                "fused_scatter",
+                "is_persistent",
+                "epilogue_subtile",
+                "num_warps",
+            )
+        },
     )
 )

@@ -124,6 +124,10 @@ class FamilySurface:
 
     The w13 layout probe (``moereplay.layout``): ``layer_probe``, the module of the family's layer hypotheses
     (see :mod:`moereplay.ops.layer_probe`); a family without one is probed only if it pairs no layers.
+
+    ``mutable_names``: kernel op → the names of the arguments its OpSpec declares mutable (what ``--flip``,
+    ``--set`` and ``--sweep`` may change), so that ``moereplay run`` rejects a mistyped name before torch is
+    imported; a unit test holds them equal to the OpSpecs'.
     """
 
     name: str
@@ -142,6 +146,7 @@ class FamilySurface:
     vendored: Mapping[str, str] = field(default_factory=dict)
     smoke: str = ""
     layer_probe: str = ""
+    mutable_names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = [op for op in self.kernel_ops if op not in self.op_modules]
@@ -151,6 +156,9 @@ class FamilySurface:
         stray = [t.site for t in self.targets if t.op not in declared]
         if stray:
             raise ValueError(f"family {self.name}: targets of undeclared ops: {stray}")
+        unknown = [op for op in self.mutable_names if op not in self.kernel_ops]
+        if unknown:
+            raise ValueError(f"family {self.name}: mutable names of ops it does not declare: {unknown}")
 
 
 BUILTIN_SURFACES: tuple[str, ...] = (
@@ -196,6 +204,14 @@ def family_of(op: str) -> FamilySurface | None:
     for family in families():
         if op in family.kernel_ops or op in family.parent_ops:
             return family
+    return None
+
+
+def mutable_names(op: str) -> tuple[str, ...] | None:
+    """The mutable argument names a family declares for kernel op ``op`` (None: not declared)."""
+    for family in families():
+        if op in family.mutable_names:
+            return family.mutable_names[op]
     return None
 
 

@@ -183,7 +183,28 @@ def test_a_mutation_typo_fails_before_any_weight_is_rebuilt(
         main(["run", str(report_capture), "--call", "0", "--flip", "topk_weights", "--device", "cpu"])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
-    assert "--flip topk_weights" in error and "mutable: mul_topk_weights" in error
+    assert "--flip topk_weights" in error and "moe_wna16_marlin_gemm: mul_topk_weights" in error
+
+
+def test_a_mutation_typo_fails_before_torch_is_imported(tmp_path: Path) -> None:
+    """The first check reads only the records and the families' torch-free declarations: well under a second."""
+    import subprocess
+    import sys
+
+    report_capture = Path(__file__).resolve().parents[3] / "captures" / "marlin-nvfp4-gpt-oss-gemm1.moe.zst"
+    probe = (
+        "import sys\n"
+        "from moereplay.cli import main\n"
+        "try:\n"
+        f"    main(['run', {str(report_capture)!r}, '--flip', 'use_atomic_add+topk_weights'])\n"
+        "except SystemExit as done:\n"
+        "    print('exit', done.code, 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "exit 2 False", result.stdout + result.stderr
+    error = result.stderr.strip()
+    assert error.startswith("moereplay: --flip topk_weights: no call's op declares topk_weights mutable")
+    assert "\n" not in error
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.6, 0.9])

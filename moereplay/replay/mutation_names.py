@@ -1,0 +1,83 @@
+"""The first check of a replay's mutation texts, made before torch is imported (well under a second).
+
+``moereplay run FILE --flip topk_weights`` should fail on the typo at once, not after a second of imports. This
+reads the op names of the file's calls (record headers only) and the mutable argument names each family declares
+in its torch-free surface (:attr:`moereplay.ops.surface.FamilySurface.mutable_names`), and rejects a ``flip``,
+``set`` or ``sweep`` of a name that no kernel op of the file declares mutable. Everything else — values, flags
+versus integers, casts, fills, ops a ``python:`` backend brings — is left to the full check against the OpSpecs
+(:func:`moereplay.replay.engine.check_mutations`), which runs next; this one only ever rejects what that one
+would reject too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from moereplay.errors import InvalidMutationError
+
+_NAMED_KINDS = ("flip", "set", "sweep")
+
+
+def mutated_names(text: str) -> tuple[str, list[str]]:
+    """``(kind, argument names)`` of one mutation text (``"flip a+b"``, ``"set a=1+b=2"``, ``"sweep a=1,2"``);
+    no names for other kinds or malformed texts (the full check words those errors)."""
+    kind, _, rest = text.strip().partition(" ")
+    kind = kind.removeprefix("--")
+    if kind not in _NAMED_KINDS:
+        return kind, []
+    names = []
+    for part in rest.split("+"):
+        name = part.partition("=")[0].strip() if kind != "flip" else part.strip()
+        if name:
+            names.append(name)
+    return kind, names
+
+
+def check_names(ops: Iterable[str], mutations: Sequence[str]) -> None:
+    """Raise :class:`InvalidMutationError` for a flipped, set or swept name that none of ``ops`` declares
+    mutable. Silent when some op has no declaration (its OpSpec is the judge)."""
+    from moereplay.ops.surface import mutable_names
+
+    declared: dict[str, tuple[str, ...]] = {}
+    for op in sorted(set(ops)):
+        declaration = mutable_names(op)
+        if declaration is None:
+            return
+        declared[op] = declaration
+    if not declared:
+        return
+    allowed = {name for names in declared.values() for name in names}
+    for text in mutations:
+        kind, mutated = mutated_names(text)
+        for name in mutated:
+            if name not in allowed:
+                listing = "; ".join(f"{op}: {', '.join(names) or 'none'}" for op, names in declared.items())
+                raise InvalidMutationError(
+                    f"--{kind} {name}: no call's op declares {name} mutable ({listing})"
+                )
+
+
+def check_file(path: str | Path, mutations: Sequence[str]) -> None:
+    """:func:`check_names` against the kernel ops of the calls in ``path`` (layer calls are not mutated; a
+    record-only op is not replayed). Silent when the file holds an op no family declares (a ``python:`` backend
+    may bring it) or cannot be read (the replay reports that in its own words)."""
+    if not any(mutated_names(text)[1] for text in mutations):
+        return
+    from moereplay.errors import MoereplayError
+    from moereplay.format import CaptureReader
+    from moereplay.ops.surface import families
+
+    kernel: set[str] = set()
+    other: set[str] = set()
+    for family in families():
+        kernel.update(family.kernel_ops)
+        other.update(family.parent_ops, family.record_only_ops)
+    try:
+        with CaptureReader(path) as reader:
+            ops = {record.op for record in reader.calls()}
+    except MoereplayError:
+        return
+    if any(op not in kernel and op not in other for op in ops):
+        return
+    check_names((op for op in ops if op in kernel), mutations)
