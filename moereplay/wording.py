@@ -5,6 +5,8 @@ Rank 0 (imports nothing of moereplay), so the file format, replay, the TUI and t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 def plural(number: int, noun: str, many: str | None = None) -> str:
     """``number`` and ``noun``, the noun in the plural unless ``number`` is 1 (``many``: an irregular plural,
@@ -17,3 +19,22 @@ def index_range(count: int, noun: str) -> str:
     if count <= 0:
         return f"no {noun}s"
     return f"{noun} 0" if count == 1 else f"{noun}s 0-{count - 1}"
+
+
+def row_ranges(rows: Iterable[int], *, limit: int = 12) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` → ``"0-2, 5, 7-8"`` (at most ``limit`` ranges, then ``…``)."""
+    ordered = sorted(set(int(r) for r in rows))
+    if not ordered:
+        return "none"
+    ranges: list[str] = []
+    start = prev = ordered[0]
+    for row in ordered[1:]:
+        if row == prev + 1:
+            prev = row
+            continue
+        ranges.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = row
+    ranges.append(str(start) if start == prev else f"{start}-{prev}")
+    if len(ranges) > limit:
+        return ", ".join(ranges[:limit]) + f", … ({len(ordered)} in all)"
+    return ", ".join(ranges)

@@ -26,6 +26,7 @@ from moereplay.bisect.probes import ItemProbe, ShapeProbe, SubsetProbe
 from moereplay.bisect.shape import Dimension, ShapeSearch
 from moereplay.bisect.stream import FirstBadSearch
 from moereplay.bisect.wiring import BisectRequest, Prepared
+from moereplay.wording import row_ranges
 
 UNAVAILABLE = "replay engine unavailable"
 
@@ -417,7 +418,10 @@ class ReplayWiring:
             if index is None:
                 return None
             if index not in positions:
-                raise BisectError(f"{option} {index} is not among the {len(refs)} selected calls")
+                raise BisectError(
+                    f"{option} {index} is not among the selected calls ({row_ranges(positions)}; see "
+                    "`moereplay ls`)"
+                )
             return positions[index]
 
         good, bad = position_of(request.good, "--good"), position_of(request.call, "--call")

@@ -55,6 +55,21 @@ def version_command() -> None:
 
 
 # Command modules register themselves on ``app`` when imported.
+def note_damage(file: Any) -> None:
+    """Say on stderr, in one line, that capture ``file`` is damaged or cut — before any other message of a command
+    and before any tensor is rebuilt (tens of seconds for a large call). An unreadable file is left to the
+    command's own error."""
+    from moereplay.format import CaptureReader
+    from moereplay.format.text import printable
+
+    try:
+        with CaptureReader(file) as reader:
+            if not reader.recovery.complete:
+                print(f"moereplay: note: {file}: {printable(reader.recovery.message)}", file=sys.stderr)
+    except MoereplayError:
+        return
+
+
 from moereplay.cli import bisect_cmd as _bisect_cmd  # noqa: E402,F401
 from moereplay.cli import expand_cmd as _expand_cmd  # noqa: E402,F401
 from moereplay.cli import inspect_cmds as _inspect_cmds  # noqa: E402,F401

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from moereplay.cli import app
+from moereplay.cli import app, note_damage
 
 if TYPE_CHECKING:
     from moereplay.bisect.log import Step
@@ -80,7 +80,8 @@ def bisect_command(
         typer.Option("--dim", help="shape: only shrink this dimension; repeat. Default: all."),
     ] = None,
     backend: Annotated[
-        str | None, typer.Option("--backend", help="vllm, pack:DIR or reference (as `moereplay run`).")
+        str | None,
+        typer.Option("--backend", help="vllm, pack:DIR, reference or python:MODULE (as `moereplay run`)."),
     ] = None,
     match: Annotated[
         str,
@@ -135,6 +136,7 @@ def bisect_command(
         backend=backend,
         match=signature_match,
     )
+    note_damage(file)
     prepared = wiring_factory().prepare(request)
     request = request.with_call(prepared.call)  # --call left out of a one-call file: that call
     call = request.call

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from moereplay.cli import app
+from moereplay.wording import plural
 
 if TYPE_CHECKING:
     from moereplay.format.records import DamagedCall
@@ -258,7 +259,7 @@ def recorder_cost(counters: Mapping[str, int]) -> str | None:
     if counters.get("recorder_host_ns") and seen:
         parts.append(
             f"recorder {counters['recorder_host_ns'] / seen / 1e3:.1f} µs of serving-thread time per layer "
-            f"call ({seen} calls)"
+            f"call ({plural(seen, 'call')})"
         )
     polls = counters.get("flight_polls", 0)
     if polls:

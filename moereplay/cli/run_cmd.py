@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from moereplay.cli import app
+from moereplay.cli import app, note_damage
 
 if TYPE_CHECKING:
     from moereplay.replay.results import ReplayReport
@@ -102,7 +102,7 @@ def run_command(
         bool,
         typer.Option(
             "--ray",
-            help="Fan calls × variants out to Ray workers (a local cluster unless --ray-address). Needs moereplay[ray].",
+            help="Fan calls × variants out to Ray workers (a local cluster unless --ray-address). Needs the ray extra: pip install 'moereplay\\[ray]'.",
         ),
     ] = False,
     ray_address: Annotated[
@@ -138,6 +138,7 @@ def run_command(
         + [f"sweep {text}" for text in sweep or ()]
         + [f"fill {text}" for text in fill or ()]
     )
+    note_damage(file)
     mutation_names.check_file(file, mutations)  # a mistyped name fails here, before torch is imported
 
     from moereplay.replay.engine import check_mutations, replay
@@ -215,18 +216,14 @@ def _run_on_ray(
 
 
 def _calls_to_judge(file: Path, indices: list[int], backend: str) -> list[int]:
-    """Before any tensor is rebuilt (tens of seconds for a large call): say on stderr, in one line, that the file
-    is damaged or cut; and without a kernel backend, leave out the calls whose output the file does not hold —
+    """Before any tensor is rebuilt: without a kernel backend, leave out the calls whose output the file does not hold —
     offline the recorded output is the only thing judged — saying so at once (every selected call: a one-line
     error)."""
     from moereplay.errors import ReplayError
     from moereplay.format import CaptureReader
-    from moereplay.format.text import printable
     from moereplay.replay.backends import parse_backend
 
     with CaptureReader(file) as reader:
-        if not reader.recovery.complete:
-            print(f"moereplay: note: {file}: {printable(reader.recovery.message)}", file=sys.stderr)
         statuses = {index: reader.call(index).status for index in indices}
     spec = parse_backend(backend)
     if spec.runs_kernels:

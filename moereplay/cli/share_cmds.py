@@ -91,7 +91,8 @@ def synth_command(
         else ""
     )
     print(
-        f"{result.path}: {len(result.calls)} call(s) ({', '.join(result.calls)}), {_bytes(result.file_bytes)}{saved}"
+        f"{result.path}: {plural(len(result.calls), 'call')} ({', '.join(result.calls)}), "
+        f"{_bytes(result.file_bytes)}{saved}"
     )
     print(f"  preset {result.preset}: {', '.join(f'{k}={v}' for k, v in result.settings.items())}")
     print(f"  biases {'on' if result.bias else 'off'}; outputs from {result.output_source}")

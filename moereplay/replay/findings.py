@@ -7,9 +7,11 @@ plain JSON-able values (numbers, strings, lists) so a report serialises without 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from moereplay.wording import row_ranges  # noqa: F401  (re-exported: its callers import it from here)
 
 
 class FindingKind(enum.Enum):
@@ -66,25 +68,6 @@ class Finding:
             "confidence": round(self.confidence, 4),
             "suggestions": list(self.suggestions),
         }
-
-
-def row_ranges(rows: Iterable[int], *, limit: int = 12) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` → ``"0-2, 5, 7-8"`` (at most ``limit`` ranges, then ``…``)."""
-    ordered = sorted(set(int(r) for r in rows))
-    if not ordered:
-        return "none"
-    ranges: list[str] = []
-    start = prev = ordered[0]
-    for row in ordered[1:]:
-        if row == prev + 1:
-            prev = row
-            continue
-        ranges.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = row
-    ranges.append(str(start) if start == prev else f"{start}-{prev}")
-    if len(ranges) > limit:
-        return ", ".join(ranges[:limit]) + f", … ({len(ordered)} in all)"
-    return ", ".join(ranges)
 
 
 def expected_nondeterminism(finding: Finding, cause: str) -> Finding:

@@ -51,3 +51,9 @@ def test_every_command_is_in_the_readmes_commands_table() -> None:
         if not any(spelled in row or (len(path) > 1 and f"/ `{' '.join(path)} " in row) for row in rows):
             missing.append(spelled)
     assert not missing, f"not in the README's Commands table: {missing}"
+
+
+def test_bracketed_words_in_help_survive_the_markup() -> None:
+    """Rich reads ``[ray]`` as markup and drops it: the help must say which extra to install."""
+    shown = CliRunner().invoke(app, ["run", "--help"], terminal_width=250).output
+    assert "moereplay[ray]" in shown, shown

@@ -272,3 +272,19 @@ def test_offline_kernel_only_variants_of_a_bundled_capture_exit_0_and_domain_err
     (report,) = json.loads(invalid.stdout)["reports"]
     row = {item["label"]: item for item in report["results"]}["set thread_k=128"]
     assert row["verdict"] == "invalid" and "needs a kernel" not in row["reason"]
+
+
+@pytest.mark.parametrize("command", [["run"], ["bisect", "--strategy", "shape", "--no-tui"]])
+def test_a_cut_file_is_named_cut_before_any_other_message(
+    tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cut two-call capture: the note comes first, also when the command stops at once (no call chosen)."""
+    data = (Path(__file__).resolve().parents[3] / "captures" / "marlin-nvfp4-layer.moe.zst").read_bytes()
+    cut = tmp_path / "cut.moe.zst"
+    cut.write_bytes(data[: int(len(data) * 0.9)])
+    with pytest.raises(SystemExit) as exit_info:
+        main([command[0], str(cut), *command[1:]])
+    assert exit_info.value.code == 2
+    note, error = capsys.readouterr().err.strip().splitlines()
+    assert note.startswith(f"moereplay: note: {cut}: truncated: the file ends at byte {int(len(data) * 0.9)}")
+    assert "choose with --call" in error or "needs --call N" in error
