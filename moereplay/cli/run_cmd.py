@@ -138,15 +138,15 @@ def run_command(
         + [f"sweep {text}" for text in sweep or ()]
         + [f"fill {text}" for text in fill or ()]
     )
+    if ray_address is not None and not ray:
+        raise SettingsError("--ray-address needs --ray")
     note_damage(file)
-    mutation_names.check_file(file, mutations)  # a mistyped name fails here, before torch is imported
+    mutation_names.check_file(file, mutations, call)  # a mistyped name fails here, before torch is imported
 
     from moereplay.replay.engine import check_mutations, replay
     from moereplay.replay.source import select_calls
 
     indices = select_calls(file, call=call, op=op, layer=layer, every=every)
-    if ray_address is not None and not ray:
-        raise SettingsError("--ray-address needs --ray")
     check_mutations(file, indices, mutations)  # against the ops' schemas, before any weight is rebuilt
     indices = _calls_to_judge(file, indices, backend)
     if ray:

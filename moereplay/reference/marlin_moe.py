@@ -564,11 +564,12 @@ integers, about 40 small steps and five syncs on the device, a copy each way on 
 
 
 DENSE_BYTES_AT_ONCE = {"cpu": 256 << 20, "cuda": 8 << 30}
-"""Largest dense float32 weight set (bytes) dequantized at once, and cached, per device type; a bigger one (a
-gpt-oss layer on the CPU: 32 experts × 2880 × 5888 × 4 B = 2.2 GB) is dequantized a quarter of that budget at a time
-while the matmuls consume it, so an offline replay needs about 64 MB of dense weights (and the decoder's temporaries
-for them) beyond the packed tensors. On the 2-CPU development machine 256 MB rather than 512 MB took the report
-capture's offline run from 0.61 to 0.49 GB peak at the same speed."""
+"""Largest dense float32 weight set (bytes) dequantized at once, and cached, per device type. A bigger one (a
+gpt-oss layer on the CPU: 32 experts × 2880 × 5888 × 4 B = 2.2 GB) is decoded while the matmuls consume it: on the
+CPU a 4 MB column slice of one expert at a time (:class:`_ExpertColumns`) for the formats the fast decoder covers,
+else a quarter of the budget at a time (:class:`_ExpertsInChunks`: act order, float zero points). On the 2-CPU
+development machine 256 MB rather than 512 MB took the report capture's offline run from 0.61 to 0.49 GB peak at the
+same speed."""
 
 
 class _ExpertsInChunks(Sequence[torch.Tensor]):

@@ -58,10 +58,11 @@ def check_names(ops: Iterable[str], mutations: Sequence[str]) -> None:
                 )
 
 
-def check_file(path: str | Path, mutations: Sequence[str]) -> None:
+def check_file(path: str | Path, mutations: Sequence[str], call: int | None = None) -> None:
     """:func:`check_names` against the kernel ops of the calls in ``path`` (layer calls are not mutated; a
-    record-only op is not replayed). Silent when the file holds an op no family declares (a ``python:`` backend
-    may bring it) or cannot be read (the replay reports that in its own words)."""
+    record-only op is not replayed), or of call ``call`` alone when one is chosen. Silent when the file holds an op
+    no family declares (a ``python:`` backend may bring it), when ``call`` is not a kernel call of the file, or when
+    the file cannot be read: the selection's and the reader's own errors say those first."""
     if not any(mutated_names(text)[1] for text in mutations):
         return
     from moereplay.errors import MoereplayError
@@ -75,8 +76,15 @@ def check_file(path: str | Path, mutations: Sequence[str]) -> None:
         other.update(family.parent_ops, family.record_only_ops)
     try:
         with CaptureReader(path) as reader:
-            ops = {record.op for record in reader.calls()}
+            if call is None:
+                ops = {record.op for record in reader.calls()}
+            elif call in reader.indices:
+                ops = {reader.call(call).op}
+            else:
+                return
     except MoereplayError:
+        return
+    if call is not None and not ops <= kernel:
         return
     if any(op not in kernel and op not in other for op in ops):
         return

@@ -288,3 +288,17 @@ def test_a_cut_file_is_named_cut_before_any_other_message(
     note, error = capsys.readouterr().err.strip().splitlines()
     assert note.startswith(f"moereplay: note: {cut}: truncated: the file ends at byte {int(len(data) * 0.9)}")
     assert "choose with --call" in error or "needs --call N" in error
+
+
+@pytest.mark.parametrize(
+    ("chosen", "said"),
+    [("9", "no call 9 (calls: 0-2)"), ("0", "call 0 is a fused_marlin_moe layer call")],
+)
+def test_a_wrong_call_is_said_before_a_mistyped_mutation(
+    chosen: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    layer_capture = Path(__file__).resolve().parents[3] / "captures" / "marlin-nvfp4-layer.moe.zst"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(layer_capture), "--call", chosen, "--flip", "topk_weights"])
+    assert exit_info.value.code == 2
+    assert said in capsys.readouterr().err
