@@ -503,7 +503,19 @@ class MarlinExpertWeights:
         return (chosen.to(torch.float64) * compensation).to(torch.float32).to(experts.device)
 
     def _logical_scales(self, experts: torch.Tensor) -> torch.Tensor:
-        return self._order_scales(self._decode_scales(self.b_scales.index_select(0, experts)))
+        raw = self.b_scales.index_select(0, experts)
+        if not self.scales_are_bytes:
+            return self._order_scales(self._decode_scales(raw))
+        # one-byte codes: reordered as bytes, then decoded through a 256-entry table of this same decoder's values
+        # (it works element by element): the same float32 values, with a fraction of the float temporaries
+        if self.format is MarlinWeightFormat.NVFP4:
+            codes = _bytes(raw, _FP8_BYTE_DTYPES, "NVFP4 scales")
+        else:
+            codes = _bytes(raw, _E8M0_DTYPES, "e8m0 scales")
+        ordered = self._order_scales(codes)
+        table = self._decode_scales(torch.arange(256, dtype=torch.int32, device=codes.device).to(torch.uint8))
+        index = ordered.reshape(-1).to(torch.int32)
+        return torch.index_select(table, 0, index).view(ordered.shape)
 
     @property
     def scales_are_bytes(self) -> bool:

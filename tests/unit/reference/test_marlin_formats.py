@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -320,3 +322,21 @@ def test_a_column_slice_has_the_bits_of_those_columns_of_the_whole_expert(fmt, g
     for first, count in ((32, 64), (0, 100), (192, 128), (0, 0)):
         with pytest.raises(ReferenceError_, match="64-column tiles"):
             weights.dequantize_columns(1, first, count, factors)
+
+
+@pytest.mark.parametrize(
+    "fmt", [MarlinWeightFormat.NVFP4, MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8]
+)
+def test_byte_scales_reordered_then_looked_up_are_the_decoded_then_reordered_ones(fmt) -> None:
+    """Every byte value (0xff e8m0 NaN included), bit for bit: the table path against decoding each element."""
+    packed = mf.random_experts(fmt, 2, 128, 256, generator=torch.Generator().manual_seed(9), with_dense=False)
+    weights = packed.expert_weights()
+    groups = weights.b_scales.shape[1]
+    every_byte = torch.arange(2 * groups * 256, dtype=torch.int64) % 256
+    every_byte = every_byte[torch.randperm(every_byte.numel(), generator=torch.Generator().manual_seed(1))]
+    raw = every_byte.to(torch.uint8).view(2, groups, 256).view(weights.b_scales.dtype)
+    weights = dataclasses.replace(weights, b_scales=raw)
+    experts = torch.tensor([1, 0])
+    expected = weights._order_scales(weights._decode_scales(raw.index_select(0, experts)))
+    got = weights._logical_scales(experts)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
