@@ -348,8 +348,11 @@ def compare(
     torch.maximum(denom, row_scale[:, None], out=denom)
     rel = diff / denom if allowance is not None else torch.div(diff, denom, out=denom)  # judged needs denom
     infinite = torch.full((), float("inf"), dtype=torch.float64, device=device)
-    rel_bad = torch.where(mismatch, infinite, rel)
-    judged, judged_bad = rel, rel_bad  # what the bounds judge: the error beyond the allowance, if any
+    # an element whose class differs (NaN/Inf against a finite value) counts as an infinite error; rel is 0 there
+    # (diff is), and never NaN: the bad-element views below are formed from rel and the mismatch mask, never
+    # materialised (one output-sized float64 tensor each)
+    row_mismatch = mismatch.any(dim=1)
+    judged = rel  # what the bounds judge: the error beyond the allowance, if any
     allowance_ok = None
     if allowance is not None:
         allow = _as_matrix(allowance.detach()).to(device=device, dtype=torch.float64)
@@ -358,7 +361,6 @@ def compare(
         # checked once the results are on the host
         allowance_ok = (torch.isfinite(allow) & (allow >= 0)).all()
         judged = (diff - allow).clamp(min=0) / denom
-        judged_bad = torch.where(mismatch, infinite, judged)
         del allow
     del denom
 
@@ -370,17 +372,23 @@ def compare(
     rel_square_total = rel_square.sum()
     del rel_square
     finite_per_row = both_finite.sum(dim=1).clamp(min=1)
-    row_max_rel = rel_bad.amax(dim=1) if cols else torch.zeros(rows, dtype=torch.float64, device=device)
+    if cols:
+        row_max_rel = torch.where(row_mismatch, infinite, rel.amax(dim=1))
+    else:
+        row_max_rel = torch.zeros(rows, dtype=torch.float64, device=device)
     row_rms_rel = torch.sqrt(rel_square_rows / finite_per_row)
     row_max_judged, row_rms_judged = row_max_rel, row_rms_rel
     if allowance is not None:
-        row_max_judged = judged_bad.amax(dim=1) if cols else row_max_rel
+        row_max_judged = torch.where(row_mismatch, infinite, judged.amax(dim=1)) if cols else row_max_rel
         row_rms_judged = torch.sqrt(judged.square().sum(dim=1) / finite_per_row)
     row_bad = mask & (
-        (row_max_judged > tolerance.max_rel) | (row_rms_judged > tolerance.rms_rel) | mismatch.any(dim=1)
+        (row_max_judged > tolerance.max_rel) | (row_rms_judged > tolerance.rms_rel) | row_mismatch
     )
 
-    over = (judged_bad > tolerance.max_rel).reshape(-1)
+    over = judged > tolerance.max_rel
+    if float("inf") > tolerance.max_rel:  # a mismatch's infinite error is over any finite bound
+        over |= mismatch
+    over = over.reshape(-1)
     first = over.to(torch.uint8).argmax() if elements else torch.zeros((), dtype=torch.int64, device=device)
     exact = _same_bytes(actual, reference)
     no = torch.zeros((), dtype=torch.int64, device=device)
@@ -405,7 +413,10 @@ def compare(
         maxima = torch.stack(
             [diff.max(), rel_max := rel.max(), rel_max if allowance is None else judged.max()]
         )
-        at_first = [values.reshape(-1).index_select(0, first.reshape(1)) for values in (act, ref, rel_bad)]
+        at_first = [values.reshape(-1).index_select(0, first.reshape(1)) for values in (act, ref, rel)]
+        at_first[2] = torch.where(
+            mismatch.reshape(-1).index_select(0, first.reshape(1)), infinite, at_first[2]
+        )
         # diff is not read after this: its buffer takes the elements to be ordered
         ordered = torch.where(both_finite, rel, infinite, out=diff).reshape(-1)
         picked = [_order_statistics(ordered, finite_count), maxima, *at_first]
