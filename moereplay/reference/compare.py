@@ -272,6 +272,10 @@ def _quantile_positions(count: torch.Tensor) -> torch.Tensor:
     return torch.minimum(last, torch.floor(quantiles * last + 0.5)).to(torch.int64)
 
 
+_KEPT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+"""Operand dtypes :func:`compare` reads as they are (others are converted to float64 once)."""
+
+
 def _order_statistics(values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """The :data:`_QUANTILES` of the first ``count`` of ``values`` once sorted (float64, 1-D, consumed): on the
     CPU a partial sort in place (no sorted copy, no index tensor: two fewer output-sized temporaries); elsewhere
@@ -312,8 +316,14 @@ def compare(
     if scale not in ("row", "tensor"):
         raise ReferenceError_(f"scale must be 'row' or 'tensor', got {scale!r}")
     device = reference.device
-    act = _as_matrix(actual.detach()).to(device=device, dtype=torch.float64)
-    ref = _as_matrix(reference.detach()).to(torch.float64)
+    # the operands stay in their own float dtype (no float64 copy of each: 24 MB apiece at gpt-oss shapes); every
+    # computation below reads them into float64 first, which is exact, so the numbers are those of float64 copies
+    act = _as_matrix(actual.detach()).to(device=device)
+    if act.dtype not in _KEPT_DTYPES:
+        act = act.to(torch.float64)
+    ref = _as_matrix(reference.detach())
+    if ref.dtype not in _KEPT_DTYPES:
+        ref = ref.to(torch.float64)
     rows, cols = ref.shape
     if rows_mask is None:
         mask = torch.ones(rows, dtype=torch.bool, device=device)
@@ -328,13 +338,12 @@ def compare(
     ref_counted = (cls_ref == 0) & row_sel
     both_finite = (cls_act == 0) & ref_counted
     mismatch = (cls_act != cls_ref) & row_sel
-    ref_finite = torch.where(ref_counted, ref, zero)
+    ref_square = ref.to(torch.float64, copy=True).masked_fill_(~ref_counted, 0.0).square_()
 
     counted = ref_counted.sum(dim=1)
-    ref_square = ref_finite.square()
     row_ms = ref_square.sum(dim=1) / counted.clamp(min=1)
     tensor_rms = torch.sqrt(ref_square.sum() / counted.sum().clamp(min=1))
-    del ref_finite, ref_square  # each temporary here is one float64 copy of the output: freed once used
+    del ref_square  # each temporary here is one float64 copy of the output: freed once used
     if scale == "row":
         row_scale = torch.maximum(torch.sqrt(row_ms), tensor_rms * ROW_SCALE_FLOOR)
     else:
@@ -342,9 +351,9 @@ def compare(
     row_scale = row_scale.clamp(min=_TINY)
 
     # in place where the same numbers allow it: each float64 [rows, cols] temporary is 24 MB at gpt-oss shapes
-    diff = act - ref
+    diff = act.to(torch.float64, copy=True).sub_(ref)
     diff.abs_().masked_fill_(~both_finite, 0.0)
-    denom = ref.abs().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    denom = ref.to(torch.float64, copy=True).abs_().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     torch.maximum(denom, row_scale[:, None], out=denom)
     rel = diff / denom if allowance is not None else torch.div(diff, denom, out=denom)  # judged needs denom
     infinite = torch.full((), float("inf"), dtype=torch.float64, device=device)
@@ -413,7 +422,10 @@ def compare(
         maxima = torch.stack(
             [diff.max(), rel_max := rel.max(), rel_max if allowance is None else judged.max()]
         )
-        at_first = [values.reshape(-1).index_select(0, first.reshape(1)) for values in (act, ref, rel)]
+        at_first = [
+            values.reshape(-1).index_select(0, first.reshape(1)).to(torch.float64)
+            for values in (act, ref, rel)
+        ]
         at_first[2] = torch.where(
             mismatch.reshape(-1).index_select(0, first.reshape(1)), infinite, at_first[2]
         )
