@@ -4,6 +4,8 @@
 # weights bit for bit through one-hot rows, a row's bits across calls and passes, the kernel ran), its time against
 # the Marlin kernel at gpt-oss shapes with a profile (target ≤ 10×), the matmul_ogs references after the offline
 # memory work, then the Marlin references against vLLM's kernel. Each step logs to $OUT/all.log (tools/gpu/steps.sh).
+# Still to run as of the eighth session (no device then): all of the above, and with it the first CUDA run of
+# compare()'s in-place rewrite (every GPU test judges through it).
 source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
 source tools/gpu/steps.sh
 step marlin_rows 120 python3 -m pytest tests/gpu/test_marlin_rows_gpu.py -q -rfE
