@@ -654,9 +654,12 @@ def _expert_rows_matmul(
     """``input[slot // top_k] @ dense[expert]`` for every row: the rows grouped by expert, one float32 matmul per
     used expert (no TF32), reading each expert's dense weight once and copying none. No device sync.
 
-    A row's result should not depend on which other rows the call has (the shape bisection compares rows across
-    calls): BLAS libraries compute a one-row product on a GEMV path that sums differently from their GEMM path, so a
-    lone row is multiplied as a two-row matrix with a zero row.
+    A row's result should depend as little as possible on which other rows the call has: BLAS libraries compute a
+    one-row product on a GEMV path that sums differently from their GEMM path, so a lone row is multiplied as a
+    two-row matrix with a zero row. Beyond that the library picks its kernel by the row count too (MKL: row 0 of an
+    M-row product differs in its last bits from the two-row product for M ≥ 4 at K 2944), so a row of an expert
+    with many rows may round differently from the same row alone; the shape bisection judges each call against its
+    own reference, with tolerances, and does not depend on it.
     """
     count = rows.slot.numel()
     if count == 0:
