@@ -362,7 +362,7 @@ class MarlinExpertWeights:
             packed = self.b_qweight.narrow(0, experts[0], len(experts))  # no copy
         else:
             packed = self.b_qweight.index_select(0, index)
-        scales, zero_points = self._fast_scales(index)
+        scales, zero_points = self.fast_scales(index)
         rows = marlin_decode.slice_rows(self.size_k, self.group_size, self.size_n, device)
         if rows >= self.size_k:
             values = marlin_decode.logical_values(packed, self.format.num_bits, kind)
@@ -428,13 +428,9 @@ class MarlinExpertWeights:
         return out[0]
 
     def fast_scales(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logical float32 ``[e, G, N]`` scales and integer zero points (or None) of ``experts``, as the fast
-        decoder applies them (:meth:`dequantize_columns` takes them)."""
-        return self._fast_scales(experts)
-
-    def _fast_scales(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logical float32 ``[e, G, N]`` scales of ``experts`` (NVFP4: times the expert's factor, one rounding, as
-        the general path) and integer zero points (or None), as the fast decoder applies them."""
+        the general path) and integer zero points (or None), as the fast decoder applies them
+        (:meth:`dequantize_columns` takes them)."""
         scales = self._logical_scales(experts)
         if self.format is MarlinWeightFormat.NVFP4:
             scales = scales * self.expert_multipliers(experts).view(-1, 1, 1)
@@ -444,7 +440,7 @@ class MarlinExpertWeights:
         """``(scales, offsets)``, float32 ``[e, G, N]`` in logical order for ``experts`` (device ids): the fast
         decoder's weight of code value ``q`` in group ``g``, column ``n`` is ``q * scales[., g, n]``, plus
         ``offsets[., g, n]`` (``−zero · scale``) with integer zero points (None without)."""
-        scales, zero_points = self._fast_scales(experts)
+        scales, zero_points = self.fast_scales(experts)
         if zero_points is None:
             return scales, None
         return scales, -zero_points * scales
@@ -513,9 +509,12 @@ class MarlinExpertWeights:
         else:
             codes = _bytes(raw, _E8M0_DTYPES, "e8m0 scales")
         ordered = self._order_scales(codes)
-        table = self._decode_scales(torch.arange(256, dtype=torch.int32, device=codes.device).to(torch.uint8))
         index = ordered.reshape(-1).to(torch.int32)
-        return torch.index_select(table, 0, index).view(ordered.shape)
+        return torch.index_select(self._byte_scale_table(codes.device), 0, index).view(ordered.shape)
+
+    def _byte_scale_table(self, device: torch.device | None = None) -> torch.Tensor:
+        """float32 ``[256]``: the value of each one-byte scale code (NVFP4 S0E5M3, e8m0), by the element decoder."""
+        return self._decode_scales(torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8))
 
     @property
     def scales_are_bytes(self) -> bool:
@@ -556,7 +555,7 @@ class MarlinExpertWeights:
         columns = self._order_scales(order)[0, 0].to(torch.int64)
         table = None
         if self.scales_are_bytes:
-            table = self._decode_scales(torch.arange(256, dtype=torch.int32).to(torch.uint8))
+            table = self._byte_scale_table()
         return table, columns
 
     def scale_multipliers(self, experts: torch.Tensor) -> torch.Tensor:
