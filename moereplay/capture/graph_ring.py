@@ -54,8 +54,8 @@ arrive/ready/done handshake that lets several programs share an entry is a chain
 more than one SM copying 32 KiB (``tools/bench/graph_ring_bench.py`` measures both: ``ring-12`` vs ``ring-12-shared``). A gpt-oss decode layer
 call at batch 1 (two 5.6 KB activations, routing metadata, 2,880 output elements) fits."""
 
-_BLOCK_BYTES = {0: 1024, 1: 8 * 1024}  # graph_ring_kernel.BLOCK elements of a byte / of 8 bytes
-SPANS = 16
+_BLOCK_BYTES = 8 * 1024  # graph_ring_kernel.BLOCK words of 8 bytes
+SPANS = 24
 """Spans one kernel node copies (graph_ring_kernel.SPANS, checked when the kernel is imported)."""
 _KEEP: list[GraphRing] = []
 _KEEP_LOCK = threading.Lock()
@@ -180,17 +180,18 @@ class GraphRing:
             chunk = range(first_span, min(first_span + SPANS, count))
             last = first_span + SPANS >= count
             args: list[int] = []
-            aligned = 1
             moved = 0
             for i in chunk:
-                args += (spans.sources[i], spans.offsets[i], spans.sizes[i])
-                if spans.sizes[i] & 7:  # sources and targets are 256-byte aligned: only a size breaks words
-                    aligned = 0
-                moved += spans.sizes[i]
+                # whole words: sources and offsets start on 256-byte boundaries, so a span's last word stays in
+                # its last byte's page, and the entry's 256-byte slot has room for it (a size that breaks words —
+                # 33 int32 token offsets — must not make the node copy byte by byte)
+                words = (spans.sizes[i] + 7) & ~7
+                args += (spans.sources[i], spans.offsets[i], words)
+                moved += words
             args += (0, 0, 0) * (SPANS - len(chunk))
             address, numel, code = spans.check if last and spans.check is not None else (0, 0, 0)
-            args += (address, numel, code, aligned, int(last), int(first_span == 0), spans.total, int(first))
-            work = max(-(-moved // _BLOCK_BYTES[aligned]), -(-numel // 1024))
+            args += (address, numel, code, moved, int(last), int(first_span == 0), spans.total, int(first))
+            work = max(-(-moved // _BLOCK_BYTES), -(-numel // 1024))
             if moved <= ALONE_BYTES and numel <= ALONE_ELEMENTS:
                 work = 1  # one program: no handshake among programs (see graph_ring_kernel)
             programs = max(1, min(_programs(self.index), work))
@@ -286,7 +287,7 @@ def kernels_available() -> bool:
     try:
         from moereplay.capture import graph_ring_kernel
 
-        if _BLOCK_BYTES[0] != graph_ring_kernel.BLOCK or graph_ring_kernel.SPANS != SPANS:
+        if _BLOCK_BYTES != 8 * graph_ring_kernel.BLOCK or graph_ring_kernel.SPANS != SPANS:
             raise ImportError("graph_ring_kernel's BLOCK or SPANS does not match the launcher's")
     except Exception as error:  # no triton, or one whose language differs
         _KERNEL_ERROR.append(f"{type(error).__name__}: {error}")

@@ -13,8 +13,12 @@ further :data:`SPANS`, which only copy):
   arriving first (``atomic_add`` on the launch's ``arrive`` cell returns 0) reserves and then releases the launch's
   ``ready`` cell; the others wait for it — only on a program that is already running, so the wait cannot deadlock
   whatever order the programs are scheduled in;
-- copy: every program copies its share of the spans (fixed addresses and sizes, captured) to the entry's place
-  in the ring (start read through L2: an atomic, never a stale L1 line);
+- copy: the node's spans (fixed addresses and sizes, captured; whole 8-byte words — sources and entry offsets
+  start on 256-byte boundaries, so a span's last word never leaves the page of its last byte) are one stream of
+  words: each lane of a :data:`BLOCK`-word step picks its span by comparing its index with the spans' running
+  starts and moves one word, so the decode-sized entry of a gpt-oss layer call (18 spans, ≈ 14 KB) is two
+  masked loads and stores, not one dependent load per span; the programs take the steps in turn (entry start
+  read through L2: an atomic, never a stale L1 line);
 - finish (the last node, ``finish`` 1): fold the largest magnitude of one float output; a lone program stores
   the finished tag word ``generation << 32 | bits(max |x|)`` of the sequence into the host-mapped tag array after
   one fenced atomic (its copies before the word); with several programs each folds into the launch's device word
@@ -25,8 +29,8 @@ further :data:`SPANS`, which only copy):
 
 Concurrent launches (graphs replayed on several streams) reserve with atomics, so their entries never overlap;
 one launch id is never replayed twice at once (a graph's replays are ordered on its stream).
-Every argument is a 64-bit integer (addresses, sizes, the launch id, runtime flags: ``code`` 0 none, 1 float16,
-2 bfloat16, 3 float32; ``aligned`` 8-byte words), so the kernel compiles once per device (:func:`compile_kernel`)
+Every argument is a 64-bit integer (addresses, sizes in bytes — multiples of 8 —, ``moved`` their sum, the launch id, runtime flags:
+``code`` 0 none, 1 float16, 2 bfloat16, 3 float32), so the kernel compiles once per device (:func:`compile_kernel`)
 before any capture: nothing is compiled while a graph is being captured. Until this kernel, a separate one-warp
 reserve kernel preceded each copy kernel: two graph nodes per layer call, ~16 µs per replay of a gpt-oss-shaped
 ``fused_marlin_moe`` layer on the H200 (``tests/gpu/test_flight_graph_gpu.py`` prints the figure).
@@ -39,20 +43,20 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from moereplay.capture.ring_kernel import _copy_span, compile_launcher
+from moereplay.capture.ring_kernel import compile_launcher
 
 BLOCK = 1024
-"""Elements per program and loop step (bytes, or 8-byte words when aligned) — as the eager ring kernel's."""
+"""8-byte words a program moves per loop step, and output elements it folds per step."""
 
-SPANS = 16
-"""Spans one :func:`graph_record` node copies."""
+SPANS = 24
+"""Spans one :func:`graph_record` node copies (a gpt-oss layer call keeps 18: one node a layer call)."""
 
 CELL_START, CELL_SEQUENCE, CELL_PARTIAL, CELL_DONE, CELL_ARRIVE, CELL_READY = range(6)
 """Rows of the ring's ``cells`` (one column per launch id); the kernel spells them as literals (a jitted function
 reads no Python globals but constexprs)."""
 
 RECORD_INTS = [name for i in range(SPANS) for name in (f"s{i}", f"o{i}", f"n{i}")] + [
-    "check", "numel", "code", "aligned", "finish", "reserve", "total", "first",
+    "check", "numel", "code", "moved", "finish", "reserve", "total", "first",
     "state", "meta", "hint", "buffer", "capacity", "launch", "cells", "launches", "words", "tags",
 ]  # fmt: skip
 
@@ -69,12 +73,17 @@ def _fold(best, check, numel, pid, programs, DTYPE: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def _copy(source, target, size, aligned, pid, programs, BLOCK: tl.constexpr):
-    if size > 0:
-        if aligned != 0:
-            _copy_span(source, target, size, pid, programs, True, BLOCK)
-        else:
-            _copy_span(source, target, size, pid, programs, False, BLOCK)
+def _pick(index, step, begin, size, source, target, src, dst, BLOCK: tl.constexpr):
+    """Lanes whose word ``index`` is at or past the span's first word take its source and target bases (a later
+    span's start is larger: it overwrites). Only a span that meets the step's words ``[step, step + BLOCK)`` is
+    looked at (a branch on scalars, the same for every lane): a lane past the span's end belongs to a later span
+    or is masked. Returns the bases and the next span's first word."""
+    end = begin + size // 8
+    if (size > 0) & (begin < step + BLOCK) & (end > step):
+        inside = index >= begin
+        src = tl.where(inside, source - begin * 8, src)
+        dst = tl.where(inside, target - begin * 8, dst)
+    return src, dst, end
 
 
 @triton.jit
@@ -99,10 +108,10 @@ def _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence
 
 @triton.jit(do_not_specialize=RECORD_INTS)
 def graph_record(
-    s0, o0, n0, s1, o1, n1, s2, o2, n2, s3, o3, n3, s4, o4, n4, s5, o5, n5, s6, o6, n6, s7, o7, n7,
-    s8, o8, n8, s9, o9, n9, s10, o10, n10, s11, o11, n11, s12, o12, n12, s13, o13, n13, s14, o14, n14,
-    s15, o15, n15,
-    check, numel, code, aligned, finish, reserve, total, first,
+    s0, o0, n0, s1, o1, n1, s2, o2, n2, s3, o3, n3, s4, o4, n4, s5, o5, n5, s6, o6, n6, s7, o7, n7, s8, o8, n8, s9,
+    o9, n9, s10, o10, n10, s11, o11, n11, s12, o12, n12, s13, o13, n13, s14, o14, n14, s15, o15, n15, s16, o16, n16,
+    s17, o17, n17, s18, o18, n18, s19, o19, n19, s20, o20, n20, s21, o21, n21, s22, o22, n22, s23, o23, n23,
+    check, numel, code, moved, finish, reserve, total, first,
     state, meta, hint, buffer, capacity, launch, cells, launches, words, tags,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -127,22 +136,39 @@ def graph_record(
     else:  # a later node of the launch: the reserving node's kernel has ended
         start = tl.atomic_add(start_cell, 0, sem="relaxed")
     target = buffer + start % capacity
-    _copy(s0, target + o0, n0, aligned, pid, programs, BLOCK)
-    _copy(s1, target + o1, n1, aligned, pid, programs, BLOCK)
-    _copy(s2, target + o2, n2, aligned, pid, programs, BLOCK)
-    _copy(s3, target + o3, n3, aligned, pid, programs, BLOCK)
-    _copy(s4, target + o4, n4, aligned, pid, programs, BLOCK)
-    _copy(s5, target + o5, n5, aligned, pid, programs, BLOCK)
-    _copy(s6, target + o6, n6, aligned, pid, programs, BLOCK)
-    _copy(s7, target + o7, n7, aligned, pid, programs, BLOCK)
-    _copy(s8, target + o8, n8, aligned, pid, programs, BLOCK)
-    _copy(s9, target + o9, n9, aligned, pid, programs, BLOCK)
-    _copy(s10, target + o10, n10, aligned, pid, programs, BLOCK)
-    _copy(s11, target + o11, n11, aligned, pid, programs, BLOCK)
-    _copy(s12, target + o12, n12, aligned, pid, programs, BLOCK)
-    _copy(s13, target + o13, n13, aligned, pid, programs, BLOCK)
-    _copy(s14, target + o14, n14, aligned, pid, programs, BLOCK)
-    _copy(s15, target + o15, n15, aligned, pid, programs, BLOCK)
+    count = moved // 8
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    for step in range(pid * BLOCK, count, programs * BLOCK):
+        index = step + lanes
+        src = tl.zeros([BLOCK], dtype=tl.int64)
+        dst = tl.zeros([BLOCK], dtype=tl.int64)
+        src, dst, begin = _pick(index, step, 0, n0, s0, target + o0, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n1, s1, target + o1, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n2, s2, target + o2, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n3, s3, target + o3, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n4, s4, target + o4, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n5, s5, target + o5, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n6, s6, target + o6, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n7, s7, target + o7, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n8, s8, target + o8, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n9, s9, target + o9, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n10, s10, target + o10, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n11, s11, target + o11, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n12, s12, target + o12, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n13, s13, target + o13, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n14, s14, target + o14, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n15, s15, target + o15, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n16, s16, target + o16, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n17, s17, target + o17, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n18, s18, target + o18, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n19, s19, target + o19, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n20, s20, target + o20, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n21, s21, target + o21, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n22, s22, target + o22, src, dst, BLOCK)
+        src, dst, begin = _pick(index, step, begin, n23, s23, target + o23, src, dst, BLOCK)
+        mask = index < count
+        word = tl.load((src + index * 8).to(tl.pointer_type(tl.int64)), mask=mask)
+        tl.store((dst + index * 8).to(tl.pointer_type(tl.int64)), word, mask=mask)
     if finish != 0:
         best = tl.zeros([BLOCK], dtype=tl.int32)
         if code == 1:

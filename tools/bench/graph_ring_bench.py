@@ -10,7 +10,12 @@ that isolate where a node's time goes:
   (what the stores over PCIe cost; not a usable recorder: the writer thread could not read them);
 - ``ring-12-nocheck``: as ``ring-12`` without the output's magnitude fold;
 - ``ring-12-shared``: as ``ring-12`` but run by three programs (2,880 output elements to fold) sharing the entry through the arrive/ready/done
-  handshake (what entries over ``graph_ring.ALONE_BYTES`` do), so the lone-program path's saving shows.
+  handshake (what entries over ``graph_ring.ALONE_BYTES`` do), so the lone-program path's saving shows;
+- ``ring-18-oss``: what a served gpt-oss decode layer call at batch 1 keeps — input, output and 16 routing spans
+  (``triton_kernel_fused_experts``' RoutingData / ExptData / gather / scatter tensors at one token, top-4, 32
+  experts), most of whose sizes (33 int32 token offsets: 132 bytes) break 8-byte words. Until 2026-12-05 such a
+  call took two nodes (16 spans a node) that copied byte by byte; the served cost (≈ 15 µs a layer call) was twice
+  ``ring-12``'s.
 
 Interleaved rounds, CUDA-event time per replay, medians; prints µs per layer call over the bare graph.
 
@@ -39,10 +44,14 @@ def main() -> int:
     inputs = [torch.randn(1, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
     outputs = [torch.randn(1, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
     small = [[torch.zeros(16, device=device, dtype=torch.int32) for _ in range(10)] for _ in range(layers)]
+    routing_bytes = (16, 128, 128, 132, 132, 132, 132, 132, 160, 144, 136, 132, 16, 16, 16, 16)
+    routing = [
+        [torch.zeros(size, device=device, dtype=torch.uint8) for size in routing_bytes] for _ in range(layers)
+    ]
     keep: list[torch.Tensor] = []
 
     def spans(i: int, extra: int, check: bool) -> Spans:
-        tensors = [inputs[i], outputs[i], *small[i][:extra]]
+        tensors = [inputs[i], outputs[i], *(routing[i] if extra < 0 else small[i][:extra])]
         sizes = [t.numel() * t.element_size() for t in tensors]
         offsets, at = [], 0
         for size in sizes:
@@ -59,7 +68,7 @@ def main() -> int:
                 words = torch.zeros(ring.tags + 1, dtype=torch.int64, device=device)
                 keep.append(words)
                 ring._host_address = words.data_ptr()
-        extra = 0 if variant == "ring-2" else 10
+        extra = {"ring-2": 0, "ring-18-oss": -1}.get(variant, 10)
         stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
         alone = graph_ring.ALONE_BYTES
@@ -75,7 +84,15 @@ def main() -> int:
         graph_ring.ALONE_BYTES = alone
         return graph
 
-    variants = ["bare", "ring-2", "ring-12", "ring-12-devwords", "ring-12-nocheck", "ring-12-shared"]
+    variants = [
+        "bare",
+        "ring-2",
+        "ring-12",
+        "ring-12-devwords",
+        "ring-12-nocheck",
+        "ring-12-shared",
+        "ring-18-oss",
+    ]
     graphs = {variant: build(variant) for variant in variants}
     times: dict[str, list[float]] = {variant: [] for variant in variants}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

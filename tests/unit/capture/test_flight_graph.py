@@ -437,7 +437,7 @@ def record_kernel(programs: int, args: list[int]) -> None:
     """What ``graph_record`` does — program by program: the first to arrive reserves, each copies, the last one
     finishing writes the tag word and resets the launch's cells — through its integer arguments."""
     assert len(args) == 3 * SPANS + 18 and programs >= 1
-    (check, numel, code, aligned, finish, reserve, total, first) = args[3 * SPANS : 3 * SPANS + 8]
+    (check, numel, code, moved, finish, reserve, total, first) = args[3 * SPANS : 3 * SPANS + 8]
     (state, meta, hint, buffer, capacity, launch, cells, launches, words, tags) = args[3 * SPANS + 8 :]
 
     def cell(row: int) -> ctypes.c_int64:
@@ -467,12 +467,11 @@ def record_kernel(programs: int, args: list[int]) -> None:
         if program == 0:  # the copies (every program's share at once)
             for i in range(SPANS):
                 source, offset, size = args[3 * i : 3 * i + 3]
-                if aligned:
-                    assert (source | (target + offset) | size) % 8 == 0, (
-                        "an aligned launch got unaligned spans"
-                    )
+                assert (source | (target + offset) | size) % 8 == 0, "the kernel copies whole 8-byte words"
+                moved -= size
                 if size:
                     ctypes.memmove(target + offset, source, size)
+            assert moved == 0, "the node's word count is its spans' sum"
         if not finish:
             continue
         mine = [bits[start : start + _BLOCK] for start in range(program * _BLOCK, numel, programs * _BLOCK)]
@@ -551,12 +550,14 @@ def aligned(count: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize(("tokens", "nodes_programs"), [(88, 3), (24, 1)])
+@pytest.mark.parametrize(("tokens", "nodes_programs"), [(88, 3), (24, 1), (21, 1)])
 def test_the_kernel_arguments_keep_the_contract_over_replays(
     monkeypatch, dtype: torch.dtype, tokens: int, nodes_programs: int
 ) -> None:
     # 88 tokens: more than a lone program takes, so three programs share the entry through the handshake;
-    # 24 tokens: a decode-sized entry, one program, no handshake (the launch's arrive/ready cells stay 0)
+    # 24 tokens: a decode-sized entry, one program, no handshake (the launch's arrive/ready cells stay 0);
+    # 21 tokens: the weights' 42 or 84 bytes break 8-byte words — the node still moves whole words (the
+    # emulator asserts it) and the entry holds exactly the tensor's bytes
     monkeypatch.setattr(graph_ring, "_current_stream", lambda index: 1234)
     monkeypatch.setattr(graph_ring, "_programs", lambda index: 3)
     harness = Harness(capacity=1 << 19, max_calls=3)
@@ -573,11 +574,13 @@ def test_the_kernel_arguments_keep_the_contract_over_replays(
     (record_args,) = [args for _, _, args in kernels.graph]
     entry = record_args[3 * SPANS + 6]
     assert entry % ALIGNMENT == 0
+    moved = record_args[3 * SPANS + 3]
+    assert moved % 8 == 0 and moved >= hidden.nbytes + weights.nbytes + out.nbytes
     assert record_args[3 * SPANS : 3 * SPANS + 8] == [
         out.data_ptr(),
         out.numel(),
         {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[dtype],
-        1,  # aligned
+        moved,
         1,  # it finishes
         1,  # it reserves
         entry,
@@ -676,7 +679,7 @@ def test_a_graph_that_stays_bad_writes_the_trigger_budget_then_counts(
 def test_a_call_with_more_spans_than_a_node_takes_two_nodes_that_share_one_entry(
     monkeypatch, first_floats: int, node_programs: list[int]
 ) -> None:
-    # the first node reserves the entry and copies 16 spans; the second reads the published start, copies the
+    # the first node reserves the entry and copies SPANS spans; the second reads the published start, copies the
     # rest, folds the output and finishes — one sequence, one tag word, the launch's cells reset for the next replay.
     # Small spans: both nodes run alone. 8 KB spans: the first node's programs share it through the arrive/ready
     # handshake and the lone last node must reset those cells.

@@ -1,0 +1,89 @@
+"""``graph_record`` run by Triton's interpreter on host memory (``TRITON_INTERPRET=1``), through the arguments
+:meth:`GraphRing.capture` builds: a decode-sized gpt-oss layer call (one token, 18 spans of sizes that break 8-byte
+words — 33+ int32 token offsets behind 4- and 8-byte leads — one node, alone), eight tokens (the node's three
+programs share the entry through the arrive/ready handshake), forty tokens (three spans, three programs) and 26
+spans (two nodes sharing one entry). Three replays each: every span's bytes in its entry, the tag word's magnitude, the metadata row, the
+launch's cells reset. Prints one line per case; run by ``test_ring_kernels_triton.py``."""
+
+from __future__ import annotations
+
+import torch
+
+from moereplay.capture import graph_ring, graph_ring_kernel
+from moereplay.capture.device_ring import ALIGNMENT
+from moereplay.capture.graph_ring import GraphRing, Spans
+
+POOL = torch.zeros(1 << 22, dtype=torch.uint8)
+AT = [0]
+
+
+def placed(count: int, dtype: torch.dtype, lead: int = 0) -> torch.Tensor:
+    """A tensor ``lead`` bytes past a 256-byte boundary (as a view into a CUDA storage is), a slot apart."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    start = -(-(POOL.data_ptr() + AT[0]) // ALIGNMENT) * ALIGNMENT - POOL.data_ptr() + lead
+    AT[0] = start + count * itemsize + ALIGNMENT
+    return POOL[start : start + count * itemsize].view(dtype)
+
+
+GRAPH: list[tuple[int, list[int]]] = []
+
+
+def capture_launch(programs: int, stream: int, args: list[int]) -> None:
+    GRAPH.append((programs, list(args)))
+
+
+def replay() -> None:
+    for programs, args in GRAPH:
+        graph_ring_kernel.graph_record[(programs,)](*args, BLOCK=graph_ring_kernel.BLOCK)
+
+
+def case(tokens: int, span_count: int) -> None:
+    GRAPH.clear()
+    ring = GraphRing(1 << 21, torch.device("cpu"), tags=8, launches=4, use_kernel=False)
+    ring.kernels = capture_launch
+    tensors = [placed(tokens * 2880, torch.bfloat16)]
+    tensors += [placed(33 + i, torch.int32, lead=4 * (i % 3)) for i in range(span_count - 2)]
+    out = placed(tokens * 2880, torch.bfloat16)
+    tensors.append(out)
+    leads = [tensor.data_ptr() & 255 for tensor in tensors]
+    sources = [tensor.data_ptr() - lead for tensor, lead in zip(tensors, leads, strict=True)]
+    sizes = [tensor.nbytes + lead for tensor, lead in zip(tensors, leads, strict=True)]
+    offsets = [sum(-(-size // ALIGNMENT) * ALIGNMENT for size in sizes[:i]) for i in range(len(sizes))]
+    total = offsets[-1] + -(-sizes[-1] // ALIGNMENT) * ALIGNMENT
+    spans = Spans(tuple(sources), tuple(offsets), tuple(sizes), (out.data_ptr(), out.numel(), 2), total)
+    programs = ring.capture(0, spans, first=True)
+    ring.buffer.fill_(0xA5)
+    right = True
+    for replay_index in range(3):
+        for i, tensor in enumerate(tensors):
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.numel()) * (replay_index + 1))
+            else:
+                tensor.copy_(torch.arange(tensor.numel(), dtype=tensor.dtype) * (replay_index + 7) + i)
+        if replay_index == 2:
+            out[-1] = float("inf")  # the last element: the last program's block
+        replay()
+        start = int(ring.meta[replay_index][1])
+        for tensor, offset, lead, size in zip(tensors, offsets, leads, sizes, strict=True):
+            right &= torch.equal(
+                ring.view(start, offset + lead, size - lead), tensor.view(torch.uint8).flatten()
+            )
+        word = int(ring.words[replay_index])
+        largest = int(torch.tensor(float(out.float().abs().max())).view(torch.int32))
+        right &= word >> 32 == 1 and (word & 0xFFFFFFFF) == largest
+        right &= ring.meta[replay_index].tolist() == [replay_index, start, 0, replay_index + 1]
+        right &= ring.cells[2:6, 0].tolist() == [0, 0, 0, 0]
+    print(
+        f"tokens {tokens}, {span_count} spans: {len(GRAPH)} nodes, {programs} programs; entries right: {right}"
+    )
+
+
+def main() -> None:
+    graph_ring._current_stream = lambda index: 0  # type: ignore[assignment]
+    graph_ring._programs = lambda index: 3  # type: ignore[assignment]
+    for tokens, span_count in ((1, 18), (8, 18), (40, 3), (1, 26)):
+        case(tokens, span_count)
+
+
+if __name__ == "__main__":
+    main()

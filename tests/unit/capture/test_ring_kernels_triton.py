@@ -1,0 +1,51 @@
+"""The graph ring's Triton kernel where Triton is installed (CI has none and skips): run by Triton's interpreter
+on host memory through :meth:`GraphRing.capture`'s real arguments, and compiled for Hopper without a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+
+
+def test_graph_record_keeps_every_span_and_the_magnitude_in_the_interpreter() -> None:
+    script = Path(__file__).with_name("graph_ring_interpreted.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[3])}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("entries right: True") == 4, done.stdout
+    assert "tokens 1, 18 spans: 1 nodes, 1 programs" in done.stdout  # a gpt-oss decode call: one node, alone
+    assert "tokens 8, 18 spans: 1 nodes, 3 programs" in done.stdout  # the handshake
+    assert "tokens 1, 26 spans: 2 nodes, 1 programs" in done.stdout
+
+
+def test_graph_record_compiles_for_hopper_moving_whole_words() -> None:
+    """sm_90 without a GPU: a cubin, no local memory, and no byte-wide global access — every span moves as
+    8-byte words (the decode entry's odd-sized routing spans once made a whole node copy byte by byte)."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from moereplay.capture.graph_ring_kernel import BLOCK, RECORD_INTS, graph_record
+
+    names = list(inspect.signature(graph_record.fn).parameters)
+    assert names == [*RECORD_INTS, "BLOCK"]
+    signature = {name: "constexpr" if name == "BLOCK" else "i64" for name in names}
+    built = compile(
+        ASTSource(graph_record, signature, constexprs={(names.index("BLOCK"),): BLOCK}),
+        target=GPUTarget("cuda", 90, 32),
+    )
+    ptx = built.asm["ptx"]
+    assert built.asm["cubin"]
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert not any(f"{op}.global.{width}" in ptx for op in ("ld", "st") for width in ("u8", "b8", "s8"))
+    assert ptx.count("ld.global.b64") >= BLOCK // (32 * built.metadata.num_warps)  # a word per lane a step
