@@ -180,8 +180,14 @@ def swigluoai_and_mul(
     gate, up = split_gate_up(_float(x), layout)
     if limit is not None:
         gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return gate * torch.sigmoid(alpha * gate) * (up + 1.0)
+        up = up.clamp(min=-limit, max=limit).add_(1.0)
+    else:
+        up = up + 1.0
+    # ``gate · sigmoid(alpha · gate) · (up + 1)`` in that order, in one buffer (three fewer temporaries of half
+    # the input each: the same numbers)
+    out = torch.mul(gate, alpha).sigmoid_()
+    torch.mul(gate, out, out=out)
+    return torch.mul(out, up, out=out)
 
 
 def swiglustep_and_mul(

@@ -93,6 +93,24 @@ def test_swigluoai_hand_values() -> None:
     assert unclamped.item() == pytest.approx(10 * sigmoid(17.02) * 10, rel=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("limit", [SWIGLUOAI_LIMIT, None])
+def test_swigluoai_has_the_bits_of_the_plain_expression(dtype: torch.dtype, limit: float | None) -> None:
+    # computed in one buffer (memory): the numbers, NaN payloads included, of the expression written out
+    torch.manual_seed(3)
+    x = (torch.randn(37, 2 * 96, dtype=torch.float64) * 6).to(dtype)
+    flat = x.view(-1)
+    flat[::97], flat[5::131], flat[7::151] = float("nan"), float("inf"), float("-inf")
+    for layout in W13Layout:
+        gate, up = split_gate_up(x if dtype == torch.float64 else x.float(), layout)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        plain = gate * torch.sigmoid(SWIGLUOAI_ALPHA * gate) * (up + 1.0)
+        out = swigluoai_and_mul(x, layout, limit=limit)
+        bits = torch.int64 if plain.dtype == torch.float64 else torch.int32
+        assert out.dtype == plain.dtype and torch.equal(out.view(bits), plain.view(bits)), layout
+
+
 def test_clamped_silu_generalises_swigluoai() -> None:
     x = torch.randn(4, 10, dtype=torch.float64) * 6
     concat = convert_w13_layout(x, W13Layout.GATE_UP_INTERLEAVED, W13Layout.GATE_UP_CONCAT)
