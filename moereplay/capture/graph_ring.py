@@ -55,6 +55,7 @@ more than one SM copying 32 KiB (``tools/bench/graph_ring_bench.py`` measures bo
 call at batch 1 (two 5.6 KB activations, routing metadata, 2,880 output elements) fits."""
 
 _BLOCK_BYTES = 8 * 1024  # graph_ring_kernel.BLOCK words of 8 bytes
+_FOLD = 8192  # graph_ring_kernel.FOLD output elements a program folds per step
 SPANS = 24
 """Spans one kernel node copies (graph_ring_kernel.SPANS, checked when the kernel is imported)."""
 _KEEP: list[GraphRing] = []
@@ -191,7 +192,7 @@ class GraphRing:
             args += (0, 0, 0) * (SPANS - len(chunk))
             address, numel, code = spans.check if last and spans.check is not None else (0, 0, 0)
             args += (address, numel, code, moved, int(last), int(first_span == 0), spans.total, int(first))
-            work = max(-(-moved // _BLOCK_BYTES), -(-numel // 1024))
+            work = max(-(-moved // _BLOCK_BYTES), -(-numel // _FOLD))
             if moved <= ALONE_BYTES and numel <= ALONE_ELEMENTS:
                 work = 1  # one program: no handshake among programs (see graph_ring_kernel)
             programs = max(1, min(_programs(self.index), work))
@@ -287,8 +288,9 @@ def kernels_available() -> bool:
     try:
         from moereplay.capture import graph_ring_kernel
 
-        if _BLOCK_BYTES != 8 * graph_ring_kernel.BLOCK or graph_ring_kernel.SPANS != SPANS:
-            raise ImportError("graph_ring_kernel's BLOCK or SPANS does not match the launcher's")
+        kernel = graph_ring_kernel
+        if (_BLOCK_BYTES, _FOLD, SPANS) != (8 * kernel.BLOCK, kernel.FOLD, kernel.SPANS):
+            raise ImportError("graph_ring_kernel's BLOCK, FOLD or SPANS does not match the launcher's")
     except Exception as error:  # no triton, or one whose language differs
         _KERNEL_ERROR.append(f"{type(error).__name__}: {error}")
         return False

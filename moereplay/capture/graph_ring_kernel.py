@@ -46,7 +46,11 @@ import triton.language as tl
 from moereplay.capture.ring_kernel import compile_launcher
 
 BLOCK = 1024
-"""8-byte words a program moves per loop step, and output elements it folds per step."""
+"""8-byte words a program moves per loop step."""
+
+FOLD = 8192
+"""Output elements a program folds per step: a lone program's whole check (``graph_ring.ALONE_ELEMENTS``) in one
+step, whose loads are issued before the reservation and reduced after the copies (their latency overlaps)."""
 
 SPANS = 24
 """Spans one :func:`graph_record` node copies (a gpt-oss layer call keeps 18: one node a layer call)."""
@@ -62,14 +66,17 @@ RECORD_INTS = [name for i in range(SPANS) for name in (f"s{i}", f"o{i}", f"n{i}"
 
 
 @triton.jit
-def _fold(best, check, numel, pid, programs, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    values = check.to(tl.pointer_type(DTYPE))
-    offsets = tl.arange(0, BLOCK).to(tl.int64)
-    for start in range(pid * BLOCK, numel, programs * BLOCK):
-        index = start + offsets
-        x = tl.load(values + index, mask=index < numel, other=0.0).to(tl.float32)
-        best = tl.maximum(best, tl.abs(x).to(tl.int32, bitcast=True))
-    return best
+def _load_magnitudes(check, index, numel, code):
+    """``|x|`` of the checked output's elements ``index`` (0 where masked) as float32, whatever its dtype."""
+    mask = index < numel
+    x = tl.zeros(index.shape, dtype=tl.float32)
+    if code == 1:
+        x = tl.load(check.to(tl.pointer_type(tl.float16)) + index, mask=mask, other=0.0).to(tl.float32)
+    if code == 2:
+        x = tl.load(check.to(tl.pointer_type(tl.bfloat16)) + index, mask=mask, other=0.0).to(tl.float32)
+    if code == 3:
+        x = tl.load(check.to(tl.pointer_type(tl.float32)) + index, mask=mask, other=0.0)
+    return tl.abs(x)
 
 
 @triton.jit
@@ -114,9 +121,15 @@ def graph_record(
     check, numel, code, moved, finish, reserve, total, first,
     state, meta, hint, buffer, capacity, launch, cells, launches, words, tags,
     BLOCK: tl.constexpr,
+    FOLD: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0).to(tl.int64)
+    # the first step of the fold: loads issued now, reduced after the copies
+    first_fold = pid * FOLD + tl.arange(0, FOLD).to(tl.int64)
+    magnitudes = tl.zeros([FOLD], dtype=tl.float32)
+    if finish != 0:
+        magnitudes = _load_magnitudes(check, first_fold, numel, code)
     column = cells.to(tl.pointer_type(tl.int64)) + launch
     start_cell = column + 0 * launches  # CELL_START
     sequence_cell = column + 1 * launches  # CELL_SEQUENCE
@@ -170,13 +183,11 @@ def graph_record(
         word = tl.load((src + index * 8).to(tl.pointer_type(tl.int64)), mask=mask)
         tl.store((dst + index * 8).to(tl.pointer_type(tl.int64)), word, mask=mask)
     if finish != 0:
-        best = tl.zeros([BLOCK], dtype=tl.int32)
-        if code == 1:
-            best = _fold(best, check, numel, pid, programs, tl.float16, BLOCK)
-        if code == 2:
-            best = _fold(best, check, numel, pid, programs, tl.bfloat16, BLOCK)
-        if code == 3:
-            best = _fold(best, check, numel, pid, programs, tl.float32, BLOCK)
+        # max of |x|'s bits: NaN's are above Inf's, so a NaN anywhere shows
+        best = magnitudes.to(tl.int32, bitcast=True)
+        for start in range((pid + programs) * FOLD, numel, programs * FOLD):
+            more = _load_magnitudes(check, start + tl.arange(0, FOLD).to(tl.int64), numel, code)
+            best = tl.maximum(best, more.to(tl.int32, bitcast=True))
         largest = tl.max(best, axis=0).to(tl.int64)
         partial = column + 2 * launches  # CELL_PARTIAL
         counter = column + 3 * launches  # CELL_DONE
@@ -206,5 +217,5 @@ def graph_record(
 def compile_kernel(device_index: int) -> Any:
     """:func:`graph_record` as ``launch(programs, stream, args)`` (see ``ring_kernel.compile_launcher``)."""
     return compile_launcher(
-        graph_record, len(RECORD_INTS), {"BLOCK": BLOCK}, device_index, name="graph record"
+        graph_record, len(RECORD_INTS), {"BLOCK": BLOCK, "FOLD": FOLD}, device_index, name="graph record"
     )

@@ -426,7 +426,7 @@ def test_polls_stop_at_the_first_unfinished_sequence_and_resume() -> None:
 
 # --- the Triton kernels' contract, through the arguments the ring captures -----------------------------------------
 
-_BLOCK = 1024
+_FOLD = 8192  # graph_ring_kernel.FOLD: output elements a program folds per step
 
 
 def _cell(address: int) -> ctypes.c_int64:
@@ -474,7 +474,7 @@ def record_kernel(programs: int, args: list[int]) -> None:
             assert moved == 0, "the node's word count is its spans' sum"
         if not finish:
             continue
-        mine = [bits[start : start + _BLOCK] for start in range(program * _BLOCK, numel, programs * _BLOCK)]
+        mine = [bits[start : start + _FOLD] for start in range(program * _FOLD, numel, programs * _FOLD)]
         largest = max((int(block.max()) for block in mine if block.size), default=0)
         if programs == 1:
             word = largest

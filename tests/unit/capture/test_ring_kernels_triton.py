@@ -27,21 +27,23 @@ def test_graph_record_keeps_every_span_and_the_magnitude_in_the_interpreter() ->
     assert "tokens 1, 26 spans: 2 nodes, 1 programs" in done.stdout
 
 
-def test_graph_record_compiles_for_hopper_moving_whole_words() -> None:
-    """sm_90 without a GPU: a cubin, no local memory, and no byte-wide global access — every span moves as
-    8-byte words (the decode entry's odd-sized routing spans once made a whole node copy byte by byte)."""
+def test_graph_record_compiles_for_hopper_moving_whole_words(tmp_path: Path) -> None:
+    """sm_90 without a GPU: a cubin, no local memory or spills, and no byte-wide global access — every span
+    moves as 8-byte words (the decode entry's odd-sized routing spans once made a whole node copy byte by byte)."""
     import inspect
 
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from moereplay.capture.graph_ring_kernel import BLOCK, RECORD_INTS, graph_record
+    from moereplay.capture.graph_ring_kernel import BLOCK, FOLD, RECORD_INTS, graph_record
 
     names = list(inspect.signature(graph_record.fn).parameters)
-    assert names == [*RECORD_INTS, "BLOCK"]
-    signature = {name: "constexpr" if name == "BLOCK" else "i64" for name in names}
+    assert names == [*RECORD_INTS, "BLOCK", "FOLD"]
+    constants = {"BLOCK": BLOCK, "FOLD": FOLD}
+    signature = {name: "constexpr" if name in constants else "i64" for name in names}
     built = compile(
-        ASTSource(graph_record, signature, constexprs={(names.index("BLOCK"),): BLOCK}),
+        ASTSource(graph_record, signature, constexprs={(names.index(n),): v for n, v in constants.items()}),
         target=GPUTarget("cuda", 90, 32),
     )
     ptx = built.asm["ptx"]
@@ -49,3 +51,13 @@ def test_graph_record_compiles_for_hopper_moving_whole_words() -> None:
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert not any(f"{op}.global.{width}" in ptx for op in ("ld", "st") for width in ("u8", "b8", "s8"))
     assert ptx.count("ld.global.b64") >= BLOCK // (32 * built.metadata.num_warps)  # a word per lane a step
+    # the fold's first step is held in registers across the copies: ptxas must not spill them
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if ptxas.exists():
+        source = tmp_path / "graph_record.ptx"
+        source.write_text(ptx)
+        report = subprocess.run(
+            [str(ptxas), "-arch=sm_90a", "-v", str(source), "-o", str(tmp_path / "graph_record.cubin")],
+            capture_output=True, text=True, timeout=120, check=True,
+        ).stderr  # fmt: skip
+        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
