@@ -34,7 +34,9 @@ def capture_launch(programs: int, stream: int, args: list[int]) -> None:
 
 def replay() -> None:
     for programs, args in GRAPH:
-        graph_ring_kernel.graph_record[(programs,)](*args, BLOCK=graph_ring_kernel.BLOCK, FOLD=graph_ring_kernel.FOLD)
+        graph_ring_kernel.graph_record[(programs,)](
+            *args, BLOCK=graph_ring_kernel.BLOCK, FOLD=graph_ring_kernel.FOLD
+        )
 
 
 def case(tokens: int, span_count: int) -> None:
