@@ -165,6 +165,9 @@ class GraphRing:
         node of the launch runs (1: every node alone, without the handshake; 0 without the kernels)."""
         if spans.total > self.max_entry:
             raise ValueError(f"an entry of {spans.total} bytes exceeds the graph ring's {self.max_entry}")
+        if self.kernels is not None and any(source & 7 for source in spans.sources):
+            # the kernel moves whole 8-byte words: a misaligned source would fault inside a served graph
+            raise ValueError("the graph ring kernel needs 8-byte aligned span sources")
         if self.kernels is None:
             if views is None or len(views) != len(spans.sources):
                 raise ValueError("without the kernels a capture needs a view per span")
@@ -289,7 +292,12 @@ def kernels_available() -> bool:
         from moereplay.capture import graph_ring_kernel
 
         kernel = graph_ring_kernel
-        if (_BLOCK_BYTES, _FOLD, SPANS) != (8 * kernel.BLOCK, kernel.FOLD, kernel.SPANS):
+        if (_BLOCK_BYTES, _FOLD, SPANS) != (
+            8 * kernel.BLOCK,
+            kernel.FOLD,
+            kernel.SPANS,
+        ) or ALONE_ELEMENTS > _FOLD:
+            # (a lone node folds its whole check in the fold's first step: ALONE_ELEMENTS <= FOLD)
             raise ImportError("graph_ring_kernel's BLOCK, FOLD or SPANS does not match the launcher's")
     except Exception as error:  # no triton, or one whose language differs
         _KERNEL_ERROR.append(f"{type(error).__name__}: {error}")

@@ -185,8 +185,8 @@ def graph_record(
     if finish != 0:
         # max of |x|'s bits: NaN's are above Inf's, so a NaN anywhere shows
         best = magnitudes.to(tl.int32, bitcast=True)
-        for start in range((pid + programs) * FOLD, numel, programs * FOLD):
-            more = _load_magnitudes(check, start + tl.arange(0, FOLD).to(tl.int64), numel, code)
+        for fold_step in range((pid + programs) * FOLD, numel, programs * FOLD):
+            more = _load_magnitudes(check, fold_step + tl.arange(0, FOLD).to(tl.int64), numel, code)
             best = tl.maximum(best, more.to(tl.int32, bitcast=True))
         largest = tl.max(best, axis=0).to(tl.int64)
         partial = column + 2 * launches  # CELL_PARTIAL

@@ -719,3 +719,22 @@ def test_a_call_with_more_spans_than_a_node_takes_two_nodes_that_share_one_entry
         )
         assert ring.cells[2:6, 1].tolist() == [0, 0, 0, 0]
     assert int(ring.state[1]) == 3 and ring.hint == 3
+
+
+def test_the_kernel_path_refuses_a_source_that_is_not_word_aligned(monkeypatch) -> None:
+    # every node moves whole 8-byte words: a misaligned source would fault inside a served graph, so the capture
+    # refuses it (flight_graph's sources are 256-byte aligned: address minus its lead)
+    monkeypatch.setattr(graph_ring, "_current_stream", lambda index: 1234)
+    monkeypatch.setattr(graph_ring, "_programs", lambda index: 1)
+    ring = GraphRing(1 << 20, torch.device("cpu"), tags=8, launches=4, use_kernel=False)
+    kernels = CapturedKernels()
+    ring.kernels = kernels.launcher(record_kernel)
+    source = aligned(64, torch.uint8)
+    for lead, refused in ((0, False), (4, True)):
+        spans = Spans((source.data_ptr() + lead,), (0,), (16,), None, ALIGNMENT)
+        if refused:
+            with pytest.raises(ValueError, match="8-byte aligned"):
+                ring.capture(0, spans, first=True)
+        else:
+            assert ring.capture(0, spans, first=True) == 1
+    assert len(kernels.graph) == 1  # the refused capture queued nothing
