@@ -31,9 +31,10 @@ Concurrent launches (graphs replayed on several streams) reserve with atomics, s
 one launch id is never replayed twice at once (a graph's replays are ordered on its stream).
 Every argument is a 64-bit integer (addresses, sizes in bytes — multiples of 8 —, ``moved`` their sum, the
 launch id, runtime flags: ``code`` 0 none, 1 float16, 2 bfloat16, 3 float32), so the kernel compiles once per
-device (:func:`compile_kernel`) before any capture: nothing is compiled while a graph is being captured. Until this kernel, a separate one-warp
-reserve kernel preceded each copy kernel: two graph nodes per layer call, ~16 µs per replay of a gpt-oss-shaped
-``fused_marlin_moe`` layer on the H200 (``tests/gpu/test_flight_graph_gpu.py`` prints the figure).
+device (:func:`compile_kernel`) before any capture: nothing is compiled while a graph is being captured. Until
+this kernel, a separate one-warp reserve kernel preceded each copy kernel: two graph nodes per layer call, ~16 µs
+per replay of a gpt-oss-shaped ``fused_marlin_moe`` layer on the H200 (``tests/gpu/test_flight_graph_gpu.py``
+prints the figure).
 """
 
 from __future__ import annotations
