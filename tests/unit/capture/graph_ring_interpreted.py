@@ -8,21 +8,13 @@ launch's cells reset. Prints one line per case; run by ``test_ring_kernels_trito
 from __future__ import annotations
 
 import torch
+from aligned_pool import AlignedPool
 
 from moereplay.capture import graph_ring, graph_ring_kernel
 from moereplay.capture.device_ring import ALIGNMENT
 from moereplay.capture.graph_ring import GraphRing, Spans
 
-POOL = torch.zeros(1 << 22, dtype=torch.uint8)
-AT = [0]
-
-
-def placed(count: int, dtype: torch.dtype, lead: int = 0) -> torch.Tensor:
-    """A tensor ``lead`` bytes past a 256-byte boundary (as a view into a CUDA storage is), a slot apart."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    start = -(-(POOL.data_ptr() + AT[0]) // ALIGNMENT) * ALIGNMENT - POOL.data_ptr() + lead
-    AT[0] = start + count * itemsize + ALIGNMENT
-    return POOL[start : start + count * itemsize].view(dtype)
+placed = AlignedPool(1 << 22).take  # (count, dtype, lead): as a view into a CUDA storage, a slot apart
 
 
 GRAPH: list[tuple[int, list[int]]] = []
@@ -44,7 +36,7 @@ def case(tokens: int, span_count: int) -> None:
     ring = GraphRing(1 << 21, torch.device("cpu"), tags=8, launches=4, use_kernel=False)
     ring.kernels = capture_launch
     tensors = [placed(tokens * 2880, torch.bfloat16)]
-    tensors += [placed(33 + i, torch.int32, lead=4 * (i % 3)) for i in range(span_count - 2)]
+    tensors += [placed(33 + i, torch.int32, 4 * (i % 3)) for i in range(span_count - 2)]
     out = placed(tokens * 2880, torch.bfloat16)
     tensors.append(out)
     leads = [tensor.data_ptr() & 255 for tensor in tensors]

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from aligned_pool import AlignedPool
 
 from moereplay.capture import graph_ring
 from moereplay.capture import recorder as recorder_module
@@ -536,17 +537,7 @@ class CapturedKernels:
             kernel(programs, args)
 
 
-_POOL = torch.zeros(1 << 20, dtype=torch.uint8)
-_AT = [0]
-
-
-def aligned(count: int, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh tensor on a 256-byte boundary (as CUDA storages are), so address-derived spans stay in bounds."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    start = -(-(_POOL.data_ptr() + _AT[0]) // ALIGNMENT) * ALIGNMENT - _POOL.data_ptr()
-    _AT[0] = start + count * itemsize + ALIGNMENT
-    assert _AT[0] < _POOL.numel()
-    return _POOL[start : start + count * itemsize].view(dtype)
+aligned = AlignedPool(1 << 20).take  # on a 256-byte boundary, so address-derived spans stay in bounds
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

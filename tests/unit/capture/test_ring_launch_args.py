@@ -15,6 +15,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from aligned_pool import AlignedPool
 from conftest import layer_doubling
 
 from moereplay.capture import device_ring
@@ -102,17 +103,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch):
     return make
 
 
-_POOL = torch.zeros(1 << 20, dtype=torch.uint8)
-_AT = [0]
-
-
-def aligned(count: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
-    """A fresh tensor whose first byte is ``offset`` past a 256-byte boundary (as CUDA storages are aligned)."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    start = -(-(_POOL.data_ptr() + _AT[0]) // ALIGNMENT) * ALIGNMENT - _POOL.data_ptr() + offset
-    _AT[0] = start + count * itemsize + ALIGNMENT
-    assert _AT[0] < _POOL.numel()
-    return _POOL[start : start + count * itemsize].view(dtype)
+aligned = AlignedPool(1 << 20).take  # (count, dtype, offset): placed as CUDA storages are
 
 
 def test_one_launch_copies_every_span_and_folds_the_check(emulated) -> None:
