@@ -1,5 +1,5 @@
-# One device call for the graph ring as of 2026-12-05 (one node a gpt-oss layer call, whole words; not yet run on a
-# GPU when written): carry [".kernelpack", ".servepack"], then
+# One device call for the graph ring as of 2026-12-05 (one node a gpt-oss layer call, whole words; first run 2026-12-05,
+# tenth session: ring-18-oss 8.22 µs, decode b1 1.080×): carry [".kernelpack", ".servepack"], then
 #   bash tools/gpu/graph_ring_session.sh            (env ROUNDS, default 3; LIMIT for the serve bench, default 300)
 # 1. graph_ring_bench: µs a node costs a layer call; `ring-18-oss` is what a served gpt-oss decode call keeps (18
 #    spans, routing sizes that break words) — the served cost was ≈ 15 µs a layer call before the change;

@@ -1,0 +1,144 @@
+"""Where a graph-ring node's time goes: the served gpt-oss decode entry (``graph_ring_bench``'s ``ring-18-oss``)
+with parts of :func:`~moereplay.capture.graph_ring_kernel.graph_record` switched off by its runtime flags, next to
+the floors of any node (a one-argument Triton kernel that does nothing; a captured device-to-device copy).
+
+- ``trivial``: a Triton kernel node that does nothing (what any extra kernel node costs in a graph);
+- ``memcpy``: one captured ``copy_`` of the layer's 5.6 KB output (a copy node);
+- ``floor``: ``graph_record`` with nothing to do (reads the launch's start cell, 90 arguments);
+- ``reserve``: only the reservation (three counters, cells, metadata row, hint over PCIe);
+- ``copy``: only the copies (18 spans, 14 KB), start read from the cell;
+- ``finish``: only the fold of the output and the fenced tag word; ``finish-nocheck`` without the fold;
+- ``full``: the node as captured (``ring-18-oss``), and ``full-wN`` compiled with N warps instead of Triton's 4.
+
+Interleaved rounds, CUDA-event time per replay, medians; µs per layer call over the bare graph.
+
+    python3 tools/bench/graph_ring_ablation.py [--layers 24] [--rounds 5] [--replays 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from moereplay.capture import graph_ring, graph_ring_kernel
+from moereplay.capture.graph_ring import ALIGNMENT, GraphRing, Spans
+from moereplay.capture.ring_kernel import compile_launcher
+
+FLAGS = 3 * graph_ring_kernel.SPANS  # index of ``check``; then numel, code, moved, finish, reserve, total, first
+
+
+@triton.jit(do_not_specialize=["x"])
+def _nothing(x):
+    if x == 12345:  # never: the kernel must take its argument
+        tl.store(x.to(tl.pointer_type(tl.int64)), 0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--replays", type=int, default=200)
+    options = parser.parse_args()
+    device = torch.device("cuda", 0)
+    layers = options.layers
+    inputs = [torch.randn(1, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
+    outputs = [torch.randn(1, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
+    copies = [torch.empty_like(output) for output in outputs]
+    routing_bytes = (16, 128, 128, 132, 132, 132, 132, 132, 160, 144, 136, 132, 16, 16, 16, 16)
+    routing = [[torch.zeros(n, device=device, dtype=torch.uint8) for n in routing_bytes] for _ in range(layers)]
+    nothing = compile_launcher(_nothing, 1, {}, 0, name="nothing")
+
+    def spans(i: int) -> Spans:
+        tensors = [inputs[i], outputs[i], *routing[i]]
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        offsets, at = [], 0
+        for size in sizes:
+            offsets.append(at)
+            at += -(-size // ALIGNMENT) * ALIGNMENT
+        probe = (outputs[i].data_ptr(), outputs[i].numel(), 2)
+        return Spans(tuple(t.data_ptr() for t in tensors), tuple(offsets), tuple(sizes), probe, at)
+
+    def patched(base: Callable, overrides: dict[int, int]) -> Callable:
+        def launch(programs: int, stream: int, args: list[int]) -> None:
+            args = list(args)
+            for index, value in overrides.items():
+                args[index] = value
+            base(programs, stream, args)
+
+        return launch
+
+    numel, code, moved, finish, reserve = range(FLAGS + 1, FLAGS + 6)
+    ablations = {
+        "floor": {moved: 0, reserve: 0, finish: 0, code: 0, numel: 0},
+        "reserve": {moved: 0, finish: 0, code: 0, numel: 0},
+        "copy": {reserve: 0, finish: 0, code: 0, numel: 0},
+        "finish": {moved: 0, reserve: 0},
+        "finish-nocheck": {moved: 0, reserve: 0, code: 0, numel: 0},
+    }
+    warps = {"full-w1": 1, "full-w2": 2, "full-w8": 8}
+
+    def build(variant: str) -> torch.cuda.CUDAGraph:
+        ring = None
+        if variant in ablations or variant.startswith("full"):
+            ring = GraphRing(64 << 20, device, launches=layers + 8)
+            assert ring.kernels is not None, graph_ring.kernel_error()
+            if variant in ablations:
+                ring.kernels = patched(ring.kernels, ablations[variant])
+            if variant in warps:
+                ring.kernels = compile_launcher(
+                    graph_ring_kernel.graph_record,
+                    len(graph_ring_kernel.RECORD_INTS),
+                    {"BLOCK": graph_ring_kernel.BLOCK, "FOLD": graph_ring_kernel.FOLD},
+                    0,
+                    name="graph record",
+                    num_warps=warps[variant],
+                )
+        stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            for i in range(layers):
+                torch.add(inputs[i], 1.0, out=outputs[i])  # the "layer call"
+                if ring is not None:
+                    launch = ring.new_launch()
+                    assert launch is not None
+                    ring.capture(launch, spans(i), first=i == 0)
+                elif variant == "trivial":
+                    nothing(1, graph_ring._current_stream(0), [0])
+                elif variant == "memcpy":
+                    copies[i].copy_(outputs[i])
+        return graph
+
+    variants = ["bare", "trivial", "memcpy", *ablations, "full", *warps]
+    graphs = {variant: build(variant) for variant in variants}
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for graph in graphs.values():
+        graph.replay()
+    for round_ in range(options.rounds):
+        order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
+        for variant in order:
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(options.replays):
+                graphs[variant].replay()
+            end.record()
+            end.synchronize()
+            times[variant].append(start.elapsed_time(end) * 1e3 / options.replays)
+    bare = statistics.median(times["bare"])
+    print(
+        f"graph_ring_ablation: {layers} layer calls a graph, median of {options.rounds} rounds × "
+        f"{options.replays} replays"
+    )
+    for variant in variants:
+        median = statistics.median(times[variant])
+        print(f"{variant:16s} {median:9.1f} µs a replay   {(median - bare) / layers:6.2f} µs a layer call over bare")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
