@@ -84,6 +84,9 @@ class GraphCounters(FlightCounters):
     launches: int = 0  # layer calls captured into graphs with the ring kernels
     not_kept: int = 0  # layer calls captured into graphs without them (see the log for why)
     lone: int = 0  # of the launches, those whose ring nodes run as one program each (no handshake)
+    staged: int = (
+        0  # of the launches, those staged: only a copy on the graph's path, the record node beside it
+    )
     entry_bytes: int = 0  # bytes the launches' entries take in the ring, together (each replay copies them)
 
     def as_dict(self) -> dict[str, int]:
@@ -172,6 +175,22 @@ class GraphFlight(PollingRecorder):
             self._watches[key] = _Watch(ring, {}, deque(maxlen=self.layer.max_calls))
             return ring
 
+    def open_capture(self, index: int) -> tuple[GraphRing, int] | None:
+        """A graph capture has begun on device ``index``'s current stream: its ring may stage lone launches
+        (:meth:`GraphRing.open_capture`). Returns the token for :meth:`close_capture`."""
+        watch = self._watches.get(index)
+        if watch is None:
+            return None
+        handle = watch.ring.open_capture()
+        return None if handle is None else (watch.ring, handle)
+
+    @staticmethod
+    def close_capture(token: object) -> None:
+        """That capture ends: join its ring's side branch (:meth:`GraphRing.close_capture`)."""
+        if isinstance(token, tuple):
+            ring, handle = token
+            ring.close_capture(handle)
+
     # --- during a capture (serving thread) -----------------------------------------------------------------------
 
     def capture(self, call: LayerCall, result: Any, error: BaseException | None) -> bool:
@@ -223,6 +242,7 @@ class GraphFlight(PollingRecorder):
             watch.launches[launch] = GraphLaunch(launch, ring, call)
         self.counters.launches += 1
         self.counters.lone += int(programs == 1)
+        self.counters.staged += int(launch in ring.staged)
         self.counters.entry_bytes += total
         return True
 

@@ -15,7 +15,9 @@ then logs why and lets the capture go ahead). Several graphs may be captured at 
 Before that, ``capture_begin`` runs :attr:`GraphGate.prepare` (outside the capture, on the capturing thread): the
 flight recorder allocates the device memory of its graph ring and compiles the kernels it captures into graphs —
 neither is allowed once the capture has begun (nor while another thread captures: then it is skipped). A failing
-``prepare`` is logged; the capture goes ahead.
+``prepare`` is logged; the capture goes ahead. Once the capture has begun, :attr:`GraphGate.begun` runs (the flight
+recorder opens the graph for staged ring nodes), and :attr:`GraphGate.ending` with its result right before
+``capture_end`` (the ring's side stream is joined back: a capture must not end with a forked stream).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class GraphGate:
         self.waits = 0
         self.timeouts = 0
         self.prepare: Callable[[], None] | None = None  # run by capture_begin before the capture begins
+        self.begun: Callable[[], object] | None = None  # run once it has begun; its result goes to ``ending``
+        self.ending: Callable[[object], None] | None = None  # run by capture_end before the capture ends
+        self._tokens: dict[int, object] = {}
 
     def prepare_capture(self) -> None:
         """Run :attr:`prepare` (see the module docstring) unless another graph is being captured now (an
@@ -54,6 +59,36 @@ class GraphGate:
         except Exception as error:
             logger.error(
                 "moereplay: preparing for a CUDA graph capture failed: %s: %s", type(error).__name__, error
+            )
+
+    def capture_begun(self, graph: object) -> None:
+        """Run :attr:`begun` on the capturing thread once ``graph``'s capture has begun; never raises."""
+        begun = self.begun
+        if begun is None:
+            return
+        try:
+            token = begun()
+        except Exception as error:
+            logger.error(
+                "moereplay: a CUDA graph capture's begin hook failed: %s: %s", type(error).__name__, error
+            )
+            return
+        with self._condition:
+            self._tokens[id(graph)] = token
+
+    def capture_ending(self, graph: object) -> None:
+        """Run :attr:`ending` with what :attr:`begun` returned for ``graph``, before its capture ends; never
+        raises."""
+        with self._condition:
+            token = self._tokens.pop(id(graph), None)
+        ending = self.ending
+        if ending is None or token is None:
+            return
+        try:
+            ending(token)
+        except Exception as error:
+            logger.error(
+                "moereplay: a CUDA graph capture's end hook failed: %s: %s", type(error).__name__, error
             )
 
     @property
@@ -115,12 +150,15 @@ def install(gate: GraphGate, graph_class: Any = None) -> Callable[[], None]:
         gate.prepare_capture()
         gate.begin_capture()
         try:
-            return begin(self, *args, **kwargs)
+            began = begin(self, *args, **kwargs)
         except BaseException:
             gate.end_capture()
             raise
+        gate.capture_begun(self)
+        return began
 
     def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
+        gate.capture_ending(self)
         try:
             return end(self, *args, **kwargs)
         finally:

@@ -54,7 +54,14 @@ arrive/ready/done handshake that lets several programs share an entry is a chain
 more than one SM copying 32 KiB (``tools/bench/graph_ring_bench.py`` measures both: ``ring-12`` vs ``ring-12-shared``). A gpt-oss decode layer
 call at batch 1 (two 5.6 KB activations, routing metadata, 2,880 output elements) fits."""
 
+STAGE_SHARE = 16
+"""The staging area of a ring (lone entries staged off the graph's critical path, see :meth:`GraphRing.capture`) is
+``capacity // STAGE_SHARE`` bytes; launches past it take the one-node path."""
+SIDE_STREAMS = 4
+"""Graphs one ring can stage for while they are being captured at once (one side stream each)."""
+
 _BLOCK_BYTES = 8 * 1024  # graph_ring_kernel.BLOCK words of 8 bytes
+_CODE_BYTES = {1: 2, 2: 2, 3: 4}  # the check's dtype code: bytes an element
 _FOLD = 8192  # graph_ring_kernel.FOLD output elements a program folds per step
 SPANS = 24
 """Spans one kernel node copies (graph_ring_kernel.SPANS, checked when the kernel is imported)."""
@@ -78,6 +85,16 @@ class Spans:
             raise ValueError("one offset and one size per source")
         if self.total % ALIGNMENT or any(offset % ALIGNMENT for offset in self.offsets):
             raise ValueError("entries and spans start on 256-byte boundaries")
+
+
+@dataclass(eq=False)
+class _Open:
+    """A graph being captured on ``stream`` (a torch CUDA stream): its staged launches' record nodes go on
+    ``side``; ``pending`` while some are not joined back yet."""
+
+    stream: Any
+    side: Any
+    pending: bool = False
 
 
 @dataclass(eq=False)
@@ -131,8 +148,15 @@ class GraphRing:
             self.cells = torch.zeros(6, launches, dtype=torch.int64, device=device)
             host, self._host_address = _host_words(tags + 1, cuda)
             self.kernels = _compile(self.index) if use_kernel else None
+            self.stage_kernel = _compile(self.index, stage=True) if use_kernel else None
+            stage_bytes = max(ALIGNMENT, capacity // STAGE_SHARE // ALIGNMENT * ALIGNMENT)
+            self.stage = torch.empty(stage_bytes, dtype=torch.uint8, device=device) if use_kernel else None
+            self._sides = [torch.cuda.Stream(device) for _ in range(SIDE_STREAMS)] if use_kernel else []
             if use_kernel:
                 _programs(self.index)  # device properties read now, not while a graph is being captured
+        self._stage_used = 0
+        self._open: dict[int, _Open] = {}
+        self.staged: set[int] = set()  # launch ids whose record node is off the critical path
         self.host = host  # NumPy int64 view: tags words, then the hint
         self.words = host[:tags]
         self._fallbacks: dict[int, _Fallback] = {}
@@ -150,6 +174,32 @@ class GraphRing:
             self._issued += 1
             return launch
 
+    def open_capture(self) -> int | None:
+        """A graph capture begins on the current stream (``GraphGate``, right after ``capture_begin``): from now on
+        its lone launches may be staged (see :meth:`capture`). Returns the stream's handle for
+        :meth:`close_capture`, or None (no kernels, or every side stream taken: the one-node path)."""
+        if self.stage_kernel is None:
+            return None
+        stream = torch.cuda.current_stream(self.index)
+        handle = int(stream.cuda_stream)
+        with self._lock:
+            taken = {opened.side.cuda_stream for opened in self._open.values()}
+            side = next((side for side in self._sides if side.cuda_stream not in taken), None)
+            if handle in self._open or side is None:
+                return None
+            self._open[handle] = _Open(stream, side)
+        return handle
+
+    def close_capture(self, handle: int | None) -> None:
+        """The graph captured on ``handle`` ends (right before ``capture_end``): its side branch is joined back —
+        a capture must not end with a forked stream."""
+        if handle is None:
+            return
+        with self._lock:
+            opened = self._open.pop(handle, None)
+        if opened is not None and opened.pending:
+            self._join(opened)
+
     def capture(
         self,
         launch: int,
@@ -162,22 +212,58 @@ class GraphRing:
         """Queue the record kernel node(s) of ``launch`` on the current stream — while it captures a graph,
         into the graph. ``first``: the launch bumps the graph step. Without the kernels, ``views`` (the spans'
         bytes) and ``check`` (the output to reduce) are kept for :meth:`replay`. Returns the most programs a
-        node of the launch runs (1: every node alone, without the handshake; 0 without the kernels)."""
+        node of the launch runs (1: every node alone, without the handshake; 0 without the kernels).
+
+        Staged (a lone entry, in a graph opened with :meth:`open_capture`, while the staging area has room): on
+        the graph's path only a copy of the spans into this launch's own staging slot (no atomics, no fence);
+        the record node — reservation, copy into the ring, check, tag word — reads that slot on a side stream
+        forked there and joined when the capture ends, so it runs beside the layers that follow. The slot is
+        rewritten by the next replay of the same graph only, which starts after this one's side branch ended."""
         if spans.total > self.max_entry:
             raise ValueError(f"an entry of {spans.total} bytes exceeds the graph ring's {self.max_entry}")
         if self.kernels is not None and any(source & 7 for source in spans.sources):
-            # the kernel moves whole 8-byte words: a misaligned source would fault inside a served graph
             raise ValueError("the graph ring kernel needs 8-byte aligned span sources")
         if self.kernels is None:
             if views is None or len(views) != len(spans.sources):
                 raise ValueError("without the kernels a capture needs a view per span")
             self._fallbacks[launch] = _Fallback(spans, views, check, int(first))
             return 0
-        record = self.kernels
         stream = _current_stream(self.index)
         common = [self.state.data_ptr(), self.meta.data_ptr(), self._host_address + 8 * self.tags]
         common += [self.buffer.data_ptr(), self.capacity, launch, self.cells.data_ptr(), self.launches]
         common += [self._host_address, self.tags]
+        with self._lock:
+            opened = self._open.get(stream)
+        staged = self._stage(spans) if opened is not None else None
+        if opened is not None and opened.pending and staged is None:
+            self._join(opened)  # a one-node launch reserves after the staged ones before it
+        if opened is None or staged is None:
+            return self._nodes(spans, first, stream, common)
+        address, slot = staged
+        assert self.stage_kernel is not None
+        stage_common = list(common)
+        stage_common[3] = address  # ``buffer``: the STAGE variant copies to it as is
+        self._nodes(spans, first, stream, stage_common, launcher=self.stage_kernel, record=False)
+        self._fork(opened)
+        self._nodes(slot, first, int(opened.side.cuda_stream), common)
+        opened.pending = True
+        self.staged.add(launch)
+        return 1
+
+    def _nodes(
+        self,
+        spans: Spans,
+        first: bool,
+        stream: int,
+        common: list[int],
+        *,
+        launcher: Any = None,
+        record: bool = True,
+    ) -> int:
+        """Launch the nodes copying ``spans`` on ``stream`` (:data:`SPANS` a node); ``record`` False: copies
+        only, as many programs as the words need (the STAGE variant: no handshake). Returns the most programs."""
+        launch_kernel = self.kernels if launcher is None else launcher
+        assert launch_kernel is not None
         count = len(spans.sources)
         most = 0
         for first_span in range(0, max(count, 1), SPANS):
@@ -186,24 +272,61 @@ class GraphRing:
             args: list[int] = []
             moved = 0
             for i in chunk:
-                # whole words: sources and offsets start on 256-byte boundaries, so a span's last word stays in
-                # its last byte's page, and the entry's 256-byte slot has room for it (a size that breaks words —
-                # 33 int32 token offsets — must not make the node copy byte by byte)
                 words = (spans.sizes[i] + 7) & ~7
                 args += (spans.sources[i], spans.offsets[i], words)
                 moved += words
             args += (0, 0, 0) * (SPANS - len(chunk))
-            address, numel, code = spans.check if last and spans.check is not None else (0, 0, 0)
-            args += (address, numel, code, moved, int(last), int(first_span == 0), spans.total, int(first))
+            checked = last and record and spans.check is not None
+            address, numel, code = spans.check if checked and spans.check is not None else (0, 0, 0)
+            finish, reserve = (int(last), int(first_span == 0)) if record else (0, 0)
+            args += (address, numel, code, moved, finish, reserve, spans.total, int(first))
             work = max(-(-moved // _BLOCK_BYTES), -(-numel // _FOLD))
-            if moved <= ALONE_BYTES and numel <= ALONE_ELEMENTS:
+            if record and moved <= ALONE_BYTES and numel <= ALONE_ELEMENTS:
                 work = 1  # one program: no handshake among programs (see graph_ring_kernel)
             programs = max(1, min(_programs(self.index), work))
-            record(programs, stream, args + common)
+            launch_kernel(programs, stream, args + common)
             most = max(most, programs)
         return most
 
-    # --- what the kernels do, with torch operations (no Triton) -----------------------------------------------
+    def _stage(self, spans: Spans) -> tuple[int, Spans] | None:
+        """A staging slot for a lone entry: its address and the record node's spans (the whole slot as one span,
+        the check moved into it), or None (not lone, the check outside the spans, or no room left)."""
+        numel = spans.check[1] if spans.check is not None else 0
+        if spans.total > ALONE_BYTES or numel > ALONE_ELEMENTS or self.stage is None:
+            return None
+        check = None
+        if spans.check is not None:
+            address, numel, code = spans.check
+            end = address + numel * _CODE_BYTES.get(code, 0)
+            inside = [
+                i
+                for i, (source, size) in enumerate(zip(spans.sources, spans.sizes, strict=True))
+                if source <= address and end <= source + size
+            ]
+            if not inside or code not in _CODE_BYTES:
+                return None
+            check = (inside[0], address - spans.sources[inside[0]], numel, code)
+        with self._lock:
+            if self._stage_used + spans.total > self.stage.numel():
+                return None
+            slot = self.stage.data_ptr() + self._stage_used
+            self._stage_used += spans.total
+        moved = None
+        if check is not None:
+            span, lead, numel, code = check
+            moved = (slot + spans.offsets[span] + lead, numel, code)
+        return slot, Spans((slot,), (0,), (spans.total,), moved, spans.total)
+
+    @staticmethod
+    def _fork(opened: _Open) -> None:
+        """The side stream waits for what the capturing stream queued so far (an edge in the graph)."""
+        opened.side.wait_stream(opened.stream)
+
+    @staticmethod
+    def _join(opened: _Open) -> None:
+        """The capturing stream waits for the side stream's record nodes (their edges join the graph)."""
+        opened.stream.wait_stream(opened.side)
+        opened.pending = False
 
     def replay(self, launch: int) -> None:
         """Run ``launch`` once as a graph replay would: reserve, copy, check, finish (see the kernel module)."""
@@ -280,7 +403,7 @@ def _programs(index: int) -> int:
     return programs
 
 
-_COMPILED: dict[int, Any] = {}
+_COMPILED: dict[tuple[int, bool], Any] = {}
 _KERNEL_ERROR: list[str] = []
 
 
@@ -310,10 +433,10 @@ def kernel_error() -> str | None:
     return _KERNEL_ERROR[0] if _KERNEL_ERROR else None
 
 
-def _compile(index: int) -> Any:
-    compiled = _COMPILED.get(index)
+def _compile(index: int, *, stage: bool = False) -> Any:
+    compiled = _COMPILED.get((index, stage))
     if compiled is None:
         from moereplay.capture import graph_ring_kernel
 
-        compiled = _COMPILED[index] = graph_ring_kernel.compile_kernel(index)
+        compiled = _COMPILED[index, stage] = graph_ring_kernel.compile_kernel(index, stage=stage)
     return compiled

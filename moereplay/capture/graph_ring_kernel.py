@@ -123,20 +123,24 @@ def graph_record(
     state, meta, hint, buffer, capacity, launch, cells, launches, words, tags,
     BLOCK: tl.constexpr,
     FOLD: tl.constexpr,
+    STAGE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0).to(tl.int64)
     # the first step of the fold: loads issued now, reduced after the copies
     first_fold = pid * FOLD + tl.arange(0, FOLD).to(tl.int64)
     magnitudes = tl.zeros([FOLD], dtype=tl.float32)
-    if finish != 0:
+    if STAGE == 0 and finish != 0:
         magnitudes = _load_magnitudes(check, first_fold, numel, code)
     column = cells.to(tl.pointer_type(tl.int64)) + launch
     start_cell = column + 0 * launches  # CELL_START
     sequence_cell = column + 1 * launches  # CELL_SEQUENCE
     ready_cell = column + 5 * launches  # CELL_READY
     arrive_cell = column + 4 * launches  # CELL_ARRIVE
-    if reserve != 0:
+    start = tl.zeros([], dtype=tl.int64)  # STAGE: the copies go to ``buffer`` itself
+    if STAGE:
+        pass
+    elif reserve != 0:
         if programs == 1:  # alone (a decode-sized entry): no arrive/ready handshake
             start = _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell)
         else:
@@ -149,7 +153,10 @@ def graph_record(
             start = tl.atomic_add(start_cell, 0, sem="relaxed")  # through L2: never a stale L1 line
     else:  # a later node of the launch: the reserving node's kernel has ended
         start = tl.atomic_add(start_cell, 0, sem="relaxed")
-    target = buffer + start % capacity
+    if STAGE:  # noqa: SIM108 - a compile-time branch of the kernel
+        target = buffer
+    else:
+        target = buffer + start % capacity
     count = moved // 8
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     for step in range(pid * BLOCK, count, programs * BLOCK):
@@ -183,7 +190,7 @@ def graph_record(
         mask = index < count
         word = tl.load((src + index * 8).to(tl.pointer_type(tl.int64)), mask=mask)
         tl.store((dst + index * 8).to(tl.pointer_type(tl.int64)), word, mask=mask)
-    if finish != 0:
+    if STAGE == 0 and finish != 0:
         # max of |x|'s bits: NaN's are above Inf's, so a NaN anywhere shows
         best = magnitudes.to(tl.int32, bitcast=True)
         for fold_step in range((pid + programs) * FOLD, numel, programs * FOLD):
@@ -215,8 +222,8 @@ def graph_record(
                 tl.store(slot, (generation << 32) | word)
 
 
-def compile_kernel(device_index: int) -> Any:
-    """:func:`graph_record` as ``launch(programs, stream, args)`` (see ``ring_kernel.compile_launcher``)."""
-    return compile_launcher(
-        graph_record, len(RECORD_INTS), {"BLOCK": BLOCK, "FOLD": FOLD}, device_index, name="graph record"
-    )
+def compile_kernel(device_index: int, *, stage: bool = False) -> Any:
+    """:func:`graph_record` as ``launch(programs, stream, args)`` (see ``ring_kernel.compile_launcher``);
+    ``stage``: the staging variant (``STAGE`` 1)."""
+    constants = {"BLOCK": BLOCK, "FOLD": FOLD, "STAGE": int(stage)}
+    return compile_launcher(graph_record, len(RECORD_INTS), constants, device_index, name="graph record")

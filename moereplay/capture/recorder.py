@@ -587,6 +587,21 @@ class Recorder(CallHandler):
                 error,
             )
 
+    def graph_capture_begun(self) -> object:
+        """Called once a CUDA graph capture has begun (``GraphGate``, on the capturing thread): the graph ring
+        may stage this graph's lone layer calls off its critical path. Returns what
+        :meth:`graph_capture_ending` takes (None: nothing to close)."""
+        flight = self.flight
+        if not self.active or not isinstance(flight, LayerFlight) or flight.graph is None:
+            return None
+        return flight.graph.open_capture(torch.cuda.current_device())
+
+    def graph_capture_ending(self, token: object) -> None:
+        """Called right before that capture ends: the graph ring's side branch joins the graph."""
+        flight = self.flight
+        if isinstance(flight, LayerFlight) and flight.graph is not None:
+            flight.graph.close_capture(token)
+
     def poll(self) -> None:
         """Called by the writer thread between messages: run the flight recorder's pending checks."""
         if self.flight is not None and self.active:

@@ -181,6 +181,7 @@ def test_a_graph_captured_while_the_writer_is_busy_keeps_its_replays(kernels, tm
         counters = reader.footer["counters"]
         print(f"counters: { {k: v for k, v in counters.items() if k.startswith('flight')} }")
         assert counters["flight_graph_checked"] == 30 and counters["flight_graph_unchecked"] == 0
+        assert counters["flight_graph_staged"] == 0  # 6 MB an entry: one node on the graph's path
         assert [record.context["graph_sequence"] for record in records] == list(range(15, 21))
         assert records[-1].context["flight"]["trigger"] and counters["flight_graph_lost"] == 0
         for record in records:
@@ -215,6 +216,7 @@ def test_a_lapping_graph_ring_loses_no_check_and_writes_nothing_overwritten(kern
         records = list(reader.calls())
         counters = reader.footer["counters"]
         assert counters["flight_graph_checked"] == 3000 and counters["flight_graph_unchecked"] == 0, counters
+        assert counters["flight_graph_staged"] == 1  # a lone entry: its record node beside the graph's path
         assert records and records[-1].context["graph_sequence"] == 2999
         for record in records:
             hidden, output = seen[record.context["graph_sequence"]]

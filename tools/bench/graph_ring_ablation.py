@@ -8,7 +8,8 @@ the floors of any node (a one-argument Triton kernel that does nothing; a captur
 - ``reserve``: only the reservation (three counters, cells, metadata row, hint over PCIe);
 - ``copy``: only the copies (18 spans, 14 KB), start read from the cell;
 - ``finish``: only the fold of the output and the fenced tag word; ``finish-nocheck`` without the fold;
-- ``full``: the node as captured (``ring-18-oss``), and ``full-wN`` compiled with N warps instead of Triton's 4.
+- ``full``: the node as captured (``ring-18-oss``), and ``full-wN`` compiled with N warps instead of Triton's 4;
+- ``staged``: the staged path (the STAGE variant's copy on the graph's path, the record node on a side stream).
 
 Interleaved rounds, CUDA-event time per replay, medians; µs per layer call over the bare graph.
 
@@ -29,7 +30,9 @@ from moereplay.capture import graph_ring, graph_ring_kernel
 from moereplay.capture.graph_ring import ALIGNMENT, GraphRing, Spans
 from moereplay.capture.ring_kernel import compile_launcher
 
-FLAGS = 3 * graph_ring_kernel.SPANS  # index of ``check``; then numel, code, moved, finish, reserve, total, first
+FLAGS = (
+    3 * graph_ring_kernel.SPANS
+)  # index of ``check``; then numel, code, moved, finish, reserve, total, first
 
 
 @triton.jit(do_not_specialize=["x"])
@@ -50,7 +53,9 @@ def main() -> int:
     outputs = [torch.randn(1, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
     copies = [torch.empty_like(output) for output in outputs]
     routing_bytes = (16, 128, 128, 132, 132, 132, 132, 132, 160, 144, 136, 132, 16, 16, 16, 16)
-    routing = [[torch.zeros(n, device=device, dtype=torch.uint8) for n in routing_bytes] for _ in range(layers)]
+    routing = [
+        [torch.zeros(n, device=device, dtype=torch.uint8) for n in routing_bytes] for _ in range(layers)
+    ]
     nothing = compile_launcher(_nothing, 1, {}, 0, name="nothing")
 
     def spans(i: int) -> Spans:
@@ -84,7 +89,7 @@ def main() -> int:
 
     def build(variant: str) -> torch.cuda.CUDAGraph:
         ring = None
-        if variant in ablations or variant.startswith("full"):
+        if variant in ablations or variant.startswith("full") or variant == "staged":
             ring = GraphRing(64 << 20, device, launches=layers + 8)
             assert ring.kernels is not None, graph_ring.kernel_error()
             if variant in ablations:
@@ -101,6 +106,7 @@ def main() -> int:
         stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            handle = ring.open_capture() if ring is not None and variant == "staged" else None
             for i in range(layers):
                 torch.add(inputs[i], 1.0, out=outputs[i])  # the "layer call"
                 if ring is not None:
@@ -111,9 +117,11 @@ def main() -> int:
                     nothing(1, graph_ring._current_stream(0), [0])
                 elif variant == "memcpy":
                     copies[i].copy_(outputs[i])
+            if ring is not None:
+                ring.close_capture(handle)
         return graph
 
-    variants = ["bare", "trivial", "memcpy", *ablations, "full", *warps]
+    variants = ["bare", "trivial", "memcpy", *ablations, "full", *warps, "staged"]
     graphs = {variant: build(variant) for variant in variants}
     times: dict[str, list[float]] = {variant: [] for variant in variants}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -136,7 +144,9 @@ def main() -> int:
     )
     for variant in variants:
         median = statistics.median(times[variant])
-        print(f"{variant:16s} {median:9.1f} µs a replay   {(median - bare) / layers:6.2f} µs a layer call over bare")
+        print(
+            f"{variant:16s} {median:9.1f} µs a replay   {(median - bare) / layers:6.2f} µs a layer call over bare"
+        )
     return 0
 
 

@@ -15,7 +15,10 @@ that isolate where a node's time goes:
   (``triton_kernel_fused_experts``' RoutingData / ExptData / gather / scatter tensors at one token, top-4, 32
   experts), most of whose sizes (33 int32 token offsets: 132 bytes) break 8-byte words. Until 2026-12-05 such a
   call took two nodes (16 spans a node) that copied byte by byte; the served cost (≈ 15 µs a layer call) was twice
-  ``ring-12``'s.
+  ``ring-12``'s;
+- ``ring-18-staged``: the same entries staged (2026-12-05, tenth session): on the graph's path only the STAGE
+  variant's copy into each launch's staging slot; the record nodes on a side stream, forked after each copy and
+  joined at the capture's end (what the graph gate's hooks do for a served capture).
 
 Interleaved rounds, CUDA-event time per replay, medians; prints µs per layer call over the bare graph.
 
@@ -68,19 +71,24 @@ def main() -> int:
                 words = torch.zeros(ring.tags + 1, dtype=torch.int64, device=device)
                 keep.append(words)
                 ring._host_address = words.data_ptr()
-        extra = {"ring-2": 0, "ring-18-oss": -1}.get(variant, 10)
+        extra = {"ring-2": 0, "ring-18-oss": -1, "ring-18-staged": -1}.get(variant, 10)
         stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
         alone = graph_ring.ALONE_BYTES
         if variant.endswith("shared"):
             graph_ring.ALONE_BYTES = -1  # never alone: the work per program decides (three programs here)
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            # what the graph gate's hooks do around a served capture: open it for staging, join at its end
+            handle = ring.open_capture() if ring is not None and variant.endswith("staged") else None
             for i in range(layers):
                 torch.add(inputs[i], 1.0, out=outputs[i])  # the "layer call"
                 if ring is not None:
                     launch = ring.new_launch()
                     assert launch is not None
                     ring.capture(launch, spans(i, extra, not variant.endswith("nocheck")), first=i == 0)
+            if ring is not None:
+                assert len(ring.staged) == (layers if handle is not None else 0)
+                ring.close_capture(handle)
         graph_ring.ALONE_BYTES = alone
         return graph
 
@@ -92,6 +100,7 @@ def main() -> int:
         "ring-12-nocheck",
         "ring-12-shared",
         "ring-18-oss",
+        "ring-18-staged",
     ]
     graphs = {variant: build(variant) for variant in variants}
     times: dict[str, list[float]] = {variant: [] for variant in variants}

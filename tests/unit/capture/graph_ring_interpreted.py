@@ -2,7 +2,8 @@
 :meth:`GraphRing.capture` builds: a decode-sized gpt-oss layer call (one token, 18 spans of sizes that break 8-byte
 words — 33+ int32 token offsets behind 4- and 8-byte leads — one node, alone), eight tokens (the node's three
 programs share the entry through the arrive/ready handshake), forty tokens (three spans, three programs) and 26
-spans (two nodes sharing one entry). Three replays each: every span's bytes in its entry, the tag word's magnitude, the metadata row, the
+spans (two nodes sharing one entry); the first and the last again staged (the STAGE variant's copy into a
+staging slot, then one record node reading the slot). Three replays each: every span's bytes in its entry, the tag word's magnitude, the metadata row, the
 launch's cells reset. Prints one line per case; run by ``test_ring_kernels_triton.py``."""
 
 from __future__ import annotations
@@ -17,24 +18,42 @@ from moereplay.capture.graph_ring import GraphRing, Spans
 placed = AlignedPool(1 << 22).take  # (count, dtype, lead): as a view into a CUDA storage, a slot apart
 
 
-GRAPH: list[tuple[int, list[int]]] = []
+GRAPH: list[tuple[int, list[int], int]] = []
 
 
 def capture_launch(programs: int, stream: int, args: list[int]) -> None:
-    GRAPH.append((programs, list(args)))
+    GRAPH.append((programs, list(args), 0))
+
+
+def capture_stage(programs: int, stream: int, args: list[int]) -> None:
+    GRAPH.append((programs, list(args), 1))
+
+
+class Stream:
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream = handle
+
+    def wait_stream(self, other: Stream) -> None:
+        pass  # the interpreter runs the nodes in capture order, which the fork and join edges allow
 
 
 def replay() -> None:
-    for programs, args in GRAPH:
+    for programs, args, stage in GRAPH:
         graph_ring_kernel.graph_record[(programs,)](
-            *args, BLOCK=graph_ring_kernel.BLOCK, FOLD=graph_ring_kernel.FOLD
+            *args, BLOCK=graph_ring_kernel.BLOCK, FOLD=graph_ring_kernel.FOLD, STAGE=stage
         )
 
 
-def case(tokens: int, span_count: int) -> None:
+def case(tokens: int, span_count: int, staged: bool = False) -> None:
     GRAPH.clear()
     ring = GraphRing(1 << 21, torch.device("cpu"), tags=8, launches=4, use_kernel=False)
     ring.kernels = capture_launch
+    if (
+        staged
+    ):  # a graph opened for staging: the STAGE variant's copy, then the record node on the side stream
+        ring.stage_kernel = capture_stage
+        ring.stage = placed(1 << 16, torch.uint8)
+        ring._open[0] = graph_ring._Open(Stream(0), Stream(1))
     tensors = [placed(tokens * 2880, torch.bfloat16)]
     tensors += [placed(33 + i, torch.int32, 4 * (i % 3)) for i in range(span_count - 2)]
     out = placed(tokens * 2880, torch.bfloat16)
@@ -67,9 +86,8 @@ def case(tokens: int, span_count: int) -> None:
         right &= word >> 32 == 1 and (word & 0xFFFFFFFF) == largest
         right &= ring.meta[replay_index].tolist() == [replay_index, start, 0, replay_index + 1]
         right &= ring.cells[2:6, 0].tolist() == [0, 0, 0, 0]
-    print(
-        f"tokens {tokens}, {span_count} spans: {len(GRAPH)} nodes, {programs} programs; entries right: {right}"
-    )
+    nodes = f"{len(GRAPH)} nodes ({sum(stage for _, _, stage in GRAPH)} staging)"
+    print(f"tokens {tokens}, {span_count} spans: {nodes}, {programs} programs; entries right: {right}")
 
 
 def main() -> None:
@@ -77,6 +95,8 @@ def main() -> None:
     graph_ring._programs = lambda index: 3  # type: ignore[assignment]
     for tokens, span_count in ((1, 18), (8, 18), (40, 3), (1, 26)):
         case(tokens, span_count)
+    case(1, 18, staged=True)  # the served gpt-oss decode call, staged off the graph's path
+    case(1, 26, staged=True)  # two staging nodes, one record node
 
 
 if __name__ == "__main__":

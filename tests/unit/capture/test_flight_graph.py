@@ -599,6 +599,125 @@ def test_the_kernel_arguments_keep_the_contract_over_replays(
     assert harness.ring.cells[3:6, 0].tolist() == [0, 0, 0]  # every replay's last program reset its cells
 
 
+def stage_kernel(programs: int, args: list[int]) -> None:
+    """What ``graph_record``'s STAGE variant does: the spans' words to ``buffer + offset``, nothing else."""
+    assert args[3 * SPANS + 4 : 3 * SPANS + 6] == [0, 0], "a staging node neither finishes nor reserves"
+    buffer = args[3 * SPANS + 8 + 3]
+    for i in range(SPANS):
+        source, offset, size = args[3 * i : 3 * i + 3]
+        assert (source | (buffer + offset) | size) % 8 == 0
+        if size:
+            ctypes.memmove(buffer + offset, source, size)
+
+
+class FakeStream:
+    """A capturing or side stream: its handle, and the waits queued on it (``events``, shared)."""
+
+    def __init__(self, handle: int, events: list[tuple[str, int, int]]) -> None:
+        self.cuda_stream = handle
+        self.events = events
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.events.append(("wait", self.cuda_stream, other.cuda_stream))
+
+
+def test_lone_launches_are_staged_off_the_graphs_path_and_joined_at_its_end(monkeypatch) -> None:
+    # in a graph opened for staging, a lone layer call puts only a copy into its staging slot on the graph's
+    # stream; its record node (reservation, copy into the ring, check, tag) goes on the side stream after a
+    # fork; a call too large to stage joins the side branch first and takes the one-node path; closing the
+    # capture joins the side stream back. Replayed in graph order, the entries hold each call's bits.
+    monkeypatch.setattr(graph_ring, "_current_stream", lambda index: 1234)
+    monkeypatch.setattr(graph_ring, "_programs", lambda index: 3)
+    harness = Harness(capacity=1 << 20, max_calls=8)
+    ring = harness.ring
+    events: list[tuple[str, int, int]] = []
+    graph: list[tuple[Callable[[int, list[int]], None], int, list[int]]] = []
+
+    def launcher(kernel: Callable[[int, list[int]], None]) -> Callable[[int, int, list[int]], None]:
+        def launch(programs: int, stream: int, args: list[int]) -> None:
+            events.append(("launch", stream, 0))
+            graph.append((kernel, programs, list(args)))
+
+        return launch
+
+    ring.kernels = launcher(record_kernel)
+    ring.stage_kernel = launcher(stage_kernel)
+    ring.stage = aligned(1 << 15, torch.uint8)
+    ring._open[1234] = graph_ring._Open(FakeStream(1234, events), FakeStream(99, events))
+    width = 96
+    calls = []
+    for layer_index, tokens in enumerate((2, 3, 88, 4)):  # 88 tokens: over ALONE_BYTES, not staged
+        hidden = aligned(tokens * width, torch.bfloat16).view(tokens, width)
+        weights = aligned(tokens, torch.bfloat16)
+        weights.copy_(torch.rand(tokens))
+        out = aligned(tokens * width, torch.bfloat16).view(tokens, width)
+        w1 = torch.randn(width, width).to(torch.bfloat16)
+        harness.capture(hidden, w1, weights, out, layer_index=layer_index)
+        calls.append((hidden, w1, weights, out))
+    ring.close_capture(1234)
+    assert ring.staged == {0, 1, 3} and harness.graph.counters.staged == 3
+    assert events == [
+        ("launch", 1234, 0),  # layer 0's staging copy, on the graph's path
+        ("wait", 99, 1234),  # fork
+        ("launch", 99, 0),  # its record node beside the graph
+        ("launch", 1234, 0),  # layer 1
+        ("wait", 99, 1234),
+        ("launch", 99, 0),
+        ("wait", 1234, 99),  # join: layer 2 reserves after the staged ones
+        ("launch", 1234, 0),  # its one node
+        ("launch", 1234, 0),  # layer 3
+        ("wait", 99, 1234),
+        ("launch", 99, 0),
+        ("wait", 1234, 99),  # the capture's end joins the side stream
+    ]
+    staging = [args for kernel, _, args in graph if kernel is stage_kernel]
+    records = [(programs, args) for kernel, programs, args in graph if kernel is record_kernel]
+    assert [programs for programs, _ in records] == [1, 1, 3, 1]
+    slots = [args[3 * SPANS + 8 + 3] for args in staging]
+    assert slots[0] == ring.stage.data_ptr() and slots == sorted(set(slots))  # a slot a launch, in order
+    for slot, (_programs, args) in zip(slots, (records[0], records[1], records[3]), strict=True):
+        # the record node reads the whole slot as one span and checks the output's staged copy
+        assert (
+            args[:6] == [slot, 0, args[3 * SPANS + 6], 0, 0, 0]
+            and slot < args[3 * SPANS] < slot + args[1 + 1]
+        )
+    seen = []
+    for replay in range(3):
+        for hidden, w1, weights, out in calls:
+            hidden.copy_(torch.randn(hidden.shape).to(torch.bfloat16))
+            if replay == 2:
+                hidden[-1, 5] = float("inf")
+            layer(hidden, w1, weights, out)
+        for kernel, programs, args in graph:  # the order the fork and join edges allow
+            kernel(programs, args)
+        seen.append([(hidden.clone(), out.clone()) for hidden, _, _, out in calls])
+    harness.layer.poll(launch=True)
+    assert len(harness.written) >= 4
+    for begin, complete in harness.written:
+        sequence = begin.context["graph_sequence"]
+        expected_hidden, expected_output = seen[sequence // 4][sequence % 4]
+        assert torch.equal(_bits(begin.snapshot.tree["hidden"].view()), _bits(expected_hidden))
+        assert torch.equal(_bits(complete.outputs.tree["output"].view()), _bits(expected_output))
+    assert not math.isfinite(harness.written[-1][0].context["flight"]["magnitude"])
+
+
+def test_staging_needs_an_open_capture_room_and_a_check_inside_the_spans() -> None:
+    ring = GraphRing(1 << 16, torch.device("cpu"), tags=4, launches=4, use_kernel=False)
+    assert ring.open_capture() is None  # no kernels: nothing to stage with
+    ring.close_capture(None)
+    ring.stage = aligned(1024, torch.uint8)
+    source = aligned(64, torch.float32)
+    spans = Spans((source.data_ptr(),), (0,), (256,), (source.data_ptr() + 4, 60, 3), 256)
+    slot, staged = ring._stage(spans)  # type: ignore[misc]
+    assert slot == ring.stage.data_ptr() and staged.sources == (slot,) and staged.sizes == (256,)
+    assert staged.check == (slot + 4, 60, 3)
+    outside = Spans((source.data_ptr(),), (0,), (256,), (source.data_ptr() + 4, 64, 3), 256)
+    assert ring._stage(outside) is None  # the check runs past its span
+    for _ in range(3):
+        assert ring._stage(spans) is not None
+    assert ring._stage(spans) is None  # the staging area is full: the one-node path
+
+
 # --- settings and the gate's prepare hook -------------------------------------------------------------------------
 
 

@@ -108,6 +108,33 @@ def test_install_wraps_capture_begin_and_end_and_undo_restores_them() -> None:
     assert FakeGraph.capture_begin is begin and FakeGraph.capture_end is end
 
 
+def test_begun_and_ending_hooks_bracket_each_capture_with_its_own_token(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # the flight recorder opens a graph for staged ring nodes once its capture has begun, and joins their side
+    # stream right before that capture ends — two graphs captured at once each get back their own token
+    gate = GraphGate()
+    undo = install(gate, FakeGraph)
+    order: list[str] = []
+    tokens = iter(["first", "second"])
+    gate.begun = lambda: order.append("begun") or next(tokens)
+    gate.ending = lambda token: order.append(f"ending {token}")
+    one, two = FakeGraph(), FakeGraph()
+    try:
+        one.capture_begin()
+        two.capture_begin()
+        one.capture_end()
+        two.capture_end()
+        assert order == ["begun", "begun", "ending first", "ending second"]
+        assert one.calls == ["begin", "end"] and gate.captures == 0
+        gate.begun = lambda: (_ for _ in ()).throw(RuntimeError("no side stream"))  # logged, never raised
+        one.capture_begin()
+        one.capture_end()  # no token: ``ending`` is not called
+        assert order[-1] == "ending second" and "begin hook failed: RuntimeError" in caplog.text
+    finally:
+        undo()
+
+
 def test_a_failing_capture_begin_releases_the_gate() -> None:
     class Refusing(FakeGraph):
         def capture_begin(self, *args: object, **kwargs: object) -> None:
@@ -134,6 +161,13 @@ def test_arming_gates_torch_cuda_graphs_and_disarming_restores_them(tmp_path: Pa
         wrapped = torch.cuda.CUDAGraph.__dict__["capture_begin"]
         assert wrapped is not begin and wrapped.__wrapped__ is begin
         assert session.writer._gate is session.gate
+        gate = session.gate
+        assert (gate.prepare, gate.begun, gate.ending) == (
+            session.recorder.prepare_graph_capture,
+            session.recorder.graph_capture_begun,
+            session.recorder.graph_capture_ending,
+        )
+        assert gate.begun() is None  # no flight recorder armed: nothing to stage, nothing to close
     finally:
         session_module.disarm()
     assert torch.cuda.CUDAGraph.__dict__["capture_begin"] is begin

@@ -21,13 +21,18 @@ def test_graph_record_keeps_every_span_and_the_magnitude_in_the_interpreter() ->
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("entries right: True") == 4, done.stdout
-    assert "tokens 1, 18 spans: 1 nodes, 1 programs" in done.stdout  # a gpt-oss decode call: one node, alone
-    assert "tokens 8, 18 spans: 1 nodes, 3 programs" in done.stdout  # the handshake
-    assert "tokens 1, 26 spans: 2 nodes, 1 programs" in done.stdout
+    assert done.stdout.count("entries right: True") == 6, done.stdout
+    assert (
+        "tokens 1, 18 spans: 1 nodes (0 staging), 1 programs" in done.stdout
+    )  # gpt-oss decode: one node, alone
+    assert "tokens 8, 18 spans: 1 nodes (0 staging), 3 programs" in done.stdout  # the handshake
+    assert "tokens 1, 26 spans: 2 nodes (0 staging), 1 programs" in done.stdout
+    assert "tokens 1, 18 spans: 2 nodes (1 staging), 1 programs" in done.stdout  # staged: copy, then record
+    assert "tokens 1, 26 spans: 3 nodes (2 staging), 1 programs" in done.stdout
 
 
-def test_graph_record_compiles_for_hopper_moving_whole_words(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", [0, 1])
+def test_graph_record_compiles_for_hopper_moving_whole_words(tmp_path: Path, stage: int) -> None:
     """sm_90 without a GPU: a cubin, no local memory or spills, and no byte-wide global access — every span
     moves as 8-byte words (the decode entry's odd-sized routing spans once made a whole node copy byte by byte)."""
     import inspect
@@ -39,8 +44,8 @@ def test_graph_record_compiles_for_hopper_moving_whole_words(tmp_path: Path) -> 
     from moereplay.capture.graph_ring_kernel import BLOCK, FOLD, RECORD_INTS, graph_record
 
     names = list(inspect.signature(graph_record.fn).parameters)
-    assert names == [*RECORD_INTS, "BLOCK", "FOLD"]
-    constants = {"BLOCK": BLOCK, "FOLD": FOLD}
+    assert names == [*RECORD_INTS, "BLOCK", "FOLD", "STAGE"]
+    constants = {"BLOCK": BLOCK, "FOLD": FOLD, "STAGE": stage}
     signature = {name: "constexpr" if name in constants else "i64" for name in names}
     built = compile(
         ASTSource(graph_record, signature, constexprs={(names.index(n),): v for n, v in constants.items()}),
@@ -51,6 +56,8 @@ def test_graph_record_compiles_for_hopper_moving_whole_words(tmp_path: Path) -> 
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert not any(f"{op}.global.{width}" in ptx for op in ("ld", "st") for width in ("u8", "b8", "s8"))
     assert ptx.count("ld.global.b64") >= BLOCK // (32 * built.metadata.num_warps)  # a word per lane a step
+    if stage:  # the staging copy on the graph's path: no atomic, no fence, no fold
+        assert "atom." not in ptx and "fence" not in ptx and "membar" not in ptx, ptx[:2000]
     # the fold's first step is held in registers across the copies: ptxas must not spill them
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if ptxas.exists():
