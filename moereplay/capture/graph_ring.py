@@ -23,6 +23,14 @@ eager ring's rule, which the tail keeps true: checked after copying it out). All
 private pool, and it is never freed: a graph captured with its addresses may be replayed for as long as the
 process lives (:data:`_KEEP` holds every ring).
 
+Staging (lone entries, in a graph the graph gate opened: :meth:`GraphRing.open_capture` /
+:meth:`GraphRing.close_capture`): a node on the graph's own path costs its whole latency at every replay — at
+decode, ≈ 8 µs of the ≈ 109 µs a gpt-oss layer takes on the H200. So a lone launch puts on the graph's path only
+the STAGE variant of the kernel, which copies the spans into the launch's own slot of ``stage`` (no atomic, no
+fence), and its record node — the reservation, the copy from the slot into the ring, the check and the tag word —
+goes on a side stream forked right after that copy: it runs beside the layers that follow, and the capture's end
+joins it (a graph does not finish before it, and the slot is rewritten by the graph's next replay only).
+
 Without Triton (CPU, tests) the same contract is kept by :meth:`GraphRing.replay`, which does what the
 kernels do with torch operations on the same state tensors; there is no capture to put it in, so a test replays
 a "graph" by re-running the call and then ``replay`` of each launch id it captured.
