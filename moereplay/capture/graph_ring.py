@@ -69,6 +69,7 @@ SIDE_STREAMS = 4
 """Graphs one ring can stage for while they are being captured at once (one side stream each)."""
 
 _BLOCK_BYTES = 8 * 1024  # graph_ring_kernel.BLOCK words of 8 bytes
+_STAGE_BLOCK_BYTES = 8 * 128  # graph_ring_kernel.STAGE_BLOCK words of 8 bytes
 _CODE_BYTES = {1: 2, 2: 2, 3: 4}  # the check's dtype code: bytes an element
 _FOLD = 8192  # graph_ring_kernel.FOLD output elements a program folds per step
 SPANS = 24
@@ -288,7 +289,7 @@ class GraphRing:
             address, numel, code = spans.check if checked and spans.check is not None else (0, 0, 0)
             finish, reserve = (int(last), int(first_span == 0)) if record else (0, 0)
             args += (address, numel, code, moved, finish, reserve, spans.total, int(first))
-            work = max(-(-moved // _BLOCK_BYTES), -(-numel // _FOLD))
+            work = max(-(-moved // (_BLOCK_BYTES if record else _STAGE_BLOCK_BYTES)), -(-numel // _FOLD))
             if record and moved <= ALONE_BYTES and numel <= ALONE_ELEMENTS:
                 work = 1  # one program: no handshake among programs (see graph_ring_kernel)
             programs = max(1, min(_programs(self.index), work))
@@ -423,8 +424,9 @@ def kernels_available() -> bool:
         from moereplay.capture import graph_ring_kernel
 
         kernel = graph_ring_kernel
-        if (_BLOCK_BYTES, _FOLD, SPANS) != (
+        if (_BLOCK_BYTES, _STAGE_BLOCK_BYTES, _FOLD, SPANS) != (
             8 * kernel.BLOCK,
+            8 * kernel.STAGE_BLOCK,
             kernel.FOLD,
             kernel.SPANS,
         ) or ALONE_ELEMENTS > _FOLD:

@@ -49,6 +49,12 @@ from moereplay.capture.ring_kernel import compile_launcher
 BLOCK = 1024
 """8-byte words a program moves per loop step."""
 
+STAGE_BLOCK = 128
+"""The same for the STAGE variant (a staging copy on the graph's path): many programs of one step each, which
+look only at the spans that meet their step. On the H200 a one-program node's copy of a gpt-oss decode entry
+(18 spans, 1,024-word steps) took 5.8 µs of its 8.4 — compute-bound on the span pick, not memory: 43.6 µs with
+one warp, 16.0 with two, 8.4 with four (``tools/bench/graph_ring_ablation.py``, 2026-12-05)."""
+
 FOLD = 8192
 """Output elements a program folds per step: a lone program's whole check (``graph_ring.ALONE_ELEMENTS``) in one
 step, whose loads are issued before the reservation and reduced after the copies (their latency overlaps)."""
@@ -225,5 +231,5 @@ def graph_record(
 def compile_kernel(device_index: int, *, stage: bool = False) -> Any:
     """:func:`graph_record` as ``launch(programs, stream, args)`` (see ``ring_kernel.compile_launcher``);
     ``stage``: the staging variant (``STAGE`` 1)."""
-    constants = {"BLOCK": BLOCK, "FOLD": FOLD, "STAGE": int(stage)}
+    constants = {"BLOCK": STAGE_BLOCK if stage else BLOCK, "FOLD": FOLD, "STAGE": int(stage)}
     return compile_launcher(graph_record, len(RECORD_INTS), constants, device_index, name="graph record")

@@ -98,7 +98,7 @@ def main() -> int:
                 ring.kernels = compile_launcher(
                     graph_ring_kernel.graph_record,
                     len(graph_ring_kernel.RECORD_INTS),
-                    {"BLOCK": graph_ring_kernel.BLOCK, "FOLD": graph_ring_kernel.FOLD},
+                    {"BLOCK": graph_ring_kernel.BLOCK, "FOLD": graph_ring_kernel.FOLD, "STAGE": 0},
                     0,
                     name="graph record",
                     num_warps=warps[variant],

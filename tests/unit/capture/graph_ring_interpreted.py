@@ -39,8 +39,9 @@ class Stream:
 
 def replay() -> None:
     for programs, args, stage in GRAPH:
+        block = graph_ring_kernel.STAGE_BLOCK if stage else graph_ring_kernel.BLOCK
         graph_ring_kernel.graph_record[(programs,)](
-            *args, BLOCK=graph_ring_kernel.BLOCK, FOLD=graph_ring_kernel.FOLD, STAGE=stage
+            *args, BLOCK=block, FOLD=graph_ring_kernel.FOLD, STAGE=stage
         )
 
 

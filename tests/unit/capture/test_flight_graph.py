@@ -671,6 +671,11 @@ def test_lone_launches_are_staged_off_the_graphs_path_and_joined_at_its_end(monk
         ("wait", 1234, 99),  # the capture's end joins the side stream
     ]
     staging = [args for kernel, _, args in graph if kernel is stage_kernel]
+    # the staging copy: as many programs as 128-word steps (at most the device's 3 here), no handshake
+    assert [programs for kernel, programs, _ in graph if kernel is stage_kernel] == [
+        max(1, min(3, -(-args[3 * SPANS + 3] // 1024))) for args in staging
+    ]
+    assert any(programs > 1 for kernel, programs, _ in graph if kernel is stage_kernel)
     records = [(programs, args) for kernel, programs, args in graph if kernel is record_kernel]
     assert [programs for programs, _ in records] == [1, 1, 3, 1]
     slots = [args[3 * SPANS + 8 + 3] for args in staging]

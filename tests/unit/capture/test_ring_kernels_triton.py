@@ -41,11 +41,11 @@ def test_graph_record_compiles_for_hopper_moving_whole_words(tmp_path: Path, sta
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from moereplay.capture.graph_ring_kernel import BLOCK, FOLD, RECORD_INTS, graph_record
+    from moereplay.capture.graph_ring_kernel import BLOCK, FOLD, RECORD_INTS, STAGE_BLOCK, graph_record
 
     names = list(inspect.signature(graph_record.fn).parameters)
     assert names == [*RECORD_INTS, "BLOCK", "FOLD", "STAGE"]
-    constants = {"BLOCK": BLOCK, "FOLD": FOLD, "STAGE": stage}
+    constants = {"BLOCK": STAGE_BLOCK if stage else BLOCK, "FOLD": FOLD, "STAGE": stage}
     signature = {name: "constexpr" if name in constants else "i64" for name in names}
     built = compile(
         ASTSource(graph_record, signature, constexprs={(names.index(n),): v for n, v in constants.items()}),
@@ -55,7 +55,8 @@ def test_graph_record_compiles_for_hopper_moving_whole_words(tmp_path: Path, sta
     assert built.asm["cubin"]
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert not any(f"{op}.global.{width}" in ptx for op in ("ld", "st") for width in ("u8", "b8", "s8"))
-    assert ptx.count("ld.global.b64") >= BLOCK // (32 * built.metadata.num_warps)  # a word per lane a step
+    words = constants["BLOCK"]
+    assert ptx.count("ld.global.b64") >= words // (32 * built.metadata.num_warps)  # a word per lane a step
     if stage:  # the staging copy on the graph's path: no atomic, no fence, no fold
         assert "atom." not in ptx and "fence" not in ptx and "membar" not in ptx, ptx[:2000]
     # the fold's first step is held in registers across the copies: ptxas must not spill them
