@@ -10,6 +10,10 @@ the floors of any node (a one-argument Triton kernel that does nothing; a captur
 - ``finish``: only the fold of the output and the fenced tag word; ``finish-nocheck`` without the fold;
 - ``full``: the node as captured (``ring-18-oss``), and ``full-wN`` compiled with N warps instead of Triton's 4;
 - ``staged``: the staged path (the STAGE variant's copy on the graph's path, the record node on a side stream).
+  With these stand-in layers (≈ 1.4 µs each) the side stream's chain of record nodes is longer than the graph's
+  path, so a replay waits for it at the join: this figure is the side chain's, not the path's (a served layer
+  takes ≈ 100 µs, which hides its node); ``staged-path``: the same without the record nodes — the cost on the
+  graph's path.
 
 Interleaved rounds, CUDA-event time per replay, medians; µs per layer call over the bare graph.
 
@@ -89,11 +93,13 @@ def main() -> int:
 
     def build(variant: str) -> torch.cuda.CUDAGraph:
         ring = None
-        if variant in ablations or variant.startswith("full") or variant == "staged":
+        if variant in ablations or variant.startswith(("full", "staged")):
             ring = GraphRing(64 << 20, device, launches=layers + 8)
             assert ring.kernels is not None, graph_ring.kernel_error()
             if variant in ablations:
                 ring.kernels = patched(ring.kernels, ablations[variant])
+            if variant == "staged-path":  # the record nodes (side stream) left out: the graph's path alone
+                ring.kernels = lambda programs, stream, args: None
             if variant in warps:
                 ring.kernels = compile_launcher(
                     graph_ring_kernel.graph_record,
@@ -106,7 +112,7 @@ def main() -> int:
         stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            handle = ring.open_capture() if ring is not None and variant == "staged" else None
+            handle = ring.open_capture() if ring is not None and variant.startswith("staged") else None
             for i in range(layers):
                 torch.add(inputs[i], 1.0, out=outputs[i])  # the "layer call"
                 if ring is not None:
@@ -121,7 +127,7 @@ def main() -> int:
                 ring.close_capture(handle)
         return graph
 
-    variants = ["bare", "trivial", "memcpy", *ablations, "full", *warps, "staged"]
+    variants = ["bare", "trivial", "memcpy", *ablations, "full", *warps, "staged", "staged-path"]
     graphs = {variant: build(variant) for variant in variants}
     times: dict[str, list[float]] = {variant: [] for variant in variants}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -18,7 +18,9 @@ that isolate where a node's time goes:
   ``ring-12``'s;
 - ``ring-18-staged``: the same entries staged (2026-12-05, tenth session): on the graph's path only the STAGE
   variant's copy into each launch's staging slot; the record nodes on a side stream, forked after each copy and
-  joined at the capture's end (what the graph gate's hooks do for a served capture).
+  joined at the capture's end (what the graph gate's hooks do for a served capture). Its record nodes run one
+  after another on the side stream, and with these ≈ 1.4 µs stand-in layers that chain outlasts the graph's path:
+  the figure is bounded by it (``graph_ring_ablation``'s ``staged-path`` measures the path alone).
 
 Interleaved rounds, CUDA-event time per replay, medians; prints µs per layer call over the bare graph.
 
