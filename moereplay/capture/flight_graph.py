@@ -186,10 +186,17 @@ class GraphFlight(PollingRecorder):
 
     @staticmethod
     def close_capture(token: object) -> None:
-        """That capture ends: join its ring's side branch (:meth:`GraphRing.close_capture`)."""
+        """That capture is about to end: join its ring's side branch (:meth:`GraphRing.close_capture`)."""
         if isinstance(token, tuple):
             ring, handle = token
             ring.close_capture(handle)
+
+    @staticmethod
+    def release_capture(token: object) -> None:
+        """That capture has ended: its side stream is free (:meth:`GraphRing.release_capture`)."""
+        if isinstance(token, tuple):
+            ring, handle = token
+            ring.release_capture(handle)
 
     # --- during a capture (serving thread) -----------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ flight recorder allocates the device memory of its graph ring and compiles the k
 neither is allowed once the capture has begun (nor while another thread captures: then it is skipped). A failing
 ``prepare`` is logged; the capture goes ahead. Once the capture has begun, :attr:`GraphGate.begun` runs (the flight
 recorder opens the graph for staged ring nodes), and :attr:`GraphGate.ending` with its result right before
-``capture_end`` (the ring's side stream is joined back: a capture must not end with a forked stream).
+``capture_end`` (the ring's side stream is joined back: a capture must not end with a forked stream), then
+:attr:`GraphGate.ended` after it (the side stream is free for another capture).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class GraphGate:
         self.prepare: Callable[[], None] | None = None  # run by capture_begin before the capture begins
         self.begun: Callable[[], object] | None = None  # run once it has begun; its result goes to ``ending``
         self.ending: Callable[[object], None] | None = None  # run by capture_end before the capture ends
+        self.ended: Callable[[object], None] | None = (
+            None  # run by capture_end after it (even when it raised)
+        )
         self._tokens: dict[int, object] = {}
 
     def prepare_capture(self) -> None:
@@ -80,12 +84,21 @@ class GraphGate:
         """Run :attr:`ending` with what :attr:`begun` returned for ``graph``, before its capture ends; never
         raises."""
         with self._condition:
+            token = self._tokens.get(id(graph))
+        self._run_end_hook(self.ending, token)
+
+    def capture_ended(self, graph: object) -> None:
+        """Run :attr:`ended` with that token once ``graph``'s capture has ended; never raises."""
+        with self._condition:
             token = self._tokens.pop(id(graph), None)
-        ending = self.ending
-        if ending is None or token is None:
+        self._run_end_hook(self.ended, token)
+
+    @staticmethod
+    def _run_end_hook(hook: Callable[[object], None] | None, token: object) -> None:
+        if hook is None or token is None:
             return
         try:
-            ending(token)
+            hook(token)
         except Exception as error:
             logger.error(
                 "moereplay: a CUDA graph capture's end hook failed: %s: %s", type(error).__name__, error
@@ -162,6 +175,7 @@ def install(gate: GraphGate, graph_class: Any = None) -> Callable[[], None]:
         try:
             return end(self, *args, **kwargs)
         finally:
+            gate.capture_ended(self)
             gate.end_capture()
 
     capture_begin.__wrapped__ = begin  # type: ignore[attr-defined]

@@ -30,6 +30,10 @@ the STAGE variant of the kernel, which copies the spans into the launch's own sl
 fence), and its record node — the reservation, the copy from the slot into the ring, the check and the tag word —
 goes on a side stream forked right after that copy: it runs beside the layers that follow, and the capture's end
 joins it (a graph does not finish before it, and the slot is rewritten by the graph's next replay only).
+Known limits: slots are never reclaimed (a recaptured graph takes new ones; when the area is full, launches take
+the one-node path); a one-node launch joins the side branch of its own stream only, so a layer call captured on
+another stream of the same graph could reserve before earlier staged ones (its sequence and step then count
+from there; vLLM captures its MoE layers on one stream).
 
 Without Triton (CPU, tests) the same contract is kept by :meth:`GraphRing.replay`, which does what the
 kernels do with torch operations on the same state tensors; there is no capture to put it in, so a test replays
@@ -104,6 +108,7 @@ class _Open:
     stream: Any
     side: Any
     pending: bool = False
+    closing: bool = False  # the capture is ending: nothing more is staged in it
 
 
 @dataclass(eq=False)
@@ -186,28 +191,44 @@ class GraphRing:
     def open_capture(self) -> int | None:
         """A graph capture begins on the current stream (``GraphGate``, right after ``capture_begin``): from now on
         its lone launches may be staged (see :meth:`capture`). Returns the stream's handle for
-        :meth:`close_capture`, or None (no kernels, or every side stream taken: the one-node path)."""
+        :meth:`close_capture` and :meth:`release_capture`, or None (no kernels, or every side stream taken: the
+        one-node path)."""
         if self.stage_kernel is None:
             return None
         stream = torch.cuda.current_stream(self.index)
         handle = int(stream.cuda_stream)
         with self._lock:
+            # a capture left open (its end never reported) on this stream is over
+            self._open.pop(handle, None)
             taken = {opened.side.cuda_stream for opened in self._open.values()}
             side = next((side for side in self._sides if side.cuda_stream not in taken), None)
-            if handle in self._open or side is None:
+            if side is None:
                 return None
             self._open[handle] = _Open(stream, side)
         return handle
 
     def close_capture(self, handle: int | None) -> None:
-        """The graph captured on ``handle`` ends (right before ``capture_end``): its side branch is joined back —
-        a capture must not end with a forked stream."""
+        """The graph captured on ``handle`` is about to end (right before ``capture_end``): nothing more is staged
+        in it and its side branch is joined back — a capture must not end with a forked stream. The side stream
+        stays taken until :meth:`release_capture` (CUDA counts it in the capture until the capture has ended)."""
         if handle is None:
             return
         with self._lock:
-            opened = self._open.pop(handle, None)
-        if opened is not None and opened.pending:
+            opened = self._open.get(handle)
+            if opened is None or opened.closing:
+                return
+            opened.closing = True
+        if opened.pending:
             self._join(opened)
+
+    def release_capture(self, handle: int | None) -> None:
+        """The capture on ``handle`` has ended (after ``capture_end``): its side stream may serve another."""
+        if handle is None:
+            return
+        with self._lock:
+            opened = self._open.get(handle)
+            if opened is not None and opened.closing:
+                del self._open[handle]
 
     def capture(
         self,
@@ -243,6 +264,8 @@ class GraphRing:
         common += [self._host_address, self.tags]
         with self._lock:
             opened = self._open.get(stream)
+        if opened is not None and opened.closing:
+            opened = None
         staged = self._stage(spans) if opened is not None else None
         if opened is not None and opened.pending and staged is None:
             self._join(opened)  # a one-node launch reserves after the staged ones before it
@@ -253,9 +276,9 @@ class GraphRing:
         stage_common = list(common)
         stage_common[3] = address  # ``buffer``: the STAGE variant copies to it as is
         self._nodes(spans, first, stream, stage_common, launcher=self.stage_kernel, record=False)
+        opened.pending = True  # before the fork: whatever happens after it, the capture's end joins the side
         self._fork(opened)
         self._nodes(slot, first, int(opened.side.cuda_stream), common)
-        opened.pending = True
         self.staged.add(launch)
         return 1
 

@@ -602,6 +602,12 @@ class Recorder(CallHandler):
         if isinstance(flight, LayerFlight) and flight.graph is not None:
             flight.graph.close_capture(token)
 
+    def graph_capture_ended(self, token: object) -> None:
+        """Called once that capture has ended: its side stream serves the next capture."""
+        flight = self.flight
+        if isinstance(flight, LayerFlight) and flight.graph is not None:
+            flight.graph.release_capture(token)
+
     def poll(self) -> None:
         """Called by the writer thread between messages: run the flight recorder's pending checks."""
         if self.flight is not None and self.active:

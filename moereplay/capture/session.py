@@ -262,6 +262,7 @@ def arm(
         gate.prepare = recorder.prepare_graph_capture  # the graph ring, before each graph capture begins
         gate.begun = recorder.graph_capture_begun  # staged ring nodes while it is captured
         gate.ending = recorder.graph_capture_ending
+        gate.ended = recorder.graph_capture_ended
         if recorder.flight is not None:
             writer.set_poll(recorder.poll)
         writer.extra_counters = recorder.counter_values  # footer gets the recorder's counters too

@@ -706,10 +706,51 @@ def test_lone_launches_are_staged_off_the_graphs_path_and_joined_at_its_end(monk
     assert not math.isfinite(harness.written[-1][0].context["flight"]["magnitude"])
 
 
-def test_staging_needs_an_open_capture_room_and_a_check_inside_the_spans() -> None:
+def test_a_capture_holds_its_side_stream_until_it_has_ended_and_stages_nothing_once_closing(
+    monkeypatch,
+) -> None:
+    # CUDA counts a side stream in a capture until cudaStreamEndCapture returns: another capture may take it only
+    # after ``release_capture``; a capture left open (its end never reported) is replaced by the next one on that
+    # stream; once closing, a lone launch takes the one-node path (nothing forks after the join)
+    events: list[tuple[str, int, int]] = []
+    current = [FakeStream(1234, events)]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: current[0])
+    monkeypatch.setattr(graph_ring, "_current_stream", lambda index: current[0].cuda_stream)
+    monkeypatch.setattr(graph_ring, "_programs", lambda index: 3)
     ring = GraphRing(1 << 16, torch.device("cpu"), tags=4, launches=4, use_kernel=False)
     assert ring.open_capture() is None  # no kernels: nothing to stage with
-    ring.close_capture(None)
+    launches: list[tuple[int, int]] = []
+    ring.kernels = lambda programs, stream, args: launches.append((stream, args[3 * SPANS + 5]))
+    ring.stage_kernel = lambda programs, stream, args: launches.append((stream, -1))
+    ring.stage = aligned(4096, torch.uint8)
+    ring._sides = [FakeStream(99, events), FakeStream(98, events)]
+
+    def opened_on(handle: int) -> int | None:
+        current[0] = FakeStream(handle, events)
+        return ring.open_capture()
+
+    assert opened_on(1234) == 1234 and ring._open[1234].side.cuda_stream == 99
+    assert opened_on(555) == 555 and ring._open[555].side.cuda_stream == 98
+    assert opened_on(777) is None  # both side streams taken
+    source = aligned(64, torch.float32)
+    spans = Spans((source.data_ptr(),), (0,), (256,), (source.data_ptr(), 64, 3), 256)
+    current[0] = ring._open[1234].stream
+    ring.capture(0, spans, first=True)
+    assert launches == [(1234, -1), (99, 1)] and ring.staged == {0}  # staged: the copy, then the side record
+    ring.close_capture(1234)
+    assert events[-1] == ("wait", 1234, 99)  # joined before the capture ends
+    ring.capture(1, spans, first=False)
+    assert launches[-1] == (1234, 1) and ring.staged == {0}  # closing: the one-node path, no fork
+    assert opened_on(777) is None  # 99 still belongs to the capture on 1234 until it has ended
+    ring.release_capture(1234)
+    assert opened_on(777) == 777 and ring._open[777].side.cuda_stream == 99
+    ring.release_capture(555)  # never closed: not released
+    assert 555 in ring._open
+    assert opened_on(555) == 555 and ring._open[555].side.cuda_stream == 98  # the stale entry replaced
+
+
+def test_staging_needs_room_and_a_check_inside_the_spans() -> None:
+    ring = GraphRing(1 << 16, torch.device("cpu"), tags=4, launches=4, use_kernel=False)
     ring.stage = aligned(1024, torch.uint8)
     source = aligned(64, torch.float32)
     spans = Spans((source.data_ptr(),), (0,), (256,), (source.data_ptr() + 4, 60, 3), 256)

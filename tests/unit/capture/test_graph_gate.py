@@ -119,18 +119,30 @@ def test_begun_and_ending_hooks_bracket_each_capture_with_its_own_token(
     tokens = iter(["first", "second"])
     gate.begun = lambda: order.append("begun") or next(tokens)
     gate.ending = lambda token: order.append(f"ending {token}")
+    gate.ended = lambda token: order.append(f"ended {token} after {graph_calls()}")
     one, two = FakeGraph(), FakeGraph()
+
+    def graph_calls() -> str:
+        return f"{one.calls[-1]}/{two.calls[-1] if two.calls else '-'}"
+
     try:
         one.capture_begin()
         two.capture_begin()
         one.capture_end()
         two.capture_end()
-        assert order == ["begun", "begun", "ending first", "ending second"]
+        assert order == [
+            "begun",
+            "begun",
+            "ending first",
+            "ended first after end/begin",  # after the real capture_end: the side stream is free only then
+            "ending second",
+            "ended second after end/end",
+        ]
         assert one.calls == ["begin", "end"] and gate.captures == 0
         gate.begun = lambda: (_ for _ in ()).throw(RuntimeError("no side stream"))  # logged, never raised
         one.capture_begin()
-        one.capture_end()  # no token: ``ending`` is not called
-        assert order[-1] == "ending second" and "begin hook failed: RuntimeError" in caplog.text
+        one.capture_end()  # no token: ``ending`` and ``ended`` are not called
+        assert order[-1] == "ended second after end/end" and "begin hook failed: RuntimeError" in caplog.text
     finally:
         undo()
 
@@ -162,10 +174,11 @@ def test_arming_gates_torch_cuda_graphs_and_disarming_restores_them(tmp_path: Pa
         assert wrapped is not begin and wrapped.__wrapped__ is begin
         assert session.writer._gate is session.gate
         gate = session.gate
-        assert (gate.prepare, gate.begun, gate.ending) == (
+        assert (gate.prepare, gate.begun, gate.ending, gate.ended) == (
             session.recorder.prepare_graph_capture,
             session.recorder.graph_capture_begun,
             session.recorder.graph_capture_ending,
+            session.recorder.graph_capture_ended,
         )
         assert gate.begun() is None  # no flight recorder armed: nothing to stage, nothing to close
     finally:
