@@ -252,6 +252,7 @@ class GraphRing:
         if spans.total > self.max_entry:
             raise ValueError(f"an entry of {spans.total} bytes exceeds the graph ring's {self.max_entry}")
         if self.kernels is not None and any(source & 7 for source in spans.sources):
+            # the kernel moves whole 8-byte words: a misaligned source would fault inside a served graph
             raise ValueError("the graph ring kernel needs 8-byte aligned span sources")
         if self.kernels is None:
             if views is None or len(views) != len(spans.sources):
@@ -304,6 +305,9 @@ class GraphRing:
             args: list[int] = []
             moved = 0
             for i in chunk:
+                # whole words: sources and offsets start on 256-byte boundaries, so a span's last word stays in
+                # its last byte's page, and the entry's 256-byte slot has room for it (a size that breaks words —
+                # 33 int32 token offsets — must not make the node copy byte by byte)
                 words = (spans.sizes[i] + 7) & ~7
                 args += (spans.sources[i], spans.offsets[i], words)
                 moved += words
