@@ -312,8 +312,7 @@ class GraphRing:
                 args += (spans.sources[i], spans.offsets[i], words)
                 moved += words
             args += (0, 0, 0) * (SPANS - len(chunk))
-            checked = last and record and spans.check is not None
-            address, numel, code = spans.check if checked and spans.check is not None else (0, 0, 0)
+            address, numel, code = spans.check if last and record and spans.check is not None else (0, 0, 0)
             finish, reserve = (int(last), int(first_span == 0)) if record else (0, 0)
             args += (address, numel, code, moved, finish, reserve, spans.total, int(first))
             work = max(-(-moved // (_BLOCK_BYTES if record else _STAGE_BLOCK_BYTES)), -(-numel // _FOLD))

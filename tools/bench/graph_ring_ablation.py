@@ -23,20 +23,23 @@ Interleaved rounds, CUDA-event time per replay, medians; µs per layer call over
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from moereplay.capture import graph_ring, graph_ring_kernel
-from moereplay.capture.graph_ring import ALIGNMENT, GraphRing, Spans
+from moereplay.capture.graph_ring import GraphRing, Spans
 from moereplay.capture.ring_kernel import compile_launcher
 
-FLAGS = (
-    3 * graph_ring_kernel.SPANS
-)  # index of ``check``; then numel, code, moved, finish, reserve, total, first
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_ring_bench import ROUTING_BYTES, entry_spans, time_and_report
+
+# index of ``check`` in graph_record's arguments; then numel, code, moved, finish, reserve, total, first
+FLAGS = 3 * graph_ring_kernel.SPANS
 
 
 @triton.jit(do_not_specialize=["x"])
@@ -56,21 +59,13 @@ def main() -> int:
     inputs = [torch.randn(1, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
     outputs = [torch.randn(1, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
     copies = [torch.empty_like(output) for output in outputs]
-    routing_bytes = (16, 128, 128, 132, 132, 132, 132, 132, 160, 144, 136, 132, 16, 16, 16, 16)
     routing = [
-        [torch.zeros(n, device=device, dtype=torch.uint8) for n in routing_bytes] for _ in range(layers)
+        [torch.zeros(n, device=device, dtype=torch.uint8) for n in ROUTING_BYTES] for _ in range(layers)
     ]
     nothing = compile_launcher(_nothing, 1, {}, 0, name="nothing")
 
     def spans(i: int) -> Spans:
-        tensors = [inputs[i], outputs[i], *routing[i]]
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        offsets, at = [], 0
-        for size in sizes:
-            offsets.append(at)
-            at += -(-size // ALIGNMENT) * ALIGNMENT
-        probe = (outputs[i].data_ptr(), outputs[i].numel(), 2)
-        return Spans(tuple(t.data_ptr() for t in tensors), tuple(offsets), tuple(sizes), probe, at)
+        return entry_spans([inputs[i], outputs[i], *routing[i]], outputs[i])
 
     def patched(base: Callable, overrides: dict[int, int]) -> Callable:
         def launch(programs: int, stream: int, args: list[int]) -> None:
@@ -129,30 +124,7 @@ def main() -> int:
 
     variants = ["bare", "trivial", "memcpy", *ablations, "full", *warps, "staged", "staged-path"]
     graphs = {variant: build(variant) for variant in variants}
-    times: dict[str, list[float]] = {variant: [] for variant in variants}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for graph in graphs.values():
-        graph.replay()
-    for round_ in range(options.rounds):
-        order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
-        for variant in order:
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(options.replays):
-                graphs[variant].replay()
-            end.record()
-            end.synchronize()
-            times[variant].append(start.elapsed_time(end) * 1e3 / options.replays)
-    bare = statistics.median(times["bare"])
-    print(
-        f"graph_ring_ablation: {layers} layer calls a graph, median of {options.rounds} rounds × "
-        f"{options.replays} replays"
-    )
-    for variant in variants:
-        median = statistics.median(times[variant])
-        print(
-            f"{variant:16s} {median:9.1f} µs a replay   {(median - bare) / layers:6.2f} µs a layer call over bare"
-        )
+    time_and_report("graph_ring_ablation", graphs, layers, options.rounds, options.replays)
     return 0
 
 

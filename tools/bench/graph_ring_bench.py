@@ -37,6 +37,49 @@ import torch
 from moereplay.capture import graph_ring
 from moereplay.capture.graph_ring import ALIGNMENT, GraphRing, Spans
 
+ROUTING_BYTES = (16, 128, 128, 132, 132, 132, 132, 132, 160, 144, 136, 132, 16, 16, 16, 16)
+"""The routing spans of a served gpt-oss decode layer call at batch 1 (``triton_kernel_fused_experts``' RoutingData /
+ExptData / gather / scatter tensors at one token, top-4, 32 experts)."""
+
+
+def entry_spans(tensors: list[torch.Tensor], check: torch.Tensor | None) -> Spans:
+    """One entry of ``tensors`` (each in its own 256-byte-aligned span), checking bfloat16 ``check`` if given."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += -(-size // ALIGNMENT) * ALIGNMENT
+    probe = (check.data_ptr(), check.numel(), 2) if check is not None else None
+    return Spans(tuple(t.data_ptr() for t in tensors), tuple(offsets), tuple(sizes), probe, at)
+
+
+def time_and_report(
+    name: str, graphs: dict[str, torch.cuda.CUDAGraph], layers: int, rounds: int, replays: int
+) -> None:
+    """Replay every graph ``replays`` times a round, the order rotating between rounds (CUDA-event time), and print
+    each one's median µs a replay and µs a layer call over the ``bare`` graph."""
+    times: dict[str, list[float]] = {variant: [] for variant in graphs}
+    variants = list(graphs)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for graph in graphs.values():
+        graph.replay()
+    for round_ in range(rounds):
+        order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
+        for variant in order:
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(replays):
+                graphs[variant].replay()
+            end.record()
+            end.synchronize()
+            times[variant].append(start.elapsed_time(end) * 1e3 / replays)
+    bare = statistics.median(times["bare"])
+    print(f"{name}: {layers} layer calls a graph, median of {rounds} rounds × {replays} replays")
+    for variant in variants:
+        median = statistics.median(times[variant])
+        per_call = (median - bare) / layers
+        print(f"{variant:18s} {median:9.1f} µs a replay   {per_call:6.2f} µs a layer call over bare")
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -49,21 +92,14 @@ def main() -> int:
     inputs = [torch.randn(1, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
     outputs = [torch.randn(1, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
     small = [[torch.zeros(16, device=device, dtype=torch.int32) for _ in range(10)] for _ in range(layers)]
-    routing_bytes = (16, 128, 128, 132, 132, 132, 132, 132, 160, 144, 136, 132, 16, 16, 16, 16)
     routing = [
-        [torch.zeros(size, device=device, dtype=torch.uint8) for size in routing_bytes] for _ in range(layers)
+        [torch.zeros(size, device=device, dtype=torch.uint8) for size in ROUTING_BYTES] for _ in range(layers)
     ]
     keep: list[torch.Tensor] = []
 
     def spans(i: int, extra: int, check: bool) -> Spans:
         tensors = [inputs[i], outputs[i], *(routing[i] if extra < 0 else small[i][:extra])]
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        offsets, at = [], 0
-        for size in sizes:
-            offsets.append(at)
-            at += -(-size // ALIGNMENT) * ALIGNMENT
-        probe = (outputs[i].data_ptr(), outputs[i].numel(), 2) if check else None
-        return Spans(tuple(t.data_ptr() for t in tensors), tuple(offsets), tuple(sizes), probe, at)
+        return entry_spans(tensors, outputs[i] if check else None)
 
     def build(variant: str) -> torch.cuda.CUDAGraph:
         ring = None
@@ -105,28 +141,7 @@ def main() -> int:
         "ring-18-staged",
     ]
     graphs = {variant: build(variant) for variant in variants}
-    times: dict[str, list[float]] = {variant: [] for variant in variants}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for graph in graphs.values():
-        graph.replay()
-    for round_ in range(options.rounds):
-        order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
-        for variant in order:
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(options.replays):
-                graphs[variant].replay()
-            end.record()
-            end.synchronize()
-            times[variant].append(start.elapsed_time(end) * 1e3 / options.replays)
-    bare = statistics.median(times["bare"])
-    print(
-        f"graph_ring_bench: {layers} layer calls a graph, median of {options.rounds} rounds × {options.replays} replays"
-    )
-    for variant in variants:
-        median = statistics.median(times[variant])
-        per_call = (median - bare) / layers
-        print(f"{variant:18s} {median:9.1f} µs a replay   {per_call:6.2f} µs a layer call over bare")
+    time_and_report("graph_ring_bench", graphs, layers, options.rounds, options.replays)
     return 0
 
 
