@@ -84,9 +84,8 @@ class GraphCounters(FlightCounters):
     launches: int = 0  # layer calls captured into graphs with the ring kernels
     not_kept: int = 0  # layer calls captured into graphs without them (see the log for why)
     lone: int = 0  # of the launches, those whose ring nodes run as one program each (no handshake)
-    staged: int = (
-        0  # of the launches, those staged: only a copy on the graph's path, the record node beside it
-    )
+    # of the launches, those staged: only a copy on the graph's path, the record node beside it
+    staged: int = 0
     entry_bytes: int = 0  # bytes the launches' entries take in the ring, together (each replay copies them)
 
     def as_dict(self) -> dict[str, int]:

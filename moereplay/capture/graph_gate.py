@@ -47,9 +47,8 @@ class GraphGate:
         self.prepare: Callable[[], None] | None = None  # run by capture_begin before the capture begins
         self.begun: Callable[[], object] | None = None  # run once it has begun; its result goes to ``ending``
         self.ending: Callable[[object], None] | None = None  # run by capture_end before the capture ends
-        self.ended: Callable[[object], None] | None = (
-            None  # run by capture_end after it (even when it raised)
-        )
+        # run by capture_end after it (even when it raised)
+        self.ended: Callable[[object], None] | None = None
         self._tokens: dict[int, object] = {}
 
     def prepare_capture(self) -> None:
@@ -67,42 +66,38 @@ class GraphGate:
 
     def capture_begun(self, graph: object) -> None:
         """Run :attr:`begun` on the capturing thread once ``graph``'s capture has begun; never raises."""
-        begun = self.begun
-        if begun is None:
-            return
-        try:
-            token = begun()
-        except Exception as error:
-            logger.error(
-                "moereplay: a CUDA graph capture's begin hook failed: %s: %s", type(error).__name__, error
-            )
-            return
-        with self._condition:
-            self._tokens[id(graph)] = token
+        token = self._run_hook("begin", self.begun)
+        if token is not None:
+            with self._condition:
+                self._tokens[id(graph)] = token
 
     def capture_ending(self, graph: object) -> None:
         """Run :attr:`ending` with what :attr:`begun` returned for ``graph``, before its capture ends; never
         raises."""
         with self._condition:
             token = self._tokens.get(id(graph))
-        self._run_end_hook(self.ending, token)
+        if token is not None:
+            self._run_hook("end", self.ending, token)
 
     def capture_ended(self, graph: object) -> None:
         """Run :attr:`ended` with that token once ``graph``'s capture has ended; never raises."""
         with self._condition:
             token = self._tokens.pop(id(graph), None)
-        self._run_end_hook(self.ended, token)
+        if token is not None:
+            self._run_hook("end", self.ended, token)
 
     @staticmethod
-    def _run_end_hook(hook: Callable[[object], None] | None, token: object) -> None:
-        if hook is None or token is None:
-            return
+    def _run_hook(what: str, hook: Callable[..., object] | None, *args: object) -> object:
+        """``hook(*args)``'s result; None when there is no hook or it raised (logged)."""
+        if hook is None:
+            return None
         try:
-            hook(token)
+            return hook(*args)
         except Exception as error:
             logger.error(
-                "moereplay: a CUDA graph capture's end hook failed: %s: %s", type(error).__name__, error
+                "moereplay: a CUDA graph capture's %s hook failed: %s: %s", what, type(error).__name__, error
             )
+            return None
 
     @property
     def captures(self) -> int:

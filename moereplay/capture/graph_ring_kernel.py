@@ -159,10 +159,7 @@ def graph_record(
             start = tl.atomic_add(start_cell, 0, sem="relaxed")  # through L2: never a stale L1 line
     else:  # a later node of the launch: the reserving node's kernel has ended
         start = tl.atomic_add(start_cell, 0, sem="relaxed")
-    if STAGE:  # noqa: SIM108 - a compile-time branch of the kernel
-        target = buffer
-    else:
-        target = buffer + start % capacity
+    target = buffer + start % capacity  # STAGE: start 0, so ``buffer`` itself
     count = moved // 8
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     for step in range(pid * BLOCK, count, programs * BLOCK):
