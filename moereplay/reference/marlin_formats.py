@@ -599,8 +599,9 @@ def _count_scale_bytes(
     allowed: tuple[torch.dtype, ...],
     what: str,
     predicate: Callable[[torch.Tensor], torch.Tensor],
-) -> int:
-    """How many scale bytes of ``experts`` satisfy ``predicate``, a few experts at a time."""
+) -> torch.Tensor:
+    """How many scale bytes of ``experts`` satisfy ``predicate`` (a 0-d int64 on the scales' device, no sync), a
+    few experts at a time."""
     scales = weights.b_scales
     per_expert = max(1, scales[0].numel() if scales.shape[0] else 1)
     step = max(1, SCAN_BYTES.get(scales.device.type, 1 << 62) // per_expert)
@@ -608,35 +609,49 @@ def _count_scale_bytes(
     for first in range(0, max(int(experts.numel()), 1), step):
         raw = _bytes(scales.index_select(0, experts[first : first + step]), allowed, what)
         total += torch.count_nonzero(predicate(raw))
-    return int(total)
+    return total
 
 
-def dequant_notes(weights: MarlinExpertWeights, experts: torch.Tensor) -> list[tuple[str, str]]:
-    """(code, message) observations about the weight tensors of ``experts`` that the kernel may read differently."""
+@dataclass(frozen=True)
+class CountedNote:
+    """A :func:`dequant_notes` observation that holds when ``count`` (a 0-d tensor, maybe still being computed on
+    the device) is non-zero; ``message`` has a ``{count}`` field."""
+
+    code: str
+    message: str
+    count: torch.Tensor
+
+
+def deferred_dequant_notes(
+    weights: MarlinExpertWeights, experts: torch.Tensor
+) -> tuple[list[tuple[str, str]], list[CountedNote]]:
+    """:func:`dequant_notes` without waiting for the device: the notes known now, and those that depend on counts
+    queued on the device (:func:`resolve_counted_notes` reads them all with one sync)."""
     notes: list[tuple[str, str]] = []
+    counted: list[CountedNote] = []
     fmt = weights.format
     experts = experts.to(weights.b_scales.device, torch.long)
     if fmt is MarlinWeightFormat.NVFP4 and weights.activation_dtype == torch.bfloat16:
         low_count = _count_scale_bytes(
             weights, experts, _FP8_BYTE_DTYPES, "NVFP4 scales", lambda raw: ((raw & 0x80) == 0) & (raw != 0)
         )
-        if low_count:
-            notes.append(
-                (
-                    "nvfp4_scale_top_bit_clear",
-                    f"{low_count} non-zero NVFP4 scale bytes have the top bit clear; the bf16 kernel reads "
-                    "them 2**-112 times smaller than their S0E5M3 value",
-                )
+        counted.append(
+            CountedNote(
+                "nvfp4_scale_top_bit_clear",
+                "{count} non-zero NVFP4 scale bytes have the top bit clear; the bf16 kernel reads them 2**-112 "
+                "times smaller than their S0E5M3 value",
+                low_count,
             )
+        )
     if fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
         nan_count = _count_scale_bytes(weights, experts, _E8M0_DTYPES, "e8m0 scales", lambda raw: raw == 0xFF)
-        if nan_count:
-            notes.append(
-                (
-                    "e8m0_nan_scale",
-                    f"{nan_count} e8m0 scale bytes are 0xFF (NaN); the kernel reads them as +Inf",
-                )
+        counted.append(
+            CountedNote(
+                "e8m0_nan_scale",
+                "{count} e8m0 scale bytes are 0xFF (NaN); the kernel reads them as +Inf",
+                nan_count,
             )
+        )
     if weights.global_scale is not None and weights.global_scale.dtype != torch.float32:
         notes.append(
             ("global_scale_dtype", f"global_scale is {weights.global_scale.dtype}; the kernel reads float32")
@@ -656,14 +671,33 @@ def dequant_notes(weights: MarlinExpertWeights, experts: torch.Tensor) -> list[t
         assert weights.g_idx is not None
         g_idx = weights.g_idx.index_select(0, experts.to(weights.g_idx.device)).to(torch.long)
         uniform = torch.arange(weights.size_k, device=g_idx.device) // weights.group_size
-        if not bool((g_idx == uniform).all()):
-            notes.append(
-                (
-                    "g_idx_not_uniform",
-                    "sorted g_idx is not k // group_size; with is_k_full the kernel uses k // group_size instead",
-                )
+        counted.append(
+            CountedNote(
+                "g_idx_not_uniform",
+                "sorted g_idx is not k // group_size; with is_k_full the kernel uses k // group_size instead",
+                (g_idx != uniform).any().to(torch.long),
             )
-    return notes
+        )
+    return notes, counted
+
+
+def resolve_counted_notes(counted: list[CountedNote]) -> list[tuple[str, str]]:
+    """The (code, message) of each counted note whose count is non-zero, in order (one read of all counts)."""
+    if not counted:
+        return []
+    device = counted[0].count.device
+    counts = torch.stack([note.count.to(device) for note in counted]).tolist()
+    return [
+        (note.code, note.message.format(count=count))
+        for note, count in zip(counted, counts, strict=True)
+        if count
+    ]
+
+
+def dequant_notes(weights: MarlinExpertWeights, experts: torch.Tensor) -> list[tuple[str, str]]:
+    """(code, message) observations about the weight tensors of ``experts`` that the kernel may read differently."""
+    notes, counted = deferred_dequant_notes(weights, experts)
+    return [*notes, *resolve_counted_notes(counted)]
 
 
 # ------------------------------------------------------------------------------------------- forward direction

@@ -40,7 +40,8 @@ from moereplay.reference import scalar_types as st
 from moereplay.reference.marlin_formats import (
     MarlinExpertWeights,
     MarlinWeightFormat,
-    dequant_notes,
+    deferred_dequant_notes,
+    resolve_counted_notes,
 )
 from moereplay.reference.marlin_layout import unpermute_bias
 
@@ -312,6 +313,29 @@ def _route(
     return _Rows(slot, expert, block)
 
 
+def _fetch_routing(
+    sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor, num_tokens_past_padded: torch.Tensor | int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
+    """The routing arguments on the host, the device-resident ones read in one copy (one sync): int64 values
+    (what :func:`_route` reads them as), the scalar's first element only."""
+    parts: list[torch.Tensor] = [sorted_token_ids.reshape(-1), expert_ids.reshape(-1)]
+    scalar = isinstance(num_tokens_past_padded, torch.Tensor) and num_tokens_past_padded.numel() > 0
+    if scalar:
+        assert isinstance(num_tokens_past_padded, torch.Tensor)
+        parts.append(num_tokens_past_padded.reshape(-1)[:1])
+    on_device = [part.device.type != "cpu" for part in parts]
+    if sum(on_device) < 2 or len({part.device for part in parts}) > 1:  # nothing to merge
+        return sorted_token_ids, expert_ids, num_tokens_past_padded
+    host = torch.cat([part.to(torch.long) for part in parts]).cpu()
+    ids_end = sorted_token_ids.numel()
+    experts_end = ids_end + expert_ids.numel()
+    return (
+        host[:ids_end],
+        host[ids_end:experts_end],
+        (host[experts_end:] if scalar else num_tokens_past_padded),
+    )
+
+
 def _short_list(values: torch.Tensor, limit: int = 8) -> str:
     items = [int(v) for v in values.reshape(-1)[: limit + 1].tolist()]
     text = ",".join(str(v) for v in items[:limit])
@@ -438,6 +462,10 @@ def reference_moe_wna16_marlin_gemm(
     # the routing arrays are small: on a GPU they are read once and routed on the host (no launch, no sync per
     # step), and the rows' indices go back in one copy
     route_device = torch.device("cpu") if ROUTE_ON_HOST and device.type != "cpu" else device
+    if route_device != device:
+        sorted_token_ids, expert_ids, num_tokens_past_padded = _fetch_routing(
+            sorted_token_ids, expert_ids, num_tokens_past_padded
+        )
     rows = _route(
         sorted_token_ids,
         expert_ids,
@@ -449,15 +477,18 @@ def reference_moe_wna16_marlin_gemm(
         notes,
     )
     grouping = _group_rows(rows)  # the last sync before the (asynchronous) heavy work
-    if route_device != device:
-        moved = torch.stack((rows.slot, rows.expert, rows.block, grouping.order)).to(device)
-        rows = _Rows(moved[0], moved[1], moved[2])
+    if route_device != device:  # one copy back, from pinned memory: no wait for the device
+        count = int(rows.slot.numel())
+        moved = marlin_rows.to_device_async(
+            torch.cat((rows.slot, rows.expert, rows.block, grouping.order, grouping.experts_used)), device
+        )
+        rows = _Rows(moved[:count], moved[count : 2 * count], moved[2 * count : 3 * count])
         grouping = dataclasses.replace(
-            grouping, order=moved[3], experts_used=grouping.experts_used.to(device, non_blocking=True)
+            grouping, order=moved[3 * count : 4 * count], experts_used=moved[4 * count :]
         )
     experts_used = grouping.experts_used
-    for code, message in dequant_notes(weights, experts_used):
-        notes.append(ReferenceNote(code, message))
+    weight_notes, counted_notes = deferred_dequant_notes(weights, experts_used)
+    notes.extend(ReferenceNote(code, message) for code, message in weight_notes)
 
     gemm_rows = None
     if marlin_rows.available(device) and marlin_rows.usable(weights):
@@ -528,6 +559,8 @@ def reference_moe_wna16_marlin_gemm(
     expert[rows.slot] = rows.expert
     k_slot[rows.slot] = rows.slot % top_k
     block[rows.slot] = rows.block
+    # the counted weight notes last: their one sync waits for the work queued above
+    notes.extend(ReferenceNote(code, message) for code, message in resolve_counted_notes(counted_notes))
     return MarlinReferenceResult(
         output=total,
         written=written,

@@ -41,6 +41,13 @@ blocks of the last (a program decodes each weight once for all its rows)."""
 BLOCK_N = 256
 """Columns of one program."""
 
+NUM_WARPS = 2
+"""Warps of one program: 4 columns of :data:`BLOCK_N` a thread (each staged activation a thread loads serves all
+of them)."""
+
+STAGE_BLOCK_K = 64
+"""K elements of one staging program."""
+
 MAX_SPLITS, MIN_TILES_PER_SPLIT = 4, 16
 """K's 16-row tiles are cut into at most this many splits of at least that many tiles (more programs in flight;
 the splits' partial sums are added in order). The cut depends on K alone, never on the rows of a call."""
@@ -99,8 +106,10 @@ def _entries_cpu(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise ReferenceError_(
             f"the {num_bits}-bit Marlin tile permutation does not separate into rows and columns"
         )
-    if num_bits == 4 and not torch.equal(rows[8:] >> 3, rows[:8] >> 3):
-        raise ReferenceError_("4-bit Marlin rows k and k + 8 do not share their bytes")
+    if num_bits == 4 and not (torch.equal(rows[8:], rows[:8] + 4) and not bool((rows[:8] & 7).any())):
+        raise ReferenceError_("4-bit Marlin rows k and k + 8 are not a byte's low and high nibbles")
+    if num_bits == 4 and not torch.equal(table[0::2] >> 5, table[1::2] >> 5):
+        raise ReferenceError_("4-bit Marlin rows 2j and 2j + 1 of a column are not in one 32-bit word")
     return columns, rows
 
 
@@ -123,11 +132,25 @@ def value_table(kind: str) -> torch.Tensor:
 
 
 @functools.cache
+def _pair_table_cpu(kind: str) -> torch.Tensor:
+    values = _value_table_cpu(kind)[:16].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    byte = torch.arange(256)
+    return values[byte & 15] | (values[byte >> 4] << 32)
+
+
+def pair_table(kind: str) -> torch.Tensor:
+    """int64 ``[256]`` for a 4-bit ``kind``: a byte's two code values, the low nibble's float32 bits in the low
+    word and the high nibble's in the high word (the kernel reads both codes of a byte with one load)."""
+    return _pair_table_cpu(kind).clone()
+
+
+@functools.cache
 def _device_tables(
     num_bits: int, kind: str, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     columns, rows = _entries_cpu(num_bits)
-    return columns.to(device), rows.to(device), _value_table_cpu(kind).to(device)
+    values = _pair_table_cpu(kind) if num_bits == 4 else _value_table_cpu(kind)
+    return columns.to(device), rows.to(device), values.to(device)
 
 
 Tile = tuple[int, int, int, int]
@@ -178,6 +201,14 @@ def passes(plan: dict[int, list[Tile]], row_budget: int) -> list[dict[int, list[
     return runs
 
 
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a wait: copied from pinned memory (a copy from pageable memory waits
+    for the device's queue to drain first)."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _launch_errors() -> tuple[type[BaseException], ...]:
     """What a kernel that cannot be built or launched on this machine raises (its module missing, Triton's compiler
     or resource errors); anything else is a bug or a device fault and is not caught."""
@@ -223,31 +254,49 @@ def expert_rows(
         assert offsets is not None
         offsets = offsets.contiguous()
     stored = weights.b_scales.view(torch.uint8) if weights.scales_are_bytes else weights.b_scales
-    packed = weights.b_qweight.contiguous().view(torch.uint8)
+    # 4-bit: read as 32-bit words (a word holds four rows of two columns); 8-bit: byte by byte
+    packed = weights.b_qweight.contiguous().view(torch.int32 if num_bits == 4 else torch.uint8)
     source = source_rows.contiguous()
     destination = order.contiguous()
     row_budget = max(BLOCK_ROWS[-1], PARTIAL_BYTES // (splits * size_n * 4))
     runs = passes(plan_tiles(per_expert, experts_host), row_budget)
-    fields = torch.tensor(  # [tiles, 4], run by run, by height within a run
-        [tile for run in runs for height in sorted(run) for tile in run[height]], dtype=torch.int64
-    ).to(device, non_blocking=True)
+    fields = to_device_async(  # [tiles, 4], run by run, by height within a run
+        torch.tensor(
+            [tile for run in runs for height in sorted(run) for tile in run[height]], dtype=torch.int64
+        ),
+        device,
+    )
     first = 0
     try:
-        from moereplay.reference.marlin_rows_kernel import marlin_rows
+        from moereplay.reference.marlin_rows_kernel import STAGED_ROWS, marlin_rows, stage_rows
 
         # Triton launches on the current device's current stream (the CPU: Triton's interpreter, for tests)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             for run in runs:
                 row_base = min(tile[0] for tiles in run.values() for tile in tiles)
                 rows = sum(tile[1] for tiles in run.values() for tile in tiles)
+                run_tiles = sum(len(tiles) for tiles in run.values())
+                # the run's activations, float32, K-major per row block (one launch for every height)
+                staged = torch.empty(
+                    (run_tiles, weights.size_k, int(STAGED_ROWS)), dtype=torch.float32, device=device
+                )
+                stage_rows[(run_tiles, -(-weights.size_k // STAGE_BLOCK_K))](
+                    input,
+                    input.stride(0),
+                    input.stride(1),
+                    source,
+                    fields[first : first + run_tiles],
+                    staged,
+                    weights.size_k,
+                    BLOCK_K=STAGE_BLOCK_K,
+                )
+                staged_pairs = staged.view(torch.int64)
+                run_first = first
                 partial = torch.empty((splits, rows, size_n), dtype=torch.float32, device=device)
                 for height in sorted(run):
                     tiles = len(run[height])
                     marlin_rows[(tiles, -(-size_n // BLOCK_N), splits)](
-                        input,
-                        input.stride(0),
-                        input.stride(1),
-                        source,
+                        staged_pairs[first - run_first :],
                         row_base,
                         partial,
                         partial.stride(0),
@@ -275,7 +324,7 @@ def expert_rows(
                         TILE_BYTES=TILE_K * TILE_N * num_bits // 8,
                         BLOCK_M=height,
                         BLOCK_N=BLOCK_N,
-                        num_warps=4,
+                        num_warps=NUM_WARPS,
                     )
                     first += tiles
                 summed = partial[0]

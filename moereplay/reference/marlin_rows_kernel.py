@@ -22,13 +22,43 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+STAGED_ROWS = tl.constexpr(16)
+"""Rows of one staged block of activations (:func:`stage_rows`): at least every ``BLOCK_M``."""
+
+
+@triton.jit
+def stage_rows(x_ptr, stride_xm, stride_xk, src_ptr, tiles_ptr, staged_ptr, K, BLOCK_K: tl.constexpr):
+    """The activations of row block ``t`` as float32 ``[K, STAGED_ROWS]`` at ``staged_ptr + t · K · STAGED_ROWS``:
+    element ``[k, m]`` is ``x[src[start + m], k]`` for the block's rows, 0 past its ``count`` — so that
+    :func:`marlin_rows` reads a K row's values for all its rows in one contiguous, aligned load."""
+    t = tl.program_id(0)
+    start = tl.load(tiles_ptr + t * 4)
+    count = tl.load(tiles_ptr + t * 4 + 1)
+    m = tl.arange(0, STAGED_ROWS)
+    row_ok = m < count
+    src = tl.load(src_ptr + start + m, mask=row_ok, other=0)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    x = tl.load(
+        x_ptr + src[:, None] * stride_xm + k[None, :] * stride_xk,
+        mask=row_ok[:, None] & k_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    staged = staged_ptr + t.to(tl.int64) * K * STAGED_ROWS + k[None, :] * STAGED_ROWS + m[:, None]
+    tl.store(staged, x, mask=k_ok[None, :])
+
+
+@triton.jit
+def _halves(pairs):
+    """The two float32 values packed in each int64 (low word, high word)."""
+    low = pairs.to(tl.int32).to(tl.float32, bitcast=True)
+    high = (pairs >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    return low, high
+
 
 @triton.jit
 def marlin_rows(
-    x_ptr,
-    stride_xm,
-    stride_xk,
-    src_ptr,
+    staged_ptr,
     row_base,
     out_ptr,
     stride_os,
@@ -65,19 +95,23 @@ def marlin_rows(
     count = tl.load(tiles_ptr + t * 4 + 1)
     expert = tl.load(tiles_ptr + t * 4 + 2)
     position = tl.load(tiles_ptr + t * 4 + 3)
-    m = tl.arange(0, BLOCK_M)
-    row_ok = m < count
-    src = tl.load(src_ptr + start + m, mask=row_ok, other=0)
+    # rows in two halves, even and odd: one 8-byte load of the staged activations gives a row of each
+    pair = tl.arange(0, BLOCK_M // 2)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    column_bytes = (n // 64).to(tl.int64) * TILE_BYTES + (tl.load(column_entries_ptr + n % 64) >> 3)
+    column_entry = tl.load(column_entries_ptr + n % 64)  # the column's bit in its tile (a whole byte)
     columns = tl.load(columns_ptr + n, mask=n_ok, other=0)
     multiplier = tl.load(multipliers_ptr + expert)
     scale_row = scale_ptr + expert * stride_se + columns * stride_sn
     offset_row = offset_ptr + position * groups * N + n
-    x_rows = x_ptr + src * stride_xm
-    w_expert = w_ptr + expert * k_tiles * n_tiles * TILE_BYTES
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # staged_ptr is the float32 [K, STAGED_ROWS] block as int64 pairs of rows: K row k of rows 2p, 2p + 1 at k · 8 + p
+    x_pairs = staged_ptr + t.to(tl.int64) * k_tiles * (8 * STAGED_ROWS) + pair
+    # 4-bit: w_ptr is int32, a tile is TILE_BYTES // 4 words; 8-bit: w_ptr is uint8
+    tile_units: tl.constexpr = TILE_BYTES // 4 if FOUR_BIT else TILE_BYTES
+    columns_in_tile = (n // 64).to(tl.int64) * tile_units
+    w_expert = w_ptr + expert * k_tiles * n_tiles * tile_units
+    even = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
+    odd = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
     k_first = split * tiles_per_split
     k_last = tl.minimum(k_first + tiles_per_split, k_tiles)
     for kt in range(k_first, k_last):
@@ -89,38 +123,50 @@ def marlin_rows(
             scale = tl.load(scale_row + group * stride_sg, mask=n_ok, other=0.0).to(tl.float32) * multiplier
         if HAS_OFFSET:
             offset = tl.load(offset_row + group * N, mask=n_ok, other=0.0)
-        tile = w_expert + kt * n_tiles * TILE_BYTES + column_bytes  # one expert: < 2**31 bytes
-        x_tile = x_rows + tl.cast(kt, tl.int64) * 16 * stride_xk
-        tile_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        tile = w_expert + kt * n_tiles * tile_units + columns_in_tile  # one expert: < 2**31 bytes
+        x_tile = x_pairs + kt * (8 * STAGED_ROWS)
+        even_sum = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
+        odd_sum = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
         if FOUR_BIT:
-            for kk in tl.static_range(8):
-                low_entry = tl.load(row_entries_ptr + kk)
-                high_entry = tl.load(row_entries_ptr + kk + 8)  # the same byte (the host checks)
-                byte = tl.load(tile + (low_entry >> 3), mask=n_ok, other=0).to(tl.int32)
-                low = tl.load(lut_ptr + ((byte >> (low_entry & 7)) & 0xF))
-                high = tl.load(lut_ptr + ((byte >> (high_entry & 7)) & 0xF))
-                if HAS_OFFSET:
-                    w_low = low * scale + offset
-                    w_high = high * scale + offset
-                else:
-                    w_low = low * scale
-                    w_high = high * scale
-                x_low = tl.load(x_tile + kk * stride_xk, mask=row_ok, other=0.0).to(tl.float32)
-                x_high = tl.load(x_tile + (kk + 8) * stride_xk, mask=row_ok, other=0.0).to(tl.float32)
-                tile_sum = tl.fma(x_low[:, None], w_low[None, :], tile_sum)
-                tile_sum = tl.fma(x_high[:, None], w_high[None, :], tile_sum)
+            for j in tl.static_range(4):
+                # rows 2j, 2j + 1 (low nibbles) and 2j + 8, 2j + 9 (high) of a column share one word (the host
+                # checks); each byte's two codes are read as one pair of values from lut_ptr (int64 [256])
+                word = tl.load(
+                    tile + ((column_entry + tl.load(row_entries_ptr + 2 * j)) >> 5), mask=n_ok, other=0
+                )
+                for h in tl.static_range(2):
+                    kk = 2 * j + h
+                    shift = (column_entry + tl.load(row_entries_ptr + kk)) & 31
+                    low, high = _halves(tl.load(lut_ptr + ((word >> shift) & 0xFF)))
+                    if HAS_OFFSET:
+                        w_low = low * scale + offset
+                        w_high = high * scale + offset
+                    else:
+                        w_low = low * scale
+                        w_high = high * scale
+                    x_even, x_odd = _halves(tl.load(x_tile + kk * (STAGED_ROWS // 2)))
+                    even_sum = tl.fma(x_even[:, None], w_low[None, :], even_sum)
+                    odd_sum = tl.fma(x_odd[:, None], w_low[None, :], odd_sum)
+                    x_even, x_odd = _halves(tl.load(x_tile + (kk + 8) * (STAGED_ROWS // 2)))
+                    even_sum = tl.fma(x_even[:, None], w_high[None, :], even_sum)
+                    odd_sum = tl.fma(x_odd[:, None], w_high[None, :], odd_sum)
         else:
             for kk in tl.static_range(16):
-                entry = tl.load(row_entries_ptr + kk)
+                entry = column_entry + tl.load(row_entries_ptr + kk)
                 byte = tl.load(tile + (entry >> 3), mask=n_ok, other=0).to(tl.int32)
                 value = tl.load(lut_ptr + byte)
                 if HAS_OFFSET:  # noqa: SIM108 - a compile-time branch of the kernel
                     weight = value * scale + offset
                 else:
                     weight = value * scale
-                x = tl.load(x_tile + kk * stride_xk, mask=row_ok, other=0.0).to(tl.float32)
-                tile_sum = tl.fma(x[:, None], weight[None, :], tile_sum)
-        total += tile_sum
-    local = (start - row_base + m).to(tl.int64)  # the row's place in this launch's range of the grouped order
+                x_even, x_odd = _halves(tl.load(x_tile + kk * (STAGED_ROWS // 2)))
+                even_sum = tl.fma(x_even[:, None], weight[None, :], even_sum)
+                odd_sum = tl.fma(x_odd[:, None], weight[None, :], odd_sum)
+        even += even_sum
+        odd += odd_sum
+    # the rows' places in this launch's range of the grouped order
+    local = (start - row_base + 2 * pair).to(tl.int64)
     out = out_ptr + split.to(tl.int64) * stride_os + local[:, None] * stride_om + n[None, :]
-    tl.store(out, total, mask=row_ok[:, None] & n_ok[None, :])
+    n_ok = n_ok[None, :]
+    tl.store(out, even, mask=(2 * pair < count)[:, None] & n_ok)
+    tl.store(out + stride_om, odd, mask=(2 * pair + 1 < count)[:, None] & n_ok)

@@ -49,6 +49,7 @@ import torch
 
 from moereplay.ops.base import positional
 from moereplay.ops.marlin_moe import MARLIN_MOE
+from moereplay.reference import marlin_rows
 from moereplay.reference.marlin_formats import MarlinWeightFormat, random_logical_experts
 from moereplay.reference.marlin_moe import ExpertWeightCache, reference_moe_wna16_marlin_gemm
 from moereplay.reference.moe_align import moe_align_block_size
@@ -426,7 +427,32 @@ class Row:
     error: str
 
 
-def measure(case: Case, device: torch.device, *, gpu: bool, cpu: bool, repeats: int, cpu_repeats: int) -> Row:
+def time_rows_variants(args: dict[str, Any], kernel_ms: float, variants: list[str], repeats: int) -> None:
+    """The GPU reference again with other launch shapes of the packed-code kernel (``WARPSxCOLUMNS``:
+    :data:`marlin_rows.NUM_WARPS` and :data:`marlin_rows.BLOCK_N`), one line each."""
+    saved = marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N
+    try:
+        for variant in variants:
+            warps, columns = (int(v) for v in variant.lower().split("x"))
+            marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N = warps, columns
+            ms = gpu_ms(lambda: reference_moe_wna16_marlin_gemm(**args), max(3, repeats // 4))
+            print(
+                f"  marlin_rows {warps} warps x {columns} columns: reference {ms:.3f} ms = {ms / kernel_ms:.1f}x kernel"
+            )
+    finally:
+        marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N = saved
+
+
+def measure(
+    case: Case,
+    device: torch.device,
+    *,
+    gpu: bool,
+    cpu: bool,
+    repeats: int,
+    cpu_repeats: int,
+    rows_variants: list[str] | None = None,
+) -> Row:
     args = build_call(case, device)
     kernel = reference = cached = cpu_time = None
     error = ""
@@ -439,6 +465,8 @@ def measure(case: Case, device: torch.device, *, gpu: bool, cpu: bool, repeats: 
         del ref, out
         kernel = gpu_ms(lambda: run_kernel(args), repeats)
         reference = gpu_ms(lambda: reference_moe_wna16_marlin_gemm(**args), max(3, repeats // 4))
+        if rows_variants:
+            time_rows_variants(args, kernel, rows_variants, repeats)
         cache = ExpertWeightCache()
         cached = gpu_ms(
             lambda: reference_moe_wna16_marlin_gemm(**args, weight_cache=cache), max(3, repeats // 2)
@@ -505,6 +533,11 @@ def main() -> int:
     parser.add_argument(
         "--profile", action="store_true", help="also print the reference's top ops (torch.profiler) per case"
     )
+    parser.add_argument(
+        "--rows-variants",
+        default="",
+        help="Marlin cases: also time the reference with these packed-code kernel shapes, WARPSxCOLUMNS,...",
+    )
     options = parser.parse_args()
     chosen = [c for c in CASES if c.name in options.cases.split(",")]
     chosen_calls = [c for c in CALL_CASES if c.name in options.cases.split(",")]
@@ -535,6 +568,7 @@ def main() -> int:
             cpu=not options.no_cpu,
             repeats=options.repeats,
             cpu_repeats=options.cpu_repeats,
+            rows_variants=[v for v in options.rows_variants.split(",") if v.strip()],
         )
         if options.profile:
             profile_reference(case, device)

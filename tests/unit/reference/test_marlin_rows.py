@@ -50,19 +50,33 @@ def _kernel_weights(weights: MarlinExpertWeights, experts: torch.Tensor) -> torc
     assert kind is not None
     bits = weights.format.num_bits
     column_entries, row_entries = (t.long() for t in marlin_rows.tile_entries(bits))
-    lut = marlin_rows.value_table(kind)
     offsets = weights.fast_factors(experts)[1]
     scale_table, columns = weights.scale_layout()
     multipliers = weights.scale_multipliers(torch.arange(weights.num_experts))
     size_k, size_n = weights.size_k, weights.size_n
-    packed = weights.b_qweight.contiguous().view(torch.uint8).reshape(weights.num_experts, size_k // 16, -1)
     k = torch.arange(size_k).view(-1, 1)
     n = torch.arange(size_n).view(1, -1)
     entry = column_entries[n % 64] + row_entries[k % 16]
     tile_bytes = 16 * 64 * bits // 8
-    data = packed[experts][:, k // 16, (n // 64) * tile_bytes + (entry >> 3)].to(torch.int64)
-    code = (data >> (entry & 7)) & 0xF if bits == 4 else data
-    value = lut[code]
+    if (
+        bits == 4
+    ):  # a 32-bit word (the one of row k - k % 2, low nibbles) → its byte → the byte's pair of values
+        words = (
+            weights.b_qweight.contiguous().view(torch.int32).reshape(weights.num_experts, size_k // 16, -1)
+        )
+        low_rows = (k % 8) - (k % 2)
+        word_of = (column_entries[n % 64] + row_entries[low_rows]) >> 5
+        word = words[experts][:, k // 16, (n // 64) * (tile_bytes // 4) + word_of].to(torch.int64)
+        byte = (word >> ((column_entries[n % 64] + row_entries[k % 8]) & 31)) & 0xFF
+        pair = marlin_rows.pair_table(kind)[byte]
+        bits_of_value = torch.where(k % 16 < 8, pair & 0xFFFFFFFF, pair >> 32).to(torch.int32)
+        value = bits_of_value.view(torch.float32)
+    else:
+        packed = (
+            weights.b_qweight.contiguous().view(torch.uint8).reshape(weights.num_experts, size_k // 16, -1)
+        )
+        data = packed[experts][:, k // 16, (n // 64) * tile_bytes + (entry >> 3)].to(torch.int64)
+        value = marlin_rows.value_table(kind)[data]
     group = k // weights.group_size
     stored = weights.b_scales[experts][:, group, columns[n]]
     if scale_table is not None:
@@ -128,6 +142,13 @@ def test_value_tables() -> None:
     assert e2m1[[1, 7, 15]].tolist() == [0.5, 6.0, -6.0] and torch.signbit(e2m1[8])
     e4m3 = marlin_rows.value_table("e4m3")
     assert e4m3[0x38].item() == 1.0 and torch.isnan(e4m3[0x7F]) and torch.isnan(e4m3[0xFF])
+    pairs = marlin_rows.pair_table("e2m1")  # byte 0x7F: low nibble 15 (-6.0), high nibble 7 (6.0)
+    assert pairs.dtype == torch.int64 and pairs.shape == (256,)
+    halves = torch.stack((pairs & 0xFFFFFFFF, pairs >> 32)).to(torch.int32).view(torch.float32)
+    assert halves[:, 0x7F].tolist() == [-6.0, 6.0] and halves[:, 0x10].tolist() == [0.0, 0.5]
+    assert torch.equal(halves[0], e2m1[torch.arange(256) % 16]) and torch.equal(
+        halves[1], e2m1[torch.arange(256) // 16]
+    )
     with pytest.raises(ReferenceError_, match="no code values for 'e8m0'"):
         marlin_rows.value_table("e8m0")
 

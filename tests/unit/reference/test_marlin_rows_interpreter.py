@@ -49,12 +49,14 @@ def test_the_kernel_compiles_for_hopper_without_spills_or_flushed_denormals(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
+    from moereplay.reference.marlin_rows import NUM_WARPS
     from moereplay.reference.marlin_rows_kernel import marlin_rows
 
     names = list(inspect.signature(marlin_rows.fn).parameters)
     pointers = {
-        "x_ptr": "*bf16", "src_ptr": "*i64", "out_ptr": "*fp32", "w_ptr": "*u8", "column_entries_ptr": "*i32",
-        "row_entries_ptr": "*i32", "lut_ptr": "*fp32", "scale_ptr": "*u8" if scale_bytes else "*bf16",
+        "staged_ptr": "*i64", "out_ptr": "*fp32", "w_ptr": "*i32" if four_bit else "*u8",
+        "column_entries_ptr": "*i32", "row_entries_ptr": "*i32", "lut_ptr": "*i64" if four_bit else "*fp32",
+        "scale_ptr": "*u8" if scale_bytes else "*bf16",
         "columns_ptr": "*i64", "scale_lut_ptr": "*fp32", "multipliers_ptr": "*fp32", "offset_ptr": "*fp32",
         "tiles_ptr": "*i64",
     }  # fmt: skip
@@ -71,9 +73,32 @@ def test_the_kernel_compiles_for_hopper_without_spills_or_flushed_denormals(
     source = ASTSource(
         marlin_rows, signature, constexprs={(names.index(n),): v for n, v in constants.items()}
     )
-    built = compile(source, target=GPUTarget("cuda", 90, 32))
+    built = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
     ptx = built.asm["ptx"]
     assert built.asm["cubin"]
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert ".ftz" not in ptx
     assert ptx.count("fma.rn.f32") >= block_m * 2 * 16  # every tile row's multiply-add is a fused one
+    # the staged activations come two rows to an 8-byte load (and 4-bit codes' value pairs the same way)
+    assert ptx.count("ld.global.b64") >= 16 * block_m // 2
+    if four_bit:  # codes come as 32-bit words, never byte by byte (byte-wide loads are the scales' only)
+        assert ptx.count("ld.global.u8") + ptx.count("ld.global.b8") <= (2 if scale_bytes else 0) * 256 // (
+            32 * NUM_WARPS
+        )
+
+
+def test_the_staging_kernel_compiles_for_hopper() -> None:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from moereplay.reference.marlin_rows import STAGE_BLOCK_K
+    from moereplay.reference.marlin_rows_kernel import stage_rows
+
+    signature = {
+        "x_ptr": "*bf16", "stride_xm": "i32", "stride_xk": "i32", "src_ptr": "*i64", "tiles_ptr": "*i64",
+        "staged_ptr": "*fp32", "K": "i32", "BLOCK_K": "constexpr",
+    }  # fmt: skip
+    built = compile(
+        ASTSource(stage_rows, signature, constexprs={(7,): STAGE_BLOCK_K}), target=GPUTarget("cuda", 90, 32)
+    )
+    assert built.asm["cubin"] and "ld.local" not in built.asm["ptx"]
