@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -593,18 +592,33 @@ SCAN_BYTES = {"cpu": 1 << 22}
 temporaries stay small; other devices: every used expert at once, one sync)."""
 
 
+def _is_e8m0_nan(raw: torch.Tensor) -> torch.Tensor:
+    return raw == 0xFF
+
+
+def _is_fp8_top_bit_clear(raw: torch.Tensor) -> torch.Tensor:
+    return ((raw & 0x80) == 0) & (raw != 0)
+
+
 def _count_scale_bytes(
     weights: MarlinExpertWeights,
     experts: torch.Tensor,
     allowed: tuple[torch.dtype, ...],
     what: str,
-    predicate: Callable[[torch.Tensor], torch.Tensor],
+    e8m0_nan: bool,
 ) -> torch.Tensor:
-    """How many scale bytes of ``experts`` satisfy ``predicate`` (a 0-d int64 on the scales' device, no sync), a
-    few experts at a time."""
+    """How many scale bytes of ``experts`` are e8m0 NaNs (0xFF, ``e8m0_nan``) or non-zero NVFP4 scales with the
+    top bit clear (a 0-d int64 on the scales' device, no sync), a few experts at a time."""
+    predicate = _is_e8m0_nan if e8m0_nan else _is_fp8_top_bit_clear
     scales = weights.b_scales
     per_expert = max(1, scales[0].numel() if scales.shape[0] else 1)
     step = max(1, SCAN_BYTES.get(scales.device.type, 1 << 62) // per_expert)
+    if scales.device.type == "cuda":  # one Triton pass where it can run
+        from moereplay.reference import marlin_rows
+
+        counted = marlin_rows.count_scale_bytes(_bytes(scales, allowed, what), experts, e8m0_nan)
+        if counted is not None:
+            return counted
     total = torch.zeros((), dtype=torch.long, device=scales.device)
     for first in range(0, max(int(experts.numel()), 1), step):
         raw = _bytes(scales.index_select(0, experts[first : first + step]), allowed, what)
@@ -632,9 +646,7 @@ def deferred_dequant_notes(
     fmt = weights.format
     experts = experts.to(weights.b_scales.device, torch.long)
     if fmt is MarlinWeightFormat.NVFP4 and weights.activation_dtype == torch.bfloat16:
-        low_count = _count_scale_bytes(
-            weights, experts, _FP8_BYTE_DTYPES, "NVFP4 scales", lambda raw: ((raw & 0x80) == 0) & (raw != 0)
-        )
+        low_count = _count_scale_bytes(weights, experts, _FP8_BYTE_DTYPES, "NVFP4 scales", e8m0_nan=False)
         counted.append(
             CountedNote(
                 "nvfp4_scale_top_bit_clear",
@@ -644,7 +656,7 @@ def deferred_dequant_notes(
             )
         )
     if fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
-        nan_count = _count_scale_bytes(weights, experts, _E8M0_DTYPES, "e8m0 scales", lambda raw: raw == 0xFF)
+        nan_count = _count_scale_bytes(weights, experts, _E8M0_DTYPES, "e8m0 scales", e8m0_nan=True)
         counted.append(
             CountedNote(
                 "e8m0_nan_scale",

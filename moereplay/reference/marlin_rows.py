@@ -41,6 +41,13 @@ blocks of the last (a program decodes each weight once for all its rows)."""
 BLOCK_N = 256
 """Columns of one program."""
 
+ARITHMETIC_KINDS = {"e2m1": (1, 0), "uint4b8": (2, 8), "uint4": (2, 0)}
+"""4-bit kinds the kernel decodes with integer operations (``DECODE``, ``BIAS`` of ``_value4``) instead of a table
+lookup: a warp's lookups of random codes are one load each, its arithmetic a few register operations."""
+
+ARITHMETIC_DECODE = True
+"""Whether :data:`ARITHMETIC_KINDS` are decoded arithmetically (False: every kind through its table)."""
+
 NUM_WARPS = 2
 """Warps of one program: 4 columns of :data:`BLOCK_N` a thread (each staged activation a thread loads serves all
 of them)."""
@@ -132,25 +139,11 @@ def value_table(kind: str) -> torch.Tensor:
 
 
 @functools.cache
-def _pair_table_cpu(kind: str) -> torch.Tensor:
-    values = _value_table_cpu(kind)[:16].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    byte = torch.arange(256)
-    return values[byte & 15] | (values[byte >> 4] << 32)
-
-
-def pair_table(kind: str) -> torch.Tensor:
-    """int64 ``[256]`` for a 4-bit ``kind``: a byte's two code values, the low nibble's float32 bits in the low
-    word and the high nibble's in the high word (the kernel reads both codes of a byte with one load)."""
-    return _pair_table_cpu(kind).clone()
-
-
-@functools.cache
 def _device_tables(
     num_bits: int, kind: str, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     columns, rows = _entries_cpu(num_bits)
-    values = _pair_table_cpu(kind) if num_bits == 4 else _value_table_cpu(kind)
-    return columns.to(device), rows.to(device), values.to(device)
+    return columns.to(device), rows.to(device), _value_table_cpu(kind).to(device)
 
 
 Tile = tuple[int, int, int, int]
@@ -209,6 +202,33 @@ def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+COUNT_BLOCK = 8192
+"""Scale bytes one program of :func:`count_scale_bytes` examines."""
+
+
+def count_scale_bytes(scales: torch.Tensor, experts: torch.Tensor, e8m0_nan: bool) -> torch.Tensor | None:
+    """How many of ``experts``' scale bytes (uint8 ``[E, ...]``, on a GPU) are NVFP4 scales with the top bit clear
+    and non-zero, or e8m0 0xFF (``e8m0_nan``): a 0-d int64 on the device, one launch, no sync — or None where the
+    kernel cannot run (the caller counts with torch)."""
+    if _FAILED or not available(scales.device) or experts.numel() == 0:
+        return None
+    total = torch.zeros((), dtype=torch.int64, device=scales.device)
+    flat = scales.contiguous().view(scales.shape[0], -1)
+    per_expert = flat.shape[1]
+    if per_expert == 0:
+        return total
+    try:
+        from moereplay.reference.marlin_rows_kernel import count_scale_bytes as kernel
+
+        with torch.cuda.device(scales.device):
+            kernel[(experts.numel(), -(-per_expert // COUNT_BLOCK))](
+                flat, experts.contiguous(), per_expert, total, E8M0_NAN=e8m0_nan, BLOCK=COUNT_BLOCK
+            )
+    except _launch_errors():
+        return None
+    return total
+
+
 def _launch_errors() -> tuple[type[BaseException], ...]:
     """What a kernel that cannot be built or launched on this machine raises (its module missing, Triton's compiler
     or resource errors); anything else is a bug or a device fault and is not caught."""
@@ -247,6 +267,7 @@ def expert_rows(
     assert kind is not None
     num_bits = weights.format.num_bits
     column_entries, row_entries, lut = _device_tables(num_bits, kind, device)
+    decode, bias = ARITHMETIC_KINDS.get(kind, (0, 0)) if ARITHMETIC_DECODE and num_bits == 4 else (0, 0)
     scale_table, columns, multipliers = _scale_parts(weights)
     offsets = None
     if weights.b_qzeros is not None:  # integer zero points: −zero · scale per used expert, from the host
@@ -324,6 +345,8 @@ def expert_rows(
                         TILE_BYTES=TILE_K * TILE_N * num_bits // 8,
                         BLOCK_M=height,
                         BLOCK_N=BLOCK_N,
+                        DECODE=decode,
+                        BIAS=bias,
                         num_warps=NUM_WARPS,
                     )
                     first += tiles

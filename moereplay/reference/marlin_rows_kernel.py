@@ -1,20 +1,23 @@
-"""A Triton kernel for the GPU side of the Marlin MoE reference: each output row's float32 product read straight
+"""Triton kernels for the GPU side of the Marlin MoE reference: each output row's float32 product read straight
 from the Marlin-packed codes and stored scales, with no dense weight in memory (imported only where Triton and a
 GPU are; :mod:`.marlin_rows` decides and launches).
 
-One program computes ``BLOCK_M`` rows (consecutive in the grouped order, all of one expert) by ``BLOCK_N`` columns
-over one split of K's 16-row Marlin tiles, and stores that partial sum at the rows' places in the grouped order,
-counted from ``row_base`` (the host adds the splits in order and puts the rows where they belong). A code's
-byte in a packed tile is ``column_entries[n % 64] + row_entries[k % 16]`` (``byte · 8 + bit shift``: the tile
-permutation separates into a column part and a row part); the code (a nibble or the byte) is looked up in ``lut``
-for its exact value. The column's scale is read from the stored scales at its stored column (``columns``), decoded
-through ``scale_lut`` (byte formats) or converted from float16/bfloat16, and multiplied by the expert's
-``multipliers`` entry; the weight is ``value · scale`` (``value · scale + offset`` with integer zero points,
-``offset = −zero · scale`` from the host) — the float32 operations the dense decoder applies to that element, so
-every weight is the dense decoder's. Each output element is an explicit chain of IEEE float32 fused multiply-adds
-into a tile sum (rows k in order; 4-bit: rows k and k + 8 share a byte and go in pairs, 0, 8, 1, 9, …), added to
-the split's total tile by tile: the same operations whichever other rows share its program, so a row's value does not depend on the other
-rows of the call.
+:func:`stage_rows` first writes each row block's activations as float32, K-major (``[K, 16]`` a block, rows past
+the block's count zero), so that :func:`marlin_rows` reads a K row's values of two rows with one 8-byte load.
+One program of :func:`marlin_rows` computes ``BLOCK_M`` rows (consecutive in the grouped order, all of one expert)
+by ``BLOCK_N`` columns over one split of K's 16-row Marlin tiles, and stores that partial sum at the rows' places
+in the grouped order, counted from ``row_base`` (the host adds the splits in order and puts the rows where they
+belong). A code's bit in a packed tile is ``column_entries[n % 64] + row_entries[k % 16]`` (the tile permutation
+separates into a column part and a row part); 4-bit codes are read as 32-bit words (rows 2j, 2j + 1, 2j + 8,
+2j + 9 of a column share one) and decoded with integer operations (FP4 E2M1 and the integer kinds) or through
+``lut``; 8-bit codes byte by byte through ``lut``. The column's scale is read from the stored scales at its stored
+column (``columns``), decoded through ``scale_lut`` (byte formats) or converted from float16/bfloat16, and
+multiplied by the expert's ``multipliers`` entry; the weight is ``value · scale`` (``value · scale + offset`` with
+integer zero points, ``offset = −zero · scale`` from the host) — the float32 operations the dense decoder applies
+to that element, so every weight is the dense decoder's. Each output element is an explicit chain of IEEE float32
+fused multiply-adds into a tile sum (rows k in order; 4-bit: rows k and k + 8 share a byte and go in pairs, 0, 8,
+1, 9, …), added to the split's total tile by tile: the same operations whichever other rows share its program, so
+a row's value does not depend on the other rows of the call.
 """
 
 from __future__ import annotations
@@ -57,6 +60,23 @@ def _halves(pairs):
 
 
 @triton.jit
+def _value4(code, lut_ptr, DECODE: tl.constexpr, BIAS: tl.constexpr):
+    """The exact float32 value of 4-bit codes (int32 0..15): ``DECODE`` 0 looks it up in ``lut_ptr`` (16 floats,
+    one cache line); 1 builds FP4 E2M1's bits (sign, exponent e, mantissa m: ``2**(e-1) · (1 + m/2)``, ``m/2`` when
+    e = 0); 2 is the integer ``code - BIAS`` (``2**23 + code`` by its bits, then a subtraction; exact)."""
+    if DECODE == 1:
+        magnitude = code & 7
+        normal = (magnitude << 22) + 0x3F000000  # exponent e + 126, mantissa bit m
+        bits = tl.where(magnitude >= 2, normal, magnitude * 0x3F000000)  # e = 0: 0.5 or 0
+        value = (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    elif DECODE == 2:
+        value = (code | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)
+    else:
+        value = tl.load(lut_ptr + code)
+    return value
+
+
+@triton.jit
 def marlin_rows(
     staged_ptr,
     row_base,
@@ -88,6 +108,8 @@ def marlin_rows(
     TILE_BYTES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DECODE: tl.constexpr,
+    BIAS: tl.constexpr,
 ):
     t = tl.program_id(0)
     split = tl.program_id(2)
@@ -129,15 +151,16 @@ def marlin_rows(
         odd_sum = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
         if FOUR_BIT:
             for j in tl.static_range(4):
-                # rows 2j, 2j + 1 (low nibbles) and 2j + 8, 2j + 9 (high) of a column share one word (the host
-                # checks); each byte's two codes are read as one pair of values from lut_ptr (int64 [256])
+                # rows 2j, 2j + 1 (low nibbles) and 2j + 8, 2j + 9 (high nibbles) of a column share one 32-bit
+                # word (the host checks)
                 word = tl.load(
                     tile + ((column_entry + tl.load(row_entries_ptr + 2 * j)) >> 5), mask=n_ok, other=0
                 )
                 for h in tl.static_range(2):
                     kk = 2 * j + h
                     shift = (column_entry + tl.load(row_entries_ptr + kk)) & 31
-                    low, high = _halves(tl.load(lut_ptr + ((word >> shift) & 0xFF)))
+                    low = _value4((word >> shift) & 0xF, lut_ptr, DECODE, BIAS)
+                    high = _value4((word >> (shift + 4)) & 0xF, lut_ptr, DECODE, BIAS)
                     if HAS_OFFSET:
                         w_low = low * scale + offset
                         w_high = high * scale + offset
@@ -170,3 +193,21 @@ def marlin_rows(
     n_ok = n_ok[None, :]
     tl.store(out, even, mask=(2 * pair < count)[:, None] & n_ok)
     tl.store(out + stride_om, odd, mask=(2 * pair + 1 < count)[:, None] & n_ok)
+
+
+@triton.jit
+def count_scale_bytes(
+    scales_ptr, experts_ptr, per_expert, total_ptr, E8M0_NAN: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Adds to ``total_ptr`` (int64) how many scale bytes of expert ``experts[program 0]`` (``per_expert`` bytes
+    each, contiguous) in this program's block are an NVFP4 scale with the top bit clear and non-zero, or (with
+    ``E8M0_NAN``) an e8m0 0xFF: the weight notes' counts in one pass over the bytes, no temporaries."""
+    expert = tl.load(experts_ptr + tl.program_id(0))
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < per_expert
+    raw = tl.load(scales_ptr + expert * per_expert + offsets, mask=inside, other=0).to(tl.int32)
+    if E8M0_NAN:  # noqa: SIM108 - a compile-time branch of the kernel
+        hits = raw == 0xFF
+    else:
+        hits = ((raw & 0x80) == 0) & (raw != 0)
+    tl.atomic_add(total_ptr, tl.sum(hits.to(tl.int64)))

@@ -428,19 +428,27 @@ class Row:
 
 
 def time_rows_variants(args: dict[str, Any], kernel_ms: float, variants: list[str], repeats: int) -> None:
-    """The GPU reference again with other launch shapes of the packed-code kernel (``WARPSxCOLUMNS``:
-    :data:`marlin_rows.NUM_WARPS` and :data:`marlin_rows.BLOCK_N`), one line each."""
-    saved = marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N
+    """The GPU reference again with other launch shapes of the packed-code kernel, one line each: ``WARPSxCOLUMNS``
+    (:data:`marlin_rows.NUM_WARPS`, :data:`marlin_rows.BLOCK_N`), a trailing ``t`` for table lookups of the 4-bit
+    codes (:data:`marlin_rows.ARITHMETIC_DECODE` off)."""
+    saved = marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N, marlin_rows.ARITHMETIC_DECODE
     try:
         for variant in variants:
-            warps, columns = (int(v) for v in variant.lower().split("x"))
-            marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N = warps, columns
+            table = variant.endswith("t")
+            warps, columns = (int(v) for v in variant.removesuffix("t").lower().split("x"))
+            marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N, marlin_rows.ARITHMETIC_DECODE = (
+                warps,
+                columns,
+                not table,
+            )
             ms = gpu_ms(lambda: reference_moe_wna16_marlin_gemm(**args), max(3, repeats // 4))
+            decode = "table" if table else "arithmetic"
             print(
-                f"  marlin_rows {warps} warps x {columns} columns: reference {ms:.3f} ms = {ms / kernel_ms:.1f}x kernel"
+                f"  marlin_rows {warps} warps x {columns} columns, {decode} decode: reference {ms:.3f} ms = "
+                f"{ms / kernel_ms:.1f}x kernel"
             )
     finally:
-        marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N = saved
+        marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N, marlin_rows.ARITHMETIC_DECODE = saved
 
 
 def measure(
@@ -478,10 +486,27 @@ def measure(
 
 
 def profile_reference(case: Case, device: torch.device) -> None:
-    """Where one Marlin reference call spends its time (:func:`profile_call`)."""
+    """Where one Marlin reference call spends its time (:func:`profile_call`) and where it waits for the device."""
     args = build_call(case, device)
     reference_moe_wna16_marlin_gemm(**args)  # warm-up
     profile_call(case.name, lambda: reference_moe_wna16_marlin_gemm(**args), device)
+    if device.type == "cuda":
+        print_syncs(case.name, lambda: reference_moe_wna16_marlin_gemm(**args))
+
+
+def print_syncs(name: str, fn: Callable[[], object]) -> None:
+    """The lines of Python that made one call of ``fn`` wait for the device (torch's sync debug mode)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    places = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    print(f"--- {name}: {len(places)} syncs a call: {', '.join(places) or 'none'}")
 
 
 def profile_call(name: str, fn: Callable[[], object], device: torch.device) -> None:

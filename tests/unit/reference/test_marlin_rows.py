@@ -67,10 +67,8 @@ def _kernel_weights(weights: MarlinExpertWeights, experts: torch.Tensor) -> torc
         low_rows = (k % 8) - (k % 2)
         word_of = (column_entries[n % 64] + row_entries[low_rows]) >> 5
         word = words[experts][:, k // 16, (n // 64) * (tile_bytes // 4) + word_of].to(torch.int64)
-        byte = (word >> ((column_entries[n % 64] + row_entries[k % 8]) & 31)) & 0xFF
-        pair = marlin_rows.pair_table(kind)[byte]
-        bits_of_value = torch.where(k % 16 < 8, pair & 0xFFFFFFFF, pair >> 32).to(torch.int32)
-        value = bits_of_value.view(torch.float32)
+        shift = ((column_entries[n % 64] + row_entries[k % 8]) & 31) + torch.where(k % 16 < 8, 0, 4)
+        value = marlin_rows.value_table(kind)[(word >> shift) & 0xF]
     else:
         packed = (
             weights.b_qweight.contiguous().view(torch.uint8).reshape(weights.num_experts, size_k // 16, -1)
@@ -142,13 +140,6 @@ def test_value_tables() -> None:
     assert e2m1[[1, 7, 15]].tolist() == [0.5, 6.0, -6.0] and torch.signbit(e2m1[8])
     e4m3 = marlin_rows.value_table("e4m3")
     assert e4m3[0x38].item() == 1.0 and torch.isnan(e4m3[0x7F]) and torch.isnan(e4m3[0xFF])
-    pairs = marlin_rows.pair_table("e2m1")  # byte 0x7F: low nibble 15 (-6.0), high nibble 7 (6.0)
-    assert pairs.dtype == torch.int64 and pairs.shape == (256,)
-    halves = torch.stack((pairs & 0xFFFFFFFF, pairs >> 32)).to(torch.int32).view(torch.float32)
-    assert halves[:, 0x7F].tolist() == [-6.0, 6.0] and halves[:, 0x10].tolist() == [0.0, 0.5]
-    assert torch.equal(halves[0], e2m1[torch.arange(256) % 16]) and torch.equal(
-        halves[1], e2m1[torch.arange(256) // 16]
-    )
     with pytest.raises(ReferenceError_, match="no code values for 'e8m0'"):
         marlin_rows.value_table("e8m0")
 

@@ -55,7 +55,7 @@ def test_the_kernel_compiles_for_hopper_without_spills_or_flushed_denormals(
     names = list(inspect.signature(marlin_rows.fn).parameters)
     pointers = {
         "staged_ptr": "*i64", "out_ptr": "*fp32", "w_ptr": "*i32" if four_bit else "*u8",
-        "column_entries_ptr": "*i32", "row_entries_ptr": "*i32", "lut_ptr": "*i64" if four_bit else "*fp32",
+        "column_entries_ptr": "*i32", "row_entries_ptr": "*i32", "lut_ptr": "*fp32",
         "scale_ptr": "*u8" if scale_bytes else "*bf16",
         "columns_ptr": "*i64", "scale_lut_ptr": "*fp32", "multipliers_ptr": "*fp32", "offset_ptr": "*fp32",
         "tiles_ptr": "*i64",
@@ -67,6 +67,8 @@ def test_the_kernel_compiles_for_hopper_without_spills_or_flushed_denormals(
         "TILE_BYTES": 512 if four_bit else 1024,
         "BLOCK_M": block_m,
         "BLOCK_N": 256,
+        "DECODE": 1 if four_bit else 0,  # 4-bit: FP4 E2M1 by integer operations
+        "BIAS": 0,
     }
     assert set(pointers) <= set(names) and set(constants) <= set(names)
     signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
@@ -81,7 +83,9 @@ def test_the_kernel_compiles_for_hopper_without_spills_or_flushed_denormals(
     assert ptx.count("fma.rn.f32") >= block_m * 2 * 16  # every tile row's multiply-add is a fused one
     # the staged activations come two rows to an 8-byte load (and 4-bit codes' value pairs the same way)
     assert ptx.count("ld.global.b64") >= 16 * block_m // 2
-    if four_bit:  # codes come as 32-bit words, never byte by byte (byte-wide loads are the scales' only)
+    if four_bit:  # codes come as 32-bit words, never byte by byte (byte-wide loads are the scales' only), and
+        # are decoded without a table: the 32-bit loads are the words, the scales and the tile fields
+        assert ptx.count("ld.global.b32") <= 4 * 256 // (32 * NUM_WARPS) + 16 + 8, ptx.count("ld.global.b32")
         assert ptx.count("ld.global.u8") + ptx.count("ld.global.b8") <= (2 if scale_bytes else 0) * 256 // (
             32 * NUM_WARPS
         )
@@ -102,3 +106,35 @@ def test_the_staging_kernel_compiles_for_hopper() -> None:
         ASTSource(stage_rows, signature, constexprs={(7,): STAGE_BLOCK_K}), target=GPUTarget("cuda", 90, 32)
     )
     assert built.asm["cubin"] and "ld.local" not in built.asm["ptx"]
+
+
+COUNT_SCRIPT = """
+import torch
+from moereplay.reference.marlin_rows_kernel import count_scale_bytes
+scales = torch.randint(0, 256, (5, 3, 700), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+scales[1, 0, :40] = 0xFF
+experts = torch.tensor([4, 1, 1, 0])
+for nan in (True, False):
+    total = torch.zeros((), dtype=torch.int64)
+    count_scale_bytes[(4, 3)](scales.view(5, -1), experts, 2100, total, E8M0_NAN=nan, BLOCK=1024)
+    raw = scales[experts]
+    expected = (raw == 0xFF) if nan else (((raw & 0x80) == 0) & (raw != 0))
+    print(int(total), int(expected.sum()))
+"""
+
+
+def test_the_scale_byte_count_kernel_counts_what_torch_counts() -> None:
+    """The weight notes' one-pass count (GPU path of ``_count_scale_bytes``), run by Triton's interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[3])}
+    done = subprocess.run(
+        [sys.executable, "-c", COUNT_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert len(lines) == 2 and all(got == want for got, want in lines), done.stdout
+    assert int(lines[0][0]) >= 2 * 40  # expert 1 twice: its 40 NaN bytes counted each time
