@@ -13,7 +13,7 @@ source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.
 source tools/gpu/steps.sh
 step marlin_rows 120 python3 -m pytest tests/gpu/test_marlin_rows_gpu.py -q -rfE
 step reference_bench 150 python3 tools/bench/reference_bench.py --cases nvfp4-gemm1,nvfp4-gemm2,mxfp4-gemm1,mxfp4-gemm2 \
-    --no-cpu --profile --rows-variants "${ROWS_VARIANTS:-2x256t,4x256t,2x256,4x256,8x256,2x128,4x128}"
+    --no-cpu --profile --rows-variants "${ROWS_VARIANTS:-2x256t,4x256t,4x256,8x256,2x512,1x256,4x512}"
 [ -n "${SKIP_OGS:-}" ] || step ogs_reference 60 python3 -m pytest tests/gpu/test_matmul_ogs_reference.py -q -rfE
 step marlin_reference ${MARLIN_LIMIT:-360} python3 -m pytest tests/gpu/test_marlin_reference.py -q -x -rfE
 grep -E "^=== |passed|failed|^(nvfp4|mxfp4)-|^case|marlin_rows [0-9]|cudaStreamSynchronize|syncs a call" "$OUT/all.log" | cut -c1-300 | tail -30
