@@ -117,7 +117,18 @@ def _entries_cpu(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise ReferenceError_("4-bit Marlin rows k and k + 8 are not a byte's low and high nibbles")
     if num_bits == 4 and not torch.equal(table[0::2] >> 5, table[1::2] >> 5):
         raise ReferenceError_("4-bit Marlin rows 2j and 2j + 1 of a column are not in one 32-bit word")
+    if num_bits == 4:
+        step, half = four_bit_row_steps(rows)
+        k = torch.arange(8)
+        if int(rows[0]) != 0 or step % 32 or not torch.equal(rows[:8], step * (k // 2) + half * (k % 2)):
+            raise ReferenceError_("4-bit Marlin rows 2j + h are not at j · step + h · half bits of a tile")
     return columns, rows
+
+
+def four_bit_row_steps(rows: torch.Tensor) -> tuple[int, int]:
+    """``(ROW_STEP, ROW_HALF)`` of the 4-bit row entries: the bits from row 2j to row 2j + 2, and from row 2j to
+    row 2j + 1 (the kernel's constants; :func:`_entries_cpu` checks that they describe rows 0–7)."""
+    return int(rows[2] - rows[0]), int(rows[1] - rows[0])
 
 
 def tile_entries(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,6 +279,7 @@ def expert_rows(
     num_bits = weights.format.num_bits
     column_entries, row_entries, lut = _device_tables(num_bits, kind, device)
     decode, bias = ARITHMETIC_KINDS.get(kind, (0, 0)) if ARITHMETIC_DECODE and num_bits == 4 else (0, 0)
+    row_step, row_half = four_bit_row_steps(_entries_cpu(4)[1])
     scale_table, columns, multipliers = _scale_parts(weights)
     offsets = None
     if weights.b_qzeros is not None:  # integer zero points: −zero · scale per used expert, from the host
@@ -347,6 +359,8 @@ def expert_rows(
                         BLOCK_N=BLOCK_N,
                         DECODE=decode,
                         BIAS=bias,
+                        ROW_STEP=row_step,
+                        ROW_HALF=row_half,
                         num_warps=NUM_WARPS,
                     )
                     first += tiles

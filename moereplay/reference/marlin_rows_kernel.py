@@ -110,6 +110,8 @@ def marlin_rows(
     BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr,
     BIAS: tl.constexpr,
+    ROW_STEP: tl.constexpr,
+    ROW_HALF: tl.constexpr,
 ):
     t = tl.program_id(0)
     split = tl.program_id(2)
@@ -153,12 +155,11 @@ def marlin_rows(
             for j in tl.static_range(4):
                 # rows 2j, 2j + 1 (low nibbles) and 2j + 8, 2j + 9 (high nibbles) of a column share one 32-bit
                 # word (the host checks)
-                word = tl.load(
-                    tile + ((column_entry + tl.load(row_entries_ptr + 2 * j)) >> 5), mask=n_ok, other=0
-                )
+                # row 2j + h's entry is j · ROW_STEP + h · ROW_HALF (the host checks; ROW_STEP whole words)
+                word = tl.load(tile + (column_entry >> 5) + j * (ROW_STEP // 32), mask=n_ok, other=0)
                 for h in tl.static_range(2):
                     kk = 2 * j + h
-                    shift = (column_entry + tl.load(row_entries_ptr + kk)) & 31
+                    shift = (column_entry + h * ROW_HALF) & 31
                     low = _value4((word >> shift) & 0xF, lut_ptr, DECODE, BIAS)
                     high = _value4((word >> (shift + 4)) & 0xF, lut_ptr, DECODE, BIAS)
                     if HAS_OFFSET:

@@ -69,6 +69,8 @@ def test_the_kernel_compiles_for_hopper_without_spills_or_flushed_denormals(
         "BLOCK_N": 256,
         "DECODE": 1 if four_bit else 0,  # 4-bit: FP4 E2M1 by integer operations
         "BIAS": 0,
+        "ROW_STEP": 128,
+        "ROW_HALF": 16,
     }
     assert set(pointers) <= set(names) and set(constants) <= set(names)
     signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
