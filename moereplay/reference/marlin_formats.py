@@ -588,8 +588,9 @@ def _decode_codes(fmt: MarlinWeightFormat, codes: torch.Tensor) -> torch.Tensor:
 
 
 SCAN_BYTES = {"cpu": 1 << 22}
-"""Scale bytes examined per pass by :func:`dequant_notes`, per device type (the CPU's: 4 MB, so its boolean
-temporaries stay small; other devices: every used expert at once, one sync)."""
+"""Scale bytes examined per pass of torch operations by :func:`dequant_notes`, per device type (the CPU's: 4 MB,
+so its boolean temporaries stay small; other devices: every used expert at once). On a GPU with Triton the count
+is one kernel pass instead (:func:`marlin_rows.count_scale_bytes`)."""
 
 
 def _is_e8m0_nan(raw: torch.Tensor) -> torch.Tensor:
@@ -608,7 +609,8 @@ def _count_scale_bytes(
     e8m0_nan: bool,
 ) -> torch.Tensor:
     """How many scale bytes of ``experts`` are e8m0 NaNs (0xFF, ``e8m0_nan``) or non-zero NVFP4 scales with the
-    top bit clear (a 0-d int64 on the scales' device, no sync), a few experts at a time."""
+    top bit clear: a 0-d int64 on the scales' device, no sync (one Triton pass on a GPU, else torch operations a
+    few experts at a time)."""
     predicate = _is_e8m0_nan if e8m0_nan else _is_fp8_top_bit_clear
     scales = weights.b_scales
     per_expert = max(1, scales[0].numel() if scales.shape[0] else 1)
@@ -636,18 +638,19 @@ class CountedNote:
     count: torch.Tensor
 
 
-def deferred_dequant_notes(
-    weights: MarlinExpertWeights, experts: torch.Tensor
-) -> tuple[list[tuple[str, str]], list[CountedNote]]:
-    """:func:`dequant_notes` without waiting for the device: the notes known now, and those that depend on counts
-    queued on the device (:func:`resolve_counted_notes` reads them all with one sync)."""
-    notes: list[tuple[str, str]] = []
-    counted: list[CountedNote] = []
+Note = tuple[str, str]
+"""A weight note: (code, message)."""
+
+
+def deferred_dequant_notes(weights: MarlinExpertWeights, experts: torch.Tensor) -> list[Note | CountedNote]:
+    """:func:`dequant_notes` without waiting for the device, in their order: the notes known now and those that
+    depend on counts queued on the device (:func:`resolve_notes` reads all counts with one sync)."""
+    notes: list[Note | CountedNote] = []
     fmt = weights.format
     experts = experts.to(weights.b_scales.device, torch.long)
     if fmt is MarlinWeightFormat.NVFP4 and weights.activation_dtype == torch.bfloat16:
         low_count = _count_scale_bytes(weights, experts, _FP8_BYTE_DTYPES, "NVFP4 scales", e8m0_nan=False)
-        counted.append(
+        notes.append(
             CountedNote(
                 "nvfp4_scale_top_bit_clear",
                 "{count} non-zero NVFP4 scale bytes have the top bit clear; the bf16 kernel reads them 2**-112 "
@@ -657,7 +660,7 @@ def deferred_dequant_notes(
         )
     if fmt in (MarlinWeightFormat.MXFP4, MarlinWeightFormat.MXFP8):
         nan_count = _count_scale_bytes(weights, experts, _E8M0_DTYPES, "e8m0 scales", e8m0_nan=True)
-        counted.append(
+        notes.append(
             CountedNote(
                 "e8m0_nan_scale",
                 "{count} e8m0 scale bytes are 0xFF (NaN); the kernel reads them as +Inf",
@@ -683,33 +686,35 @@ def deferred_dequant_notes(
         assert weights.g_idx is not None
         g_idx = weights.g_idx.index_select(0, experts.to(weights.g_idx.device)).to(torch.long)
         uniform = torch.arange(weights.size_k, device=g_idx.device) // weights.group_size
-        counted.append(
+        notes.append(
             CountedNote(
                 "g_idx_not_uniform",
                 "sorted g_idx is not k // group_size; with is_k_full the kernel uses k // group_size instead",
                 (g_idx != uniform).any().to(torch.long),
             )
         )
-    return notes, counted
+    return notes
 
 
-def resolve_counted_notes(counted: list[CountedNote]) -> list[tuple[str, str]]:
-    """The (code, message) of each counted note whose count is non-zero, in order (one read of all counts)."""
-    if not counted:
-        return []
-    device = counted[0].count.device
-    counts = torch.stack([note.count.to(device) for note in counted]).tolist()
-    return [
-        (note.code, note.message.format(count=count))
-        for note, count in zip(counted, counts, strict=True)
-        if count
-    ]
+def resolve_notes(notes: list[Note | CountedNote]) -> list[Note]:
+    """``notes`` in order, each counted note as its (code, message) when its count is non-zero and left out when
+    it is zero (one read of all counts)."""
+    counted = [note for note in notes if isinstance(note, CountedNote)]
+    counts = iter(
+        torch.stack([note.count.to(counted[0].count.device) for note in counted]).tolist() if counted else []
+    )
+    resolved: list[Note] = []
+    for note in notes:
+        if not isinstance(note, CountedNote):
+            resolved.append(note)
+        elif count := next(counts):
+            resolved.append((note.code, note.message.format(count=count)))
+    return resolved
 
 
-def dequant_notes(weights: MarlinExpertWeights, experts: torch.Tensor) -> list[tuple[str, str]]:
+def dequant_notes(weights: MarlinExpertWeights, experts: torch.Tensor) -> list[Note]:
     """(code, message) observations about the weight tensors of ``experts`` that the kernel may read differently."""
-    notes, counted = deferred_dequant_notes(weights, experts)
-    return [*notes, *resolve_counted_notes(counted)]
+    return resolve_notes(deferred_dequant_notes(weights, experts))
 
 
 # ------------------------------------------------------------------------------------------- forward direction

@@ -41,7 +41,7 @@ from moereplay.reference.marlin_formats import (
     MarlinExpertWeights,
     MarlinWeightFormat,
     deferred_dequant_notes,
-    resolve_counted_notes,
+    resolve_notes,
 )
 from moereplay.reference.marlin_layout import unpermute_bias
 
@@ -487,8 +487,8 @@ def reference_moe_wna16_marlin_gemm(
             grouping, order=moved[3 * count : 4 * count], experts_used=moved[4 * count :]
         )
     experts_used = grouping.experts_used
-    weight_notes, counted_notes = deferred_dequant_notes(weights, experts_used)
-    notes.extend(ReferenceNote(code, message) for code, message in weight_notes)
+    # the weight notes go here, read at the end: their counts' one sync then waits for the work queued between
+    weight_notes, weight_notes_at = deferred_dequant_notes(weights, experts_used), len(notes)
 
     gemm_rows = None
     if marlin_rows.available(device) and marlin_rows.usable(weights):
@@ -559,8 +559,9 @@ def reference_moe_wna16_marlin_gemm(
     expert[rows.slot] = rows.expert
     k_slot[rows.slot] = rows.slot % top_k
     block[rows.slot] = rows.block
-    # the counted weight notes last: their one sync waits for the work queued above
-    notes.extend(ReferenceNote(code, message) for code, message in resolve_counted_notes(counted_notes))
+    notes[weight_notes_at:weight_notes_at] = [
+        ReferenceNote(code, m) for code, m in resolve_notes(weight_notes)
+    ]
     return MarlinReferenceResult(
         output=total,
         written=written,

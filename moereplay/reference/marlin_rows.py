@@ -133,7 +133,8 @@ def four_bit_row_steps(rows: torch.Tensor) -> tuple[int, int]:
 
 def tile_entries(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`byte_table` as ``column_entries[n] + row_entries[k]`` (int32 ``[64]`` and ``[16]``; the column
-    part's shift is 0): the kernel reads the column part once and the row part per row of a tile."""
+        part's shift is 0): the kernel reads the column part once; the row part per row of a tile (8-bit) or, for 4-bit
+    codes, from :func:`four_bit_row_steps`' two constants."""
     columns, rows = _entries_cpu(num_bits)
     return columns.clone(), rows.clone()
 
@@ -186,7 +187,9 @@ def k_splits(k_tiles: int) -> tuple[int, int]:
 
 PARTIAL_BYTES = 1 << 30
 """Largest buffer of split partial sums (``splits × rows × N`` float32) one pass of launches writes; a call with more
-rows (a long prefill) goes in passes of whole row blocks, which changes no row's value."""
+rows (a long prefill) goes in passes of whole row blocks, which changes no row's value. A pass also stages its
+activations (``16 × K`` float32 a row block: about the pass's rows × K × 4 bytes, plus up to 15 padding rows per
+used expert)."""
 
 
 def passes(plan: dict[int, list[Tile]], row_budget: int) -> list[dict[int, list[Tile]]]:
@@ -228,6 +231,8 @@ def count_scale_bytes(scales: torch.Tensor, experts: torch.Tensor, e8m0_nan: boo
     per_expert = flat.shape[1]
     if per_expert == 0:
         return total
+    if -(-per_expert // COUNT_BLOCK) > 65535:  # the grid's second dimension; torch counts such giants
+        return None
     try:
         from moereplay.reference.marlin_rows_kernel import count_scale_bytes as kernel
 
@@ -235,7 +240,8 @@ def count_scale_bytes(scales: torch.Tensor, experts: torch.Tensor, e8m0_nan: boo
             kernel[(experts.numel(), -(-per_expert // COUNT_BLOCK))](
                 flat, experts.contiguous(), per_expert, total, E8M0_NAN=e8m0_nan, BLOCK=COUNT_BLOCK
             )
-    except _launch_errors():
+    except _launch_errors() as error:
+        _FAILED.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
         return None
     return total
 
@@ -263,7 +269,8 @@ def expert_rows(
 ) -> torch.Tensor | None:
     """float32 ``[R, N]``: row ``order[g]`` is ``input[source_rows[g]] @ W[e]`` for the ``g``-th row of the grouped
     order (``per_expert[u]`` rows of ``experts_used[u]`` after one another; ``experts_host`` the same ids on the
-    host). One launch per block height (per pass of :data:`PARTIAL_BYTES`), the K splits added in order, no sync.
+    host). Per pass of :data:`PARTIAL_BYTES`: one launch staging the activations, one per block height, the K
+    splits added in order; no sync.
     None when the kernel cannot be built or launched here (said once as a warning; the caller takes the dense
     path, from then on)."""
     device = input.device
@@ -279,7 +286,7 @@ def expert_rows(
     num_bits = weights.format.num_bits
     column_entries, row_entries, lut = _device_tables(num_bits, kind, device)
     decode, bias = ARITHMETIC_KINDS.get(kind, (0, 0)) if ARITHMETIC_DECODE and num_bits == 4 else (0, 0)
-    row_step, row_half = four_bit_row_steps(_entries_cpu(4)[1])
+    row_step, row_half = four_bit_row_steps(_entries_cpu(4)[1]) if num_bits == 4 else (0, 0)
     scale_table, columns, multipliers = _scale_parts(weights)
     offsets = None
     if weights.b_qzeros is not None:  # integer zero points: −zero · scale per used expert, from the host

@@ -113,6 +113,7 @@ def marlin_rows(
     ROW_STEP: tl.constexpr,
     ROW_HALF: tl.constexpr,
 ):
+    tl.static_assert(BLOCK_M % 2 == 0 and BLOCK_M <= STAGED_ROWS, "row blocks are pairs of staged rows")
     t = tl.program_id(0)
     split = tl.program_id(2)
     start = tl.load(tiles_ptr + t * 4)

@@ -434,8 +434,9 @@ def time_rows_variants(args: dict[str, Any], kernel_ms: float, variants: list[st
     saved = marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N, marlin_rows.ARITHMETIC_DECODE
     try:
         for variant in variants:
+            variant = variant.strip().lower()
             table = variant.endswith("t")
-            warps, columns = (int(v) for v in variant.removesuffix("t").lower().split("x"))
+            warps, columns = (int(v) for v in variant.removesuffix("t").split("x"))
             marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N, marlin_rows.ARITHMETIC_DECODE = (
                 warps,
                 columns,

@@ -249,8 +249,10 @@ def test_dequant_notes() -> None:
         size_n=64,
         global_scale=packed.global_scale.to(torch.float16),
     )
-    codes = {code for code, _ in dequant_notes(weights, torch.tensor([0, 1]))}
-    assert codes == {"nvfp4_scale_top_bit_clear", "global_scale_dtype"}
+    notes = dequant_notes(weights, torch.tensor([0, 1]))
+    # in the order the checks run (the count is read after the other notes are known, its note keeps its place)
+    assert [code for code, _ in notes] == ["nvfp4_scale_top_bit_clear", "global_scale_dtype"]
+    assert notes[0][1].startswith("1 non-zero NVFP4 scale bytes")
     assert {code for code, _ in dequant_notes(weights, torch.tensor([1]))} == {"global_scale_dtype"}
     mx = random_experts(F.MXFP8, 1, 64, 64)
     bad = mx.b_scales.view(torch.uint8).clone()

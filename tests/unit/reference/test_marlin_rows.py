@@ -56,23 +56,22 @@ def _kernel_weights(weights: MarlinExpertWeights, experts: torch.Tensor) -> torc
     size_k, size_n = weights.size_k, weights.size_n
     k = torch.arange(size_k).view(-1, 1)
     n = torch.arange(size_n).view(1, -1)
-    entry = column_entries[n % 64] + row_entries[k % 16]
     tile_bytes = 16 * 64 * bits // 8
-    if (
-        bits == 4
-    ):  # a 32-bit word (the one of row k - k % 2, low nibbles) → its byte → the byte's pair of values
-        words = (
-            weights.b_qweight.contiguous().view(torch.int32).reshape(weights.num_experts, size_k // 16, -1)
-        )
-        low_rows = (k % 8) - (k % 2)
-        word_of = (column_entries[n % 64] + row_entries[low_rows]) >> 5
+    if bits == 4:
+        # as the kernel: row 2j + h of the low nibbles is at j · step + h · half bits (rows k + 8: the high
+        # nibbles of the same bytes); the word holds rows 2j, 2j + 1 of the column
+        step, half = marlin_rows.four_bit_row_steps(row_entries)
+        words = weights.b_qweight.contiguous().view(torch.int32)
+        words = words.reshape(weights.num_experts, size_k // 16, -1)
+        column = column_entries[n % 64]
+        word_of = (column >> 5) + (k % 8) // 2 * (step // 32)
         word = words[experts][:, k // 16, (n // 64) * (tile_bytes // 4) + word_of].to(torch.int64)
-        shift = ((column_entries[n % 64] + row_entries[k % 8]) & 31) + torch.where(k % 16 < 8, 0, 4)
+        shift = ((column + (k % 2) * half) & 31) + torch.where(k % 16 < 8, 0, 4)
         value = marlin_rows.value_table(kind)[(word >> shift) & 0xF]
     else:
-        packed = (
-            weights.b_qweight.contiguous().view(torch.uint8).reshape(weights.num_experts, size_k // 16, -1)
-        )
+        entry = column_entries[n % 64] + row_entries[k % 16]
+        packed = weights.b_qweight.contiguous().view(torch.uint8)
+        packed = packed.reshape(weights.num_experts, size_k // 16, -1)
         data = packed[experts][:, k // 16, (n // 64) * tile_bytes + (entry >> 3)].to(torch.int64)
         value = marlin_rows.value_table(kind)[data]
     group = k // weights.group_size
