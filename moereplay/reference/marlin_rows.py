@@ -241,9 +241,20 @@ def count_scale_bytes(scales: torch.Tensor, experts: torch.Tensor, e8m0_nan: boo
                 flat, experts.contiguous(), per_expert, total, E8M0_NAN=e8m0_nan, BLOCK=COUNT_BLOCK
             )
     except _launch_errors() as error:
-        _FAILED.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
+        _give_up(error)
         return None
     return total
+
+
+def _give_up(error: BaseException) -> None:
+    """Remember why a kernel could not run here and say so once: the reference takes the dense path from now on."""
+    _FAILED.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
+    warnings.warn(
+        f"moereplay: the packed-code Marlin reference kernel cannot run here ({_FAILED[0]}); the reference "
+        "dequantises to dense weights instead",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _launch_errors() -> tuple[type[BaseException], ...]:
@@ -376,13 +387,7 @@ def expert_rows(
                     summed.add_(partial[split])
                 out.index_copy_(0, destination[row_base : row_base + rows], summed)
     except _launch_errors() as error:
-        _FAILED.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
-        warnings.warn(
-            f"moereplay: the packed-code Marlin reference kernel cannot run here ({_FAILED[0]}); the reference "
-            "dequantises to dense weights instead",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        _give_up(error)
         return None
     return out
 
