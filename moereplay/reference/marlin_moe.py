@@ -316,24 +316,23 @@ def _route(
 def _fetch_routing(
     sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor, num_tokens_past_padded: torch.Tensor | int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
-    """The routing arguments on the host, the device-resident ones read in one copy (one sync): int64 values
-    (what :func:`_route` reads them as), the scalar's first element only."""
+    """The routing arguments on the host, those on one device read in one copy (one sync): int64 values (what
+    :func:`_route` reads them as), the scalar's first element only."""
     parts: list[torch.Tensor] = [sorted_token_ids.reshape(-1), expert_ids.reshape(-1)]
     scalar = isinstance(num_tokens_past_padded, torch.Tensor) and num_tokens_past_padded.numel() > 0
     if scalar:
         assert isinstance(num_tokens_past_padded, torch.Tensor)
         parts.append(num_tokens_past_padded.reshape(-1)[:1])
-    on_device = [part.device.type != "cpu" for part in parts]
-    if sum(on_device) < 2 or len({part.device for part in parts}) > 1:  # nothing to merge
+    on_device = [i for i, part in enumerate(parts) if part.device.type != "cpu"]
+    if len(on_device) < 2 or len({parts[i].device for i in on_device}) > 1:  # nothing to merge
         return sorted_token_ids, expert_ids, num_tokens_past_padded
-    host = torch.cat([part.to(torch.long) for part in parts]).cpu()
-    ids_end = sorted_token_ids.numel()
-    experts_end = ids_end + expert_ids.numel()
-    return (
-        host[:ids_end],
-        host[ids_end:experts_end],
-        (host[experts_end:] if scalar else num_tokens_past_padded),
-    )
+    host = torch.cat([parts[i].to(torch.long) for i in on_device]).cpu()
+    fetched = list(parts)
+    at = 0
+    for i in on_device:
+        fetched[i] = host[at : at + parts[i].numel()]
+        at += parts[i].numel()
+    return fetched[0], fetched[1], (fetched[2] if scalar else num_tokens_past_padded)
 
 
 def _short_list(values: torch.Tensor, limit: int = 8) -> str:

@@ -113,11 +113,11 @@ def _entries_cpu(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise ReferenceError_(
             f"the {num_bits}-bit Marlin tile permutation does not separate into rows and columns"
         )
-    if num_bits == 4 and not (torch.equal(rows[8:], rows[:8] + 4) and not bool((rows[:8] & 7).any())):
-        raise ReferenceError_("4-bit Marlin rows k and k + 8 are not a byte's low and high nibbles")
-    if num_bits == 4 and not torch.equal(table[0::2] >> 5, table[1::2] >> 5):
-        raise ReferenceError_("4-bit Marlin rows 2j and 2j + 1 of a column are not in one 32-bit word")
-    if num_bits == 4:
+    if num_bits == 4:  # what the kernel's 4-bit path assumes
+        if not (torch.equal(rows[8:], rows[:8] + 4) and not bool((rows[:8] & 7).any())):
+            raise ReferenceError_("4-bit Marlin rows k and k + 8 are not a byte's low and high nibbles")
+        if not torch.equal(table[0::2] >> 5, table[1::2] >> 5):
+            raise ReferenceError_("4-bit Marlin rows 2j and 2j + 1 of a column are not in one 32-bit word")
         step, half = four_bit_row_steps(rows)
         k = torch.arange(8)
         if int(rows[0]) != 0 or step % 32 or not torch.equal(rows[:8], step * (k // 2) + half * (k % 2)):
@@ -133,8 +133,8 @@ def four_bit_row_steps(rows: torch.Tensor) -> tuple[int, int]:
 
 def tile_entries(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`byte_table` as ``column_entries[n] + row_entries[k]`` (int32 ``[64]`` and ``[16]``; the column
-        part's shift is 0): the kernel reads the column part once; the row part per row of a tile (8-bit) or, for 4-bit
-    codes, from :func:`four_bit_row_steps`' two constants."""
+    part's shift is 0): the kernel reads the column part once; the row part per row of a tile (8-bit) or, for
+    4-bit codes, from :func:`four_bit_row_steps`' two constants."""
     columns, rows = _entries_cpu(num_bits)
     return columns.clone(), rows.clone()
 
@@ -224,7 +224,7 @@ def count_scale_bytes(scales: torch.Tensor, experts: torch.Tensor, e8m0_nan: boo
     """How many of ``experts``' scale bytes (uint8 ``[E, ...]``, on a GPU) are NVFP4 scales with the top bit clear
     and non-zero, or e8m0 0xFF (``e8m0_nan``): a 0-d int64 on the device, one launch, no sync — or None where the
     kernel cannot run (the caller counts with torch)."""
-    if _FAILED or not available(scales.device) or experts.numel() == 0:
+    if not available(scales.device) or experts.numel() == 0:
         return None
     total = torch.zeros((), dtype=torch.int64, device=scales.device)
     flat = scales.contiguous().view(scales.shape[0], -1)
