@@ -155,8 +155,7 @@ def marlin_rows(
         if FOUR_BIT:
             for j in tl.static_range(4):
                 # rows 2j, 2j + 1 (low nibbles) and 2j + 8, 2j + 9 (high nibbles) of a column share one 32-bit
-                # word (the host checks)
-                # row 2j + h's entry is j · ROW_STEP + h · ROW_HALF (the host checks; ROW_STEP whole words)
+                # word; row 2j + h starts j · ROW_STEP + h · ROW_HALF bits into the tile (the host checks both)
                 word = tl.load(tile + (column_entry >> 5) + j * (ROW_STEP // 32), mask=n_ok, other=0)
                 for h in tl.static_range(2):
                     kk = 2 * j + h
