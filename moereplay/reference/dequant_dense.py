@@ -29,6 +29,14 @@ FUSED_DEVICE_TYPES = frozenset({"cuda"})
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a wait: copied from pinned memory (a copy from pageable memory waits
+    for the device's queue to drain first)."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class QuantizedWeights:
     """Stored weights ``codes`` (``[E, N, K]``; int4: ``[E, N, K / 2]`` bytes) and how a weight ``(e, n, k)``
@@ -113,7 +121,7 @@ def dequant_dense(weights: QuantizedWeights, experts: Sequence[int]) -> torch.Te
     out = torch.empty((len(experts), N, K), dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out
-    ids = torch.tensor([int(e) for e in experts], dtype=torch.int64).to(device, non_blocking=True)
+    ids = to_device_async(torch.tensor([int(e) for e in experts], dtype=torch.int64), device)
     scale = weights.scale
     zero_points = weights.zero_points
     if zero_points is not None and weights.zero_points_int4:

@@ -42,6 +42,7 @@ from moereplay.errors import ReferenceError_
 from moereplay.reference import marlin_decode
 from moereplay.reference import marlin_layout as layout
 from moereplay.reference import scalar_types as st
+from moereplay.reference.dequant_dense import to_device_async
 from moereplay.reference.numerics import decode_e8m0, e2m1_lut
 
 
@@ -352,7 +353,7 @@ class MarlinExpertWeights:
         if run:  # made on the device: no host-to-device copy, no sync
             index = torch.arange(experts[0], experts[0] + len(experts), device=device)
         else:
-            index = torch.tensor(experts, dtype=torch.long).to(device, non_blocking=True)
+            index = to_device_async(torch.tensor(experts, dtype=torch.long), device)
         kind = self.fast_kind()
         if kind is None:
             out.copy_(self._dequantize_general(index))

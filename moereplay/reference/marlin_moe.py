@@ -37,6 +37,7 @@ import torch
 from moereplay.errors import ReferenceError_
 from moereplay.reference import marlin_rows
 from moereplay.reference import scalar_types as st
+from moereplay.reference.dequant_dense import to_device_async
 from moereplay.reference.marlin_formats import (
     MarlinExpertWeights,
     MarlinWeightFormat,
@@ -478,7 +479,7 @@ def reference_moe_wna16_marlin_gemm(
     grouping = _group_rows(rows)  # the last sync before the (asynchronous) heavy work
     if route_device != device:  # one copy back, from pinned memory: no wait for the device
         count = int(rows.slot.numel())
-        moved = marlin_rows.to_device_async(
+        moved = to_device_async(
             torch.cat((rows.slot, rows.expert, rows.block, grouping.order, grouping.experts_used)), device
         )
         rows = _Rows(moved[:count], moved[count : 2 * count], moved[2 * count : 3 * count])

@@ -28,7 +28,7 @@ import torch
 from moereplay.errors import ReferenceError_
 from moereplay.reference import marlin_decode
 from moereplay.reference import marlin_layout as layout
-from moereplay.reference.dequant_dense import FUSED_DEVICE_TYPES, SWITCH_VARIABLE
+from moereplay.reference.dequant_dense import FUSED_DEVICE_TYPES, SWITCH_VARIABLE, to_device_async
 from moereplay.reference.marlin_formats import MarlinExpertWeights
 
 TILE_K, TILE_N = 16, 64
@@ -206,14 +206,6 @@ def passes(plan: dict[int, list[Tile]], row_budget: int) -> list[dict[int, list[
         runs[-1].setdefault(height, []).append(tile)
         rows += tile[1]
     return runs
-
-
-def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without a wait: copied from pinned memory (a copy from pageable memory waits
-    for the device's queue to drain first)."""
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 COUNT_BLOCK = 8192
