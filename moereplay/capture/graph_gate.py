@@ -84,7 +84,7 @@ class GraphGate:
         with self._condition:
             token = self._tokens.pop(id(graph), None)
         if token is not None:
-            self._run_hook("end", self.ended, token)
+            self._run_hook("ended", self.ended, token)
 
     @staticmethod
     def _run_hook(what: str, hook: Callable[..., object] | None, *args: object) -> object:
