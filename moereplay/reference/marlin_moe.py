@@ -519,8 +519,8 @@ def reference_moe_wna16_marlin_gemm(
     gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
     gemm[rows.slot] = gemm_rows
     del gemm_rows  # 12 MB at gpt-oss shapes, before the output and bias rows are made
-    written = torch.zeros(num_slots, dtype=torch.bool, device=device)
-    written[rows.slot] = True
+    # index_fill_ takes the value as a launch argument (an assigned Python scalar is a host copy that waits)
+    written = torch.zeros(num_slots, dtype=torch.bool, device=device).index_fill_(0, rows.slot, True)
 
     bias_rows: torch.Tensor | None = None
     total = gemm.clone()
@@ -545,7 +545,7 @@ def reference_moe_wna16_marlin_gemm(
         row_weights[rows.slot] = _row_weights(topk_weights, rows.slot, num_slots, notes)
         total *= row_weights.unsqueeze(1)
     else:
-        row_weights[rows.slot] = 1.0
+        row_weights.index_fill_(0, rows.slot, 1.0)
         total.masked_fill_(~written.unsqueeze(1), 0.0)
 
     minus_one = torch.full((num_slots,), -1, dtype=torch.long, device=device)

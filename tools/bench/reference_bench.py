@@ -493,6 +493,27 @@ def profile_reference(case: Case, device: torch.device) -> None:
     profile_call(case.name, lambda: reference_moe_wna16_marlin_gemm(**args), device)
     if device.type == "cuda":
         print_syncs(case.name, lambda: reference_moe_wna16_marlin_gemm(**args))
+    print_host_profile(case.name, lambda: reference_moe_wna16_marlin_gemm(**args), calls=20)
+
+
+def print_host_profile(name: str, fn: Callable[[], object], calls: int) -> None:
+    """Where the host spends a call of ``fn`` (cProfile over ``calls`` calls, by own time and by cumulative time):
+    a host-bound reference is made faster by cutting these, not its kernels."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    for key, limit in (("tottime", 22), ("cumtime", 22)):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(limit)
+        lines = [line for line in text.getvalue().splitlines() if line.strip()]
+        print(f"--- {name}: host profile of {calls} calls by {key}")
+        print("\n".join(lines[-(limit + 2) :]))
 
 
 def print_syncs(name: str, fn: Callable[[], object]) -> None:
