@@ -314,6 +314,17 @@ def _route(
     return _Rows(slot, expert, block)
 
 
+def _row_tables(rows: _Rows, top_k: int, num_slots: int) -> tuple[RowMap, torch.Tensor]:
+    """Per output row, on the rows' device: what it is (-1 where no row writes it) and whether it is written
+    (int64 0/1)."""
+    tables = torch.full((5, num_slots), -1, dtype=torch.long, device=rows.slot.device)
+    tables[:, rows.slot] = torch.stack(
+        (rows.slot // top_k, rows.expert, rows.slot % top_k, rows.block, torch.ones_like(rows.slot))
+    )
+    tables[4].clamp_(min=0)
+    return RowMap(tables[0], tables[1], tables[2], tables[3]), tables[4]
+
+
 def _fetch_routing(
     sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor, num_tokens_past_padded: torch.Tensor | int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
@@ -477,14 +488,33 @@ def reference_moe_wna16_marlin_gemm(
         notes,
     )
     grouping = _group_rows(rows)  # the last sync before the (asynchronous) heavy work
+    # per output row: written, and what it is (made where the rows are: on the host, no launches)
+    row_map, written_rows = _row_tables(rows, top_k, num_slots)
     if route_device != device:  # one copy back, from pinned memory: no wait for the device
         count = int(rows.slot.numel())
         moved = to_device_async(
-            torch.cat((rows.slot, rows.expert, rows.block, grouping.order, grouping.experts_used)), device
+            torch.cat(
+                (
+                    rows.slot,
+                    rows.expert,
+                    rows.block,
+                    grouping.order,
+                    row_map.input_row,
+                    row_map.expert,
+                    row_map.k_slot,
+                    row_map.block,
+                    written_rows,
+                    grouping.experts_used,
+                )
+            ),
+            device,
         )
-        rows = _Rows(moved[:count], moved[count : 2 * count], moved[2 * count : 3 * count])
+        parts = moved[: 4 * count + 5 * num_slots].split((count,) * 4 + (num_slots,) * 5)
+        rows = _Rows(*parts[:3])
+        row_map = RowMap(*parts[4:8])
+        written_rows = parts[8]
         grouping = dataclasses.replace(
-            grouping, order=moved[3 * count : 4 * count], experts_used=moved[4 * count :]
+            grouping, order=parts[3], experts_used=moved[4 * count + 5 * num_slots :]
         )
     experts_used = grouping.experts_used
     # the weight notes go here, read at the end: their counts' one sync then waits for the work queued between
@@ -519,8 +549,7 @@ def reference_moe_wna16_marlin_gemm(
     gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
     gemm[rows.slot] = gemm_rows
     del gemm_rows  # 12 MB at gpt-oss shapes, before the output and bias rows are made
-    # index_fill_ takes the value as a launch argument (an assigned Python scalar is a host copy that waits)
-    written = torch.zeros(num_slots, dtype=torch.bool, device=device).index_fill_(0, rows.slot, True)
+    written = written_rows.to(torch.bool)
 
     bias_rows: torch.Tensor | None = None
     total = gemm.clone()
@@ -548,24 +577,13 @@ def reference_moe_wna16_marlin_gemm(
         row_weights.index_fill_(0, rows.slot, 1.0)
         total.masked_fill_(~written.unsqueeze(1), 0.0)
 
-    minus_one = torch.full((num_slots,), -1, dtype=torch.long, device=device)
-    input_row, expert, k_slot, block = (
-        minus_one.clone(),
-        minus_one.clone(),
-        minus_one.clone(),
-        minus_one.clone(),
-    )
-    input_row[rows.slot] = rows.slot // top_k
-    expert[rows.slot] = rows.expert
-    k_slot[rows.slot] = rows.slot % top_k
-    block[rows.slot] = rows.block
     notes[weight_notes_at:weight_notes_at] = [
         ReferenceNote(code, m) for code, m in resolve_notes(weight_notes)
     ]
     return MarlinReferenceResult(
         output=total,
         written=written,
-        row_map=RowMap(input_row, expert, k_slot, block),
+        row_map=row_map,
         gemm=gemm,
         bias_rows=bias_rows,
         row_weights=row_weights,
