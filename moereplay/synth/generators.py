@@ -116,7 +116,28 @@ def _uniform(gen: torch.Generator, shape: tuple[int, ...], low: float, high: flo
 
 
 def _integers(gen: torch.Generator, low: int, high: int, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.randint(low, high, shape, generator=gen, dtype=torch.uint8)
+    return uint8_randint(gen, low, high, torch.empty(shape, dtype=torch.uint8))
+
+
+def uint8_randint(gen: torch.Generator, low: int, high: int, out: torch.Tensor) -> torch.Tensor:
+    """``torch.randint(low, high, generator=gen, out=out)`` for a uint8 ``out``: the same values, and ``gen`` left
+    in the same state. With ``low`` 0 and ``high`` a power of two up to 256 on a CPU generator, drawn 1.5x faster:
+    both draws take one 32-bit word per element, in the same order; randint keeps its remainder by ``high``, the
+    full-range uint8 draw its low 8 bits, and masking those to ``high - 1`` is the same remainder."""
+    fast = (
+        low == 0
+        and 0 < high <= 256
+        and high & (high - 1) == 0
+        and out.dtype == torch.uint8
+        and out.device.type == "cpu"
+        and gen.device.type == "cpu"
+    )
+    if not fast:
+        return torch.randint(low, high, out.shape, generator=gen, out=out)
+    out.random_(generator=gen)
+    if high < 256:
+        out.bitwise_and_(high - 1)
+    return out
 
 
 def _pad_shards(values: torch.Tensor, shards: int, width: int) -> torch.Tensor:
@@ -252,7 +273,7 @@ def _marlin_experts(params: Mapping[str, Any], *, streamed: bool) -> dict[str, t
     zero_points = global_scale = g_idx = None
     if draw.report:
         # The published report's draw: every code/scale over the padded K first, then the padding zeroed.
-        codes = torch.randint(0, 16, (experts, draw.drawn_k, size_n), generator=gen, dtype=torch.uint8)
+        codes = uint8_randint(gen, 0, 16, torch.empty((experts, draw.drawn_k, size_n), dtype=torch.uint8))
         codes[:, size_k:, :] = 0
         scales = _report_scales(gen, draw, (experts,))
         global_scale = torch.rand(experts, generator=gen) * 0.002 + 1e-4
@@ -341,7 +362,7 @@ def _marlin_streamed(
     zero_points = global_scale = None
     with ExpertPipeline() as pipeline:
         for expert in range(experts):
-            codes = torch.randint(0, _code_bound(fmt), drawn[0].shape, generator=gen, out=drawn[expert % 2])
+            codes = uint8_randint(gen, 0, _code_bound(fmt), drawn[expert % 2])
             if draw.report:
                 codes[draw.size_k :] = 0
             pipeline.submit(pack, expert, codes)
@@ -486,7 +507,7 @@ def _hopper_mxfp4(params: Mapping[str, Any], *, streamed: bool) -> dict[str, tor
         order = w13_permutation(n, W13Layout.GATE_UP_CONCAT, W13Layout(layout))
     if streamed:
         return _hopper_streamed(gen, (experts, k, n), (low, high), mma_version, num_warps, order)
-    values = torch.randint(0, 256, (experts, n, k // 2), generator=gen, dtype=torch.uint8)
+    values = uint8_randint(gen, 0, 256, torch.empty((experts, n, k // 2), dtype=torch.uint8))
     scales = torch.randint(low, high, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
     if order is not None:
         values, scales = values[:, order], scales[:, order]
@@ -546,7 +567,7 @@ def _hopper_streamed(
 
     with ExpertPipeline() as pipeline:
         for expert in range(experts):
-            rows = torch.randint(0, 256, drawn[0].shape, generator=gen, out=drawn[expert % 2])
+            rows = uint8_randint(gen, 0, 256, drawn[expert % 2])
             pipeline.submit(swizzle, expert, rows)
         for expert in range(experts):
             drawn_scales = torch.randint(*scale_range, (n, k // 32), generator=gen, dtype=torch.uint8)
