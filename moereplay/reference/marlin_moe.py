@@ -569,12 +569,12 @@ def reference_moe_wna16_marlin_gemm(
         bias_rows[rows.slot] = bias[torch.searchsorted(experts_used, rows.expert)]
         total += bias_rows
 
-    row_weights = torch.zeros(num_slots, dtype=torch.float32, device=device)
     if mul_topk_weights:
+        row_weights = torch.zeros(num_slots, dtype=torch.float32, device=device)
         row_weights[rows.slot] = _row_weights(topk_weights, rows.slot, num_slots, notes)
         total *= row_weights.unsqueeze(1)
     else:
-        row_weights.index_fill_(0, rows.slot, 1.0)
+        row_weights = written_rows.to(torch.float32)  # 1 where written, else 0
         total.masked_fill_(~written.unsqueeze(1), 0.0)
 
     notes[weight_notes_at:weight_notes_at] = [
