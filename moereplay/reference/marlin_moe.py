@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
 
+import numpy as np
 import torch
 
 from moereplay.errors import ReferenceError_
@@ -231,9 +232,10 @@ def _route(
     moe_block_size: int,
     num_slots: int,
     num_experts: int,
-    device: torch.device,
     notes: list[ReferenceNote],
 ) -> _Rows:
+    """The rows the kernel writes, on the host (numpy: a few thousand integers, each step about a microsecond where
+    a torch operation costs several), sorted by output row; the contract checks as notes."""
     total = _scalar(num_tokens_past_padded, "num_tokens_past_padded")
     if total % moe_block_size:
         notes.append(
@@ -254,37 +256,30 @@ def _route(
             )
         )
         blocks = available
-    ids = (
-        sorted_token_ids[: blocks * moe_block_size]
-        .to(device=device, dtype=torch.long)
-        .view(blocks, moe_block_size)
-    )
-    block_experts = expert_ids[:blocks].to(device=device, dtype=torch.long)
+    ids = _host_longs(sorted_token_ids, blocks * moe_block_size).reshape(blocks, moe_block_size)
+    block_experts = _host_longs(expert_ids, blocks)
     valid = (ids >= 0) & (ids < num_slots)
-    padding_before = torch.cumsum((~valid).to(torch.int32), dim=1) > 0
-    inner = valid & padding_before
+    inner = valid & (np.cumsum(~valid, axis=1) > 0)  # valid after padding in its block
     bad_expert = (block_experts < 0) | (block_experts >= num_experts)
-    dropped = valid & bad_expert.view(-1, 1)
-    # one sync for the three contract checks; their details cost more only when one of them holds
-    negative_any, inner_any, dropped_any = torch.stack(((ids < 0).any(), inner.any(), dropped.any())).tolist()
-    if negative_any:
+    dropped = valid & bad_expert[:, None]
+    negative = int((ids < 0).sum())
+    if negative:
         notes.append(
             ReferenceNote(
                 "negative_sorted_id",
-                f"{int((ids < 0).sum())} sorted_token_ids entries are negative; the kernel counts them as rows",
+                f"{negative} sorted_token_ids entries are negative; the kernel counts them as rows",
             )
         )
-    if inner_any:
-        bad_blocks = torch.nonzero(inner.any(dim=1)).reshape(-1)
+    if inner.any():
         notes.append(
             ReferenceNote(
                 "padding_inside_block",
-                f"blocks {_short_list(bad_blocks)} have padding before a valid entry; the kernel writes only the "
-                "first `count` entries of a block",
+                f"blocks {_short_list(np.flatnonzero(inner.any(axis=1)))} have padding before a valid entry; the "
+                "kernel writes only the first `count` entries of a block",
             )
         )
-    if dropped_any:
-        bad_blocks = torch.nonzero(dropped.any(dim=1)).reshape(-1)
+    if dropped.any():
+        bad_blocks = np.flatnonzero(dropped.any(axis=1))
         notes.append(
             ReferenceNote(
                 "invalid_block_expert",
@@ -292,37 +287,44 @@ def _route(
                 f"({_short_list(block_experts[bad_blocks])}); their rows are left unwritten here",
             )
         )
-    valid = valid & ~bad_expert.view(-1, 1)
-    positions = torch.nonzero(valid.reshape(-1)).reshape(-1)
+    positions = np.flatnonzero(valid & ~bad_expert[:, None])
     slot = ids.reshape(-1)[positions]
-    block = positions // moe_block_size
-    expert = block_experts[block]
-    if slot.numel():
-        last = torch.full((num_slots,), -1, dtype=torch.long, device=device)
-        last.scatter_reduce_(0, slot, torch.arange(slot.numel(), device=device), reduce="amax")
-        keep = last[last >= 0]
-        if keep.numel() != slot.numel():
-            counts = torch.bincount(slot, minlength=num_slots)
-            notes.append(
-                ReferenceNote(
-                    "duplicate_slot",
-                    f"output rows {_short_list(torch.nonzero(counts > 1).reshape(-1))} are written by more than "
-                    "one block (the kernel's result depends on timing); the last block is used here",
-                )
+    # each output row once, from the last block that writes it, in row order
+    last = np.full(num_slots, -1, dtype=np.int64)
+    np.maximum.at(last, slot, np.arange(slot.size, dtype=np.int64))
+    keep = last[last >= 0]
+    if keep.size != slot.size:
+        counts = np.bincount(slot, minlength=num_slots)
+        notes.append(
+            ReferenceNote(
+                "duplicate_slot",
+                f"output rows {_short_list(np.flatnonzero(counts > 1))} are written by more than one block (the "
+                "kernel's result depends on timing); the last block is used here",
             )
-        slot, expert, block = slot[keep], expert[keep], block[keep]
-    return _Rows(slot, expert, block)
+        )
+    block = positions[keep] // moe_block_size
+    return _Rows(
+        torch.from_numpy(slot[keep]), torch.from_numpy(block_experts[block]), torch.from_numpy(block)
+    )
+
+
+def _host_longs(values: torch.Tensor, count: int) -> np.ndarray:
+    """The first ``count`` elements of ``values`` as a host int64 array (a copy where it is not already one)."""
+    return values.detach().reshape(-1)[:count].to("cpu", torch.long).numpy()
 
 
 def _row_tables(rows: _Rows, top_k: int, num_slots: int) -> tuple[RowMap, torch.Tensor]:
-    """Per output row, on the rows' device: what it is (-1 where no row writes it) and whether it is written
+    """Per output row, from the host rows: what it is (-1 where no row writes it) and whether it is written
     (int64 0/1)."""
-    tables = torch.full((5, num_slots), -1, dtype=torch.long, device=rows.slot.device)
-    tables[:, rows.slot] = torch.stack(
-        (rows.slot // top_k, rows.expert, rows.slot % top_k, rows.block, torch.ones_like(rows.slot))
-    )
-    tables[4].clamp_(min=0)
-    return RowMap(tables[0], tables[1], tables[2], tables[3]), tables[4]
+    slot = rows.slot.numpy()
+    tables = np.full((5, num_slots), -1, dtype=np.int64)
+    tables[0, slot] = slot // top_k
+    tables[1, slot] = rows.expert.numpy()
+    tables[2, slot] = slot % top_k
+    tables[3, slot] = rows.block.numpy()
+    tables[4] = tables[3] >= 0  # 1 where written, else 0
+    made = torch.from_numpy(tables)
+    return RowMap(made[0], made[1], made[2], made[3]), made[4]
 
 
 def _fetch_routing(
@@ -347,7 +349,7 @@ def _fetch_routing(
     return fetched[0], fetched[1], (fetched[2] if scalar else num_tokens_past_padded)
 
 
-def _short_list(values: torch.Tensor, limit: int = 8) -> str:
+def _short_list(values: torch.Tensor | np.ndarray, limit: int = 8) -> str:
     items = [int(v) for v in values.reshape(-1)[: limit + 1].tolist()]
     text = ",".join(str(v) for v in items[:limit])
     return text + (",…" if len(items) > limit else "")
@@ -472,25 +474,17 @@ def reference_moe_wna16_marlin_gemm(
 
     # the routing arrays are small: on a GPU they are read once and routed on the host (no launch, no sync per
     # step), and the rows' indices go back in one copy
-    route_device = torch.device("cpu") if ROUTE_ON_HOST and device.type != "cpu" else device
-    if route_device != device:
+    if device.type != "cpu":
         sorted_token_ids, expert_ids, num_tokens_past_padded = _fetch_routing(
             sorted_token_ids, expert_ids, num_tokens_past_padded
         )
     rows = _route(
-        sorted_token_ids,
-        expert_ids,
-        num_tokens_past_padded,
-        moe_block_size,
-        num_slots,
-        num_experts,
-        route_device,
-        notes,
+        sorted_token_ids, expert_ids, num_tokens_past_padded, moe_block_size, num_slots, num_experts, notes
     )
-    grouping = _group_rows(rows)  # the last sync before the (asynchronous) heavy work
-    # per output row: written, and what it is (made where the rows are: on the host, no launches)
+    grouping = _group_rows(rows)
+    # per output row: written, and what it is (made on the host with the rows: no launches)
     row_map, written_rows = _row_tables(rows, top_k, num_slots)
-    if route_device != device:  # one copy back, from pinned memory: no wait for the device
+    if device.type != "cpu":  # one copy back, from pinned memory: no wait for the device
         count = int(rows.slot.numel())
         moved = to_device_async(
             torch.cat(
@@ -603,16 +597,13 @@ class _Grouping:
 
 
 def _group_rows(rows: _Rows) -> _Grouping:
-    """The used experts, their row counts and the rows' stable order by expert (one sync)."""
-    experts_used, counts = torch.unique(rows.expert, return_counts=True)
-    order = torch.argsort(rows.expert, stable=True)
-    experts, per_expert = torch.stack((experts_used, counts)).tolist()
-    return _Grouping(order, experts_used, [int(e) for e in experts], [int(c) for c in per_expert])
-
-
-ROUTE_ON_HOST = True
-"""Whether a GPU call's routing (sorted ids → rows, their experts and order) runs on the host: a few thousand
-integers, about 40 small steps and five syncs on the device, a copy each way on the host."""
+    """The used experts, their row counts and the rows' stable order by expert, from the host rows."""
+    expert = rows.expert.numpy()
+    experts_used, counts = np.unique(expert, return_counts=True)
+    order = np.argsort(expert, kind="stable")
+    return _Grouping(
+        torch.from_numpy(order), torch.from_numpy(experts_used), experts_used.tolist(), counts.tolist()
+    )
 
 
 DENSE_BYTES_AT_ONCE = {"cpu": 256 << 20, "cuda": 8 << 30}
