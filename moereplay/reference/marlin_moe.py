@@ -313,18 +313,17 @@ def _host_longs(values: torch.Tensor, count: int) -> np.ndarray:
     return values.detach().reshape(-1)[:count].to("cpu", torch.long).numpy()
 
 
-def _row_tables(rows: _Rows, top_k: int, num_slots: int) -> tuple[RowMap, torch.Tensor]:
-    """Per output row, from the host rows: what it is (-1 where no row writes it) and whether it is written
-    (int64 0/1)."""
+def _row_tables(rows: _Rows, top_k: int, num_slots: int) -> torch.Tensor:
+    """int64 ``[5, num_slots]`` from the host rows: per output row its :class:`RowMap` fields (input row, expert, k
+    slot, block; -1 where no row writes it) and whether it is written (0/1)."""
     slot = rows.slot.numpy()
     tables = np.full((5, num_slots), -1, dtype=np.int64)
     tables[0, slot] = slot // top_k
     tables[1, slot] = rows.expert.numpy()
     tables[2, slot] = slot % top_k
     tables[3, slot] = rows.block.numpy()
-    tables[4] = tables[3] >= 0  # 1 where written, else 0
-    made = torch.from_numpy(tables)
-    return RowMap(made[0], made[1], made[2], made[3]), made[4]
+    tables[4] = tables[3] >= 0
+    return torch.from_numpy(tables)
 
 
 def _fetch_routing(
@@ -482,8 +481,8 @@ def reference_moe_wna16_marlin_gemm(
         sorted_token_ids, expert_ids, num_tokens_past_padded, moe_block_size, num_slots, num_experts, notes
     )
     grouping = _group_rows(rows)
-    # per output row: written, and what it is (made on the host with the rows: no launches)
-    row_map, written_rows = _row_tables(rows, top_k, num_slots)
+    # per output row: what it is and whether it is written (made on the host with the rows: no launches)
+    tables = _row_tables(rows, top_k, num_slots)
     if device.type != "cpu":  # one copy back, from pinned memory: no wait for the device
         count = int(rows.slot.numel())
         moved = to_device_async(
@@ -493,23 +492,18 @@ def reference_moe_wna16_marlin_gemm(
                     rows.expert,
                     rows.block,
                     grouping.order,
-                    row_map.input_row,
-                    row_map.expert,
-                    row_map.k_slot,
-                    row_map.block,
-                    written_rows,
+                    tables.reshape(-1),
                     grouping.experts_used,
                 )
             ),
             device,
         )
-        parts = moved[: 4 * count + 5 * num_slots].split((count,) * 4 + (num_slots,) * 5)
-        rows = _Rows(*parts[:3])
-        row_map = RowMap(*parts[4:8])
-        written_rows = parts[8]
-        grouping = dataclasses.replace(
-            grouping, order=parts[3], experts_used=moved[4 * count + 5 * num_slots :]
+        slot, expert, block, order, flat_tables = moved[: 4 * count + 5 * num_slots].split(
+            (count,) * 4 + (5 * num_slots,)
         )
+        rows = _Rows(slot, expert, block)
+        tables = flat_tables.view(5, num_slots)
+        grouping = dataclasses.replace(grouping, order=order, experts_used=moved[4 * count + 5 * num_slots :])
     experts_used = grouping.experts_used
     # the weight notes go here, read at the end: their counts' one sync then waits for the work queued between
     weight_notes, weight_notes_at = deferred_dequant_notes(weights, experts_used), len(notes)
@@ -543,7 +537,7 @@ def reference_moe_wna16_marlin_gemm(
     gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
     gemm[rows.slot] = gemm_rows
     del gemm_rows  # 12 MB at gpt-oss shapes, before the output and bias rows are made
-    written = written_rows.to(torch.bool)
+    written = tables[4].to(torch.bool)
 
     bias_rows: torch.Tensor | None = None
     total = gemm.clone()
@@ -568,7 +562,7 @@ def reference_moe_wna16_marlin_gemm(
         row_weights[rows.slot] = _row_weights(topk_weights, rows.slot, num_slots, notes)
         total *= row_weights.unsqueeze(1)
     else:
-        row_weights = written_rows.to(torch.float32)  # 1 where written, else 0
+        row_weights = tables[4].to(torch.float32)  # 1 where written, else 0
         total.masked_fill_(~written.unsqueeze(1), 0.0)
 
     notes[weight_notes_at:weight_notes_at] = [
@@ -577,7 +571,7 @@ def reference_moe_wna16_marlin_gemm(
     return MarlinReferenceResult(
         output=total,
         written=written,
-        row_map=row_map,
+        row_map=RowMap(tables[0], tables[1], tables[2], tables[3]),
         gemm=gemm,
         bias_rows=bias_rows,
         row_weights=row_weights,
