@@ -33,6 +33,7 @@ Weights come back dense ``float32[experts, K, N]`` in the *original* row order (
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 
@@ -558,6 +559,21 @@ class MarlinExpertWeights:
             table = self._byte_scale_table()
         return table, columns
 
+    def all_scale_multipliers(self) -> torch.Tensor:
+        """:meth:`scale_multipliers` of every expert in order, on the weights' device, in one launch or none:
+        NVFP4's factors from the whole ``global_scale`` (float32 scales: one float32 product by the power of two,
+        correctly rounded like the float64 product's rounding — the same bits), the other formats' constant kept
+        per device (shared: read it, do not write it)."""
+        device = self.b_qweight.device
+        if self.format is MarlinWeightFormat.NVFP4:
+            assert self.global_scale is not None
+            scales = self.global_scale.reshape(-1).to(device)
+            if scales.dtype != torch.float32:
+                return self.expert_multipliers(torch.arange(self.num_experts, device=device))
+            return scales * 2.0 ** -fp4_exponent_compensation(self.activation_dtype)
+        value = self._fp8_scale_factor() if self.format is MarlinWeightFormat.FP8 else 1.0
+        return _constant_multipliers(self.num_experts, value, device)
+
     def scale_multipliers(self, experts: torch.Tensor) -> torch.Tensor:
         """float32 per expert of ``experts`` (on their device) that :meth:`scale_layout`'s values are multiplied by:
         NVFP4's per-expert factor, FP8's exponent compensation, else 1."""
@@ -573,6 +589,11 @@ class MarlinExpertWeights:
         if self.format is MarlinWeightFormat.AWQ_INT4_FZP:
             return layout.unpermute_float_zero_points(raw.to(torch.float32))
         return layout.unpack_zero_points(raw, self.format.num_bits).to(torch.float32)
+
+
+@functools.cache
+def _constant_multipliers(count: int, value: float, device: torch.device) -> torch.Tensor:
+    return torch.full((count,), value, dtype=torch.float32, device=device)
 
 
 def _decode_codes(fmt: MarlinWeightFormat, codes: torch.Tensor) -> torch.Tensor:

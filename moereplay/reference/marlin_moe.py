@@ -313,7 +313,7 @@ def _host_longs(values: torch.Tensor, count: int) -> np.ndarray:
     return values.detach().reshape(-1)[:count].to("cpu", torch.long).numpy()
 
 
-def _row_tables(rows: _Rows, top_k: int, num_slots: int) -> torch.Tensor:
+def _row_tables(rows: _Rows, top_k: int, num_slots: int) -> np.ndarray:
     """int64 ``[5, num_slots]`` from the host rows: per output row its :class:`RowMap` fields (input row, expert, k
     slot, block; -1 where no row writes it) and whether it is written (0/1)."""
     slot = rows.slot.numpy()
@@ -323,7 +323,7 @@ def _row_tables(rows: _Rows, top_k: int, num_slots: int) -> torch.Tensor:
     tables[2, slot] = slot % top_k
     tables[3, slot] = rows.block.numpy()
     tables[4] = tables[3] >= 0
-    return torch.from_numpy(tables)
+    return tables
 
 
 def _fetch_routing(
@@ -339,7 +339,9 @@ def _fetch_routing(
     on_device = [i for i, part in enumerate(parts) if part.device.type != "cpu"]
     if len(on_device) < 2 or len({parts[i].device for i in on_device}) > 1:  # nothing to merge
         return sorted_token_ids, expert_ids, num_tokens_past_padded
-    host = torch.cat([parts[i].to(torch.long) for i in on_device]).cpu()
+    # one dtype (int32, as vLLM makes them): one launch joins them and the host widens them
+    same = len({parts[i].dtype for i in on_device}) == 1
+    host = torch.cat([parts[i] if same else parts[i].to(torch.long) for i in on_device]).cpu().to(torch.long)
     fetched = list(parts)
     at = 0
     for i in on_device:
@@ -356,10 +358,12 @@ def _short_list(values: torch.Tensor | np.ndarray, limit: int = 8) -> str:
 
 def _row_weights(
     topk_weights: torch.Tensor,
-    slot: torch.Tensor,
+    written: torch.Tensor,
     num_slots: int,
     notes: list[ReferenceNote],
 ) -> torch.Tensor:
+    """float32 per output row: the routing weight the kernel multiplies it by (``topk_weights`` read flat by slot,
+    NaN for a slot past its end), 0 for rows not written."""
     if topk_weights.dtype != torch.float32:
         notes.append(
             ReferenceNote(
@@ -373,7 +377,7 @@ def _row_weights(
                 "topk_weights_layout", "topk_weights is not contiguous; the kernel reads its storage flat"
             )
         )
-    flat = topk_weights.reshape(-1).to(device=slot.device, dtype=torch.float32)
+    flat = topk_weights.reshape(-1).to(device=written.device, dtype=torch.float32)
     if flat.numel() < num_slots:
         notes.append(
             ReferenceNote(
@@ -381,11 +385,22 @@ def _row_weights(
                 f"topk_weights has {flat.numel()} values for {num_slots} slots; the kernel reads past it",
             )
         )
-    if flat.numel() == 0:
-        return torch.full(slot.shape, float("nan"), dtype=torch.float32, device=slot.device)
-    inside = slot < flat.numel()
-    read = flat[slot.clamp(max=flat.numel() - 1)]  # no sync: a slot past the end reads NaN below
-    return torch.where(inside, read, torch.full_like(read, float("nan")))
+        flat = torch.cat((flat, flat.new_full((num_slots - flat.numel(),), float("nan"))))
+    return torch.where(written, flat[:num_slots], 0.0)
+
+
+def _to_device_together(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Host int64 arrays on ``device`` in one copy (:func:`to_device_async`: no wait), by name, shapes kept."""
+    flat = (
+        np.concatenate([array.reshape(-1) for array in arrays.values()]) if arrays else np.zeros(0, np.int64)
+    )
+    moved = to_device_async(torch.from_numpy(flat), device)
+    tensors: dict[str, torch.Tensor] = {}
+    at = 0
+    for name, array in arrays.items():
+        tensors[name] = moved[at : at + array.size].view(array.shape)
+        at += array.size
+    return tensors
 
 
 def reference_moe_wna16_marlin_gemm(
@@ -471,8 +486,14 @@ def reference_moe_wna16_marlin_gemm(
             ReferenceNote("zp_float_dtype", "the kernel accepts float zero points with float16 input only")
         )
 
-    # the routing arrays are small: on a GPU they are read once and routed on the host (no launch, no sync per
-    # step), and the rows' indices go back in one copy
+    if b_bias is not None and b_bias.numel() > 0:
+        if b_bias.dim() != 2 or tuple(b_bias.shape) != (num_experts, size_n):
+            raise ReferenceError_(f"b_bias must be [E={num_experts}, N={size_n}], got {tuple(b_bias.shape)}")
+    else:
+        b_bias = None
+
+    # the routing arrays are small: on a GPU they are read once and routed on the host (numpy: no launch, no
+    # sync per step); what the device needs of it goes back in one copy
     if device.type != "cpu":
         sorted_token_ids, expert_ids, num_tokens_past_padded = _fetch_routing(
             sorted_token_ids, expert_ids, num_tokens_past_padded
@@ -481,46 +502,35 @@ def reference_moe_wna16_marlin_gemm(
         sorted_token_ids, expert_ids, num_tokens_past_padded, moe_block_size, num_slots, num_experts, notes
     )
     grouping = _group_rows(rows)
-    # per output row: what it is and whether it is written (made on the host with the rows: no launches)
-    tables = _row_tables(rows, top_k, num_slots)
-    if device.type != "cpu":  # one copy back, from pinned memory: no wait for the device
-        count = int(rows.slot.numel())
-        moved = to_device_async(
-            torch.cat(
-                (
-                    rows.slot,
-                    rows.expert,
-                    rows.block,
-                    grouping.order,
-                    tables.reshape(-1),
-                    grouping.experts_used,
-                )
-            ),
-            device,
-        )
-        slot, expert, block, order, flat_tables = moved[: 4 * count + 5 * num_slots].split(
-            (count,) * 4 + (5 * num_slots,)
-        )
-        rows = _Rows(slot, expert, block)
-        tables = flat_tables.view(5, num_slots)
-        grouping = dataclasses.replace(grouping, order=order, experts_used=moved[4 * count + 5 * num_slots :])
-    experts_used = grouping.experts_used
-    # the weight notes go here, read at the end: their counts' one sync then waits for the work queued between
-    weight_notes, weight_notes_at = deferred_dequant_notes(weights, experts_used), len(notes)
-
-    gemm_rows = None
+    host_tables = _row_tables(rows, top_k, num_slots)
+    host = {"tables": host_tables, "experts_used": grouping.experts_used.numpy()}
+    plan = None
     if marlin_rows.available(device) and marlin_rows.usable(weights):
         # no dense weights: one kernel reads the packed codes (the same weights, a fixed float32 sum order)
-        gemm_rows = marlin_rows.expert_rows(
+        plan = marlin_rows.plan_rows(grouping.per_expert, grouping.experts, size_k, size_n)
+        grouped_slots = rows.slot.numpy()[grouping.order.numpy()]
+        host.update(source=grouped_slots // top_k, destination=grouped_slots, fields=plan.fields)
+    if b_bias is not None:  # each row's expert; unwritten rows the zero row after the last expert
+        host["bias_index"] = np.where(host_tables[1] >= 0, host_tables[1], num_experts)
+    moved = _to_device_together(host, device)
+    tables, experts_used = moved["tables"], moved["experts_used"]
+    weight_notes_at = len(notes)
+
+    gemm = None
+    if plan is not None:
+        gemm = marlin_rows.expert_rows(
             input,
             weights,
             experts_used,
-            grouping.experts,
-            grouping.per_expert,
-            rows.slot[grouping.order] // top_k,
-            grouping.order,
+            plan,
+            moved["fields"],
+            moved["source"],
+            moved["destination"],
+            num_slots,
         )
-    if gemm_rows is None:
+    # the weight notes' counts queue behind the products; read at the end with one sync
+    weight_notes = deferred_dequant_notes(weights, experts_used)
+    if gemm is None:
         dense: torch.Tensor | Sequence[torch.Tensor] | _ExpertColumns
         dense_bytes = int(experts_used.numel()) * size_k * size_n * 4
         budget = DENSE_BYTES_AT_ONCE.get(device.type, DENSE_BYTES_AT_ONCE["cpu"])
@@ -532,38 +542,31 @@ def reference_moe_wna16_marlin_gemm(
             dense = _ExpertColumns(weights, grouping.experts)
         else:
             dense = _ExpertsInChunks(weights, experts_used, budget // 4)
-        gemm_rows = _expert_rows_matmul(input, rows, top_k, grouping, dense, size_n)
-
-    gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
-    gemm[rows.slot] = gemm_rows
-    del gemm_rows  # 12 MB at gpt-oss shapes, before the output and bias rows are made
+        slot = to_device_async(rows.slot, device)
+        grouping = dataclasses.replace(grouping, order=to_device_async(grouping.order, device))
+        gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
+        gemm[slot] = _expert_rows_matmul(input, slot, top_k, grouping, dense, size_n)
     written = tables[4].to(torch.bool)
 
     bias_rows: torch.Tensor | None = None
-    total = gemm.clone()
-    if b_bias is not None and b_bias.numel() > 0:
-        if b_bias.dim() != 2 or tuple(b_bias.shape) != (num_experts, size_n):
-            raise ReferenceError_(f"b_bias must be [E={num_experts}, N={size_n}], got {tuple(b_bias.shape)}")
+    if b_bias is not None:
         if b_bias.dtype != activation_dtype:
             notes.append(
                 ReferenceNote(
                     "bias_dtype", f"b_bias is {b_bias.dtype}; the kernel reads it as {activation_dtype}"
                 )
             )
-        bias = unpermute_bias(
-            b_bias.index_select(0, experts_used.to(b_bias.device)).to(device, torch.float32)
-        )
-        bias_rows = torch.zeros_like(gemm)
-        bias_rows[rows.slot] = bias[torch.searchsorted(experts_used, rows.expert)]
-        total += bias_rows
-
+        bias = unpermute_bias(b_bias.to(device, torch.float32))
+        bias_rows = torch.cat((bias, bias.new_zeros((1, size_n)))).index_select(0, moved["bias_index"])
+    # the kernel's order: (row + bias) * weight; unwritten rows are 0 + 0 (times 0)
+    total = gemm + bias_rows if bias_rows is not None else gemm
     if mul_topk_weights:
-        row_weights = torch.zeros(num_slots, dtype=torch.float32, device=device)
-        row_weights[rows.slot] = _row_weights(topk_weights, rows.slot, num_slots, notes)
-        total *= row_weights.unsqueeze(1)
+        row_weights = _row_weights(topk_weights, written, num_slots, notes)
+        total = total * row_weights.unsqueeze(1)
     else:
         row_weights = tables[4].to(torch.float32)  # 1 where written, else 0
-        total.masked_fill_(~written.unsqueeze(1), 0.0)
+        if total is gemm:
+            total = gemm.clone()
 
     notes[weight_notes_at:weight_notes_at] = [
         ReferenceNote(code, m) for code, m in resolve_notes(weight_notes)
@@ -682,13 +685,14 @@ class _ExpertColumns:
 
 def _expert_rows_matmul(
     input: torch.Tensor,
-    rows: _Rows,
+    slot: torch.Tensor,
     top_k: int,
     grouping: _Grouping,
     dense: torch.Tensor | Sequence[torch.Tensor] | _ExpertColumns,
     size_n: int,
 ) -> torch.Tensor:
-    """``input[slot // top_k] @ dense[expert]`` for every row: the rows grouped by expert, one float32 matmul per
+    """``input[slot // top_k] @ dense[expert]`` for every row (``slot``: the rows' output rows, on the device): the
+    rows grouped by expert, one float32 matmul per
     used expert (no TF32), reading each expert's dense weight once and copying none. No device sync.
 
     A row's result should depend as little as possible on which other rows the call has: BLAS libraries compute a
@@ -698,11 +702,11 @@ def _expert_rows_matmul(
     with many rows may round differently from the same row alone; the shape bisection judges each call against its
     own reference, with tolerances, and does not depend on it.
     """
-    count = rows.slot.numel()
+    count = slot.numel()
     if count == 0:
         return torch.zeros((0, size_n), dtype=torch.float32, device=input.device)
     order = grouping.order
-    x_rows = input.index_select(0, rows.slot[order] // top_k).to(torch.float32)
+    x_rows = input.index_select(0, slot[order] // top_k).to(torch.float32)
     grouped = torch.empty((count, size_n), dtype=torch.float32, device=input.device)
     lone = torch.empty((2, size_n), dtype=torch.float32, device=input.device)
     pair = torch.zeros((2, input.shape[1]), dtype=torch.float32, device=input.device)

@@ -22,13 +22,15 @@ import functools
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moereplay.errors import ReferenceError_
 from moereplay.reference import marlin_decode
 from moereplay.reference import marlin_layout as layout
-from moereplay.reference.dequant_dense import FUSED_DEVICE_TYPES, SWITCH_VARIABLE, to_device_async
+from moereplay.reference.dequant_dense import FUSED_DEVICE_TYPES, SWITCH_VARIABLE
 from moereplay.reference.marlin_formats import MarlinExpertWeights
 
 TILE_K, TILE_N = 16, 64
@@ -166,16 +168,23 @@ def plan_tiles(per_expert: Sequence[int], experts: Sequence[int]) -> dict[int, l
     """Programs' row blocks by height: ``{BLOCK_M: [(start, count, expert, position), ...]}``. ``per_expert[u]``
     rows of expert ``experts[u]`` start at the sum of the earlier counts in the grouped order; they go to the
     smallest :data:`BLOCK_ROWS` height that holds them, or in blocks of the largest."""
-    plan: dict[int, list[Tile]] = {}
+    plan: dict[int, list[Tile]] = {height: [] for height in BLOCK_ROWS}
     start = 0
     for position, (count, expert) in enumerate(zip(per_expert, experts, strict=True)):
-        height = next((h for h in BLOCK_ROWS if h >= count), BLOCK_ROWS[-1])
-        for first in range(0, count, height):
-            plan.setdefault(height, []).append(
-                (start + first, min(height, count - first), int(expert), position)
-            )
+        height = _HEIGHTS[count] if count < len(_HEIGHTS) else BLOCK_ROWS[-1]
+        tiles = plan[height]
+        if count <= height:  # the usual case: one block
+            if count:
+                tiles.append((start, count, int(expert), position))
+        else:
+            for first in range(0, count, height):
+                tiles.append((start + first, min(height, count - first), int(expert), position))
         start += count
-    return plan
+    return {height: tiles for height, tiles in plan.items() if tiles}
+
+
+_HEIGHTS = [next(h for h in BLOCK_ROWS if h >= count) for count in range(BLOCK_ROWS[-1] + 1)]
+""":func:`plan_tiles`' block height by row count, up to the largest height."""
 
 
 def k_splits(k_tiles: int) -> tuple[int, int]:
@@ -195,6 +204,8 @@ used expert)."""
 def passes(plan: dict[int, list[Tile]], row_budget: int) -> list[dict[int, list[Tile]]]:
     """The plan's row blocks in grouped order cut into runs of whole blocks of at most ``row_budget`` rows (at
     least one block each), each run again by block height."""
+    if sum(tile[1] for tiles in plan.values() for tile in tiles) <= row_budget:  # the usual case: one pass
+        return [{height: list(tiles) for height, tiles in plan.items()}] if plan else []
     runs: list[dict[int, list[Tile]]] = []
     rows = 0
     for height, tile in sorted(
@@ -261,29 +272,58 @@ def _launch_errors() -> tuple[type[BaseException], ...]:
     return (*errors, CompilationError, OutOfResources)
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """How :func:`expert_rows` launches a call's rows, made on the host before anything goes to the device: the
+    row blocks in passes (:func:`passes`), their fields in launch order (int64 ``[tiles, 4]``: start in the grouped
+    order, rows, expert, position among the used experts — the caller sends them with its other host tables, one
+    copy) and K's splits (:func:`k_splits`)."""
+
+    runs: list[dict[int, list[Tile]]]
+    fields: np.ndarray
+    splits: int
+    per_split: int
+
+
+def plan_rows(per_expert: Sequence[int], experts: Sequence[int], size_k: int, size_n: int) -> RowPlan:
+    """The :class:`RowPlan` of ``per_expert[u]`` rows of expert ``experts[u]`` (grouped order) at K, N."""
+    splits, per_split = k_splits(size_k // TILE_K)
+    row_budget = max(BLOCK_ROWS[-1], PARTIAL_BYTES // (splits * size_n * 4))
+    runs = passes(plan_tiles(per_expert, experts), row_budget)
+    fields = np.array(
+        [tile for run in runs for height in sorted(run) for tile in run[height]], dtype=np.int64
+    ).reshape(-1, 4)
+    return RowPlan(runs, fields, splits, per_split)
+
+
+SUM_BLOCK = 1024
+"""Columns of one program of the kernel that adds a pass's K splits."""
+
+
 def expert_rows(
     input: torch.Tensor,
     weights: MarlinExpertWeights,
     experts_used: torch.Tensor,
-    experts_host: Sequence[int],
-    per_expert: Sequence[int],
+    plan: RowPlan,
+    fields: torch.Tensor,
     source_rows: torch.Tensor,
-    order: torch.Tensor,
+    destination: torch.Tensor,
+    num_rows: int,
 ) -> torch.Tensor | None:
-    """float32 ``[R, N]``: row ``order[g]`` is ``input[source_rows[g]] @ W[e]`` for the ``g``-th row of the grouped
-    order (``per_expert[u]`` rows of ``experts_used[u]`` after one another; ``experts_host`` the same ids on the
-    host). Per pass of :data:`PARTIAL_BYTES`: one launch staging the activations, one per block height, the K
-    splits added in order; no sync.
+    """float32 ``[num_rows, N]``: row ``destination[g]`` is ``input[source_rows[g]] @ W[e]`` for the ``g``-th row
+    of the grouped order (``plan`` from :func:`plan_rows`, its ``fields`` on the device; rows of
+    ``experts_used[u]`` after one another), the rows no ``destination`` names zero. Per pass of
+    :data:`PARTIAL_BYTES`: one launch staging the activations, one per block height, one adding the K splits in
+    order into their rows; no sync.
     None when the kernel cannot be built or launched here (said once as a warning; the caller takes the dense
     path, from then on)."""
     device = input.device
-    count = int(order.numel())
     size_n = weights.size_n
-    out = torch.empty((count, size_n), dtype=torch.float32, device=device)
-    if count == 0:
+    out = torch.zeros((num_rows, size_n), dtype=torch.float32, device=device)
+    if not plan.runs:
         return out
     k_tiles = weights.size_k // TILE_K
-    splits, per_split = k_splits(k_tiles)
+    splits, per_split = plan.splits, plan.per_split
     kind = weights.fast_kind()
     assert kind is not None
     num_bits = weights.format.num_bits
@@ -300,22 +340,13 @@ def expert_rows(
     # 4-bit: read as 32-bit words (a word holds four rows of two columns); 8-bit: byte by byte
     packed = weights.b_qweight.contiguous().view(torch.int32 if num_bits == 4 else torch.uint8)
     source = source_rows.contiguous()
-    destination = order.contiguous()
-    row_budget = max(BLOCK_ROWS[-1], PARTIAL_BYTES // (splits * size_n * 4))
-    runs = passes(plan_tiles(per_expert, experts_host), row_budget)
-    fields = to_device_async(  # [tiles, 4], run by run, by height within a run
-        torch.tensor(
-            [tile for run in runs for height in sorted(run) for tile in run[height]], dtype=torch.int64
-        ),
-        device,
-    )
     first = 0
     try:
-        from moereplay.reference.marlin_rows_kernel import STAGED_ROWS, marlin_rows, stage_rows
+        from moereplay.reference.marlin_rows_kernel import STAGED_ROWS, add_splits, marlin_rows, stage_rows
 
         # Triton launches on the current device's current stream (the CPU: Triton's interpreter, for tests)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            for run in runs:
+            for run in plan.runs:
                 row_base = min(tile[0] for tiles in run.values() for tile in tiles)
                 rows = sum(tile[1] for tiles in run.values() for tile in tiles)
                 run_tiles = sum(len(tiles) for tiles in run.values())
@@ -374,10 +405,17 @@ def expert_rows(
                         num_warps=NUM_WARPS,
                     )
                     first += tiles
-                summed = partial[0]
-                for split in range(1, splits):  # in order: the same sum for every row
-                    summed.add_(partial[split])
-                out.index_copy_(0, destination[row_base : row_base + rows], summed)
+                add_splits[(rows, -(-size_n // SUM_BLOCK))](
+                    partial,
+                    partial.stride(0),
+                    partial.stride(1),
+                    destination[row_base:],
+                    out,
+                    out.stride(0),
+                    size_n,
+                    SPLITS=splits,
+                    BLOCK=SUM_BLOCK,
+                )
     except _launch_errors() as error:
         _give_up(error)
         return None
@@ -397,5 +435,4 @@ def _scale_parts(weights: MarlinExpertWeights) -> tuple[torch.Tensor | None, tor
         table, columns = weights.scale_layout()
         _SCALE_LAYOUTS[key] = (None if table is None else table.to(device)), columns.to(device)
     table, columns = _SCALE_LAYOUTS[key]
-    multipliers = weights.scale_multipliers(torch.arange(weights.num_experts, device=device))
-    return table, columns, multipliers
+    return table, columns, weights.all_scale_multipliers()

@@ -212,3 +212,28 @@ def count_scale_bytes(
     else:
         hits = ((raw & 0x80) == 0) & (raw != 0)
     tl.atomic_add(total_ptr, tl.sum(hits.to(tl.int64)))
+
+
+@triton.jit
+def add_splits(
+    partial_ptr,
+    stride_split,
+    stride_row,
+    destination_ptr,
+    out_ptr,
+    stride_out,
+    N,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Row ``r`` of a pass's split partial sums (``[SPLITS, rows, N]``) summed split by split in order — ``((p0 +
+    p1) + p2) + …``, the same float32 additions for every row — and stored as row ``destination[r]`` of ``out``."""
+    r = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = n < N
+    source = partial_ptr + r.to(tl.int64) * stride_row + n
+    total = tl.load(source, mask=inside, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        total += tl.load(source + split * stride_split, mask=inside, other=0.0)
+    row = tl.load(destination_ptr + r).to(tl.int64)
+    tl.store(out_ptr + row * stride_out + n, total, mask=inside)

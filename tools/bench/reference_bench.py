@@ -494,6 +494,78 @@ def profile_reference(case: Case, device: torch.device) -> None:
     if device.type == "cuda":
         print_syncs(case.name, lambda: reference_moe_wna16_marlin_gemm(**args))
     print_host_profile(case.name, lambda: reference_moe_wna16_marlin_gemm(**args), calls=20)
+    if device.type == "cuda":
+        print_timeline(case.name, lambda: reference_moe_wna16_marlin_gemm(**args))
+
+
+TIMELINE_STAGES = {
+    "moereplay.reference.marlin_moe": (
+        "_fetch_routing",
+        "_route",
+        "_group_rows",
+        "_row_tables",
+        "_to_device_together",
+        "deferred_dequant_notes",
+        "resolve_notes",
+        "unpermute_bias",
+        "_row_weights",
+    ),
+    "moereplay.reference.marlin_rows": ("plan_rows", "expert_rows", "_scale_parts"),
+}
+"""Functions :func:`print_timeline` marks, by module (patched for the one profiled call, restored after)."""
+
+
+def print_timeline(name: str, fn: Callable[[], object]) -> None:
+    """One call of ``fn`` as a timeline (µs from its start): when the host enters and leaves each of
+    :data:`TIMELINE_STAGES`, when each kernel and copy is issued and when it runs on the device. The device idles
+    wherever no kernel runs; a kernel issued late is host time in front of it."""
+    import importlib
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def marked(label: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with record_function(label):
+                return function(*args, **kwargs)
+
+        return wrapper
+
+    saved = []
+    for module_name, functions in TIMELINE_STAGES.items():
+        module = importlib.import_module(module_name)
+        for function in functions:
+            original = getattr(module, function)
+            saved.append((module, function, original))
+            setattr(module, function, marked(f"{module_name.rsplit('.', 1)[-1]}.{function}", original))
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with record_function("call"):
+                fn()
+            torch.cuda.synchronize()
+    finally:
+        for module, function, original in saved:
+            setattr(module, function, original)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    start = min(float(e["ts"]) for e in events if e.get("name") == "call")
+    issued = {
+        e["args"]["correlation"]: float(e["ts"]) - start
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    print(f"--- {name}: timeline of one call (µs from its start; host marks, then device work)")
+    for e in sorted(events, key=lambda e: float(e["ts"])):
+        at, took = float(e["ts"]) - start, float(e.get("dur", 0))
+        if e.get("cat") == "user_annotation":
+            print(f"host   {at:8.1f} {took:8.1f}  {e['name']}")
+        elif e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            launch = issued.get(e.get("args", {}).get("correlation"))
+            where = f"issued {launch:8.1f}" if launch is not None else "issued        ?"
+            print(f"device {at:8.1f} {took:8.1f}  {where}  {e['name'][:70]}")
 
 
 def print_host_profile(name: str, fn: Callable[[], object], calls: int) -> None:

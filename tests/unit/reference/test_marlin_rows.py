@@ -215,3 +215,40 @@ def test_a_kernel_that_cannot_run_warns_once_and_the_dense_path_answers(
     assert torch.equal(result.output, expected.output)
     assert marlin_rows._FAILED and "marlin_rows_kernel" in marlin_rows._FAILED[0]
     assert not real_available(torch.device("cuda"), {})  # the dense path from then on
+
+
+def test_plan_rows_lists_the_fields_in_launch_order() -> None:
+    """The fields the caller copies with its tables are the kernel's launch order: pass by pass, height by height
+    within a pass, each height's blocks in plan order — what ``expert_rows`` slices per launch."""
+    counts, experts = [3, 1, 70, 6], [5, 7, 11, 8]
+    plan = marlin_rows.plan_rows(counts, experts, size_k=2944, size_n=2880)
+    assert (plan.splits, plan.per_split) == marlin_rows.k_splits(2944 // 16)
+    expected = [tile for run in plan.runs for height in sorted(run) for tile in run[height]]
+    assert plan.fields.dtype.name == "int64" and plan.fields.tolist() == [list(tile) for tile in expected]
+    assert marlin_rows.plan_rows([], [], size_k=256, size_n=256).fields.shape == (0, 4)
+
+
+@pytest.mark.parametrize(("fmt", "group_size", "dtype"), FAST)
+def test_all_scale_multipliers_are_scale_multipliers_of_every_expert_bit_for_bit(fmt, group_size, dtype) -> None:
+    weights = _weights(fmt, group_size, dtype)
+    expected = weights.scale_multipliers(torch.arange(weights.num_experts))
+    assert torch.equal(weights.all_scale_multipliers().view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nvfp4_multipliers_in_float32_round_like_the_float64_product(dtype) -> None:
+    """NVFP4's per-expert factor as one float32 product by 2**-b: the same bits as the float64 product rounded
+    once, subnormal results included (bfloat16's b = 126 makes most of them subnormal), and the float64 path
+    for a global scale that is not float32."""
+    weights = _weights(F.NVFP4, None, dtype, experts=64)
+    generator = torch.Generator().manual_seed(5)
+    scales = torch.cat(
+        (
+            torch.exp2(torch.empty(60).uniform_(-140, 120, generator=generator)),
+            torch.tensor([0.0, 2.0**-149, 3.4e38, 1.0]),
+        )
+    ).to(torch.float32)
+    for global_scale in (scales, scales.to(torch.float64)):
+        changed = MarlinExpertWeights(**{**weights.__dict__, "global_scale": global_scale})
+        expected = changed.expert_multipliers(torch.arange(64))
+        assert torch.equal(changed.all_scale_multipliers().view(torch.int32), expected.view(torch.int32))
