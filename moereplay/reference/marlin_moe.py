@@ -289,10 +289,13 @@ def _route(
         )
     positions = np.flatnonzero(valid & ~bad_expert[:, None])
     slot = ids.reshape(-1)[positions]
-    # each output row once, from the last block that writes it, in row order
-    last = np.full(num_slots, -1, dtype=np.int64)
-    np.maximum.at(last, slot, np.arange(slot.size, dtype=np.int64))
-    keep = last[last >= 0]
+    # each output row once, from the last block that writes it, in row order (a stable sort keeps the blocks'
+    # order within a row's run: its last entry is the last block)
+    by_row = np.argsort(slot, kind="stable")
+    ordered = slot[by_row]
+    last = np.ones(ordered.size, dtype=bool)
+    last[:-1] = ordered[1:] != ordered[:-1]
+    keep = by_row[last]
     if keep.size != slot.size:
         counts = np.bincount(slot, minlength=num_slots)
         notes.append(
@@ -502,20 +505,17 @@ def reference_moe_wna16_marlin_gemm(
         sorted_token_ids, expert_ids, num_tokens_past_padded, moe_block_size, num_slots, num_experts, notes
     )
     grouping = _group_rows(rows)
-    host_tables = _row_tables(rows, top_k, num_slots)
-    host = {"tables": host_tables, "experts_used": grouping.experts_used.numpy()}
+    # what the products need goes to the device first (one copy) and they are launched; the rest of the host
+    # tables follow in a second copy while the device works
+    first = {"experts_used": grouping.experts_used.numpy()}
     plan = None
     if marlin_rows.available(device) and marlin_rows.usable(weights):
         # no dense weights: one kernel reads the packed codes (the same weights, a fixed float32 sum order)
         plan = marlin_rows.plan_rows(grouping.per_expert, grouping.experts, size_k, size_n)
         grouped_slots = rows.slot.numpy()[grouping.order.numpy()]
-        host.update(source=grouped_slots // top_k, destination=grouped_slots, fields=plan.fields)
-    if b_bias is not None:  # each row's expert; unwritten rows the zero row after the last expert
-        host["bias_index"] = np.where(host_tables[1] >= 0, host_tables[1], num_experts)
-    moved = _to_device_together(host, device)
-    tables, experts_used = moved["tables"], moved["experts_used"]
-    weight_notes_at = len(notes)
-
+        first.update(source=grouped_slots // top_k, destination=grouped_slots, fields=plan.fields)
+    moved = _to_device_together(first, device)
+    experts_used = moved["experts_used"]
     gemm = None
     if plan is not None:
         gemm = marlin_rows.expert_rows(
@@ -528,6 +528,13 @@ def reference_moe_wna16_marlin_gemm(
             moved["destination"],
             num_slots,
         )
+    host_tables = _row_tables(rows, top_k, num_slots)
+    second = {"tables": host_tables}
+    if b_bias is not None:  # each row's expert; unwritten rows the zero row after the last expert
+        second["bias_index"] = np.where(host_tables[1] >= 0, host_tables[1], num_experts)
+    moved = _to_device_together(second, device)
+    tables = moved["tables"]
+    weight_notes_at = len(notes)
     # the weight notes' counts queue behind the products; read at the end with one sync
     weight_notes = deferred_dequant_notes(weights, experts_used)
     if gemm is None:

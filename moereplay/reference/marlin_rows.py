@@ -133,6 +133,11 @@ def four_bit_row_steps(rows: torch.Tensor) -> tuple[int, int]:
     return int(rows[2] - rows[0]), int(rows[1] - rows[0])
 
 
+@functools.cache
+def _four_bit_steps() -> tuple[int, int]:
+    return four_bit_row_steps(_entries_cpu(4)[1])
+
+
 def tile_entries(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`byte_table` as ``column_entries[n] + row_entries[k]`` (int32 ``[64]`` and ``[16]``; the column
     part's shift is 0): the kernel reads the column part once; the row part per row of a tile (8-bit) or, for
@@ -329,7 +334,7 @@ def expert_rows(
     num_bits = weights.format.num_bits
     column_entries, row_entries, lut = _device_tables(num_bits, kind, device)
     decode, bias = ARITHMETIC_KINDS.get(kind, (0, 0)) if ARITHMETIC_DECODE and num_bits == 4 else (0, 0)
-    row_step, row_half = four_bit_row_steps(_entries_cpu(4)[1]) if num_bits == 4 else (0, 0)
+    row_step, row_half = _four_bit_steps() if num_bits == 4 else (0, 0)
     scale_table, columns, multipliers = _scale_parts(weights)
     offsets = None
     if weights.b_qzeros is not None:  # integer zero points: −zero · scale per used expert, from the host
