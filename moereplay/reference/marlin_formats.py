@@ -722,9 +722,11 @@ def resolve_notes(notes: list[Note | CountedNote]) -> list[Note]:
     """``notes`` in order, each counted note as its (code, message) when its count is non-zero and left out when
     it is zero (one read of all counts)."""
     counted = [note for note in notes if isinstance(note, CountedNote)]
-    counts = iter(
-        torch.stack([note.count.to(counted[0].count.device) for note in counted]).tolist() if counted else []
-    )
+    if len(counted) > 1:
+        values = torch.stack([note.count.to(counted[0].count.device) for note in counted]).tolist()
+    else:  # the usual one count (or none): read as it is
+        values = [note.count.item() for note in counted]
+    counts = iter(values)
     resolved: list[Note] = []
     for note in notes:
         if not isinstance(note, CountedNote):

@@ -699,8 +699,8 @@ def _expert_rows_matmul(
     size_n: int,
 ) -> torch.Tensor:
     """``input[slot // top_k] @ dense[expert]`` for every row (``slot``: the rows' output rows, on the device): the
-    rows grouped by expert, one float32 matmul per
-    used expert (no TF32), reading each expert's dense weight once and copying none. No device sync.
+    rows grouped by expert, one float32 matmul per used expert (no TF32), reading each expert's dense weight once
+    and copying none. No device sync.
 
     A row's result should depend as little as possible on which other rows the call has: BLAS libraries compute a
     one-row product on a GEMV path that sums differently from their GEMM path, so a lone row is multiplied as a
