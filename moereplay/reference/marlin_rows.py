@@ -367,48 +367,44 @@ def expert_rows(
                 staged_pairs = staged.view(torch.int64)
                 run_first = first
                 partial = torch.empty((splits, rows, size_n), dtype=torch.float32, device=device)
-                heights = sorted(run)
-                streams = _Streams(device, len(heights))
-                for height, context in zip(heights, streams.contexts, strict=True):
+                for height in sorted(run):
                     tiles = len(run[height])
-                    with context:
-                        marlin_rows[(tiles, -(-size_n // BLOCK_N), splits)](
-                            staged_pairs[first - run_first :],
-                            row_base,
-                            partial,
-                            partial.stride(0),
-                            partial.stride(1),
-                            packed,
-                            column_entries,
-                            row_entries,
-                            lut,
-                            stored,
-                            *stored.stride(),
-                            columns,
-                            scale_table if scale_table is not None else lut,  # never read for 16-bit scales
-                            multipliers,
-                            offsets if offsets is not None else lut,  # never read without zero points
-                            fields[first : first + tiles],
-                            k_tiles,
-                            per_split,
-                            size_n // TILE_N,
-                            size_n,
-                            weights.num_groups,
-                            weights.group_size // TILE_K,
-                            FOUR_BIT=num_bits == 4,
-                            SCALE_BYTES=scale_table is not None,
-                            HAS_OFFSET=offsets is not None,
-                            TILE_BYTES=TILE_K * TILE_N * num_bits // 8,
-                            BLOCK_M=height,
-                            BLOCK_N=BLOCK_N,
-                            DECODE=decode,
-                            BIAS=bias,
-                            ROW_STEP=row_step,
-                            ROW_HALF=row_half,
-                            num_warps=NUM_WARPS,
-                        )
+                    marlin_rows[(tiles, -(-size_n // BLOCK_N), splits)](
+                        staged_pairs[first - run_first :],
+                        row_base,
+                        partial,
+                        partial.stride(0),
+                        partial.stride(1),
+                        packed,
+                        column_entries,
+                        row_entries,
+                        lut,
+                        stored,
+                        *stored.stride(),
+                        columns,
+                        scale_table if scale_table is not None else lut,  # never read for 16-bit scales
+                        multipliers,
+                        offsets if offsets is not None else lut,  # never read without zero points
+                        fields[first : first + tiles],
+                        k_tiles,
+                        per_split,
+                        size_n // TILE_N,
+                        size_n,
+                        weights.num_groups,
+                        weights.group_size // TILE_K,
+                        FOUR_BIT=num_bits == 4,
+                        SCALE_BYTES=scale_table is not None,
+                        HAS_OFFSET=offsets is not None,
+                        TILE_BYTES=TILE_K * TILE_N * num_bits // 8,
+                        BLOCK_M=height,
+                        BLOCK_N=BLOCK_N,
+                        DECODE=decode,
+                        BIAS=bias,
+                        ROW_STEP=row_step,
+                        ROW_HALF=row_half,
+                        num_warps=NUM_WARPS,
+                    )
                     first += tiles
-                streams.join()
                 add_splits[(rows, -(-size_n // SUM_BLOCK))](
                     partial,
                     partial.stride(0),
@@ -424,36 +420,6 @@ def expert_rows(
         _give_up(error)
         return None
     return out
-
-
-CONCURRENT_HEIGHTS = True
-"""Whether a pass's block heights run side by side on CUDA streams of their own (one launch does not fill a
-GPU: a height's programs are few) instead of one after another; the rows' values are the same either way."""
-
-
-class _Streams:
-    """Where a pass's launches go, one context per block height: the current stream first, side streams for the
-    others (starting after the work queued so far); :meth:`join` makes the current stream wait for them."""
-
-    def __init__(self, device: torch.device, count: int) -> None:
-        self._sides: list[torch.cuda.Stream] = []
-        if count > 1 and device.type == "cuda" and CONCURRENT_HEIGHTS:
-            ready = torch.cuda.current_stream(device).record_event()
-            self._sides = _side_streams(device)[: count - 1]
-            for side in self._sides:
-                side.wait_event(ready)
-        self.contexts: list[contextlib.AbstractContextManager[object]] = [contextlib.nullcontext()]
-        self.contexts += [torch.cuda.stream(side) for side in self._sides]
-        self.contexts += [contextlib.nullcontext()] * (count - len(self.contexts))
-
-    def join(self) -> None:
-        for side in self._sides:
-            torch.cuda.current_stream(side.device).wait_event(side.record_event())
-
-
-@functools.cache
-def _side_streams(device: torch.device) -> list[torch.cuda.Stream]:
-    return [torch.cuda.Stream(device) for _ in range(len(BLOCK_ROWS) - 1)]
 
 
 _SCALE_LAYOUTS: dict[tuple[object, ...], tuple[torch.Tensor | None, torch.Tensor]] = {}

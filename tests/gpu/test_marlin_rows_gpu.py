@@ -118,29 +118,6 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows() -> None:
         )
 
 
-def test_block_heights_side_by_side_give_the_same_bits_as_one_after_another(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The heights' launches on streams of their own (the default) and one after another on the current stream:
-    the same output bits, several calls in a row on a busy queue (no launch reads a table before its copy, no
-    pass adds its splits before a side stream's products)."""
-    experts, k, n, top_k, tokens = 16, 2880, 2944, 4, 40
-    packed = random_experts(
-        F.MXFP4, experts, k, n, with_dense=False, generator=torch.Generator().manual_seed(12), device=CUDA
-    )
-    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(13)).to(CUDA, torch.bfloat16)
-    weights, ids = _routing(tokens, top_k, experts, 14)
-    monkeypatch.setattr(marlin_rows, "CONCURRENT_HEIGHTS", False)
-    serial = _call(packed, x, ids, weights, top_k=top_k, block=8, experts=experts).output.clone()
-    monkeypatch.setattr(marlin_rows, "CONCURRENT_HEIGHTS", True)
-    busy = torch.randn(4096, 4096, device=CUDA)
-    for _ in range(3):
-        # queued work ahead of the call
-        torch.mm(busy, busy)
-        side_by_side = _call(packed, x, ids, weights, top_k=top_k, block=8, experts=experts).output
-        assert torch.equal(side_by_side, serial)
-
-
 @pytest.mark.parametrize("fmt", [F.NVFP4, F.MXFP4])
 def test_gpt_oss_shapes_agree_with_the_dense_path(fmt, monkeypatch: pytest.MonkeyPatch) -> None:
     """E=32, top-4, K=2880 → N=5888 (gemm1) at 32 tokens, the reference_bench case."""

@@ -430,21 +430,11 @@ class Row:
 def time_rows_variants(args: dict[str, Any], kernel_ms: float, variants: list[str], repeats: int) -> None:
     """The GPU reference again with other launch shapes of the packed-code kernel, one line each: ``WARPSxCOLUMNS``
     (:data:`marlin_rows.NUM_WARPS`, :data:`marlin_rows.BLOCK_N`), a trailing ``t`` for table lookups of the 4-bit
-    codes (:data:`marlin_rows.ARITHMETIC_DECODE` off); ``serial`` and ``concurrent`` for the block heights one
-    after another or side by side (:data:`marlin_rows.CONCURRENT_HEIGHTS`), the default launch shape."""
+    codes (:data:`marlin_rows.ARITHMETIC_DECODE` off)."""
     saved = marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N, marlin_rows.ARITHMETIC_DECODE
-    concurrent = marlin_rows.CONCURRENT_HEIGHTS
     try:
         for variant in variants:
             variant = variant.strip().lower()
-            if variant in ("serial", "concurrent"):
-                marlin_rows.CONCURRENT_HEIGHTS = variant == "concurrent"
-                ms = gpu_ms(lambda: reference_moe_wna16_marlin_gemm(**args), max(3, repeats // 4))
-                print(
-                    f"  marlin_rows heights {variant}: reference {ms:.3f} ms = {ms / kernel_ms:.1f}x kernel"
-                )
-                marlin_rows.CONCURRENT_HEIGHTS = concurrent
-                continue
             table = variant.endswith("t")
             warps, columns = (int(v) for v in variant.removesuffix("t").split("x"))
             marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N, marlin_rows.ARITHMETIC_DECODE = (
@@ -460,7 +450,6 @@ def time_rows_variants(args: dict[str, Any], kernel_ms: float, variants: list[st
             )
     finally:
         marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N, marlin_rows.ARITHMETIC_DECODE = saved
-        marlin_rows.CONCURRENT_HEIGHTS = concurrent
 
 
 def measure(
