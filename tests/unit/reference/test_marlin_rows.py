@@ -229,7 +229,9 @@ def test_plan_rows_lists_the_fields_in_launch_order() -> None:
 
 
 @pytest.mark.parametrize(("fmt", "group_size", "dtype"), FAST)
-def test_all_scale_multipliers_are_scale_multipliers_of_every_expert_bit_for_bit(fmt, group_size, dtype) -> None:
+def test_all_scale_multipliers_are_scale_multipliers_of_every_expert_bit_for_bit(
+    fmt, group_size, dtype
+) -> None:
     weights = _weights(fmt, group_size, dtype)
     expected = weights.scale_multipliers(torch.arange(weights.num_experts))
     assert torch.equal(weights.all_scale_multipliers().view(torch.int32), expected.view(torch.int32))
