@@ -195,9 +195,8 @@ def test_contract_notes() -> None:
     short = _call(packed, x, aligned, weights.reshape(-1)[:2].contiguous(), top_k=2, block=8, mul=True)
     assert "topk_weights_short" in short.note_codes()
     assert torch.isnan(short.output[3]).all() and not torch.isnan(short.output[0]).any()
-    assert (
-        short.row_weights[2] == 0 and (short.output[2] == 0).all()
-    )  # unwritten: 0, not the NaN read past it
+    # unwritten: 0, not the NaN read past it
+    assert short.row_weights[2] == 0 and (short.output[2] == 0).all()
     # without mul_topk_weights the weights are not read at all
     plain = _call(packed, x, aligned, weights.to(torch.bfloat16), top_k=2, block=8, mul=False)
     assert "topk_weights_dtype" not in plain.note_codes()
