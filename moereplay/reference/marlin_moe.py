@@ -393,16 +393,20 @@ def _row_weights(
 
 
 def _to_device_together(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """Host int64 arrays on ``device`` in one copy (:func:`to_device_async`: no wait), by name, shapes kept."""
-    flat = (
-        np.concatenate([array.reshape(-1) for array in arrays.values()]) if arrays else np.zeros(0, np.int64)
-    )
+    """Host int64 arrays on ``device`` in one copy (:func:`to_device_async`: no wait), by name, shapes kept. Each
+    starts on a 16-byte boundary of the copy (an even element): a kernel given one is compiled for aligned pointers
+    whatever the other arrays' sizes, not once more when their parity changes."""
+    starts, at = [], 0
+    for array in arrays.values():
+        starts.append(at)
+        at += array.size + array.size % 2
+    flat = np.zeros(at, dtype=np.int64)
+    for start, array in zip(starts, arrays.values(), strict=True):
+        flat[start : start + array.size] = array.reshape(-1)
     moved = to_device_async(torch.from_numpy(flat), device)
     tensors: dict[str, torch.Tensor] = {}
-    at = 0
-    for name, array in arrays.items():
-        tensors[name] = moved[at : at + array.size].view(array.shape)
-        at += array.size
+    for start, (name, array) in zip(starts, arrays.items(), strict=True):
+        tensors[name] = moved[start : start + array.size].view(array.shape)
     return tensors
 
 
@@ -569,7 +573,9 @@ def reference_moe_wna16_marlin_gemm(
     total = gemm + bias_rows if bias_rows is not None else gemm
     if mul_topk_weights:
         row_weights = _row_weights(topk_weights, written, num_slots, notes)
-        total = total * row_weights.unsqueeze(1)
+        total = (
+            total.mul_(row_weights.unsqueeze(1)) if total is not gemm else total * row_weights.unsqueeze(1)
+        )
     else:
         row_weights = tables[4].to(torch.float32)  # 1 where written, else 0
         if total is gemm:

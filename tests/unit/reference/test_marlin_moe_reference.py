@@ -197,6 +197,11 @@ def test_contract_notes() -> None:
     assert torch.isnan(short.output[3]).all() and not torch.isnan(short.output[0]).any()
     # unwritten: 0, not the NaN read past it
     assert short.row_weights[2] == 0 and (short.output[2] == 0).all()
+    # unwritten rows stay 0 with a bias too, and the output is its own tensor, not the products'
+    with_bias = random_experts(F.GPTQ_INT8, 2, 64, 64, group_size=32, generator=gen, with_bias=True)
+    biased = _call(with_bias, x, aligned, weights, top_k=2, block=8, mul=False)
+    assert biased.bias_rows is not None and (biased.bias_rows[2] == 0).all() and (biased.output[2] == 0).all()
+    assert biased.output.data_ptr() != biased.gemm.data_ptr()
     # without mul_topk_weights the weights are not read at all
     plain = _call(packed, x, aligned, weights.to(torch.bfloat16), top_k=2, block=8, mul=False)
     assert "topk_weights_dtype" not in plain.note_codes()

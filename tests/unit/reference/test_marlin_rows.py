@@ -223,8 +223,12 @@ def test_plan_rows_lists_the_fields_in_launch_order() -> None:
     counts, experts = [3, 1, 70, 6], [5, 7, 11, 8]
     plan = marlin_rows.plan_rows(counts, experts, size_k=2944, size_n=2880)
     assert (plan.splits, plan.per_split) == marlin_rows.k_splits(2944 // 16)
-    expected = [tile for run in plan.runs for height in sorted(run) for tile in run[height]]
-    assert plan.fields.dtype.name == "int64" and plan.fields.tolist() == [list(tile) for tile in expected]
+    assert len(plan.runs) == 1 and plan.fields.dtype.name == "int64"
+    assert plan.fields.tolist() == [
+        [0, 3, 5, 0], [3, 1, 7, 1],  # height 4
+        [74, 6, 8, 3],  # height 8
+        [4, 16, 11, 2], [20, 16, 11, 2], [36, 16, 11, 2], [52, 16, 11, 2], [68, 6, 11, 2],  # height 16
+    ]  # fmt: skip
     assert marlin_rows.plan_rows([], [], size_k=256, size_n=256).fields.shape == (0, 4)
 
 
@@ -254,3 +258,18 @@ def test_nvfp4_multipliers_in_float32_round_like_the_float64_product(dtype) -> N
         changed = MarlinExpertWeights(**{**weights.__dict__, "global_scale": global_scale})
         expected = changed.expert_multipliers(torch.arange(64))
         assert torch.equal(changed.all_scale_multipliers().view(torch.int32), expected.view(torch.int32))
+
+
+def test_one_pass_is_the_general_cut_with_a_budget_above_every_row() -> None:
+    """:func:`passes`' one-pass shortcut gives what its general loop gives: cutting at a budget of the total rows
+    minus nothing (shortcut) and at budgets the loop must handle agree on the tiles, in order, per height."""
+    plan = marlin_rows.plan_tiles([3, 1, 70, 6, 9, 2], [5, 7, 11, 8, 1, 0])
+    total = 3 + 1 + 70 + 6 + 9 + 2
+    (one,) = marlin_rows.passes(plan, row_budget=total)
+    cut = marlin_rows.passes(plan, row_budget=total - 1)  # the general loop: two runs
+    assert len(cut) == 2
+    joined: dict[int, list[marlin_rows.Tile]] = {}
+    for run in cut:
+        for height, tiles in run.items():
+            joined.setdefault(height, []).extend(tiles)
+    assert one == plan and joined == one
