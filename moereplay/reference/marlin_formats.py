@@ -571,16 +571,20 @@ class MarlinExpertWeights:
             if scales.dtype != torch.float32:
                 return self.expert_multipliers(torch.arange(self.num_experts, device=device))
             return scales * 2.0 ** -fp4_exponent_compensation(self.activation_dtype)
-        value = self._fp8_scale_factor() if self.format is MarlinWeightFormat.FP8 else 1.0
-        return _constant_multipliers(self.num_experts, value, device)
+        return _constant_multipliers(self.num_experts, self._constant_multiplier(), device)
 
     def scale_multipliers(self, experts: torch.Tensor) -> torch.Tensor:
         """float32 per expert of ``experts`` (on their device) that :meth:`scale_layout`'s values are multiplied by:
         NVFP4's per-expert factor, FP8's exponent compensation, else 1."""
         if self.format is MarlinWeightFormat.NVFP4:
             return self.expert_multipliers(experts)
-        value = self._fp8_scale_factor() if self.format is MarlinWeightFormat.FP8 else 1.0
-        return torch.full((experts.numel(),), value, dtype=torch.float32, device=experts.device)
+        return torch.full(
+            (experts.numel(),), self._constant_multiplier(), dtype=torch.float32, device=experts.device
+        )
+
+    def _constant_multiplier(self) -> float:
+        """:meth:`scale_multipliers`' one value for every expert of a format without per-expert factors."""
+        return self._fp8_scale_factor() if self.format is MarlinWeightFormat.FP8 else 1.0
 
     def _logical_zero_points(self, experts: torch.Tensor) -> torch.Tensor | None:
         if self.b_qzeros is None:

@@ -511,15 +511,19 @@ def reference_moe_wna16_marlin_gemm(
     grouping = _group_rows(rows)
     # what the products need goes to the device first (one copy) and they are launched; the rest of the host
     # tables follow in a second copy while the device works
-    first = {"experts_used": grouping.experts_used.numpy()}
+    first = {
+        "experts_used": grouping.experts_used.numpy(),
+        "slot": rows.slot.numpy(),
+        "order": grouping.order.numpy(),
+    }
     plan = None
     if marlin_rows.available(device) and marlin_rows.usable(weights):
         # no dense weights: one kernel reads the packed codes (the same weights, a fixed float32 sum order)
         plan = marlin_rows.plan_rows(grouping.per_expert, grouping.experts, size_k, size_n)
         grouped_slots = rows.slot.numpy()[grouping.order.numpy()]
         first.update(source=grouped_slots // top_k, destination=grouped_slots, fields=plan.fields)
-    moved = _to_device_together(first, device)
-    experts_used = moved["experts_used"]
+    moved_first = _to_device_together(first, device)
+    experts_used = moved_first["experts_used"]
     gemm = None
     if plan is not None:
         gemm = marlin_rows.expert_rows(
@@ -527,9 +531,9 @@ def reference_moe_wna16_marlin_gemm(
             weights,
             experts_used,
             plan,
-            moved["fields"],
-            moved["source"],
-            moved["destination"],
+            moved_first["fields"],
+            moved_first["source"],
+            moved_first["destination"],
             num_slots,
         )
     host_tables = _row_tables(rows, top_k, num_slots)
@@ -553,8 +557,8 @@ def reference_moe_wna16_marlin_gemm(
             dense = _ExpertColumns(weights, grouping.experts)
         else:
             dense = _ExpertsInChunks(weights, experts_used, budget // 4)
-        slot = to_device_async(rows.slot, device)
-        grouping = dataclasses.replace(grouping, order=to_device_async(grouping.order, device))
+        slot = moved_first["slot"]
+        grouping = dataclasses.replace(grouping, order=moved_first["order"])
         gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
         gemm[slot] = _expert_rows_matmul(input, slot, top_k, grouping, dense, size_n)
     written = tables[4].to(torch.bool)
@@ -570,16 +574,13 @@ def reference_moe_wna16_marlin_gemm(
         bias = unpermute_bias(b_bias.to(device, torch.float32))
         bias_rows = torch.cat((bias, bias.new_zeros((1, size_n)))).index_select(0, moved["bias_index"])
     # the kernel's order: (row + bias) * weight; unwritten rows are 0 + 0 (times 0)
-    total = gemm + bias_rows if bias_rows is not None else gemm
     if mul_topk_weights:
         row_weights = _row_weights(topk_weights, written, num_slots, notes)
-        total = (
-            total.mul_(row_weights.unsqueeze(1)) if total is not gemm else total * row_weights.unsqueeze(1)
-        )
+        weights_column = row_weights.unsqueeze(1)
+        total = gemm * weights_column if bias_rows is None else (gemm + bias_rows).mul_(weights_column)
     else:
         row_weights = tables[4].to(torch.float32)  # 1 where written, else 0
-        if total is gemm:
-            total = gemm.clone()
+        total = gemm.clone() if bias_rows is None else gemm + bias_rows
 
     notes[weight_notes_at:weight_notes_at] = [
         ReferenceNote(code, m) for code, m in resolve_notes(weight_notes)
