@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -427,29 +428,52 @@ class Row:
     error: str
 
 
+ROWS_VARIANT = re.compile(r"(\d+)x(\d+)(?:s(\d+))?(t?)")
+"""``WARPSxCOLUMNS[sSPLITS][t]`` of ``--rows-variants``."""
+
+
 def time_rows_variants(args: dict[str, Any], kernel_ms: float, variants: list[str], repeats: int) -> None:
     """The GPU reference again with other launch shapes of the packed-code kernel, one line each: ``WARPSxCOLUMNS``
-    (:data:`marlin_rows.NUM_WARPS`, :data:`marlin_rows.BLOCK_N`), a trailing ``t`` for table lookups of the 4-bit
-    codes (:data:`marlin_rows.ARITHMETIC_DECODE` off)."""
-    saved = marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N, marlin_rows.ARITHMETIC_DECODE
+    (:data:`marlin_rows.NUM_WARPS`, :data:`marlin_rows.BLOCK_N`), ``sSPLITS`` for at most that many K splits
+    (:data:`marlin_rows.MAX_SPLITS`), a trailing ``t`` for table lookups of the 4-bit codes
+    (:data:`marlin_rows.ARITHMETIC_DECODE` off); with the device time of the call's ``marlin_rows`` launches."""
+    saved = marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N, marlin_rows.ARITHMETIC_DECODE, marlin_rows.MAX_SPLITS
     try:
         for variant in variants:
-            variant = variant.strip().lower()
-            table = variant.endswith("t")
-            warps, columns = (int(v) for v in variant.removesuffix("t").split("x"))
-            marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N, marlin_rows.ARITHMETIC_DECODE = (
-                warps,
-                columns,
-                not table,
-            )
+            match = ROWS_VARIANT.fullmatch(variant.strip().lower())
+            if match is None:
+                print(f"  marlin_rows variant {variant!r}: not WARPSxCOLUMNS[sSPLITS][t]")
+                continue
+            warps, columns = int(match[1]), int(match[2])
+            splits = int(match[3]) if match[3] else saved[3]
+            table = bool(match[4])
+            marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N = warps, columns
+            marlin_rows.ARITHMETIC_DECODE, marlin_rows.MAX_SPLITS = not table, splits
             ms = gpu_ms(lambda: reference_moe_wna16_marlin_gemm(**args), max(3, repeats // 4))
+            device_us = kernel_device_us(lambda: reference_moe_wna16_marlin_gemm(**args), "marlin_rows")
             decode = "table" if table else "arithmetic"
             print(
-                f"  marlin_rows {warps} warps x {columns} columns, {decode} decode: reference {ms:.3f} ms = "
-                f"{ms / kernel_ms:.1f}x kernel"
+                f"  marlin_rows {warps} warps x {columns} columns, at most {splits} K splits, {decode} decode: "
+                f"reference {ms:.3f} ms = {ms / kernel_ms:.1f}x kernel; marlin_rows {device_us:.0f} µs on the device"
             )
     finally:
-        marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N, marlin_rows.ARITHMETIC_DECODE = saved
+        marlin_rows.NUM_WARPS, marlin_rows.BLOCK_N, marlin_rows.ARITHMETIC_DECODE, marlin_rows.MAX_SPLITS = (
+            saved
+        )
+
+
+def kernel_device_us(fn: Callable[[], object], name: str, calls: int = 5) -> float:
+    """Device µs per call of ``fn`` spent in kernels called ``name`` (torch.profiler, mean of ``calls`` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.self_device_time_total for e in prof.key_averages() if e.key == name)
+    return total / calls
 
 
 def measure(
@@ -495,6 +519,7 @@ def profile_reference(case: Case, device: torch.device) -> None:
         print_syncs(case.name, lambda: reference_moe_wna16_marlin_gemm(**args))
     print_host_profile(case.name, lambda: reference_moe_wna16_marlin_gemm(**args), calls=20)
     if device.type == "cuda":
+        print_stage_times(case.name, lambda: reference_moe_wna16_marlin_gemm(**args), calls=30)
         print_timeline(case.name, lambda: reference_moe_wna16_marlin_gemm(**args))
 
 
@@ -566,6 +591,56 @@ def print_timeline(name: str, fn: Callable[[], object]) -> None:
             launch = issued.get(e.get("args", {}).get("correlation"))
             where = f"issued {launch:8.1f}" if launch is not None else "issued        ?"
             print(f"device {at:8.1f} {took:8.1f}  {where}  {e['name'][:70]}")
+
+
+def print_stage_times(name: str, fn: Callable[[], object], calls: int) -> None:
+    """Host µs a call of ``fn`` spends in each of :data:`TIMELINE_STAGES` and each Triton launch (inclusive, mean
+    over ``calls`` calls; perf_counter around the functions, no profiler: the numbers the wall time is made of) and
+    the call's median wall time with its closing sync."""
+    import importlib
+
+    spent: dict[str, float] = {}
+
+    def timed(label: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
+
+        return wrapper
+
+    saved: list[tuple[Any, str, Any]] = []
+    for module_name, functions in TIMELINE_STAGES.items():
+        module = importlib.import_module(module_name)
+        for function in functions:
+            saved.append((module, function, getattr(module, function)))
+            setattr(module, function, timed(f"{module_name.rsplit('.', 1)[-1]}.{function}", saved[-1][2]))
+    kernels = importlib.import_module("moereplay.reference.marlin_rows_kernel")
+    launched = [getattr(kernels, n) for n in ("stage_rows", "marlin_rows", "add_splits", "count_scale_bytes")]
+    for kernel in launched:  # JITFunction[grid](...) calls the instance's run
+        kernel.run = timed(f"launch {kernel.fn.__name__}", kernel.run)
+    walls = []
+    try:
+        fn()
+        torch.cuda.synchronize()
+        spent.clear()
+        for _ in range(calls):
+            started = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - started)
+    finally:
+        for module, function, original in saved:
+            setattr(module, function, original)
+        for kernel in launched:
+            del kernel.run
+    print(
+        f"--- {name}: host µs per call by stage (inclusive, mean of {calls}); wall {statistics.median(walls) * 1e6:.0f} µs"
+    )
+    for label, seconds in sorted(spent.items(), key=lambda item: -item[1]):
+        print(f"    {seconds / calls * 1e6:8.1f}  {label}")
 
 
 def print_host_profile(name: str, fn: Callable[[], object], calls: int) -> None:
