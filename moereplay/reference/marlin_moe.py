@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import warnings
 import weakref
 from collections import OrderedDict
@@ -38,7 +39,6 @@ import torch
 from moereplay.errors import ReferenceError_
 from moereplay.reference import marlin_rows
 from moereplay.reference import scalar_types as st
-from moereplay.reference.dequant_dense import to_device_async
 from moereplay.reference.marlin_formats import (
     MarlinExpertWeights,
     MarlinWeightFormat,
@@ -259,44 +259,43 @@ def _route(
     ids = _host_longs(sorted_token_ids, blocks * moe_block_size).reshape(blocks, moe_block_size)
     block_experts = _host_longs(expert_ids, blocks)
     valid = (ids >= 0) & (ids < num_slots)
-    inner = valid & (np.cumsum(~valid, axis=1) > 0)  # valid after padding in its block
-    bad_expert = (block_experts < 0) | (block_experts >= num_experts)
-    dropped = valid & bad_expert[:, None]
-    negative = int((ids < 0).sum())
-    if negative:
+    # each check is one cheap test; its details are worked out only when it fails (a note)
+    if ids.size and ids.min() < 0:
         notes.append(
             ReferenceNote(
                 "negative_sorted_id",
-                f"{negative} sorted_token_ids entries are negative; the kernel counts them as rows",
+                f"{int((ids < 0).sum())} sorted_token_ids entries are negative; the kernel counts them as rows",
             )
         )
-    if inner.any():
+    after_padding = valid[:, 1:] > valid[:, :-1]  # a valid entry right after padding in its block
+    if after_padding.any():
         notes.append(
             ReferenceNote(
                 "padding_inside_block",
-                f"blocks {_short_list(np.flatnonzero(inner.any(axis=1)))} have padding before a valid entry; the "
-                "kernel writes only the first `count` entries of a block",
+                f"blocks {_short_list(np.flatnonzero(after_padding.any(axis=1)))} have padding before a valid "
+                "entry; the kernel writes only the first `count` entries of a block",
             )
         )
-    if dropped.any():
-        bad_blocks = np.flatnonzero(dropped.any(axis=1))
-        notes.append(
-            ReferenceNote(
-                "invalid_block_expert",
-                f"blocks {_short_list(bad_blocks)} name an expert outside [0, {num_experts}) "
-                f"({_short_list(block_experts[bad_blocks])}); their rows are left unwritten here",
+    bad_expert = (block_experts < 0) | (block_experts >= num_experts)
+    if bad_expert.any():
+        dropped = valid & bad_expert[:, None]
+        if dropped.any():
+            bad_blocks = np.flatnonzero(dropped.any(axis=1))
+            notes.append(
+                ReferenceNote(
+                    "invalid_block_expert",
+                    f"blocks {_short_list(bad_blocks)} name an expert outside [0, {num_experts}) "
+                    f"({_short_list(block_experts[bad_blocks])}); their rows are left unwritten here",
+                )
             )
-        )
-    positions = np.flatnonzero(valid & ~bad_expert[:, None])
+        valid &= ~bad_expert[:, None]
+    positions = np.flatnonzero(valid)
     slot = ids.reshape(-1)[positions]
-    # each output row once, from the last block that writes it, in row order (a stable sort keeps the blocks'
-    # order within a row's run: its last entry is the last block)
-    by_row = np.argsort(slot, kind="stable")
-    ordered = slot[by_row]
-    last = np.ones(ordered.size, dtype=bool)
-    last[:-1] = ordered[1:] != ordered[:-1]
-    keep = by_row[last]
-    if keep.size != slot.size:
+    # each output row once, from the last block that writes it (the largest position), in row order
+    last = np.full(num_slots, -1, dtype=np.int64)
+    np.maximum.at(last, slot, positions)
+    written = np.flatnonzero(last >= 0)
+    if written.size != slot.size:
         counts = np.bincount(slot, minlength=num_slots)
         notes.append(
             ReferenceNote(
@@ -305,14 +304,14 @@ def _route(
                 "kernel's result depends on timing); the last block is used here",
             )
         )
-    block = positions[keep] // moe_block_size
-    return _Rows(
-        torch.from_numpy(slot[keep]), torch.from_numpy(block_experts[block]), torch.from_numpy(block)
-    )
+    block = last[written] // moe_block_size
+    return _Rows(torch.from_numpy(written), torch.from_numpy(block_experts[block]), torch.from_numpy(block))
 
 
 def _host_longs(values: torch.Tensor, count: int) -> np.ndarray:
     """The first ``count`` elements of ``values`` as a host int64 array (a copy where it is not already one)."""
+    if values.device.type == "cpu" and values.dtype == torch.long and values.is_contiguous():
+        return values.detach().numpy().reshape(-1)[:count]  # no copy (routed reads it only)
     return values.detach().reshape(-1)[:count].to("cpu", torch.long).numpy()
 
 
@@ -359,14 +358,8 @@ def _short_list(values: torch.Tensor | np.ndarray, limit: int = 8) -> str:
     return text + (",…" if len(items) > limit else "")
 
 
-def _row_weights(
-    topk_weights: torch.Tensor,
-    written: torch.Tensor,
-    num_slots: int,
-    notes: list[ReferenceNote],
-) -> torch.Tensor:
-    """float32 per output row: the routing weight the kernel multiplies it by (``topk_weights`` read flat by slot,
-    NaN for a slot past its end), 0 for rows not written."""
+def _row_weight_notes(topk_weights: torch.Tensor, num_slots: int, notes: list[ReferenceNote]) -> None:
+    """The notes on how the kernel reads ``topk_weights`` (flat by slot, as float32 bytes)."""
     if topk_weights.dtype != torch.float32:
         notes.append(
             ReferenceNote(
@@ -380,34 +373,110 @@ def _row_weights(
                 "topk_weights_layout", "topk_weights is not contiguous; the kernel reads its storage flat"
             )
         )
-    flat = topk_weights.reshape(-1).to(device=written.device, dtype=torch.float32)
-    if flat.numel() < num_slots:
+    if topk_weights.numel() < num_slots:
         notes.append(
             ReferenceNote(
                 "topk_weights_short",
-                f"topk_weights has {flat.numel()} values for {num_slots} slots; the kernel reads past it",
+                f"topk_weights has {topk_weights.numel()} values for {num_slots} slots; the kernel reads past it",
             )
         )
+
+
+def _finish_rows(
+    gemm: torch.Tensor,
+    tables: torch.Tensor,
+    b_bias: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+    bias_index: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(total, bias rows, row weights, written)`` from the product rows with torch operations (what
+    :func:`marlin_rows.finish_rows` computes in one launch): ``total = (gemm + bias rows) · row weights``; the row
+    weight is ``topk_weights`` read flat by slot (NaN past its end) or 1 (``topk_weights`` None), 0 for rows not
+    written; ``bias_index`` each row's bias row (the zero row past the last expert for rows not written)."""
+    num_slots, size_n = gemm.shape
+    written = tables[4].to(torch.bool)
+    bias_rows: torch.Tensor | None = None
+    if b_bias is not None:
+        assert bias_index is not None
+        bias = unpermute_bias(b_bias.to(gemm.device, torch.float32))
+        bias_rows = torch.cat((bias, bias.new_zeros((1, size_n)))).index_select(0, bias_index)
+    if topk_weights is None:
+        row_weights = tables[4].to(torch.float32)  # 1 where written, else 0
+        return (gemm.clone() if bias_rows is None else gemm + bias_rows), bias_rows, row_weights, written
+    flat = topk_weights.reshape(-1).to(device=gemm.device, dtype=torch.float32)
+    if flat.numel() < num_slots:
         flat = torch.cat((flat, flat.new_full((num_slots - flat.numel(),), float("nan"))))
-    return torch.where(written, flat[:num_slots], 0.0)
+    row_weights = torch.where(written, flat[:num_slots], 0.0)
+    weights_column = row_weights.unsqueeze(1)
+    total = gemm * weights_column if bias_rows is None else (gemm + bias_rows).mul_(weights_column)
+    return total, bias_rows, row_weights, written
 
 
 def _to_device_together(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """Host int64 arrays on ``device`` in one copy (:func:`to_device_async`: no wait), by name, shapes kept. Each
-    starts on a 16-byte boundary of the copy (an even element): a kernel given one is compiled for aligned pointers
-    whatever the other arrays' sizes, not once more when their parity changes."""
+    """Host int64 arrays on ``device`` in one copy (no wait: from a pinned buffer on a GPU), by name, shapes kept.
+    Each starts on a 16-byte boundary of the copy (an even element): a kernel given one is compiled for aligned
+    pointers whatever the other arrays' sizes, not once more when their parity changes."""
     starts, at = [], 0
     for array in arrays.values():
         starts.append(at)
         at += array.size + array.size % 2
-    flat = np.zeros(at, dtype=np.int64)
+    if device.type == "cuda":
+        slot, staging = _STAGING.take(at)
+        flat = staging.numpy()
+    else:
+        flat = np.zeros(at, dtype=np.int64)
     for start, array in zip(starts, arrays.values(), strict=True):
         flat[start : start + array.size] = array.reshape(-1)
-    moved = to_device_async(torch.from_numpy(flat), device)
+    if device.type == "cuda":
+        moved = staging[:at].to(device, non_blocking=True)
+        _STAGING.copied(slot, device)
+    else:
+        moved = torch.from_numpy(flat).to(device)
     tensors: dict[str, torch.Tensor] = {}
     for start, (name, array) in zip(starts, arrays.items(), strict=True):
         tensors[name] = moved[start : start + array.size].view(array.shape)
     return tensors
+
+
+class _PinnedStaging(threading.local):
+    """Pinned host buffers (int64) the host tables are written into and copied to a GPU from, reused in turn (one
+    set a thread): a buffer is written again only after the copy that read it has run (an event recorded after the
+    copy), so reuse never races a queued copy — no pinning and no allocation a call."""
+
+    BUFFERS = 4
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.events: list[tuple[torch.cuda.Event, torch.device] | None] = []
+        self.turn = 0
+
+    def take(self, count: int) -> tuple[int, torch.Tensor]:
+        """(slot, a pinned buffer of at least ``count`` elements) free to write; hand the slot to :meth:`copied`."""
+        slot = self.turn
+        self.turn = (slot + 1) % self.BUFFERS
+        if slot == len(self.buffers):
+            self.buffers.append(torch.empty(0, dtype=torch.long))
+            self.events.append(None)
+        recorded = self.events[slot]
+        if recorded is not None:
+            recorded[0].synchronize()
+        if self.buffers[slot].numel() < count:
+            self.buffers[slot] = torch.empty(
+                max(count, 2 * self.buffers[slot].numel(), 4096), dtype=torch.long
+            )
+            self.buffers[slot] = self.buffers[slot].pin_memory()
+        return slot, self.buffers[slot]
+
+    def copied(self, slot: int, device: torch.device) -> None:
+        """Mark the copy just queued from ``slot``'s buffer on ``device``'s current stream."""
+        recorded = self.events[slot]
+        if recorded is None or recorded[1] != device:
+            recorded = (torch.cuda.Event(), device)
+            self.events[slot] = recorded
+        recorded[0].record(torch.cuda.current_stream(device))
+
+
+_STAGING = _PinnedStaging()
 
 
 def reference_moe_wna16_marlin_gemm(
@@ -509,21 +578,24 @@ def reference_moe_wna16_marlin_gemm(
         sorted_token_ids, expert_ids, num_tokens_past_padded, moe_block_size, num_slots, num_experts, notes
     )
     grouping = _group_rows(rows)
-    # what the products need goes to the device first (one copy) and they are launched; the rest of the host
-    # tables follow in a second copy while the device works
-    first = {
+    # every host table goes to the device in one copy; the products are launched right after it
+    host_tables = _row_tables(rows, top_k, num_slots)
+    tables_on_host = {
         "experts_used": grouping.experts_used.numpy(),
         "slot": rows.slot.numpy(),
         "order": grouping.order.numpy(),
+        "tables": host_tables,
     }
+    if b_bias is not None:  # each row's expert; unwritten rows the zero row after the last expert
+        tables_on_host["bias_index"] = np.where(host_tables[1] >= 0, host_tables[1], num_experts)
     plan = None
     if marlin_rows.available(device) and marlin_rows.usable(weights):
         # no dense weights: one kernel reads the packed codes (the same weights, a fixed float32 sum order)
         plan = marlin_rows.plan_rows(grouping.per_expert, grouping.experts, size_k, size_n)
         grouped_slots = rows.slot.numpy()[grouping.order.numpy()]
-        first.update(source=grouped_slots // top_k, destination=grouped_slots, fields=plan.fields)
-    moved_first = _to_device_together(first, device)
-    experts_used = moved_first["experts_used"]
+        tables_on_host.update(source=grouped_slots // top_k, destination=grouped_slots, fields=plan.fields)
+    moved = _to_device_together(tables_on_host, device)
+    experts_used = moved["experts_used"]
     gemm = None
     if plan is not None:
         gemm = marlin_rows.expert_rows(
@@ -531,16 +603,12 @@ def reference_moe_wna16_marlin_gemm(
             weights,
             experts_used,
             plan,
-            moved_first["fields"],
-            moved_first["source"],
-            moved_first["destination"],
+            moved["fields"],
+            moved["source"],
+            moved["destination"],
             num_slots,
+            every_row=rows.slot.numel() == num_slots,
         )
-    host_tables = _row_tables(rows, top_k, num_slots)
-    second = {"tables": host_tables}
-    if b_bias is not None:  # each row's expert; unwritten rows the zero row after the last expert
-        second["bias_index"] = np.where(host_tables[1] >= 0, host_tables[1], num_experts)
-    moved = _to_device_together(second, device)
     tables = moved["tables"]
     weight_notes_at = len(notes)
     # the weight notes' counts queue behind the products; read at the end with one sync
@@ -557,30 +625,30 @@ def reference_moe_wna16_marlin_gemm(
             dense = _ExpertColumns(weights, grouping.experts)
         else:
             dense = _ExpertsInChunks(weights, experts_used, budget // 4)
-        slot = moved_first["slot"]
-        grouping = dataclasses.replace(grouping, order=moved_first["order"])
+        slot = moved["slot"]
+        grouping = dataclasses.replace(grouping, order=moved["order"])
         gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
         gemm[slot] = _expert_rows_matmul(input, slot, top_k, grouping, dense, size_n)
-    written = tables[4].to(torch.bool)
-
-    bias_rows: torch.Tensor | None = None
-    if b_bias is not None:
-        if b_bias.dtype != activation_dtype:
-            notes.append(
-                ReferenceNote(
-                    "bias_dtype", f"b_bias is {b_bias.dtype}; the kernel reads it as {activation_dtype}"
-                )
+    if b_bias is not None and b_bias.dtype != activation_dtype:
+        notes.append(
+            ReferenceNote(
+                "bias_dtype", f"b_bias is {b_bias.dtype}; the kernel reads it as {activation_dtype}"
             )
-        bias = unpermute_bias(b_bias.to(device, torch.float32))
-        bias_rows = torch.cat((bias, bias.new_zeros((1, size_n)))).index_select(0, moved["bias_index"])
-    # the kernel's order: (row + bias) * weight; unwritten rows are 0 + 0 (times 0)
+        )
     if mul_topk_weights:
-        row_weights = _row_weights(topk_weights, written, num_slots, notes)
-        weights_column = row_weights.unsqueeze(1)
-        total = gemm * weights_column if bias_rows is None else (gemm + bias_rows).mul_(weights_column)
+        _row_weight_notes(topk_weights, num_slots, notes)
+    # the kernel's order: (row + bias) * weight; unwritten rows are 0 + 0 (times 0)
+    finished = None
+    if plan is not None:  # the products came from the packed-code kernel: its epilogue too (one launch)
+        finished = marlin_rows.finish_rows(
+            gemm, tables[1], b_bias, topk_weights if mul_topk_weights else None
+        )
+    if finished is not None:
+        total, bias_rows, row_weights, written = finished
     else:
-        row_weights = tables[4].to(torch.float32)  # 1 where written, else 0
-        total = gemm.clone() if bias_rows is None else gemm + bias_rows
+        total, bias_rows, row_weights, written = _finish_rows(
+            gemm, tables, b_bias, topk_weights if mul_topk_weights else None, moved.get("bias_index")
+        )
 
     notes[weight_notes_at:weight_notes_at] = [
         ReferenceNote(code, m) for code, m in resolve_notes(weight_notes)

@@ -40,7 +40,7 @@ BLOCK_ROWS = (4, 8, 16)
 """Rows of one expert a program multiplies: the smallest of these that holds the expert's rows, larger experts in
 blocks of the last (a program decodes each weight once for all its rows)."""
 
-BLOCK_N = 256
+BLOCK_N = 128
 """Columns of one program."""
 
 ARITHMETIC_KINDS = {"e2m1": (1, 0), "uint4b8": (2, 8), "uint4": (2, 0)}
@@ -50,16 +50,19 @@ lookup: a warp's lookups of random codes are one load each, its arithmetic a few
 ARITHMETIC_DECODE = True
 """Whether :data:`ARITHMETIC_KINDS` are decoded arithmetically (False: every kind through its table)."""
 
-NUM_WARPS = 2
-"""Warps of one program: 4 columns of :data:`BLOCK_N` a thread (each staged activation a thread loads serves all
-of them)."""
+NUM_WARPS = 4
+"""Warps of one program: one column of :data:`BLOCK_N` a thread. Device time of the products (H100, reference_bench
+``--rows-variants``, at most 11 K splits; nvfp4-gemm1 / nvfp4-gemm2 / mxfp4-gemm2): 4 warps × 128 columns 498 / 271
+/ 283 µs, 2 × 256 587 / 318 / 273, 2 × 128 624 / 389 / 365, 4 × 256 613 / 335 / 334, 1 × 256 500 / 310 / 311."""
 
 STAGE_BLOCK_K = 64
 """K elements of one staging program."""
 
-MAX_SPLITS, MIN_TILES_PER_SPLIT = 4, 16
+MAX_SPLITS, MIN_TILES_PER_SPLIT = 16, 16
 """K's 16-row tiles are cut into at most this many splits of at least that many tiles (more programs in flight;
-the splits' partial sums are added in order). The cut depends on K alone, never on the rows of a call."""
+the splits' partial sums are added in order). The cut depends on K alone, never on the rows of a call. A decode
+call has few row blocks, so its programs fill the GPU only with many splits: at gpt-oss's K (11 splits) the products
+took 587 / 318 / 273 µs against 697 / 433 / 312 µs with at most 4 (2 warps × 256 columns; as in :data:`NUM_WARPS`)."""
 
 
 _FAILED: list[str] = []
@@ -309,17 +312,21 @@ def expert_rows(
     source_rows: torch.Tensor,
     destination: torch.Tensor,
     num_rows: int,
+    every_row: bool = False,
 ) -> torch.Tensor | None:
     """float32 ``[num_rows, N]``: row ``destination[g]`` is ``input[source_rows[g]] @ W[e]`` for the ``g``-th row
     of the grouped order (``plan`` from :func:`plan_rows`, its ``fields`` on the device; rows of
-    ``experts_used[u]`` after one another), the rows no ``destination`` names zero. Per pass of
+    ``experts_used[u]`` after one another), the rows no ``destination`` names zero (``every_row``: the caller
+    knows ``destination`` names every row, so none is zeroed first). Per pass of
     :data:`PARTIAL_BYTES`: one launch staging the activations, one per block height, one adding the K splits in
     order into their rows; no sync.
     None when the kernel cannot be built or launched here (said once as a warning; the caller takes the dense
     path, from then on)."""
     device = input.device
     size_n = weights.size_n
-    out = torch.zeros((num_rows, size_n), dtype=torch.float32, device=device)
+    out = (torch.empty if every_row and plan.runs else torch.zeros)(
+        (num_rows, size_n), dtype=torch.float32, device=device
+    )
     if not plan.runs:
         return out
     k_tiles = weights.size_k // TILE_K
@@ -420,6 +427,71 @@ def expert_rows(
         _give_up(error)
         return None
     return out
+
+
+FINISH_BLOCK = 1024
+"""Columns of one program of the kernel that finishes the output rows."""
+
+_FINISH_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Bias and routing-weight types :func:`finish_rows` converts (exactly, as ``.to(torch.float32)`` does)."""
+
+
+def finish_rows(
+    gemm: torch.Tensor,
+    row_experts: torch.Tensor,
+    bias: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+    """The output rows from the product rows in one launch: ``(total, bias rows, row weights, written)`` with
+    ``total = (gemm + bias rows) · row weights`` as the kernel orders them. ``row_experts`` (int64 per row, −1 where
+    no block writes the row), ``bias`` the stored ``[E, N]`` Marlin-order bias (or None), ``topk_weights`` read flat
+    by row, NaN past their end (None: weight 1 for written rows). All on ``gemm``'s device; the values
+    :func:`~moereplay.reference.marlin_moe.reference_moe_wna16_marlin_gemm`'s torch operations give, bit for bit.
+    None where the kernel does not apply (another bias or weight type, another device) or cannot run; no sync."""
+    device = gemm.device
+    rows, size_n = gemm.shape
+    for tensor in (bias, topk_weights):
+        if tensor is not None and (tensor.dtype not in _FINISH_DTYPES or tensor.device != device):
+            return None
+    if not available(device) or not gemm.is_contiguous() or rows == 0:
+        return None
+    total = torch.empty_like(gemm)
+    bias_rows = torch.empty_like(gemm) if bias is not None else None
+    row_weights = torch.empty(rows, dtype=torch.float32, device=device)
+    written = torch.empty(rows, dtype=torch.bool, device=device)
+    weights = topk_weights.reshape(-1) if topk_weights is not None else row_weights  # never read without
+    try:
+        from moereplay.reference.marlin_rows_kernel import finish_rows as kernel
+
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            kernel[(rows, -(-size_n // FINISH_BLOCK))](
+                gemm,
+                row_experts,
+                bias if bias is not None else gemm,
+                bias.stride(0) if bias is not None else 0,
+                bias.stride(1) if bias is not None else 0,
+                _bias_columns(size_n, device) if bias is not None else row_experts,
+                weights,
+                weights.numel(),
+                total,
+                bias_rows if bias_rows is not None else total,
+                row_weights,
+                written,
+                size_n,
+                HAS_BIAS=bias is not None,
+                MUL_WEIGHTS=topk_weights is not None,
+                BLOCK=FINISH_BLOCK,
+            )
+    except _launch_errors() as error:
+        _give_up(error)
+        return None
+    return total, bias_rows, row_weights, written
+
+
+@functools.cache
+def _bias_columns(size_n: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[N]``: the stored (Marlin-order) column of each logical bias column."""
+    return layout.unpermute_bias(torch.arange(size_n)).to(device)
 
 
 _SCALE_LAYOUTS: dict[tuple[object, ...], tuple[torch.Tensor | None, torch.Tensor]] = {}

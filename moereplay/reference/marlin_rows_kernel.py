@@ -237,3 +237,52 @@ def add_splits(
         total += tl.load(source + split * stride_split, mask=inside, other=0.0)
     row = tl.load(destination_ptr + r).to(tl.int64)
     tl.store(out_ptr + row * stride_out + n, total, mask=inside)
+
+
+@triton.jit
+def finish_rows(
+    gemm_ptr,
+    expert_ptr,
+    bias_ptr,
+    stride_be,
+    stride_bn,
+    bias_columns_ptr,
+    weights_ptr,
+    num_weights,
+    total_ptr,
+    bias_rows_ptr,
+    row_weights_ptr,
+    written_ptr,
+    N,
+    HAS_BIAS: tl.constexpr,
+    MUL_WEIGHTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Output row ``r`` from row ``r`` of the product (float32 ``[rows, N]``, contiguous) in the kernel's order,
+    ``(gemm + bias) · weight``: the bias row of the row's expert (``expert[r]``; −1 for a row no block writes: no
+    bias, weight 0) read at each logical column's stored column (``bias_columns``) and converted to float32, and the
+    routing weight ``weights[r]`` (NaN past ``num_weights``; 1 without ``MUL_WEIGHTS``). The bias rows, the row
+    weights and whether the row is written are stored beside it (the result's other fields)."""
+    r = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = n < N
+    expert = tl.load(expert_ptr + r)
+    written = expert >= 0
+    at = r.to(tl.int64) * N + n
+    value = tl.load(gemm_ptr + at, mask=inside, other=0.0)
+    if HAS_BIAS:
+        stored = tl.load(bias_columns_ptr + n, mask=inside, other=0)
+        bias = tl.load(bias_ptr + expert * stride_be + stored * stride_bn, mask=inside & written, other=0.0)
+        bias = bias.to(tl.float32)
+        tl.store(bias_rows_ptr + at, bias, mask=inside)
+        value = value + bias
+    if MUL_WEIGHTS:
+        weight = tl.load(weights_ptr + r, mask=r < num_weights, other=float("nan")).to(tl.float32)
+        weight = tl.where(written, weight, 0.0)
+        value = value * weight
+    else:
+        weight = tl.where(written, 1.0, 0.0)
+    tl.store(total_ptr + at, value, mask=inside)
+    if tl.program_id(1) == 0:
+        tl.store(row_weights_ptr + r, weight)
+        tl.store(written_ptr + r, written)

@@ -189,3 +189,79 @@ def test_a_call_on_another_gpu_than_the_current_one() -> None:
     )
     on_zero = _call(packed0, x.to(CUDA), ids, weights, top_k=2, block=8, experts=4)
     assert torch.equal(on_one.output.cpu(), on_zero.output.cpu())
+
+
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("weights_kind", ["none", "float32", "bfloat16", "short", "strided"])
+def test_the_epilogue_kernel_is_the_torch_operations_bit_for_bit(bias_dtype, weights_kind) -> None:
+    """`finish_rows` (one launch) against the torch epilogue it replaces: bias rows at the logical columns, the
+    routing weight read flat (NaN past a short tensor), unwritten rows 0, a strided bias."""
+    from moereplay.reference.marlin_moe import _finish_rows
+
+    gen = torch.Generator().manual_seed(19)
+    rows, n, experts = 23, 320, 5
+    gemm = torch.randn(rows, n, generator=gen).to(CUDA)
+    row_experts = torch.randint(0, experts, (rows,), generator=gen)
+    row_experts[[2, 7, 19]] = -1  # rows no block writes
+    gemm[row_experts < 0] = 0.0
+    tables = torch.full((5, rows), -1, dtype=torch.long)
+    tables[1] = row_experts
+    tables[4] = (row_experts >= 0).long()
+    bias = None
+    if bias_dtype is not None:
+        bias = (torch.randn(experts, 2 * n, generator=gen) * 3).to(CUDA, bias_dtype)[:, ::2]  # strided
+    weights = {
+        "none": None,
+        "float32": torch.rand(rows, generator=gen).to(CUDA),
+        "bfloat16": torch.rand(rows, generator=gen).to(CUDA, torch.bfloat16),
+        "short": torch.rand(rows - 4, generator=gen).to(CUDA),
+        "strided": torch.rand(rows, 2, generator=gen).to(CUDA)[:, 1],
+    }[weights_kind]
+    bias_index = torch.where(row_experts >= 0, row_experts, experts).to(CUDA)
+    kernel = marlin_rows.finish_rows(gemm, row_experts.to(CUDA), bias, weights)
+    torch_ops = _finish_rows(gemm, tables.to(CUDA), bias, weights, bias_index)
+    assert kernel is not None
+    for name, got, expected in zip(
+        ("total", "bias rows", "row weights", "written"), kernel, torch_ops, strict=True
+    ):
+        if expected is None:
+            assert got is None, name
+            continue
+        assert got is not None and got.dtype == expected.dtype and got.shape == expected.shape, name
+        assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0)), name
+        assert torch.equal(got.isnan(), expected.isnan()), name
+    if weights_kind == "short":  # rows 20-22 are past the weights (row 19 is not written: weight 0)
+        assert bool(kernel[2][20:].isnan().all()) and float(kernel[2][19]) == 0.0
+
+
+def test_back_to_back_calls_do_not_share_their_host_tables() -> None:
+    """More calls than pinned staging buffers queued behind a long kernel without a sync (routing on the host, a
+    format without counted weight notes: nothing in a call waits for the device): each call's tables are its own
+    (a staging buffer is rewritten only after the copy that read it has run)."""
+    experts, k, n, top_k = 8, 512, 256, 2
+    packed = random_experts(
+        F.GPTQ_INT4, experts, k, n, group_size=32, with_dense=False,
+        generator=torch.Generator().manual_seed(20), device=CUDA,
+    )  # fmt: skip
+    calls = []
+    for seed in range(9):
+        tokens = 3 + 4 * seed
+        x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed)).to(CUDA, torch.bfloat16)
+        weights, ids = _routing(tokens, top_k, experts, 100 + seed)
+        calls.append((x, weights, *moe_align_block_size(ids.cpu().to(torch.int32), 8, experts)))
+
+    def call(x, weights, sorted_ids, expert_ids, total):  # type: ignore[no-untyped-def]
+        return reference_moe_wna16_marlin_gemm(
+            input=x, output=None, a_scales=None, workspace=None, sorted_token_ids=sorted_ids,
+            expert_ids=expert_ids, num_tokens_past_padded=total, topk_weights=weights, moe_block_size=8,
+            top_k=top_k, mul_topk_weights=True, size_m=x.shape[0], **packed.kernel_kwargs(),
+        )  # fmt: skip
+
+    alone = []
+    for args in calls:
+        alone.append(call(*args).output.cpu())
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # keeps the stream busy (≈ 0.3 s) while the calls queue their copies
+    queued = [call(*args) for args in calls]
+    for expected, result in zip(alone, queued, strict=True):
+        assert torch.equal(result.output.cpu(), expected)

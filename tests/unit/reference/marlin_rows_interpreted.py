@@ -105,6 +105,16 @@ def main() -> int:
         if relative > 1e-5 or not same or marlin_rows._FAILED:
             print(f"the kernel did not run: {marlin_rows._FAILED}" if marlin_rows._FAILED else "differs")
             return 1
+        # the epilogue kernel against the torch operations of the dense path, on the kernel's own products
+        expected = (fused.gemm + dense.bias_rows) * dense.row_weights[:, None]
+        finished = (
+            torch.equal(fused.bias_rows, dense.bias_rows)
+            and torch.equal(fused.row_weights, dense.row_weights)
+            and torch.equal(fused.output, expected)
+        )
+        print(f"  bias rows, row weights and output the torch epilogue's bit for bit: {finished}")
+        if not finished:
+            return 1
         exact = _one_hot_rows(packed, fmt, dtype)
         print(f"  one-hot rows are the dense decoder's weights bit for bit: {exact}")
         if not exact:

@@ -129,7 +129,8 @@ def test_k_splits_depend_on_k_alone_and_cover_it() -> None:
         splits, per_split = marlin_rows.k_splits(k_tiles)
         assert 1 <= splits <= marlin_rows.MAX_SPLITS
         assert (splits - 1) * per_split < k_tiles <= splits * per_split
-    assert marlin_rows.k_splits(180) == (4, 45) and marlin_rows.k_splits(8) == (1, 8)
+    assert marlin_rows.k_splits(180) == (11, 17) and marlin_rows.k_splits(8) == (1, 8)
+    assert marlin_rows.k_splits(448) == (16, 28)
 
 
 def test_value_tables() -> None:

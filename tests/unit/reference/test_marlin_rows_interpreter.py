@@ -49,7 +49,7 @@ def test_the_kernel_compiles_for_hopper_without_spills_or_flushed_denormals(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from moereplay.reference.marlin_rows import NUM_WARPS
+    from moereplay.reference.marlin_rows import BLOCK_N, NUM_WARPS
     from moereplay.reference.marlin_rows_kernel import marlin_rows
 
     names = list(inspect.signature(marlin_rows.fn).parameters)
@@ -66,7 +66,7 @@ def test_the_kernel_compiles_for_hopper_without_spills_or_flushed_denormals(
         "HAS_OFFSET": has_offset,
         "TILE_BYTES": 512 if four_bit else 1024,
         "BLOCK_M": block_m,
-        "BLOCK_N": 256,
+        "BLOCK_N": BLOCK_N,
         "DECODE": 1 if four_bit else 0,  # 4-bit: FP4 E2M1 by integer operations
         "BIAS": 0,
         "ROW_STEP": 128,
@@ -82,15 +82,16 @@ def test_the_kernel_compiles_for_hopper_without_spills_or_flushed_denormals(
     assert built.asm["cubin"]
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert ".ftz" not in ptx
-    assert ptx.count("fma.rn.f32") >= block_m * 2 * 16  # every tile row's multiply-add is a fused one
+    columns_a_thread = BLOCK_N // (32 * NUM_WARPS)
+    # every tile row's multiply-add is a fused one
+    assert ptx.count("fma.rn.f32") >= block_m * 16 * columns_a_thread
     # the staged activations come two rows to an 8-byte load (and 4-bit codes' value pairs the same way)
     assert ptx.count("ld.global.b64") >= 16 * block_m // 2
     if four_bit:  # codes come as 32-bit words, never byte by byte (byte-wide loads are the scales' only), and
         # are decoded without a table: the 32-bit loads are the words, the scales and the tile fields
-        assert ptx.count("ld.global.b32") <= 4 * 256 // (32 * NUM_WARPS) + 16 + 8, ptx.count("ld.global.b32")
-        assert ptx.count("ld.global.u8") + ptx.count("ld.global.b8") <= (2 if scale_bytes else 0) * 256 // (
-            32 * NUM_WARPS
-        )
+        assert ptx.count("ld.global.b32") <= 4 * columns_a_thread + 16 + 8, ptx.count("ld.global.b32")
+        byte_loads = ptx.count("ld.global.u8") + ptx.count("ld.global.b8")
+        assert byte_loads <= (2 if scale_bytes else 0) * columns_a_thread
 
 
 def test_the_staging_kernel_compiles_for_hopper() -> None:
