@@ -533,9 +533,9 @@ TIMELINE_STAGES = {
         "deferred_dequant_notes",
         "resolve_notes",
         "unpermute_bias",
-        "_row_weights",
+        "_finish_rows",
     ),
-    "moereplay.reference.marlin_rows": ("plan_rows", "expert_rows", "_scale_parts"),
+    "moereplay.reference.marlin_rows": ("plan_rows", "expert_rows", "_scale_parts", "finish_rows"),
 }
 """Functions :func:`print_timeline` marks, by module (patched for the one profiled call, restored after)."""
 
@@ -618,7 +618,10 @@ def print_stage_times(name: str, fn: Callable[[], object], calls: int) -> None:
             saved.append((module, function, getattr(module, function)))
             setattr(module, function, timed(f"{module_name.rsplit('.', 1)[-1]}.{function}", saved[-1][2]))
     kernels = importlib.import_module("moereplay.reference.marlin_rows_kernel")
-    launched = [getattr(kernels, n) for n in ("stage_rows", "marlin_rows", "add_splits", "count_scale_bytes")]
+    launched = [
+        getattr(kernels, n)
+        for n in ("stage_rows", "marlin_rows", "add_splits", "count_scale_bytes", "finish_rows")
+    ]
     for kernel in launched:  # JITFunction[grid](...) calls the instance's run
         kernel.run = timed(f"launch {kernel.fn.__name__}", kernel.run)
     walls = []
