@@ -242,7 +242,7 @@ def count_scale_bytes(scales: torch.Tensor, experts: torch.Tensor, e8m0_nan: boo
     try:
         from moereplay.reference.marlin_rows_kernel import count_scale_bytes as kernel
 
-        with torch.cuda.device(scales.device):
+        with _current(scales.device):
             kernel[(experts.numel(), -(-per_expert // COUNT_BLOCK))](
                 flat, experts.contiguous(), per_expert, total, E8M0_NAN=e8m0_nan, BLOCK=COUNT_BLOCK
             )
@@ -250,6 +250,15 @@ def count_scale_bytes(scales: torch.Tensor, experts: torch.Tensor, e8m0_nan: boo
         _give_up(error)
         return None
     return total
+
+
+def _current(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Triton launches on the current device's current stream: ``device`` made current for the launches where it
+    is another GPU (a context switch costs a few µs a launch, so none where it is current already; the CPU:
+    Triton's interpreter, for tests)."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _give_up(error: BaseException) -> None:
@@ -352,7 +361,7 @@ def expert_rows(
         from moereplay.reference.marlin_rows_kernel import STAGED_ROWS, add_splits, marlin_rows, stage_rows
 
         # Triton launches on the current device's current stream (the CPU: Triton's interpreter, for tests)
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        with _current(device):
             for run in plan.runs:
                 row_base = min(tile[0] for tiles in run.values() for tile in tiles)
                 rows = sum(tile[1] for tiles in run.values() for tile in tiles)
@@ -463,7 +472,7 @@ def finish_rows(
     try:
         from moereplay.reference.marlin_rows_kernel import finish_rows as kernel
 
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        with _current(device):
             kernel[(rows, -(-size_n // FINISH_BLOCK))](
                 gemm,
                 row_experts,
