@@ -564,14 +564,21 @@ class MarlinExpertWeights:
         NVFP4's factors from the whole ``global_scale`` (float32 scales: one float32 product by the power of two,
         correctly rounded like the float64 product's rounding — the same bits), the other formats' constant kept
         per device (shared: read it, do not write it)."""
+        per_expert, factor = self.scale_multiplier_parts()
+        return per_expert * factor if factor != 1.0 else per_expert
+
+    def scale_multiplier_parts(self) -> tuple[torch.Tensor, float]:
+        """``(per_expert, factor)`` with :meth:`all_scale_multipliers` ``= per_expert · factor`` (one float32
+        product; factor 1: ``per_expert`` itself), without the launch: a kernel multiplies as it reads. NVFP4's
+        float32 ``global_scale`` and the power of two of its exponent compensation; else the multipliers and 1."""
         device = self.b_qweight.device
         if self.format is MarlinWeightFormat.NVFP4:
             assert self.global_scale is not None
             scales = self.global_scale.reshape(-1).to(device)
             if scales.dtype != torch.float32:
-                return self.expert_multipliers(torch.arange(self.num_experts, device=device))
-            return scales * 2.0 ** -fp4_exponent_compensation(self.activation_dtype)
-        return _constant_multipliers(self.num_experts, self._constant_multiplier(), device)
+                return self.expert_multipliers(torch.arange(self.num_experts, device=device)), 1.0
+            return scales, 2.0 ** -fp4_exponent_compensation(self.activation_dtype)
+        return _constant_multipliers(self.num_experts, self._constant_multiplier(), device), 1.0
 
     def scale_multipliers(self, experts: torch.Tensor) -> torch.Tensor:
         """float32 per expert of ``experts`` (on their device) that :meth:`scale_layout`'s values are multiplied by:

@@ -346,7 +346,7 @@ def expert_rows(
     column_entries, row_entries, lut = _device_tables(num_bits, kind, device)
     decode, bias = ARITHMETIC_KINDS.get(kind, (0, 0)) if ARITHMETIC_DECODE and num_bits == 4 else (0, 0)
     row_step, row_half = _four_bit_steps() if num_bits == 4 else (0, 0)
-    scale_table, columns, multipliers = _scale_parts(weights)
+    scale_table, columns, multipliers, factor = _scale_parts(weights)
     offsets = None
     if weights.b_qzeros is not None:  # integer zero points: −zero · scale per used expert, from the host
         offsets = weights.fast_factors(experts_used)[1]
@@ -400,6 +400,7 @@ def expert_rows(
                         columns,
                         scale_table if scale_table is not None else lut,  # never read for 16-bit scales
                         multipliers,
+                        factor,
                         offsets if offsets is not None else lut,  # never read without zero points
                         fields[first : first + tiles],
                         k_tiles,
@@ -507,13 +508,16 @@ _SCALE_LAYOUTS: dict[tuple[object, ...], tuple[torch.Tensor | None, torch.Tensor
 """Device copies of :meth:`MarlinExpertWeights.scale_layout`, by what it depends on (and the device)."""
 
 
-def _scale_parts(weights: MarlinExpertWeights) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+def _scale_parts(
+    weights: MarlinExpertWeights,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float]:
     """:meth:`MarlinExpertWeights.scale_layout` (kept per format, dtype, groups, N and device) and the experts'
-    multipliers, on the weights' device; no sync."""
+    multipliers as :meth:`MarlinExpertWeights.scale_multiplier_parts` (the kernel multiplies the two), on the
+    weights' device; no launch, no sync."""
     device = weights.b_qweight.device
     key = (weights.format, weights.activation_dtype, weights.num_groups, weights.size_n, device)
     if key not in _SCALE_LAYOUTS:
         table, columns = weights.scale_layout()
         _SCALE_LAYOUTS[key] = (None if table is None else table.to(device)), columns.to(device)
     table, columns = _SCALE_LAYOUTS[key]
-    return table, columns, weights.all_scale_multipliers()
+    return table, columns, *weights.scale_multiplier_parts()

@@ -12,12 +12,13 @@ separates into a column part and a row part); 4-bit codes are read as 32-bit wor
 2j + 9 of a column share one) and decoded with integer operations (FP4 E2M1 and the integer kinds) or through
 ``lut``; 8-bit codes byte by byte through ``lut``. The column's scale is read from the stored scales at its stored
 column (``columns``), decoded through ``scale_lut`` (byte formats) or converted from float16/bfloat16, and
-multiplied by the expert's ``multipliers`` entry; the weight is ``value · scale`` (``value · scale + offset`` with
-integer zero points, ``offset = −zero · scale`` from the host) — the float32 operations the dense decoder applies
-to that element, so every weight is the dense decoder's. Each output element is an explicit chain of IEEE float32
-fused multiply-adds into a tile sum (rows k in order; 4-bit: rows k and k + 8 share a byte and go in pairs, 0, 8,
-1, 9, …), added to the split's total tile by tile: the same operations whichever other rows share its program, so
-a row's value does not depend on the other rows of the call.
+multiplied by the expert's multiplier (its ``multipliers`` entry times ``multiplier_factor``, one float32
+product); the weight is ``value · scale`` (``value · scale + offset`` with integer zero points, ``offset =
+−zero · scale`` from the host) — the float32 operations the dense decoder applies to that element, so every
+weight is the dense decoder's. Each output element is an explicit chain of IEEE float32 fused multiply-adds
+into a tile sum (rows k in order; 4-bit: rows k and k + 8 share a byte and go in pairs, 0, 8, 1, 9, …), added to
+the split's total tile by tile: the same operations whichever other rows share its program, so a row's value does
+not depend on the other rows of the call.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def marlin_rows(
     columns_ptr,
     scale_lut_ptr,
     multipliers_ptr,
+    multiplier_factor,
     offset_ptr,
     tiles_ptr,
     k_tiles,
@@ -126,7 +128,8 @@ def marlin_rows(
     n_ok = n < N
     column_entry = tl.load(column_entries_ptr + n % 64)  # the column's bit in its tile (a whole byte)
     columns = tl.load(columns_ptr + n, mask=n_ok, other=0)
-    multiplier = tl.load(multipliers_ptr + expert)
+    # one float32 product, as MarlinExpertWeights.all_scale_multipliers makes it
+    multiplier = tl.load(multipliers_ptr + expert) * multiplier_factor
     scale_row = scale_ptr + expert * stride_se + columns * stride_sn
     offset_row = offset_ptr + position * groups * N + n
     # staged_ptr is the float32 [K, STAGED_ROWS] block as int64 pairs of rows: K row k of rows 2p, 2p + 1 at k · 8 + p

@@ -73,7 +73,8 @@ def test_the_kernel_compiles_for_hopper_without_spills_or_flushed_denormals(
         "ROW_HALF": 16,
     }
     assert set(pointers) <= set(names) and set(constants) <= set(names)
-    signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
+    floats = {"multiplier_factor": "fp32"}
+    signature = {n: pointers.get(n, floats.get(n, "constexpr" if n in constants else "i32")) for n in names}
     source = ASTSource(
         marlin_rows, signature, constexprs={(names.index(n),): v for n, v in constants.items()}
     )
