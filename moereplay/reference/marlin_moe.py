@@ -461,11 +461,14 @@ class _PinnedStaging(threading.local):
         if recorded is not None:
             recorded[0].synchronize()
         if self.buffers[slot].numel() < count:
-            self.buffers[slot] = torch.empty(
-                max(count, 2 * self.buffers[slot].numel(), 4096), dtype=torch.long
-            )
-            self.buffers[slot] = self.buffers[slot].pin_memory()
+            size = max(count, 2 * self.buffers[slot].numel(), 4096)
+            self.buffers[slot] = torch.empty(0, dtype=torch.long)  # the old one goes first
+            self.buffers[slot] = self._allocate(size)
         return slot, self.buffers[slot]
+
+    def _allocate(self, count: int) -> torch.Tensor:
+        """A pinned int64 buffer of ``count`` elements."""
+        return torch.empty(count, dtype=torch.long, pin_memory=True)
 
     def copied(self, slot: int, device: torch.device) -> None:
         """Mark the copy just queued from ``slot``'s buffer on ``device``'s current stream."""
