@@ -577,7 +577,8 @@ class MarlinExpertWeights:
             scales = self.global_scale.reshape(-1).to(device)
             if scales.dtype != torch.float32:
                 return self.expert_multipliers(torch.arange(self.num_experts, device=device)), 1.0
-            return scales, 2.0 ** -fp4_exponent_compensation(self.activation_dtype)
+            # a kernel reads them by expert index: in order, whatever the caller's strides
+            return scales.contiguous(), 2.0 ** -fp4_exponent_compensation(self.activation_dtype)
         return _constant_multipliers(self.num_experts, self._constant_multiplier(), device), 1.0
 
     def scale_multipliers(self, experts: torch.Tensor) -> torch.Tensor:

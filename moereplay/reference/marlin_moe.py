@@ -441,7 +441,9 @@ def _to_device_together(arrays: dict[str, np.ndarray], device: torch.device) -> 
 class _PinnedStaging(threading.local):
     """Pinned host buffers (int64) the host tables are written into and copied to a GPU from, reused in turn (one
     set a thread): a buffer is written again only after the copy that read it has run (an event recorded after the
-    copy), so reuse never races a queued copy — no pinning and no allocation a call."""
+    copy), so reuse never races a queued copy — no pinning and no allocation a call. A call whose buffer's copy of
+    four calls back has not run yet waits for it (the reference itself syncs once a call where it reads the
+    routing or the weight notes' counts, so it rarely does)."""
 
     BUFFERS = 4
 
@@ -454,7 +456,7 @@ class _PinnedStaging(threading.local):
         """(slot, a pinned buffer of at least ``count`` elements) free to write; hand the slot to :meth:`copied`."""
         slot = self.turn
         self.turn = (slot + 1) % self.BUFFERS
-        if slot == len(self.buffers):
+        while len(self.buffers) <= slot:
             self.buffers.append(torch.empty(0, dtype=torch.long))
             self.events.append(None)
         recorded = self.events[slot]
@@ -588,6 +590,8 @@ def reference_moe_wna16_marlin_gemm(
         "slot": rows.slot.numpy(),
         "order": grouping.order.numpy(),
         "tables": host_tables,
+        # each row's expert again, on its own: an aligned start for the epilogue kernel whatever the row count
+        "row_experts": host_tables[1],
     }
     if b_bias is not None:  # each row's expert; unwritten rows the zero row after the last expert
         tables_on_host["bias_index"] = np.where(host_tables[1] >= 0, host_tables[1], num_experts)
@@ -644,7 +648,7 @@ def reference_moe_wna16_marlin_gemm(
     finished = None
     if plan is not None:  # the products came from the packed-code kernel: its epilogue too (one launch)
         finished = marlin_rows.finish_rows(
-            gemm, tables[1], b_bias, topk_weights if mul_topk_weights else None
+            gemm, moved["row_experts"], b_bias, topk_weights if mul_topk_weights else None
         )
     if finished is not None:
         total, bias_rows, row_weights, written = finished

@@ -469,7 +469,8 @@ def finish_rows(
     bias_rows = torch.empty_like(gemm) if bias is not None else None
     row_weights = torch.empty(rows, dtype=torch.float32, device=device)
     written = torch.empty(rows, dtype=torch.bool, device=device)
-    weights = topk_weights.reshape(-1) if topk_weights is not None else row_weights  # never read without
+    # read flat in logical order (a strided tensor as its copy); never read without weights
+    weights = topk_weights.reshape(-1).contiguous() if topk_weights is not None else row_weights
     try:
         from moereplay.reference.marlin_rows_kernel import finish_rows as kernel
 

@@ -192,14 +192,14 @@ def test_a_call_on_another_gpu_than_the_current_one() -> None:
 
 
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("weights_kind", ["none", "float32", "bfloat16", "short", "strided"])
+@pytest.mark.parametrize("weights_kind", ["none", "float32", "bfloat16", "float16", "short", "strided"])
 def test_the_epilogue_kernel_is_the_torch_operations_bit_for_bit(bias_dtype, weights_kind) -> None:
     """`finish_rows` (one launch) against the torch epilogue it replaces: bias rows at the logical columns, the
     routing weight read flat (NaN past a short tensor), unwritten rows 0, a strided bias."""
     from moereplay.reference.marlin_moe import _finish_rows
 
     gen = torch.Generator().manual_seed(19)
-    rows, n, experts = 23, 320, 5
+    rows, n, experts = 23, marlin_rows.FINISH_BLOCK + 64, 5  # two column blocks, the second partial
     gemm = torch.randn(rows, n, generator=gen).to(CUDA)
     row_experts = torch.randint(0, experts, (rows,), generator=gen)
     row_experts[[2, 7, 19]] = -1  # rows no block writes
@@ -214,6 +214,7 @@ def test_the_epilogue_kernel_is_the_torch_operations_bit_for_bit(bias_dtype, wei
         "none": None,
         "float32": torch.rand(rows, generator=gen).to(CUDA),
         "bfloat16": torch.rand(rows, generator=gen).to(CUDA, torch.bfloat16),
+        "float16": torch.rand(rows, generator=gen).to(CUDA, torch.float16),
         "short": torch.rand(rows - 4, generator=gen).to(CUDA),
         "strided": torch.rand(rows, 2, generator=gen).to(CUDA)[:, 1],
     }[weights_kind]

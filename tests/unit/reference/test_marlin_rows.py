@@ -261,6 +261,19 @@ def test_nvfp4_multipliers_in_float32_round_like_the_float64_product(dtype) -> N
         assert torch.equal(changed.all_scale_multipliers().view(torch.int32), expected.view(torch.int32))
 
 
+def test_multiplier_parts_are_in_expert_order_whatever_the_global_scales_strides() -> None:
+    """The products kernel reads ``scale_multiplier_parts``' per-expert tensor by expert index: a strided
+    ``global_scale`` (a column of a wider tensor, as a checkpoint's slice gives) comes back contiguous, in order,
+    and its product with the factor is :meth:`all_scale_multipliers` bit for bit."""
+    weights = _weights(F.NVFP4, None, torch.bfloat16, experts=8)
+    wide = torch.rand(8, 2, generator=torch.Generator().manual_seed(9)) + 0.5
+    strided = MarlinExpertWeights(**{**weights.__dict__, "global_scale": wide[:, 0]})
+    per_expert, factor = strided.scale_multiplier_parts()
+    assert per_expert.is_contiguous() and torch.equal(per_expert, wide[:, 0])
+    expected = strided.expert_multipliers(torch.arange(8))
+    assert torch.equal((per_expert * factor).view(torch.int32), expected.view(torch.int32))
+
+
 def test_one_pass_is_the_general_cut_with_a_budget_above_every_row() -> None:
     """:func:`passes`' one-pass shortcut gives what its general loop gives: cutting at a budget of the total rows
     minus nothing (shortcut) and at budgets the loop must handle agree on the tiles, in order, per height."""
