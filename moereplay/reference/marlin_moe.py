@@ -311,7 +311,7 @@ def _route(
 def _host_longs(values: torch.Tensor, count: int) -> np.ndarray:
     """The first ``count`` elements of ``values`` as a host int64 array (a copy where it is not already one)."""
     if values.device.type == "cpu" and values.dtype == torch.long and values.is_contiguous():
-        return values.detach().numpy().reshape(-1)[:count]  # no copy (routed reads it only)
+        return values.detach().numpy().reshape(-1)[:count]  # no copy (_route only reads it)
     return values.detach().reshape(-1)[:count].to("cpu", torch.long).numpy()
 
 
@@ -387,18 +387,19 @@ def _finish_rows(
     tables: torch.Tensor,
     b_bias: torch.Tensor | None,
     topk_weights: torch.Tensor | None,
-    bias_index: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``(total, bias rows, row weights, written)`` from the product rows with torch operations (what
     :func:`marlin_rows.finish_rows` computes in one launch): ``total = (gemm + bias rows) · row weights``; the row
     weight is ``topk_weights`` read flat by slot (NaN past its end) or 1 (``topk_weights`` None), 0 for rows not
-    written; ``bias_index`` each row's bias row (the zero row past the last expert for rows not written)."""
+    written; ``tables`` the row tables on ``gemm``'s device (:func:`_row_tables`)."""
     num_slots, size_n = gemm.shape
     written = tables[4].to(torch.bool)
     bias_rows: torch.Tensor | None = None
-    if b_bias is not None:
-        assert bias_index is not None
+    if (
+        b_bias is not None
+    ):  # each row its expert's bias row; unwritten rows the zero row after the last expert
         bias = unpermute_bias(b_bias.to(gemm.device, torch.float32))
+        bias_index = torch.where(tables[1] >= 0, tables[1], bias.shape[0])
         bias_rows = torch.cat((bias, bias.new_zeros((1, size_n)))).index_select(0, bias_index)
     if topk_weights is None:
         row_weights = tables[4].to(torch.float32)  # 1 where written, else 0
@@ -593,8 +594,6 @@ def reference_moe_wna16_marlin_gemm(
         # each row's expert again, on its own: an aligned start for the epilogue kernel whatever the row count
         "row_experts": host_tables[1],
     }
-    if b_bias is not None:  # each row's expert; unwritten rows the zero row after the last expert
-        tables_on_host["bias_index"] = np.where(host_tables[1] >= 0, host_tables[1], num_experts)
     plan = None
     if marlin_rows.available(device) and marlin_rows.usable(weights):
         # no dense weights: one kernel reads the packed codes (the same weights, a fixed float32 sum order)
@@ -654,7 +653,7 @@ def reference_moe_wna16_marlin_gemm(
         total, bias_rows, row_weights, written = finished
     else:
         total, bias_rows, row_weights, written = _finish_rows(
-            gemm, tables, b_bias, topk_weights if mul_topk_weights else None, moved.get("bias_index")
+            gemm, tables, b_bias, topk_weights if mul_topk_weights else None
         )
 
     notes[weight_notes_at:weight_notes_at] = [
