@@ -31,6 +31,7 @@ from moereplay.errors import ReferenceError_
 from moereplay.reference import marlin_decode
 from moereplay.reference import marlin_layout as layout
 from moereplay.reference.dequant_dense import FUSED_DEVICE_TYPES, SWITCH_VARIABLE
+from moereplay.reference.launch import launch
 from moereplay.reference.marlin_formats import MarlinExpertWeights
 
 TILE_K, TILE_N = 16, 64
@@ -243,8 +244,15 @@ def count_scale_bytes(scales: torch.Tensor, experts: torch.Tensor, e8m0_nan: boo
         from moereplay.reference.marlin_rows_kernel import count_scale_bytes as kernel
 
         with _current(scales.device):
-            kernel[(experts.numel(), -(-per_expert // COUNT_BLOCK))](
-                flat, experts.contiguous(), per_expert, total, E8M0_NAN=e8m0_nan, BLOCK=COUNT_BLOCK
+            launch(
+                kernel,
+                (experts.numel(), -(-per_expert // COUNT_BLOCK)),
+                flat,
+                experts.contiguous(),
+                per_expert,
+                total,
+                E8M0_NAN=e8m0_nan,
+                BLOCK=COUNT_BLOCK,
             )
     except _launch_errors() as error:
         _give_up(error)
@@ -370,7 +378,9 @@ def expert_rows(
                 staged = torch.empty(
                     (run_tiles, weights.size_k, int(STAGED_ROWS)), dtype=torch.float32, device=device
                 )
-                stage_rows[(run_tiles, -(-weights.size_k // STAGE_BLOCK_K))](
+                launch(
+                    stage_rows,
+                    (run_tiles, -(-weights.size_k // STAGE_BLOCK_K)),
                     input,
                     input.stride(0),
                     input.stride(1),
@@ -385,7 +395,9 @@ def expert_rows(
                 partial = torch.empty((splits, rows, size_n), dtype=torch.float32, device=device)
                 for height in sorted(run):
                     tiles = len(run[height])
-                    marlin_rows[(tiles, -(-size_n // BLOCK_N), splits)](
+                    launch(
+                        marlin_rows,
+                        (tiles, -(-size_n // BLOCK_N), splits),
                         staged_pairs[first - run_first :],
                         row_base,
                         partial,
@@ -422,7 +434,9 @@ def expert_rows(
                         num_warps=NUM_WARPS,
                     )
                     first += tiles
-                add_splits[(rows, -(-size_n // SUM_BLOCK))](
+                launch(
+                    add_splits,
+                    (rows, -(-size_n // SUM_BLOCK)),
                     partial,
                     partial.stride(0),
                     partial.stride(1),
@@ -475,7 +489,9 @@ def finish_rows(
         from moereplay.reference.marlin_rows_kernel import finish_rows as kernel
 
         with _current(device):
-            kernel[(rows, -(-size_n // FINISH_BLOCK))](
+            launch(
+                kernel,
+                (rows, -(-size_n // FINISH_BLOCK)),
                 gemm,
                 row_experts,
                 bias if bias is not None else gemm,

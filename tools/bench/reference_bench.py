@@ -432,6 +432,35 @@ ROWS_VARIANT = re.compile(r"(\d+)x(\d+)(?:s(\d+))?(t?)")
 """``WARPSxCOLUMNS[sSPLITS][t]`` of ``--rows-variants``."""
 
 
+def time_launch_paths(args: dict[str, Any], kernel_ms: float, repeats: int, rounds: int = 5) -> None:
+    """The GPU reference with every Triton launch through ``kernel[grid]`` and through
+    :func:`moereplay.reference.launch.launch`'s direct path, interleaved over ``rounds`` rounds (median of each
+    path's round medians), with their ratio, and whether both paths give the same output bits."""
+    from moereplay.reference import launch as launches
+
+    paths = {"triton": False, "direct": True}
+    medians: dict[str, list[float]] = {name: [] for name in paths}
+    outputs = {}
+    try:
+        for name, direct in paths.items():
+            launches.set_direct(direct)
+            outputs[name] = reference_moe_wna16_marlin_gemm(**args).output
+        for _ in range(rounds):
+            for name, direct in paths.items():
+                launches.set_direct(direct)
+                medians[name].append(gpu_ms(lambda: reference_moe_wna16_marlin_gemm(**args), repeats))
+    finally:
+        launches.set_direct(None)
+    same = torch.equal(outputs["triton"].view(torch.int32), outputs["direct"].view(torch.int32))
+    triton_ms, direct_ms = statistics.median(medians["triton"]), statistics.median(medians["direct"])
+    print(
+        f"  launch paths ({rounds} rounds): kernel[grid] {triton_ms:.3f} ms ({triton_ms / kernel_ms:.1f}x), "
+        f"direct {direct_ms:.3f} ms ({direct_ms / kernel_ms:.1f}x), direct/kernel[grid] {direct_ms / triton_ms:.3f}; "
+        f"same output bits: {same}",
+        flush=True,
+    )
+
+
 def time_rows_variants(args: dict[str, Any], kernel_ms: float, variants: list[str], repeats: int) -> None:
     """The GPU reference again with other launch shapes of the packed-code kernel, one line each: ``WARPSxCOLUMNS``
     (:data:`marlin_rows.NUM_WARPS`, :data:`marlin_rows.BLOCK_N`), ``sSPLITS`` for at most that many K splits
@@ -485,6 +514,7 @@ def measure(
     repeats: int,
     cpu_repeats: int,
     rows_variants: list[str] | None = None,
+    launch_paths: bool = False,
 ) -> Row:
     args = build_call(case, device)
     kernel = reference = cached = cpu_time = None
@@ -500,6 +530,8 @@ def measure(
         reference = gpu_ms(lambda: reference_moe_wna16_marlin_gemm(**args), max(3, repeats // 4))
         if rows_variants:
             time_rows_variants(args, kernel, rows_variants, repeats)
+        if launch_paths:
+            time_launch_paths(args, kernel, repeats)
         cache = ExpertWeightCache()
         cached = gpu_ms(
             lambda: reference_moe_wna16_marlin_gemm(**args, weight_cache=cache), max(3, repeats // 2)
@@ -617,13 +649,13 @@ def print_stage_times(name: str, fn: Callable[[], object], calls: int) -> None:
         for function in functions:
             saved.append((module, function, getattr(module, function)))
             setattr(module, function, timed(f"{module_name.rsplit('.', 1)[-1]}.{function}", saved[-1][2]))
-    kernels = importlib.import_module("moereplay.reference.marlin_rows_kernel")
-    launched = [
-        getattr(kernels, n)
-        for n in ("stage_rows", "marlin_rows", "add_splits", "count_scale_bytes", "finish_rows")
-    ]
-    for kernel in launched:  # JITFunction[grid](...) calls the instance's run
-        kernel.run = timed(f"launch {kernel.fn.__name__}", kernel.run)
+    # every launch of the packed-code kernels goes through marlin_rows.launch (Triton's path or the direct one)
+    original_launch = marlin_rows.launch
+
+    def timed_launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+        timed(f"launch {kernel.fn.__name__}", original_launch)(kernel, grid, *args, **meta)
+
+    marlin_rows.launch = timed_launch
     walls = []
     try:
         fn()
@@ -637,8 +669,7 @@ def print_stage_times(name: str, fn: Callable[[], object], calls: int) -> None:
     finally:
         for module, function, original in saved:
             setattr(module, function, original)
-        for kernel in launched:
-            del kernel.run
+        marlin_rows.launch = original_launch
     print(
         f"--- {name}: host µs per call by stage (inclusive, mean of {calls}); wall {statistics.median(walls) * 1e6:.0f} µs"
     )
@@ -735,6 +766,11 @@ def main() -> int:
         default="",
         help="Marlin cases: also time the reference with these packed-code kernel shapes, WARPSxCOLUMNS,...",
     )
+    parser.add_argument(
+        "--launch-paths",
+        action="store_true",
+        help="Marlin cases: also time the reference with Triton's launch path against the direct one",
+    )
     options = parser.parse_args()
     chosen = [c for c in CASES if c.name in options.cases.split(",")]
     chosen_calls = [c for c in CALL_CASES if c.name in options.cases.split(",")]
@@ -766,6 +802,7 @@ def main() -> int:
             repeats=options.repeats,
             cpu_repeats=options.cpu_repeats,
             rows_variants=[v for v in options.rows_variants.split(",") if v.strip()],
+            launch_paths=options.launch_paths,
         )
         if options.profile:
             profile_reference(case, device)
