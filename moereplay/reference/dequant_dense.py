@@ -114,6 +114,7 @@ def dequant_dense(weights: QuantizedWeights, experts: Sequence[int]) -> torch.Te
     launch (plus one small host-to-device copy of the ids); the experts' codes and scales read once, each float
     written once."""
     from moereplay.reference.dequant_kernel import dequant_dense as kernel
+    from moereplay.reference.launch import launch
 
     codes = _bytes(weights.codes) if weights.int4 else weights.codes
     device = codes.device
@@ -127,7 +128,9 @@ def dequant_dense(weights: QuantizedWeights, experts: Sequence[int]) -> torch.Te
     if zero_points is not None and weights.zero_points_int4:
         zero_points = _bytes(zero_points)
     grid = (len(experts), -(-N // BLOCK_N), -(-K // BLOCK_K))
-    kernel[grid](
+    launch(
+        kernel,
+        grid,
         codes,
         out,
         ids,
