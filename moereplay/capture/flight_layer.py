@@ -381,6 +381,8 @@ class LayerFlight(PollingRecorder):
 
     def as_counters(self) -> dict[str, int]:
         counters = super().as_counters()
+        # one-time costs inside the first recorded calls (counted in the recorder's serving-thread time)
+        counters["flight_setup_ns"] = sum(ring.setup_ns() for ring in list(self._rings.values()))
         if self.graph is not None:
             counters.update(self.graph.as_counters())
         return counters

@@ -252,14 +252,17 @@ def _version_text(name: str, value: Any) -> str:
 
 def recorder_cost(counters: Mapping[str, int]) -> str | None:
     """The flight recorder's own time, from a file's footer counters: serving-thread µs per recorded layer call
-    (layer scope) and writer-thread µs per check poll — what leaving it armed cost that process (None when the
-    footer has neither)."""
+    (layer scope; its rings' one-time set-up, which ran inside the first calls, apart) and writer-thread µs per
+    check poll — what leaving it armed cost that process (None when the footer has neither)."""
     parts = []
     seen = counters.get("recorder_seen", 0)  # the time counts every outermost call, filtered out or recorded
     if counters.get("recorder_host_ns") and seen:
+        # the rings' one-time set-up (buffers, each ring-kernel variant's compile) ran inside the first calls
+        setup = min(counters.get("flight_setup_ns", 0), counters["recorder_host_ns"])
         parts.append(
-            f"recorder {counters['recorder_host_ns'] / seen / 1e3:.1f} µs of serving-thread time per layer "
-            f"call ({plural(seen, 'call')})"
+            f"recorder {(counters['recorder_host_ns'] - setup) / seen / 1e3:.1f} µs of serving-thread time per "
+            f"layer call ({plural(seen, 'call')})"
+            + (f" plus {setup / 1e6:.1f} ms once (ring buffers, ring-kernel compiles)" if setup else "")
         )
     polls = counters.get("flight_polls", 0)
     if polls:
