@@ -262,7 +262,7 @@ def recorder_cost(counters: Mapping[str, int]) -> str | None:
         parts.append(
             f"recorder {(counters['recorder_host_ns'] - setup) / seen / 1e3:.1f} µs of serving-thread time per "
             f"layer call ({plural(seen, 'call')})"
-            + (f" plus {setup / 1e6:.1f} ms once (ring buffers, ring-kernel compiles)" if setup else "")
+            + (f" plus {setup / 1e6:.1f} ms once (eager ring buffers, ring-kernel compiles)" if setup else "")
         )
     polls = counters.get("flight_polls", 0)
     if polls:

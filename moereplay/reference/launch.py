@@ -33,7 +33,7 @@ arguments, argument classes, globals' values)."""
 
 _STATE: dict[str, Any] = {}
 """``direct``: the switch as read (or set); ``off``: True once the direct path failed in this process; ``knobs``:
-Triton's runtime knobs (its launch hooks); ``jit``: its JITFunction class."""
+Triton's runtime knobs (its launch hooks); ``all_knobs``: Triton's knobs module; ``jit``: its JITFunction class."""
 
 _INT32 = (-(1 << 31), 1 << 31)
 _UINT64_FROM = 1 << 63
@@ -98,7 +98,9 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: object, **meta: object) ->
     known = _COMPILED.get(key)
     if known is None:
         compiled = kernel[grid](*args, **meta)
-        if _launchable(compiled):
+        # keyed again: a kernel's first compile is what lists the globals it reads
+        key = _key(kernel, device, args, meta)
+        if key is not None and _launchable(compiled):
             _COMPILED[key] = (compiled, _trailing(kernel, len(args), meta))
         return
     compiled, trailing = known
@@ -146,7 +148,10 @@ def _key(
     kernel: Any, device: int, args: tuple[object, ...], meta: Mapping[str, object]
 ) -> tuple[object, ...] | None:
     """The launch class of ``kernel`` with these arguments (see the module's text), or None where one argument is
-    of a kind this module does not classify."""
+    of a kind this module does not classify: a positional argument past the first constexpr (constexprs go by
+    keyword), a keyword argument that is not a bool, int, float, str or None."""
+    if len(args) > _first_constexpr(kernel):
+        return None
     classes: list[object] = []
     append = classes.append
     tensor = torch.Tensor
@@ -162,12 +167,39 @@ def _key(
             if cls is None:
                 return None
             append(cls)
-    try:
-        meta_items = tuple(meta.items())
-        hash(meta_items)
-    except TypeError:
-        return None
-    return (kernel, device, meta_items, tuple(classes), _globals(kernel))
+    items: list[object] = []
+    for name, value in meta.items():
+        kind = type(value)
+        if kind not in _SCALARS:
+            return None
+        # by type and value: Triton compiles True, 1 and 1.0 apart, which compare equal
+        items.append((name, kind, value))
+    return (kernel, device, tuple(items), tuple(classes), _globals(kernel), _options(kernel))
+
+
+_SCALARS = frozenset({bool, int, float, str, type(None)})
+
+_FIRST_CONSTEXPR: dict[Any, int] = {}
+"""Per kernel, the position of its first constexpr parameter (its parameter count when it has none)."""
+
+
+def _first_constexpr(kernel: Any) -> int:
+    first = _FIRST_CONSTEXPR.get(kernel)
+    if first is None:
+        first = _FIRST_CONSTEXPR[kernel] = min(kernel.constexprs, default=len(kernel.params))
+    return first
+
+
+def _options(kernel: Any) -> tuple[object, ...]:
+    """What Triton's launch path reads besides the arguments into a kernel's compile options: the kernel's and the
+    runtime's debug switches and the instrumentation mode (a change compiles anew on Triton's path; here it makes
+    another key)."""
+    settings: Any = _STATE.get("all_knobs")
+    if settings is None:
+        from triton import knobs
+
+        settings = _STATE["all_knobs"] = knobs
+    return (kernel.debug, settings.runtime.debug, settings.compilation.instrumentation_mode)
 
 
 def _globals(kernel: Any) -> tuple[object, ...]:

@@ -9,6 +9,7 @@ gives the same bits either way.
 
 from __future__ import annotations
 
+import importlib
 from collections import defaultdict
 
 import pytest
@@ -129,11 +130,21 @@ def test_a_launch_hook_sends_every_launch_through_triton(monkeypatch: pytest.Mon
     from triton import knobs
 
     kernel = _add_splits()
+    through_triton = []
+    original = kernel.run
+
+    def counted(*args, **kwargs):
+        through_triton.append(1)
+        return original(*args, **kwargs)
+
     partial = torch.ones((2, 4, 64), device=CUDA)
     destination = torch.arange(4, device=CUDA)
     out = torch.zeros((4, 64), device=CUDA)
     args = _add_args(partial, destination, out, 64)
     launches.launch(kernel, (4, 1), *args, SPLITS=2, BLOCK=64)
+    monkeypatch.setattr(kernel, "run", counted, raising=False)
+    launches.launch(kernel, (4, 1), *args, SPLITS=2, BLOCK=64)
+    assert through_triton == []  # a class seen before: direct
     seen = []
 
     def hook(metadata) -> None:
@@ -146,8 +157,7 @@ def test_a_launch_hook_sends_every_launch_through_triton(monkeypatch: pytest.Mon
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     torch.cuda.synchronize()
-    assert len(seen) == 2
-    assert torch.equal(out, torch.full((4, 64), 2.0, device=CUDA))
+    assert len(through_triton) == 2 and len(seen) == 2
 
 
 @pytest.mark.parametrize(
@@ -190,7 +200,24 @@ def test_the_marlin_reference_gives_the_same_bits_on_either_path(fmt) -> None:
     launches.set_direct(False)
     through_triton = call()
     launches.set_direct(True)
-    first, direct = call(), call()  # the second call's launches all go direct
+    first = call()  # each launch class's first launch goes through Triton
+    kernels = importlib.import_module("moereplay.reference.marlin_rows_kernel")
+    names = ("stage_rows", "marlin_rows", "add_splits", "finish_rows", "count_scale_bytes")
+    originals = {name: getattr(kernels, name).run for name in names}
+    went_through_triton: list[str] = []
+    for name in names:
+
+        def counted(*args, _name=name, **kwargs):
+            went_through_triton.append(_name)
+            return originals[_name](*args, **kwargs)
+
+        getattr(kernels, name).run = counted
+    try:
+        direct = call()
+    finally:
+        for name in names:
+            del getattr(kernels, name).run
+    assert went_through_triton == [], f"launched through Triton: {went_through_triton}"
     for result in (first, direct):
         assert torch.equal(result.output.view(torch.int32), through_triton.output.view(torch.int32))
         assert torch.equal(result.gemm.view(torch.int32), through_triton.gemm.view(torch.int32))

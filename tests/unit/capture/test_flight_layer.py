@@ -426,5 +426,5 @@ def test_info_shows_what_the_armed_recorder_cost(arm, kernels, inputs) -> None:
     )  # the ring's buffers, made in call 0
     per_call = (counters["recorder_host_ns"] - counters["flight_setup_ns"]) / 12 / 1e3
     assert f"recorder {per_call:.1f} µs of serving-thread time per layer call (12 calls) plus " in line
-    assert "ms once (ring buffers, ring-kernel compiles)" in line
+    assert "ms once (eager ring buffers, ring-kernel compiles)" in line
     assert "µs per flight poll" in line

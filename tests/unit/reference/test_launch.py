@@ -84,3 +84,75 @@ def test_the_switch_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch
         assert launches.enabled()
     finally:
         launches.set_direct(None)
+
+
+def _binder(kernel):
+    """Triton's own argument binder for ``kernel`` on a Hopper target (no GPU needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import create_function_from_signature
+
+    return create_function_from_signature(
+        kernel.signature, kernel.params, CUDABackend(GPUTarget("cuda", 90, 32))
+    )
+
+
+INTS = [0, 1, 2, 3, 15, 16, 17, 32, 2880, 2**31 - 16, 2**31 - 1, 2**31, 2**40 + 16, -1, -16, -(2**31) - 1, 2**63,
+        2**64 - 16]  # fmt: skip
+
+
+def test_equal_launch_keys_mean_equal_triton_specializations() -> None:
+    """Over probes of every argument of add_splits (pointers at offsets 0–32 bytes and three dtypes, integers
+    across widths and divisibility, constexprs by keyword), two probes with one launch key always get one
+    specialization from Triton's own binder — the key never joins what Triton compiles apart."""
+    pytest.importorskip("triton")
+    from moereplay.reference.marlin_rows_kernel import add_splits
+
+    if type(add_splits) is not launches._jit_function():
+        pytest.skip("Triton's interpreter is on")
+    binder = _binder(add_splits)
+    storage = torch.zeros(4096, dtype=torch.float32)
+    rows = torch.zeros(64, dtype=torch.int64)
+    base = [storage[:1024], 1024, 128, rows[:8], storage[2048:3072], 128, 128]
+    probes: list[tuple[list[object], dict[str, object]]] = [(list(base), {"SPLITS": 2, "BLOCK": 128})]
+    for at in (0, 4):
+        probes += [
+            ([*base[:at], storage[i : i + 1024], *base[at + 1 :]], {"SPLITS": 2, "BLOCK": 128})
+            for i in range(9)
+        ]
+        probes += [
+            ([*base[:at], storage.to(dtype)[:1024], *base[at + 1 :]], {"SPLITS": 2, "BLOCK": 128})
+            for dtype in (torch.float16, torch.bfloat16)
+        ]
+    probes += [([*base[:3], rows[i : i + 8], *base[4:]], {"SPLITS": 2, "BLOCK": 128}) for i in range(4)]
+    for at in (1, 2, 5, 6):
+        probes += [([*base[:at], value, *base[at + 1 :]], {"SPLITS": 2, "BLOCK": 128}) for value in INTS]
+    probes += [(list(base), meta) for meta in ({"SPLITS": 3, "BLOCK": 128}, {"SPLITS": 2, "BLOCK": 64})]
+    by_key: dict[object, set[str]] = {}
+    for args, meta in probes:
+        key = launches._key(add_splits, 0, tuple(args), meta)
+        assert key is not None
+        _, specialization, options = binder(*args, **meta)
+        by_key.setdefault(key, set()).add(repr(specialization) + repr(sorted(options.items())))
+    joined = {key: found for key, found in by_key.items() if len(found) > 1}
+    assert not joined, f"{len(joined)} launch keys cover several specializations"
+    assert len(by_key) > 20
+
+
+def test_keys_refuse_positional_constexprs_and_tell_keyword_types_apart() -> None:
+    pytest.importorskip("triton")
+    from moereplay.reference.marlin_rows_kernel import count_scale_bytes
+
+    if type(count_scale_bytes) is not launches._jit_function():
+        pytest.skip("Triton's interpreter is on")
+    scales = torch.zeros((2, 64), dtype=torch.uint8)
+    experts = torch.zeros(2, dtype=torch.int64)
+    total = torch.zeros((), dtype=torch.int64)
+    args = (scales, experts, 64, total)
+    keys = [
+        launches._key(count_scale_bytes, 0, args, {"E8M0_NAN": flag, "BLOCK": 8192})
+        for flag in (True, 1, 1.0)
+    ]
+    assert len(set(keys)) == 3  # Triton compiles each apart
+    assert launches._key(count_scale_bytes, 0, (*args, True, 8192), {}) is None
+    assert launches._key(count_scale_bytes, 0, args, {"E8M0_NAN": True, "BLOCK": torch.zeros(1)}) is None

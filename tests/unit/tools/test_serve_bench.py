@@ -91,5 +91,5 @@ def test_recorder_cost_sets_the_rings_one_time_set_up_apart(bench: types.ModuleT
     )
     assert line == (
         "recorder 20.0 µs of serving-thread time per layer call (100 calls) plus 1000.0 ms once "
-        "(ring buffers, ring-kernel compiles)"
+        "(eager ring buffers, ring-kernel compiles)"
     )
