@@ -14,12 +14,11 @@ from collections import defaultdict
 
 import pytest
 import torch
+from marlin_calls import reference_call, routing
 
 from moereplay.reference import launch as launches
 from moereplay.reference import marlin_rows
 from moereplay.reference.marlin_formats import MarlinWeightFormat, random_experts
-from moereplay.reference.marlin_moe import reference_moe_wna16_marlin_gemm
-from moereplay.reference.moe_align import moe_align_block_size
 
 CUDA = torch.device("cuda")
 
@@ -176,26 +175,10 @@ def test_the_marlin_reference_gives_the_same_bits_on_either_path(fmt) -> None:
         device=CUDA,
     )
     x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(3)).to(CUDA, torch.bfloat16)
-    gen = torch.Generator().manual_seed(4)
-    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=gen), -1), top_k)
-    sorted_ids, expert_ids, total = moe_align_block_size(ids.to(CUDA, torch.int32), 16, experts)
+    weights, ids = routing(tokens, top_k, experts, 4, CUDA)
 
     def call():
-        return reference_moe_wna16_marlin_gemm(
-            input=x,
-            output=None,
-            a_scales=None,
-            workspace=None,
-            sorted_token_ids=sorted_ids,
-            expert_ids=expert_ids,
-            num_tokens_past_padded=total,
-            topk_weights=weights.to(CUDA),
-            moe_block_size=16,
-            top_k=top_k,
-            mul_topk_weights=True,
-            size_m=tokens,
-            **packed.kernel_kwargs(),
-        )
+        return reference_call(packed, x, ids, weights, top_k=top_k, block=16, experts=experts)
 
     launches.set_direct(False)
     through_triton = call()

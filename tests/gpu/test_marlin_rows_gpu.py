@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from marlin_calls import reference_call, routing
 
 from moereplay.reference import marlin_rows
 from moereplay.reference.dequant_dense import SWITCH_VARIABLE
@@ -41,28 +42,11 @@ FAST = [
 
 def _call(packed: PackedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, top_k: int, block: int,
           experts: int, mul: bool = True):  # fmt: skip
-    sorted_ids, expert_ids, total = moe_align_block_size(ids.to(torch.int32), block, experts)
-    return reference_moe_wna16_marlin_gemm(
-        input=x,
-        output=None,
-        a_scales=None,
-        workspace=None,
-        sorted_token_ids=sorted_ids,
-        expert_ids=expert_ids,
-        num_tokens_past_padded=total,
-        topk_weights=weights,
-        moe_block_size=block,
-        top_k=top_k,
-        mul_topk_weights=mul,
-        size_m=x.shape[0],
-        **packed.kernel_kwargs(),
-    )
+    return reference_call(packed, x, ids, weights, top_k=top_k, block=block, experts=experts, mul=mul)
 
 
 def _routing(tokens: int, top_k: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=gen), -1), top_k)
-    return weights.to(CUDA, torch.float32), ids.to(CUDA)
+    return routing(tokens, top_k, experts, seed, CUDA)
 
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
