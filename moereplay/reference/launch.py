@@ -1,18 +1,23 @@
 """Launching the references' Triton kernels with less host work a launch.
 
-``kernel[grid](*args, **meta)`` costs tens of microseconds of Python a launch on a GPU host (Triton binds and
-specializes every argument, builds a cache key with the options' text, reads its knobs, checks the kernel's globals
-and builds launch metadata for hooks that are usually absent); a reference call makes five or six launches, so at
-decode shapes that is a large part of its time. :func:`launch` keeps, per kernel, the compiled kernel Triton
+``kernel[grid](*args, **meta)`` binds and specializes every argument, builds a cache key with the options' text,
+reads Triton's knobs, checks the kernel's globals and builds launch metadata for hooks that are usually absent,
+before the compiled kernel's own launcher runs. :func:`launch` keeps, per kernel, the compiled kernel Triton
 returned for each *launch class* — every property Triton's specialization reads from the arguments, or more: each
 tensor's dtype and whether its address is 16-byte aligned; each integer's width class, whether it is 1 and whether it
-divides by 16; bools, floats and None by kind; the keyword arguments (constexprs, ``num_warps``) by value; the
-values of the globals the kernel read when compiled; the device — and launches a kernel of a class seen before
-straight through the compiled kernel's launcher. A finer key than Triton's only compiles nothing new: the first
-launch of each class goes through ``kernel[grid]`` (which compiles or finds the kernel), and so does every launch
-while a launch hook or a pre-run hook is installed (a profiler), without CUDA, under Triton's interpreter, with an
-argument of another kind, or with ``MOEREPLAY_DIRECT_LAUNCH=0``. A Triton whose compiled kernels lack the launcher
-this uses (another release) turns the direct path off for the process, said once as a warning.
+divides by 16; bools, floats and None by kind; the keyword arguments (constexprs, ``num_warps``) by type and value;
+Triton's debug and instrumentation switches; the values of the globals the kernel read when compiled; the device —
+and launches a kernel of a class seen before straight through the compiled kernel's launcher. A finer key than
+Triton's only compiles nothing new: the first launch of each class goes through ``kernel[grid]`` (which compiles or
+finds the kernel), and so does every launch while a launch hook or a pre-run hook is installed (a profiler), without
+CUDA, under Triton's interpreter, with a positional argument past the first constexpr or of another kind, with a
+keyword argument that is not a scalar, or with ``MOEREPLAY_DIRECT_LAUNCH=0``. A Triton whose compiled kernels lack
+the launcher this uses (another release) turns the direct path off for the process, said once as a warning.
+
+Measured on an H100 (``reference_bench.py --launch-paths``, the Marlin reference's five launches a call): 0–7 % of
+a call's time saved; the compiled kernel's own launcher (argument parsing, a pointer query per tensor) is most of a
+launch's cost and stays. The capture side's ring kernel has its own purpose-built launcher
+(:func:`moereplay.capture.ring_kernel.compile_launcher`: one compiled variant, integers always 64-bit).
 """
 
 from __future__ import annotations
