@@ -36,12 +36,13 @@ Usage (GPU machine, repository root)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -572,11 +573,30 @@ TIMELINE_STAGES = {
 """Functions :func:`print_timeline` marks, by module (patched for the one profiled call, restored after)."""
 
 
+@contextlib.contextmanager
+def stages_wrapped(wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Every function of :data:`TIMELINE_STAGES` replaced by ``wrap(label, function)`` (label ``module.function``)
+    while the block runs, restored after."""
+    import importlib
+
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for module_name, functions in TIMELINE_STAGES.items():
+            module = importlib.import_module(module_name)
+            for function in functions:
+                original = getattr(module, function)
+                saved.append((module, function, original))
+                setattr(module, function, wrap(f"{module_name.rsplit('.', 1)[-1]}.{function}", original))
+        yield
+    finally:
+        for module, function, original in saved:
+            setattr(module, function, original)
+
+
 def print_timeline(name: str, fn: Callable[[], object]) -> None:
     """One call of ``fn`` as a timeline (µs from its start): when the host enters and leaves each of
     :data:`TIMELINE_STAGES`, when each kernel and copy is issued and when it runs on the device. The device idles
     wherever no kernel runs; a kernel issued late is host time in front of it."""
-    import importlib
     import json
     import tempfile
 
@@ -589,21 +609,10 @@ def print_timeline(name: str, fn: Callable[[], object]) -> None:
 
         return wrapper
 
-    saved = []
-    for module_name, functions in TIMELINE_STAGES.items():
-        module = importlib.import_module(module_name)
-        for function in functions:
-            original = getattr(module, function)
-            saved.append((module, function, original))
-            setattr(module, function, marked(f"{module_name.rsplit('.', 1)[-1]}.{function}", original))
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            with record_function("call"):
-                fn()
-            torch.cuda.synchronize()
-    finally:
-        for module, function, original in saved:
-            setattr(module, function, original)
+    with stages_wrapped(marked), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("call"):
+            fn()
+        torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -629,8 +638,6 @@ def print_stage_times(name: str, fn: Callable[[], object], calls: int) -> None:
     """Host µs a call of ``fn`` spends in each of :data:`TIMELINE_STAGES` and each Triton launch (inclusive, mean
     over ``calls`` calls; perf_counter around the functions, no profiler: the numbers the wall time is made of) and
     the call's median wall time with its closing sync."""
-    import importlib
-
     spent: dict[str, float] = {}
 
     def timed(label: str, function: Callable[..., Any]) -> Callable[..., Any]:
@@ -643,12 +650,6 @@ def print_stage_times(name: str, fn: Callable[[], object], calls: int) -> None:
 
         return wrapper
 
-    saved: list[tuple[Any, str, Any]] = []
-    for module_name, functions in TIMELINE_STAGES.items():
-        module = importlib.import_module(module_name)
-        for function in functions:
-            saved.append((module, function, getattr(module, function)))
-            setattr(module, function, timed(f"{module_name.rsplit('.', 1)[-1]}.{function}", saved[-1][2]))
     # every launch of the packed-code kernels goes through marlin_rows.launch (Triton's path or the direct one)
     original_launch = marlin_rows.launch
 
@@ -658,17 +659,16 @@ def print_stage_times(name: str, fn: Callable[[], object], calls: int) -> None:
     marlin_rows.launch = timed_launch
     walls = []
     try:
-        fn()
-        torch.cuda.synchronize()
-        spent.clear()
-        for _ in range(calls):
-            started = time.perf_counter()
+        with stages_wrapped(timed):
             fn()
             torch.cuda.synchronize()
-            walls.append(time.perf_counter() - started)
+            spent.clear()
+            for _ in range(calls):
+                started = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                walls.append(time.perf_counter() - started)
     finally:
-        for module, function, original in saved:
-            setattr(module, function, original)
         marlin_rows.launch = original_launch
     print(
         f"--- {name}: host µs per call by stage (inclusive, mean of {calls}); wall {statistics.median(walls) * 1e6:.0f} µs"
