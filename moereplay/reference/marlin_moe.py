@@ -395,9 +395,8 @@ def _finish_rows(
     num_slots, size_n = gemm.shape
     written = tables[4].to(torch.bool)
     bias_rows: torch.Tensor | None = None
-    if (
-        b_bias is not None
-    ):  # each row its expert's bias row; unwritten rows the zero row after the last expert
+    # each row its expert's bias row; unwritten rows the zero row after the last expert
+    if b_bias is not None:
         bias = unpermute_bias(b_bias.to(gemm.device, torch.float32))
         bias_index = torch.where(tables[1] >= 0, tables[1], bias.shape[0])
         bias_rows = torch.cat((bias, bias.new_zeros((1, size_n)))).index_select(0, bias_index)
