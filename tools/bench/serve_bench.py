@@ -108,7 +108,13 @@ def main() -> int:
     parser.add_argument("--settings", default="off,flight,full")
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill-length", type=int, default=900)
-    parser.add_argument("--prefill-requests", type=int, default=8)
+    parser.add_argument(
+        "--prefill-requests",
+        type=int,
+        default=32,
+        help="prefill batch: requests of --prefill-length prompt tokens (32 · 900 is a few scheduler steps: one "
+        "step of 8 requests scattered up to 1.5× between rounds of the same server)",
+    )
     parser.add_argument("--serve-arg", action="append", default=[])
     parser.add_argument("--kv-cache-bytes", type=int, default=4 << 30, help="KV cache of each server")
     parser.add_argument("--timeout", type=float, default=540.0)
