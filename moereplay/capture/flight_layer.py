@@ -55,6 +55,7 @@ from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.snapshot import (
     Snapshot,
     TensorCopy,
+    _codec_of,
     _fill,
     _Pending,
     _walk,
@@ -62,6 +63,7 @@ from moereplay.capture.snapshot import (
     byte_span,
     format_codec,
     is_view_of_any,
+    qualified_type_name,
     storage_key,
 )
 from moereplay.capture.writer_thread import Begin, Complete, Delivered
@@ -167,6 +169,34 @@ class LayerCall:
     def first_start(self) -> int:
         starts = [c.start for c in self.copies or ()]
         return min(starts) if starts else 0
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """A codec object's place in a layer call's tensors: ``count`` of them from ``first``, collected on the serving
+    thread without its tree (see :func:`_deferred_tree`)."""
+
+    first: int
+    count: int
+
+
+def _deferred_tree(value: Any, deferred: _Deferred, tensors: list[torch.Tensor]) -> Any:
+    """The argument tree of a codec object whose tensors were collected on the serving thread: the object walked
+    again (the codec's walk meets its tensors in the order its collect did), its tensors numbered from
+    ``deferred.first``. An object whose tensors are no longer the ones copied (replaced after the call) is
+    written as unsupported, never with another tensor's bytes."""
+    found = list(tensors[: deferred.first])
+    try:
+        tree = _walk(value, found, format_codec, 0)
+    except Exception as error:  # the object changed into something its codec refuses
+        return Unsupported(qualified_type_name(type(value)), f"not recordable at the trigger: {error}"[:200])
+    copied = tensors[deferred.first : deferred.first + deferred.count]
+    walked = found[deferred.first :]
+    if len(walked) != len(copied) or any(a is not b for a, b in zip(walked, copied, strict=True)):
+        return Unsupported(
+            qualified_type_name(type(value)), "its tensors changed between the call and the trigger"
+        )
+    return tree
 
 
 @dataclass
@@ -293,6 +323,14 @@ class LayerFlight(PollingRecorder):
                 tensors.append(value)
             elif not isinstance(value, _LATER):
                 before = len(tensors)
+                codec = _codec_of(type(value))
+                if codec is not None and codec.collect is not None:
+                    # a codec object (triton_kernels' routing objects): only its tensors now, in the order its
+                    # walk meets them; its tree is built from the same object if a trigger writes the call
+                    codec.collect(value, tensors.append)
+                    if len(tensors) != before:
+                        trees[name] = _Deferred(before, len(tensors) - before)
+                    continue
                 tree = _walk(value, tensors, format_codec, 0)
                 if len(tensors) != before:
                     trees[name] = tree
@@ -429,7 +467,12 @@ class LayerFlight(PollingRecorder):
         for name, value in bound.items():
             if name in call.trees:
                 found = call.trees[name]
-                tree[name] = _Pending(found) if type(found) is int else found
+                if type(found) is int:
+                    tree[name] = _Pending(found)
+                elif type(found) is _Deferred:
+                    tree[name] = _deferred_tree(value, found, tensors)
+                else:
+                    tree[name] = found
             elif name in later and name in call.outputs:  # the buffer as the call left it (see _new_plan)
                 tree[name] = _Pending(call.outputs[name])
             elif name in static:

@@ -85,3 +85,94 @@ def test_collect_refuses_what_encode_refuses() -> None:
     bad = ogs_codecs.GatherSpec(_ints(8), "not a tensor")  # type: ignore[arg-type]
     with pytest.raises(Exception, match=r"GatherIndx\.dst_indx is not a tensor"):
         _walk(bad, [], format_codec, 0)
+
+
+# --- the layer-scope flight recorder collects a codec object's tensors now and builds its tree at the trigger ---
+
+
+def _layer_flight() -> Any:
+    from moereplay.capture import flight_layer
+
+    return flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 20, absmax=None, emit=lambda *a: True)
+
+
+def _layer_target() -> Any:
+    from moereplay.ops.surface import CaptureTarget
+
+    return CaptureTarget(
+        "triton_kernel_fused_experts", "parent", "test", "triton_kernel_fused_experts",
+        static=("w1",), outputs=("output",), inputs_intact=True,
+    )  # fmt: skip
+
+
+def _layer_bound() -> dict[str, Any]:
+    return {
+        "output": torch.zeros(4, 8),
+        "hidden_states": torch.randn(4, 8),
+        "w1": torch.zeros(2, 2),
+        "routing_data": _routing(),
+        "gather_indx": ogs_codecs.GatherSpec(_ints(8), _ints(8)),
+        "scatter_indx": ogs_codecs.ScatterSpec(_ints(8), _ints(8)),
+        "pair": [ogs_codecs.GatherSpec(_ints(8), _ints(8)), 3],  # a plain container: walked on the spot
+        "topk": 2,
+    }
+
+
+def _layer_call(bound: dict[str, Any]) -> Any:
+    from moereplay.capture.context import Where
+
+    flight = _layer_flight()
+    call = flight.before(_layer_target(), dict(bound), Where(0, 1, 0, "layer.0", "run", "NONE"), 0)
+    flight.after(call, bound["output"], None)
+    return flight, call
+
+
+def test_a_layer_call_copies_a_codec_objects_tensors_in_its_walk_order_and_describes_it_the_same() -> None:
+    bound = _layer_bound()
+    flight, call = _layer_call(bound)
+    copied = list(call.tensors)
+    expected_found: list[torch.Tensor] = []
+    expected: dict[str, Any] = {}
+    for name in ("hidden_states", "routing_data", "gather_indx", "scatter_indx", "pair"):
+        value = bound[name]
+        if isinstance(value, torch.Tensor):
+            expected_found.append(value)
+            expected[name] = ("tensor", id(value))
+        else:
+            expected[name] = _normal(_walk(value, expected_found, format_codec, 0), expected_found)
+    assert [id(t) for t in copied[: len(expected_found)]] == [id(t) for t in expected_found]
+    flight._describe(call)
+    tree = call.input_tree
+    assert tree is not None
+    for name, want in expected.items():
+        assert _normal(tree[name], copied) == want, name
+    assert tree["topk"] == 2
+
+
+def test_a_codec_object_whose_tensors_were_replaced_after_the_call_is_written_unsupported() -> None:
+    from moereplay.format.schema import Unsupported
+
+    bound = _layer_bound()
+    _, call = _layer_call(bound)
+    flight = _layer_flight()
+    # another tensor than the one the ring copied (triton_kernels' own classes are not frozen; these specs are)
+    object.__setattr__(bound["gather_indx"], "src_indx", _ints(8))
+    flight._describe(call)
+    tree = call.input_tree
+    assert tree is not None
+    assert isinstance(tree["gather_indx"], Unsupported)
+    assert "changed between the call and the trigger" in tree["gather_indx"].repr_excerpt
+    assert isinstance(tree["routing_data"], CodecValue)  # the others stay as they were
+
+
+def test_a_codec_object_that_its_codec_refuses_at_the_trigger_is_written_unsupported() -> None:
+    from moereplay.format.schema import Unsupported
+
+    bound = _layer_bound()
+    _, call = _layer_call(bound)
+    object.__setattr__(bound["scatter_indx"], "dst_indx", "not a tensor")
+    _layer_flight()._describe(call)
+    tree = call.input_tree
+    assert tree is not None
+    assert isinstance(tree["scatter_indx"], Unsupported)
+    assert "not recordable at the trigger" in tree["scatter_indx"].repr_excerpt
