@@ -158,7 +158,8 @@ class LayerCall:
         self.where = where
         self.sequence = sequence
         self.bound: dict[str, Any] | None = bound
-        self.trees = trees  # dynamic argument name -> index into ``tensors``, or a tree with _Pending indices
+        # dynamic argument name -> index into ``tensors``, a tree with _Pending indices, or a _Deferred codec object
+        self.trees = trees
         self.tensors: list[torch.Tensor] | None = (
             tensors  # the dynamic inputs (index order), then the outputs
         )
@@ -184,7 +185,9 @@ def _deferred_tree(value: Any, deferred: _Deferred, tensors: list[torch.Tensor])
     """The argument tree of a codec object whose tensors were collected on the serving thread: the object walked
     again (the codec's walk meets its tensors in the order its collect did), its tensors numbered from
     ``deferred.first``. An object whose tensors are no longer the ones copied (replaced after the call) is
-    written as unsupported, never with another tensor's bytes."""
+    written as unsupported, never with another tensor's bytes. Its plain fields (counts, block sizes) are read
+    here, at the trigger: vLLM builds these objects afresh for each layer call and does not change them after it;
+    a graph-captured call is described while its graph is captured."""
     found = list(tensors[: deferred.first])
     try:
         tree = _walk(value, found, format_codec, 0)

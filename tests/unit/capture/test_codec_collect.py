@@ -128,8 +128,14 @@ def _layer_call(bound: dict[str, Any]) -> Any:
 
 
 def test_a_layer_call_copies_a_codec_objects_tensors_in_its_walk_order_and_describes_it_the_same() -> None:
+    from moereplay.capture.flight_layer import _Deferred
+
     bound = _layer_bound()
     flight, call = _layer_call(bound)
+    # the codec objects' trees wait for the trigger; the plain list is walked on the spot
+    assert {name for name, tree in call.trees.items() if type(tree) is _Deferred} == {
+        "routing_data", "gather_indx", "scatter_indx"
+    }  # fmt: skip
     copied = list(call.tensors)
     expected_found: list[torch.Tensor] = []
     expected: dict[str, Any] = {}
