@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from moereplay.capture import phase_timers
 from moereplay.capture.binding import ArgumentBinder
 from moereplay.capture.context import ContextTracker, Where
 from moereplay.capture.device_ring import TooLarge
@@ -120,6 +121,11 @@ class Recorder(CallHandler):
         importlib.import_module("moereplay.ops.vllm_codecs")  # registers vLLM's own value types' codecs
         self.flight: FlightRecorder | LayerFlight | None = None
         self.layer_scope = settings.trigger is Trigger.FLIGHT and settings.flight_scope == "layer"
+        # MOEREPLAY_TIMERS: the recorder's pieces timed, CPU time beside wall time (moereplay.capture.phase_timers)
+        self._timers: phase_timers.Timers | None = None
+        self._untime: Callable[[], None] | None = None
+        if settings.timers:
+            self._timers, self._untime = phase_timers.install()
         budget = TriggerBudget(settings.flight_triggers)
         if self.layer_scope:
             self.flight = LayerFlight(
@@ -164,7 +170,15 @@ class Recorder(CallHandler):
         values = self.counters.as_dict()
         if self.flight is not None:
             values.update(self.flight.as_counters())
+        if self._timers is not None:
+            values.update(phase_timers.as_counters(self._timers))
         return values
+
+    def remove_timers(self) -> None:
+        """Unwrap the pieces ``MOEREPLAY_TIMERS`` wrapped (their totals stay in the counters)."""
+        untime, self._untime = self._untime, None
+        if untime is not None:
+            untime()
 
     def prepare(self, target: CaptureTarget, original: Callable[..., Any]) -> Callable[[], None] | None:
         """Once per wrapped target (from the patcher): register its codecs, install its family's process-state

@@ -383,6 +383,7 @@ def disarm() -> None:
     if session is None:
         return
     session.patcher.uninstall()
+    session.recorder.remove_timers()
     session.unhook_graphs()
     _unhook_sigterm()
     if session.pid == os.getpid():

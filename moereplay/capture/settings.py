@@ -39,6 +39,9 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            -1: one per CPU)
 ``MOEREPLAY_WRITER_THREADS``  threads that hash and compress tensor blobs (default -1: a quarter of the CPUs,
                            1 to 4; 0: the writer thread alone, one blob after the other)
+``MOEREPLAY_TIMERS``        ``1``: time the layer-scope flight recorder's pieces (and its threads' CPU time)
+                           into the file's counters, for ``moereplay info`` — a diagnostic that costs a few µs
+                           a call (:mod:`moereplay.capture.phase_timers`)
 =========================  =================================================================================
 
 Compression: every tensor span stored is hashed (sha256, for deduplication) and compressed into one zstd frame.
@@ -100,6 +103,7 @@ KNOWN_VARIABLES = (
     "COMPRESSION_LEVEL",
     "COMPRESSION_THREADS",
     "WRITER_THREADS",
+    "TIMERS",
 )
 
 
@@ -186,6 +190,7 @@ class CaptureSettings:
     compression_level: int = 1
     compression_threads: int = 2
     writer_threads: int = -1
+    timers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_calls", "max_bytes", "per_shape"):
@@ -259,6 +264,8 @@ class CaptureSettings:
         if self.compression_threads:
             parts.append(f"zstd_threads={self.compression_threads}")
         parts.append(f"writer_threads={self.resolved_writer_threads()}")
+        if self.timers:
+            parts.append("timers=on")
         return " ".join(parts)
 
 
@@ -471,6 +478,8 @@ def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None
         values["compression_threads"] = parse_int_range("COMPRESSION_THREADS", text, -1, 256)
     if (text := get("WRITER_THREADS")) is not None:
         values["writer_threads"] = parse_int_range("WRITER_THREADS", text, -1, 256)
+    if (text := get("TIMERS")) is not None:
+        values["timers"] = parse_flag("TIMERS", text)
     return CaptureSettings(**values)  # type: ignore[arg-type]
 
 

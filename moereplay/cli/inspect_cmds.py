@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from moereplay.capture import phase_timers
 from moereplay.cli import app
 from moereplay.wording import plural
 
@@ -220,6 +221,9 @@ def _render_info(info: CaptureInfo) -> None:
         cost = recorder_cost(stats.counters)
         if cost:
             lines.append(("cost", cost))
+        timers = recorder_timers(stats.counters)
+        if timers:
+            lines.append(("timers", timers))
     console = Console(highlight=False, soft_wrap=True, emoji=False)
     for (
         name,
@@ -271,3 +275,19 @@ def recorder_cost(counters: Mapping[str, int]) -> str | None:
             f"{counters.get('flight_poll_ns', 0) / 1e9:.2f} s)"
         )
     return "; ".join(parts) or None
+
+
+def recorder_timers(counters: Mapping[str, int]) -> str | None:
+    """``MOEREPLAY_TIMERS``' pieces from a footer: µs per call of each (wall; CPU beside it where read), or None."""
+    pieces = phase_timers.from_counters(counters)
+    if not pieces:
+        return None
+    parts = []
+    for piece, (ns, calls, cpu) in pieces.items():
+        if not calls:
+            continue
+        text = f"{piece} {ns / calls / 1e3:.1f}"
+        if cpu is not None:
+            text += f" (CPU {cpu / calls / 1e3:.1f})"
+        parts.append(f"{text} ×{calls}")
+    return "µs per call: " + ", ".join(parts) if parts else None

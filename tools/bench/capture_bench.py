@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from moereplay.capture import phase_timers
+
 # intermediate 2880 padded to 2944 as vLLM pads it for its Marlin MoE backends (no Marlin tile fits N = K = 2880)
 EXPERTS, TOP_K, HIDDEN, INNER = 32, 4, 2880, 2944
 QUEUE = {"MOEREPLAY_QUEUE_BYTES": "12G", "MOEREPLAY_QUEUE_CALLS": "100000"}
@@ -174,49 +176,6 @@ def plain_wrappers(points: list, launch: torch.Tensor | None) -> Callable[[], No
     return undo
 
 
-def phase_timers() -> tuple[dict[str, list[int]], Callable[[], None]]:
-    """Time the layer-scope recorder's pieces on the serving thread: wraps them with ``perf_counter_ns``
-    accumulators (≈ 0.3 µs each). Returns ``{piece: [ns, calls]}`` and the undo."""
-    from moereplay.capture import context, device_ring, flight_layer, recorder
-
-    spots = [
-        (recorder.Recorder, "_layer_before"),
-        (recorder.Recorder, "_layer_after"),
-        (context.ContextTracker, "where"),
-        (recorder, "_bind"),
-        (flight_layer.LayerFlight, "collect"),
-        (flight_layer.LayerFlight, "after"),
-        (flight_layer, "collect_outputs"),
-        (device_ring.DeviceRing, "record"),
-        (device_ring.DeviceRing, "_measure"),
-        (device_ring.DeviceRing, "_reserve"),
-        (device_ring._Launcher, "launch_prepared"),
-    ]
-    times: dict[str, list[int]] = {}
-    saved = []
-    for owner, name in spots:
-        raw = owner.__dict__[name]
-        original = raw.__func__ if isinstance(raw, staticmethod) else raw
-        cell = times.setdefault(name, [0, 0])
-
-        def timed_piece(*args, __original=original, __cell=cell, **kwargs):
-            started = time.perf_counter_ns()
-            try:
-                return __original(*args, **kwargs)
-            finally:
-                __cell[0] += time.perf_counter_ns() - started
-                __cell[1] += 1
-
-        setattr(owner, name, staticmethod(timed_piece) if isinstance(raw, staticmethod) else timed_piece)
-        saved.append((owner, name, raw))
-
-    def undo() -> None:
-        for owner, name, raw in saved:
-            setattr(owner, name, raw)
-
-    return times, undo
-
-
 def parse_compression(text: str) -> list[tuple[int, int, int | None]]:
     """``LEVEL:THREADS[:WORKERS]`` items: zstd level, zstd threads per frame, writer pool threads (default: the
     setting's default)."""
@@ -338,7 +297,7 @@ def main() -> int:
                     session.writer._poll = None
                 timers = None
                 if options.phases and name == "layer-nopoll" and round_index == rounds - 1:
-                    timers, undo_timers = phase_timers()
+                    timers, undo_timers = phase_timers.install()
                 profiler = None
                 if (
                     options.profile
@@ -355,7 +314,7 @@ def main() -> int:
                     undo_timers()
                     pieces = ", ".join(
                         f"{piece} {ns / max(count, 1) / 1e3:.1f} µs ×{count / (iterations + 3):.1f}"
-                        for piece, (ns, count) in timers.items()
+                        for piece, (ns, count, _cpu) in timers.items()
                     )
                     print(
                         f"--- M={m} layer-nopoll, per call of each piece (× calls per layer call): {pieces}"

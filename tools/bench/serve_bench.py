@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPOSITORY / "tools" / "gpu"))
 import harness  # noqa: E402
 import serve_gpu  # noqa: E402
 
-from moereplay.cli.inspect_cmds import recorder_cost  # noqa: E402  (also printed by moereplay info)
+from moereplay.cli.inspect_cmds import recorder_cost, recorder_timers  # noqa: E402  (also printed by moereplay info)
 
 SETTINGS: dict[str, dict[str, str]] = {
     "off": {},
@@ -57,6 +57,9 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_GRAPH_BYTES": "0",
     },
+    # diagnostic: the flight recorder with MOEREPLAY_TIMERS (its pieces timed, its threads' CPU time beside the
+    # wall time; a few µs a call more than "flight"): where the serving thread's time per layer call goes
+    "flight-timers": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_TIMERS": "1"},
 }
 """Full capture is bounded so the GPU machine's disk (64 GiB, the model on it too) cannot fill: past the bound the
 file is closed and the rest is counted, not written — the table's last lines say how much each setting wrote."""
@@ -218,6 +221,9 @@ def main() -> int:
                 cost = recorder_cost(counters)
                 if cost:
                     print(f"{name:<14} {path.name}: {cost}")
+                timers = recorder_timers(counters)
+                if timers:
+                    print(f"{name:<14} {path.name}: {timers}")
     if options.json:
         options.json.write_text(
             json.dumps({"results": results, "medians": medians, "mode": options.mode, "stopped": stopped})

@@ -428,3 +428,53 @@ def test_info_shows_what_the_armed_recorder_cost(arm, kernels, inputs) -> None:
     assert f"recorder {per_call:.1f} µs of serving-thread time per layer call (12 calls) plus " in line
     assert "ms once (eager ring buffers, ring-kernel compiles)" in line
     assert "µs per flight poll" in line
+
+
+def test_timers_time_the_recorders_pieces_into_the_footer_and_come_off_at_disarm(
+    arm, kernels, inputs
+) -> None:
+    """``MOEREPLAY_TIMERS=1``: each piece of the serving thread's path counted once per layer call (its wall time,
+    and the outermost pieces' CPU time) in the footer, printed by ``moereplay info``; disarming unwraps them."""
+    from typer.testing import CliRunner
+
+    from moereplay.capture import flight_layer, phase_timers, recorder
+    from moereplay.cli import app
+
+    originals = {
+        "collect": flight_layer.LayerFlight.__dict__["collect"],
+        "layer_before": recorder.Recorder.__dict__["_layer_before"],
+        "measure": DeviceRing.__dict__["_measure"],
+    }
+    session = arm(trigger="flight", flight_calls="6", timers="1")
+    assert "timers=on" in session.settings.describe()
+    assert flight_layer.LayerFlight.__dict__["collect"] is not originals["collect"]
+    run(kernels, inputs)
+    session_module.disarm()  # closes the session, then unwraps
+    assert flight_layer.LayerFlight.__dict__["collect"] is originals["collect"]
+    assert recorder.Recorder.__dict__["_layer_before"] is originals["layer_before"]
+    assert DeviceRing.__dict__["_measure"] is originals["measure"]
+    with CaptureReader(session.path) as reader:
+        counters = reader.footer["counters"]
+    pieces = phase_timers.from_counters(counters)
+    assert pieces["layer_before"][1] == pieces["layer_after"][1] == pieces["collect"][1] == 12
+    assert pieces["layer_before"][2] is not None and pieces["collect"][2] is None  # CPU time: outermost only
+    assert (
+        pieces["poll"][1] >= 1 and pieces["poll"][2] is not None
+    )  # the writer's polls (their count races the footer)
+    assert all(ns > 0 for piece, (ns, calls, _) in pieces.items() if calls and piece != "launch_prepared")
+    result = CliRunner().invoke(app, ["info", str(session.path)])
+    assert result.exit_code == 0, result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("timers")]
+    assert "layer_before " in line and "(CPU " in line and "collect " in line and "×12" in line
+
+
+def test_timers_are_off_by_default(arm, kernels, inputs) -> None:
+    from moereplay.capture import flight_layer
+
+    collect = flight_layer.LayerFlight.__dict__["collect"]
+    session = arm(trigger="flight", flight_calls="6")
+    run(kernels, inputs, steps=2)
+    assert flight_layer.LayerFlight.__dict__["collect"] is collect
+    close(session)
+    with CaptureReader(session.path) as reader:
+        assert not any(key.startswith("timer_") for key in reader.footer["counters"])

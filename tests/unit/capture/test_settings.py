@@ -107,6 +107,7 @@ def test_step_ranges(steps: str, expected: StepRange) -> None:
         ("compression_level", "23", "must be in [-5, 22]"),
         ("compression_threads", "-2", "must be in [-1, 256]"),
         ("compression_threads", "x", "not an integer"),
+        ("timers", "sometimes", "MOEREPLAY_TIMERS='sometimes': not a boolean"),
     ],
 )
 def test_malformed_values_raise_one_line(variable: str, value: str, fragment: str) -> None:

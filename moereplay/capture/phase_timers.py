@@ -1,0 +1,112 @@
+"""Timers around the layer-scope flight recorder's pieces, for finding where its serving-thread time goes.
+
+``MOEREPLAY_TIMERS=1`` (a diagnostic, not for production: a few µs a call) wraps the recorder's pieces below with
+``perf_counter_ns`` accumulators; the outermost ones — the serving thread's work before and after a layer call,
+and the writer thread's flight poll — also read their thread's CPU time (``thread_time_ns``). The file's footer
+then holds, per piece, ``timer_<piece>_ns`` and ``timer_<piece>_calls`` (and ``timer_<piece>_cpu_ns`` for the
+outermost): a wall time well above its CPU time is time the thread spent waiting — for the GIL, held by another
+thread, or for the OS — rather than working. ``moereplay info`` prints them; ``tools/bench/capture_bench.py
+--phases`` uses the same timers in a benchmark.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+Timers = dict[str, list[int]]
+"""``{piece: [wall nanoseconds, calls, thread CPU nanoseconds (outermost pieces only, else 0)]}``."""
+
+
+OUTERMOST = ("layer_before", "layer_after", "poll")
+"""The pieces whose thread CPU time is read too (two more clock reads a call each)."""
+
+
+def _spots() -> list[tuple[Any, str]]:
+    from moereplay.capture import context, device_ring, flight_layer, recorder
+
+    return [
+        (recorder.Recorder, "_layer_before"),
+        (recorder.Recorder, "_layer_after"),
+        (flight_layer.LayerFlight, "poll"),
+        (context.ContextTracker, "where"),
+        (recorder, "_bind"),
+        (flight_layer.LayerFlight, "collect"),
+        (flight_layer.LayerFlight, "after"),
+        (flight_layer, "collect_outputs"),
+        (device_ring.DeviceRing, "record"),
+        (device_ring.DeviceRing, "_measure"),
+        (device_ring.DeviceRing, "_reserve"),
+        (device_ring._Launcher, "launch_prepared"),
+    ]
+
+
+def install() -> tuple[Timers, Callable[[], None]]:
+    """Wrap the pieces (process-wide, every thread); returns the timers and the function that unwraps them."""
+    times: Timers = {}
+    saved: list[tuple[Any, str, Any]] = []
+    for owner, name in _spots():
+        raw = owner.__dict__[name]
+        original = raw.__func__ if isinstance(raw, staticmethod) else raw
+        piece = name.lstrip("_")
+        cell = times.setdefault(piece, [0, 0, 0])
+
+        def timed_piece(
+            *args: Any, __original: Any = original, __cell: list[int] = cell, **kwargs: Any
+        ) -> Any:
+            started = time.perf_counter_ns()
+            try:
+                return __original(*args, **kwargs)
+            finally:
+                __cell[0] += time.perf_counter_ns() - started
+                __cell[1] += 1
+
+        def cpu_timed_piece(
+            *args: Any, __original: Any = original, __cell: list[int] = cell, **kwargs: Any
+        ) -> Any:
+            cpu = time.thread_time_ns()
+            started = time.perf_counter_ns()
+            try:
+                return __original(*args, **kwargs)
+            finally:
+                __cell[0] += time.perf_counter_ns() - started
+                __cell[2] += time.thread_time_ns() - cpu
+                __cell[1] += 1
+
+        wrapper = cpu_timed_piece if piece in OUTERMOST else timed_piece
+        setattr(owner, name, staticmethod(wrapper) if isinstance(raw, staticmethod) else wrapper)
+        saved.append((owner, name, raw))
+
+    def undo() -> None:
+        for owner, name, raw in reversed(saved):
+            setattr(owner, name, raw)
+
+    return times, undo
+
+
+def as_counters(times: Timers) -> dict[str, int]:
+    """The footer's counters of ``times``: ``timer_<piece>_ns`` and ``timer_<piece>_calls``."""
+    counters: dict[str, int] = {}
+    for piece, (ns, calls, cpu) in times.items():
+        counters[f"timer_{piece}_ns"] = ns
+        counters[f"timer_{piece}_calls"] = calls
+        if piece in OUTERMOST:
+            counters[f"timer_{piece}_cpu_ns"] = cpu
+    return counters
+
+
+def from_counters(counters: Mapping[str, Any]) -> dict[str, tuple[int, int, int | None]]:
+    """``{piece: (wall nanoseconds, calls, CPU nanoseconds or None)}`` of a footer's timer counters (empty
+    without them)."""
+    pieces: dict[str, tuple[int, int, int | None]] = {}
+    for key, value in counters.items():
+        if key.startswith("timer_") and key.endswith("_ns") and not key.endswith("_cpu_ns"):
+            piece = key[len("timer_") : -len("_ns")]
+            cpu = counters.get(f"timer_{piece}_cpu_ns")
+            pieces[piece] = (
+                int(value),
+                int(counters.get(f"timer_{piece}_calls", 0)),
+                None if cpu is None else int(cpu),
+            )
+    return pieces
