@@ -215,7 +215,7 @@ def trim_capture(
         }
         if rewrite_header is not None:
             header = rewrite_header(header)
-        counters = dict((reader.footer or {}).get("counters") or {})
+        counters = reader.counters
         renumbered: dict[int, int] = {}
         with CaptureWriter(output, header=header) as writer:
             for index in kept:
@@ -229,6 +229,6 @@ def trim_capture(
                     parent=renumbered.get(parent) if parent is not None else None,
                     extra_context=extra,
                 )
-            writer.close(counters={str(k): int(v) for k, v in counters.items() if isinstance(v, int)})
+            writer.close(counters=counters)
         source_calls, source_bytes = len(reader), reader.file_bytes
     return TrimResult(source, output, tuple(kept), source_calls, source_bytes, output.stat().st_size)

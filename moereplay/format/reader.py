@@ -220,6 +220,19 @@ class CaptureReader:
             index, "outputs", _Phase(completion["outputs"], completion["storages"]), device
         )
 
+    @property
+    def counters(self) -> dict[str, int]:
+        """The footer's counters (the writing process's counts and timers): the integer ones only — a file
+        written by someone else may hold anything there, and every reader of them does arithmetic."""
+        found = self.footer.get("counters") if self.footer else None
+        if not isinstance(found, dict):
+            return {}
+        return {
+            name: value
+            for name, value in found.items()
+            if isinstance(name, str) and isinstance(value, int) and not isinstance(value, bool)
+        }
+
     def stats(self) -> CaptureStats:
         """Counts and sizes over every call (reads call and completion records, not blobs)."""
         by_op: dict[str, Counter[str]] = {}
@@ -252,7 +265,6 @@ class CaptureReader:
             if largest_call is None or needs > largest:
                 largest_call, largest = index, needs
         unique_bytes = sum(unique.values())
-        counters = self.footer.get("counters", {}) if self.footer else {}
         return CaptureStats(
             calls=len(self._order) - len(damaged),
             by_op={op: dict(counts) for op, counts in sorted(by_op.items())},
@@ -266,7 +278,7 @@ class CaptureReader:
             largest_call=largest_call,
             largest_call_bytes=largest,
             dedup_ratio=referenced / unique_bytes if unique_bytes else 1.0,
-            counters=dict(counters) if isinstance(counters, dict) else {},
+            counters=self.counters,
             damaged=damaged,
         )
 

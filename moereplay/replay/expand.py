@@ -338,8 +338,7 @@ def expand_capture(
                             parent=renumbered.get(parent) if parent is not None else None,
                             extra_context=expanded.contexts.get(index, {}),
                         )
-                    counters = (rerun.footer or {}).get("counters") or {}
-                    writer.close(counters={str(k): int(v) for k, v in counters.items() if isinstance(v, int)})
+                    writer.close(counters=rerun.counters)
                 output_calls = len(rerun)
     final = tuple(
         dataclasses.replace(

@@ -266,3 +266,36 @@ def test_a_cut_inside_the_index_record_reads_an_index_record(tmp_path: Path) -> 
             break
     assert found, "no cut in the last 400 bytes landed inside the index record"
     assert "inside an index record that starts at byte" in found[0], found[0]
+
+
+def test_info_reads_only_integer_counters_from_a_footer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file written by someone else may hold anything in its footer's counters: ``info`` keeps the integers
+    (its cost and timers lines do arithmetic on them) and never raises on the rest."""
+    finish = CaptureWriter._finish
+    hostile = {
+        "recorder_host_ns": "x",
+        "recorder_seen": 3,
+        "flight_polls": 2.5,
+        "flight_poll_ns": None,
+        "timer_collect_ns": "y",
+        "timer_collect_calls": [1],
+        "timer_poll_ns": 5000,
+        "timer_poll_cpu_ns": "z",
+        "timer_poll_calls": 1,
+        "dropped_queue_full": True,
+    }
+    monkeypatch.setattr(CaptureWriter, "_finish", lambda self, counters: finish(self, hostile))
+    path = tmp_path / "hostile-footer.zst"
+    with CaptureWriter(path, {"model": "tiny-moe"}):
+        pass
+    monkeypatch.undo()
+    result = runner.invoke(app, ["info", str(path)])
+    assert result.exit_code == 0, result.output
+    assert result.exception is None
+    (counters,) = [line for line in result.output.splitlines() if line.startswith("counters")]
+    assert "recorder_seen=3" in counters and "timer_poll_ns=5000" in counters
+    assert "recorder_host_ns" not in counters and "dropped_queue_full" not in counters
+    (timers,) = [line for line in result.output.splitlines() if line.startswith("timers")]
+    assert "poll 5.0 ×1" in timers
