@@ -13,12 +13,14 @@ including it are written as parent records without children; ``moereplay expand`
 kernels to regenerate (and prove) the kernel calls.
 
 Threads. Serving thread (per layer call): bind the arguments, collect the dynamic tensors, call, one ring launch,
-append to a queue (no event, no host transfer, no allocation). Writer thread (:meth:`LayerFlight.poll` with
-``launch=True``, inside the graph gate, every ≈ 5 ms whether the serving thread is busy or idle: a bad output is
-found about one poll after its call ran on the device, see ``WriterThread``): read the tag words of the new calls
-where the ring kernel's last program stored them, in host-mapped memory (plain memory reads, no CUDA call; one
-integer decode per call — its Python time is GIL time taken from the serving thread, so it does nothing else per
-call; without the kernel, one event and one small copy per poll, read at the next), and on a bad word describe
+append to a queue (no event, no host transfer, no allocation), then read the finished tag words of the calls
+before it where the ring kernel's last program stored them, in host-mapped memory (plain memory reads, no CUDA
+call; one integer decode per call) — only the all-clear is handled there. Writer thread (:meth:`LayerFlight.poll`
+with ``launch=True``, inside the graph gate, every ≈ 5 ms whether the serving thread is busy or idle; it leaves
+the eager ring alone while the serving thread has checked it within :data:`INLINE_WINDOW_S` and left it nothing —
+its Python time is GIL time taken from the serving thread; a bad output is found at the next call's end, or about
+one poll after its call ran on the device once calls stop, see ``WriterThread``): read the words the serving
+thread did not (without the kernel, one event and one small copy per poll, read at the next), and on a bad word describe
 the offending call and the K calls before it (tensor metadata, argument trees), copy their ring regions to the
 host, check that nothing overwrote them meanwhile (the ring's ``head`` had not lapped them when the copy
 finished) and hand them to the writer. Until a call leaves the history (K calls later, once checked) its argument
@@ -207,6 +209,15 @@ class LayerCounters(FlightCounters):
     too_large: int = 0
     polls: int = 0  # writer-thread polls that looked at the eager ring
     poll_ns: int = 0  # their time (GIL held for most of it: time the serving thread may wait)
+    inline_checks: int = (
+        0  # checks the serving thread made itself after an eager call (see LayerFlight.after)
+    )
+
+
+INLINE_WINDOW_S = 0.005
+"""While the serving thread has checked the eager ring itself within this many seconds, the writer thread's poll
+leaves the ring alone (unless the serving thread left it something): a finished call is checked at the next
+eager call's end, or by the writer within about ``inline_window`` + ``poll_interval`` once calls stop."""
 
 
 @dataclass(eq=False)
@@ -267,6 +278,11 @@ class LayerFlight(PollingRecorder):
         self._streams: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()  # the writer-side state (poll may run from settle on another thread)
         self._warned_large = False
+        # the serving thread's own checks (see after): when it made the last one (perf_counter seconds), and
+        # whether it left something only the writer thread handles (a bad word, a ring without host words)
+        self._inline_at = -math.inf
+        self._inline_defers = False
+        self.inline_window = INLINE_WINDOW_S
         self.graph: GraphFlight | None = None  # graph-replayed calls (set by the recorder)
 
     # --- serving thread ---------------------------------------------------------------------------------------
@@ -384,6 +400,65 @@ class LayerFlight(PollingRecorder):
             call.output_copy = (starts, leads, sizes)
             call.tag = tag
         self._new.append(call)
+        self._check_inline(now)
+
+    def _check_inline(self, now: float) -> None:
+        """The serving thread's own look at finished tag words, right after an eager call: plain memory reads of
+        the host words (the earlier calls' words, mostly: this call's is rarely finished yet), no CUDA call.
+        While these run, the writer thread's poll skips the eager ring (see :meth:`poll`): its polls took the
+        GIL from the serving thread every ``poll_interval`` — measured at ~80 µs of CPU time per poll of a
+        served gpt-oss model, and more in waits for the GIL and the OS, while this costs a few µs per call.
+        Only the all-clear is handled here: a bad word (a trigger: copy-out launches, logging), a ring without
+        host words (reads by event and copy) or a busy writer (its lock) are left to the writer thread's next
+        poll, within ``poll_interval``."""
+        lock = self._lock
+        if not lock.acquire(blocking=False):
+            return
+        try:
+            self.counters.inline_checks += 1
+            self._take_new()
+            self._inline_defers = not self._check_in_place()
+            self._evict()
+            self._inline_at = now
+        finally:
+            lock.release()
+
+    def _check_in_place(self) -> bool:
+        """Decode the unchecked calls' host words; count the finished good ones (and the lost). Returns False
+        when some call is left for the writer thread: a bad magnitude (it stays unchecked, so its history stays
+        too) or a ring without host words."""
+        unchecked = self._unchecked
+        absmax = self.absmax
+        counters = self.counters
+        handled = True
+        waiting: list[LayerCall] = []
+        while unchecked:
+            call = unchecked.popleft()
+            ring = call.ring
+            words = ring.host_words if ring is not None else None
+            tag = call.tag
+            if words is None or tag is None:
+                waiting.append(call)
+                handled = False
+                continue
+            state, value = decode_word(int(words[tag[0]]), tag[1])
+            if state == "pending":
+                waiting.append(call)
+                continue
+            if state == "lost":
+                call.checked = True
+                counters.unchecked += 1
+                continue
+            bad = not math.isfinite(value) or (absmax is not None and value > absmax)
+            if bad and not call.emitted:
+                waiting.append(call)
+                handled = False
+                continue
+            call.checked = True
+            call.value = value
+            counters.checked += 1
+        unchecked.extend(waiting)
+        return handled
 
     def too_large(self, error: ValueError) -> None:
         self.counters.too_large += 1
@@ -404,13 +479,20 @@ class LayerFlight(PollingRecorder):
             return
         started = time.perf_counter_ns()
         with self._lock:
-            self._take_new()
-            self._finish_copy_outs()
-            self._read_words()
-            self._launch_reads()
-            self._evict()
-            self.counters.polls += 1
-            self.counters.poll_ns += time.perf_counter_ns() - started
+            if (
+                self._inline_defers
+                or self._copy_outs
+                or self._reads
+                or time.perf_counter() - self._inline_at >= self.inline_window
+            ):  # else the serving thread checks the eager ring itself (see _check_inline): nothing to do here
+                self._take_new()
+                self._finish_copy_outs()
+                self._read_words()
+                self._launch_reads()
+                self._evict()
+                self._inline_defers = False
+                self.counters.polls += 1
+                self.counters.poll_ns += time.perf_counter_ns() - started
         if self.graph is not None:
             self.graph.poll(launch=True)
 

@@ -1,12 +1,12 @@
 """Timers around the layer-scope flight recorder's pieces, for finding where its serving-thread time goes.
 
 ``MOEREPLAY_TIMERS=1`` (a diagnostic, not for production: a few µs a call) wraps the recorder's pieces below with
-``perf_counter_ns`` accumulators; the outermost ones — the serving thread's work before and after a layer call,
-and the writer thread's flight poll — also read their thread's CPU time (``thread_time_ns``). The file's footer
-then holds, per piece, ``timer_<piece>_ns`` and ``timer_<piece>_calls`` (and ``timer_<piece>_cpu_ns`` for the
-outermost): a wall time well above its CPU time is time the thread spent waiting — for the GIL, held by another
-thread, or for the OS — rather than working. ``moereplay info`` prints them; ``tools/bench/capture_bench.py
---phases`` uses the same timers in a benchmark.
+``perf_counter_ns`` accumulators that also read their thread's CPU time (``thread_time_ns``). The file's footer
+then holds, per piece, ``timer_<piece>_ns``, ``timer_<piece>_cpu_ns`` and ``timer_<piece>_calls``: a wall time
+well above its CPU time is time the thread spent waiting — for the GIL, held by another thread, or for the OS —
+rather than working (a launch releases the GIL: another thread may take it meanwhile). The pieces nest (an inner
+piece's time is inside its caller's). ``moereplay info`` prints them; ``tools/bench/capture_bench.py --phases``
+uses the same timers in a benchmark.
 """
 
 from __future__ import annotations
@@ -16,11 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 Timers = dict[str, list[int]]
-"""``{piece: [wall nanoseconds, calls, thread CPU nanoseconds (outermost pieces only, else 0)]}``."""
-
-
-OUTERMOST = ("layer_before", "layer_after", "poll")
-"""The pieces whose thread CPU time is read too (two more clock reads a call each)."""
+"""``{piece: [wall nanoseconds, calls, thread CPU nanoseconds]}``."""
 
 
 def _spots() -> list[tuple[Any, str]]:
@@ -30,6 +26,11 @@ def _spots() -> list[tuple[Any, str]]:
         (recorder.Recorder, "_layer_before"),
         (recorder.Recorder, "_layer_after"),
         (flight_layer.LayerFlight, "poll"),
+        (flight_layer.LayerFlight, "_take_new"),
+        (flight_layer.LayerFlight, "_launch_reads"),
+        (flight_layer.LayerFlight, "_evict"),
+        (flight_layer.LayerFlight, "_check_inline"),
+        (flight_layer.LayerFlight, "_check_in_place"),
         (context.ContextTracker, "where"),
         (recorder, "_bind"),
         (flight_layer.LayerFlight, "collect"),
@@ -57,16 +58,6 @@ def install() -> tuple[Timers, Callable[[], None]]:
         def timed_piece(
             *args: Any, __original: Any = original, __cell: list[int] = cell, **kwargs: Any
         ) -> Any:
-            started = time.perf_counter_ns()
-            try:
-                return __original(*args, **kwargs)
-            finally:
-                __cell[0] += time.perf_counter_ns() - started
-                __cell[1] += 1
-
-        def cpu_timed_piece(
-            *args: Any, __original: Any = original, __cell: list[int] = cell, **kwargs: Any
-        ) -> Any:
             cpu = time.thread_time_ns()
             started = time.perf_counter_ns()
             try:
@@ -76,8 +67,7 @@ def install() -> tuple[Timers, Callable[[], None]]:
                 __cell[2] += time.thread_time_ns() - cpu
                 __cell[1] += 1
 
-        wrapper = cpu_timed_piece if piece in OUTERMOST else timed_piece
-        setattr(owner, name, staticmethod(wrapper) if isinstance(raw, staticmethod) else wrapper)
+        setattr(owner, name, staticmethod(timed_piece) if isinstance(raw, staticmethod) else timed_piece)
         saved.append((owner, name, raw))
 
     def undo() -> None:
@@ -88,13 +78,13 @@ def install() -> tuple[Timers, Callable[[], None]]:
 
 
 def as_counters(times: Timers) -> dict[str, int]:
-    """The footer's counters of ``times``: ``timer_<piece>_ns`` and ``timer_<piece>_calls``."""
+    """The footer's counters of ``times``: ``timer_<piece>_ns``, ``timer_<piece>_cpu_ns`` and
+    ``timer_<piece>_calls``."""
     counters: dict[str, int] = {}
     for piece, (ns, calls, cpu) in times.items():
         counters[f"timer_{piece}_ns"] = ns
+        counters[f"timer_{piece}_cpu_ns"] = cpu
         counters[f"timer_{piece}_calls"] = calls
-        if piece in OUTERMOST:
-            counters[f"timer_{piece}_cpu_ns"] = cpu
     return counters
 
 

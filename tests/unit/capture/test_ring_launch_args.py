@@ -244,6 +244,7 @@ def test_the_writer_checks_a_call_only_once_its_host_word_is_published(emulated,
     monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
     emulated.hold = True
     flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
+    flight.inline_window = 0.0  # the writer polls the ring however recently the serving thread checked it
     target = CaptureTarget(op="layer", role="parent", module="test", attribute="layer", inputs_intact=True)
     hidden = aligned(32, torch.float32).fill_(1.0)
     out = aligned(32, torch.float32).fill_(2.0)
@@ -343,3 +344,58 @@ def test_a_variants_first_launch_is_set_up_time_and_later_launches_are_not(emula
     for _ in range(3):
         ring.record([out], out, True)
     assert ring.setup_ns() == first and len(emulated.launches) == 4
+
+
+def test_the_serving_thread_checks_finished_words_itself_and_leaves_a_bad_one_to_the_writer(
+    emulated, monkeypatch
+) -> None:
+    """After each eager call the serving thread reads the host words that are finished (the calls before it),
+    counts the good ones and lets old calls go; while it does, the writer's poll leaves the ring alone. A bad
+    word is not handled there: the call stays unchecked (its history kept) until the writer's next poll — even
+    one inside the window — triggers on it."""
+    from moereplay.capture import flight_layer
+    from moereplay.capture.patch_points import CaptureTarget
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    emulated.hold = True
+    written: list[object] = []
+    flight = flight_layer.LayerFlight(
+        max_calls=2, max_bytes=1 << 16, absmax=None, emit=lambda *a: written.append(a) or True
+    )
+    flight.inline_window = 3600.0  # every writer poll below comes "right after" a serving-thread check
+    target = CaptureTarget(op="layer", role="parent", module="test", attribute="layer", inputs_intact=True)
+    hidden = aligned(32, torch.float32).fill_(1.0)
+    calls = []
+
+    def one_call(index: int, bad: bool) -> object:
+        out = aligned(32, torch.float32).fill_(2.0)
+        if bad:
+            out[5] = float("inf")
+        where = types.SimpleNamespace(call=index, as_dict=lambda ranks, index=index: {"call": index})
+        call = flight.before(target, {"hidden": hidden}, where, index)
+        flight.after(call, out, None)
+        calls.append(call)
+        return call
+
+    first = one_call(0, False)
+    assert flight.counters.inline_checks == 1 and not first.checked  # its own launch has not finished
+    emulated.held.pop()()
+    one_call(1, False)
+    assert first.checked and flight.counters.checked == 1  # checked by the serving thread, at the next call
+    for index in range(2, 5):
+        emulated.held.pop()()
+        one_call(index, False)
+    assert flight.counters.checked == 4 and flight.counters.polls == 0
+    assert len(flight._history) <= 3 and flight.counters.evicted >= 2  # old calls let go without the writer
+    flight.poll(launch=True)
+    assert flight.counters.polls == 0  # inside the window, nothing left: the writer did not touch the ring
+    emulated.held.pop()()
+    bad = one_call(5, True)
+    emulated.held.pop()()
+    one_call(6, False)  # the serving thread reads call 5's word: bad, left to the writer
+    assert not bad.checked and flight.counters.triggers == 0 and not written
+    flight.poll(launch=True)  # inside the window, but something was left: the writer triggers
+    assert bad.checked and flight.counters.triggers == 1 and flight.counters.polls == 1
+    assert math.isinf(bad.value)
+    flight.poll(launch=True)  # the copy-out (the CPU's, finished at once) is handed over
+    assert [begin.context["call"] for begin, _complete, _delivered in written] == [4, 5]
