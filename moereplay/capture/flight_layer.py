@@ -45,7 +45,6 @@ import types
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -146,6 +145,8 @@ class LayerCall:
     value: float | None = None
     emitted: bool = False
     graph: bool = False  # made while a CUDA graph was captured (:mod:`moereplay.capture.flight_graph`)
+    # its place in the history (numbered as calls join it: the history's orders are consecutive)
+    order: int = 0
 
     def __init__(
         self,
@@ -209,9 +210,8 @@ class LayerCounters(FlightCounters):
     too_large: int = 0
     polls: int = 0  # writer-thread polls that looked at the eager ring
     poll_ns: int = 0  # their time (GIL held for most of it: time the serving thread may wait)
-    inline_checks: int = (
-        0  # checks the serving thread made itself after an eager call (see LayerFlight.after)
-    )
+    # checks the serving thread made itself after an eager call (see LayerFlight._check_inline)
+    inline_checks: int = 0
 
 
 INLINE_WINDOW_S = 0.005
@@ -281,6 +281,7 @@ class LayerFlight(PollingRecorder):
         # the serving thread's own checks (see after): when it made the last one (perf_counter seconds), and
         # whether it left something only the writer thread handles (a bad word, a ring without host words)
         self._inline_at = -math.inf
+        self._joined = 0  # calls that joined the history (the next one's order)
         self._inline_defers = False
         self.inline_window = INLINE_WINDOW_S
         self.graph: GraphFlight | None = None  # graph-replayed calls (set by the recorder)
@@ -424,41 +425,42 @@ class LayerFlight(PollingRecorder):
             lock.release()
 
     def _check_in_place(self) -> bool:
-        """Decode the unchecked calls' host words; count the finished good ones (and the lost). Returns False
+        """Decode the unchecked calls' host words, oldest first, up to the first one whose launch has not
+        finished (the later ones are mostly unfinished too: one pending call bounds the work here, however far
+        the serving thread runs ahead of the device); count the finished good ones (and the lost). Returns False
         when some call is left for the writer thread: a bad magnitude (it stays unchecked, so its history stays
         too) or a ring without host words."""
         unchecked = self._unchecked
         absmax = self.absmax
         counters = self.counters
-        handled = True
-        waiting: list[LayerCall] = []
+        left: list[LayerCall] = []
         while unchecked:
-            call = unchecked.popleft()
+            call = unchecked[0]
             ring = call.ring
             words = ring.host_words if ring is not None else None
             tag = call.tag
             if words is None or tag is None:
-                waiting.append(call)
-                handled = False
+                left.append(unchecked.popleft())
                 continue
             state, value = decode_word(int(words[tag[0]]), tag[1])
             if state == "pending":
-                waiting.append(call)
-                continue
+                break
+            unchecked.popleft()
             if state == "lost":
                 call.checked = True
                 counters.unchecked += 1
                 continue
             bad = not math.isfinite(value) or (absmax is not None and value > absmax)
             if bad and not call.emitted:
-                waiting.append(call)
-                handled = False
+                left.append(call)
                 continue
             call.checked = True
             call.value = value
             counters.checked += 1
-        unchecked.extend(waiting)
-        return handled
+        if left:
+            unchecked.extendleft(reversed(left))
+            return False
+        return True
 
     def too_large(self, error: ValueError) -> None:
         self.counters.too_large += 1
@@ -513,13 +515,20 @@ class LayerFlight(PollingRecorder):
     def _take_new(self) -> None:
         """New calls join the history (described only if a trigger writes them: until then a call costs this
         thread nothing but the read of its tag word — Python time here is GIL time taken from serving)."""
-        while self._new:
-            call = self._new.popleft()
-            self._history.append(call)
+        new = self._new
+        history = self._history
+        unchecked = self._unchecked
+        joined = self._joined
+        while new:
+            call = new.popleft()
+            call.order = joined
+            joined += 1
+            history.append(call)
             if call.tag is None:  # failed calls: nothing to check
                 call.checked = True
             else:
-                self._unchecked.append(call)
+                unchecked.append(call)
+        self._joined = joined
 
     def _describe(self, call: LayerCall) -> None:
         """Tensor metadata and argument trees; the live dynamic tensors are let go."""
@@ -794,15 +803,31 @@ class LayerFlight(PollingRecorder):
 
     def _evict(self) -> None:
         """Keep the last ``max_calls`` calls for the next trigger, every unchecked call, and the ``max_calls - 1``
-        calls before each unchecked one (its history, should it be bad: the writer thread's checks lag behind
-        the serving thread's calls)."""
+        calls before each unchecked one (its history, should it be bad: the checks lag behind the serving
+        thread's calls). The open calls (unchecked, not yet written) are all in ``_unchecked`` or a pending word
+        read; the history's orders are consecutive, so the first open call's place is its order less the oldest
+        call's — no walk over the history (this runs after every eager call)."""
         history = self._history
-        while history and (history[0].emitted or history[0].checked) and len(history) > self.max_calls:
-            if any(not (call.checked or call.emitted) for call in islice(history, 1, self.max_calls)):
-                break  # the oldest call is part of an unchecked call's history
-            old = history.popleft()
-            if not old.emitted:
-                self.counters.evicted += 1
+        max_calls = self.max_calls
+        if len(history) > max_calls:
+            first_open = math.inf
+            for call in self._unchecked:
+                if not call.emitted and call.order < first_open:
+                    first_open = call.order
+            for read in self._reads:
+                for call in read.calls:
+                    if not (call.checked or call.emitted) and call.order < first_open:
+                        first_open = call.order
+            evicted = 0
+            while len(history) > max_calls:
+                old = history[0]
+                # the oldest leaves once checked (or written) and no open call has it among its history
+                if not (old.emitted or old.checked) or first_open - old.order < max_calls:
+                    break
+                history.popleft()
+                if not old.emitted:
+                    evicted += 1
+            self.counters.evicted += evicted
         while history and history[0].emitted and history[0].checked:
             history.popleft()
 

@@ -17,6 +17,7 @@ change to the recorder's serving path: the ratio between two runs on one machine
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import sys
 import time
@@ -75,10 +76,14 @@ def layer_call_arguments() -> dict[str, object]:
 
 
 class NoLaunch:
-    """Stands in for a compiled ring variant: takes the launch's arguments, launches nothing."""
+    """Stands in for a compiled ring variant: takes the launch's arguments, copies nothing, and publishes the tag
+    word as the kernel's last program does (generation, magnitude 0) — the serving thread's check after the call
+    then finds finished words, as it does on the GPU."""
 
     def __call__(self, programs: int, stream: int, args: list[int]) -> None:
-        pass
+        host, generation = args[-1], args[-3]
+        if host:
+            ctypes.c_int64.from_address(host).value = generation << 32
 
 
 def flight_with_a_no_op_launch() -> flight_layer.LayerFlight:
@@ -113,11 +118,12 @@ def main() -> int:
     output = bound["output_tensor"]
     flight = flight_with_a_no_op_launch()
     where = Where(0, 1, 0, "model.layers.0.mlp.experts", "run", "NONE")
+    inline_absent = not hasattr(flight, "_check_inline")  # before 2026-12-06 the writer thread read the words
 
     def one(sequence: int) -> None:
         call = flight.before(target, dict(bound), where, sequence)
         flight.after(call, output, None)
-        if sequence % 64 == 63:  # the writer thread's share, off the clock in serving: keep the history short
+        if inline_absent and sequence % 64 == 63:  # older trees: the writer thread's share, off the clock
             flight._new.clear()
 
     for i in range(200):
