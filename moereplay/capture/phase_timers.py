@@ -6,11 +6,14 @@ then holds, per piece, ``timer_<piece>_ns``, ``timer_<piece>_cpu_ns`` and ``time
 well above its CPU time is time the thread spent waiting — for the GIL, held by another thread, or for the OS —
 rather than working (a launch releases the GIL: another thread may take it meanwhile). The pieces nest (an inner
 piece's time is inside its caller's). ``moereplay info`` prints them; ``tools/bench/capture_bench.py --phases``
-uses the same timers in a benchmark.
+uses the same timers in a benchmark. The interpreter's garbage collections are timed too (pieces ``gc0``–``gc2``,
+by generation).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -70,11 +73,39 @@ def install() -> tuple[Timers, Callable[[], None]]:
         setattr(owner, name, staticmethod(timed_piece) if isinstance(raw, staticmethod) else timed_piece)
         saved.append((owner, name, raw))
 
+    collecting = _time_garbage_collections(times)
+    gc.callbacks.append(collecting)
+
     def undo() -> None:
         for owner, name, raw in reversed(saved):
             setattr(owner, name, raw)
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(collecting)
 
     return times, undo
+
+
+def _time_garbage_collections(times: Timers) -> Callable[[str, dict[str, Any]], None]:
+    """A ``gc.callbacks`` entry timing the interpreter's collections as pieces ``gc0``, ``gc1``, ``gc2`` (by
+    generation; on whichever thread ran them): the recorder's per-call objects may make them more frequent, and a
+    collection of an older generation walks a serving process's whole heap."""
+    cells = [times.setdefault(f"gc{generation}", [0, 0, 0]) for generation in range(3)]
+    started = [0, 0]
+
+    def collecting(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter_ns()
+            started[1] = time.thread_time_ns()
+            return
+        generation = info.get("generation")
+        if phase == "stop" and started[0] and type(generation) is int and 0 <= generation < 3:
+            cell = cells[generation]
+            cell[0] += time.perf_counter_ns() - started[0]
+            cell[2] += time.thread_time_ns() - started[1]
+            cell[1] += 1
+        started[0] = 0
+
+    return collecting
 
 
 def as_counters(times: Timers) -> dict[str, int]:
