@@ -347,7 +347,7 @@ class LayerFlight(PollingRecorder):
                 if codec is not None and codec.collect is not None:
                     # a codec object (triton_kernels' routing objects): only its tensors now, in the order its
                     # walk meets them; its tree is built from the same object if a trigger writes the call
-                    codec.collect(value, tensors.append)
+                    (codec.tensors or codec.collect)(value, tensors.append)
                     if len(tensors) != before:
                         trees[name] = _Deferred(before, len(tensors) - before)
                     continue

@@ -49,7 +49,10 @@ class Codec:
     one generator draw several recipes are cut from — so a reader counts each key once per call (its largest).
     ``collect`` (optional): ``collect(obj, leaf)`` is ``encode(obj)`` with every tensor in the tree replaced by
     ``leaf(tensor)``, tensors met in the order a walk of ``encode``'s tree meets them — one pass where a capture
-    would encode and then walk the tree (the layer-scope flight recorder does this on the serving thread).
+    would encode and then walk the tree. ``tensors`` (optional, with ``collect``): ``tensors(obj, append)`` calls
+    ``append`` on the tensors ``collect`` would pass to its leaf, in the same order, and builds nothing — what the
+    layer-scope flight recorder does per call on the serving thread (the tree is built at a trigger); it raises
+    where ``collect`` would on a tensor field, and may leave other fields unchecked.
     """
 
     type_name: str
@@ -58,6 +61,7 @@ class Codec:
     nbytes: Callable[[Any], int] | None = None
     scratch: Callable[[Any], tuple[str, int]] | None = None
     collect: Callable[[Any, Callable[[Any], Any]], Any] | None = None
+    tensors: Callable[[Any, Callable[[Any], Any]], None] | None = None
 
 
 _lock = threading.Lock()
@@ -88,9 +92,10 @@ def register_codec(
     nbytes: Callable[[Any], int] | None = None,
     scratch: Callable[[Any], tuple[str, int]] | None = None,
     collect: Callable[[Any, Callable[[Any], Any]], Any] | None = None,
+    tensors: Callable[[Any, Callable[[Any], Any]], None] | None = None,
 ) -> Codec:
     """Register (or replace) the codec for a type; returns it."""
-    codec = Codec(_key(type_or_qualname), encode, decode, nbytes, scratch, collect)
+    codec = Codec(_key(type_or_qualname), encode, decode, nbytes, scratch, collect, tensors)
     with _lock:
         _codecs[codec.type_name] = codec
         _generation[0] += 1

@@ -607,6 +607,34 @@ def collect_routing(value: RoutingSpec | Any, leaf: Callable[[Any], Any]) -> dic
     }
 
 
+def routing_tensors(value: RoutingSpec | Any, append: Callable[[Any], Any]) -> None:
+    """``append`` each tensor :func:`collect_routing` would pass to its leaf, in its order, building no tree (the
+    layer flight recorder's per-call walk; the tree is built from the object at a trigger)."""
+    if not isinstance(value, RoutingSpec) and not _is_type(value, "RoutingData"):
+        raise UnsupportedValueError(f"{_type_name(value)} is not a triton_kernels RoutingData")
+    _tensor_to(value.gate_scal, "routing gate_scal", append)
+    _tensor_to(value.expt_hist, "routing expt_hist", append)
+    expt_data = value.expt_data
+    if expt_data is not None:
+        _tensor_to(expt_data.hist, "expt_data.hist", append)
+        _tensor_to(expt_data.token_offs_raw, "expt_data.token_offs_raw", append)
+        for mapping, what in (
+            (expt_data.token_offs_pad, "expt_data.token_offs_pad"),
+            (expt_data.block_pid_map, "expt_data.block_pid_map"),
+        ):
+            if mapping is not None:
+                for _block, tensor in sorted(dict(mapping).items()):
+                    _tensor_to(tensor, what, append)
+
+
+def _tensor_to(value: Any, what: str, append: Callable[[Any], Any]) -> None:
+    if value is None:
+        return
+    if type(value) is not torch.Tensor and not isinstance(value, torch.Tensor):
+        raise UnsupportedValueError(f"recorded {what} is not a tensor")
+    append(value)
+
+
 def decode_routing_spec(data: Any) -> RoutingSpec:
     tree = _require_mapping(data, "routing data")
     expt = tree.get("expt_data")
@@ -662,6 +690,21 @@ def _collect_index(value: Any, plain: type, library_name: str, leaf: Callable[[A
         "src_indx": _leaf_or_none(value.src_indx, f"{library_name}.src_indx", leaf),
         "dst_indx": _leaf_or_none(value.dst_indx, f"{library_name}.dst_indx", leaf),
     }
+
+
+def _index_to(value: Any, plain: type, library_name: str, append: Callable[[Any], Any]) -> None:
+    if not isinstance(value, plain) and not _is_type(value, library_name):
+        raise UnsupportedValueError(f"{_type_name(value)} is not a triton_kernels {library_name}")
+    _tensor_to(value.src_indx, f"{library_name}.src_indx", append)
+    _tensor_to(value.dst_indx, f"{library_name}.dst_indx", append)
+
+
+def gather_tensors(value: GatherSpec | Any, append: Callable[[Any], Any]) -> None:
+    _index_to(value, GatherSpec, "GatherIndx", append)
+
+
+def scatter_tensors(value: ScatterSpec | Any, append: Callable[[Any], Any]) -> None:
+    _index_to(value, ScatterSpec, "ScatterIndx", append)
 
 
 def collect_gather(value: GatherSpec | Any, leaf: Callable[[Any], Any]) -> dict[str, Any]:
@@ -1063,6 +1106,7 @@ class TreeCodec:
     build: Callable[[Any, TritonKernels], Any]
     plain_types: tuple[type, ...]
     collect_tree: Callable[[Any, Callable[[Any], Any]], Any] | None = None  # encode + walk in one pass
+    collect_tensors: Callable[[Any, Callable[[Any], Any]], None] | None = None  # collect_tree's tensors only
 
     def encode(self, value: Any) -> Any:
         return self.encode_tree(value)
@@ -1153,6 +1197,7 @@ ROUTING = TreeCodec(
     build_routing,
     (RoutingSpec,),
     collect_routing,
+    routing_tensors,
 )
 GATHER = TreeCodec(
     "triton_kernels.GatherIndx",
@@ -1162,6 +1207,7 @@ GATHER = TreeCodec(
     build_gather,
     (GatherSpec,),
     collect_gather,
+    gather_tensors,
 )
 SCATTER = TreeCodec(
     "triton_kernels.ScatterIndx",
@@ -1171,6 +1217,7 @@ SCATTER = TreeCodec(
     build_scatter,
     (ScatterSpec,),
     collect_scatter,
+    scatter_tensors,
 )
 PRECISION = TreeCodec(
     "triton_kernels.PrecisionConfig",
@@ -1277,8 +1324,16 @@ def register_with_format(register: Callable[..., Any]) -> None:
         for qualname in codec.qualnames():
             if codec.collect_tree is None:
                 register(qualname, codec.encode, codec.decode_plain)
-            else:
+            elif codec.collect_tensors is None:
                 register(qualname, codec.encode, codec.decode_plain, collect=codec.collect_tree)
+            else:
+                register(
+                    qualname,
+                    codec.encode,
+                    codec.decode_plain,
+                    collect=codec.collect_tree,
+                    tensors=codec.collect_tensors,
+                )
 
 
 def to_library(value: Any, backend: Any, cache: dict[str, Any]) -> Any:

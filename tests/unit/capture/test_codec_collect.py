@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from moereplay.capture.snapshot import _Pending, _walk, format_codec
+from moereplay.capture.snapshot import _codec_of, _Pending, _walk, format_codec
 from moereplay.format.schema import CodecValue
 from moereplay.ops import (
     matmul_ogs,  # noqa: F401  (registers the triton_kernels codecs)
@@ -79,6 +79,39 @@ def test_collect_equals_encode_then_walk(name: str) -> None:
     expected = _walk(value, slow, no_collect, 0)
     assert [id(t) for t in fast] == [id(t) for t in slow]
     assert _normal(tree, fast) == _normal(expected, slow)
+
+
+@pytest.mark.parametrize("name", [name for name, value in CASES.items() if not isinstance(value, list)])
+def test_tensors_only_gives_collects_tensors_in_its_order(name: str) -> None:
+    """The serving thread's tensors-only walk (``Codec.tensors``) meets exactly the tensors ``collect`` passes to
+    its leaf, in the same order (the tree built at a trigger numbers them by it)."""
+    value = CASES[name]
+    codec = _codec_of(type(value))
+    assert codec is not None and codec.tensors is not None and codec.collect is not None
+    met: list[torch.Tensor] = []
+    codec.collect(value, met.append)
+    appended: list[torch.Tensor] = []
+    assert codec.tensors(value, appended.append) is None  # builds nothing
+    assert [id(t) for t in appended] == [id(t) for t in met] and met
+
+
+def test_tensors_only_refuses_a_tensor_field_that_is_not_one() -> None:
+    routing = _routing()
+    routing.expt_data.block_pid_map[16] = [1, 2]  # type: ignore[index]
+    for bad, match in (
+        (ogs_codecs.GatherSpec(_ints(8), "not a tensor"), r"GatherIndx\.dst_indx is not a tensor"),  # type: ignore[arg-type]
+        (routing, r"expt_data\.block_pid_map is not a tensor"),
+        (ogs_codecs.ScatterSpec(_ints(8), _ints(8)), None),
+    ):
+        codec = _codec_of(type(bad))
+        assert codec is not None and codec.tensors is not None
+        if match is None:
+            codec.tensors(bad, [].append)
+            continue
+        with pytest.raises(Exception, match=match):
+            codec.tensors(bad, [].append)
+        with pytest.raises(Exception, match=match):
+            codec.collect(bad, lambda tensor: tensor)  # type: ignore[misc]
 
 
 def test_collect_refuses_what_encode_refuses() -> None:
