@@ -278,7 +278,9 @@ class PollingRecorder:
     ``settled`` and ``counters``.
 
     Who polls: the writer thread, every ``poll_interval`` (``WriterThread.set_poll``), whether the serving thread
-    is busy or idle; at close (or on SIGTERM, through ``WriterThread.drain``) :meth:`settle` polls to the end."""
+    is busy or idle (the layer-scope recorder's serving thread checks its eager calls' finished words too, see
+    ``LayerFlight._check_inline``); at close (or on SIGTERM, through ``WriterThread.drain``) :meth:`settle` polls to
+    the end."""
 
     counters: Any
 

@@ -14,7 +14,9 @@ idle ``poll_interval`` seconds (5 ms) and, while it is busy writing, between two
 has passed since the last poll — so a check never waits on the serving thread, which may be idle: the delay from
 a call's completion on the device to its check is about ``poll_interval`` (the ring kernels store finished checks
 in host-mapped memory; on CUDA without them, two polls: one launches the read, the next reads it), plus at most
-one message's write.
+one message's write. The layer-scope recorder's eager calls are checked sooner, by the serving thread itself at the
+end of the next call; while it does, the poll leaves them alone (``flight_layer.INLINE_WINDOW_S``), so a trigger
+among them waits at most that window and one poll after the serving thread stops making calls.
 
 Delivery: a :class:`Begin` or :class:`Complete` may carry ``delivered``, told exactly once whether the message
 reached the file — ``(True, None)`` after the sink's write returned, ``(False, why)`` when it never will (refused
