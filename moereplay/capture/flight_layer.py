@@ -208,11 +208,17 @@ def _deferred_tree(value: Any, deferred: _Deferred, tensors: list[torch.Tensor])
 @dataclass
 class LayerCounters(FlightCounters):
     too_large: int = 0
-    polls: int = 0  # writer-thread polls that looked at the eager ring
+    polls: int = 0  # writer-thread polls
     poll_ns: int = 0  # their time (GIL held for most of it: time the serving thread may wait)
+    eager_polls: int = (
+        0  # of them, those that worked on the eager ring (the serving thread had left it to them)
+    )
     # checks the serving thread made itself after an eager call (see LayerFlight._check_inline)
     inline_checks: int = 0
 
+
+SETTLE_LOCK_WAIT_S = 0.2
+"""How long a settling poll waits for the lock the serving thread holds (see LayerFlight._acquire_for_poll)."""
 
 INLINE_WINDOW_S = 0.005
 """While the serving thread has checked the eager ring itself within this many seconds, the writer thread's poll
@@ -282,6 +288,12 @@ class LayerFlight(PollingRecorder):
         # whether it left something only the writer thread handles (a bad word, a ring without host words)
         self._inline_at = -math.inf
         self._joined = 0  # calls that joined the history (the next one's order)
+        self._settling = False  # settle() runs (the writer thread at close; see _acquire_for_poll)
+        self._lock_abandoned = False
+        # the (device, stream) pairs eager calls ran on: with more than one, a pending word does not say that the
+        # calls after it are pending too (see _check_in_place)
+        self._streams_seen: set[tuple[int, int]] = set()
+        self._last_stream: tuple[int, int] | None = None
         self._inline_defers = False
         self.inline_window = INLINE_WINDOW_S
         self.graph: GraphFlight | None = None  # graph-replayed calls (set by the recorder)
@@ -395,6 +407,10 @@ class LayerFlight(PollingRecorder):
             if index >= 0:
                 call.device_index = index
                 call.stream = _get_stream(index) if _get_stream is not None else 0
+            stream = (index, call.stream)
+            if stream != self._last_stream:
+                self._last_stream = stream
+                self._streams_seen.add(stream)
             starts, leads, sizes, tag = ring.record(
                 copied, check, error is None, call.measured if copied is tensors else None
             )
@@ -426,41 +442,47 @@ class LayerFlight(PollingRecorder):
 
     def _check_in_place(self) -> bool:
         """Decode the unchecked calls' host words, oldest first, up to the first one whose launch has not
-        finished (the later ones are mostly unfinished too: one pending call bounds the work here, however far
-        the serving thread runs ahead of the device); count the finished good ones (and the lost). Returns False
-        when some call is left for the writer thread: a bad magnitude (it stays unchecked, so its history stays
-        too) or a ring without host words."""
+        finished (on one stream the later ones have not finished either: one pending call bounds the work here,
+        however far the serving thread runs ahead of the device); count the finished good ones (and the lost).
+        Returns False when some call is left for the writer thread: a bad magnitude (it stays unchecked, so its
+        history stays too), a ring without host words, or — once eager calls have run on more than one stream or
+        device — calls behind a pending one, which may have finished on another stream (the writer's poll reads
+        every word)."""
         unchecked = self._unchecked
         absmax = self.absmax
         counters = self.counters
         left: list[LayerCall] = []
-        while unchecked:
-            call = unchecked[0]
-            ring = call.ring
-            words = ring.host_words if ring is not None else None
-            tag = call.tag
-            if words is None or tag is None:
-                left.append(unchecked.popleft())
-                continue
-            state, value = decode_word(int(words[tag[0]]), tag[1])
-            if state == "pending":
-                break
-            unchecked.popleft()
-            if state == "lost":
+        behind = False
+        try:  # a signal handler may raise on this (the main) thread: the calls set aside go back regardless
+            while unchecked:
+                call = unchecked[0]
+                ring = call.ring
+                words = ring.host_words if ring is not None else None
+                tag = call.tag
+                if words is None or tag is None:
+                    left.append(unchecked.popleft())
+                    continue
+                state, value = decode_word(int(words[tag[0]]), tag[1])
+                if state == "pending":
+                    # calls on another stream or device may have finished behind it: the writer reads them all
+                    behind = len(self._streams_seen) > 1 and len(unchecked) > 1
+                    break
+                unchecked.popleft()
+                if state == "lost":
+                    call.checked = True
+                    counters.unchecked += 1
+                    continue
+                bad = not math.isfinite(value) or (absmax is not None and value > absmax)
+                if bad and not call.emitted:
+                    left.append(call)
+                    continue
                 call.checked = True
-                counters.unchecked += 1
-                continue
-            bad = not math.isfinite(value) or (absmax is not None and value > absmax)
-            if bad and not call.emitted:
-                left.append(call)
-                continue
-            call.checked = True
-            call.value = value
-            counters.checked += 1
-        if left:
-            unchecked.extendleft(reversed(left))
-            return False
-        return True
+                call.value = value
+                counters.checked += 1
+        finally:
+            if left:
+                unchecked.extendleft(reversed(left))
+        return not (left or behind)
 
     def too_large(self, error: ValueError) -> None:
         self.counters.too_large += 1
@@ -480,7 +502,8 @@ class LayerFlight(PollingRecorder):
         if not launch:
             return
         started = time.perf_counter_ns()
-        with self._lock:
+        locked = self._acquire_for_poll()
+        try:
             if (
                 self._inline_defers
                 or self._copy_outs
@@ -493,10 +516,43 @@ class LayerFlight(PollingRecorder):
                 self._launch_reads()
                 self._evict()
                 self._inline_defers = False
-                self.counters.polls += 1
-                self.counters.poll_ns += time.perf_counter_ns() - started
+                self.counters.eager_polls += 1
+            self.counters.polls += 1
+            self.counters.poll_ns += time.perf_counter_ns() - started
+        finally:
+            if locked:
+                self._lock.release()
         if self.graph is not None:
             self.graph.poll(launch=True)
+
+    def _acquire_for_poll(self) -> bool:
+        """The writer-side lock, or — while settling, when the serving thread has held it for
+        :data:`SETTLE_LOCK_WAIT_S` — none (returns whether it was taken). The serving thread takes the lock for
+        its own check after each call; a signal handler that runs on it inside that check (vLLM's SIGTERM: the
+        session's flush waits for this thread's settle) would otherwise keep it held until the flush gives up.
+        That thread is then stopped in the handler, so the state is not changed under this poll."""
+        if not self._settling:
+            self._lock.acquire()
+            return True
+        if self._lock_abandoned:
+            return False
+        if self._lock.acquire(timeout=SETTLE_LOCK_WAIT_S):
+            return True
+        self._lock_abandoned = True
+        logger.warning(
+            "moereplay: flight recorder: the serving thread has held its check's lock for %.1f s while the "
+            "capture closes (a signal handler inside its check); settling without it",
+            SETTLE_LOCK_WAIT_S,
+        )
+        return False
+
+    def settle(self, timeout: float, device_work: Callable[[], Any] | None = None) -> bool:
+        self._settling = True
+        try:
+            return super().settle(timeout, device_work)
+        finally:
+            self._settling = False
+            self._lock_abandoned = False
 
     @property
     def settled(self) -> bool:
@@ -519,16 +575,19 @@ class LayerFlight(PollingRecorder):
         history = self._history
         unchecked = self._unchecked
         joined = self._joined
-        while new:
-            call = new.popleft()
-            call.order = joined
-            joined += 1
-            history.append(call)
-            if call.tag is None:  # failed calls: nothing to check
-                call.checked = True
-            else:
-                unchecked.append(call)
-        self._joined = joined
+        try:
+            while new:
+                call = new[0]
+                call.order = joined
+                history.append(call)
+                if call.tag is None:  # failed calls: nothing to check
+                    call.checked = True
+                else:
+                    unchecked.append(call)
+                new.popleft()
+                joined += 1
+        finally:  # (see _check_in_place)
+            self._joined = joined
 
     def _describe(self, call: LayerCall) -> None:
         """Tensor metadata and argument trees; the live dynamic tensors are let go."""

@@ -96,3 +96,23 @@ def test_the_serving_threads_check_stops_at_the_first_unfinished_word() -> None:
     assert not flight._check_in_place()
     assert [call.checked for call in calls] == [True, True, True, True, False]
     assert list(flight._unchecked) == [calls[4]] and flight.counters.triggers == 0
+
+
+def test_with_calls_on_several_streams_a_pending_word_leaves_the_rest_to_the_writer() -> None:
+    """On one stream a pending word means the later calls are pending too; once calls ran on two streams, one
+    behind it may have finished (bad, even): the serving thread leaves them all to the writer's full read."""
+    import numpy as np
+
+    words = np.zeros(4, dtype=np.int64)
+    ring = types.SimpleNamespace(host_words=words)
+    calls = [
+        types.SimpleNamespace(ring=ring, tag=(slot, 1), checked=False, emitted=False, value=None, order=slot)
+        for slot in range(2)
+    ]
+    words[1] = 1 << 32 | 0x7F800000  # call 1 (another stream) finished with +Inf; call 0 still pending
+    for streams, left_to_writer in (({(0, 7)}, False), ({(0, 7), (0, 9)}, True)):
+        flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 12, absmax=None, emit=lambda *a: True)
+        flight._streams_seen = set(streams)
+        flight._unchecked = deque(calls)
+        assert flight._check_in_place() is not left_to_writer
+        assert list(flight._unchecked) == calls and not any(call.checked for call in calls)

@@ -385,17 +385,61 @@ def test_the_serving_thread_checks_finished_words_itself_and_leaves_a_bad_one_to
     for index in range(2, 5):
         emulated.held.pop()()
         one_call(index, False)
-    assert flight.counters.checked == 4 and flight.counters.polls == 0
+    assert flight.counters.checked == 4 and flight.counters.eager_polls == 0
     assert len(flight._history) <= 3 and flight.counters.evicted >= 2  # old calls let go without the writer
     flight.poll(launch=True)
-    assert flight.counters.polls == 0  # inside the window, nothing left: the writer did not touch the ring
+    assert flight.counters.polls == 1  # counted, but inside the window, nothing left: the ring left alone
+    assert flight.counters.eager_polls == 0
     emulated.held.pop()()
     bad = one_call(5, True)
     emulated.held.pop()()
     one_call(6, False)  # the serving thread reads call 5's word: bad, left to the writer
     assert not bad.checked and flight.counters.triggers == 0 and not written
     flight.poll(launch=True)  # inside the window, but something was left: the writer triggers
-    assert bad.checked and flight.counters.triggers == 1 and flight.counters.polls == 1
+    assert bad.checked and flight.counters.triggers == 1 and flight.counters.eager_polls == 1
     assert math.isinf(bad.value)
     flight.poll(launch=True)  # the copy-out (the CPU's, finished at once) is handed over
     assert [begin.context["call"] for begin, _complete, _delivered in written] == [4, 5]
+
+
+def test_a_settle_does_not_wait_forever_for_a_check_interrupted_on_the_serving_thread(
+    emulated, monkeypatch
+) -> None:
+    """The serving thread holds the recorder's lock during its own check; a signal handler running inside it
+    (vLLM's SIGTERM: the session's flush waits for the writer's settle) keeps it held. The settle stops waiting
+    after SETTLE_LOCK_WAIT_S, settles without it — the bad call still triggers and is handed over — and takes the
+    lock again at the next settle."""
+    import threading
+    import time
+
+    from moereplay.capture import flight_layer
+    from moereplay.capture.patch_points import CaptureTarget
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    written: list[object] = []
+    flight = flight_layer.LayerFlight(
+        max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: written.append(a) or True
+    )
+    target = CaptureTarget(op="layer", role="parent", module="test", attribute="layer", inputs_intact=True)
+    hidden = aligned(32, torch.float32).fill_(1.0)
+    out = aligned(32, torch.float32).fill_(2.0)
+    out[7] = float("nan")
+    where = types.SimpleNamespace(call=0, as_dict=lambda ranks: {"call": 0})
+    call = flight.before(target, {"hidden": hidden}, where, 0)
+    flight.after(call, out, None)  # its word is published at once: the serving thread leaves it to the writer
+    assert not call.checked and flight.counters.triggers == 0
+    results: list[bool] = []
+    assert flight._lock.acquire(blocking=False)  # "inside the serving thread's check"
+    try:
+        started = time.monotonic()
+        settling = threading.Thread(target=lambda: results.append(flight.settle(5.0)))
+        settling.start()
+        settling.join(3.0)
+        assert not settling.is_alive() and results == [True]
+        assert time.monotonic() - started < 2.0
+    finally:
+        flight._lock.release()
+    assert flight.counters.triggers == 1 and [begin.context["call"] for begin, *_ in written] == [0]
+    assert not flight._lock_abandoned and not flight._settling
+    assert flight._lock.acquire(blocking=False)  # the writer released nothing it did not take
+    flight._lock.release()
