@@ -1,0 +1,155 @@
+"""Device time of the layer flight recorder's ring launch at prefill sizes, against torch doing the same work.
+
+At prefill a gpt-oss layer call's hidden states and output are ``tokens × 2880`` bf16 each (47 MB at vLLM's 8,192
+batched tokens). The ring launch copies both into the ring and reduces the output to its largest magnitude:
+≈ 5 × 47 MB of memory traffic per layer call, 24 times a step. Whether that explains the armed recorder's
+prefill cost (1.04–1.06× in serve_bench) depends on how close the ring kernel comes to the copy bandwidth torch
+gets. This measures, per token count, with CUDA events (median of ``--repeats``):
+
+- ``ring``: :meth:`DeviceRing.record` of a layer call shaped as vLLM's ``triton_kernel_fused_experts`` (hidden
+  states, the routing's small tensors, the output; the output checked) — one launch;
+- ``torch``: the same bytes copied by ``Tensor.copy_`` into a preallocated buffer, plus ``output.abs().amax()``;
+- with ``--warps`` / ``--programs``, the ring kernel compiled with other ``num_warps`` and launched over another
+  number of programs per SM (the recorder's are 4 warps — Triton's default — and 2 programs per SM).
+
+Prints GB/s of each (bytes moved: copies read and written, the check read) and the ring/torch time ratio, all from
+one run. GPU only (Triton and CUDA):
+
+    python tools/bench/ring_bandwidth.py [--tokens 8192,2048,256] [--warps 4,8] [--programs 2,4] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+HIDDEN, TOP_K, EXPERTS = 2880, 4, 32
+
+
+def layer_tensors(tokens: int, device: str) -> tuple[list, object]:
+    """The dynamic tensors of one layer call (routing's small ones included) and its output."""
+    import torch
+
+    rows = tokens * TOP_K
+    small = [
+        torch.zeros(n, dtype=torch.int32, device=device)
+        for n in (
+            EXPERTS,
+            EXPERTS + 1,
+            rows,
+            rows,
+            rows,
+            rows,
+            *(rows // b + EXPERTS for b in (16, 32, 64, 128)),
+        )
+    ]
+    hidden = torch.randn(tokens, HIDDEN, device=device).to(torch.bfloat16)
+    output = torch.randn(tokens, HIDDEN, device=device).to(torch.bfloat16)
+    return [hidden, *small, torch.rand(rows, device=device), output], output
+
+
+BATCH = 5
+"""Runs of the work between two events: the host's launch time overlaps the device's previous run (at small token
+counts the host still dominates — the figure is then a launch rate, not a bandwidth)."""
+
+
+def timed(work, repeats: int) -> float:
+    """Median milliseconds of one ``work()`` on the current stream (CUDA events around :data:`BATCH` runs, after
+    two warm-up runs)."""
+    import torch
+
+    for _ in range(2):
+        work()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(BATCH):
+            work()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / BATCH)
+    return statistics.median(samples)
+
+
+def recompile(ring, warps: int) -> None:
+    """The ring's kernel variants compiled again with ``warps`` warps per program."""
+    from moereplay.capture import ring_kernel
+
+    launcher = ring.launcher
+    for key in list(launcher._variants):
+        aligned, code, mode = key
+        constants = {"ALIGNED": aligned, "CODE": code or 3, "MODE": mode, "BLOCK": ring_kernel.BLOCK}
+        launcher._variants[key] = ring_kernel.compile_launcher(
+            ring_kernel.ring_copy,
+            len(ring_kernel._INTS),
+            constants,
+            launcher.index,
+            name="ring copy",
+            num_warps=warps,
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="8192,2048,256", help="token counts (comma-separated)")
+    parser.add_argument(
+        "--warps", default="4", help="num_warps of the ring kernel to try (4: the recorder's)"
+    )
+    parser.add_argument("--programs", default="2", help="programs per SM to try (2: the recorder's)")
+    parser.add_argument("--repeats", type=int, default=20)
+    options = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("ring_bandwidth: needs a CUDA device", file=sys.stderr)
+        return 2
+    from moereplay.capture.device_ring import DeviceRing
+
+    device = "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"ring_bandwidth: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {sms} SMs")
+    print(
+        f"{'tokens':>7} {'warps':>5} {'prog/SM':>7} {'ring ms':>8} {'ring GB/s':>9} {'torch ms':>8} "
+        f"{'torch GB/s':>10} {'ring/torch':>10}"
+    )
+    for tokens in (int(text) for text in options.tokens.split(",")):
+        tensors, output = layer_tensors(tokens, device)
+        copied = sum(t.numel() * t.element_size() for t in tensors)
+        moved = 2 * copied + output.numel() * output.element_size()  # copies read + write, the check's read
+        ring = DeviceRing(4 * copied + (1 << 20), torch.device(device))
+        target = torch.empty(copied, dtype=torch.uint8, device=device)
+
+        def torch_work(tensors=tensors, output=output, target=target) -> None:
+            at = 0
+            for tensor in tensors:
+                size = tensor.numel() * tensor.element_size()
+                target.narrow(0, at, size).copy_(tensor.reshape(-1).view(torch.uint8))
+                at += size
+            output.abs().amax()
+
+        torch_ms = timed(torch_work, options.repeats)
+        for warps in (int(text) for text in options.warps.split(",")):
+            ring.record(tensors, output, True)  # compiles the variant this call uses
+            if warps != 4:
+                recompile(ring, warps)
+            for per_sm in (int(text) for text in options.programs.split(",")):
+                ring.launcher.programs = sms * per_sm
+                ring_ms = timed(
+                    lambda ring=ring, tensors=tensors, output=output: ring.record(tensors, output, True),
+                    options.repeats,
+                )
+                print(
+                    f"{tokens:>7} {warps:>5} {per_sm:>7} {ring_ms:>8.3f} {moved / ring_ms / 1e6:>9.0f} "
+                    f"{torch_ms:>8.3f} {moved / torch_ms / 1e6:>10.0f} {ring_ms / torch_ms:>10.2f}"
+                )
+            ring.launcher._variants.clear()  # the next warps' variants compile afresh
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
