@@ -39,9 +39,9 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            -1: one per CPU)
 ``MOEREPLAY_WRITER_THREADS``  threads that hash and compress tensor blobs (default -1: a quarter of the CPUs,
                            1 to 4; 0: the writer thread alone, one blob after the other)
-``MOEREPLAY_TIMERS``        ``1``: time the layer-scope flight recorder's pieces (and its threads' CPU time)
-                           into the file's counters, for ``moereplay info`` — a diagnostic that costs a few µs
-                           a call (:mod:`moereplay.capture.phase_timers`)
+``MOEREPLAY_TIMERS``        ``1``: time the layer-scope flight recorder's pieces (and their CPU time) and the
+                           interpreter's garbage collections into the file's counters, for ``moereplay info`` —
+                           a diagnostic that costs a few µs a call (:mod:`moereplay.capture.phase_timers`)
 =========================  =================================================================================
 
 Compression: every tensor span stored is hashed (sha256, for deduplication) and compressed into one zstd frame.
