@@ -239,19 +239,12 @@ def test_the_writer_checks_a_call_only_once_its_host_word_is_published(emulated,
     """Host words are read in place, with no event: a launch that has not finished leaves its call unchecked
     (nothing triggers, nothing is lost) until its last program publishes the word."""
     from moereplay.capture import flight_layer
-    from moereplay.capture.patch_points import CaptureTarget
 
     monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
     emulated.hold = True
     flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
     flight.inline_window = 0.0  # the writer polls the ring however recently the serving thread checked it
-    target = CaptureTarget(op="layer", role="parent", module="test", attribute="layer", inputs_intact=True)
-    hidden = aligned(32, torch.float32).fill_(1.0)
-    out = aligned(32, torch.float32).fill_(2.0)
-    out[3] = float("nan")
-    where = types.SimpleNamespace(call=0, as_dict=lambda ranks: {"call": 0})
-    call = flight.before(target, {"hidden": hidden}, where, 0)
-    flight.after(call, out, None)
+    call = one_layer_call(flight, bad=float("nan"))
     assert len(emulated.held) == 1
     flight.poll(launch=True)
     assert flight.counters.checked == 0 and flight.counters.triggers == 0 and not call.checked
@@ -354,7 +347,6 @@ def test_the_serving_thread_checks_finished_words_itself_and_leaves_a_bad_one_to
     word is not handled there: the call stays unchecked (its history kept) until the writer's next poll — even
     one inside the window — triggers on it."""
     from moereplay.capture import flight_layer
-    from moereplay.capture.patch_points import CaptureTarget
 
     monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
     emulated.hold = True
@@ -363,19 +355,9 @@ def test_the_serving_thread_checks_finished_words_itself_and_leaves_a_bad_one_to
         max_calls=2, max_bytes=1 << 16, absmax=None, emit=lambda *a: written.append(a) or True
     )
     flight.inline_window = 3600.0  # every writer poll below comes "right after" a serving-thread check
-    target = CaptureTarget(op="layer", role="parent", module="test", attribute="layer", inputs_intact=True)
-    hidden = aligned(32, torch.float32).fill_(1.0)
-    calls = []
 
     def one_call(index: int, bad: bool) -> object:
-        out = aligned(32, torch.float32).fill_(2.0)
-        if bad:
-            out[5] = float("inf")
-        where = types.SimpleNamespace(call=index, as_dict=lambda ranks, index=index: {"call": index})
-        call = flight.before(target, {"hidden": hidden}, where, index)
-        flight.after(call, out, None)
-        calls.append(call)
-        return call
+        return one_layer_call(flight, index, float("inf") if bad else None)
 
     first = one_call(0, False)
     assert flight.counters.inline_checks == 1 and not first.checked  # its own launch has not finished
@@ -413,20 +395,15 @@ def test_a_settle_does_not_wait_forever_for_a_check_interrupted_on_the_serving_t
     import time
 
     from moereplay.capture import flight_layer
-    from moereplay.capture.patch_points import CaptureTarget
 
     monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
     written: list[object] = []
     flight = flight_layer.LayerFlight(
         max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: written.append(a) or True
     )
-    target = CaptureTarget(op="layer", role="parent", module="test", attribute="layer", inputs_intact=True)
-    hidden = aligned(32, torch.float32).fill_(1.0)
-    out = aligned(32, torch.float32).fill_(2.0)
-    out[7] = float("nan")
-    where = types.SimpleNamespace(call=0, as_dict=lambda ranks: {"call": 0})
-    call = flight.before(target, {"hidden": hidden}, where, 0)
-    flight.after(call, out, None)  # its word is published at once: the serving thread leaves it to the writer
+    call = one_layer_call(
+        flight, bad=float("nan")
+    )  # published at once: the serving thread leaves it to the writer
     assert not call.checked and flight.counters.triggers == 0
     results: list[bool] = []
     assert flight._lock.acquire(blocking=False)  # "inside the serving thread's check"
@@ -443,3 +420,19 @@ def test_a_settle_does_not_wait_forever_for_a_check_interrupted_on_the_serving_t
     assert not flight._lock_abandoned and not flight._settling
     assert flight._lock.acquire(blocking=False)  # the writer released nothing it did not take
     flight._lock.release()
+
+
+def one_layer_call(flight: object, index: int = 0, bad: float | None = None) -> object:
+    """One eager call of a stand-in layer through ``flight`` (an intact-inputs target: one launch after it),
+    its output holding ``bad`` at element 5 when given."""
+    from moereplay.capture.patch_points import CaptureTarget
+
+    target = CaptureTarget(op="layer", role="parent", module="test", attribute="layer", inputs_intact=True)
+    hidden = aligned(32, torch.float32).fill_(1.0)
+    out = aligned(32, torch.float32).fill_(2.0)
+    if bad is not None:
+        out[5] = bad
+    where = types.SimpleNamespace(call=index, as_dict=lambda ranks, index=index: {"call": index})
+    call = flight.before(target, {"hidden": hidden}, where, index)  # type: ignore[attr-defined]
+    flight.after(call, out, None)  # type: ignore[attr-defined]
+    return call
