@@ -284,7 +284,7 @@ class LayerFlight(PollingRecorder):
         self._streams: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()  # the writer-side state (poll may run from settle on another thread)
         self._warned_large = False
-        # the serving thread's own checks (see after): when it made the last one (perf_counter seconds), and
+        # the serving thread's own checks (see _check_inline): when it made the last one (perf_counter seconds), and
         # whether it left something only the writer thread handles (a bad word, a ring without host words)
         self._inline_at = -math.inf
         self._joined = 0  # calls that joined the history (the next one's order)
