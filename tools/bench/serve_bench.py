@@ -60,6 +60,10 @@ SETTINGS: dict[str, dict[str, str]] = {
     # diagnostic: the flight recorder with MOEREPLAY_TIMERS (its pieces timed, its threads' CPU time beside the
     # wall time; a few µs a call more than "flight"): where the serving thread's time per layer call goes
     "flight-timers": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_TIMERS": "1"},
+    # diagnostic: armed, but no MoE layer selected (no model has a layer 100000): every layer call still goes
+    # through the wrapper and the context tracking, none is recorded — the cost of being armed, apart from the
+    # cost of recording ("flight" less this)
+    "flight-idle": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_LAYERS": "100000"},
 }
 """Full capture is bounded so the GPU machine's disk (64 GiB, the model on it too) cannot fill: past the bound the
 file is closed and the rest is counted, not written — the table's last lines say how much each setting wrote."""

@@ -93,3 +93,15 @@ def test_recorder_cost_sets_the_rings_one_time_set_up_apart(bench: types.ModuleT
         "recorder 20.0 µs of serving-thread time per layer call (100 calls) plus 1000.0 ms once "
         "(eager ring buffers, ring-kernel compiles)"
     )
+
+
+def test_the_idle_setting_arms_the_recorder_with_no_layer_selected(bench: types.ModuleType) -> None:
+    """``flight-idle`` must parse as a flight recorder whose layer filter matches no layer of any model."""
+    from moereplay.capture.settings import Trigger, settings_from_environ
+
+    settings = settings_from_environ(bench.SETTINGS["flight-idle"])
+    assert settings.trigger is Trigger.FLIGHT and not settings.layers.everything
+    assert not any(
+        settings.layers.contains(layer, f"model.layers.{layer}.mlp.experts") for layer in range(4096)
+    )
+    assert settings_from_environ(bench.SETTINGS["flight"]).layers.everything
