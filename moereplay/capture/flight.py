@@ -284,7 +284,8 @@ class PollingRecorder:
 
     counters: Any
 
-    def poll(self, *, launch: bool = False) -> None:
+    def poll(self, *, launch: bool = False) -> float | None:
+        """Returns the seconds the writer may wait for the next poll (None: its ``poll_interval``)."""
         raise NotImplementedError
 
     @property

@@ -217,13 +217,19 @@ class LayerCounters(FlightCounters):
     inline_checks: int = 0
 
 
+QUIET_POLL_S = 0.02
+"""How long the writer may wait for its next poll while the serving thread checks the eager ring itself (and no
+CUDA graph holds ring launches): each poll takes the GIL from the serving thread, and every 5 ms that is ~9 hand-
+offs per eager decode step. A call the serving thread leaves to the writer wakes it at once; once calls stop,
+the last ones are checked within this plus ``inline_window``."""
+
 SETTLE_LOCK_WAIT_S = 0.2
 """How long a settling poll waits for the lock the serving thread holds (see LayerFlight._acquire_for_poll)."""
 
 INLINE_WINDOW_S = 0.005
 """While the serving thread has checked the eager ring itself within this many seconds, the writer thread's poll
 leaves the ring alone (unless the serving thread left it something): a finished call is checked at the next
-eager call's end, or by the writer within about ``inline_window`` + ``poll_interval`` once calls stop."""
+eager call's end, or by the writer within about ``inline_window`` + :data:`QUIET_POLL_S` once calls stop."""
 
 
 @dataclass(eq=False)
@@ -294,6 +300,9 @@ class LayerFlight(PollingRecorder):
         # calls after it are pending too (see _check_in_place)
         self._streams_seen: set[tuple[int, int]] = set()
         self._last_stream: tuple[int, int] | None = None
+        # brings the writer's next poll forward (the session sets WriterThread.wake_poll): called by the serving
+        # thread when its check leaves the writer something while the writer may be waiting QUIET_POLL_S
+        self.wake: Callable[[], None] | None = None
         self._inline_defers = False
         self.inline_window = INLINE_WINDOW_S
         self.graph: GraphFlight | None = None  # graph-replayed calls (set by the recorder)
@@ -434,11 +443,15 @@ class LayerFlight(PollingRecorder):
         try:
             self.counters.inline_checks += 1
             self._take_new()
+            deferred = self._inline_defers
             self._inline_defers = not self._check_in_place()
             self._evict()
             self._inline_at = now
+            woken = self._inline_defers and not deferred
         finally:
             lock.release()
+        if woken and self.wake is not None:
+            self.wake()
 
     def _check_in_place(self) -> bool:
         """Decode the unchecked calls' host words, oldest first, up to the first one whose launch has not
@@ -496,20 +509,25 @@ class LayerFlight(PollingRecorder):
 
     # --- writer thread ----------------------------------------------------------------------------------------
 
-    def poll(self, *, launch: bool = False) -> None:
+    def poll(self, *, launch: bool = False) -> float | None:
         """Describe new calls, read tag words, handle triggers and finished copy-outs. Launches (word reads,
-        copy-outs) only with ``launch`` (the writer thread, inside the graph gate)."""
+        copy-outs) only with ``launch`` (the writer thread, inside the graph gate). Returns :data:`QUIET_POLL_S`
+        when the serving thread checks the eager ring itself and no CUDA graph holds ring launches — the writer
+        may wait that long for the next poll (the serving thread wakes it when it leaves it something) — else
+        None."""
         if not launch:
-            return
+            return None
         started = time.perf_counter_ns()
         locked = self._acquire_for_poll()
+        quiet = False
         try:
-            if (
+            quiet = not (
                 self._inline_defers
                 or self._copy_outs
                 or self._reads
                 or time.perf_counter() - self._inline_at >= self.inline_window
-            ):  # else the serving thread checks the eager ring itself (see _check_inline): nothing to do here
+            )
+            if not quiet:  # else the serving thread checks the eager ring itself (see _check_inline)
                 self._take_new()
                 self._finish_copy_outs()
                 self._read_words()
@@ -522,8 +540,12 @@ class LayerFlight(PollingRecorder):
         finally:
             if locked:
                 self._lock.release()
-        if self.graph is not None:
-            self.graph.poll(launch=True)
+        graph = self.graph
+        if graph is not None:
+            graph.poll(launch=True)
+            if graph.counters.launches:  # graph replays are found by polls only
+                return None
+        return QUIET_POLL_S if quiet else None
 
     def _acquire_for_poll(self) -> bool:
         """The writer-side lock, or — while settling, when the serving thread has held it for

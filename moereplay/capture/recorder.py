@@ -622,10 +622,12 @@ class Recorder(CallHandler):
         if isinstance(flight, LayerFlight) and flight.graph is not None:
             flight.graph.release_capture(token)
 
-    def poll(self) -> None:
-        """Called by the writer thread between messages: run the flight recorder's pending checks."""
+    def poll(self) -> float | None:
+        """Called by the writer thread between messages: run the flight recorder's pending checks. Returns the
+        seconds the recorder can wait for the next poll, or None (see ``WriterThread.set_poll``)."""
         if self.flight is not None and self.active:
-            self.flight.poll(launch=True)
+            return self.flight.poll(launch=True)
+        return None
 
 
 def _bind(

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from moereplay.capture.context import process_rank
+from moereplay.capture.flight_layer import LayerFlight
 from moereplay.capture.graph_gate import GraphGate
 from moereplay.capture.graph_gate import install as install_graph_gate
 from moereplay.capture.patch_points import TARGETS, CaptureTarget, vllm_series_known
@@ -266,6 +267,10 @@ def arm(
         gate.ended = recorder.graph_capture_ended
         if recorder.flight is not None:
             writer.set_poll(recorder.poll)
+            if isinstance(recorder.flight, LayerFlight):
+                recorder.flight.wake = (
+                    writer.wake_poll
+                )  # its serving-thread check hands a bad call over at once
         writer.extra_counters = recorder.counter_values  # footer gets the recorder's counters too
         patcher = Patcher(targets, recorder)
         patcher.install()

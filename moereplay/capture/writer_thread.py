@@ -15,8 +15,10 @@ has passed since the last poll — so a check never waits on the serving thread,
 a call's completion on the device to its check is about ``poll_interval`` (the ring kernels store finished checks
 in host-mapped memory; on CUDA without them, two polls: one launches the read, the next reads it), plus at most
 one message's write. The layer-scope recorder's eager calls are checked sooner, by the serving thread itself at the
-end of the next call; while it does, the poll leaves them alone (``flight_layer.INLINE_WINDOW_S``), so a trigger
-among them waits at most that window and one poll after the serving thread stops making calls.
+end of the next call; while it does (and no CUDA graph holds ring launches), its poll leaves them alone and asks
+for the next poll up to ``flight_layer.QUIET_POLL_S`` later (fewer GIL hand-offs), and the serving thread calls
+:meth:`WriterThread.wake_poll` when it leaves a call to the writer — so a trigger among them waits at most that
+window and one quiet poll after the serving thread stops making calls.
 
 Delivery: a :class:`Begin` or :class:`Complete` may carry ``delivered``, told exactly once whether the message
 reached the file — ``(True, None)`` after the sink's write returned, ``(False, why)`` when it never will (refused
@@ -56,6 +58,10 @@ logger = logging.getLogger("moereplay.capture")
 
 Delivered = Callable[[bool, str | None], None]
 """``delivered(written, why_not)``: see the module docstring (Delivery)."""
+
+
+MAX_POLL_WAIT_S = 0.05
+"""The longest a poll may ask the thread to wait for the next one (see :meth:`WriterThread.set_poll`)."""
 
 
 class RecordSink(Protocol):
@@ -196,6 +202,7 @@ class WriterThread:
         self._gate = gate
         self._poll = poll
         self._poll_interval = poll_interval
+        self._poll_wait = poll_interval  # until the next poll: what the last poll asked for (see set_poll)
         self.extra_counters: Callable[[], dict[str, int]] | None = None
         self.sink = sink
         self.counters = Counters()
@@ -285,11 +292,22 @@ class WriterThread:
             self.offer(complete)  # refused (and reported) when its Begin was
         return accepted
 
-    def set_poll(self, poll: Callable[[], None]) -> None:
+    def set_poll(self, poll: Callable[[], float | None]) -> None:
         """Run ``poll`` on the writer thread every ``poll_interval`` seconds (see the module docstring). Wakes the
-        thread: one waiting for a message without a timeout (no poll until now) starts polling at once."""
+        thread: one waiting for a message without a timeout (no poll until now) starts polling at once. ``poll``
+        may return how many seconds it can wait for the next one (at least ``poll_interval``, at most
+        :data:`MAX_POLL_WAIT_S`; None: ``poll_interval``) — a recorder whose checks another thread makes for now
+        — and then :meth:`wake_poll` brings the next poll forward."""
         with self._ready:
             self._poll = poll
+            self._poll_wait = self._poll_interval
+            self._ready.notify()
+
+    def wake_poll(self) -> None:
+        """Poll now (at once if the thread is idle, else after the message it is writing), and every
+        ``poll_interval`` from then until a poll asks to wait longer. Safe from any thread."""
+        with self._ready:
+            self._poll_wait = self._poll_interval
             self._ready.notify()
 
     @property
@@ -343,7 +361,7 @@ class WriterThread:
         woken, e.g. by :meth:`set_poll`). The timeout is read again on every wait."""
         with self._ready:
             if not self._queue:
-                self._ready.wait(None if self._poll is None else self._poll_interval)
+                self._ready.wait(None if self._poll is None else self._poll_wait)
                 if not self._queue:
                     return _EMPTY
             return self._queue.popleft()
@@ -406,7 +424,7 @@ class WriterThread:
             _report(message, why_not is None, why_not)
             if not self._queue:
                 self._flush_sink()
-            elif self._poll is not None and time.monotonic() - self._last_poll >= self._poll_interval:
+            elif self._poll is not None and time.monotonic() - self._last_poll >= self._poll_wait:
                 self._run_poll()  # busy: checks still run every poll_interval
         self._finish()
 
@@ -477,14 +495,19 @@ class WriterThread:
         self._last_poll = time.monotonic()
         if self._poll is None or self._failed is not None:
             return
+        wanted = None
         try:
             if self._gate is None:
-                self._poll()
+                wanted = self._poll()
             else:
                 with self._gate.device_work():
-                    self._poll()
+                    wanted = self._poll()
         except Exception as error:
             self._fail(f"the flight recorder check failed: {type(error).__name__}: {error}")
+        interval = self._poll_interval
+        if isinstance(wanted, (int, float)) and wanted > interval:
+            interval = min(float(wanted), MAX_POLL_WAIT_S)
+        self._poll_wait = interval
 
     def _at_bound(self, *, outputs: bool) -> str:
         """A record refused by ``MOEREPLAY_MAX_BYTES``: counted, and writing stops; returns why."""

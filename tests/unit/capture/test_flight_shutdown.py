@@ -63,6 +63,7 @@ CHILD = textwrap.dedent(
     if mode.startswith("term"):  # the writer thread does not poll now: only the SIGTERM handler finds the trigger
         armed.writer._poll_interval = 3600.0
         armed.writer.set_poll(armed.recorder.poll)
+        armed.recorder.flight.wake = None  # nor does the serving thread wake it for the bad call
         time.sleep(0.05)
     w = torch.eye(256)
     for call in range(5):  # 512 KiB tensors: their blobs go through the writer's pool
@@ -217,6 +218,54 @@ def test_the_writer_polls_while_idle_when_its_poll_is_set_after_it_started() -> 
         time.sleep(0.05)  # the thread waits for a message now
         writer.set_poll(polled.set)
         assert polled.wait(1.0)
+    finally:
+        writer.close()
+
+
+def test_a_poll_may_ask_for_a_longer_wait_and_a_wake_brings_the_next_poll_forward(monkeypatch) -> None:
+    """A poll that returns seconds stretches the wait for the next one (capped at MAX_POLL_WAIT_S; never below
+    the interval); ``wake_poll`` polls at once regardless, and the interval applies again after it."""
+    from moereplay.capture import writer_thread
+
+    monkeypatch.setattr(writer_thread, "MAX_POLL_WAIT_S", 30.0)
+    times: list[float] = []
+    wanted = [30.0]
+    polled = threading.Event()
+
+    def poll() -> float | None:
+        times.append(time.monotonic())
+        polled.set()
+        return wanted[0]
+
+    writer = WriterThread(
+        _Sink(), max_calls_queued=4, max_bytes_queued=1 << 20, poll=None, poll_interval=0.005
+    )
+    try:
+        writer.set_poll(poll)
+        assert polled.wait(1.0)
+        time.sleep(0.3)
+        assert len(times) == 1 and writer._poll_wait == 30.0  # it asked for 30 s: nothing for 0.3 s
+        wanted[0] = None
+        polled.clear()
+        woken = time.monotonic()
+        writer.wake_poll()
+        assert polled.wait(1.0) and times[-1] - woken < 0.5
+        time.sleep(0.1)
+        assert len(times) >= 5 and writer._poll_wait == 0.005  # back to every poll_interval
+        wanted[0] = 0.001  # below the interval: the interval
+        time.sleep(0.05)
+        assert writer._poll_wait == 0.005
+    finally:
+        writer.close()
+    monkeypatch.setattr(writer_thread, "MAX_POLL_WAIT_S", 0.05)
+    wanted[0] = 30.0
+    writer = WriterThread(
+        _Sink(), max_calls_queued=4, max_bytes_queued=1 << 20, poll=None, poll_interval=0.005
+    )
+    try:
+        writer.set_poll(poll)
+        time.sleep(0.2)
+        assert writer._poll_wait == 0.05  # capped
     finally:
         writer.close()
 

@@ -436,3 +436,33 @@ def one_layer_call(flight: object, index: int = 0, bad: float | None = None) -> 
     call = flight.before(target, {"hidden": hidden}, where, index)  # type: ignore[attr-defined]
     flight.after(call, out, None)  # type: ignore[attr-defined]
     return call
+
+
+def test_the_writer_may_wait_longer_while_the_serving_thread_checks_and_is_woken_for_a_bad_call(
+    emulated, monkeypatch
+) -> None:
+    """While the serving thread checks the eager ring itself (and no CUDA graph holds ring launches) the writer's
+    poll asks for QUIET_POLL_S before the next; otherwise for its interval. The serving thread wakes the writer
+    once when it leaves it a bad call — not again on every later call while it waits."""
+    from moereplay.capture import flight_layer
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
+    flight.inline_window = 3600.0
+    wakes: list[int] = []
+    flight.wake = lambda: wakes.append(1)
+    assert flight.poll(launch=True) is None  # no serving-thread check yet
+    one_layer_call(flight, 0)
+    assert flight.poll(launch=True) == flight_layer.QUIET_POLL_S
+    one_layer_call(flight, 1, bad=float("nan"))
+    one_layer_call(flight, 2)
+    one_layer_call(flight, 3)
+    assert wakes == [1]  # once, when the bad call was left
+    assert flight.poll(launch=True) is None  # it had something to do
+    assert flight.counters.triggers == 1
+    flight.inline_window = 0.0
+    assert flight.poll(launch=True) is None  # the serving thread's check is too old
+    flight.inline_window = 3600.0
+    flight.graph = types.SimpleNamespace(poll=lambda launch: None, counters=types.SimpleNamespace(launches=1))
+    one_layer_call(flight, 4)
+    assert flight.poll(launch=True) is None  # graph replays are found by polls only
