@@ -11,7 +11,8 @@ How a process's last records reach its file — what runs when:
 
 - While the process runs: the writer thread polls the flight recorder every ``poll_interval`` (5 ms) whether the
   serving thread is busy or idle (the layer-scope recorder's serving thread also checks its finished eager calls
-  after each call, and leaves a bad one to that poll), and writes a trigger's calls at once (flushed to the OS when its queue runs
+  after each call and hands a bad one to the writer at once; while it does, and no CUDA graph holds ring launches,
+  the writer polls every 20 ms), and writes a trigger's calls at once (flushed to the OS when its queue runs
   empty). This is the only guarantee under SIGKILL — and vLLM's default ``--shutdown-timeout 0`` sends SIGKILL
   right after SIGTERM (``vllm.v1.utils.shutdown``: its deadline has already passed), so no handler would run.
 - At exit: :func:`_close_current_at_exit` closes the file (last checks, queue, footer) from a
@@ -25,8 +26,9 @@ How a process's last records reach its file — what runs when:
   otherwise).
 - SIGTERM (:func:`_on_sigterm`, installed by :func:`arm` in the main thread unless SIGTERM is ignored): asks the
   writer thread to run the flight recorder's last checks and write what is queued (``WriterThread.drain``), waiting
-  at most :data:`SIGTERM_BUDGET_S` — the handler only appends to the writer's queue and waits on an event, so it
-  takes no lock the interrupted code may hold. Then it chains: to the previous Python handler if there was one
+  at most :data:`SIGTERM_BUDGET_S` — the handler only appends to the writer's queue and waits; should it have
+  interrupted this thread inside the queue's lock (an offer, the layer recorder's wake of the writer), it waits on
+  that lock's condition, which lets the writer take it. Then it chains: to the previous Python handler if there was one
   (vLLM's Worker raises ``SystemExit``: the exit hook above then writes the footer), else — the default action —
   it closes the file with its footer (same budget) and re-raises SIGTERM with the default action, so the process
   dies as it would have. A handler vLLM installs *after* the plugin armed (EngineCore's, in

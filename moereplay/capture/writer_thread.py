@@ -203,6 +203,7 @@ class WriterThread:
         self._poll = poll
         self._poll_interval = poll_interval
         self._poll_wait = poll_interval  # until the next poll: what the last poll asked for (see set_poll)
+        self._wakes = 0  # wake_poll calls: a poll that overlapped one does not stretch the wait
         self.extra_counters: Callable[[], dict[str, int]] | None = None
         self.sink = sink
         self.counters = Counters()
@@ -305,8 +306,10 @@ class WriterThread:
 
     def wake_poll(self) -> None:
         """Poll now (at once if the thread is idle, else after the message it is writing), and every
-        ``poll_interval`` from then until a poll asks to wait longer. Safe from any thread."""
+        ``poll_interval`` from then until a poll that began after this asks to wait longer. Safe from any
+        thread (and in a signal handler's way: see :meth:`drain`)."""
         with self._ready:
+            self._wakes += 1
             self._poll_wait = self._poll_interval
             self._ready.notify()
 
@@ -337,6 +340,14 @@ class WriterThread:
             return True
         drain = Drain(settle, time.monotonic() + timeout)
         self._put(drain)
+        owned = getattr(self._ready, "_is_owned", None)
+        if owned is not None and owned():
+            # a signal handler that interrupted this thread inside the queue's lock (an offer, a wake_poll): wait
+            # on the condition, which lets go of every level of that lock, so the writer thread can take the drain
+            with self._ready:
+                while not drain.done.is_set() and time.monotonic() < drain.deadline:
+                    self._ready.wait(0.01)
+            return drain.done.is_set()
         return drain.done.wait(timeout)
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -361,7 +372,10 @@ class WriterThread:
         woken, e.g. by :meth:`set_poll`). The timeout is read again on every wait."""
         with self._ready:
             if not self._queue:
-                self._ready.wait(None if self._poll is None else self._poll_wait)
+                if self._poll is None:
+                    self._ready.wait()
+                else:  # counted from the last poll, so messages in between do not put the next one off
+                    self._ready.wait(max(0.0, self._last_poll + self._poll_wait - time.monotonic()))
                 if not self._queue:
                     return _EMPTY
             return self._queue.popleft()
@@ -496,6 +510,7 @@ class WriterThread:
         if self._poll is None or self._failed is not None:
             return
         wanted = None
+        wakes = self._wakes
         try:
             if self._gate is None:
                 wanted = self._poll()
@@ -505,7 +520,7 @@ class WriterThread:
         except Exception as error:
             self._fail(f"the flight recorder check failed: {type(error).__name__}: {error}")
         interval = self._poll_interval
-        if isinstance(wanted, (int, float)) and wanted > interval:
+        if isinstance(wanted, (int, float)) and wanted > interval and self._wakes == wakes:
             interval = min(float(wanted), MAX_POLL_WAIT_S)
         self._poll_wait = interval
 

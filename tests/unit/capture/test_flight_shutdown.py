@@ -253,11 +253,12 @@ def test_a_poll_may_ask_for_a_longer_wait_and_a_wake_brings_the_next_poll_forwar
         time.sleep(0.1)
         assert len(times) >= 5 and writer._poll_wait == 0.005  # back to every poll_interval
         wanted[0] = 0.001  # below the interval: the interval
+        before = len(times)
         time.sleep(0.05)
-        assert writer._poll_wait == 0.005
+        assert len(times) > before and writer._poll_wait == 0.005
     finally:
         writer.close()
-    monkeypatch.setattr(writer_thread, "MAX_POLL_WAIT_S", 0.05)
+    monkeypatch.undo()  # the real cap
     wanted[0] = 30.0
     writer = WriterThread(
         _Sink(), max_calls_queued=4, max_bytes_queued=1 << 20, poll=None, poll_interval=0.005
@@ -266,6 +267,68 @@ def test_a_poll_may_ask_for_a_longer_wait_and_a_wake_brings_the_next_poll_forwar
         writer.set_poll(poll)
         time.sleep(0.2)
         assert writer._poll_wait == 0.05  # capped
+    finally:
+        writer.close()
+
+
+def test_a_wake_during_a_poll_is_not_undone_by_the_wait_that_poll_asks_for() -> None:
+    """The serving thread may wake the writer while a poll runs that has already decided it may wait: the wake
+    wins (the next poll comes after the interval, not after the poll's longer wait)."""
+    writer = WriterThread(
+        _Sink(), max_calls_queued=4, max_bytes_queued=1 << 20, poll=None, poll_interval=0.005
+    )
+    waits: list[float] = []
+
+    def poll() -> float:
+        if not waits:
+            writer.wake_poll()  # lands while this poll runs
+        waits.append(writer._poll_wait)
+        return 0.05
+
+    try:
+        writer.set_poll(poll)
+        time.sleep(0.03)
+        assert len(waits) >= 2  # the first poll's 50 ms did not hold: the wake made the next come sooner
+    finally:
+        writer.close()
+
+
+def test_a_trickle_of_messages_does_not_put_the_polls_off() -> None:
+    """The wait for the next poll counts from the last poll, not from the last message: messages arriving more
+    often than the interval (the queue empty after each) still leave the polls their pace."""
+    from moereplay.capture.snapshot import Snapshot
+
+    polls: list[float] = []
+    writer = WriterThread(
+        _Sink(), max_calls_queued=64, max_bytes_queued=1 << 20, poll=None, poll_interval=0.05
+    )
+    try:
+        writer.set_poll(lambda: polls.append(time.monotonic()))
+        started = time.monotonic()
+        sequence = 0
+        while time.monotonic() - started < 0.5:
+            writer.offer(Begin(sequence, "op", "site", Snapshot({}), {}, None))
+            sequence += 1
+            time.sleep(0.01)
+        assert (
+            len([t for t in polls if t >= started]) >= 5
+        )  # ~10 at 50 ms; none without the fix after the first
+    finally:
+        writer.close()
+
+
+def test_a_drain_from_a_handler_that_interrupted_the_queues_lock_still_runs() -> None:
+    """A SIGTERM handler runs on the serving thread between bytecodes — possibly while that thread holds the
+    writer's queue lock (an offer, a wake of the writer). Its drain must let go of that lock while it waits, or
+    the writer could never take the drain: the budget would run out and the trigger stay unwritten."""
+    writer = WriterThread(_Sink(), max_calls_queued=4, max_bytes_queued=1 << 20, poll=None)
+    settled: list[float] = []
+    try:
+        with writer._ready:  # "interrupted inside wake_poll"
+            started = time.monotonic()
+            assert writer.drain(settled.append, 2.0)
+            assert time.monotonic() - started < 1.0 and len(settled) == 1
+        assert writer.drain(settled.append, 2.0) and len(settled) == 2  # and as before outside it
     finally:
         writer.close()
 
