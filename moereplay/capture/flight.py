@@ -283,6 +283,11 @@ class PollingRecorder:
     the end."""
 
     counters: Any
+    absmax: float | None
+
+    def _is_bad(self, value: float) -> bool:
+        """Whether a checked magnitude triggers: NaN, an infinity, or above ``MOEREPLAY_ABSMAX``."""
+        return not math.isfinite(value) or (self.absmax is not None and value > self.absmax)
 
     def poll(self, *, launch: bool = False) -> float | None:
         """Returns the seconds the writer may wait for the next poll (None: its ``poll_interval``)."""
@@ -537,9 +542,6 @@ class FlightRecorder(PollingRecorder):
                 batch = _Batch(entries, event=event, host=host, counts=counts, keep=keep)
         with self._lock:
             self._batches.append(batch)
-
-    def _is_bad(self, value: float) -> bool:
-        return not math.isfinite(value) or (self.absmax is not None and value > self.absmax)
 
     def _materialize(self) -> None:
         """Read the magnitudes of every batch whose side event has completed (lock held), oldest first."""

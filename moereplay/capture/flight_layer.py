@@ -20,8 +20,8 @@ with ``launch=True``, inside the graph gate, every ≈ 5 ms whether the serving 
 the eager ring alone while the serving thread has checked it within :data:`INLINE_WINDOW_S` and left it nothing —
 its Python time is GIL time taken from the serving thread; a bad output is found at the next call's end, or about
 one poll after its call ran on the device once calls stop, see ``WriterThread``): read the words the serving
-thread did not (without the kernel, one event and one small copy per poll, read at the next), and on a bad word describe
-the offending call and the K calls before it (tensor metadata, argument trees), copy their ring regions to the
+thread did not (without the kernel, one event and one small copy per poll, read at the next), and on a bad word
+describe the offending call and the K calls before it (tensor metadata, argument trees), copy their ring regions to the
 host, check that nothing overwrote them meanwhile (the ring's ``head`` had not lapped them when the copy
 finished) and hand them to the writer. Until a call leaves the history (K calls later, once checked) its argument
 references are held — not copies: the allocator reuses those tensors' memory K calls later than it would have.
@@ -210,9 +210,8 @@ class LayerCounters(FlightCounters):
     too_large: int = 0
     polls: int = 0  # writer-thread polls
     poll_ns: int = 0  # their time (GIL held for most of it: time the serving thread may wait)
-    eager_polls: int = (
-        0  # of them, those that worked on the eager ring (the serving thread had left it to them)
-    )
+    # of the polls, those that worked on the eager ring (the serving thread had left it to them)
+    eager_polls: int = 0
     # checks the serving thread made itself after an eager call (see LayerFlight._check_inline)
     inline_checks: int = 0
 
@@ -436,7 +435,7 @@ class LayerFlight(PollingRecorder):
         served gpt-oss model, and more in waits for the GIL and the OS, while this costs a few µs per call.
         Only the all-clear is handled here: a bad word (a trigger: copy-out launches, logging), a ring without
         host words (reads by event and copy) or a busy writer (its lock) are left to the writer thread's next
-        poll, within ``poll_interval``."""
+        poll — brought forward by :attr:`wake` when something is newly left."""
         lock = self._lock
         if not lock.acquire(blocking=False):
             return
@@ -462,7 +461,6 @@ class LayerFlight(PollingRecorder):
         device — calls behind a pending one, which may have finished on another stream (the writer's poll reads
         every word)."""
         unchecked = self._unchecked
-        absmax = self.absmax
         counters = self.counters
         left: list[LayerCall] = []
         behind = False
@@ -485,8 +483,7 @@ class LayerFlight(PollingRecorder):
                     call.checked = True
                     counters.unchecked += 1
                     continue
-                bad = not math.isfinite(value) or (absmax is not None and value > absmax)
-                if bad and not call.emitted:
+                if not call.emitted and self._is_bad(value):
                     left.append(call)
                     continue
                 call.checked = True
@@ -754,8 +751,8 @@ class LayerFlight(PollingRecorder):
             return
         call.value = value
         self.counters.checked += 1
-        bad = not math.isfinite(value) or (self.absmax is not None and value > self.absmax)
-        if bad and not call.emitted:  # an emitted call was written (as history) by an earlier trigger
+        # an emitted call was written (as history) by an earlier trigger
+        if not call.emitted and self._is_bad(value):
             self._trigger(call)
 
     def _trigger(self, trigger: LayerCall) -> None:

@@ -28,10 +28,10 @@ How a process's last records reach its file — what runs when:
   writer thread to run the flight recorder's last checks and write what is queued (``WriterThread.drain``), waiting
   at most :data:`SIGTERM_BUDGET_S` — the handler only appends to the writer's queue and waits; should it have
   interrupted this thread inside the queue's lock (an offer, the layer recorder's wake of the writer), it waits on
-  that lock's condition, which lets the writer take it. Then it chains: to the previous Python handler if there was one
-  (vLLM's Worker raises ``SystemExit``: the exit hook above then writes the footer), else — the default action —
-  it closes the file with its footer (same budget) and re-raises SIGTERM with the default action, so the process
-  dies as it would have. A handler vLLM installs *after* the plugin armed (EngineCore's, in
+  that lock's condition, which lets the writer take it. Then it chains: to the previous Python handler if there
+  was one (vLLM's Worker raises ``SystemExit``: the exit hook above then writes the footer), else — the default
+  action — it closes the file with its footer (same budget) and re-raises SIGTERM with the default action, so the
+  process dies as it would have. A handler vLLM installs *after* the plugin armed (EngineCore's, in
   ``run_engine_core``) replaces this one; that handler starts vLLM's orderly shutdown, which returns through
   ``Process._bootstrap`` and so through the exit hook. ``signal.signal`` itself is not wrapped: changing how every
   library installs handlers is out of proportion, and would not help under the default SIGKILL.
@@ -270,9 +270,8 @@ def arm(
         if recorder.flight is not None:
             writer.set_poll(recorder.poll)
             if isinstance(recorder.flight, LayerFlight):
-                recorder.flight.wake = (
-                    writer.wake_poll
-                )  # its serving-thread check hands a bad call over at once
+                # its serving-thread check hands a bad call over at once
+                recorder.flight.wake = writer.wake_poll
         writer.extra_counters = recorder.counter_values  # footer gets the recorder's counters too
         patcher = Patcher(targets, recorder)
         patcher.install()

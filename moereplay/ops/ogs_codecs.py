@@ -612,27 +612,19 @@ def routing_tensors(value: RoutingSpec | Any, append: Callable[[Any], Any]) -> N
     layer flight recorder's per-call walk; the tree is built from the object at a trigger)."""
     if not isinstance(value, RoutingSpec) and not _is_type(value, "RoutingData"):
         raise UnsupportedValueError(f"{_type_name(value)} is not a triton_kernels RoutingData")
-    _tensor_to(value.gate_scal, "routing gate_scal", append)
-    _tensor_to(value.expt_hist, "routing expt_hist", append)
+    _leaf_or_none(value.gate_scal, "routing gate_scal", append)
+    _leaf_or_none(value.expt_hist, "routing expt_hist", append)
     expt_data = value.expt_data
     if expt_data is not None:
-        _tensor_to(expt_data.hist, "expt_data.hist", append)
-        _tensor_to(expt_data.token_offs_raw, "expt_data.token_offs_raw", append)
+        _leaf_or_none(expt_data.hist, "expt_data.hist", append)
+        _leaf_or_none(expt_data.token_offs_raw, "expt_data.token_offs_raw", append)
         for mapping, what in (
             (expt_data.token_offs_pad, "expt_data.token_offs_pad"),
             (expt_data.block_pid_map, "expt_data.block_pid_map"),
         ):
             if mapping is not None:
                 for _block, tensor in sorted(dict(mapping).items()):
-                    _tensor_to(tensor, what, append)
-
-
-def _tensor_to(value: Any, what: str, append: Callable[[Any], Any]) -> None:
-    if value is None:
-        return
-    if type(value) is not torch.Tensor and not isinstance(value, torch.Tensor):
-        raise UnsupportedValueError(f"recorded {what} is not a tensor")
-    append(value)
+                    _leaf_or_none(tensor, what, append)
 
 
 def decode_routing_spec(data: Any) -> RoutingSpec:
@@ -692,19 +684,12 @@ def _collect_index(value: Any, plain: type, library_name: str, leaf: Callable[[A
     }
 
 
-def _index_to(value: Any, plain: type, library_name: str, append: Callable[[Any], Any]) -> None:
-    if not isinstance(value, plain) and not _is_type(value, library_name):
-        raise UnsupportedValueError(f"{_type_name(value)} is not a triton_kernels {library_name}")
-    _tensor_to(value.src_indx, f"{library_name}.src_indx", append)
-    _tensor_to(value.dst_indx, f"{library_name}.dst_indx", append)
-
-
 def gather_tensors(value: GatherSpec | Any, append: Callable[[Any], Any]) -> None:
-    _index_to(value, GatherSpec, "GatherIndx", append)
+    _collect_index(value, GatherSpec, "GatherIndx", append)  # two entries: its tree costs next to nothing
 
 
 def scatter_tensors(value: ScatterSpec | Any, append: Callable[[Any], Any]) -> None:
-    _index_to(value, ScatterSpec, "ScatterIndx", append)
+    _collect_index(value, ScatterSpec, "ScatterIndx", append)
 
 
 def collect_gather(value: GatherSpec | Any, leaf: Callable[[Any], Any]) -> dict[str, Any]:
