@@ -271,24 +271,30 @@ def test_a_poll_may_ask_for_a_longer_wait_and_a_wake_brings_the_next_poll_forwar
         writer.close()
 
 
-def test_a_wake_during_a_poll_is_not_undone_by_the_wait_that_poll_asks_for() -> None:
+def test_a_wake_during_a_poll_is_not_undone_by_the_wait_that_poll_asks_for(monkeypatch) -> None:
     """The serving thread may wake the writer while a poll runs that has already decided it may wait: the wake
-    wins (the next poll comes after the interval, not after the poll's longer wait)."""
+    wins (the next poll comes after the interval, not after the poll's longer wait — 30 s here, so a loaded
+    machine cannot blur the two)."""
+    from moereplay.capture import writer_thread
+
+    monkeypatch.setattr(writer_thread, "MAX_POLL_WAIT_S", 30.0)
     writer = WriterThread(
         _Sink(), max_calls_queued=4, max_bytes_queued=1 << 20, poll=None, poll_interval=0.005
     )
     waits: list[float] = []
+    second = threading.Event()
 
     def poll() -> float:
         if not waits:
             writer.wake_poll()  # lands while this poll runs
         waits.append(writer._poll_wait)
-        return 0.05
+        if len(waits) == 2:
+            second.set()
+        return 30.0
 
     try:
         writer.set_poll(poll)
-        time.sleep(0.03)
-        assert len(waits) >= 2  # the first poll's 50 ms did not hold: the wake made the next come sooner
+        assert second.wait(5.0)  # the first poll's 30 s did not hold: the wake made the next come at once
     finally:
         writer.close()
 
