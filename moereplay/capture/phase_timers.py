@@ -6,8 +6,10 @@ then holds, per piece, ``timer_<piece>_ns``, ``timer_<piece>_cpu_ns`` and ``time
 well above its CPU time is time the thread spent waiting — for the GIL, held by another thread, or for the OS —
 rather than working (a launch releases the GIL: another thread may take it meanwhile). The pieces nest (an inner
 piece's time is inside its caller's). ``moereplay info`` prints them; ``tools/bench/capture_bench.py --phases``
-uses the same timers in a benchmark. The interpreter's garbage collections are timed too (pieces ``gc0``–``gc2``,
-by generation).
+uses the same timers in a benchmark. The interpreter's garbage collections are timed too, by generation: pieces
+``gc0``–``gc2`` once part of the heap is frozen — vLLM's processes ``gc.freeze()`` their start-up heap when they
+are ready to serve, so these are the collections of serving time — and ``gc0-startup``–``gc2-startup`` before
+(start-up's own explicit ``gc.collect()`` calls walk the whole heap: hundreds of ms each, never a serving cost).
 """
 
 from __future__ import annotations
@@ -86,11 +88,14 @@ def install() -> tuple[Timers, Callable[[], None]]:
 
 
 def _time_garbage_collections(times: Timers) -> Callable[[str, dict[str, Any]], None]:
-    """A ``gc.callbacks`` entry timing the interpreter's collections as pieces ``gc0``, ``gc1``, ``gc2`` (by
-    generation; on whichever thread ran them): the recorder's per-call objects may make them more frequent, and a
-    collection of an older generation walks a serving process's whole heap."""
-    cells = [times.setdefault(f"gc{generation}", [0, 0, 0]) for generation in range(3)]
+    """A ``gc.callbacks`` entry timing the interpreter's collections (on whichever thread ran them) as pieces
+    ``gc0``–``gc2`` while part of the heap is frozen, else ``gc0-startup``–``gc2-startup`` (see the module
+    docstring): the recorder's per-call objects may make them more frequent, and a collection of an older
+    generation walks every object not frozen."""
+    serving = [times.setdefault(f"gc{generation}", [0, 0, 0]) for generation in range(3)]
+    startup = [times.setdefault(f"gc{generation}-startup", [0, 0, 0]) for generation in range(3)]
     started = [0, 0]
+    frozen = gc.get_freeze_count
 
     def collecting(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -99,7 +104,7 @@ def _time_garbage_collections(times: Timers) -> Callable[[str, dict[str, Any]], 
             return
         generation = info.get("generation")
         if phase == "stop" and started[0] and type(generation) is int and 0 <= generation < 3:
-            cell = cells[generation]
+            cell = (serving if frozen() else startup)[generation]
             cell[0] += time.perf_counter_ns() - started[0]
             cell[2] += time.thread_time_ns() - started[1]
             cell[1] += 1

@@ -9,13 +9,15 @@ gets. This measures, per token count, with CUDA events (median of ``--repeats``)
 - ``ring``: :meth:`DeviceRing.record` of a layer call shaped as vLLM's ``triton_kernel_fused_experts`` (hidden
   states, the routing's small tensors, the output; the output checked) — one launch;
 - ``torch``: the same bytes copied by ``Tensor.copy_`` into a preallocated buffer, plus ``output.abs().amax()``;
-- with ``--warps`` / ``--programs``, the ring kernel compiled with other ``num_warps`` and launched over another
-  number of programs per SM (the recorder's are 4 warps — Triton's default — and 2 programs per SM).
+- with ``--warps`` / ``--programs`` / ``--block``, the ring kernel compiled with other ``num_warps`` or elements
+  per program and loop step, and launched over another number of programs per SM (the recorder's are 4 warps —
+  Triton's default —, ``ring_kernel.BLOCK`` and 2 programs per SM).
 
 Prints GB/s of each (bytes moved: copies read and written, the check read) and the ring/torch time ratio, all from
 one run. GPU only (Triton and CUDA):
 
-    python tools/bench/ring_bandwidth.py [--tokens 8192,2048,256] [--warps 4,8] [--programs 2,4] [--repeats 20]
+    python tools/bench/ring_bandwidth.py [--tokens 8192,2048,256] [--warps 4,8] [--programs 2,4] [--block 1024,4096]
+        [--repeats 20]
 """
 
 from __future__ import annotations
@@ -76,14 +78,16 @@ def timed(work, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def recompile(ring, warps: int) -> None:
-    """The ring's kernel variants compiled again with ``warps`` warps per program."""
+def recompile(ring, warps: int, block: int) -> None:
+    """The ring's kernel variants compiled again with ``warps`` warps per program and ``block`` elements per
+    program and loop step (the launch's program count still comes from the recorder's block: the bench sets it
+    per SM, above any a large copy needs)."""
     from moereplay.capture import ring_kernel
 
     launcher = ring.launcher
     for key in list(launcher._variants):
         aligned, code, mode = key
-        constants = {"ALIGNED": aligned, "CODE": code or 3, "MODE": mode, "BLOCK": ring_kernel.BLOCK}
+        constants = {"ALIGNED": aligned, "CODE": code or 3, "MODE": mode, "BLOCK": block}
         launcher._variants[key] = ring_kernel.compile_launcher(
             ring_kernel.ring_copy,
             len(ring_kernel._INTS),
@@ -101,6 +105,9 @@ def main() -> int:
         "--warps", default="4", help="num_warps of the ring kernel to try (4: the recorder's)"
     )
     parser.add_argument("--programs", default="2", help="programs per SM to try (2: the recorder's)")
+    parser.add_argument(
+        "--block", default="", help="elements per program and loop step to try (default: ring_kernel.BLOCK)"
+    )
     parser.add_argument("--repeats", type=int, default=20)
     options = parser.parse_args()
     import torch
@@ -108,13 +115,16 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("ring_bandwidth: needs a CUDA device", file=sys.stderr)
         return 2
+    from moereplay.capture import ring_kernel
     from moereplay.capture.device_ring import DeviceRing
+
+    blocks = [int(text) for text in options.block.split(",")] if options.block else [ring_kernel.BLOCK]
 
     device = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"ring_bandwidth: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {sms} SMs")
     print(
-        f"{'tokens':>7} {'warps':>5} {'prog/SM':>7} {'ring ms':>8} {'ring GB/s':>9} {'torch ms':>8} "
+        f"{'tokens':>7} {'warps':>5} {'block':>5} {'prog/SM':>7} {'ring ms':>8} {'ring GB/s':>9} {'torch ms':>8} "
         f"{'torch GB/s':>10} {'ring/torch':>10}"
     )
     for tokens in (int(text) for text in options.tokens.split(",")):
@@ -134,20 +144,22 @@ def main() -> int:
 
         torch_ms = timed(torch_work, options.repeats)
         for warps in (int(text) for text in options.warps.split(",")):
-            ring.record(tensors, output, True)  # compiles the variant this call uses
-            if warps != 4:
-                recompile(ring, warps)
-            for per_sm in (int(text) for text in options.programs.split(",")):
-                ring.launcher.programs = sms * per_sm
-                ring_ms = timed(
-                    lambda ring=ring, tensors=tensors, output=output: ring.record(tensors, output, True),
-                    options.repeats,
-                )
-                print(
-                    f"{tokens:>7} {warps:>5} {per_sm:>7} {ring_ms:>8.3f} {moved / ring_ms / 1e6:>9.0f} "
-                    f"{torch_ms:>8.3f} {moved / torch_ms / 1e6:>10.0f} {ring_ms / torch_ms:>10.2f}"
-                )
-            ring.launcher._variants.clear()  # the next warps' variants compile afresh
+            for block in blocks:
+                ring.record(tensors, output, True)  # compiles the variant this call uses
+                if warps != 4 or block != ring_kernel.BLOCK:
+                    recompile(ring, warps, block)
+                for per_sm in (int(text) for text in options.programs.split(",")):
+                    ring.launcher.programs = sms * per_sm
+                    ring_ms = timed(
+                        lambda ring=ring, tensors=tensors, output=output: ring.record(tensors, output, True),
+                        options.repeats,
+                    )
+                    print(
+                        f"{tokens:>7} {warps:>5} {block:>5} {per_sm:>7} {ring_ms:>8.3f} "
+                        f"{moved / ring_ms / 1e6:>9.0f} {torch_ms:>8.3f} {moved / torch_ms / 1e6:>10.0f} "
+                        f"{ring_ms / torch_ms:>10.2f}"
+                    )
+                ring.launcher._variants.clear()  # the next variants compile afresh
     return 0
 
 

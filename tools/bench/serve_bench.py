@@ -64,6 +64,9 @@ SETTINGS: dict[str, dict[str, str]] = {
     # through the wrapper and the context tracking, none is recorded — the cost of being armed, apart from the
     # cost of recording ("flight" less this)
     "flight-idle": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_LAYERS": "100000"},
+    # diagnostic: capture off again, a second server (an A/A test): its ratio to "off" is the bench's own spread
+    # between two servers doing the same thing — a setting's ratio within it says nothing
+    "off-again": {},
 }
 """Full capture is bounded so the GPU machine's disk (64 GiB, the model on it too) cannot fill: past the bound the
 file is closed and the rest is counted, not written — the table's last lines say how much each setting wrote."""
