@@ -221,6 +221,24 @@ class DeviceRing:
             return starts, leads, sizes, tag
         target = self._base + head % self.capacity
         count = len(sources)
+        if check_info is not None and tag is not None and 0 < count <= MAX_SPANS and FUSED_CHECK:
+            fused = count - 1 if tensors[-1] is check else _position(tensors, check)
+            if fused >= 0 and leads[fused] == 0:  # the checked tensor's span is its own bytes, from the first
+                args: list[int] = []
+                last: tuple[int, int, int] = (0, 0, 0)
+                chunk = 0
+                for position, (source, size) in enumerate(zip(sources, sizes, strict=True)):
+                    words = (size + 7) & ~7
+                    if position == fused:
+                        last = (source, target, words)
+                    else:
+                        args += (source, target, words)
+                    chunk += words
+                    target += (size + 255) & ~255
+                args += _PADDING[count]  # (count - 1 spans, padding): the checked span goes in the last place
+                args += last
+                launcher.launch_prepared(args, MAX_SPANS, 1, chunk, check_info, word, fused=True)
+                return starts, leads, sizes, tag
         for first in range(0, max(count, 1), MAX_SPANS):
             last = first + MAX_SPANS >= count
             args: list[int] = []
@@ -377,6 +395,20 @@ def _kernel_available() -> bool:
 
 
 _PADDING = [(0, 0, 0) * (MAX_SPANS - n) for n in range(MAX_SPANS + 1)]
+
+FUSED_CHECK = True
+"""Whether a checked tensor that is also copied is reduced from its copy's words (one read of its bytes; see
+:mod:`moereplay.capture.ring_kernel`) rather than by a second pass over it. ``tools/bench/ring_bandwidth.py``
+turns it off to measure both."""
+
+
+def _position(tensors: list[torch.Tensor], tensor: torch.Tensor) -> int:
+    for position, candidate in enumerate(tensors):
+        if candidate is tensor:
+            return position
+    return -1
+
+
 _BLOCK_BYTES = {0: 1024, 1: 8 * 1024}  # ring_kernel.BLOCK elements of a byte / of 8 bytes (checked at import)
 
 
@@ -400,15 +432,22 @@ class _Launcher:
         total: int,
         check: tuple[int, int, int] | None,
         word: tuple[int, int, int, int] | None,
+        *,
+        fused: bool = False,
     ) -> None:
         """One launch. ``args``: ``count`` (source, target, size) triples, flattened (extended here); ``aligned``:
         every size a multiple of 8 (8-byte words); ``total``: bytes copied; ``check``: (address, numel, dtype
         code) of the tensor to reduce, or None; ``word``: (address, generation, finished-programs counter
-        address, host word address) of the tag, or None."""
+        address, host word address) of the tag, or None. ``fused``: the checked tensor is the last of
+        :data:`MAX_SPANS` triples, copied in words from its first byte — reduced from the words its copy loads."""
         if count < MAX_SPANS:
             args += _PADDING[count]
         code = 0
-        if check is not None and word is not None:
+        if fused and check is not None and word is not None:
+            code = check[2]
+            args += (0, check[1], word[0], word[1] & 0x7FFFFFFF, word[2], word[3])
+            mode = 3
+        elif check is not None and word is not None:
             address, numel, code = check
             args += (address, numel, word[0], word[1] & 0x7FFFFFFF, word[2], word[3])
             total += numel * _ITEMSIZE[code]

@@ -2,13 +2,17 @@
 
 One launch: up to 24 byte spans copied (source address, target address, size — plain 64-bit integers, so the
 caller makes no tensor objects), then optionally one contiguous float tensor reduced to its largest magnitude and
-folded into a 64-bit tag word by ``atomic_max`` (see the device_ring module docstring for the encoding). Every
+folded into a 64-bit tag word by ``atomic_max`` (see the device_ring module docstring for the encoding). When
+that tensor is itself copied (a layer call's output, in 8-byte words from its own first byte), the caller passes
+its span last (``MODE`` 3) and the magnitudes come from the words the copy loads: its bytes are read once, not
+twice (at prefill the output is a fifth of the launch's memory traffic). Every
 program then counts itself done on the slot's counter (a fenced atomic, after its copies); the last one resets the
 counter and stores the finished word into the slot's *host* word — pinned host memory mapped into the device, one
 aligned 8-byte store — so the writer thread reads a finished check with a plain memory read, no CUDA call.
 
 :func:`compile_variant` compiles one variant (``aligned``: 8-byte words instead of bytes; ``code``: the checked
-dtype, 0 for none; ``mode``: 0 no tag word, 1 tag word without a check, 2 tag word with the check) with every
+dtype, 0 for none; ``mode``: 0 no tag word, 1 tag word without a check, 2 tag word with the check, 3 tag word with
+the check of the last span's words) with every
 integer argument typed int64 and never specialised, and returns ``launch(programs, stream, args)``: the
 driver's ``cuLaunchKernel`` called through ctypes with a prepared parameter block (no binding, no specialisation
 lookup, no Python-side argument conversion per call: measured on the H200 host, Triton's own launcher path cost
@@ -53,6 +57,33 @@ def _copy_span(source, target, size, pid, programs, ALIGNED: tl.constexpr, BLOCK
         tl.store(dst + index, tl.load(src + index, mask=mask), mask=mask)
 
 
+@triton.jit
+def _copy_span_max(source, target, size, numel, pid, programs, CODE: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_copy_span` of 8-byte words, returning per lane the largest magnitude's bits among the first
+    ``numel`` elements (of dtype ``CODE``) the words hold — the |x| bit patterns of IEEE floats order as integers
+    (NaN above Inf, as the separate reduction's float32 bits do); bytes of the last word past the tensor are
+    not its elements and are left out."""
+    src = source.to(tl.pointer_type(tl.int64))
+    dst = target.to(tl.pointer_type(tl.int64))
+    count = size // 8
+    offsets = tl.arange(0, BLOCK).to(tl.int64)
+    best = tl.zeros([BLOCK], dtype=tl.int64)
+    for start in range(pid * BLOCK, count, programs * BLOCK):
+        index = start + offsets
+        mask = index < count
+        words = tl.load(src + index, mask=mask, other=0)
+        tl.store(dst + index, words, mask=mask)
+        if CODE == 3:  # two float32 per word
+            low = tl.where(index * 2 < numel, words & 0x7FFFFFFF, 0)
+            high = tl.where(index * 2 + 1 < numel, (words >> 32) & 0x7FFFFFFF, 0)
+            best = tl.maximum(best, tl.maximum(low, high))
+        else:  # four 16-bit floats per word
+            for k in tl.static_range(4):
+                half = tl.where(index * 4 + k < numel, (words >> (16 * k)) & 0x7FFF, 0)
+                best = tl.maximum(best, half)
+    return best
+
+
 @triton.jit(do_not_specialize=_INTS)
 def ring_copy(
     s0, t0, n0, s1, t1, n1, s2, t2, n2, s3, t3, n3, s4, t4, n4, s5, t5, n5,
@@ -87,11 +118,22 @@ def ring_copy(
     _copy_span(s20, t20, n20, pid, programs, ALIGNED, BLOCK)
     _copy_span(s21, t21, n21, pid, programs, ALIGNED, BLOCK)
     _copy_span(s22, t22, n22, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s23, t23, n23, pid, programs, ALIGNED, BLOCK)
+    if MODE == 3:  # the checked tensor's own words: reduced as they are copied
+        fused = tl.max(_copy_span_max(s23, t23, n23, numel, pid, programs, CODE, BLOCK), axis=0)
+    else:
+        _copy_span(s23, t23, n23, pid, programs, ALIGNED, BLOCK)
     if MODE != 0:
         tag = word.to(tl.pointer_type(tl.int64))
         folded = generation << 32
-        if MODE == 2:
+        if MODE == 3:
+            if CODE == 2:  # bfloat16: the high half of a float32
+                folded = folded | (fused << 16)
+            elif CODE == 1:  # float16: its largest magnitude as a float32's bits
+                widened = fused.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                folded = folded | widened.to(tl.int32, bitcast=True).to(tl.int64)
+            else:
+                folded = folded | fused
+        elif MODE == 2:
             if CODE == 1:
                 values = check.to(tl.pointer_type(tl.float16))
             elif CODE == 2:

@@ -7,17 +7,18 @@ prefill cost (1.04–1.06× in serve_bench) depends on how close the ring kernel
 gets. This measures, per token count, with CUDA events (median of ``--repeats``):
 
 - ``ring``: :meth:`DeviceRing.record` of a layer call shaped as vLLM's ``triton_kernel_fused_experts`` (hidden
-  states, the routing's small tensors, the output; the output checked) — one launch;
+  states, the routing's small tensors, the output; the output checked) — one launch; ``--check`` compares the
+  check reduced from the output copy's own words (``fused``, the recorder's) with a second pass over the output;
 - ``torch``: the same bytes copied by ``Tensor.copy_`` into a preallocated buffer, plus ``output.abs().amax()``;
 - with ``--warps`` / ``--programs`` / ``--block``, the ring kernel compiled with other ``num_warps`` or elements
   per program and loop step, and launched over another number of programs per SM (the recorder's are 4 warps —
   Triton's default —, ``ring_kernel.BLOCK`` and 2 programs per SM).
 
-Prints GB/s of each (bytes moved: copies read and written, the check read) and the ring/torch time ratio, all from
-one run. GPU only (Triton and CUDA):
+Prints GB/s of each (bytes moved: copies read and written, the check's read unless fused) and the ring/torch
+time ratio, all from one run. GPU only (Triton and CUDA):
 
     python tools/bench/ring_bandwidth.py [--tokens 8192,2048,256] [--warps 4,8] [--programs 2,4] [--block 1024,4096]
-        [--repeats 20]
+        [--check both|fused|2-pass] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ def main() -> int:
     )
     parser.add_argument("--programs", default="2", help="programs per SM to try (2: the recorder's)")
     parser.add_argument(
+        "--check",
+        choices=("both", "fused", "2-pass"),
+        default="both",
+        help="the output's check reduced from its copy's words (fused: the recorder's) or by a second pass",
+    )
+    parser.add_argument(
         "--block", default="", help="elements per program and loop step to try (default: ring_kernel.BLOCK)"
     )
     parser.add_argument("--repeats", type=int, default=20)
@@ -115,22 +122,25 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("ring_bandwidth: needs a CUDA device", file=sys.stderr)
         return 2
-    from moereplay.capture import ring_kernel
+    from moereplay.capture import device_ring, ring_kernel
     from moereplay.capture.device_ring import DeviceRing
 
     blocks = [int(text) for text in options.block.split(",")] if options.block else [ring_kernel.BLOCK]
+    checks = {"both": (True, False), "fused": (True,), "2-pass": (False,)}[options.check]
 
     device = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"ring_bandwidth: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {sms} SMs")
     print(
-        f"{'tokens':>7} {'warps':>5} {'block':>5} {'prog/SM':>7} {'ring ms':>8} {'ring GB/s':>9} {'torch ms':>8} "
+        f"{'tokens':>7} {'warps':>5} {'block':>5} {'prog/SM':>7} {'check':>6} {'ring ms':>8} {'ring GB/s':>9} {'torch ms':>8} "
         f"{'torch GB/s':>10} {'ring/torch':>10}"
     )
     for tokens in (int(text) for text in options.tokens.split(",")):
         tensors, output = layer_tensors(tokens, device)
         copied = sum(t.numel() * t.element_size() for t in tensors)
-        moved = 2 * copied + output.numel() * output.element_size()  # copies read + write, the check's read
+        torch_moved = (
+            2 * copied + output.numel() * output.element_size()
+        )  # copies read + write, the check's read
         ring = DeviceRing(4 * copied + (1 << 20), torch.device(device))
         target = torch.empty(copied, dtype=torch.uint8, device=device)
 
@@ -145,21 +155,28 @@ def main() -> int:
         torch_ms = timed(torch_work, options.repeats)
         for warps in (int(text) for text in options.warps.split(",")):
             for block in blocks:
-                ring.record(tensors, output, True)  # compiles the variant this call uses
-                if warps != 4 or block != ring_kernel.BLOCK:
-                    recompile(ring, warps, block)
-                for per_sm in (int(text) for text in options.programs.split(",")):
-                    ring.launcher.programs = sms * per_sm
-                    ring_ms = timed(
-                        lambda ring=ring, tensors=tensors, output=output: ring.record(tensors, output, True),
-                        options.repeats,
-                    )
-                    print(
-                        f"{tokens:>7} {warps:>5} {block:>5} {per_sm:>7} {ring_ms:>8.3f} "
-                        f"{moved / ring_ms / 1e6:>9.0f} {torch_ms:>8.3f} {moved / torch_ms / 1e6:>10.0f} "
-                        f"{ring_ms / torch_ms:>10.2f}"
-                    )
-                ring.launcher._variants.clear()  # the next variants compile afresh
+                for fused in checks:
+                    device_ring.FUSED_CHECK = fused
+                    ring.record(tensors, output, True)  # compiles the variant this call uses
+                    if warps != 4 or block != ring_kernel.BLOCK:
+                        recompile(ring, warps, block)
+                    # bytes moved: the copies read and written, and the check's own read unless fused
+                    moved = 2 * copied + (0 if fused else output.numel() * output.element_size())
+                    for per_sm in (int(text) for text in options.programs.split(",")):
+                        ring.launcher.programs = sms * per_sm
+                        ring_ms = timed(
+                            lambda ring=ring, tensors=tensors, output=output: ring.record(
+                                tensors, output, True
+                            ),
+                            options.repeats,
+                        )
+                        print(
+                            f"{tokens:>7} {warps:>5} {block:>5} {per_sm:>7} {'fused' if fused else '2-pass':>6} "
+                            f"{ring_ms:>8.3f} {moved / ring_ms / 1e6:>9.0f} {torch_ms:>8.3f} "
+                            f"{torch_moved / torch_ms / 1e6:>10.0f} {ring_ms / torch_ms:>10.2f}"
+                        )
+                    ring.launcher._variants.clear()  # the next variants compile afresh
+        device_ring.FUSED_CHECK = True
     return 0
 
 

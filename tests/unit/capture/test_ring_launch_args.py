@@ -46,7 +46,11 @@ class Emulator:
         if self.mode == 0:
             return
         best = 0
-        if self.mode == 2:
+        if self.mode == 3:  # the check is the last span's own words: its source, ``numel`` elements of it
+            assert check == 0, "a fused check has no address of its own"
+            check = args[3 * (MAX_SPANS - 1)]
+            assert args[3 * (MAX_SPANS - 1) + 2] >= numel * (4 if self.code == 3 else 2)
+        if self.mode in (2, 3):
             if self.code == 2:  # bfloat16: widen through the upper half of a float32
                 raw = np.ctypeslib.as_array((ctypes.c_uint16 * numel).from_address(check))
                 values = (raw.astype(np.uint32) << 16).view(np.float32)
@@ -117,24 +121,53 @@ def test_one_launch_copies_every_span_and_folds_the_check(emulated) -> None:
     starts, leads, sizes, tag = ring.record([hidden, weights, ids, out], out, True)
     assert len(emulated.launches) == 1 and tag is not None
     aligned_flag, code, mode, args = emulated.launches[0]
-    assert (aligned_flag, code, mode) == (1, 2, 2)  # 8-byte words, bfloat16 check, tag word
+    # 8-byte words, bfloat16 check, tag word; the output is checked from its copy's words (fused: mode 3)
+    assert (aligned_flag, code, mode) == (1, 2, 3)
     assert leads == [0, 0, 0, 0] and sizes == [t.nbytes for t in (hidden, weights, ids, out)]
-    for i, (tensor, start) in enumerate(zip((hidden, weights, ids, out), starts, strict=True)):
-        assert args[3 * i : 3 * i + 3] == [
+    slots = (0, 1, 2, MAX_SPANS - 1)  # the checked span goes last, after the unused slots
+    for slot, tensor, start in zip(slots, (hidden, weights, ids, out), starts, strict=True):
+        assert args[3 * slot : 3 * slot + 3] == [
             tensor.data_ptr(),
             ring._base + start % ring.capacity,
             tensor.nbytes,
         ]
-    assert args[12 : 3 * MAX_SPANS] == [0] * (3 * MAX_SPANS - 12)  # unused span slots
+    assert args[9 : 3 * (MAX_SPANS - 1)] == [0] * (3 * (MAX_SPANS - 1) - 9)  # unused span slots
     assert args[3 * MAX_SPANS :] == [
-        out.data_ptr(), out.numel(), ring._words + 8 * tag[0], tag[1], ring._done + 4 * tag[0],
-        ring._host + 8 * tag[0],
+        0, out.numel(), ring._words + 8 * tag[0], tag[1], ring._done + 4 * tag[0], ring._host + 8 * tag[0],
     ]  # fmt: skip
     assert all(start % ALIGNMENT == 0 for start in starts)
     for tensor, start in zip((hidden, weights, ids, out), starts, strict=True):
         assert torch.equal(ring.view(start, tensor.nbytes), tensor.view(torch.uint8))
     assert tag is not None
     assert decode_word(int(ring.words[tag[0]]), tag[1]) == ("ok", 1000.0)
+
+
+def test_the_check_is_fused_only_where_its_copy_holds_exactly_its_bytes(emulated, monkeypatch) -> None:
+    """Mode 3 (the check from the copy's words) where the checked tensor is copied from its own first byte,
+    wherever it stands among the tensors; a second pass over it (mode 2) where it is not copied, starts off a
+    256-byte boundary (its span's first bytes are not its elements), or fusing is off — the same word each way."""
+    ring = emulated()
+    out = aligned(99, torch.float16).copy_(torch.randn(99))  # odd: the last word holds a byte past the end
+    out[98] = -7.5
+    hidden = aligned(40, torch.bfloat16).copy_(torch.randn(40) * 100)
+    shifted = aligned(99, torch.float16, offset=6).copy_(out)
+    cases = [
+        ([out, hidden], out, 3, 0),  # first among the tensors: still fused, moved to the last slot
+        ([hidden], out, 2, None),  # not copied
+        ([hidden, shifted], shifted, 2, 1),  # a lead of 6 bytes
+    ]
+    for tensors, check, mode, position in cases:
+        starts, _, _, tag = ring.record(tensors, check, True)
+        _, code, used, args = emulated.launches[-1]
+        assert (code, used) == (1, mode)
+        if mode == 3:
+            assert args[3 * (MAX_SPANS - 1)] == check.data_ptr() and args[3 * MAX_SPANS] == 0
+            assert args[3 * (MAX_SPANS - 1) + 1] == ring._base + starts[position] % ring.capacity
+        assert tag is not None and decode_word(int(ring.words[tag[0]]), tag[1]) == ("ok", 7.5)
+    monkeypatch.setattr(device_ring, "FUSED_CHECK", False)
+    _, _, _, tag = ring.record([out, hidden], out, True)
+    assert emulated.launches[-1][2] == 2 and emulated.launches[-1][3][3 * MAX_SPANS] == out.data_ptr()
+    assert tag is not None and decode_word(int(ring.words[tag[0]]), tag[1]) == ("ok", 7.5)
 
 
 @pytest.mark.parametrize("special", [math.nan, math.inf])
