@@ -419,7 +419,7 @@ class _Launcher:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.programs = torch.cuda.get_device_properties(self.index).multi_processor_count * 2
+        self.programs = torch.cuda.get_device_properties(self.index).multi_processor_count * 4
         self._variants: dict[tuple[int, int, int], Any] = {}
         self._get_stream = torch._C._cuda_getCurrentRawStream
         self.compile_ns = 0  # time spent compiling (or loading) variants on their first launch
