@@ -48,8 +48,10 @@ class Emulator:
         best = 0
         if self.mode == 3:  # the check is the last span's own words: its source, ``numel`` elements of it
             assert check == 0, "a fused check has no address of its own"
+            assert self.aligned == 1 and self.code in (1, 2, 3), "a fused check copies whole words of a float"
             check = args[3 * (MAX_SPANS - 1)]
-            assert args[3 * (MAX_SPANS - 1) + 2] >= numel * (4 if self.code == 3 else 2)
+            nbytes = numel * (4 if self.code == 3 else 2)
+            assert 0 <= args[3 * (MAX_SPANS - 1) + 2] - nbytes < 8, "the last span is the checked tensor's words"
         if self.mode in (2, 3):
             if self.code == 2:  # bfloat16: widen through the upper half of a float32
                 raw = np.ctypeslib.as_array((ctypes.c_uint16 * numel).from_address(check))
@@ -157,13 +159,25 @@ def test_the_check_is_fused_only_where_its_copy_holds_exactly_its_bytes(emulated
         ([hidden, shifted], shifted, 2, 1),  # a lead of 6 bytes
     ]
     for tensors, check, mode, position in cases:
-        starts, _, _, tag = ring.record(tensors, check, True)
+        starts, leads, _, tag = ring.record(tensors, check, True)
         _, code, used, args = emulated.launches[-1]
         assert (code, used) == (1, mode)
         if mode == 3:
             assert args[3 * (MAX_SPANS - 1)] == check.data_ptr() and args[3 * MAX_SPANS] == 0
             assert args[3 * (MAX_SPANS - 1) + 1] == ring._base + starts[position] % ring.capacity
+            assert args[3 * MAX_SPANS + 1] == check.numel()  # elements, not the span's whole words
+        for tensor, start, lead in zip(tensors, starts, leads, strict=True):  # each copy where ``starts`` says
+            assert torch.equal(ring.view(start + lead, tensor.nbytes), tensor.view(torch.uint8))
         assert tag is not None and decode_word(int(ring.words[tag[0]]), tag[1]) == ("ok", 7.5)
+    # a full launch (24 spans) with the check first: every other span moves up a slot, the ring's layout stays
+    many = [aligned(16, torch.float32).fill_(float(i)) for i in range(MAX_SPANS - 1)]
+    starts, _, _, tag = ring.record([out, *many], out, True)
+    _, _, used, args = emulated.launches[-1]
+    assert used == 3 and args[3 * (MAX_SPANS - 1)] == out.data_ptr()
+    assert [args[3 * i] for i in range(MAX_SPANS - 1)] == [t.data_ptr() for t in many]
+    for tensor, start in zip([out, *many], starts, strict=True):
+        assert torch.equal(ring.view(start, tensor.nbytes), tensor.view(torch.uint8))
+    assert tag is not None and decode_word(int(ring.words[tag[0]]), tag[1]) == ("ok", 7.5)
     monkeypatch.setattr(device_ring, "FUSED_CHECK", False)
     _, _, _, tag = ring.record([out, hidden], out, True)
     assert emulated.launches[-1][2] == 2 and emulated.launches[-1][3][3 * MAX_SPANS] == out.data_ptr()
