@@ -132,7 +132,8 @@ def test_the_ring_kernel_publishes_finished_words_to_host_memory(tmp_path: Path,
                     torch.cuda.synchronize()
                     mode = 3 if fused else 2
                     code = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[dtype]
-                    assert (1, code, mode) in ring.launcher._variants, (fused, dtype)  # this dtype's variant ran
+                    # this dtype's own variant ran
+                    assert (1, code, mode) in ring.launcher._variants, (fused, dtype)
                     device_word = int(ring.words[tag[0]])
                     assert int(ring.host_words[tag[0]]) == device_word, (dtype, n, special)
                     state, value = decode_word(device_word, tag[1])

@@ -51,7 +51,8 @@ class Emulator:
             assert self.aligned == 1 and self.code in (1, 2, 3), "a fused check copies whole words of a float"
             check = args[3 * (MAX_SPANS - 1)]
             nbytes = numel * (4 if self.code == 3 else 2)
-            assert 0 <= args[3 * (MAX_SPANS - 1) + 2] - nbytes < 8, "the last span is the checked tensor's words"
+            last = args[3 * (MAX_SPANS - 1) + 2] - nbytes
+            assert 0 <= last < 8, "the last span is the checked tensor's words"
         if self.mode in (2, 3):
             if self.code == 2:  # bfloat16: widen through the upper half of a float32
                 raw = np.ctypeslib.as_array((ctypes.c_uint16 * numel).from_address(check))
@@ -166,7 +167,8 @@ def test_the_check_is_fused_only_where_its_copy_holds_exactly_its_bytes(emulated
             assert args[3 * (MAX_SPANS - 1)] == check.data_ptr() and args[3 * MAX_SPANS] == 0
             assert args[3 * (MAX_SPANS - 1) + 1] == ring._base + starts[position] % ring.capacity
             assert args[3 * MAX_SPANS + 1] == check.numel()  # elements, not the span's whole words
-        for tensor, start, lead in zip(tensors, starts, leads, strict=True):  # each copy where ``starts`` says
+        # each copy where ``starts`` says
+        for tensor, start, lead in zip(tensors, starts, leads, strict=True):
             assert torch.equal(ring.view(start + lead, tensor.nbytes), tensor.view(torch.uint8))
         assert tag is not None and decode_word(int(ring.words[tag[0]]), tag[1]) == ("ok", 7.5)
     # a full launch (24 spans) with the check first: every other span moves up a slot, the ring's layout stays
