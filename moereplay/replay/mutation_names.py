@@ -3,10 +3,12 @@
 ``moereplay run FILE --flip topk_weights`` should fail on the typo at once, not after a second of imports. This
 reads the op names of the file's calls (record headers only) and the mutable argument names each family declares
 in its torch-free surface (:attr:`moereplay.ops.surface.FamilySurface.mutable_names`), and rejects a ``flip``,
-``set`` or ``sweep`` of a name that no kernel op of the file declares mutable. Everything else — values, flags
-versus integers, casts, fills, ops a ``python:`` backend brings — is left to the full check against the OpSpecs
+``set`` or ``sweep`` of a name that no kernel op of the file declares mutable; and a ``cast`` of a name that no
+kernel call of the file has among its recorded arguments, or to a dtype name ``--cast`` does not know
+(:data:`CAST_DTYPES`). Everything else — values, flags versus integers, whether a cast argument is a tensor,
+fills, ops a ``python:`` backend brings — is left to the full check against the OpSpecs
 (:func:`moereplay.replay.engine.check_mutations`), which runs next; this one only ever rejects what that one
-would reject too.
+would reject too, with the same words for a dtype.
 """
 
 from __future__ import annotations
@@ -17,6 +19,44 @@ from pathlib import Path
 from moereplay.errors import InvalidMutationError
 
 _NAMED_KINDS = ("flip", "set", "sweep")
+
+CAST_DTYPES = frozenset({
+    "float32", "fp32", "float", "float64", "fp64", "float16", "fp16", "half", "bfloat16", "bf16", "int64", "int32",
+    "int", "int16", "int8", "uint8", "float8_e4m3fn", "fp8", "float8_e5m2", "float8_e8m0fnu",
+})  # fmt: skip
+"""The dtype names ``--cast`` takes (``torch.`` prefix and case aside): the keys of
+``moereplay.replay.mutations``' dtype table, named here without torch (a test holds the two equal)."""
+
+
+def unknown_dtype(text: str) -> str | None:
+    """The full check's words for a dtype name ``--cast`` does not know, or None when it knows it."""
+    if text.strip().lower().removeprefix("torch.") in CAST_DTYPES:
+        return None
+    return f"unknown dtype {text!r} (known: {', '.join(sorted(CAST_DTYPES))})"
+
+
+def check_casts(arguments: dict[str, set[str]], mutations: Sequence[str]) -> None:
+    """Raise :class:`InvalidMutationError` for a ``cast`` of a name none of ``arguments``' ops (op → its calls'
+    recorded argument names) has, or to an unknown dtype — in the order the full check meets them."""
+    for text in mutations:
+        kind, _, rest = text.strip().partition(" ")
+        if kind.removeprefix("--") != "cast":
+            continue
+        for part in rest.split("+"):
+            name, sep, value = part.partition("=")
+            name, value = name.strip(), value.strip()
+            if not sep or not name or not value:
+                return  # malformed: the full check words it
+            if arguments and not any(name in names for names in arguments.values()):
+                listing = "; ".join(
+                    f"{op}: {', '.join(sorted(names))}" for op, names in sorted(arguments.items())
+                )
+                raise InvalidMutationError(
+                    f"--cast {name}: no call's op has an argument {name!r} ({listing})"
+                )
+            problem = unknown_dtype(value)
+            if problem is not None:
+                raise InvalidMutationError(problem)
 
 
 def mutated_names(text: str) -> tuple[str, list[str]]:
@@ -63,7 +103,8 @@ def check_file(path: str | Path, mutations: Sequence[str], call: int | None = No
     record-only op is not replayed), or of call ``call`` alone when one is chosen. Silent when the file holds an op
     no family declares (a ``python:`` backend may bring it), when ``call`` is not a kernel call of the file, or when
     the file cannot be read: the selection's and the reader's own errors say those first."""
-    if not any(mutated_names(text)[1] for text in mutations):
+    casts = any(text.strip().removeprefix("--").startswith("cast ") for text in mutations)
+    if not casts and not any(mutated_names(text)[1] for text in mutations):
         return
     from moereplay.errors import MoereplayError
     from moereplay.format import CaptureReader
@@ -74,18 +115,24 @@ def check_file(path: str | Path, mutations: Sequence[str], call: int | None = No
     for family in families():
         kernel.update(family.kernel_ops)
         other.update(family.parent_ops, family.record_only_ops)
+    arguments: dict[str, set[str]] = {}
     try:
         with CaptureReader(path) as reader:
             if call is None:
-                ops = {record.op for record in reader.calls()}
+                records = list(reader.calls())
             elif call in reader.indices:
-                ops = {reader.call(call).op}
+                records = [reader.call(call)]
             else:
                 return
     except MoereplayError:
         return
+    ops = {record.op for record in records}
     if call is not None and not ops <= kernel:
         return
     if any(op not in kernel and op not in other for op in ops):
         return
+    for record in records:
+        if record.op in kernel:
+            arguments.setdefault(record.op, set()).update(record.args)
     check_names((op for op in ops if op in kernel), mutations)
+    check_casts(arguments, mutations)

@@ -41,3 +41,32 @@ def test_check_names_rejects_only_what_no_op_declares() -> None:
         check_names([marlin], ["flip use_atomic_add+topk_weights"])
     with pytest.raises(InvalidMutationError, match="--sweep block_m"):
         check_names([marlin], ["sweep block_m=64,128"])
+
+
+def test_cast_dtype_names_are_the_mutation_tables_and_worded_alike() -> None:
+    from moereplay.replay import mutation_names, mutations
+
+    assert frozenset(mutations._DTYPE_ALIASES) == mutation_names.CAST_DTYPES
+    for text in ("fp16", "torch.BFloat16", " float8_e4m3fn "):
+        assert mutation_names.unknown_dtype(text) is None
+        mutations.parse_dtype(text)
+    with pytest.raises(InvalidMutationError) as full:
+        mutations.parse_dtype("float12")
+    assert mutation_names.unknown_dtype("float12") == str(full.value)
+
+
+def test_check_casts_rejects_unknown_arguments_and_dtypes_in_the_full_checks_order() -> None:
+    from moereplay.replay.mutation_names import check_casts
+
+    arguments = {"moe_wna16_marlin_gemm": {"input", "topk_weights", "mul_topk_weights"}}
+    check_casts(arguments, ["cast input=bf16+topk_weights=float16", "flip nothing_checked_here", "fill 0xff"])
+    check_casts(arguments, ["cast malformed"])  # the full check words it
+    check_casts({}, ["cast anything=float32"])  # no kernel call read: left to the full check
+    with pytest.raises(
+        InvalidMutationError, match="--cast topk_weight: no call's op has an argument 'topk_weight'"
+    ):
+        check_casts(arguments, ["cast topk_weight=float32"])
+    with pytest.raises(InvalidMutationError, match="unknown dtype 'nosuch'"):
+        check_casts(arguments, ["cast input=nosuch"])
+    with pytest.raises(InvalidMutationError, match="no call's op has an argument 'bad'"):
+        check_casts(arguments, ["cast bad=nosuch"])  # the name first, as the full check

@@ -207,6 +207,33 @@ def test_a_mutation_typo_fails_before_torch_is_imported(tmp_path: Path) -> None:
     assert "\n" not in error
 
 
+@pytest.mark.parametrize(
+    ("cast", "expected"),
+    [
+        ("topk_weights=nosuchdtype", "moereplay: unknown dtype 'nosuchdtype' (known: "),
+        ("nosuch=float32", "moereplay: --cast nosuch: no call's op has an argument 'nosuch'"),
+    ],
+)
+def test_a_cast_typo_fails_before_torch_is_imported(cast: str, expected: str) -> None:
+    """A mistyped dtype or argument of ``--cast`` used to cost ~3 s of imports before the full check."""
+    import subprocess
+    import sys
+
+    report_capture = Path(__file__).resolve().parents[3] / "captures" / "marlin-nvfp4-gpt-oss-gemm1.moe.zst"
+    probe = (
+        "import sys\n"
+        "from moereplay.cli import main\n"
+        "try:\n"
+        f"    main(['run', {str(report_capture)!r}, '--cast', {cast!r}])\n"
+        "except SystemExit as done:\n"
+        "    print('exit', done.code, 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "exit 2 False", result.stdout + result.stderr
+    error = result.stderr.strip()
+    assert error.startswith(expected) and "\n" not in error, error
+
+
 @pytest.mark.parametrize("fraction", [0.3, 0.6, 0.9])
 def test_a_cut_capture_is_named_cut_and_a_call_without_output_stops_at_once_offline(
     tmp_path: Path, fraction: float, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
