@@ -53,6 +53,34 @@ def test_every_command_is_in_the_readmes_commands_table() -> None:
     assert not missing, f"not in the README's Commands table: {missing}"
 
 
+def test_every_option_is_in_its_commands_row_of_the_readme() -> None:
+    """Each visible option of each command (its long name, or a short or negative alias) appears in the README's
+    Commands row that names the command."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("## Commands", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `moereplay ")]
+    root = typer.main.get_command(app)
+    missing = []
+    for path in _command_paths():
+        command: Any = root
+        for name in path:
+            command = command.commands[name]
+        if not path or getattr(command, "commands", None):
+            continue
+        spelled = " ".join(path)
+        mine = [row for row in rows if f"moereplay {spelled} " in row or f"/ `{spelled} " in row]
+        for param in command.params:
+            if param.param_type_name != "option" or param.hidden or "--help" in param.opts:
+                continue
+            names = [*param.opts, *param.secondary_opts]
+            if not any(re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", row) for row in mine for n in names):
+                missing.append(f"{spelled} {names[0]}")
+    assert not missing, f"options not in their command's row of the README's Commands table: {missing}"
+
+
 def test_bracketed_words_in_help_survive_the_markup() -> None:
     """Rich reads ``[ray]`` as markup and drops it: the help must say which extra to install."""
     shown = CliRunner().invoke(app, ["run", "--help"], terminal_width=250).output
