@@ -222,6 +222,13 @@ CUDA graph holds ring launches): each poll takes the GIL from the serving thread
 offs per eager decode step. A call the serving thread leaves to the writer wakes it at once; once calls stop,
 the last ones are checked within this plus ``inline_window``."""
 
+IDLE_POLL_S = 0.5
+"""How long the writer may wait for its next poll while nothing is outstanding — no call of the eager ring waits
+for its check, none is left to the writer, and no CUDA graph holds ring launches: a process whose MoE layers are
+not recorded (vLLM's API server, a layer filter that selects none), or between requests. Its polls would find
+nothing, and each takes the GIL from the threads that serve. The serving thread wakes the writer when it records
+a call it cannot finish checking itself, so a trigger waits no longer for it (see :meth:`LayerFlight.poll`)."""
+
 SETTLE_LOCK_WAIT_S = 0.2
 """How long a settling poll waits for the lock the serving thread holds (see LayerFlight._acquire_for_poll)."""
 
@@ -303,6 +310,9 @@ class LayerFlight(PollingRecorder):
         # thread when its check leaves the writer something while the writer may be waiting QUIET_POLL_S
         self.wake: Callable[[], None] | None = None
         self._inline_defers = False
+        # the writer's last poll found nothing outstanding and asked to wait IDLE_POLL_S: the serving thread wakes
+        # it when it leaves a call unchecked (see _check_inline)
+        self._writer_idle = False
         self.inline_window = INLINE_WINDOW_S
         self.graph: GraphFlight | None = None  # graph-replayed calls (set by the recorder)
 
@@ -438,6 +448,11 @@ class LayerFlight(PollingRecorder):
         poll — brought forward by :attr:`wake` when something is newly left."""
         lock = self._lock
         if not lock.acquire(blocking=False):
+            if (
+                self._writer_idle and self.wake is not None
+            ):  # the writer holds the lock: its poll may have found
+                self._writer_idle = False  # nothing just before this call joined — bring the next one forward
+                self.wake()
             return
         try:
             self.counters.inline_checks += 1
@@ -447,6 +462,9 @@ class LayerFlight(PollingRecorder):
             self._evict()
             self._inline_at = now
             woken = self._inline_defers and not deferred
+            if self._writer_idle and self._unchecked:  # a pending call: the idle writer polls again from now
+                self._writer_idle = False
+                woken = True
         finally:
             lock.release()
         if woken and self.wake is not None:
@@ -508,10 +526,10 @@ class LayerFlight(PollingRecorder):
 
     def poll(self, *, launch: bool = False) -> float | None:
         """Describe new calls, read tag words, handle triggers and finished copy-outs. Launches (word reads,
-        copy-outs) only with ``launch`` (the writer thread, inside the graph gate). Returns :data:`QUIET_POLL_S`
-        when the serving thread checks the eager ring itself and no CUDA graph holds ring launches — the writer
-        may wait that long for the next poll (the serving thread wakes it when it leaves it something) — else
-        None."""
+        copy-outs) only with ``launch`` (the writer thread, inside the graph gate). Returns how long the writer may
+        wait for the next poll while no CUDA graph holds ring launches: :data:`IDLE_POLL_S` when nothing is
+        outstanding, :data:`QUIET_POLL_S` when the serving thread checks the eager ring itself — it wakes the
+        writer when it leaves it something, or leaves a call unchecked after an idle poll — else None."""
         if not launch:
             return None
         started = time.perf_counter_ns()
@@ -532,16 +550,21 @@ class LayerFlight(PollingRecorder):
                 self._evict()
                 self._inline_defers = False
                 self.counters.eager_polls += 1
+            idle = not (self._new or self._unchecked or self._reads or self._copy_outs or self._inline_defers)
+            graph = self.graph
+            self._writer_idle = idle and (graph is None or not graph.counters.launches)
             self.counters.polls += 1
             self.counters.poll_ns += time.perf_counter_ns() - started
         finally:
             if locked:
                 self._lock.release()
-        graph = self.graph
         if graph is not None:
             graph.poll(launch=True)
             if graph.counters.launches:  # graph replays are found by polls only
+                self._writer_idle = False
                 return None
+        if idle:
+            return IDLE_POLL_S
         return QUIET_POLL_S if quiet else None
 
     def _acquire_for_poll(self) -> bool:

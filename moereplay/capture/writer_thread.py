@@ -18,7 +18,9 @@ one message's write. The layer-scope recorder's eager calls are checked sooner, 
 end of the next call; while it does (and no CUDA graph holds ring launches), its poll leaves them alone and asks
 for the next poll up to ``flight_layer.QUIET_POLL_S`` later (fewer GIL hand-offs), and the serving thread calls
 :meth:`WriterThread.wake_poll` when it leaves a call to the writer — so a trigger among them waits at most that
-window and one quiet poll after the serving thread stops making calls.
+window and one quiet poll after the serving thread stops making calls. With nothing outstanding (no call waiting
+for its check: a process whose layers are not recorded, or between requests) a poll asks for
+``flight_layer.IDLE_POLL_S``, and the serving thread wakes the writer when it next leaves a call unchecked.
 
 Delivery: a :class:`Begin` or :class:`Complete` may carry ``delivered``, told exactly once whether the message
 reached the file — ``(True, None)`` after the sink's write returned, ``(False, why)`` when it never will (refused
@@ -60,8 +62,9 @@ Delivered = Callable[[bool, str | None], None]
 """``delivered(written, why_not)``: see the module docstring (Delivery)."""
 
 
-MAX_POLL_WAIT_S = 0.05
-"""The longest a poll may ask the thread to wait for the next one (see :meth:`WriterThread.set_poll`)."""
+MAX_POLL_WAIT_S = 0.5
+"""The longest a poll may ask the thread to wait for the next one (see :meth:`WriterThread.set_poll`): the layer
+flight recorder's wait while nothing is outstanding (``flight_layer.IDLE_POLL_S``)."""
 
 
 class RecordSink(Protocol):

@@ -490,28 +490,67 @@ def one_layer_call(flight: object, index: int = 0, bad: float | None = None) -> 
 def test_the_writer_may_wait_longer_while_the_serving_thread_checks_and_is_woken_for_a_bad_call(
     emulated, monkeypatch
 ) -> None:
-    """While the serving thread checks the eager ring itself (and no CUDA graph holds ring launches) the writer's
-    poll asks for QUIET_POLL_S before the next; otherwise for its interval. The serving thread wakes the writer
-    once when it leaves it a bad call — not again on every later call while it waits."""
+    """The writer's poll asks for IDLE_POLL_S while nothing is outstanding, for QUIET_POLL_S while the serving
+    thread checks the eager ring itself and a call still waits for its word, and for its interval otherwise (work
+    left to it, a stale serving-thread check, a CUDA graph holding ring launches). The serving thread wakes the
+    writer once when it leaves it a bad call — not again on every later call while it waits — and once when it
+    leaves a call unchecked after an idle poll."""
     from moereplay.capture import flight_layer
 
     monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    emulated.hold = True  # words are published when the test says (launches that have not finished yet)
+
+    def finish() -> None:
+        for publish in emulated.held:
+            publish()
+        emulated.held.clear()
+
     flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
     flight.inline_window = 3600.0
     wakes: list[int] = []
     flight.wake = lambda: wakes.append(1)
-    assert flight.poll(launch=True) is None  # no serving-thread check yet
+    assert flight.poll(launch=True) == flight_layer.IDLE_POLL_S  # nothing recorded: nothing to look at
     one_layer_call(flight, 0)
-    assert flight.poll(launch=True) == flight_layer.QUIET_POLL_S
-    one_layer_call(flight, 1, bad=float("nan"))
-    one_layer_call(flight, 2)
-    one_layer_call(flight, 3)
-    assert wakes == [1]  # once, when the bad call was left
+    assert wakes == [1]  # left unchecked after an idle poll: the writer polls again from now
+    assert flight.poll(launch=True) == flight_layer.QUIET_POLL_S  # pending, but this thread checks the ring
+    finish()
+    one_layer_call(flight, 1)  # call 0 checked here, call 1 pending: the writer was not idle, no wake
+    assert wakes == [1] and flight.poll(launch=True) == flight_layer.QUIET_POLL_S
+    finish()
+    flight.inline_window = 0.0  # the serving thread's check is too old: the writer checks call 1 itself
+    assert flight.poll(launch=True) == flight_layer.IDLE_POLL_S  # and then nothing is outstanding
+    flight.inline_window = 3600.0
+    one_layer_call(flight, 2, bad=float("nan"))
+    assert wakes == [1, 1]  # pending after an idle poll
+    finish()
+    one_layer_call(flight, 3)  # the bad word is read here and left to the writer: woken once
+    finish()
+    one_layer_call(flight, 4)
+    assert wakes == [1, 1, 1]  # once for the bad call, not again on the next one
     assert flight.poll(launch=True) is None  # it had something to do
     assert flight.counters.triggers == 1
+    one_layer_call(flight, 5)
     flight.inline_window = 0.0
-    assert flight.poll(launch=True) is None  # the serving thread's check is too old
+    assert flight.poll(launch=True) is None  # pending, and the serving thread's check is too old
     flight.inline_window = 3600.0
     flight.graph = types.SimpleNamespace(poll=lambda launch: None, counters=types.SimpleNamespace(launches=1))
-    one_layer_call(flight, 4)
+    finish()
+    one_layer_call(flight, 6)
     assert flight.poll(launch=True) is None  # graph replays are found by polls only
+
+
+def test_a_call_that_finds_an_idle_writer_holding_the_lock_wakes_it(emulated, monkeypatch) -> None:
+    """The writer's idle poll may hold the lock when a call joins: the serving thread cannot check it, so it wakes
+    the writer instead of leaving the call for IDLE_POLL_S."""
+    from moereplay.capture import flight_layer
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
+    wakes: list[int] = []
+    flight.wake = lambda: wakes.append(1)
+    assert flight.poll(launch=True) == flight_layer.IDLE_POLL_S
+    with flight._lock:  # the writer, between finding nothing and letting go
+        one_layer_call(flight, 0)
+    assert wakes == [1] and flight.counters.inline_checks == 0
+    one_layer_call(flight, 1)
+    assert wakes == [1]  # once
