@@ -12,7 +12,8 @@ How a process's last records reach its file — what runs when:
 - While the process runs: the writer thread polls the flight recorder every ``poll_interval`` (5 ms) whether the
   serving thread is busy or idle (the layer-scope recorder's serving thread also checks its finished eager calls
   after each call and hands a bad one to the writer at once; while it does, and no CUDA graph holds ring launches,
-  the writer polls every 20 ms), and writes a trigger's calls at once (flushed to the OS when its queue runs
+  the writer polls every 20 ms, and every 0.5 s while no call waits for its check — the serving thread wakes it
+  when one does), and writes a trigger's calls at once (flushed to the OS when its queue runs
   empty). This is the only guarantee under SIGKILL — and vLLM's default ``--shutdown-timeout 0`` sends SIGKILL
   right after SIGTERM (``vllm.v1.utils.shutdown``: its deadline has already passed), so no handler would run.
 - At exit: :func:`_close_current_at_exit` closes the file (last checks, queue, footer) from a
