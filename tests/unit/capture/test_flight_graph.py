@@ -199,6 +199,29 @@ def test_graph_replays_are_kept_and_a_nan_writes_them_up_to_the_bad_one(
         assert records[0].context["flight"]["magnitude"] == pytest.approx(float(seen[4][1].abs().max()))
 
 
+def test_a_captured_ring_launch_wakes_a_writer_that_found_nothing_outstanding(
+    tmp_path, graph_module, monkeypatch
+) -> None:
+    """Graph replays are found by the writer's polls only: a writer waiting out an idle poll (0.5 s) is woken when
+    a layer call is captured into a graph, so the replays' checks start at once."""
+    import time
+
+    session = _arm(tmp_path, flight_calls="4", flight_graph_bytes="64K")
+    flight = session.recorder.flight
+    assert isinstance(flight, LayerFlight)
+    wakes: list[int] = []
+    monkeypatch.setattr(flight, "wake", lambda: wakes.append(1))
+    deadline = time.monotonic() + 5.0
+    while not flight._writer_idle and time.monotonic() < deadline:  # the writer's first poll: nothing to do
+        time.sleep(0.001)
+    assert flight._writer_idle
+    graph = EmulatedGraph(session, monkeypatch)
+    x, w1, weights, out = _buffers()
+    graph.capture(lambda: graph_module.layer(x, w1, weights, out), lambda: layer(x, w1, weights, out))
+    assert graph.launches == [0] and wakes == [1]
+    session.close()
+
+
 def test_two_layers_per_graph_carry_layer_names_steps_and_one_sequence(
     tmp_path, graph_module, forward_context, monkeypatch
 ) -> None:
