@@ -307,7 +307,8 @@ class LayerFlight(PollingRecorder):
         self._streams_seen: set[tuple[int, int]] = set()
         self._last_stream: tuple[int, int] | None = None
         # brings the writer's next poll forward (the session sets WriterThread.wake_poll): called by the serving
-        # thread when its check leaves the writer something while the writer may be waiting QUIET_POLL_S
+        # thread when its check leaves the writer something while the writer may be waiting QUIET_POLL_S, or
+        # leaves a call unchecked while it may be waiting IDLE_POLL_S
         self.wake: Callable[[], None] | None = None
         self._inline_defers = False
         # the writer's last poll found nothing outstanding and asked to wait IDLE_POLL_S: the serving thread wakes
@@ -448,10 +449,10 @@ class LayerFlight(PollingRecorder):
         poll — brought forward by :attr:`wake` when something is newly left."""
         lock = self._lock
         if not lock.acquire(blocking=False):
-            if (
-                self._writer_idle and self.wake is not None
-            ):  # the writer holds the lock: its poll may have found
-                self._writer_idle = False  # nothing just before this call joined — bring the next one forward
+            # the writer holds the lock: its poll may have found nothing just before this call joined — bring
+            # its next poll forward rather than leave the call for IDLE_POLL_S
+            if self._writer_idle and self.wake is not None:
+                self._writer_idle = False
                 self.wake()
             return
         try:
@@ -553,6 +554,9 @@ class LayerFlight(PollingRecorder):
             idle = not (self._new or self._unchecked or self._reads or self._copy_outs or self._inline_defers)
             graph = self.graph
             self._writer_idle = idle and (graph is None or not graph.counters.launches)
+            # a call that joined after ``idle`` was read saw the flag unset (no wake): read again after setting it
+            if self._writer_idle and self._new:
+                self._writer_idle = idle = False
             self.counters.polls += 1
             self.counters.poll_ns += time.perf_counter_ns() - started
         finally:

@@ -523,9 +523,10 @@ class WriterThread:
         except Exception as error:
             self._fail(f"the flight recorder check failed: {type(error).__name__}: {error}")
         interval = self._poll_interval
-        if isinstance(wanted, (int, float)) and wanted > interval and self._wakes == wakes:
-            interval = min(float(wanted), MAX_POLL_WAIT_S)
-        self._poll_wait = interval
+        with self._ready:  # wake_poll writes both under this lock: a wake cannot land between test and store
+            if isinstance(wanted, (int, float)) and wanted > interval and self._wakes == wakes:
+                interval = min(float(wanted), MAX_POLL_WAIT_S)
+            self._poll_wait = interval
 
     def _at_bound(self, *, outputs: bool) -> str:
         """A record refused by ``MOEREPLAY_MAX_BYTES``: counted, and writing stops; returns why."""

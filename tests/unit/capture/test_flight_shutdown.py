@@ -19,6 +19,7 @@ import threading
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -390,3 +391,58 @@ def test_a_failed_write_counts_as_failed_not_as_written(
     assert (
         "flight_written=0" in summary and "flight_write_failed=1" in summary and "write_errors=1" in summary
     )
+
+
+def test_a_wake_between_a_polls_wait_test_and_its_store_is_kept() -> None:
+    """A wake that lands after the poll asked for a long wait and was found not woken, but before that wait is
+    stored, must still bring the next poll forward (the test and the store are made under the wake's lock). The
+    wake is started from inside the writer at exactly that line (a trace function)."""
+    from moereplay.capture import flight_layer, writer_thread
+
+    assert flight_layer.IDLE_POLL_S <= writer_thread.MAX_POLL_WAIT_S  # the idle wait is not clamped away
+    times: list[float] = []
+    injected: list[float] = []
+    code = WriterThread._run_poll.__code__
+    source = Path(code.co_filename).read_text().splitlines()
+    store = [
+        number
+        for number, line in enumerate(source, 1)
+        if line.strip() == "self._poll_wait = interval" and number > code.co_firstlineno
+    ]
+    assert len(store) == 1, "the store of the poll's wait moved: update this test"
+    box: dict[str, WriterThread] = {}
+
+    def poll() -> float:
+        times.append(time.monotonic())
+        return 0.5
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not code:
+            return None
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_lineno == store[0] and len(times) == 2 and not injected:
+                injected.append(time.monotonic())
+                threading.Thread(target=box["writer"].wake_poll).start()  # may wait for the writer's lock
+                time.sleep(0.02)
+            return local
+
+        return local
+
+    threading.settrace(tracer)
+    try:
+        writer = box["writer"] = WriterThread(
+            _Sink(), max_calls_queued=4, max_bytes_queued=1 << 20, poll=None, poll_interval=0.005
+        )
+    finally:
+        threading.settrace(None)
+    try:
+        writer.set_poll(poll)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not [t for t in times if injected and t > injected[0]]:
+            time.sleep(0.01)
+    finally:
+        writer.close()
+    assert injected, "the wake was never injected"
+    later = [t for t in times if t > injected[0]]
+    assert later and later[0] - injected[0] < 0.3, later[:1]  # not after the 0.5 s the poll asked for

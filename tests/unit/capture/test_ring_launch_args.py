@@ -545,6 +545,7 @@ def test_a_call_that_finds_an_idle_writer_holding_the_lock_wakes_it(emulated, mo
     from moereplay.capture import flight_layer
 
     monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    emulated.hold = True  # words published late: the calls stay unchecked
     flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
     wakes: list[int] = []
     flight.wake = lambda: wakes.append(1)
@@ -554,3 +555,40 @@ def test_a_call_that_finds_an_idle_writer_holding_the_lock_wakes_it(emulated, mo
     assert wakes == [1] and flight.counters.inline_checks == 0
     one_layer_call(flight, 1)
     assert wakes == [1]  # once
+
+
+def test_a_call_that_joins_while_the_writer_decides_it_is_idle_is_not_left_for_the_idle_wait(
+    emulated, monkeypatch
+) -> None:
+    """The writer reads "nothing outstanding", then a call joins and its serving thread, failing the lock, sees the
+    idle flag not yet set (no wake), then the writer sets it: the writer reads the new calls again after setting
+    the flag, and polls again at its interval instead of after IDLE_POLL_S. (The serving thread is made to run
+    its whole call exactly there, from the writer's read of ``graph`` that follows its idle test.)"""
+    import threading
+
+    from moereplay.capture import flight_layer
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    emulated.hold = True
+    flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
+    wakes: list[int] = []
+    flight.wake = lambda: wakes.append(1)
+    flight.inline_window = 0.0  # the writer does the eager work itself (not a quiet poll)
+    assert not flight._writer_idle
+    ran: list[int] = []
+    idle_graph = types.SimpleNamespace(poll=lambda launch: None, counters=types.SimpleNamespace(launches=0))
+
+    def graph_read(self: object) -> object:
+        if not ran:
+            ran.append(1)
+            serving = threading.Thread(target=lambda: one_layer_call(flight, 0, bad=float("nan")))
+            serving.start()
+            serving.join()
+        return idle_graph
+
+    monkeypatch.setattr(
+        flight_layer.LayerFlight, "graph", property(graph_read, lambda self, value: None), raising=False
+    )
+    wanted = flight.poll(launch=True)
+    assert ran and len(flight._new) == 1 and wakes == []  # the call joined in the window, unchecked, no wake
+    assert wanted is None and not flight._writer_idle  # so the writer polls again at its interval
