@@ -1,22 +1,21 @@
 """The Triton kernel behind :class:`moereplay.capture.device_ring.DeviceRing` (imported only where Triton is).
 
-One launch: up to 24 byte spans copied (source address, target address, size — plain 64-bit integers, so the
-caller makes no tensor objects), then optionally one contiguous float tensor reduced to its largest magnitude and
-folded into a 64-bit tag word by ``atomic_max`` (see the device_ring module docstring for the encoding). When
-that tensor is itself copied (a layer call's output, in 8-byte words from its own first byte), the caller passes
-its span last (``MODE`` 3) and the magnitudes come from the words the copy loads: its bytes are read once, not
-twice (at prefill the output is a fifth of the launch's memory traffic). Every
-program then counts itself done on the slot's counter (a fenced atomic, after its copies); the last one resets the
-counter and stores the finished word into the slot's *host* word — pinned host memory mapped into the device, one
-aligned 8-byte store — so the writer thread reads a finished check with a plain memory read, no CUDA call.
+One launch: up to 24 byte spans copied (source address, target address, size — plain 64-bit integers, so the caller
+makes no tensor objects), then optionally one contiguous float tensor reduced to its largest magnitude and folded
+into a 64-bit tag word by ``atomic_max`` (see the device_ring module docstring for the encoding). When that tensor
+is itself copied (a layer call's output, in 8-byte words from its own first byte), the caller passes its span last
+(``MODE`` 3) and the magnitudes come from the words the copy loads: its bytes are read once, not twice (at prefill
+the output is a fifth of the launch's memory traffic). Every program then counts itself done on the slot's counter
+(a fenced atomic, after its copies); the last one resets the counter and stores the finished word into the slot's
+*host* word — pinned host memory mapped into the device, one aligned 8-byte store — so the writer thread reads a
+finished check with a plain memory read, no CUDA call.
 
 :func:`compile_variant` compiles one variant (``aligned``: 8-byte words instead of bytes; ``code``: the checked
 dtype, 0 for none; ``mode``: 0 no tag word, 1 tag word without a check, 2 tag word with the check, 3 tag word with
-the check of the last span's words) with every
-integer argument typed int64 and never specialised, and returns ``launch(programs, stream, args)``: the
-driver's ``cuLaunchKernel`` called through ctypes with a prepared parameter block (no binding, no specialisation
-lookup, no Python-side argument conversion per call: measured on the H200 host, Triton's own launcher path cost
-~17 µs per call, a torch operation ~9 µs).
+the check of the last span's words) with every integer argument typed int64 and never specialised, and returns
+``launch(programs, stream, args)``: the driver's ``cuLaunchKernel`` called through ctypes with a prepared parameter
+block (no binding, no specialisation lookup, no Python-side argument conversion per call: measured on the H200 host,
+Triton's own launcher path cost ~17 µs per call, a torch operation ~9 µs).
 """
 
 from __future__ import annotations

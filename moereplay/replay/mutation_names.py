@@ -115,24 +115,23 @@ def check_file(path: str | Path, mutations: Sequence[str], call: int | None = No
     for family in families():
         kernel.update(family.kernel_ops)
         other.update(family.parent_ops, family.record_only_ops)
-    arguments: dict[str, set[str]] = {}
+    ops: set[str] = set()
+    arguments: dict[
+        str, set[str]
+    ] = {}  # kernel op -> its calls' recorded argument names (one pass, no records kept)
     try:
         with CaptureReader(path) as reader:
-            if call is None:
-                records = list(reader.calls())
-            elif call in reader.indices:
-                records = [reader.call(call)]
-            else:
+            if call is not None and call not in reader.indices:
                 return
+            for record in reader.calls() if call is None else [reader.call(call)]:
+                ops.add(record.op)
+                if record.op in kernel:
+                    arguments.setdefault(record.op, set()).update(record.args)
     except MoereplayError:
         return
-    ops = {record.op for record in records}
     if call is not None and not ops <= kernel:
         return
     if any(op not in kernel and op not in other for op in ops):
         return
-    for record in records:
-        if record.op in kernel:
-            arguments.setdefault(record.op, set()).update(record.args)
     check_names((op for op in ops if op in kernel), mutations)
     check_casts(arguments, mutations)
