@@ -247,10 +247,7 @@ class GraphFlight(PollingRecorder):
         with self._lock:
             watch.launches[launch] = GraphLaunch(launch, ring, call)
         self.counters.launches += 1
-        layer = self.layer
-        if layer._writer_idle and layer.wake is not None:  # its replays are found by polls only: every
-            layer._writer_idle = False  # poll_interval from now, not after an idle poll's wait
-            layer.wake()
+        self.layer.wake_if_idle()  # its replays are found by polls only: every poll_interval from now
         self.counters.lone += int(programs == 1)
         self.counters.staged += int(launch in ring.staged)
         self.counters.entry_bytes += total

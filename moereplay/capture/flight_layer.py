@@ -451,9 +451,7 @@ class LayerFlight(PollingRecorder):
         if not lock.acquire(blocking=False):
             # the writer holds the lock: its poll may have found nothing just before this call joined — bring
             # its next poll forward rather than leave the call for IDLE_POLL_S
-            if self._writer_idle and self.wake is not None:
-                self._writer_idle = False
-                self.wake()
+            self.wake_if_idle()
             return
         try:
             self.counters.inline_checks += 1
@@ -551,7 +549,7 @@ class LayerFlight(PollingRecorder):
                 self._evict()
                 self._inline_defers = False
                 self.counters.eager_polls += 1
-            idle = not (self._new or self._unchecked or self._reads or self._copy_outs or self._inline_defers)
+            idle = not self._outstanding()  # (the eager work above, or a quiet poll, left no defers)
             graph = self.graph
             self._writer_idle = idle and (graph is None or not graph.counters.launches)
             # a call that joined after ``idle`` was read saw the flag unset (no wake): read again after setting it
@@ -570,6 +568,18 @@ class LayerFlight(PollingRecorder):
         if idle:
             return IDLE_POLL_S
         return QUIET_POLL_S if quiet else None
+
+    def wake_if_idle(self) -> None:
+        """Bring the writer's next poll forward if its last one found nothing outstanding (it may be waiting
+        :data:`IDLE_POLL_S`): a call it must look at is on its way (an eager call this thread could not check, a
+        layer call captured into a CUDA graph, whose replays only polls find)."""
+        if self._writer_idle and self.wake is not None:
+            self._writer_idle = False
+            self.wake()
+
+    def _outstanding(self) -> bool:
+        """Whether an eager call waits for its check, a word read or a copy-out."""
+        return bool(self._new or self._unchecked or self._reads or self._copy_outs)
 
     def _acquire_for_poll(self) -> bool:
         """The writer-side lock, or — while settling, when the serving thread has held it for
@@ -602,9 +612,7 @@ class LayerFlight(PollingRecorder):
 
     @property
     def settled(self) -> bool:
-        return not (self._new or self._unchecked or self._reads or self._copy_outs) and (
-            self.graph is None or self.graph.settled
-        )
+        return not self._outstanding() and (self.graph is None or self.graph.settled)
 
     def as_counters(self) -> dict[str, int]:
         counters = super().as_counters()

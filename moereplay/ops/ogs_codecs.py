@@ -1300,25 +1300,21 @@ def replace_tensor_leaves(value: Any, prefix: str, replacements: Mapping[str, to
 
 
 def register_with_format(register: Callable[..., Any]) -> None:
-    """Register every type codec with the format's registry ``register(qualname, encode, decode)``.
+    """Register every type codec with the format's registry: ``register(qualname, encode, decode, collect=…,
+    tensors=…)`` (None where a codec has no one-pass walk).
 
     The format decodes a recorded tree (tensors already materialised) to the *plain* spec: loading a capture never
     needs triton_kernels. ``OpSpec.run`` turns plain specs into library objects through the backend.
     """
     for codec in TYPE_CODECS:
         for qualname in codec.qualnames():
-            if codec.collect_tree is None:
-                register(qualname, codec.encode, codec.decode_plain)
-            elif codec.collect_tensors is None:
-                register(qualname, codec.encode, codec.decode_plain, collect=codec.collect_tree)
-            else:
-                register(
-                    qualname,
-                    codec.encode,
-                    codec.decode_plain,
-                    collect=codec.collect_tree,
-                    tensors=codec.collect_tensors,
-                )
+            register(
+                qualname,
+                codec.encode,
+                codec.decode_plain,
+                collect=codec.collect_tree,
+                tensors=codec.collect_tensors,
+            )
 
 
 def to_library(value: Any, backend: Any, cache: dict[str, Any]) -> Any:
