@@ -5,11 +5,13 @@
 # requests are biased to emit "zebra" first, so the fault first appears at a decode step replayed from a graph.
 # Then: the flight file's info/ls, `moereplay expand` (the real vLLM layer function re-run under capture) and
 # `moereplay run` on the regenerated kernel calls of the bad one.
-# Everything is logged to $OUT/all.log; summaries, the flight file (when small) and server log tails come back.
+# Everything is logged to $OUT/all.log; summaries, the flight file and the expanded one (when small) and server log
+# tails come back. MODEL_ARGS: more make_gpt_oss.py options (a small model for a bundled capture, e.g. "--hidden 256
+# --intermediate 256 --experts 8 --top-k 2 --heads 4 --kv-heads 2").
 source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
 source tools/gpu/steps.sh
 W=/tmp/serve; mkdir -p $W
-step models 60 python3 tools/models/make_gpt_oss.py $W/gpt-oss-bad --layers 2 --poison 0:5
+step models 60 python3 tools/models/make_gpt_oss.py $W/gpt-oss-bad --layers 2 --poison 0:5 $MODEL_ARGS
 step graph_flight 200 python3 tools/gpu/serve_gpu.py --model $W/gpt-oss-bad --mode graph --capture flight \
     --out $W/graph --requests 8 --fault-word zebra
 G=$(ls -S $W/graph/captures/*.zst 2>/dev/null | head -1)
@@ -31,6 +33,7 @@ print(" ".join("--call " + str(k) for k in calls[-1]["kernel_calls"]))')
     step run 90 bash -c "python3 -m moereplay run $W/expanded.zst $KCALLS --backend pack:$MOEREPLAY_PACK \
         --json-out $W/run.json"
     [ $(stat -c %s "$G") -lt 16000000 ] && cp "$G" "$OUT/graph-flight.zst"
+    [ -f $W/expanded.zst ] && [ $(stat -c %s $W/expanded.zst) -lt 16000000 ] && cp $W/expanded.zst "$OUT/expanded.zst"
 fi
 for d in graph limits; do cp $W/$d/summary.json "$OUT/$d-summary.json" 2>/dev/null
     tail -c 150000 $W/$d/server.log > "$OUT/$d-server.log" 2>/dev/null; done
