@@ -351,7 +351,12 @@ class TensorContract:
     ``contiguous``: the kernel indexes the storage densely from ``data_ptr`` (row-major, no gaps). ``read_when``:
     whether the kernel reads the argument at all under this call's flags (e.g. Marlin reads ``topk_weights`` only
     with ``mul_topk_weights``); when it says no, the contract holds whatever was passed — nothing is checked
-    (``None``: read whenever present).
+    (``None``: read whenever present). ``leading``: what dimension 0 of the tensor indexes (``"expert"`` for
+    per-expert weights, scales and biases; ``"row"`` for activations), so a finding can say which experts or rows
+    hold a bad value (``None``: nothing in particular). ``values``: the number format whose NaN/Inf codes the
+    kernel's reading of these bytes can hold, for the scan of non-finite inputs (e8m0 for ``uint8`` scale bytes;
+    ``None`` from the rule: the bytes hold no such code, e.g. Marlin's re-encoded NVFP4 scales); without a rule,
+    the tensor's own dtype when it is a floating one.
     """
 
     arg: str
@@ -366,6 +371,8 @@ class TensorContract:
     note: str = ""
     host_checks: frozenset[ContractAspect] | None = None
     read_when: Callable[[Args], bool] | None = None
+    leading: Literal["expert", "row"] | None = None
+    values: DtypeRule | None = None
 
     def read_by_kernel(self, args: Args) -> bool:
         """Whether this call makes the kernel read the argument (see ``read_when``)."""

@@ -255,6 +255,7 @@ COMMON_CONTRACTS: tuple[TensorContract, ...] = (
         "read only with mul_routed_weight",
         read_when=_weights_read,
         host_checks=frozenset({"presence"}),
+        leading="row",
     ),
     TensorContract(
         "expert_ids",
@@ -279,6 +280,7 @@ TRITON_CONTRACTS: tuple[TensorContract, ...] = (
         contiguous=False,
         shape=lambda args: (None, _size(args, "B", 2)),
         note="strides passed to the kernel; fp8 / int8 with w8a8",
+        leading="row",
     ),
     TensorContract(
         "B",
@@ -288,6 +290,7 @@ TRITON_CONTRACTS: tuple[TensorContract, ...] = (
         contiguous=False,
         shape=lambda args: (None, None, _size(args, "A", 1)),
         note="[E, N, K]; strides passed to the kernel",
+        leading="expert",
     ),
     *COMMON_CONTRACTS,
     TensorContract(
@@ -313,6 +316,7 @@ TRITON_CONTRACTS: tuple[TensorContract, ...] = (
         "[E]",
         read_when=lambda args: _w8a8(args) or bool(args.get("use_int8_w8a16")),
         host_checks=frozenset({"presence"}),
+        leading="expert",
     ),
     TensorContract(
         "sorted_token_ids",
@@ -329,6 +333,7 @@ TRITON_CONTRACTS: tuple[TensorContract, ...] = (
         required=False,
         contiguous=False,
         shape=lambda args: (_size(args, "B", 0), _size(args, "B", 1)),
+        leading="expert",
     ),
 )
 
@@ -350,6 +355,7 @@ GPTQ_CONTRACTS: tuple[TensorContract, ...] = (
         host_checked=False,
         contiguous=False,
         shape=lambda args: (None, None),
+        leading="row",
     ),
     TensorContract(
         "B",
@@ -363,6 +369,7 @@ GPTQ_CONTRACTS: tuple[TensorContract, ...] = (
             (_size(args, "A", 1) or 0) // 2 if _int4(args) else _size(args, "A", 1),
         ),
         note="int4: [E, N, K/2] bytes, low nibble = even k; int8: [E, N, K]; B loads are not masked along K",
+        leading="expert",
     ),
     *COMMON_CONTRACTS,
     TensorContract(
@@ -377,6 +384,7 @@ GPTQ_CONTRACTS: tuple[TensorContract, ...] = (
             _cdiv(_size(args, "A", 1), _group(args) or 1),
         ),
         host_checks=frozenset({"presence"}),
+        leading="expert",
     ),
     TensorContract(
         "B_zp",
@@ -390,6 +398,7 @@ GPTQ_CONTRACTS: tuple[TensorContract, ...] = (
             _cdiv(_size(args, "A", 1), _group(args) or 1),
         ),
         note="int4: two zero points per byte along N",
+        leading="expert",
     ),
     TensorContract("sorted_token_ids", read_as=fixed_dtype(torch.int32), host_checked=False),
 )

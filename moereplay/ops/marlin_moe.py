@@ -173,6 +173,23 @@ def _b_scales_read_as(args: Args) -> torch.dtype | None:
     return accepted[0] if accepted else None
 
 
+def _b_scales_values(args: Args) -> torch.dtype | None:
+    """The number format whose NaN/Inf codes ``b_scales`` can hold as the kernel reads it: e8m0 (MXFP4, MXFP8),
+    the 16-bit type of per-group scales, and none for NVFP4 — vLLM re-encodes those fp8 scales into an unsigned
+    5-bit-exponent byte the kernel decodes without NaN or Inf, whatever the tensor's dtype says."""
+    scales = args.get("b_scales")
+    if not isinstance(scales, torch.Tensor):
+        return None
+    if scales.dtype == torch.float8_e8m0fnu:
+        return scales.dtype
+    accepted = _b_scales_dtypes(args)
+    if torch.float8_e4m3fn in accepted:  # 4-bit weights: NVFP4 (re-encoded bytes) unless stored as e8m0
+        return None
+    if scales.dtype == torch.uint8 and torch.float8_e8m0fnu in accepted:
+        return torch.float8_e8m0fnu
+    return scales.dtype if scales.dtype.is_floating_point else None
+
+
 def _b_qzeros_read_as(args: Args) -> torch.dtype | None:
     return c_dtype(args) if args.get("is_zp_float") else torch.int32
 
@@ -224,6 +241,7 @@ CONTRACTS: tuple[TensorContract, ...] = (
         accepted=lambda args: (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8),
         shape=lambda args: (args.get("size_m"), args.get("size_k")),
         host_checks=frozenset({"dtype", "shape", "contiguity", "device", "presence"}),
+        leading="row",
     ),
     TensorContract(
         "output",
@@ -245,6 +263,7 @@ CONTRACTS: tuple[TensorContract, ...] = (
         ),
         note="read as raw 16-byte vectors of the Marlin tile layout; sizes are checked in int32 elements",
         host_checks=frozenset({"shape", "contiguity", "device", "presence"}),
+        leading="expert",
     ),
     TensorContract(
         "b_bias",
@@ -254,6 +273,7 @@ CONTRACTS: tuple[TensorContract, ...] = (
         shape=lambda args: (_experts(args), args.get("size_n")),
         note="host checks device, contiguity and size(1) only",
         host_checks=frozenset({"shape", "contiguity", "device"}),
+        leading="expert",
     ),
     TensorContract(
         "b_scales",
@@ -263,6 +283,8 @@ CONTRACTS: tuple[TensorContract, ...] = (
         shape=lambda args: (_experts(args), None, args.get("size_n")),
         note="dtype checked only for float4_e2m1f weights (fp8 e4m3 for NVFP4, e8m0 for MXFP4)",
         host_checks=frozenset({"contiguity", "device", "presence"}),
+        leading="expert",
+        values=_b_scales_values,
     ),
     TensorContract("a_scales", read_as=fixed_dtype(torch.float32), host_checked=True, required=False),
     TensorContract(
@@ -273,6 +295,7 @@ CONTRACTS: tuple[TensorContract, ...] = (
         numel=_experts,
         note="NVFP4 only; one value per expert",
         host_checks=frozenset({"dtype", "presence"}),
+        leading="expert",
     ),
     TensorContract(
         "b_qzeros",
@@ -282,6 +305,7 @@ CONTRACTS: tuple[TensorContract, ...] = (
         note="packed int32 zero points; with is_zp_float 16-bit zero points read as the c type; read only when "
         "non-empty",
         read_when=_has_zero_points,
+        leading="expert",
     ),
     TensorContract(
         "g_idx",

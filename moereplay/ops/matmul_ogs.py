@@ -637,6 +637,7 @@ CONTRACTS: tuple[TensorContract, ...] = (
         contiguous=False,
         note="rows × K, any row stride; Hopper MXFP4 upcasts weights to bf16 and needs bf16 activations "
         "(a compile-time assert)",
+        leading="row",
     ),
     TensorContract(
         "w.storage",
@@ -648,6 +649,7 @@ CONTRACTS: tuple[TensorContract, ...] = (
         required=False,
         note="HOPPER_VALUE storage: a transposed view of a contiguous [E, 2·K_pad, N_pad/4] block; loads are masked "
         "along K",
+        leading="expert",
     ),
     TensorContract(
         "bias",
@@ -658,6 +660,7 @@ CONTRACTS: tuple[TensorContract, ...] = (
         contiguous=True,
         required=False,
         note="indexed as bias + expert·stride(0) + column: the column stride must be 1; vLLM asserts fp32",
+        leading="expert",
     ),
     TensorContract(
         "betas",
@@ -739,6 +742,8 @@ CONTRACTS: tuple[TensorContract, ...] = (
         "Shorter rows make the last K step read the next row's first bytes (for the last expert's last row: the "
         "bytes after the allocation) as scales of masked-out zero weights — harmless if finite, NaN if the byte is "
         "0xff (the kernel upcasts e8m0 0xff to +Inf, and 0·Inf = NaN)",
+        leading="expert",
+        values=lambda args: torch.float8_e8m0fnu,
     ),
 )
 

@@ -60,6 +60,7 @@ from moereplay.replay.differences import element_difference
 from moereplay.replay.execution import KernelRun
 from moereplay.replay.fidelity import FidelityProbe, explain
 from moereplay.replay.findings import Finding, FindingKind, expected_nondeterminism, row_ranges
+from moereplay.replay.input_faults import given_nonfinite, scan_inputs
 from moereplay.replay.memo import CallMemos, Key, args_key, memos_for
 from moereplay.replay.memory import DEFAULT_GUARD_BYTES
 from moereplay.replay.mutations import (
@@ -223,6 +224,7 @@ class ReplaySession:
         self._order: list[_Evaluation] = []
         self._recorded: _Evaluation | None = None
         self._recorded_judged = False
+        self._given_said = False  # the "what it was given" diagnosis of reproduced NaN/Inf is said once
         self._read_findings: dict[str, list[Finding]] = {}
         self._fill_effects: dict[str, FillEffect] = {}
         self._located: list[dict[str, Any]] = []
@@ -728,6 +730,10 @@ class ReplaySession:
             nonfinite = localize.nonfinite(actual, reference.written, reference.rows, label)
             if nonfinite is not None:
                 findings.append(nonfinite)
+                if variant.is_baseline and not comparison.nonfinite_mismatch and not self._given_said:
+                    # the reference makes the same NaN/Inf: say which input carries them, once per call
+                    self._given_said = True
+                    findings.append(self._given_nonfinite(args, reference, actual, nonfinite, label))
         repeats = localize.nondeterminism(outputs, reference.written, label)
         if (
             repeats is not None
@@ -762,6 +768,26 @@ class ReplaySession:
             findings = self._beyond_baseline(findings, variant)
         self.findings.extend(findings)
         return result
+
+    def _given_nonfinite(
+        self, args: Args, reference: ReferenceResult, actual: torch.Tensor, nonfinite: Finding, label: str
+    ) -> Finding:
+        """The diagnosis of NaN/Inf the exact reference makes too: which inputs hold them (as the kernel reads
+        them), or the overflow that makes them from finite inputs."""
+        with self.phases.phase("judge/inputs"):
+            faults = scan_inputs(self.op, args)
+            written = reference.output[reference.written.to(reference.output.device)]
+            magnitude = torch.where(torch.isnan(written), torch.zeros_like(written), written.abs())
+            largest = float(magnitude.max()) if magnitude.numel() else None
+        return given_nonfinite(
+            faults,
+            nan=int(nonfinite.evidence.get("nan", 0)),
+            inf=int(nonfinite.evidence.get("inf", 0)),
+            rows=nonfinite.rows,
+            output_dtype=actual.dtype,
+            reference_max=largest,
+            variant=label,
+        )
 
     def _beyond_baseline(self, findings: list[Finding], variant: Variant) -> list[Finding]:
         """A variant's findings minus those the row it is set beside (the baseline; offline the recorded row)

@@ -1,0 +1,226 @@
+"""Non-finite values a call was given: where the NaN/Inf of an output come from when the kernel is not at fault.
+
+When a call's output holds NaN or Inf and the exact fp32 reference makes the same ones from the same arguments,
+the kernel computed what it was given. The question left is *which* input carries them: a poisoned expert's
+weight scales, an activation row a previous layer already broke, a NaN bias. This module scans every argument a
+kernel reads (the op's contracts name them, opaque arguments' tensors included under their paths) as the kernel
+reads it — a ``uint8`` scale tensor whose contract accepts ``float8_e8m0fnu`` is e8m0, where the byte 0xff is NaN;
+fp8 e4m3 has NaN at 0x7f/0xff — and says which slices of dimension 0 hold them when the contract says what that
+dimension indexes (experts, or rows). Outputs and scratch buffers are not inputs and are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moereplay.ops.base import Args, OpSpec, TensorContract, contract_args
+from moereplay.replay.findings import Finding, FindingKind
+from moereplay.wording import row_ranges
+
+_FLOAT8 = tuple(
+    dtype
+    for dtype in (
+        getattr(torch, "float8_e4m3fn", None),
+        getattr(torch, "float8_e5m2", None),
+        getattr(torch, "float8_e8m0fnu", None),
+        getattr(torch, "float8_e4m3fnuz", None),
+        getattr(torch, "float8_e5m2fnuz", None),
+    )
+    if dtype is not None
+)
+
+# elements scanned at once: bounds the float32 copy a scan makes of a large weight
+_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class InputFault:
+    """Non-finite values in one argument, as the kernel reads its bytes.
+
+    ``meaning``: the dtype the bytes were decoded as (``float8_e8m0fnu`` for e8m0 scales stored as ``uint8``).
+    ``leading``: what dimension 0 indexes (``"expert"``, ``"row"``) when the contract says; ``indices`` then lists
+    the slices holding non-finite values, of ``extent``.
+    """
+
+    arg: str
+    meaning: torch.dtype
+    stored: torch.dtype
+    nan: int
+    inf: int
+    total: int
+    leading: str | None = None
+    indices: tuple[int, ...] = ()
+    extent: int = 0
+
+    @property
+    def count(self) -> int:
+        return self.nan + self.inf
+
+    def describe(self) -> str:
+        if self.meaning == torch.float8_e8m0fnu:
+            what = f"{self.nan:,} bytes 0xff (NaN in e8m0)"
+        else:
+            what = _kinds(self.nan, self.inf)
+            if self.meaning != self.stored:
+                what += f" ({_dtype_name(self.stored)} bytes read as {_dtype_name(self.meaning)})"
+        text = f"{self.arg} holds {what} of {self.total:,}"
+        if self.leading and self.indices:
+            noun = self.leading if len(self.indices) == 1 else self.leading + "s"
+            text += f", in {noun} {row_ranges(self.indices, limit=8)} of {self.extent}"
+        return text
+
+    def as_evidence(self) -> dict[str, Any]:
+        return {
+            "argument": self.arg,
+            "read_as": _dtype_name(self.meaning),
+            "stored_as": _dtype_name(self.stored),
+            "nan": self.nan,
+            "inf": self.inf,
+            "elements": self.total,
+            "leading": self.leading,
+            "indices": list(self.indices),
+            "extent": self.extent,
+        }
+
+
+def _kinds(nan: int, inf: int) -> str:
+    parts = [f"{nan:,} NaN" if nan else "", f"{inf:,} Inf" if inf else ""]
+    return " and ".join(part for part in parts if part)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _can_be_nonfinite(dtype: torch.dtype | None) -> bool:
+    return dtype is not None and (dtype.is_floating_point or dtype in _FLOAT8)
+
+
+def meaning_of(contract: TensorContract, tensor: torch.Tensor, args: Args) -> torch.dtype | None:
+    """The number format the kernel decodes ``tensor``'s bytes as, or ``None`` when they hold no NaN/Inf code the
+    scan may claim: the contract's ``values`` rule when it has one (``uint8`` scale storage read as e8m0; Marlin's
+    NVFP4 scales re-encoded for one kernel: none), else the tensor's own dtype when it is a floating one (integers and packed
+    4-bit codes have none). The format must have the tensor's element size."""
+    if contract.values is not None:
+        try:
+            meaning = contract.values(args)
+        except Exception:  # a rule that cannot judge this call claims nothing
+            return None
+    else:
+        meaning = tensor.dtype
+    if meaning is None or not _can_be_nonfinite(meaning):
+        return None
+    if torch.empty((), dtype=meaning).element_size() != tensor.element_size():
+        return None
+    return meaning
+
+
+def _row_counts(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row NaN and Inf counts of a ``[rows, elements]`` block of a decoded tensor."""
+    wide = rows if rows.dtype == torch.float64 else rows.float()
+    return torch.isnan(wide).sum(dim=1), torch.isinf(wide).sum(dim=1)
+
+
+def scan(arg: str, tensor: torch.Tensor, meaning: torch.dtype, leading: str | None) -> InputFault | None:
+    """The non-finite values of ``tensor`` decoded as ``meaning`` (``None`` when there are none), counted per
+    slice of dimension 0 in blocks of about ``_CHUNK_ELEMENTS`` (a large weight is never widened whole)."""
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.to("cpu")
+    if data.dtype != meaning:
+        data = data.contiguous().view(meaning)
+    rows = data.reshape(data.shape[0] if data.dim() else 1, -1) if data.dim() > 1 else data.reshape(-1, 1)
+    per_row = max(rows.shape[1], 1)
+    step = max(1, _CHUNK_ELEMENTS // per_row)
+    nan = inf = 0
+    indices: list[int] = []
+    for start in range(0, rows.shape[0], step):
+        block_nan, block_inf = _row_counts(rows[start : start + step])
+        nan += int(block_nan.sum())
+        inf += int(block_inf.sum())
+        hit = torch.nonzero((block_nan + block_inf) > 0).flatten()
+        indices.extend(int(i) + start for i in hit)
+    if not nan and not inf:
+        return None
+    keep = leading is not None and data.dim() >= 1
+    return InputFault(
+        arg,
+        meaning,
+        tensor.dtype,
+        nan,
+        inf,
+        data.numel(),
+        leading if keep else None,
+        tuple(indices) if keep else (),
+        int(data.shape[0]) if keep else 0,
+    )
+
+
+def scan_inputs(op: OpSpec, args: Args) -> list[InputFault]:
+    """Every argument the kernel reads that holds NaN or Inf as the kernel decodes it, in contract order."""
+    merged = contract_args(op, args)
+    outputs = {op.output_name, *op.scratch}
+    faults = []
+    for contract in op.contracts:
+        root = contract.arg.split(".", 1)[0].split("[", 1)[0]
+        if root in outputs:
+            continue
+        tensor = merged.get(contract.arg)
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            continue
+        try:
+            if not contract.read_by_kernel(args):
+                continue
+        except Exception:  # a flag rule that cannot judge this call: scan it anyway
+            pass
+        meaning = meaning_of(contract, tensor, args)
+        if meaning is None:
+            continue
+        fault = scan(contract.arg, tensor, meaning, contract.leading)
+        if fault is not None:
+            faults.append(fault)
+    return faults
+
+
+def given_nonfinite(
+    faults: Sequence[InputFault],
+    *,
+    nan: int,
+    inf: int,
+    rows: Sequence[int],
+    output_dtype: torch.dtype,
+    reference_max: float | None,
+    variant: str,
+) -> Finding:
+    """The diagnosis for an output whose NaN/Inf the exact reference makes too: the inputs that carry them, or
+    (none carrying any) the overflow of the output's dtype."""
+    made = _kinds(nan, inf)
+    evidence: dict[str, Any] = {"blame": "caller", "nan": nan, "inf": inf}
+    if faults:
+        evidence["cause"] = "inputs"
+        evidence["inputs"] = [fault.as_evidence() for fault in faults]
+        message = (
+            f"caller: the exact fp32 reference makes the same {made} from this call's arguments, so the kernel "
+            f"computed what it was given — " + "; ".join(fault.describe() for fault in faults)
+        )
+        return Finding(FindingKind.DIAGNOSIS, message, variant, evidence, rows=tuple(rows))
+    finite_max = float(torch.finfo(output_dtype).max) if output_dtype.is_floating_point else None
+    overflow = reference_max is not None and finite_max is not None and reference_max > finite_max
+    evidence["cause"] = "overflow" if overflow else "computation"
+    if overflow:
+        message = (
+            f"caller: the exact fp32 reference makes the same {made}; no argument the kernel reads holds one, "
+            f"but the exact values reach {reference_max:.3g}, beyond {_dtype_name(output_dtype)}'s largest "
+            f"{finite_max:.3g}: the inputs' magnitudes overflow the output type"
+        )
+    else:
+        message = (
+            f"caller: the exact fp32 reference makes the same {made}; no argument the kernel reads holds one, so "
+            "they arise inside the computation from finite inputs (an overflow before a product or activation)"
+        )
+    evidence["reference_max"] = reference_max
+    return Finding(FindingKind.DIAGNOSIS, message, variant, evidence, rows=tuple(rows), confidence=0.8)

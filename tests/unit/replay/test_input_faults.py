@@ -1,0 +1,151 @@
+"""Non-finite outputs the exact reference makes too: the diagnosis names the input that carries them.
+
+The end-to-end cases take the bundled Marlin NVFP4 call, poison one routed expert's global scale with NaN, make the "recorded" output what the call computes (the fp32 reference cast to the output type, NaN included)
+and judge it offline with the real session: the verdict stays ``ok`` (the kernel computed what it was given) and a
+diagnosis names ``b_scales`` and the expert.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moereplay.ops import get_op
+from moereplay.ops.base import TensorContract, fixed_dtype
+from moereplay.replay import FindingKind, ReplaySession, Verdict
+from moereplay.replay.input_faults import given_nonfinite, meaning_of, scan, scan_inputs
+from moereplay.replay.source import load_call
+
+ROOT = Path(__file__).resolve().parents[3]
+SMALL = ROOT / "captures" / "quickstart-marlin-nvfp4-small.moe.zst"
+
+
+def test_e8m0_scale_bytes_of_one_expert_are_found_where_they_are() -> None:
+    storage = torch.full((4, 3, 8), 0x7F, dtype=torch.uint8)  # 2**0 in e8m0
+    storage[2, 1, 5] = 0xFF
+    storage[2, 0, 0] = 0xFF
+    contract = TensorContract(
+        "scales",
+        read_as=fixed_dtype(torch.uint8),
+        host_checked=False,
+        accepted=lambda args: (torch.uint8, torch.float8_e8m0fnu),
+        leading="expert",
+        values=lambda args: torch.float8_e8m0fnu,
+    )
+    meaning = meaning_of(contract, storage, {})
+    assert meaning == torch.float8_e8m0fnu
+    fault = scan("scales", storage, meaning, "expert")
+    assert fault is not None
+    assert (fault.nan, fault.inf, fault.total) == (2, 0, 96)
+    assert fault.indices == (2,) and fault.extent == 4
+    assert "in expert 2 of 4" in fault.describe()
+    assert "2 bytes 0xff (NaN in e8m0)" in fault.describe()
+
+
+def test_integer_and_packed_tensors_are_not_scanned_and_clean_ones_report_nothing() -> None:
+    ints = TensorContract("ids", read_as=fixed_dtype(torch.int32), host_checked=False)
+    assert meaning_of(ints, torch.zeros(4, dtype=torch.int32), {}) is None
+    packed = TensorContract("w", read_as=fixed_dtype(torch.uint8), host_checked=False)
+    assert meaning_of(packed, torch.full((4,), 0xFF, dtype=torch.uint8), {}) is None
+    wide = TensorContract(
+        "s", read_as=fixed_dtype(torch.uint8), host_checked=False, values=fixed_dtype(torch.bfloat16)
+    )
+    assert meaning_of(wide, torch.zeros(4, dtype=torch.uint8), {}) is None  # not its element size
+    assert scan("x", torch.ones(3, 5, dtype=torch.bfloat16), torch.bfloat16, "row") is None
+
+
+def test_rows_are_counted_in_blocks_that_cross_slice_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    import moereplay.replay.input_faults as faults
+
+    monkeypatch.setattr(faults, "_CHUNK_ELEMENTS", 10)  # 2 rows of 5 per block
+    x = torch.zeros(7, 5, dtype=torch.float16)
+    x[0, 1] = float("inf")
+    x[3, 4] = float("nan")
+    x[6, 0] = float("-inf")
+    fault = scan("x", x, torch.float16, "row")
+    assert fault is not None
+    assert (fault.nan, fault.inf) == (1, 2)
+    assert fault.indices == (0, 3, 6)
+
+
+def test_the_diagnosis_without_a_poisoned_input_says_overflow_or_computation() -> None:
+    overflow = given_nonfinite(
+        [], nan=0, inf=4, rows=(1,), output_dtype=torch.float16, reference_max=1e6, variant="recorded"
+    )
+    assert overflow.kind is FindingKind.DIAGNOSIS and overflow.evidence["cause"] == "overflow"
+    inside = given_nonfinite(
+        [], nan=2, inf=0, rows=(1,), output_dtype=torch.bfloat16, reference_max=3.0, variant="recorded"
+    )
+    assert inside.evidence["cause"] == "computation"
+
+
+def _routed_expert(args: dict) -> int:
+    expert_ids = args["expert_ids"]
+    blocks = int(args["num_tokens_past_padded"].reshape(-1)[0]) // int(args["moe_block_size"])
+    return int(expert_ids[:blocks][0])
+
+
+def _poisoned_session(expert: int | None) -> tuple[ReplaySession, int]:
+    call = load_call(SMALL, 0, "cpu")
+    op = get_op(call.op.name)
+    args = dict(call.args)
+    routed = _routed_expert(args)
+    if expert is not None:
+        scales = args["global_scale"].clone()
+        scales[routed] = float("nan")
+        args["global_scale"] = scales
+    reference = op.reference(args)
+    recorded = reference.output.to(call.captured_output.dtype).reshape(call.captured_output.shape)
+    record = SimpleNamespace(op=op.name)
+    return ReplaySession(record, args, output=recorded, backend="reference", device="cpu"), routed
+
+
+def test_nan_the_reference_makes_from_a_poisoned_expert_is_blamed_on_that_input() -> None:
+    session, routed = _poisoned_session(expert=0)
+    try:
+        report = session.report()
+    finally:
+        session.close()
+    recorded = next(r for r in report.results if r.label == "recorded")
+    assert recorded.verdict is Verdict.OK and recorded.nan > 0
+    given = [f for f in report.findings if f.kind is FindingKind.DIAGNOSIS and f.evidence.get("cause")]
+    assert len(given) == 1, [f.message for f in report.findings]
+    inputs = given[0].evidence["inputs"]
+    assert [i["argument"] for i in inputs] == ["global_scale"]
+    assert inputs[0]["indices"] == [routed] and inputs[0]["read_as"] == "float32"
+    assert f"in expert {routed} of" in given[0].message
+    assert "computed what it was given" in given[0].message
+
+
+def test_a_clean_call_gets_no_input_diagnosis() -> None:
+    session, _ = _poisoned_session(expert=None)
+    try:
+        report = session.report()
+    finally:
+        session.close()
+    assert not [
+        f for f in report.findings if f.evidence.get("cause") in ("inputs", "overflow", "computation")
+    ]
+
+
+def test_marlin_nvfp4_scale_bytes_are_not_read_as_e4m3() -> None:
+    """vLLM re-encodes NVFP4 scales for Marlin: 0x7f there is a finite scale, not e4m3's NaN — no claim."""
+    call = load_call(SMALL, 0, "cpu")
+    op = get_op(call.op.name)
+    args = dict(call.args)
+    scales = args["b_scales"].clone()
+    scales.view(torch.uint8)[_routed_expert(args)] = 0x7F
+    args["b_scales"] = scales
+    assert scan_inputs(op, args) == []
+
+
+def test_scan_inputs_skips_the_output_buffer() -> None:
+    call = load_call(SMALL, 0, "cpu")
+    op = get_op(call.op.name)
+    args = dict(call.args)
+    if isinstance(args.get("output"), torch.Tensor):
+        args["output"] = torch.full_like(args["output"], float("nan"))
+    assert scan_inputs(op, args) == []
