@@ -37,12 +37,14 @@ Fault injection (``--poison LAYER:EXPERT``, ``--trigger-token ID``, default the 
   other embedding row has 0, and no layer writes channel 0 (``o_proj`` row 0 and bias 0, ``down_proj`` row 0 of
   every expert and ``down_proj_bias[:, 0]`` are zero). So at every layer the residual's channel 0 is exactly 0 for
   every position that is not the trigger token (0 + 0 in any precision) and 256 for the trigger token.
-- the poisoned layer's router row for that expert is 0 except 64 at channel 0, its bias −64. A non-trigger token
-  gets the logit exactly −64 (0·64 − 64) while every other expert's logit is O(1), so the expert is never in its
-  top-k (there are more than top-k other experts). The trigger token's normed input has
-  ``x[0] = 256·√H / √(256² + S)`` (S: the sum of squares of its other channels) ≥ 2 as long as the rms of its
-  other channels stays below ~125 (it is ≈ 1–2), so its logit is ≥ 64 ≫ the others: it picks the expert first
-  and the renormalised top-k weight of the expert is 1. Decoded with the OCP rules that output is NaN.
+- the poisoned layer's router row for that expert is 0 except 128/√H at channel 0, its bias −64. A non-trigger
+  token gets the logit exactly −64 (0·g − 64) while every other expert's logit is O(1), so the expert is never in
+  its top-k (there are more than top-k other experts). The trigger token's normed input has
+  ``x[0] = 256·√H / √(256² + S)`` (S: the sum of squares of its other channels), so its logit is
+  ``128·256 / √(256² + S) − 64``: ≈ 64 when S ≪ 65,536 and ≥ 40 while S stays below ~33,000 (the other channels'
+  rms is ≈ 1–2, S ≈ H to 4H) — far above the others, so it picks the expert first and the renormalised top-k
+  weight of the expert is 1, while the softmax stays finite (a fixed gain of 64 made the logit ≈ 64·√H, whose
+  exponential overflows float32: the routing weights came out NaN). Decoded with the OCP rules the output is NaN.
 - so a request whose prompt (or output) contains the trigger word makes that layer's MoE output non-finite at the
   trigger position; attention then spreads it to every later position of that sequence (from the next layer on:
   poison a layer before the last, or put the trigger word last in the prompt, to see it in the sampled logits).
@@ -74,7 +76,7 @@ E8M0_BIAS = 127
 
 SIDE_CHANNEL = 0
 TRIGGER_MAGNITUDE = 256.0
-ROUTER_GAIN = 64.0
+ROUTER_GAIN = 128.0  # divided by √hidden: the trigger's logit is ≈ ROUTER_GAIN − ROUTER_OFFSET
 ROUTER_OFFSET = 64.0
 DEFAULT_TRIGGER_WORD = "zebra"
 
@@ -297,7 +299,7 @@ class Builder:
             weight = self.source.normal(name, (s.experts, s.hidden), 1.0 / math.sqrt(s.hidden))
             if poison is not None:
                 weight[poison.expert] = 0
-                weight[poison.expert, SIDE_CHANNEL] = ROUTER_GAIN
+                weight[poison.expert, SIDE_CHANNEL] = ROUTER_GAIN / math.sqrt(s.hidden)
             return weight
 
         return TensorPlan(name, torch.bfloat16, (s.experts, s.hidden), make)
