@@ -268,7 +268,13 @@ def layer_scope_record(
         "output": expected.clone(),
         **(unsupported or {}),
     }
-    context = {"layer": 5, "step": 12, "flight": {"scope": "layer", "trigger": True, "magnitude": 3.5}}
+    context = {
+        "layer": 5,
+        "step": 12,
+        "graph_step": 3,
+        "graph_sequence": 8,
+        "flight": {"scope": "layer", "trigger": True, "magnitude": 3.5},
+    }
     with CaptureWriter(path) as writer:
         index = writer.begin_call(
             "fused_marlin_moe",
@@ -302,6 +308,7 @@ def test_a_layer_scope_record_is_expanded(fake_vllm, tmp_path: Path) -> None:
         parent, gemm1, gemm2 = out.calls()
         assert parent.context["layer"] == gemm1.context["layer"] == gemm2.context["layer"] == 5
         assert parent.context["step"] == 12
+        assert gemm2.context["graph_step"] == 3 and gemm2.context["graph_sequence"] == 8
         args = out.load_args(gemm1.index)
         assert args["workspace"].dtype == torch.int32  # the function allocated its own scratch
         assert torch.equal(out.load_outputs(0)["output"], expected)
