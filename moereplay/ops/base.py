@@ -780,6 +780,32 @@ def contract_args(op: OpSpec, args: Args) -> dict[str, Any]:
     return dict(args)
 
 
+def experts_used(op: OpSpec, args: Args) -> frozenset[int] | None:
+    """The experts whose weights the call reads for some row (the op's ``experts_used`` hook), or ``None`` when
+    the op cannot say — so a bad value in an expert no row reaches is not blamed for the output."""
+    hook = getattr(op, "experts_used", None)
+    if hook is None:
+        return None
+    try:
+        used = hook(args)
+    except Exception:  # a call the hook cannot read: no claim either way
+        return None
+    return None if used is None else frozenset(int(e) for e in used)
+
+
+def block_experts(expert_ids: Any, padded_rows: Any, block: Any) -> frozenset[int] | None:
+    """Experts of the blocks a block-sorted launch runs: ``expert_ids[: padded_rows // block]``, without the
+    ``-1`` of blocks it skips (Marlin, vLLM's Triton fused MoE). ``None`` when an input is missing."""
+    if not isinstance(expert_ids, torch.Tensor) or not isinstance(block, int) or block <= 0:
+        return None
+    if isinstance(padded_rows, torch.Tensor):
+        padded_rows = int(padded_rows.reshape(-1)[0]) if padded_rows.numel() else None
+    if not isinstance(padded_rows, int):
+        return None
+    ids = expert_ids.reshape(-1)[: max(padded_rows, 0) // block]
+    return frozenset(int(e) for e in ids.tolist() if int(e) >= 0)
+
+
 def contract_violations(op: OpSpec, args: Args, *, check_device: bool = True) -> list[ContractViolation]:
     """Every contract violation of a call: the op's ``check`` hook, else :func:`check_contracts`."""
     hook = getattr(op, "check", None)

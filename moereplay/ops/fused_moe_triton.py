@@ -55,6 +55,7 @@ from moereplay.ops.base import (
     RowMap,
     Rule,
     TensorContract,
+    block_experts,
     check_contracts,
     dtype_of,
     fixed_dtype,
@@ -809,6 +810,12 @@ class TritonMoeOp:
     def output_rows(self, output: torch.Tensor) -> torch.Tensor:
         """``C`` (``[M, top_k, N]``) as the reference's ``[M · top_k, N]`` rows (the kernel's flat row ids)."""
         return output.reshape(-1, output.shape[-1]) if output.dim() > 2 else output
+
+    def experts_used(self, args: Args) -> frozenset[int] | None:
+        """Experts of the blocks the launch runs (``expert_ids`` up to ``num_tokens_post_padded`` / ``BLOCK_SIZE_M``)."""
+        return block_experts(
+            args.get("expert_ids"), args.get("num_tokens_post_padded"), args.get("BLOCK_SIZE_M")
+        )
 
     def reference(self, args: Args) -> ReferenceResult:
         from moereplay.reference import fused_moe_triton as ref

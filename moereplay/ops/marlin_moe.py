@@ -75,6 +75,7 @@ from moereplay.ops.base import (
     RowMap,
     Rule,
     TensorContract,
+    block_experts,
     dtype_of,
     fixed_dtype,
 )
@@ -634,6 +635,12 @@ class MarlinMoeOp:
         from moereplay.ops.marlin_rounding import reduction_mode, tile_k
 
         return reduction_mode(args), tile_k(args)
+
+    def experts_used(self, args: Args) -> frozenset[int] | None:
+        """Experts of the blocks the launch runs (``expert_ids`` up to ``num_tokens_past_padded`` / ``moe_block_size``)."""
+        return block_experts(
+            args.get("expert_ids"), args.get("num_tokens_past_padded"), args.get("moe_block_size")
+        )
 
     def reference(self, args: Args) -> ReferenceResult:
         from moereplay.reference.marlin_moe import reference_moe_wna16_marlin_gemm

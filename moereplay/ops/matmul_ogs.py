@@ -937,6 +937,18 @@ class MatmulOgsOp:
     def contract_args(self, args: Args) -> dict[str, Any]:
         return contract_args(args)
 
+    def experts_used(self, args: Args) -> frozenset[int] | None:
+        """Experts with rows in the routing histogram (``None`` for a call without routing data)."""
+        routing = plain_value("routing_data", args.get("routing_data"))
+        if not isinstance(routing, RoutingSpec):
+            return None
+        hist = routing.expt_hist
+        if not isinstance(hist, torch.Tensor) and routing.expt_data is not None:
+            hist = routing.expt_data.hist
+        if not isinstance(hist, torch.Tensor):
+            return None
+        return frozenset(int(e) for e in torch.nonzero(hist.reshape(-1) > 0).flatten().tolist())
+
     def check(self, args: Args, *, check_device: bool = True) -> list[ContractViolation]:
         """Every contract violation of a call, including the tensors inside its opaque arguments.
 

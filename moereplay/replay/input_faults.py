@@ -11,13 +11,14 @@ dimension indexes (experts, or rows). Outputs and scratch buffers are not inputs
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from moereplay.ops.base import Args, OpSpec, TensorContract, contract_args
+from moereplay.ops.base import Args, OpSpec, TensorContract, contract_args, experts_used
 from moereplay.replay.findings import Finding, FindingKind
 from moereplay.wording import row_ranges
 
@@ -55,10 +56,17 @@ class InputFault:
     leading: str | None = None
     indices: tuple[int, ...] = ()
     extent: int = 0
+    used: tuple[int, ...] | None = None
 
     @property
     def count(self) -> int:
         return self.nan + self.inf
+
+    @property
+    def reaches(self) -> bool:
+        """Whether the call reads the bad values for some row: an expert-indexed fault only reaches the output
+        through an expert the call routes rows to (``used``: those of ``indices``; ``None``: not known)."""
+        return self.leading != "expert" or self.used is None or bool(self.used)
 
     def describe(self) -> str:
         if self.meaning == torch.float8_e8m0fnu:
@@ -68,9 +76,13 @@ class InputFault:
             if self.meaning != self.stored:
                 what += f" ({_dtype_name(self.stored)} bytes read as {_dtype_name(self.meaning)})"
         text = f"{self.arg} holds {what} of {self.total:,}"
-        if self.leading and self.indices:
-            noun = self.leading if len(self.indices) == 1 else self.leading + "s"
-            text += f", in {noun} {row_ranges(self.indices, limit=8)} of {self.extent}"
+        if not self.leading or not self.indices:
+            return text
+        shown = self.indices if not self.used else self.used
+        text += f", in {_noun(self.leading, shown)} {row_ranges(shown, limit=8)} of {self.extent}"
+        unused = [i for i in self.indices if self.used and i not in self.used]
+        if unused:
+            text += f" (and {_noun(self.leading, unused)} {row_ranges(unused, limit=8)}, which no row of this call uses)"
         return text
 
     def as_evidence(self) -> dict[str, Any]:
@@ -84,7 +96,12 @@ class InputFault:
             "leading": self.leading,
             "indices": list(self.indices),
             "extent": self.extent,
+            "reaches_output": self.reaches,
         }
+
+
+def _noun(leading: str, indices: Sequence[int]) -> str:
+    return leading if len(indices) == 1 else leading + "s"
 
 
 def _kinds(nan: int, inf: int) -> str:
@@ -164,6 +181,7 @@ def scan_inputs(op: OpSpec, args: Args) -> list[InputFault]:
     """Every argument the kernel reads that holds NaN or Inf as the kernel decodes it, in contract order."""
     merged = contract_args(op, args)
     outputs = {op.output_name, *op.scratch}
+    used = experts_used(op, args)
     faults = []
     for contract in op.contracts:
         root = contract.arg.split(".", 1)[0].split("[", 1)[0]
@@ -181,6 +199,8 @@ def scan_inputs(op: OpSpec, args: Args) -> list[InputFault]:
         if meaning is None:
             continue
         fault = scan(contract.arg, tensor, meaning, contract.leading)
+        if fault is not None and fault.leading == "expert" and used is not None:
+            fault = dataclasses.replace(fault, used=tuple(e for e in fault.indices if e in used))
         if fault is not None:
             faults.append(fault)
     return faults
@@ -201,11 +221,19 @@ def given_nonfinite(
     made = _kinds(nan, inf)
     evidence: dict[str, Any] = {"blame": "caller", "nan": nan, "inf": inf}
     if faults:
-        evidence["cause"] = "inputs"
         evidence["inputs"] = [fault.as_evidence() for fault in faults]
+    reaching = [fault for fault in faults if fault.reaches]
+    aside = "".join(
+        f"; not the cause: {fault.describe()}, and no row of this call is routed to "
+        + ("it" if len(fault.indices) == 1 else "them")
+        for fault in faults
+        if not fault.reaches
+    )
+    if reaching:
+        evidence["cause"] = "inputs"
         message = (
             f"caller: the exact fp32 reference makes the same {made} from this call's arguments, so the kernel "
-            f"computed what it was given — " + "; ".join(fault.describe() for fault in faults)
+            f"computed what it was given — " + "; ".join(fault.describe() for fault in reaching) + aside
         )
         return Finding(FindingKind.DIAGNOSIS, message, variant, evidence, rows=tuple(rows))
     finite_max = float(torch.finfo(output_dtype).max) if output_dtype.is_floating_point else None
@@ -213,14 +241,15 @@ def given_nonfinite(
     evidence["cause"] = "overflow" if overflow else "computation"
     if overflow:
         message = (
-            f"caller: the exact fp32 reference makes the same {made}; no argument the kernel reads holds one, "
-            f"but the exact values reach {reference_max:.3g}, beyond {_dtype_name(output_dtype)}'s largest "
-            f"{finite_max:.3g}: the inputs' magnitudes overflow the output type"
+            f"caller: the exact fp32 reference makes the same {made}; no value the kernel reads for this call's "
+            f"rows is one, but the exact values reach {reference_max:.3g}, beyond {_dtype_name(output_dtype)}'s "
+            f"largest {finite_max:.3g}: the inputs' magnitudes overflow the output type" + aside
         )
     else:
         message = (
-            f"caller: the exact fp32 reference makes the same {made}; no argument the kernel reads holds one, so "
-            "they arise inside the computation from finite inputs (an overflow before a product or activation)"
+            f"caller: the exact fp32 reference makes the same {made}; no value the kernel reads for this call's "
+            "rows is one, so they arise inside the computation from finite inputs (an overflow before a product "
+            "or activation)" + aside
         )
     evidence["reference_max"] = reference_max
     return Finding(FindingKind.DIAGNOSIS, message, variant, evidence, rows=tuple(rows), confidence=0.8)

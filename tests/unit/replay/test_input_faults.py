@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moereplay.ops import get_op
-from moereplay.ops.base import TensorContract, fixed_dtype
+from moereplay.ops.base import TensorContract, experts_used, fixed_dtype
 from moereplay.replay import FindingKind, ReplaySession, Verdict
 from moereplay.replay.input_faults import given_nonfinite, meaning_of, scan, scan_inputs
 from moereplay.replay.source import load_call
@@ -88,15 +88,30 @@ def _routed_expert(args: dict) -> int:
     return int(expert_ids[:blocks][0])
 
 
-def _poisoned_session(expert: int | None) -> tuple[ReplaySession, int]:
+def _unused_expert(args: dict) -> int:
+    op = get_op("moe_wna16_marlin_gemm")
+    used = experts_used(op, args)
+    assert used is not None
+    return min(set(range(int(args["global_scale"].numel()))) - used)
+
+
+def _poisoned_session(
+    expert: int | None, *, unused: bool = False, input_row: int | None = None
+) -> tuple[ReplaySession, int]:
     call = load_call(SMALL, 0, "cpu")
     op = get_op(call.op.name)
     args = dict(call.args)
     routed = _routed_expert(args)
+    scales = args["global_scale"].clone()
     if expert is not None:
-        scales = args["global_scale"].clone()
         scales[routed] = float("nan")
-        args["global_scale"] = scales
+    if unused:
+        scales[_unused_expert(args)] = float("nan")
+    args["global_scale"] = scales
+    if input_row is not None:
+        activations = args["input"].clone()
+        activations[input_row, 3] = float("inf")
+        args["input"] = activations
     reference = op.reference(args)
     recorded = reference.output.to(call.captured_output.dtype).reshape(call.captured_output.shape)
     record = SimpleNamespace(op=op.name)
@@ -118,6 +133,32 @@ def test_nan_the_reference_makes_from_a_poisoned_expert_is_blamed_on_that_input(
     assert inputs[0]["indices"] == [routed] and inputs[0]["read_as"] == "float32"
     assert f"in expert {routed} of" in given[0].message
     assert "computed what it was given" in given[0].message
+
+
+def test_a_poisoned_expert_no_row_is_routed_to_is_named_but_not_blamed() -> None:
+    session, _ = _poisoned_session(expert=None, unused=True, input_row=0)
+    try:
+        report = session.report()
+    finally:
+        session.close()
+    (given,) = [f for f in report.findings if f.evidence.get("cause")]
+    by_argument = {i["argument"]: i for i in given.evidence["inputs"]}
+    assert by_argument["input"]["reaches_output"] and by_argument["input"]["indices"] == [0]
+    assert not by_argument["global_scale"]["reaches_output"]
+    message = given.message
+    assert "input holds 1 Inf of" in message and "in row 0 of" in message
+    assert message.index("not the cause: global_scale") > message.index("input holds")
+
+
+def test_an_expert_list_separates_routed_experts_from_the_others() -> None:
+    session, routed = _poisoned_session(expert=0, unused=True)
+    try:
+        report = session.report()
+    finally:
+        session.close()
+    (given,) = [f for f in report.findings if f.evidence.get("cause")]
+    unused = _unused_expert(dict(load_call(SMALL, 0, "cpu").args))
+    assert f"in expert {routed} of 8 (and expert {unused}, which no row of this call uses)" in given.message
 
 
 def test_a_clean_call_gets_no_input_diagnosis() -> None:
