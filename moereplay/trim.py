@@ -206,6 +206,9 @@ def trim_capture(
         kept = _with_ancestors(reader, wanted) if parents else wanted
         copier = CallCopier(reader)
         header = dict(reader.header)
+        late = reader.footer.get("gpu") if isinstance(reader.footer, dict) else None
+        if isinstance(late, dict):  # the source read its GPU only at close (its footer holds it): keep it
+            header["gpu"] = {**late, "read_at_close": True}
         header["trim"] = {
             "source": source.name,
             "calls": kept,

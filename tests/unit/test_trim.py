@@ -144,3 +144,20 @@ def test_cli_trim_refuses_an_existing_output_unless_forced(capture: Path, tmp_pa
     forced = runner.invoke(app, ["trim", str(capture), "--calls", "0", "-o", str(out), "--force"])
     assert forced.exit_code == 0, forced.output
     assert out.read_bytes() != b"someone's file"
+
+
+def test_a_gpu_the_source_read_at_close_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serving worker arms before CUDA exists: its GPU is in the footer, which a trim does not copy."""
+    import moereplay.format.writer as writer_module
+
+    late = {"initialized": True, "count": 1, "name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"}
+    monkeypatch.setattr(writer_module, "late_gpu", lambda header_gpu: dict(late))
+    source = tmp_path / "served.moe.zst"
+    with CaptureWriter(source, header={"gpu": {"initialized": False, "count": 1}}) as writer:
+        call = writer.begin_call("toy", {"x": torch.ones(2)}, site="s")
+        writer.complete_call(call, {"out": torch.ones(2)})
+    monkeypatch.setattr(writer_module, "late_gpu", lambda header_gpu: None)
+    result = trim_capture(source, "0", tmp_path / "t.moe.zst")
+    with CaptureReader(result.path) as trimmed:
+        assert trimmed.header["gpu"]["name"] == "NVIDIA H100 80GB HBM3"
+        assert trimmed.header["gpu"]["read_at_close"] is True
