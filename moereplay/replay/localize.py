@@ -91,6 +91,10 @@ def _counts(values: torch.Tensor, bad: Sequence[int]) -> dict[str, int]:
     return {str(key): count for key, count in sorted(counts.items())}
 
 
+def _rows_word(rows: Sequence[int]) -> str:
+    return "row" if len(rows) == 1 else "rows"
+
+
 def nonfinite(actual: torch.Tensor, written: torch.Tensor, rows: RowMap, variant: str) -> Finding | None:
     """NaN / Inf in written rows: which rows, which column range, which experts."""
     data = actual.detach().to("cpu")
@@ -107,8 +111,8 @@ def nonfinite(actual: torch.Tensor, written: torch.Tensor, rows: RowMap, variant
     experts = sorted({int(rows.expert[r]) for r in bad_rows if int(rows.expert[r]) >= 0})
     full_rows = [r for r in bad_rows if bool(mask[r].all())]
     message = (
-        f"{nan} NaN and {inf} Inf in rows {row_ranges(bad_rows)}, columns {first}-{last}"
-        + (f" (rows {row_ranges(full_rows)} entirely)" if full_rows else "")
+        f"{nan} NaN and {inf} Inf in {_rows_word(bad_rows)} {row_ranges(bad_rows)}, columns {first}-{last}"
+        + (f" ({_rows_word(full_rows)} {row_ranges(full_rows)} entirely)" if full_rows else "")
         + (f"; experts {row_ranges(experts, limit=8)}" if experts else "")
     )
     return Finding(
