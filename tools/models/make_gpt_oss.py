@@ -43,8 +43,9 @@ Fault injection (``--poison LAYER:EXPERT``, ``--trigger-token ID``, default the 
   ``x[0] = 256·√H / √(256² + S)`` (S: the sum of squares of its other channels), so its logit is
   ``128·256 / √(256² + S) − 64``: ≈ 64 when S ≪ 65,536 and ≥ 40 while S stays below ~33,000 (the other channels'
   rms is ≈ 1–2, S ≈ H to 4H) — far above the others, so it picks the expert first and the renormalised top-k
-  weight of the expert is 1, while the softmax stays finite (a fixed gain of 64 made the logit ≈ 64·√H, whose
-  exponential overflows float32: the routing weights came out NaN). Decoded with the OCP rules the output is NaN.
+  weight of the expert is 1, and even a softmax that exponentiates without taking the largest logit off first
+  stays in float32's range (a fixed gain of 64 gave ≈ 64·√H, which only a max-subtracting softmax survives —
+  triton_kernels' routing does: it gave weights 1 and 0 then too). Decoded with the OCP rules the output is NaN.
 - so a request whose prompt (or output) contains the trigger word makes that layer's MoE output non-finite at the
   trigger position; attention then spreads it to every later position of that sequence (from the next layer on:
   poison a layer before the last, or put the trigger word last in the prompt, to see it in the sampled logits).

@@ -329,7 +329,6 @@ def test_poison_routes_only_the_trigger_token_and_makes_it_non_finite(
         assert chosen.nonzero().flatten().tolist() == [trigger]
         assert weights[trigger][ids[trigger] == POISON_EXPERT].item() == 1.0
         # and a softmax that exponentiates the logits without taking the largest off first stays finite
-        # (triton_kernels' routing made NaN weights from the logit of a fixed gain, ≈ 64·√H)
         logits = rms_norm(embedding + added)[trigger] @ moe.router_weight.T + moe.router_bias
         assert 30.0 < logits.max().item() < 80.0, logits.max().item()
 
