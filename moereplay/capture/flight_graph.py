@@ -27,6 +27,10 @@ forward count: a graph replay is not seen by the host.
 
 Detection delay: about one writer poll (≈ 5 ms) after the device finished the call, plus the copy-out (4–5 ms
 measured on the H200, ``tests/gpu/test_flight_graph_gpu.py``).
+The check covers the rows the step really computes: a graph replays a batch padded to its captured size, and its
+padding rows hold whatever the buffers held (:mod:`moereplay.capture.padded_rows` finds the model runner's token
+count, which the kernel reads at every replay; where it is not found every row is checked and the launch counts in
+``flight_graph_rows_unknown``). The copy keeps every row.
 What is not kept (counted ``flight_graph_not_kept``, one warning each reason): a call that may write its inputs
 (its inputs would have to be copied before it: not supported under graphs), an output the kernel cannot reduce
 (not a contiguous float16/bfloat16/float32), an entry larger than a quarter of ``MOEREPLAY_FLIGHT_GRAPH_BYTES``,
@@ -65,6 +69,7 @@ from moereplay.capture.graph_ring import (
     kernel_error,
     kernels_available,
 )
+from moereplay.capture.padded_rows import row_elements, token_count
 
 logger = logging.getLogger("moereplay.capture")
 
@@ -87,6 +92,8 @@ class GraphCounters(FlightCounters):
     # of the launches, those staged: only a copy on the graph's path, the record node beside it
     staged: int = 0
     entry_bytes: int = 0  # bytes the launches' entries take in the ring, together (each replay copies them)
+    # launches whose check covers every row of the graph's padded batch: the step's token count was not found
+    rows_unknown: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f"flight_graph_{key}": value for key, value in self.__dict__.items()}
@@ -237,10 +244,17 @@ class GraphFlight(PollingRecorder):
         for size in sizes:
             offsets.append(at)
             at += (size + ALIGNMENT - 1) & ~(ALIGNMENT - 1)
-        spans = Spans(tuple(sources), tuple(offsets), tuple(sizes), check_info, total)
+        real = self._real_rows(check)
+        limit = (real[0].data_ptr(), real[1]) if real is not None else None
+        spans = Spans(tuple(sources), tuple(offsets), tuple(sizes), check_info, total, limit)
         views = None if cuda else fallback_views(tensors, leads, sizes)
         programs = ring.capture(
-            launch, spans, first=call.where.layer == 0, views=views, check=None if cuda else check
+            launch,
+            spans,
+            first=call.where.layer == 0,
+            views=views,
+            check=None if cuda else check,
+            rows=None if cuda or real is None else real[0],
         )
         call.output_copy = (offsets, leads, sizes)
         self.layer._describe(call)  # trees and tensor metadata now; the tensors are let go
@@ -252,6 +266,19 @@ class GraphFlight(PollingRecorder):
         self.counters.staged += int(launch in ring.staged)
         self.counters.entry_bytes += total
         return True
+
+    def _real_rows(self, check: torch.Tensor | None) -> tuple[torch.Tensor, int] | None:
+        """The model runner's token count for the check's device (:mod:`moereplay.capture.padded_rows`) and the
+        elements of one row of the checked output, so the check skips a replay's padding rows; None (counted
+        ``rows_unknown``) when there is no output to check by rows or the runner's buffer is not found."""
+        if check is None:
+            return None
+        per_row = row_elements(check)
+        rows = token_count(check.device) if per_row is not None else None
+        if rows is None or per_row is None:
+            self.counters.rows_unknown += 1
+            return None
+        return rows, per_row
 
     def not_kept(self, reason: str, error: BaseException | None = None, *, key: str | None = None) -> bool:
         """Count a call captured into a graph that is not kept; the first of each kind (``key``, else the

@@ -85,13 +85,16 @@ _KEEP_LOCK = threading.Lock()
 @dataclass(frozen=True)
 class Spans:
     """What one captured launch copies: per span its source address, its offset in the entry and its size; the
-    checked output as ``(address, numel, dtype code)`` or None; the entry's ring bytes."""
+    checked output as ``(address, numel, dtype code)`` or None; the entry's ring bytes; ``rows``: where the check
+    learns at replay how many rows are real, as ``(address of an int32 token count, elements a row)``, or None
+    (every row is checked)."""
 
     sources: tuple[int, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     check: tuple[int, int, int] | None
     total: int
+    rows: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.sources) == len(self.offsets) == len(self.sizes):
@@ -119,6 +122,7 @@ class _Fallback:
     views: list[torch.Tensor]
     check: torch.Tensor | None
     first: int
+    rows: torch.Tensor | None = None  # the step's token count, read at every replay (``Spans.rows``)
 
 
 class GraphRing:
@@ -238,10 +242,12 @@ class GraphRing:
         first: bool,
         views: list[torch.Tensor] | None = None,
         check: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> int:
         """Queue the record kernel node(s) of ``launch`` on the current stream — while it captures a graph,
         into the graph. ``first``: the launch bumps the graph step. Without the kernels, ``views`` (the spans'
-        bytes) and ``check`` (the output to reduce) are kept for :meth:`replay`. Returns the most programs a
+        bytes), ``check`` (the output to reduce) and ``rows`` (the token count ``spans.rows`` points at) are kept
+        for :meth:`replay`. Returns the most programs a
         node of the launch runs (1: every node alone, without the handshake; 0 without the kernels).
 
         Staged (a lone entry, in a graph opened with :meth:`open_capture`, while the staging area has room): on
@@ -257,7 +263,7 @@ class GraphRing:
         if self.kernels is None:
             if views is None or len(views) != len(spans.sources):
                 raise ValueError("without the kernels a capture needs a view per span")
-            self._fallbacks[launch] = _Fallback(spans, views, check, int(first))
+            self._fallbacks[launch] = _Fallback(spans, views, check, int(first), rows)
             return 0
         stream = _current_stream(self.index)
         common = [self.state.data_ptr(), self.meta.data_ptr(), self._host_address + 8 * self.tags]
@@ -319,7 +325,8 @@ class GraphRing:
             if record and moved <= ALONE_BYTES and numel <= ALONE_ELEMENTS:
                 work = 1  # one program: no handshake among programs (see graph_ring_kernel)
             programs = max(1, min(_programs(self.index), work))
-            launch_kernel(programs, stream, args + common)
+            limit = spans.rows if last and record and spans.rows is not None else (0, 0)
+            launch_kernel(programs, stream, args + common + list(limit))
             most = max(most, programs)
         return most
 
@@ -350,7 +357,7 @@ class GraphRing:
         if check is not None:
             span, lead, numel, code = check
             moved = (slot + spans.offsets[span] + lead, numel, code)
-        return slot, Spans((slot,), (0,), (spans.total,), moved, spans.total)
+        return slot, Spans((slot,), (0,), (spans.total,), moved, spans.total, spans.rows)
 
     @staticmethod
     def _fork(opened: _Open) -> None:
@@ -384,6 +391,10 @@ class GraphRing:
                 self.buffer.narrow(0, start + offset, size).copy_(view)
         largest = 0
         check = fallback.check
+        if check is not None and fallback.rows is not None and spans.rows is not None:
+            real = int(fallback.rows.reshape(-1)[0])
+            if real > 0:
+                check = check.detach().reshape(-1)[: real * spans.rows[1]]
         if check is not None and check.numel():
             magnitude = torch.linalg.vector_norm(check.detach(), ord=math.inf, dtype=torch.float32).reshape(1)
             largest = int(magnitude.view(torch.int32).item()) & 0xFFFFFFFF

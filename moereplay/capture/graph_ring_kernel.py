@@ -19,7 +19,10 @@ further :data:`SPANS`, which only copy):
   starts and moves one word, so the decode-sized entry of a gpt-oss layer call (18 spans, ≈ 14 KB) is two
   masked loads and stores, not one dependent load per span; the programs take the steps in turn (entry start
   read through L2: an atomic, never a stale L1 line);
-- finish (the last node, ``finish`` 1): fold the largest magnitude of one float output; a lone program stores
+- finish (the last node, ``finish`` 1): fold the largest magnitude of one float output — of its first ``rows``
+  rows only, when ``rows`` is the address of the step's real token count (an int32 the model runner rewrites
+  before every replay; ``row_numel`` elements a row): a graph runs a batch padded to its captured size, and the
+  padding rows hold whatever the buffers held, NaN included, which must not trigger; a lone program stores
   the finished tag word ``generation << 32 | bits(max |x|)`` of the sequence into the host-mapped tag array after
   one fenced atomic (its copies before the word); with several programs each folds into the launch's device word
   with ``atomic_max`` and the last one to finish (``atomic_add`` on the launch's ``done`` cell, acq_rel) takes the
@@ -69,6 +72,7 @@ reads no Python globals but constexprs)."""
 RECORD_INTS = [name for i in range(SPANS) for name in (f"s{i}", f"o{i}", f"n{i}")] + [
     "check", "numel", "code", "moved", "finish", "reserve", "total", "first",
     "state", "meta", "hint", "buffer", "capacity", "launch", "cells", "launches", "words", "tags",
+    "rows", "row_numel",
 ]  # fmt: skip
 
 
@@ -127,17 +131,25 @@ def graph_record(
     s17, o17, n17, s18, o18, n18, s19, o19, n19, s20, o20, n20, s21, o21, n21, s22, o22, n22, s23, o23, n23,
     check, numel, code, moved, finish, reserve, total, first,
     state, meta, hint, buffer, capacity, launch, cells, launches, words, tags,
+    rows, row_numel,
     BLOCK: tl.constexpr,
     FOLD: tl.constexpr,
     STAGE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0).to(tl.int64)
+    # the rows this replay really computes: a graph runs a padded batch, and the padding rows hold whatever the
+    # buffers held (``rows``: the address of the step's token count, read now, at replay; 0: every row)
+    limit = numel
+    if STAGE == 0 and finish != 0 and rows != 0:
+        real = tl.load(rows.to(tl.pointer_type(tl.int32))).to(tl.int64)
+        if real > 0:
+            limit = tl.minimum(numel, real * row_numel)
     # the first step of the fold: loads issued now, reduced after the copies
     first_fold = pid * FOLD + tl.arange(0, FOLD).to(tl.int64)
     magnitudes = tl.zeros([FOLD], dtype=tl.float32)
     if STAGE == 0 and finish != 0:
-        magnitudes = _load_magnitudes(check, first_fold, numel, code)
+        magnitudes = _load_magnitudes(check, first_fold, limit, code)
     column = cells.to(tl.pointer_type(tl.int64)) + launch
     start_cell = column + 0 * launches  # CELL_START
     sequence_cell = column + 1 * launches  # CELL_SEQUENCE
@@ -196,8 +208,8 @@ def graph_record(
     if STAGE == 0 and finish != 0:
         # max of |x|'s bits: NaN's are above Inf's, so a NaN anywhere shows
         best = magnitudes.to(tl.int32, bitcast=True)
-        for fold_step in range((pid + programs) * FOLD, numel, programs * FOLD):
-            more = _load_magnitudes(check, fold_step + tl.arange(0, FOLD).to(tl.int64), numel, code)
+        for fold_step in range((pid + programs) * FOLD, limit, programs * FOLD):
+            more = _load_magnitudes(check, fold_step + tl.arange(0, FOLD).to(tl.int64), limit, code)
             best = tl.maximum(best, more.to(tl.int32, bitcast=True))
         largest = tl.max(best, axis=0).to(tl.int64)
         partial = column + 2 * launches  # CELL_PARTIAL

@@ -460,9 +460,16 @@ def _cell(address: int) -> ctypes.c_int64:
 def record_kernel(programs: int, args: list[int]) -> None:
     """What ``graph_record`` does — program by program: the first to arrive reserves, each copies, the last one
     finishing writes the tag word and resets the launch's cells — through its integer arguments."""
-    assert len(args) == 3 * SPANS + 18 and programs >= 1
+    assert len(args) == 3 * SPANS + 20 and programs >= 1
     (check, numel, code, moved, finish, reserve, total, first) = args[3 * SPANS : 3 * SPANS + 8]
-    (state, meta, hint, buffer, capacity, launch, cells, launches, words, tags) = args[3 * SPANS + 8 :]
+    (state, meta, hint, buffer, capacity, launch, cells, launches, words, tags) = args[
+        3 * SPANS + 8 : 3 * SPANS + 18
+    ]
+    rows, row_numel = args[3 * SPANS + 18 :]
+    if finish and rows:  # the step's token count, read at replay: padding rows are not checked
+        real = ctypes.c_int32.from_address(rows).value
+        if real > 0:
+            numel = min(numel, real * row_numel)
 
     def cell(row: int) -> ctypes.c_int64:
         return _cell(cells + 8 * (row * launches + launch))
@@ -917,3 +924,79 @@ def test_the_kernel_path_refuses_a_source_that_is_not_word_aligned(monkeypatch) 
         else:
             assert ring.capture(0, spans, first=True) == 1
     assert len(kernels.graph) == 1  # the refused capture queued nothing
+
+
+class FakeRunner:
+    """vLLM's GPU model runner as :mod:`moereplay.capture.padded_rows` finds it: a caller's ``self`` whose
+    ``query_start_loc.gpu`` ends with the step's token count."""
+
+    def __init__(self, slots: int) -> None:
+        self.query_start_loc = types.SimpleNamespace(gpu=torch.zeros(slots, dtype=torch.int32))
+
+    def dummy_run(self, capture: Callable[[], int]) -> int:
+        return capture()  # the layer call (and its ring launch) is captured inside the runner's own frame
+
+    def step(self, tokens: int) -> None:
+        self.query_start_loc.gpu.fill_(tokens)  # past the last request: the step's total
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel-arguments", "fallback"])
+def test_padding_rows_of_a_replayed_batch_are_copied_but_not_checked(monkeypatch, kernel: bool) -> None:
+    # a graph captured for 8 rows replays steps of 6 real tokens: rows 6-7 are padding and may hold NaN (a
+    # served gpt-oss did); they must not trigger, while a NaN in a real row still does
+    tokens, width = 8, 96
+    harness = Harness(capacity=1 << 19, max_calls=3)
+    kernels = CapturedKernels()
+    if kernel:
+        monkeypatch.setattr(graph_ring, "_current_stream", lambda index: 1234)
+        monkeypatch.setattr(graph_ring, "_programs", lambda index: 3)
+        harness.ring.kernels = kernels.launcher(record_kernel)
+    hidden = aligned(tokens * width, torch.bfloat16).view(tokens, width)
+    hidden.copy_(torch.randn(tokens, width))
+    w1 = torch.randn(width, width).to(torch.bfloat16)
+    weights = aligned(tokens, torch.bfloat16)
+    weights.copy_(torch.rand(tokens))
+    out = aligned(tokens * width, torch.bfloat16).view(tokens, width)
+    runner = FakeRunner(slots=5)
+    launch = runner.dummy_run(lambda: harness.capture(hidden, w1, weights, out, layer_index=0))
+    assert harness.graph.counters.rows_unknown == 0
+    if kernel:
+        (record_args,) = [args for _, _, args in kernels.graph]
+        assert record_args[3 * SPANS + 18 :] == [runner.query_start_loc.gpu[-1:].data_ptr(), width]
+
+    def replay(real: int, bad_row: int | None) -> None:
+        runner.step(real)
+        hidden.copy_(torch.randn(tokens, width))
+        hidden[real:] = float("nan")  # the padding: whatever the buffers held
+        if bad_row is not None:
+            hidden[bad_row, 3] = float("inf")
+        layer(hidden, w1, weights, out)
+        kernels.replay() if kernel else harness.ring.replay(launch)
+
+    replay(6, None)
+    replay(6, None)
+    harness.layer.poll(launch=True)
+    assert harness.written == []  # NaN in rows 6-7 only: no trigger
+    replay(6, 5)  # a real row goes bad
+    harness.layer.poll(launch=True)
+    assert harness.written, "a NaN in a real row must trigger"
+    bad = harness.written[-1]
+    assert not math.isfinite(bad[0].context["flight"]["magnitude"])
+    assert torch.isnan(_bits(bad[1].outputs.tree["output"].view())[6:].view(torch.bfloat16).float()).all()
+
+
+def test_without_the_runner_every_row_is_checked_and_counted() -> None:
+    harness = Harness(capacity=1 << 19, max_calls=3)
+    tokens, width = 8, 16
+    hidden = torch.randn(tokens, width).to(torch.bfloat16)
+    w1 = torch.randn(width, width).to(torch.bfloat16)
+    weights = torch.rand(tokens).to(torch.bfloat16)
+    out = torch.zeros(tokens, width, dtype=torch.bfloat16)
+    launch = harness.capture(hidden, w1, weights, out, layer_index=0)
+    assert harness.graph.counters.rows_unknown == 1
+    assert harness.graph.as_counters()["flight_graph_rows_unknown"] == 1
+    hidden[7] = float("nan")
+    layer(hidden, w1, weights, out)
+    harness.ring.replay(launch)
+    harness.layer.poll(launch=True)
+    assert harness.written  # a padding row or not, nobody can tell: it triggers as before
