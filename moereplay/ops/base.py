@@ -780,30 +780,60 @@ def contract_args(op: OpSpec, args: Args) -> dict[str, Any]:
     return dict(args)
 
 
-def experts_used(op: OpSpec, args: Args) -> frozenset[int] | None:
-    """The experts whose weights the call reads for some row (the op's ``experts_used`` hook), or ``None`` when
-    the op cannot say — so a bad value in an expert no row reaches is not blamed for the output."""
-    hook = getattr(op, "experts_used", None)
+@dataclass(frozen=True)
+class Reads:
+    """What a call reads for its rows: the experts whose weights it uses and the rows of its row-indexed inputs
+    (the activation ``[rows, K]``); ``None`` where the op cannot say. A bad value elsewhere cannot reach the
+    output."""
+
+    experts: frozenset[int] | None = None
+    rows: frozenset[int] | None = None
+
+
+def reads(op: OpSpec, args: Args) -> Reads:
+    """The op's ``reads`` hook (see :class:`Reads`); nothing known when it has none or cannot read the call."""
+    hook = getattr(op, "reads", None)
     if hook is None:
-        return None
+        return Reads()
     try:
-        used = hook(args)
+        found = hook(args)
     except Exception:  # a call the hook cannot read: no claim either way
-        return None
-    return None if used is None else frozenset(int(e) for e in used)
+        return Reads()
+    return found if isinstance(found, Reads) else Reads()
 
 
-def block_experts(expert_ids: Any, padded_rows: Any, block: Any) -> frozenset[int] | None:
-    """Experts of the blocks a block-sorted launch runs: ``expert_ids[: padded_rows // block]``, without the
-    ``-1`` of blocks it skips (Marlin, vLLM's Triton fused MoE). ``None`` when an input is missing."""
-    if not isinstance(expert_ids, torch.Tensor) or not isinstance(block, int) or block <= 0:
-        return None
-    if isinstance(padded_rows, torch.Tensor):
-        padded_rows = int(padded_rows.reshape(-1)[0]) if padded_rows.numel() else None
-    if not isinstance(padded_rows, int):
-        return None
-    ids = expert_ids.reshape(-1)[: max(padded_rows, 0) // block]
-    return frozenset(int(e) for e in ids.tolist() if int(e) >= 0)
+def _scalar_int(value: Any) -> int | None:
+    if isinstance(value, torch.Tensor):
+        return int(value.reshape(-1)[0]) if value.numel() else None
+    return value if isinstance(value, int) else None
+
+
+def block_reads(
+    sorted_ids: Any,
+    expert_ids: Any,
+    padded_rows: Any,
+    block: Any,
+    valid: int | None,
+    top_k: Any,
+    *,
+    partial_block: bool,
+) -> Reads:
+    """:class:`Reads` of a block-sorted launch (Marlin, vLLM's Triton fused MoE): block ``b`` runs when it starts
+    below ``padded_rows`` (``partial_block``: a block that starts below it runs whole, Triton's test; else only
+    whole blocks, Marlin's ``padded_rows // block``), with expert ``expert_ids[b]`` (``-1``: skipped), on the row
+    ids ``sorted_ids[b·block:(b+1)·block]`` below ``valid``; row id ``i`` reads input row ``i // top_k``."""
+    padded, k = _scalar_int(padded_rows), top_k if isinstance(top_k, int) and top_k > 0 else None
+    if not isinstance(expert_ids, torch.Tensor) or not isinstance(block, int) or block <= 0 or padded is None:
+        return Reads()
+    blocks = -(-max(padded, 0) // block) if partial_block else max(padded, 0) // block
+    experts = expert_ids.reshape(-1)[:blocks].to("cpu", torch.long)
+    running = experts >= 0
+    used = frozenset(int(e) for e in experts[running].tolist())
+    if not isinstance(sorted_ids, torch.Tensor) or valid is None or k is None:
+        return Reads(used, None)
+    ids = sorted_ids.reshape(-1).to("cpu", torch.long)[: experts.numel() * block]
+    keep = running.repeat_interleave(block)[: ids.numel()] & (ids >= 0) & (ids < valid)
+    return Reads(used, frozenset((ids[keep] // k).tolist()))
 
 
 def contract_violations(op: OpSpec, args: Args, *, check_device: bool = True) -> list[ContractViolation]:

@@ -51,11 +51,12 @@ from moereplay.ops.base import (
     KernelBackend,
     MutableArg,
     PredicateDomain,
+    Reads,
     ReferenceResult,
     RowMap,
     Rule,
     TensorContract,
-    block_experts,
+    block_reads,
     check_contracts,
     dtype_of,
     fixed_dtype,
@@ -811,10 +812,16 @@ class TritonMoeOp:
         """``C`` (``[M, top_k, N]``) as the reference's ``[M · top_k, N]`` rows (the kernel's flat row ids)."""
         return output.reshape(-1, output.shape[-1]) if output.dim() > 2 else output
 
-    def experts_used(self, args: Args) -> frozenset[int] | None:
-        """Experts of the blocks the launch runs (``expert_ids`` up to ``num_tokens_post_padded`` / ``BLOCK_SIZE_M``)."""
-        return block_experts(
-            args.get("expert_ids"), args.get("num_tokens_post_padded"), args.get("BLOCK_SIZE_M")
+    def reads(self, args: Args) -> Reads:
+        """Experts of the blocks the launch runs and the input rows their row ids name (:func:`block_reads`)."""
+        return block_reads(
+            args.get("sorted_token_ids"),
+            args.get("expert_ids"),
+            args.get("num_tokens_post_padded"),
+            args.get("BLOCK_SIZE_M"),
+            num_valid_tokens(args),
+            args.get("top_k"),
+            partial_block=True,
         )
 
     def reference(self, args: Args) -> ReferenceResult:

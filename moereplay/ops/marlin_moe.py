@@ -71,11 +71,12 @@ from moereplay.ops.base import (
     KernelBackend,
     MutableArg,
     PredicateDomain,
+    Reads,
     ReferenceResult,
     RowMap,
     Rule,
     TensorContract,
-    block_experts,
+    block_reads,
     dtype_of,
     fixed_dtype,
 )
@@ -179,8 +180,11 @@ def _b_scales_values(args: Args) -> torch.dtype | None:
     the 16-bit type of per-group scales, and none for NVFP4 — vLLM re-encodes those fp8 scales into an unsigned
     5-bit-exponent byte the kernel decodes without NaN or Inf, whatever the tensor's dtype says."""
     scales = args.get("b_scales")
+    activations = args.get("input")
     if not isinstance(scales, torch.Tensor):
         return None
+    if isinstance(activations, torch.Tensor) and activations.dtype == torch.int8:
+        return None  # int8 activations: vLLM stores int16 bit patterns in the half-precision scales
     if scales.dtype == torch.float8_e8m0fnu:
         return scales.dtype
     accepted = _b_scales_dtypes(args)
@@ -636,10 +640,16 @@ class MarlinMoeOp:
 
         return reduction_mode(args), tile_k(args)
 
-    def experts_used(self, args: Args) -> frozenset[int] | None:
-        """Experts of the blocks the launch runs (``expert_ids`` up to ``num_tokens_past_padded`` / ``moe_block_size``)."""
-        return block_experts(
-            args.get("expert_ids"), args.get("num_tokens_past_padded"), args.get("moe_block_size")
+    def reads(self, args: Args) -> Reads:
+        """Experts of the blocks the launch runs and the input rows their row ids name (:func:`block_reads`)."""
+        return block_reads(
+            args.get("sorted_token_ids"),
+            args.get("expert_ids"),
+            args.get("num_tokens_past_padded"),
+            args.get("moe_block_size"),
+            _rows(args),
+            args.get("top_k"),
+            partial_block=False,
         )
 
     def reference(self, args: Args) -> ReferenceResult:

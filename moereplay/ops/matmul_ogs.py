@@ -57,6 +57,7 @@ from moereplay.ops.base import (
     KernelBackend,
     MutableArg,
     PredicateDomain,
+    Reads,
     ReferenceResult,
     RowMap,
     Rule,
@@ -937,17 +938,30 @@ class MatmulOgsOp:
     def contract_args(self, args: Args) -> dict[str, Any]:
         return contract_args(args)
 
-    def experts_used(self, args: Args) -> frozenset[int] | None:
-        """Experts with rows in the routing histogram (``None`` for a call without routing data)."""
+    def reads(self, args: Args) -> Reads:
+        """Experts with rows in the routing histogram, and the rows of ``x`` the call reads: through the gather
+        index, token ``src // n_expts_act`` of each of the first ``sum(hist)`` sorted rows; without it, the
+        sorted rows ``0 … sum(hist) - 1`` themselves. Nothing known for a call without routing data."""
         routing = plain_value("routing_data", args.get("routing_data"))
         if not isinstance(routing, RoutingSpec):
-            return None
-        hist = routing.expt_hist
-        if not isinstance(hist, torch.Tensor) and routing.expt_data is not None:
-            hist = routing.expt_data.hist
+            return Reads()
+        hist = routing.expt_data.hist if routing.expt_data is not None else None
         if not isinstance(hist, torch.Tensor):
-            return None
-        return frozenset(int(e) for e in torch.nonzero(hist.reshape(-1) > 0).flatten().tolist())
+            hist = routing.expt_hist
+        if not isinstance(hist, torch.Tensor):
+            return Reads()
+        counts = hist.reshape(-1).to("cpu", torch.long)
+        experts = frozenset(torch.nonzero(counts > 0).flatten().tolist())
+        active = int(counts.sum())
+        gather = plain_value("gather_indx", args.get("gather_indx"))
+        source = getattr(gather, "src_indx", None) if gather is not None else None
+        if gather is None:
+            return Reads(experts, frozenset(range(active)))
+        if isinstance(source, torch.Tensor) and routing.n_expts_act > 0:
+            ids = source.reshape(-1)[:active].to("cpu", torch.long)
+            rows = torch.div(ids, routing.n_expts_act, rounding_mode="trunc")  # C-style: a -1 reads row 0
+            return Reads(experts, frozenset(rows[rows >= 0].tolist()))
+        return Reads(experts, None)
 
     def check(self, args: Args, *, check_device: bool = True) -> list[ContractViolation]:
         """Every contract violation of a call, including the tensors inside its opaque arguments.

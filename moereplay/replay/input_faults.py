@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from moereplay.ops.base import Args, OpSpec, TensorContract, contract_args, experts_used
+from moereplay.ops.base import Args, OpSpec, TensorContract, contract_args, reads
 from moereplay.replay.findings import Finding, FindingKind
 from moereplay.wording import row_ranges
 
@@ -64,13 +64,14 @@ class InputFault:
 
     @property
     def reaches(self) -> bool:
-        """Whether the call reads the bad values for some row: an expert-indexed fault only reaches the output
-        through an expert the call routes rows to (``used``: those of ``indices``; ``None``: not known)."""
-        return self.leading != "expert" or self.used is None or bool(self.used)
+        """Whether the call reads the bad values: an expert-indexed fault only through an expert the call routes
+        rows to, a row-indexed one only through a row it reads (``used``: those of ``indices``; ``None``: not
+        known, so it may)."""
+        return self.leading is None or self.used is None or bool(self.used)
 
     def describe(self) -> str:
         if self.meaning == torch.float8_e8m0fnu:
-            what = f"{self.nan:,} bytes 0xff (NaN in e8m0)"
+            what = f"{self.nan:,} bytes 0xff (NaN in e8m0; Hopper's MXFP4 kernels read +Inf)"
         else:
             what = _kinds(self.nan, self.inf)
             if self.meaning != self.stored:
@@ -82,8 +83,14 @@ class InputFault:
         text += f", in {_noun(self.leading, shown)} {row_ranges(shown, limit=8)} of {self.extent}"
         unused = [i for i in self.indices if self.used and i not in self.used]
         if unused:
-            text += f" (and {_noun(self.leading, unused)} {row_ranges(unused, limit=8)}, which no row of this call uses)"
+            text += (
+                f" (and {_noun(self.leading, unused)} {row_ranges(unused, limit=8)}, {_unread(self.leading)})"
+            )
         return text
+
+    def unread(self) -> str:
+        """Why a fault that does not reach the output is not the cause."""
+        return _unread(self.leading)
 
     def as_evidence(self) -> dict[str, Any]:
         return {
@@ -100,6 +107,12 @@ class InputFault:
         }
 
 
+def _unread(leading: str | None) -> str:
+    if leading == "expert":
+        return "to which no row of this call is routed"
+    return "which this call does not read"
+
+
 def _noun(leading: str, indices: Sequence[int]) -> str:
     return leading if len(indices) == 1 else leading + "s"
 
@@ -113,22 +126,29 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_WIDE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _can_be_nonfinite(dtype: torch.dtype | None) -> bool:
-    return dtype is not None and (dtype.is_floating_point or dtype in _FLOAT8)
+    """A format with NaN or Inf codes (4-bit float formats have none; packed formats are not elements)."""
+    return dtype is not None and (dtype in _WIDE or dtype in _FLOAT8)
 
 
 def meaning_of(contract: TensorContract, tensor: torch.Tensor, args: Args) -> torch.dtype | None:
-    """The number format the kernel decodes ``tensor``'s bytes as, or ``None`` when they hold no NaN/Inf code the
-    scan may claim: the contract's ``values`` rule when it has one (``uint8`` scale storage read as e8m0; Marlin's
-    NVFP4 scales re-encoded for one kernel: none), else the tensor's own dtype when it is a floating one (integers and packed
-    4-bit codes have none). The format must have the tensor's element size."""
-    if contract.values is not None:
-        try:
+    """The number format the kernel decodes ``tensor``'s bytes as, or ``None`` when the scan may claim nothing:
+    the contract's ``values`` rule when it has one (``uint8`` scale storage read as e8m0; Marlin's re-encoded
+    NVFP4 scales: none); else what the kernel reads the pointer as (``read_as``) when that is a float format of
+    the tensor's element size (the tensor's own dtype when there is no rule). A tensor the kernel reads as
+    another type of another size (bf16 routing weights read as float32) is the contract finding's case, not
+    this one's: no claim."""
+    try:
+        if contract.values is not None:
             meaning = contract.values(args)
-        except Exception:  # a rule that cannot judge this call claims nothing
-            return None
-    else:
-        meaning = tensor.dtype
+        else:
+            read = contract.read_as(args)
+            meaning = tensor.dtype if read is None else read
+    except Exception:  # a rule that cannot judge this call claims nothing
+        return None
     if meaning is None or not _can_be_nonfinite(meaning):
         return None
     if torch.empty((), dtype=meaning).element_size() != tensor.element_size():
@@ -181,7 +201,7 @@ def scan_inputs(op: OpSpec, args: Args) -> list[InputFault]:
     """Every argument the kernel reads that holds NaN or Inf as the kernel decodes it, in contract order."""
     merged = contract_args(op, args)
     outputs = {op.output_name, *op.scratch}
-    used = experts_used(op, args)
+    known = reads(op, args)
     faults = []
     for contract in op.contracts:
         root = contract.arg.split(".", 1)[0].split("[", 1)[0]
@@ -199,8 +219,9 @@ def scan_inputs(op: OpSpec, args: Args) -> list[InputFault]:
         if meaning is None:
             continue
         fault = scan(contract.arg, tensor, meaning, contract.leading)
-        if fault is not None and fault.leading == "expert" and used is not None:
-            fault = dataclasses.replace(fault, used=tuple(e for e in fault.indices if e in used))
+        used = {"expert": known.experts, "row": known.rows}.get(fault.leading or "") if fault else None
+        if fault is not None and used is not None:
+            fault = dataclasses.replace(fault, used=tuple(i for i in fault.indices if i in used))
         if fault is not None:
             faults.append(fault)
     return faults
@@ -212,22 +233,19 @@ def given_nonfinite(
     nan: int,
     inf: int,
     rows: Sequence[int],
-    output_dtype: torch.dtype,
-    reference_max: float | None,
+    reference_overflows: bool,
     variant: str,
 ) -> Finding:
-    """The diagnosis for an output whose NaN/Inf the exact reference makes too: the inputs that carry them, or
-    (none carrying any) the overflow of the output's dtype."""
+    """The diagnosis for an output whose NaN/Inf the exact reference makes too: the inputs that carry them, or,
+    none reaching the output, the exact fp32 computation's own overflow (``reference_overflows``: the reference
+    is ±Inf where the output is not finite) or a NaN made inside it from finite values."""
     made = _kinds(nan, inf)
     evidence: dict[str, Any] = {"blame": "caller", "nan": nan, "inf": inf}
     if faults:
         evidence["inputs"] = [fault.as_evidence() for fault in faults]
     reaching = [fault for fault in faults if fault.reaches]
     aside = "".join(
-        f"; not the cause: {fault.describe()}, and no row of this call is routed to "
-        + ("it" if len(fault.indices) == 1 else "them")
-        for fault in faults
-        if not fault.reaches
+        f"; not the cause: {fault.describe()}, {fault.unread()}" for fault in faults if not fault.reaches
     )
     if reaching:
         evidence["cause"] = "inputs"
@@ -236,20 +254,17 @@ def given_nonfinite(
             f"computed what it was given — " + "; ".join(fault.describe() for fault in reaching) + aside
         )
         return Finding(FindingKind.DIAGNOSIS, message, variant, evidence, rows=tuple(rows))
-    finite_max = float(torch.finfo(output_dtype).max) if output_dtype.is_floating_point else None
-    overflow = reference_max is not None and finite_max is not None and reference_max > finite_max
-    evidence["cause"] = "overflow" if overflow else "computation"
-    if overflow:
+    evidence["cause"] = "overflow" if reference_overflows else "computation"
+    if reference_overflows:
         message = (
             f"caller: the exact fp32 reference makes the same {made}; no value the kernel reads for this call's "
-            f"rows is one, but the exact values reach {reference_max:.3g}, beyond {_dtype_name(output_dtype)}'s "
-            f"largest {finite_max:.3g}: the inputs' magnitudes overflow the output type" + aside
+            "rows is one, but the exact computation overflows float32 there: the inputs' magnitudes, not the "
+            "kernel" + aside
         )
     else:
         message = (
             f"caller: the exact fp32 reference makes the same {made}; no value the kernel reads for this call's "
-            "rows is one, so they arise inside the computation from finite inputs (an overflow before a product "
-            "or activation)" + aside
+            "rows is one, so they arise inside the exact computation from finite values (Inf − Inf or 0 · Inf "
+            "after an overflow)" + aside
         )
-    evidence["reference_max"] = reference_max
     return Finding(FindingKind.DIAGNOSIS, message, variant, evidence, rows=tuple(rows), confidence=0.8)

@@ -730,10 +730,12 @@ class ReplaySession:
             nonfinite = localize.nonfinite(actual, reference.written, reference.rows, label)
             if nonfinite is not None:
                 findings.append(nonfinite)
-                if variant.is_baseline and not comparison.nonfinite_mismatch and not self._given_said:
-                    # the reference makes the same NaN/Inf: say which input carries them, once per call
+                if verdict is Verdict.OK and variant.is_baseline and not self._given_said:
+                    # the reference makes the same NaN/Inf and every row is right: which input carries them
                     self._given_said = True
-                    findings.append(self._given_nonfinite(args, reference, actual, nonfinite, label))
+                    given = self._given_nonfinite(args, reference, actual, nonfinite, label)
+                    if given is not None:
+                        findings.append(given)
         repeats = localize.nondeterminism(outputs, reference.written, label)
         if (
             repeats is not None
@@ -771,21 +773,25 @@ class ReplaySession:
 
     def _given_nonfinite(
         self, args: Args, reference: ReferenceResult, actual: torch.Tensor, nonfinite: Finding, label: str
-    ) -> Finding:
+    ) -> Finding | None:
         """The diagnosis of NaN/Inf the exact reference makes too: which inputs hold them (as the kernel reads
-        them), or the overflow that makes them from finite inputs."""
-        with self.phases.phase("judge/inputs"):
-            faults = scan_inputs(self.op, args)
-            written = reference.output[reference.written.to(reference.output.device)]
-            magnitude = torch.where(torch.isnan(written), torch.zeros_like(written), written.abs())
-            largest = float(magnitude.max()) if magnitude.numel() else None
+        them), or the exact computation's own overflow. A scan that fails adds a note instead: a diagnosis is
+        never worth the replay."""
+        try:
+            with self.phases.phase("judge/inputs"):
+                faults = scan_inputs(self.op, args)
+                bad = ~torch.isfinite(actual.float()) & reference.written.to(actual.device)[:, None]
+                expected = reference.output.to(actual.device)
+                overflows = bool(torch.isinf(expected[bad]).any()) if bool(bad.any()) else False
+        except Exception as error:  # reported, never raised into the replay
+            self.notes.append(f"the scan of the call's inputs for non-finite values failed: {error}")
+            return None
         return given_nonfinite(
             faults,
             nan=int(nonfinite.evidence.get("nan", 0)),
             inf=int(nonfinite.evidence.get("inf", 0)),
             rows=nonfinite.rows,
-            output_dtype=actual.dtype,
-            reference_max=largest,
+            reference_overflows=overflows,
             variant=label,
         )
 
