@@ -165,9 +165,7 @@ def _row_counts(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def scan(arg: str, tensor: torch.Tensor, meaning: torch.dtype, leading: str | None) -> InputFault | None:
     """The non-finite values of ``tensor`` decoded as ``meaning`` (``None`` when there are none), counted per
     slice of dimension 0 in blocks of about ``_CHUNK_ELEMENTS`` (a large weight is never widened whole)."""
-    data = tensor.detach()
-    if data.device.type != "cpu":
-        data = data.to("cpu")
+    data = tensor.detach()  # scanned where it lives: only the counts and the slice indices come to the host
     if data.dtype != meaning:
         data = data.contiguous().view(meaning)
     rows = data.reshape(data.shape[0] if data.dim() else 1, -1) if data.dim() > 1 else data.reshape(-1, 1)
@@ -179,7 +177,7 @@ def scan(arg: str, tensor: torch.Tensor, meaning: torch.dtype, leading: str | No
         block_nan, block_inf = _row_counts(rows[start : start + step])
         nan += int(block_nan.sum())
         inf += int(block_inf.sum())
-        hit = torch.nonzero((block_nan + block_inf) > 0).flatten()
+        hit = torch.nonzero((block_nan + block_inf) > 0).flatten().tolist()
         indices.extend(int(i) + start for i in hit)
     if not nan and not inf:
         return None
