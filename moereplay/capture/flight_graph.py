@@ -27,10 +27,11 @@ forward count: a graph replay is not seen by the host.
 
 Detection delay: about one writer poll (≈ 5 ms) after the device finished the call, plus the copy-out (4–5 ms
 measured on the H200, ``tests/gpu/test_flight_graph_gpu.py``).
-The check covers the rows the step really computes: a graph replays a batch padded to its captured size, and its
-padding rows hold whatever the buffers held (:mod:`moereplay.capture.padded_rows` finds the model runner's token
-count, which the kernel reads at every replay; where it is not found every row is checked and the launch counts in
-``flight_graph_rows_unknown``). The copy keeps every row.
+The check skips padding rows where it can tell them: a graph replays a batch padded to its captured size, and its
+padding rows hold whatever the buffers held. For an output with one row per token of the captured batch,
+:mod:`moereplay.capture.padded_rows` finds the model runner's token count, which the kernel reads when the graph
+replays; elsewhere (data-parallel all-gathers, draft models, outputs of another shape, no runner found) every row is
+checked and the launch counts in ``flight_graph_rows_unknown``. The copy keeps every row.
 What is not kept (counted ``flight_graph_not_kept``, one warning each reason): a call that may write its inputs
 (its inputs would have to be copied before it: not supported under graphs), an output the kernel cannot reduce
 (not a contiguous float16/bfloat16/float32), an entry larger than a quarter of ``MOEREPLAY_FLIGHT_GRAPH_BYTES``,
@@ -52,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moereplay.capture import padded_rows
 from moereplay.capture.device_ring import ALIGNMENT, DeviceRing
 from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerDelivery
 from moereplay.capture.flight_layer import LayerCall, LayerFlight, collect_outputs
@@ -69,7 +71,6 @@ from moereplay.capture.graph_ring import (
     kernel_error,
     kernels_available,
 )
-from moereplay.capture.padded_rows import row_elements, token_count
 
 logger = logging.getLogger("moereplay.capture")
 
@@ -246,6 +247,7 @@ class GraphFlight(PollingRecorder):
             at += (size + ALIGNMENT - 1) & ~(ALIGNMENT - 1)
         real = self._real_rows(check)
         limit = (real[0].data_ptr(), real[1]) if real is not None else None
+        unknown = check is not None and real is None
         spans = Spans(tuple(sources), tuple(offsets), tuple(sizes), check_info, total, limit)
         views = None if cuda else fallback_views(tensors, leads, sizes)
         programs = ring.capture(
@@ -256,6 +258,7 @@ class GraphFlight(PollingRecorder):
             check=None if cuda else check,
             rows=None if cuda or real is None else real[0],
         )
+        self.counters.rows_unknown += int(unknown)
         call.output_copy = (offsets, leads, sizes)
         self.layer._describe(call)  # trees and tensor metadata now; the tensors are let go
         with self._lock:
@@ -269,14 +272,13 @@ class GraphFlight(PollingRecorder):
 
     def _real_rows(self, check: torch.Tensor | None) -> tuple[torch.Tensor, int] | None:
         """The model runner's token count for the check's device (:mod:`moereplay.capture.padded_rows`) and the
-        elements of one row of the checked output, so the check skips a replay's padding rows; None (counted
-        ``rows_unknown``) when there is no output to check by rows or the runner's buffer is not found."""
+        elements of one row of the checked output, so the check skips a replay's padding rows; None when the
+        count does not say which rows of this output are real, or is not found."""
         if check is None:
             return None
-        per_row = row_elements(check)
-        rows = token_count(check.device) if per_row is not None else None
+        per_row = padded_rows.limits_rows(check, padded_rows.batch_tokens())
+        rows = padded_rows.token_count(check.device) if per_row is not None else None
         if rows is None or per_row is None:
-            self.counters.rows_unknown += 1
             return None
         return rows, per_row
 

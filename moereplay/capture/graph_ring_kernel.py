@@ -21,8 +21,9 @@ further :data:`SPANS`, which only copy):
   read through L2: an atomic, never a stale L1 line);
 - finish (the last node, ``finish`` 1): fold the largest magnitude of one float output — of its first ``rows``
   rows only, when ``rows`` is the address of the step's real token count (an int32 the model runner rewrites
-  before every replay; ``row_numel`` elements a row): a graph runs a batch padded to its captured size, and the
-  padding rows hold whatever the buffers held, NaN included, which must not trigger; a lone program stores
+  before each step it prepares, :mod:`moereplay.capture.padded_rows`; ``row_numel`` elements a row): a graph runs
+  a batch padded to its captured size, and the padding rows hold whatever the buffers held, NaN included, which
+  must not trigger; a lone program stores
   the finished tag word ``generation << 32 | bits(max |x|)`` of the sequence into the host-mapped tag array after
   one fenced atomic (its copies before the word); with several programs each folds into the launch's device word
   with ``atomic_max`` and the last one to finish (``atomic_add`` on the launch's ``done`` cell, acq_rel) takes the

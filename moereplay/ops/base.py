@@ -818,7 +818,8 @@ def block_reads(
     *,
     partial_block: bool,
 ) -> Reads:
-    """:class:`Reads` of a block-sorted launch (Marlin, vLLM's Triton fused MoE): block ``b`` runs when it starts
+    """:class:`Reads` of a block-sorted launch (Marlin, vLLM's Triton fused MoE) — ``rows`` are the activation's
+    (a routing-weight tensor read flat by row id is not indexed by them): block ``b`` runs when it starts
     below ``padded_rows`` (``partial_block``: a block that starts below it runs whole, Triton's test; else only
     whole blocks, Marlin's ``padded_rows // block``), with expert ``expert_ids[b]`` (``-1``: skipped), on the row
     ids ``sorted_ids[b·block:(b+1)·block]`` below ``valid``; row id ``i`` reads input row ``i // top_k``."""

@@ -257,7 +257,6 @@ COMMON_CONTRACTS: tuple[TensorContract, ...] = (
         "read only with mul_routed_weight",
         read_when=_weights_read,
         host_checks=frozenset({"presence"}),
-        leading="row",
     ),
     TensorContract(
         "expert_ids",

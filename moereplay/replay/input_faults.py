@@ -71,7 +71,7 @@ class InputFault:
 
     def describe(self) -> str:
         if self.meaning == torch.float8_e8m0fnu:
-            what = f"{self.nan:,} bytes 0xff (NaN in e8m0; Hopper's MXFP4 kernels read +Inf)"
+            what = f"{self.nan:,} bytes 0xff (e8m0's NaN code; a kernel may upcast it to +Inf)"
         else:
             what = _kinds(self.nan, self.inf)
             if self.meaning != self.stored:

@@ -21,7 +21,7 @@ import pytest
 import torch
 from aligned_pool import AlignedPool
 
-from moereplay.capture import graph_ring
+from moereplay.capture import graph_ring, padded_rows
 from moereplay.capture import recorder as recorder_module
 from moereplay.capture import session as session_module
 from moereplay.capture.context import Where
@@ -945,6 +945,7 @@ def test_padding_rows_of_a_replayed_batch_are_copied_but_not_checked(monkeypatch
     # a graph captured for 8 rows replays steps of 6 real tokens: rows 6-7 are padding and may hold NaN (a
     # served gpt-oss did); they must not trigger, while a NaN in a real row still does
     tokens, width = 8, 96
+    monkeypatch.setattr(padded_rows, "batch_tokens", lambda: tokens)  # vLLM's BatchDescriptor while capturing
     harness = Harness(capacity=1 << 19, max_calls=3)
     kernels = CapturedKernels()
     if kernel:
@@ -1000,3 +1001,64 @@ def test_without_the_runner_every_row_is_checked_and_counted() -> None:
     harness.ring.replay(launch)
     harness.layer.poll(launch=True)
     assert harness.written  # a padding row or not, nobody can tell: it triggers as before
+
+
+@pytest.mark.parametrize(
+    ("batch", "shape"),
+    [(8, (16, 4)), (None, (8, 4))],
+    ids=["rows-are-not-the-batch", "no-forward-context"],
+)
+def test_the_count_limits_only_an_output_with_one_row_per_token_of_the_batch(
+    monkeypatch, batch, shape
+) -> None:
+    # a data-parallel all-gather ([all ranks' tokens, hidden]), a capture outside vLLM's forward pass, an output of
+    # another layout: the step's count says nothing about their rows — every row is checked, and counted
+    monkeypatch.setattr(padded_rows, "batch_tokens", lambda: batch)
+    harness = Harness(capacity=1 << 19, max_calls=3)
+    hidden = torch.randn(shape[0], 4).to(torch.bfloat16)
+    w1 = torch.randn(4, 4).to(torch.bfloat16)
+    weights = torch.rand(shape[0]).to(torch.bfloat16)
+    out = torch.zeros(shape, dtype=torch.bfloat16)
+    runner = FakeRunner(slots=5)
+    runner.dummy_run(lambda: harness.capture(hidden, w1, weights, out, layer_index=0))
+    assert harness.graph.counters.rows_unknown == 1
+
+
+def test_only_a_two_dimensional_contiguous_token_major_output_is_limited() -> None:
+    assert padded_rows.limits_rows(torch.zeros(8, 4), 8) == 4
+    assert padded_rows.limits_rows(torch.zeros(8, 2, 2), 8) is None  # [experts, tokens, hidden] or the like
+    assert padded_rows.limits_rows(torch.zeros(4, 8).t(), 8) is None  # not contiguous
+    assert padded_rows.limits_rows(torch.zeros(32, 4), 8) is None  # [tokens · top_k, N]
+
+
+def test_a_draft_models_capture_below_the_runner_gets_no_count() -> None:
+    runner = FakeRunner(slots=4)
+    drafter = types.SimpleNamespace()
+    runner.drafter = drafter
+
+    class Draft:
+        def __init__(self) -> None:
+            self.owner = drafter
+
+        def capture(self) -> torch.Tensor | None:
+            return padded_rows.token_count(torch.device("cpu"))
+
+    def in_runner(self: FakeRunner, draft: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        return draft()
+
+    def drafter_frame(self: Any) -> torch.Tensor | None:  # a frame whose ``self`` is the runner's drafter
+        return padded_rows.token_count(torch.device("cpu"))
+
+    assert in_runner(runner, lambda: drafter_frame(drafter)) is None
+    found = in_runner(runner, lambda: padded_rows.token_count(torch.device("cpu")))
+    assert found is not None and found.data_ptr() == runner.query_start_loc.gpu[-1:].data_ptr()
+
+
+def test_a_staged_launch_keeps_its_row_limit_for_the_record_node() -> None:
+    ring = GraphRing(1 << 16, torch.device("cpu"))
+    ring.stage = torch.zeros(4096, dtype=torch.uint8)  # a staging area, as the kernels' ring has
+    source = torch.zeros(64, dtype=torch.uint8)
+    spans = Spans((source.data_ptr(),), (0,), (64,), (source.data_ptr(), 32, 2), ALIGNMENT, (1234, 16))
+    staged = ring._stage(spans)
+    assert staged is not None
+    assert staged[1].rows == (1234, 16)

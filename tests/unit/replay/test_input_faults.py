@@ -42,7 +42,7 @@ def test_e8m0_scale_bytes_of_one_expert_are_found_where_they_are() -> None:
     assert (fault.nan, fault.inf, fault.total) == (2, 0, 96)
     assert fault.indices == (2,) and fault.extent == 4
     assert "in expert 2 of 4" in fault.describe()
-    assert "2 bytes 0xff (NaN in e8m0" in fault.describe()
+    assert "2 bytes 0xff (e8m0's NaN code" in fault.describe()
 
 
 def test_integer_and_packed_tensors_are_not_scanned_and_clean_ones_report_nothing() -> None:
