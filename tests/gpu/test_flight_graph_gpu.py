@@ -6,6 +6,8 @@ kernels captured into the graph; vLLM 0.25.1's ``fused_marlin_moe`` from the ker
   k-5 … k bit for bit with ``cudagraph: true``, found within the documented delay;
 - thousands of replays through a small graph ring (it laps hundreds of times): no check lost, nothing overwritten
   written;
+- a graph captured in a stand-in model runner's frame, replayed with NaN in its padding rows (past the runner's
+  token count) on the staged lone path and the multi-program path: no trigger; a NaN in a real row triggers;
 - vLLM's ``fused_marlin_moe`` at gpt-oss NVFP4 shapes (E = 32, top-4, hidden 2880, intermediate 2944, M = 8) in a
   CUDA graph (default activation: SWIGLUOAI's clamps would turn a NaN into a finite value): a NaN written into the
   hidden-states buffer before replay k triggers within the delay; the file holds
@@ -189,6 +191,68 @@ def test_a_graph_captured_while_the_writer_is_busy_keeps_its_replays(kernels, tm
             hidden, output = seen[record.context["graph_sequence"]]
             assert torch.equal(_bits(reader.load_args(record.index)["hidden"]), _bits(hidden))
             assert torch.equal(_bits(reader.load_outputs(record.index)["output"]), _bits(output))
+
+
+class _Runner:
+    """vLLM's GPU model runner as ``moereplay.capture.padded_rows`` finds it while a graph is captured in its own
+    frame: ``query_start_loc.gpu`` on the GPU, whose last entry is the step's token count."""
+
+    def __init__(self) -> None:
+        self.query_start_loc = types.SimpleNamespace(gpu=torch.zeros(9, dtype=torch.int32, device="cuda"))
+
+    def capture(self, fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+        return _capture(fn)
+
+    def step(self, tokens: int) -> None:
+        self.query_start_loc.gpu.fill_(
+            tokens
+        )  # vLLM: the entries past the last request hold the step's total
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "staged"),
+    [(8, 64, 1), (512, 1024, 0)],
+    ids=["lone-staged", "multi-program"],
+)
+def test_padding_rows_of_a_replayed_graph_do_not_trigger(
+    kernels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tokens: int, hidden: int, staged: int
+) -> None:
+    from moereplay.capture import padded_rows
+
+    monkeypatch.setattr(padded_rows, "batch_tokens", lambda: tokens)  # vLLM's BatchDescriptor while capturing
+    session = _arm(tmp_path, flight_calls="4")
+    graph_flight = _graph_flight(session)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(tokens, hidden, device="cuda", generator=generator)
+    w1 = torch.randn(hidden, hidden, device="cuda", generator=generator) / hidden**0.5
+    w2 = torch.randn(hidden, hidden, device="cuda", generator=generator) / hidden**0.5
+    weights = torch.rand(tokens, device="cuda", generator=generator)
+    out = torch.empty(tokens, hidden, device="cuda")
+    static = x.clone()
+    runner = _Runner()
+    graph = runner.capture(lambda: kernels.layer(static, w1, w2, weights, out))
+    assert graph_flight.counters.launches == 1 and graph_flight.counters.rows_unknown == 0
+    assert graph_flight.counters.staged == staged
+    real = tokens - 2
+    for replay in range(12):
+        runner.step(real)
+        static.copy_(x * (replay + 1))
+        static[real:] = float("nan")  # the padding: whatever the buffers held
+        graph.replay()
+    torch.cuda.synchronize()
+    time.sleep(0.2)  # a few writer polls
+    assert graph_flight.counters.triggers == 0, "NaN in padding rows triggered"
+    runner.step(real)
+    static[real - 1, 3] = float("nan")  # a real row goes bad
+    graph.replay()
+    torch.cuda.synchronize()
+    delay = _wait_for_trigger(graph_flight, 1)
+    print(f"\n{tokens} tokens: a NaN in a real row found {delay * 1e3:.1f} ms after the replay finished")
+    assert delay < DELAY_S
+    session_module.disarm()
+    with CaptureReader(session.path) as reader:
+        counters = reader.footer["counters"]
+        assert counters["flight_graph_checked"] == 13 and counters["flight_graph_rows_unknown"] == 0
 
 
 def test_a_lapping_graph_ring_loses_no_check_and_writes_nothing_overwritten(kernels, tmp_path: Path) -> None:
