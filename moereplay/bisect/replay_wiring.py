@@ -86,12 +86,24 @@ def signature_of(result: Any, findings: Iterable[Any], inherited: Iterable[Any] 
     return Signature(result.verdict.value, frozenset(kinds), frozenset(experts))
 
 
-def observation_of(result: Any, findings: Iterable[Any], inherited: Iterable[Any] = ()) -> Observation:
+NONFINITE_OUTPUT = "nonfinite-output"
+"""The verdict part of the signature of an ``ok`` call whose output holds NaN/Inf (``--nonfinite``)."""
+
+
+def observation_of(
+    result: Any, findings: Iterable[Any], inherited: Iterable[Any] = (), *, nonfinite: bool = False
+) -> Observation:
     """A variant's verdict as an observation: ``ok`` is good, ``invalid`` and ``needs-kernel`` (not judged)
     unresolved, anything else bad — ``memory-dependent`` too: an output that changes with bytes outside the call's
     tensors is a failure, whose signature (verdict, the ``memory_dependent`` finding, the experts it names) keeps a
-    search from drifting to a call that fails another way."""
+    search from drifting to a call that fails another way. ``nonfinite``: an ``ok`` output holding NaN or Inf (the
+    exact reference makes them too: the call was given them) is bad as well, with the verdict
+    :data:`NONFINITE_OUTPUT` in its signature."""
     verdict = result.verdict.value
+    if verdict == "ok" and nonfinite and (getattr(result, "nan", 0) or getattr(result, "inf", 0)):
+        signature = signature_of(result, findings, inherited)
+        note = f"{result.nan} NaN, {result.inf} Inf in the output; the exact reference makes them too"
+        return Observation.bad(Signature(NONFINITE_OUTPUT, signature.finding_kinds, signature.experts), note)
     if verdict == "ok":
         return Observation.good()
     if verdict in ("invalid", "needs-kernel"):
@@ -235,6 +247,7 @@ class ReplayJudge:
         self._load_call = load_call
         self.options = dict(options or {})
         self._loaded: tuple[int, Any] | None = None
+        self.nonfinite = False  # an ok call whose output holds NaN/Inf is bad (``bisect --nonfinite``)
 
     def loaded(self, call: int) -> Any:
         """The call's ``LoadedCall`` (arguments decoded, on the device the engine will use)."""
@@ -320,7 +333,7 @@ class ReplayJudge:
             source = _InMemoryCall(loaded.op.name)
         if not mutations:  # the call as captured: its headline, the worse of recorded and replayed
             report = self._replay(source, **options)
-            return observation_of(report.headline.result, report.findings)
+            return observation_of(report.headline.result, report.findings, nonfinite=self.nonfinite)
         # the probe is the variant: the fills that test the call as captured would only cost runs here
         options.setdefault("follow_evidence", False)
         report = self._replay(source, mutations=[self.variant(call, mutations)], **options)
@@ -438,18 +451,29 @@ class ReplayWiring:
             known_good=good,
             known_bad=bad,
             match=request.match,
-            settings=self._settings(mutations=list(request.mutations), backend=request.backend or "auto"),
+            settings=self._settings(
+                mutations=list(request.mutations),
+                backend=request.backend or "auto",
+                **({"nonfinite": True} if request.nonfinite else {}),
+            ),
         )
         always = request.mutations
         if always and isinstance(judge, ReplayJudge):
             judge.variant(refs[search.known_bad].index, always)
+        if request.nonfinite:
+            if not isinstance(judge, ReplayJudge):
+                raise BisectError("--nonfinite needs moereplay's own replay judge")
+            judge.nonfinite = True
         backend = request.backend
 
         def predicate(probe: ItemProbe[CallRef]) -> Observation:
             return judge(probe.item.index, always, backend, None)
 
         calls = "1 call" if len(refs) == 1 else f"{len(refs)} calls"
-        return Prepared(search, predicate, f"{calls} of {request.capture.name} by step and layer")
+        described = f"{calls} of {request.capture.name} by step and layer"
+        if request.nonfinite:
+            described += "; an output holding NaN or Inf is bad"
+        return Prepared(search, predicate, described)
 
     def _mutations(self, request: BisectRequest, judge: Judge, call: int) -> Prepared:
         candidates = request.mutations

@@ -32,7 +32,9 @@ class BisectRequest:
     (empty: the wiring proposes some), for the other strategies changes applied to every probe (``fill 0xff`` to
     hunt an out-of-bounds read).
     ``packs``: kernel pack directories, oldest first. ``dimensions``: names of the shape dimensions to shrink
-    (empty: all the op declares). ``backend``: as ``moereplay run --backend``.
+    (empty: all the op declares). ``backend``: as ``moereplay run --backend``. ``nonfinite`` (``calls`` only): a
+    call is bad when its output holds NaN or Inf, even where the exact reference makes them too — the first call
+    where they appear, whose diagnosis then says whether the kernel made them or was given them.
     """
 
     capture: Path
@@ -46,6 +48,7 @@ class BisectRequest:
     dimensions: tuple[str, ...] = ()
     backend: str | None = None
     match: SignatureMatch = SignatureMatch.KINDS
+    nonfinite: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -54,11 +57,15 @@ class BisectRequest:
             raise BisectError("--strategy packs needs at least two --pack options, oldest first")
         if self.strategy != "calls" and self.good is not None:
             raise BisectError("--good only applies to --strategy calls")
+        if self.strategy != "calls" and self.nonfinite:
+            raise BisectError("--nonfinite only applies to --strategy calls")
 
     @property
     def log_tag(self) -> str | None:
         """What distinguishes this session's default log from other sessions of the same strategy."""
-        return None if self.call is None or self.strategy == "calls" else f"call{self.call}"
+        if self.strategy == "calls":
+            return "nonfinite" if self.nonfinite else None
+        return None if self.call is None else f"call{self.call}"
 
     def with_call(self, call: int | None) -> BisectRequest:
         """This request about ``call`` (the one a wiring chose when ``--call`` was left out); unchanged for ``None``."""

@@ -91,6 +91,14 @@ def bisect_command(
             "exact, kinds (verdict + finding kinds), verdict, any.",
         ),
     ] = "kinds",
+    nonfinite: Annotated[
+        bool,
+        typer.Option(
+            "--nonfinite",
+            help="calls: a call whose output holds NaN or Inf is bad even when the exact reference makes them too "
+            "(find where they first appear; its diagnosis says who made them).",
+        ),
+    ] = False,
     log: Annotated[
         Path | None,
         typer.Option(
@@ -135,6 +143,7 @@ def bisect_command(
         dimensions=tuple(dimensions or ()),
         backend=backend,
         match=signature_match,
+        nonfinite=nonfinite,
     )
     note_damage(file)
     prepared = wiring_factory().prepare(request)

@@ -247,6 +247,10 @@ def test_without_call_several_calls_are_named_in_one_line(
         ),
         (["--strategy", "mutations", "--call", "1", "--good", "0", "-m", "flip a"], "--good only applies"),
         (["--strategy", "shape", "--call", "1", "--dim", "N"], "unknown dimension(s) N"),
+        (
+            ["--strategy", "mutations", "--call", "1", "--nonfinite"],
+            "--nonfinite only applies to --strategy calls",
+        ),
     ],
 )
 def test_bad_options_are_one_line_errors(
@@ -398,3 +402,32 @@ def test_a_mutation_typo_fails_before_any_weight_is_rebuilt(
     )  # fmt: skip
     assert code == 2 and not out, err
     assert "topk_weights" in err and "mul_topk_weights" in err and err.count("\n") == 1, err
+
+
+def test_an_ok_output_holding_nan_is_bad_only_when_asked() -> None:
+    results = pytest.importorskip("moereplay.replay.results")
+    findings = pytest.importorskip("moereplay.replay.findings")
+    given = results.VariantResult("recorded", (), results.Verdict.OK, rows=8, nan=256)
+    found = [
+        findings.Finding(findings.FindingKind.NONFINITE, "256 NaN", "recorded", evidence={"experts": [5]})
+    ]
+    assert observation_of(given, found) == Observation.good()
+    observation = observation_of(given, found, nonfinite=True)
+    assert observation.signature == Signature("nonfinite-output", frozenset({"nonfinite"}), frozenset({5}))
+    assert "256 NaN" in observation.note
+    clean = results.VariantResult("recorded", (), results.Verdict.OK, rows=8)
+    assert observation_of(clean, found, nonfinite=True) == Observation.good()
+
+
+def test_nonfinite_finds_where_nan_first_appears_in_a_served_capture(tmp_path: Path) -> None:
+    """The bundled served capture's gemm2 call is ok (the exact reference makes its NaN: the call was given them):
+    the plain search finds no failure, ``--nonfinite`` finds that call, offline."""
+    served = Path(__file__).resolve().parents[3] / "captures" / "gpt-oss-served-nan.moe.zst"
+    common = ["bisect", str(served), "--strategy", "calls", "--no-tui", "--backend", "reference"]
+    runner = CliRunner()
+    plain = runner.invoke(app, [*common, "--log", str(tmp_path / "plain.jsonl")])
+    assert plain.exit_code == 1 and "no failure" in plain.stdout
+    found = runner.invoke(app, [*common, "--nonfinite", "--log", str(tmp_path / "nan.jsonl")])
+    assert found.exit_code == 0, found.output
+    assert "first bad: #2 matmul_ogs (layer 0)" in found.stdout
+    assert "nonfinite-output" in found.stdout
