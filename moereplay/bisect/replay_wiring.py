@@ -96,14 +96,18 @@ def observation_of(
     """A variant's verdict as an observation: ``ok`` is good, ``invalid`` and ``needs-kernel`` (not judged)
     unresolved, anything else bad — ``memory-dependent`` too: an output that changes with bytes outside the call's
     tensors is a failure, whose signature (verdict, the ``memory_dependent`` finding, the experts it names) keeps a
-    search from drifting to a call that fails another way. ``nonfinite``: an ``ok`` output holding NaN or Inf (the
-    exact reference makes them too: the call was given them) is bad as well, with the verdict
-    :data:`NONFINITE_OUTPUT` in its signature."""
+    search from drifting to a call that fails another way. ``nonfinite``: any output holding NaN or Inf is bad —
+    an ``ok`` one too (the exact reference makes them: the call was given them) — with the one signature
+    :data:`NONFINITE_OUTPUT`, whatever made them, so the search finds where they first appear."""
     verdict = result.verdict.value
-    if verdict == "ok" and nonfinite and (getattr(result, "nan", 0) or getattr(result, "inf", 0)):
-        signature = signature_of(result, findings, inherited)
-        note = f"{result.nan} NaN, {result.inf} Inf in the output; the exact reference makes them too"
-        return Observation.bad(Signature(NONFINITE_OUTPUT, signature.finding_kinds, signature.experts), note)
+    holds = bool(getattr(result, "nan", 0) or getattr(result, "inf", 0))
+    if nonfinite and holds and verdict not in ("invalid", "needs-kernel"):
+        # one signature for every output holding NaN/Inf, made by the kernel or given to it: the search looks for
+        # where they first appear, not for one way of failing
+        made = "the exact reference makes them too" if verdict == "ok" else f"verdict {verdict}"
+        return Observation.bad(
+            Signature(NONFINITE_OUTPUT), f"{result.nan} NaN, {result.inf} Inf in the output; {made}"
+        )
     if verdict == "ok":
         return Observation.good()
     if verdict in ("invalid", "needs-kernel"):
@@ -344,7 +348,7 @@ class ReplayJudge:
         peer = report.as_captured
         if result.verdict == peer.verdict:
             inherited = [finding for finding in report.findings if finding.variant == peer.label]
-        return observation_of(result, report.findings, inherited)
+        return observation_of(result, report.findings, inherited, nonfinite=self.nonfinite)
 
 
 class ReplayWiring:
@@ -460,10 +464,10 @@ class ReplayWiring:
         always = request.mutations
         if always and isinstance(judge, ReplayJudge):
             judge.variant(refs[search.known_bad].index, always)
-        if request.nonfinite:
-            if not isinstance(judge, ReplayJudge):
-                raise BisectError("--nonfinite needs moereplay's own replay judge")
-            judge.nonfinite = True
+        if isinstance(judge, ReplayJudge):
+            judge.nonfinite = request.nonfinite
+        elif request.nonfinite:
+            raise BisectError("--nonfinite needs moereplay's own replay judge")
         backend = request.backend
 
         def predicate(probe: ItemProbe[CallRef]) -> Observation:

@@ -245,7 +245,7 @@ class GraphFlight(PollingRecorder):
         for size in sizes:
             offsets.append(at)
             at += (size + ALIGNMENT - 1) & ~(ALIGNMENT - 1)
-        real = self._real_rows(check)
+        real = self._real_rows(check) if call.target.role == "parent" else None  # a kernel call's rows: no
         limit = (real[0].data_ptr(), real[1]) if real is not None else None
         unknown = check is not None and real is None
         spans = Spans(tuple(sources), tuple(offsets), tuple(sizes), check_info, total, limit)

@@ -75,14 +75,13 @@ def token_count(device: torch.device, *, frame: Any = None) -> torch.Tensor | No
 def batch_tokens() -> int | None:
     """The padded token count of the batch vLLM is running (or capturing) now, from its forward context's
     ``BatchDescriptor``; ``None`` outside vLLM or a forward pass."""
-    try:
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-    except Exception:
+    module = sys.modules.get("vllm.forward_context")  # not loaded: no forward context (nothing imported here)
+    if module is None:
         return None
     try:
-        if not is_forward_context_available():
+        if not module.is_forward_context_available():
             return None
-        descriptor = getattr(get_forward_context(), "batch_descriptor", None)
+        descriptor = getattr(module.get_forward_context(), "batch_descriptor", None)
     except Exception:
         return None
     tokens = getattr(descriptor, "num_tokens", None)

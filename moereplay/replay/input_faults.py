@@ -164,24 +164,27 @@ def _row_counts(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def scan(arg: str, tensor: torch.Tensor, meaning: torch.dtype, leading: str | None) -> InputFault | None:
     """The non-finite values of ``tensor`` decoded as ``meaning`` (``None`` when there are none), counted per
-    slice of dimension 0 in blocks of about ``_CHUNK_ELEMENTS`` (a large weight is never widened whole)."""
-    data = tensor.detach()  # scanned where it lives: only the counts and the slice indices come to the host
+    slice of dimension 0 in blocks of about ``_CHUNK_ELEMENTS``: where the tensor lives, a block at a time (only
+    a block is ever widened or, for a strided view, copied)."""
+    data = tensor.detach()
     if data.dtype != meaning:
-        data = data.contiguous().view(meaning)
-    rows = data.reshape(data.shape[0] if data.dim() else 1, -1) if data.dim() > 1 else data.reshape(-1, 1)
-    per_row = max(rows.shape[1], 1)
+        data = data.view(meaning)  # the same element size (meaning_of): a view, strided or not
+    if data.dim() == 0:
+        data = data.reshape(1)
+    per_row = max(data[0].numel(), 1) if data.shape[0] else 1
     step = max(1, _CHUNK_ELEMENTS // per_row)
     nan = inf = 0
     indices: list[int] = []
-    for start in range(0, rows.shape[0], step):
-        block_nan, block_inf = _row_counts(rows[start : start + step])
+    for start in range(0, data.shape[0], step):
+        block = data[start : start + step]
+        block_nan, block_inf = _row_counts(block.reshape(block.shape[0], -1))
         nan += int(block_nan.sum())
         inf += int(block_inf.sum())
         hit = torch.nonzero((block_nan + block_inf) > 0).flatten().tolist()
         indices.extend(int(i) + start for i in hit)
     if not nan and not inf:
         return None
-    keep = leading is not None and data.dim() >= 1
+    keep = leading is not None
     return InputFault(
         arg,
         meaning,
@@ -216,7 +219,10 @@ def scan_inputs(op: OpSpec, args: Args) -> list[InputFault]:
         meaning = meaning_of(contract, tensor, args)
         if meaning is None:
             continue
-        fault = scan(contract.arg, tensor, meaning, contract.leading)
+        try:
+            fault = scan(contract.arg, tensor, meaning, contract.leading)
+        except RuntimeError:  # out of device memory, a cast the device lacks: the host can do it
+            fault = scan(contract.arg, tensor.detach().cpu(), meaning, contract.leading)
         used = {"expert": known.experts, "row": known.rows}.get(fault.leading or "") if fault else None
         if fault is not None and used is not None:
             fault = dataclasses.replace(fault, used=tuple(i for i in fault.indices if i in used))

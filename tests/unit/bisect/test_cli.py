@@ -413,10 +413,18 @@ def test_an_ok_output_holding_nan_is_bad_only_when_asked() -> None:
     ]
     assert observation_of(given, found) == Observation.good()
     observation = observation_of(given, found, nonfinite=True)
-    assert observation.signature == Signature("nonfinite-output", frozenset({"nonfinite"}), frozenset({5}))
-    assert "256 NaN" in observation.note
+    assert observation.signature == Signature("nonfinite-output")
+    assert "256 NaN" in observation.note and "the exact reference makes them too" in observation.note
     clean = results.VariantResult("recorded", (), results.Verdict.OK, rows=8)
     assert observation_of(clean, found, nonfinite=True) == Observation.good()
+    # the call where the kernel made the NaN has the same signature as the calls it was passed on to: the search
+    # for where NaN first appears must not take them for two different bugs
+    made = results.VariantResult("recorded", (), results.Verdict.NONFINITE, rows=8, bad_rows=2, nan=8)
+    kernel = [
+        findings.Finding(findings.FindingKind.CORRUPT_ROWS, "rows", "recorded", evidence={"experts": [1]})
+    ]
+    assert observation_of(made, kernel, nonfinite=True).signature == observation.signature
+    assert observation_of(made, kernel).signature.verdict == "nonfinite"  # without the flag: as before
 
 
 def test_nonfinite_finds_where_nan_first_appears_in_a_served_capture(tmp_path: Path) -> None:

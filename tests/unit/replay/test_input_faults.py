@@ -296,3 +296,11 @@ def test_the_matmul_ogs_reads_hook_follows_the_gather_and_the_histogram() -> Non
     assert first.rows == frozenset(range(tokens))  # every token, through gather src // top_k
     active = gemm2.args["x"].shape[0]
     assert second.rows == frozenset(range(active))  # no gather: the expert-sorted rows themselves
+
+
+def test_a_strided_view_is_scanned_as_it_is_indexed() -> None:
+    storage = torch.full((4, 8), 0x7F, dtype=torch.uint8)
+    storage[1, 6] = 0xFF  # row 6 of the transposed view
+    view = storage.t()  # [8, 4], not contiguous: read as e8m0 without a copy of the whole
+    fault = scan("scales", view, torch.float8_e8m0fnu, "expert")
+    assert fault is not None and fault.indices == (6,) and fault.nan == 1 and fault.extent == 8
