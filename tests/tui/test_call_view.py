@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from textual.widgets import TabbedContent
-from tui_helpers import Notes, make_app, run_async, settle
+from tui_helpers import Notes, make_app, run_async, settle, until_focused
 
 from moereplay.tui.screens.call import CallScreen
 from moereplay.tui.screens.dialogs import MutationDialog
@@ -59,6 +59,7 @@ async def test_add_rerun_and_remove_mutations(marlin_capture: Path) -> None:
         screen = await open_call(pilot)
         await pilot.press("a")
         assert isinstance(app.screen, MutationDialog)
+        await until_focused(pilot, "mutation-value")
         await pilot.press(*"no_such_flag", "enter")
         assert isinstance(app.screen, MutationDialog)  # refused, with the engine's reason
         assert "no argument 'no_such_flag'" in str(app.screen.query_one("#mutation-error").render())

@@ -8,7 +8,7 @@ from typing import Any
 
 from textual.pilot import Pilot
 from textual.widgets import Input
-from tui_helpers import make_app, settle
+from tui_helpers import make_app, settle, until, until_focused
 
 from moereplay.bisect import FirstBadSearch, Observation, Session, Signature
 from moereplay.bisect.probes import ItemProbe
@@ -112,14 +112,13 @@ def test_mutation_dialog(snap_compare: Any, marlin_capture: Path) -> None:
     async def run_before(pilot: Pilot[Any]) -> None:
         await pilot.press("enter")
         await quiet(pilot)
+        # the matrix beside the dialog shows the replay's rows once its result message is handled, which may come
+        # a moment after the worker ended (the long-standing flake: the snapshot caught the matrix still empty)
+        screen = pilot.app.screen
+        await until(pilot, lambda: getattr(screen, "outcome", None) is not None)
+        await pilot.pause()
         await pilot.press("a")
-        # keys typed before the dialog has mounted and focused its input go to the screen below (under load the
-        # snapshot lost some of "mul_topk"): wait for the focus first
-        for _ in range(100):
-            focused = pilot.app.focused
-            if focused is not None and focused.id == "mutation-value":
-                break
-            await pilot.pause()
+        await until_focused(pilot, "mutation-value")
         await pilot.press(*"mul_topk")
         await pilot.pause()
 

@@ -41,6 +41,25 @@ async def settle(pilot: Pilot[Any], rounds: int = 20) -> None:
             return
 
 
+async def until_focused(pilot: Pilot[Any], widget_id: str, rounds: int = 100) -> None:
+    """Wait until the widget ``widget_id`` has focus: keys typed while a pushed dialog is still mounting go to the
+    screen below it."""
+    for _ in range(rounds):
+        focused = pilot.app.focused
+        if focused is not None and focused.id == widget_id:
+            return
+        await pilot.pause()
+
+
+async def until(pilot: Pilot[Any], ready: Callable[[], bool], rounds: int = 200) -> None:
+    """Pause until ``ready()`` (a widget filled by a worker's result: the message that fills it comes after the
+    worker has ended, so waiting for workers alone can take a snapshot a moment early)."""
+    for _ in range(rounds):
+        if ready():
+            return
+        await pilot.pause()
+
+
 class Notes:
     """Records the app's notifications (the real ``notify`` still runs)."""
 
