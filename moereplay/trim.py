@@ -190,6 +190,7 @@ def trim_capture(
     written — ``moereplay repro`` cuts the recording machine's directories out of it."""
     from moereplay import __version__
     from moereplay.format import CaptureReader, CaptureWriter
+    from moereplay.format.summary import header_with_gpu_at_close
 
     source, output = Path(source), Path(output)
     if source.resolve() == output.resolve():
@@ -205,10 +206,7 @@ def trim_capture(
             )
         kept = _with_ancestors(reader, wanted) if parents else wanted
         copier = CallCopier(reader)
-        header = dict(reader.header)
-        late = reader.footer.get("gpu") if isinstance(reader.footer, dict) else None
-        if isinstance(late, dict):  # the source read its GPU only at close (its footer holds it): keep it
-            header["gpu"] = {**late, "read_at_close": True}
+        header = dict(header_with_gpu_at_close(reader.header, reader.footer))  # a GPU read at close is kept
         header["trim"] = {
             "source": source.name,
             "calls": kept,

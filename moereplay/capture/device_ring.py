@@ -221,23 +221,31 @@ class DeviceRing:
             return starts, leads, sizes, tag
         target = self._base + head % self.capacity
         count = len(sources)
-        if check_info is not None and tag is not None and 0 < count <= MAX_SPANS and FUSED_CHECK:
+        if (
+            check is not None
+            and check_info is not None
+            and tag is not None
+            and 0 < count <= MAX_SPANS
+            and FUSED_CHECK
+        ):
             fused = count - 1 if tensors[-1] is check else _position(tensors, check)
             if fused >= 0 and leads[fused] == 0:  # the checked tensor's span is its own bytes, from the first
-                args: list[int] = []
-                last: tuple[int, int, int] = (0, 0, 0)
+                spans: list[int] = []
+                checked: tuple[int, int, int] = (0, 0, 0)
                 chunk = 0
                 for position, (source, size) in enumerate(zip(sources, sizes, strict=True)):
                     words = (size + 7) & ~7
                     if position == fused:
-                        last = (source, target, words)
+                        checked = (source, target, words)
                     else:
-                        args += (source, target, words)
+                        spans += (source, target, words)
                     chunk += words
                     target += (size + 255) & ~255
-                args += _PADDING[count]  # (count - 1 spans, padding): the checked span goes in the last place
-                args += last
-                launcher.launch_prepared(args, MAX_SPANS, 1, chunk, check_info, word, fused=True)
+                spans += _PADDING[
+                    count
+                ]  # (count - 1 spans, padding): the checked span goes in the last place
+                spans += checked
+                launcher.launch_prepared(spans, MAX_SPANS, 1, chunk, check_info, word, fused=True)
                 return starts, leads, sizes, tag
         for first in range(0, max(count, 1), MAX_SPANS):
             last = first + MAX_SPANS >= count

@@ -277,10 +277,10 @@ class GraphFlight(PollingRecorder):
         if check is None:
             return None
         per_row = padded_rows.limits_rows(check, padded_rows.batch_tokens())
-        rows = padded_rows.token_count(check.device) if per_row is not None else None
-        if rows is None or per_row is None:
+        if per_row is None:
             return None
-        return rows, per_row
+        rows = padded_rows.token_count(check.device)
+        return None if rows is None else (rows, per_row)
 
     def not_kept(self, reason: str, error: BaseException | None = None, *, key: str | None = None) -> bool:
         """Count a call captured into a graph that is not kept; the first of each kind (``key``, else the

@@ -196,7 +196,7 @@ class WriterThread:
         max_bytes_queued: int,
         max_file_bytes: int = 0,
         on_failure: Callable[[str], None] | None = None,
-        poll: Callable[[], None] | None = None,
+        poll: Callable[[], float | None] | None = None,
         poll_interval: float = 0.005,
         name: str = "moereplay-writer",
         gate: GraphGate | None = None,

@@ -124,15 +124,20 @@ def describe_tensors(tree: Any, path: str = "") -> Iterator[tuple[str, str]]:
             yield from describe_tensors(value, f"{path}[{position}]")
 
 
+def header_with_gpu_at_close(header: dict[str, Any], footer: Any) -> dict[str, Any]:
+    """``header`` with the GPU the writer read when it closed the file, where the header has none: CUDA was not
+    initialised when the header was written (a serving worker arms early), and the footer holds it
+    (``read_at_close``). Otherwise ``header`` itself."""
+    late = footer.get("gpu") if isinstance(footer, dict) else None
+    gpu = header.get("gpu")
+    if isinstance(gpu, dict) and not gpu.get("name") and isinstance(late, dict) and late.get("name"):
+        return {**header, "gpu": {**late, "read_at_close": True}}
+    return header
+
+
 def capture_info(path: str | Path) -> CaptureInfo:
     with CaptureReader(path) as reader:
-        header = reader.header
-        late = reader.footer.get("gpu") if isinstance(reader.footer, dict) else None
-        gpu = header.get("gpu")
-        if isinstance(gpu, dict) and not gpu.get("name") and isinstance(late, dict) and late.get("name"):
-            # CUDA was not initialised when the header was written (a serving worker arms early): the writer
-            # read the GPU again when it closed the file
-            header = {**header, "gpu": {**late, "read_at_close": True}}
+        header = header_with_gpu_at_close(reader.header, reader.footer)
         return CaptureInfo(str(path), header, reader.recovery, reader.stats())
 
 

@@ -802,13 +802,20 @@ def contract_args(args: Args) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _histogram(routing: RoutingSpec) -> torch.Tensor | None:
+    """Rows per expert: ``expt_data.hist``, else ``expt_hist``."""
+    data = routing.expt_data
+    hist = data.hist if data is not None and data.hist is not None else routing.expt_hist
+    return hist if isinstance(hist, torch.Tensor) else None
+
+
 def _tile_of_rows(routing: RoutingSpec | None, experts: torch.Tensor, block_m: int) -> torch.Tensor:
     """For expert-sorted rows: the program (tile) index that computes each row with ``block_m``."""
     blocks = torch.full_like(experts, -1)
     if routing is None or routing.expt_data is None:
         return blocks
     data = routing.expt_data
-    hist = data.hist if data.hist is not None else routing.expt_hist
+    hist = _histogram(routing)
     if hist is None:
         return blocks
     counts = hist.reshape(-1).to(torch.int64).cpu()
@@ -945,10 +952,8 @@ class MatmulOgsOp:
         routing = plain_value("routing_data", args.get("routing_data"))
         if not isinstance(routing, RoutingSpec):
             return Reads()
-        hist = routing.expt_data.hist if routing.expt_data is not None else None
-        if not isinstance(hist, torch.Tensor):
-            hist = routing.expt_hist
-        if not isinstance(hist, torch.Tensor):
+        hist = _histogram(routing)
+        if hist is None:
             return Reads()
         counts = hist.reshape(-1).to("cpu", torch.long)
         experts = frozenset(torch.nonzero(counts > 0).flatten().tolist())
