@@ -106,8 +106,10 @@ def test_codec_values_are_copied_without_decoding(tmp_path: Path) -> None:
     unregister_codec(RECIPE_TYPE)
     try:
         result = trim_capture(source.path, "0", tmp_path / "t.moe.zst")
-    finally:
-        register_codec(RECIPE_TYPE, codec.encode, codec.decode)
+    finally:  # the whole codec back: without its nbytes hook a later reader cannot hold recipes to its budget
+        register_codec(
+            RECIPE_TYPE, codec.encode, codec.decode, codec.nbytes, codec.scratch, codec.collect, codec.tensors
+        )
     assert result.file_bytes < source.file_bytes * 1.1
     with CaptureReader(result.path) as trimmed, CaptureReader(source.path) as original:
         assert isinstance(trimmed.call(0).args["b_qweight"], CodecValue)
