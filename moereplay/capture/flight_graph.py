@@ -21,8 +21,10 @@ graph gate, never while a graph is being captured. A sequence whose word was ove
 
 Records are the eager layer scope's (:class:`~moereplay.capture.flight_layer.LayerFlight`): parent records
 without children, ready for ``moereplay expand``; their context adds ``cudagraph: true``, ``graph_launch``,
-``graph_sequence`` (the device's sequence number) and, when the call had a layer number at capture,
-``graph_step`` (replays of a first MoE layer's launch so far). They have no host time and no step of the host's
+``graph_sequence`` (the device's sequence number), when the call had a layer number at capture, ``graph_step``
+(replays of a first MoE layer's launch so far), and where the check reads the step's token count (below)
+``graph_tokens`` (that count at this replay) and ``graph_batch`` (the padded batch's tokens, the output's rows):
+the rows from ``graph_tokens`` on are padding, which :mod:`moereplay.replay` leaves unjudged. They have no host time and no step of the host's
 forward count: a graph replay is not seen by the host.
 
 Detection delay: about one writer poll (≈ 5 ms) after the device finished the call, plus the copy-out (4–5 ms
@@ -60,10 +62,12 @@ from moereplay.capture.flight_layer import LayerCall, LayerFlight, collect_outpu
 from moereplay.capture.graph_ring import (
     DEFAULT_LAUNCHES,
     DEFAULT_TAGS,
+    META_COLUMNS,
     META_LAUNCH,
     META_SEQUENCE,
     META_START,
     META_STEP,
+    META_TOKENS,
     STATE_HEAD,
     GraphRing,
     Spans,
@@ -108,6 +112,9 @@ class GraphLaunch:
     launch: int
     ring: GraphRing
     call: LayerCall
+    batch: int | None = (
+        None  # the padded batch's tokens (the checked output's rows) when the check reads the count
+    )
 
 
 @dataclass(eq=False)
@@ -128,6 +135,7 @@ class _Entry:
     launch: GraphLaunch
     start: int
     step: int
+    tokens: int = -1  # the replay's real token count (the metadata row's), -1 unknown
 
 
 @dataclass(eq=False)
@@ -262,7 +270,9 @@ class GraphFlight(PollingRecorder):
         call.output_copy = (offsets, leads, sizes)
         self.layer._describe(call)  # trees and tensor metadata now; the tensors are let go
         with self._lock:
-            watch.launches[launch] = GraphLaunch(launch, ring, call)
+            watch.launches[launch] = GraphLaunch(
+                launch, ring, call, None if real is None or check is None else int(check.shape[0])
+            )
         self.counters.launches += 1
         self.layer.wake_if_idle()  # its replays are found by polls only: every poll_interval from now
         self.counters.lone += int(programs == 1)
@@ -397,7 +407,16 @@ class GraphFlight(PollingRecorder):
             if int(row[META_SEQUENCE]) != wanted or launch is None:
                 self.counters.lost += 1  # its metadata row was reused: `tags` graph calls ago
                 continue
-            entries.append(_Entry(wanted, magnitude, launch, int(row[META_START]), int(row[META_STEP])))
+            entries.append(
+                _Entry(
+                    wanted,
+                    magnitude,
+                    launch,
+                    int(row[META_START]),
+                    int(row[META_STEP]),
+                    int(row[META_TOKENS]),
+                )
+            )
         trigger = entries[-1] if entries and entries[-1].sequence == sequence else None
         name = f"graph sequence {sequence}"
         if trigger is not None:
@@ -440,7 +459,7 @@ class GraphFlight(PollingRecorder):
         index = torch.tensor([s % ring.tags for s in sequences], dtype=torch.int64)
         if side is None:
             return list(ring.meta.index_select(0, index).numpy())
-        host = torch.empty(len(sequences), 4, dtype=torch.int64, pin_memory=True)
+        host = torch.empty(len(sequences), META_COLUMNS, dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(side):
             host.copy_(ring.meta.index_select(0, index.to(ring.device, non_blocking=True)), non_blocking=True)
         side.synchronize()
@@ -485,6 +504,10 @@ class GraphFlight(PollingRecorder):
         context.update(cudagraph=True, graph_launch=entry.launch.launch, graph_sequence=entry.sequence)
         if template.where.layer is not None:
             context["graph_step"] = entry.step
+        batch = entry.launch.batch
+        if batch is not None and 0 < entry.tokens <= batch:
+            # the rows past the step's tokens are padding (vLLM discards them): a replay judges the real ones
+            context.update(graph_tokens=entry.tokens, graph_batch=batch)
         call.extra_context = context
         call.value = entry.magnitude
         call.ended = time.perf_counter()

@@ -8,7 +8,8 @@ kernel (:mod:`moereplay.capture.graph_ring_kernel`) captured right after the cal
   this device) and ``step`` (graph replays of a first MoE layer's call);
 - per captured launch (a *launch id*, given at capture): the start and sequence of its current entry, its running
   largest magnitude and its count of finished programs;
-- ``meta`` (device, ``tags`` rows): per ``sequence % tags`` the row ``(sequence, start, launch, step)``;
+- ``meta`` (device, ``tags`` rows): per ``sequence % tags`` the row ``(sequence, start, launch, step, tokens)``
+  (``tokens``: the replay's real token count where the launch knows where to read it, ``Spans.rows``; else -1);
 - ``words`` (pinned host memory mapped into the device's address space): per ``sequence % tags`` the tag word
   ``generation << 32 | bits(max |output|)`` (generation ``sequence // tags + 1``, the eager ring's encoding,
   :func:`~moereplay.capture.device_ring.decode_word`), stored by the kernel's last program, and one *hint*
@@ -53,7 +54,8 @@ from moereplay.capture.device_ring import ALIGNMENT, _raw_at
 from moereplay.capture.device_ring import host_words as _host_words
 
 STATE_HEAD, STATE_SEQUENCE, STATE_STEP = 0, 1, 2
-META_SEQUENCE, META_START, META_LAUNCH, META_STEP = 0, 1, 2, 3
+META_SEQUENCE, META_START, META_LAUNCH, META_STEP, META_TOKENS = 0, 1, 2, 3, 4
+META_COLUMNS = 5
 DEFAULT_TAGS = 1 << 14
 """Tag words and metadata rows: a sequence's word and row are reused ``tags`` graph layer calls later."""
 DEFAULT_LAUNCHES = 1 << 14
@@ -160,7 +162,7 @@ class GraphRing:
         with guard:
             self.buffer = torch.empty(capacity + self.max_entry, dtype=torch.uint8, device=device)
             self.state = torch.zeros(4, dtype=torch.int64, device=device)
-            self.meta = torch.full((tags, 4), -1, dtype=torch.int64, device=device)
+            self.meta = torch.full((tags, META_COLUMNS), -1, dtype=torch.int64, device=device)
             # per launch id (graph_ring_kernel.CELL_*): entry start, entry sequence, running largest magnitude,
             # programs done, programs arrived, reservation published
             self.cells = torch.zeros(6, launches, dtype=torch.int64, device=device)
@@ -325,7 +327,9 @@ class GraphRing:
             if record and moved <= ALONE_BYTES and numel <= ALONE_ELEMENTS:
                 work = 1  # one program: no handshake among programs (see graph_ring_kernel)
             programs = max(1, min(_programs(self.index), work))
-            limit = spans.rows if last and record and spans.rows is not None else (0, 0)
+            # every record node reads the count (the reserving one stores it in the metadata row), the last one
+            # also limits its check to the real rows
+            limit = spans.rows if record and spans.rows is not None else (0, 0)
             launch_kernel(programs, stream, args + common + list(limit))
             most = max(most, programs)
         return most
@@ -383,7 +387,8 @@ class GraphRing:
         step = int(state[STATE_STEP])
         cells[0, launch] = head
         cells[1, launch] = sequence
-        meta[sequence % self.tags] = torch.tensor([sequence, head, launch, step], dtype=torch.int64)
+        real = -1 if fallback.rows is None or spans.rows is None else int(fallback.rows.reshape(-1)[0])
+        meta[sequence % self.tags] = torch.tensor([sequence, head, launch, step, real], dtype=torch.int64)
         self.host[self.tags] = sequence + 1
         start = int(cells[0, launch]) % self.capacity
         for view, offset, size in zip(fallback.views, spans.offsets, spans.sizes, strict=True):
@@ -391,10 +396,8 @@ class GraphRing:
                 self.buffer.narrow(0, start + offset, size).copy_(view)
         largest = 0
         check = fallback.check
-        if check is not None and fallback.rows is not None and spans.rows is not None:
-            real = int(fallback.rows.reshape(-1)[0])
-            if real > 0:
-                check = check.detach().reshape(-1)[: real * spans.rows[1]]
+        if check is not None and spans.rows is not None and real > 0:
+            check = check.detach().reshape(-1)[: real * spans.rows[1]]
         if check is not None and check.numel():
             magnitude = torch.linalg.vector_norm(check.detach(), ord=math.inf, dtype=torch.float32).reshape(1)
             largest = int(magnitude.view(torch.int32).item()) & 0xFFFFFFFF

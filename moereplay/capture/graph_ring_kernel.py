@@ -7,7 +7,8 @@ further :data:`SPANS`, which only copy):
 - reserve (the first node of a launch, ``reserve`` 1): one program adds the entry's byte size (fixed at capture)
   to the ring's device ``head`` and 1 to its device ``sequence``, bumps the graph ``step`` when the launch is the
   first MoE layer's, publishes start and sequence in the launch's cells and the row ``(sequence, start, launch,
-  step)`` in the sequence's metadata row, and stores ``sequence + 1`` into the host's hint word (host-mapped
+  step, tokens)`` in the sequence's metadata row (``tokens``: the int32 at ``rows`` — the step's real token count,
+  read at this replay — or -1 without one), and stores ``sequence + 1`` into the host's hint word (host-mapped
   memory: how far the device has reserved, read by the writer thread without a CUDA call). A node run by one
   program (a decode-sized entry, ``graph_ring.ALONE_BYTES``) does only that. With several programs, the one
   arriving first (``atomic_add`` on the launch's ``arrive`` cell returns 0) reserves and then releases the launch's
@@ -106,21 +107,23 @@ def _pick(index, step, begin, size, source, target, src, dst, BLOCK: tl.constexp
 
 
 @triton.jit
-def _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell):
-    """Take the entry's bytes and sequence; publish them in the launch's cells, the metadata row and the hint.
-    Relaxed atomics: the three counters are independent (issued back to back, one round trip to L2); what
-    orders the published cells for the launch's other programs is the caller's release of ``ready``."""
+def _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell, real):
+    """Take the entry's bytes and sequence; publish them in the launch's cells, the metadata row (with ``real``,
+    the replay's token count, -1 unknown) and the hint. Relaxed atomics: the three counters are independent
+    (issued back to back, one round trip to L2); what orders the published cells for the launch's other programs
+    is the caller's release of ``ready``."""
     state_cells = state.to(tl.pointer_type(tl.int64))
     head = tl.atomic_add(state_cells, total, sem="relaxed")
     sequence = tl.atomic_add(state_cells + 1, 1, sem="relaxed")
     step = tl.atomic_add(state_cells + 2, first, sem="relaxed") + first
     tl.atomic_xchg(start_cell, head, sem="relaxed")
     tl.atomic_xchg(sequence_cell, sequence, sem="relaxed")
-    row = meta.to(tl.pointer_type(tl.int64)) + (sequence % tags) * 4
+    row = meta.to(tl.pointer_type(tl.int64)) + (sequence % tags) * 5
     tl.store(row, sequence)
     tl.store(row + 1, head)
     tl.store(row + 2, launch)
     tl.store(row + 3, step)
+    tl.store(row + 4, real)
     tl.store(hint.to(tl.pointer_type(tl.int64)), sequence + 1)
     return head
 
@@ -142,9 +145,10 @@ def graph_record(
     # the rows this replay really computes: a graph runs a padded batch, and the padding rows hold whatever the
     # buffers held (``rows``: the address of the step's token count, read now, at replay; 0: every row)
     limit = numel
-    if STAGE == 0 and finish != 0 and rows != 0:
+    real = tl.full([], -1, dtype=tl.int64)  # the metadata row's token count: -1, unknown
+    if STAGE == 0 and rows != 0:
         real = tl.load(rows.to(tl.pointer_type(tl.int32))).to(tl.int64)
-        if real > 0:
+        if finish != 0 and real > 0:
             limit = tl.minimum(numel, real * row_numel)
     # the first step of the fold: loads issued now, reduced after the copies
     first_fold = pid * FOLD + tl.arange(0, FOLD).to(tl.int64)
@@ -161,10 +165,10 @@ def graph_record(
         pass
     elif reserve != 0:
         if programs == 1:  # alone (a decode-sized entry): no arrive/ready handshake
-            start = _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell)
+            start = _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell, real)
         else:
             if tl.atomic_add(arrive_cell, 1, sem="relaxed") == 0:
-                _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell)
+                _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell, real)
                 tl.atomic_xchg(ready_cell, 1, sem="release")  # the cells above before "ready"
             ready = tl.atomic_add(ready_cell, 0, sem="acquire")
             while ready == 0:  # only programs that arrived after the reserving one, which runs: no deadlock

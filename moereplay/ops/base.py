@@ -802,6 +802,37 @@ def reads(op: OpSpec, args: Args) -> Reads:
     return found if isinstance(found, Reads) else Reads()
 
 
+def tokens_by_activation_rows(token: torch.Tensor, activation: Any, batch: int) -> torch.Tensor | None:
+    """The layer's token of each output row for an op whose row map's ``token`` is a row of its activation
+    ``[rows, K]`` and whose activation is token-major: ``batch`` tokens (the layer's padded batch) of
+    ``rows // batch`` rows each — the layer's hidden states (one row a token) or its intermediate ``[tokens ·
+    top_k, N]`` (row ``token · top_k + k``). ``-1`` stays -1 (no token); None when the activation's rows are not
+    a multiple of ``batch`` (the call is not one of that batch's)."""
+    if not isinstance(activation, torch.Tensor) or activation.dim() != 2 or batch < 1:
+        return None
+    rows = int(activation.shape[0])
+    if rows < batch or rows % batch:
+        return None
+    per_token = rows // batch
+    token = token.to(torch.int64)
+    return torch.where(token >= 0, torch.div(token, per_token, rounding_mode="floor"), -1)
+
+
+def layer_tokens(op: OpSpec, args: Args, rows: RowMap, batch: int) -> torch.Tensor | None:
+    """The op's ``layer_tokens`` hook: per output row the token of the layer's ``batch``-token batch it belongs to
+    (``-1``: none), or None when the op has no hook or cannot say for this call."""
+    hook = getattr(op, "layer_tokens", None)
+    if hook is None:
+        return None
+    try:
+        found = hook(args, rows, batch)
+    except Exception:  # a call the hook cannot read: no claim
+        return None
+    if not isinstance(found, torch.Tensor) or found.shape != (rows.rows,):
+        return None
+    return found
+
+
 def _scalar_int(value: Any) -> int | None:
     if isinstance(value, torch.Tensor):
         return int(value.reshape(-1)[0]) if value.numel() else None

@@ -60,6 +60,7 @@ from moereplay.ops.base import (
     check_contracts,
     dtype_of,
     fixed_dtype,
+    tokens_by_activation_rows,
 )
 from moereplay.ops.fused_moe_triton_surface import (
     CONFIG_KEYS,
@@ -822,6 +823,11 @@ class TritonMoeOp:
             args.get("top_k"),
             partial_block=True,
         )
+
+    def layer_tokens(self, args: Args, rows: RowMap, batch: int) -> torch.Tensor | None:
+        """The layer token of each output row: the row map's ``token`` is a row of ``A`` (the layer's tokens, or
+        its token-major ``[tokens · top_k, N]`` intermediate with ``top_k`` 1)."""
+        return tokens_by_activation_rows(rows.token, args.get("A"), batch)
 
     def reference(self, args: Args) -> ReferenceResult:
         from moereplay.reference import fused_moe_triton as ref

@@ -79,6 +79,7 @@ from moereplay.ops.base import (
     block_reads,
     dtype_of,
     fixed_dtype,
+    tokens_by_activation_rows,
 )
 
 if TYPE_CHECKING:
@@ -651,6 +652,11 @@ class MarlinMoeOp:
             args.get("top_k"),
             partial_block=False,
         )
+
+    def layer_tokens(self, args: Args, rows: RowMap, batch: int) -> torch.Tensor | None:
+        """The layer token of each output row: the row map's ``token`` is a row of ``input``, which holds the
+        layer's tokens (gemm1) or its token-major ``[tokens · top_k, K]`` intermediate (gemm2, ``top_k`` 1)."""
+        return tokens_by_activation_rows(rows.token, args.get("input"), batch)
 
     def reference(self, args: Args) -> ReferenceResult:
         from moereplay.reference.marlin_moe import reference_moe_wna16_marlin_gemm

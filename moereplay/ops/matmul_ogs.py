@@ -63,6 +63,7 @@ from moereplay.ops.base import (
     Rule,
     TensorContract,
     check_contracts,
+    tokens_by_activation_rows,
 )
 from moereplay.ops.ogs_codecs import (
     ActivationSpec,
@@ -967,6 +968,14 @@ class MatmulOgsOp:
             rows = torch.div(ids, routing.n_expts_act, rounding_mode="trunc")  # C-style: a -1 reads row 0
             return Reads(experts, frozenset(rows[rows >= 0].tolist()))
         return Reads(experts, None)
+
+    def layer_tokens(self, args: Args, rows: RowMap, batch: int) -> torch.Tensor | None:
+        """The layer token of each output row. With a scatter the output's rows are the layer's tokens (the
+        row map says which; a call whose output is not ``batch`` rows is not that batch's); otherwise the row
+        map's ``token`` is a row of ``x`` — through the gather index, the layer's tokens themselves."""
+        if args.get("scatter_indx") is not None:
+            return rows.token.to(torch.int64) if rows.rows == batch else None
+        return tokens_by_activation_rows(rows.token, args.get("x"), batch)
 
     def check(self, args: Args, *, check_device: bool = True) -> list[ContractViolation]:
         """Every contract violation of a call, including the tensors inside its opaque arguments.

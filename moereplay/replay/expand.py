@@ -7,8 +7,8 @@ mode, so the re-run parent and every kernel call it makes are recorded as a full
 is then copied into ``OUT`` (calls renumbered in order, undecoded, blobs stored once), each re-run parent's
 context carrying ``"expanded_from": {"file", "call", "bit_exact"}`` and every kernel call's context
 ``"expanded_from": {"file", "call", "child", "recorded_child", "bit_exact"}``; the recorded parent's ``layer``,
-``step`` (or a graph-kept call's ``graph_step``, ``graph_sequence`` and ``graph_launch``), ``layer_name``, ``tag``
-and ``ranks`` are added where the re-run has none (outside vLLM's forward pass it has none), so ``moereplay ls
+``step`` (or a graph-kept call's ``graph_step``, ``graph_sequence``, ``graph_launch``, ``graph_tokens`` and
+``graph_batch``), ``layer_name``, ``tag`` and ``ranks`` are added where the re-run has none (outside vLLM's forward pass it has none), so ``moereplay ls
 --layer`` finds them.
 
 Arguments: loaded as recorded, on ``device``. Scratch buffers the layer-scope flight recorder did not keep
@@ -363,10 +363,22 @@ class _Judged:
     contexts: dict[int, dict[str, Any]]  # session-file index -> context added in OUT
 
 
-CONTEXT_KEYS = ("layer", "step", "layer_name", "tag", "ranks", "graph_step", "graph_sequence", "graph_launch")
+CONTEXT_KEYS = (
+    "layer",
+    "step",
+    "layer_name",
+    "tag",
+    "ranks",
+    "graph_step",
+    "graph_sequence",
+    "graph_launch",
+    "graph_tokens",
+    "graph_batch",
+)
 """Context of the recorded parent given to its re-run (and its kernel calls) where the re-run has none: a call kept
 from a CUDA graph replay has ``graph_step`` (``ls`` shows ``g5``), ``graph_sequence`` and ``graph_launch`` instead of
-``step``."""
+``step``, and where its batch was padded ``graph_tokens`` and ``graph_batch`` (the real and the padded token counts:
+a replay of its kernel calls leaves the padding rows unjudged, :mod:`moereplay.replay.padding`)."""
 
 
 def _judge(

@@ -76,6 +76,7 @@ from moereplay.replay.mutations import (
     parse_variants,
 )
 from moereplay.replay.overreads import FillEffect, ReadLocaliser, memory_dependence, written_bytes_equal
+from moereplay.replay.padding import padding_of
 from moereplay.replay.results import (
     RECORDED,
     SEVERITY,
@@ -225,6 +226,9 @@ class ReplaySession:
         self._recorded: _Evaluation | None = None
         self._recorded_judged = False
         self._given_said = False  # the "what it was given" diagnosis of reproduced NaN/Inf is said once
+        # references without a CUDA-graph batch's padding rows (by id of the op's result: (result, trimmed))
+        self._unpadded: dict[int, tuple[ReferenceResult, ReferenceResult]] = {}
+        self._padding_said = False
         self._read_findings: dict[str, list[Finding]] = {}
         self._fill_effects: dict[str, FillEffect] = {}
         self._located: list[dict[str, Any]] = []
@@ -428,7 +432,28 @@ class ReplaySession:
         if result is None:
             result = self.op.reference(args)
             cache.put(reference_key, pins, result)
-        return result
+        return self._without_padding(args, result)
+
+    def _without_padding(self, args: Args, result: ReferenceResult) -> ReferenceResult:
+        """``result`` with the output rows of a CUDA-graph batch's padding tokens left out of ``written`` (not
+        judged: :mod:`moereplay.replay.padding`), said once in a note; ``result`` itself for other calls. The same
+        object for the same result, so a reference compares equal to itself across variants."""
+        padding = padding_of(self.call.context)
+        if padding is None:
+            return result
+        known = self._unpadded.get(id(result))
+        if known is not None and known[0] is result:
+            return known[1]
+        rows = padding.rows(self.op, args, result.rows)
+        if not self._padding_said:
+            self._padding_said = True
+            self.notes.append(padding.note(rows))
+        trimmed = result
+        if rows is not None and bool(rows.any()):
+            written = result.written & ~rows.to(result.written.device)
+            trimmed = dataclasses.replace(result, written=written)
+        self._unpadded[id(result)] = (result, trimmed)
+        return trimmed
 
     def allowance_for(
         self,

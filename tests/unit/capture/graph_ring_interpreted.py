@@ -45,7 +45,8 @@ def replay() -> None:
         )
 
 
-def case(tokens: int, span_count: int, staged: bool = False) -> None:
+def case(tokens: int, span_count: int, staged: bool = False, real: int | None = None) -> None:
+    """``real``: the step's token count, read at replay (rows past it are padding: NaN here, not checked)."""
     GRAPH.clear()
     ring = GraphRing(1 << 21, torch.device("cpu"), tags=8, launches=4, use_kernel=False)
     ring.kernels = capture_launch
@@ -64,7 +65,10 @@ def case(tokens: int, span_count: int, staged: bool = False) -> None:
     sizes = [tensor.nbytes + lead for tensor, lead in zip(tensors, leads, strict=True)]
     offsets = [sum(-(-size // ALIGNMENT) * ALIGNMENT for size in sizes[:i]) for i in range(len(sizes))]
     total = offsets[-1] + -(-sizes[-1] // ALIGNMENT) * ALIGNMENT
-    spans = Spans(tuple(sources), tuple(offsets), tuple(sizes), (out.data_ptr(), out.numel(), 2), total)
+    count = placed(1, torch.int32)
+    count.fill_(real if real is not None else 0)
+    limit = (count.data_ptr(), 2880) if real is not None else None
+    spans = Spans(tuple(sources), tuple(offsets), tuple(sizes), (out.data_ptr(), out.numel(), 2), total, limit)
     programs = ring.capture(0, spans, first=True)
     ring.buffer.fill_(0xA5)
     right = True
@@ -76,6 +80,8 @@ def case(tokens: int, span_count: int, staged: bool = False) -> None:
                 tensor.copy_(torch.arange(tensor.numel(), dtype=tensor.dtype) * (replay_index + 7) + i)
         if replay_index == 2:
             out[-1] = float("inf")  # the last element: the last program's block
+        if real is not None:
+            out[real * 2880 :] = float("nan")  # padding rows (2,880 elements a row): whatever the buffers held
         replay()
         start = int(ring.meta[replay_index][1])
         for tensor, offset, lead, size in zip(tensors, offsets, leads, sizes, strict=True):
@@ -83,12 +89,15 @@ def case(tokens: int, span_count: int, staged: bool = False) -> None:
                 ring.view(start, offset + lead, size - lead), tensor.view(torch.uint8).flatten()
             )
         word = int(ring.words[replay_index])
-        largest = int(torch.tensor(float(out.float().abs().max())).view(torch.int32))
+        checked = out if real is None else out[: real * 2880]
+        largest = int(torch.tensor(float(checked.float().abs().max())).view(torch.int32))
         right &= word >> 32 == 1 and (word & 0xFFFFFFFF) == largest
-        right &= ring.meta[replay_index].tolist() == [replay_index, start, 0, replay_index + 1]
+        tokens_seen = -1 if real is None else real
+        right &= ring.meta[replay_index].tolist() == [replay_index, start, 0, replay_index + 1, tokens_seen]
         right &= ring.cells[2:6, 0].tolist() == [0, 0, 0, 0]
     nodes = f"{len(GRAPH)} nodes ({sum(stage for _, _, stage in GRAPH)} staging)"
-    print(f"tokens {tokens}, {span_count} spans: {nodes}, {programs} programs; entries right: {right}")
+    counted = "" if real is None else f", {real} real"
+    print(f"tokens {tokens}{counted}, {span_count} spans: {nodes}, {programs} programs; entries right: {right}")
 
 
 def main() -> None:
@@ -98,6 +107,9 @@ def main() -> None:
         case(tokens, span_count)
     case(1, 18, staged=True)  # the served gpt-oss decode call, staged off the graph's path
     case(1, 26, staged=True)  # two staging nodes, one record node
+    case(8, 18, real=6)  # a padded batch: the count in the metadata row, padding rows unchecked (shared entry)
+    case(2, 18, staged=True, real=1)  # the same through the staged record node
+    case(8, 26, real=5)  # two nodes: the reserving one stores the count, the last one limits its check
 
 
 if __name__ == "__main__":

@@ -343,7 +343,7 @@ def test_sequence_slot_and_generation_mapping_of_the_fallback() -> None:
     assert ring.hint == 6
     # sequences 4 and 5 hold slots 0 and 1 (generation 2); 2 and 3 slots 2 and 3 (generation 1)
     assert [int(word) >> 32 for word in ring.words] == [2, 2, 1, 1]
-    assert ring.meta[1].tolist() == [5, 5 * 256, 0, 6]  # sequence, start, launch, step
+    assert ring.meta[1].tolist() == [5, 5 * 256, 0, 6, -1]  # sequence, start, launch, step, tokens (unknown)
     # sequence 5's entry is at 5 * 256 % 4096, its bytes what the span held
     assert torch.equal(ring.view(5 * 256, 0, 64), source)
     assert ring.cells[2, 0] == 0 and ring.cells[3, 0] == 0  # the max and "done" reset for the next replay
@@ -466,9 +466,10 @@ def record_kernel(programs: int, args: list[int]) -> None:
         3 * SPANS + 8 : 3 * SPANS + 18
     ]
     rows, row_numel = args[3 * SPANS + 18 :]
-    if finish and rows:  # the step's token count, read at replay: padding rows are not checked
+    real = -1  # the metadata row's token count: unknown
+    if rows:  # the step's token count, read at replay: into the metadata row, and padding rows are not checked
         real = ctypes.c_int32.from_address(rows).value
-        if real > 0:
+        if finish and real > 0:
             numel = min(numel, real * row_numel)
 
     def cell(row: int) -> ctypes.c_int64:
@@ -486,12 +487,12 @@ def record_kernel(programs: int, args: list[int]) -> None:
     bits = np.abs(values).view(np.int32)
     for program in range(programs):
         if reserve and programs == 1:  # alone: no arrive/ready handshake
-            _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell)
+            _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell, real)
         elif reserve:
             ticket = arrive.value
             arrive.value = ticket + 1
             if ticket == 0:
-                _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell)
+                _reserve(state, meta, hint, launch, total, first, tags, start_cell, sequence_cell, real)
                 ready.value = 1
             assert ready.value == 1, "a program went on before the reservation was published"
         target = buffer + start_cell.value % capacity
@@ -534,6 +535,7 @@ def _reserve(
     tags: int,
     start_cell: ctypes.c_int64,
     sequence_cell: ctypes.c_int64,
+    real: int,
 ) -> None:
     head = _cell(state).value
     _cell(state).value = head + total
@@ -543,8 +545,8 @@ def _reserve(
     step = _cell(state + 16).value
     start_cell.value = head
     sequence_cell.value = sequence
-    row = meta + 32 * (sequence % tags)
-    for i, value in enumerate((sequence, head, launch, step)):
+    row = meta + 8 * graph_ring.META_COLUMNS * (sequence % tags)
+    for i, value in enumerate((sequence, head, launch, step, real)):
         _cell(row + 8 * i).value = value
     _cell(hint).value = sequence + 1
 
@@ -896,7 +898,8 @@ def test_a_call_with_more_spans_than_a_node_takes_two_nodes_that_share_one_entry
             start,
             1,
             replay + 1,
-        ]  # sequence, start, launch, step
+            -1,
+        ]  # sequence, start, launch, step, tokens (no count: unknown)
         for i, source in enumerate(sources):
             assert torch.equal(ring.view(start, offsets[i], sizes[i]).view(torch.float32), source)
         word = int(ring.words[replay % 8])
@@ -984,6 +987,10 @@ def test_padding_rows_of_a_replayed_batch_are_copied_but_not_checked(monkeypatch
     bad = harness.written[-1]
     assert not math.isfinite(bad[0].context["flight"]["magnitude"])
     assert torch.isnan(_bits(bad[1].outputs.tree["output"].view())[6:].view(torch.bfloat16).float()).all()
+    # every written record says which of its rows were real at its replay: a replay leaves the padding unjudged
+    assert [(begin.context["graph_tokens"], begin.context["graph_batch"]) for begin, _ in harness.written] == [
+        (6, 8)
+    ] * len(harness.written)
 
 
 def test_without_the_runner_every_row_is_checked_and_counted() -> None:
@@ -1001,6 +1008,7 @@ def test_without_the_runner_every_row_is_checked_and_counted() -> None:
     harness.ring.replay(launch)
     harness.layer.poll(launch=True)
     assert harness.written  # a padding row or not, nobody can tell: it triggers as before
+    assert "graph_tokens" not in harness.written[-1][0].context  # and the record claims no real-row count
 
 
 @pytest.mark.parametrize(

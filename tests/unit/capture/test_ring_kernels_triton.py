@@ -14,14 +14,14 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
 
-def test_graph_record_keeps_every_span_and_the_magnitude_in_the_interpreter() -> None:
+def test_graph_record_keeps_every_span_the_magnitude_and_the_token_count_in_the_interpreter() -> None:
     script = Path(__file__).with_name("graph_ring_interpreted.py")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[3])}
     done = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("entries right: True") == 6, done.stdout
+    assert done.stdout.count("entries right: True") == 9, done.stdout
     assert (
         "tokens 1, 18 spans: 1 nodes (0 staging), 1 programs" in done.stdout
     )  # gpt-oss decode: one node, alone
@@ -29,6 +29,10 @@ def test_graph_record_keeps_every_span_and_the_magnitude_in_the_interpreter() ->
     assert "tokens 1, 26 spans: 2 nodes (0 staging), 1 programs" in done.stdout
     assert "tokens 1, 18 spans: 2 nodes (1 staging), 1 programs" in done.stdout  # staged: copy, then record
     assert "tokens 1, 26 spans: 3 nodes (2 staging), 1 programs" in done.stdout
+    # a padded batch: the replay's token count in the metadata row, the padding rows' NaN left out of the check
+    assert "tokens 8, 6 real, 18 spans: 1 nodes (0 staging), 3 programs" in done.stdout
+    assert "tokens 2, 1 real, 18 spans: 2 nodes (1 staging), 1 programs" in done.stdout
+    assert "tokens 8, 5 real, 26 spans: 2 nodes (0 staging), 3 programs" in done.stdout
 
 
 @pytest.mark.parametrize("stage", [0, 1])

@@ -273,6 +273,8 @@ def layer_scope_record(
         "step": 12,
         "graph_step": 3,
         "graph_sequence": 8,
+        "graph_tokens": 5,
+        "graph_batch": 6,
         "flight": {"scope": "layer", "trigger": True, "magnitude": 3.5},
     }
     with CaptureWriter(path) as writer:
@@ -309,6 +311,8 @@ def test_a_layer_scope_record_is_expanded(fake_vllm, tmp_path: Path) -> None:
         assert parent.context["layer"] == gemm1.context["layer"] == gemm2.context["layer"] == 5
         assert parent.context["step"] == 12
         assert gemm2.context["graph_step"] == 3 and gemm2.context["graph_sequence"] == 8
+        # the padded batch's real tokens reach the kernel calls: their replays leave the padding rows unjudged
+        assert [(c.context["graph_tokens"], c.context["graph_batch"]) for c in (gemm1, gemm2)] == [(5, 6)] * 2
         args = out.load_args(gemm1.index)
         assert args["workspace"].dtype == torch.int32  # the function allocated its own scratch
         assert torch.equal(out.load_outputs(0)["output"], expected)
