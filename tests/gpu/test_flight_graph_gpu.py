@@ -254,8 +254,14 @@ def test_padding_rows_of_a_replayed_graph_do_not_trigger(
         counters = reader.footer["counters"]
         assert counters["flight_graph_checked"] == 13 and counters["flight_graph_rows_unknown"] == 0
         assert counters["flight_graph_triggers"] == 1  # not one for a padding row that a slow poll found late
-        triggered = [record for record in reader.calls() if record.context.get("flight", {}).get("trigger")]
+        records = list(reader.calls())
+        triggered = [record for record in records if record.context.get("flight", {}).get("trigger")]
         assert [record.context["graph_sequence"] for record in triggered] == [12]
+        # every written replay says which of its rows were real (the count the kernel read into its metadata row)
+        assert records and all(
+            (record.context["graph_tokens"], record.context["graph_batch"]) == (real, tokens)
+            for record in records
+        ), [record.context for record in records]
 
 
 def test_a_lapping_graph_ring_loses_no_check_and_writes_nothing_overwritten(kernels, tmp_path: Path) -> None:
