@@ -32,10 +32,25 @@ calls = json.load(open("/tmp/serve/expand.json"))["calls"]
 print(" ".join("--call " + str(k) for k in calls[-1]["kernel_calls"]))')
     step run 90 bash -c "python3 -m moereplay run $W/expanded.zst $KCALLS --backend pack:$MOEREPLAY_PACK \
         --json-out $W/run.json"
+    # every regenerated kernel call: a padded batch's calls say which rows were padding and leave them unjudged
+    step run_all 200 bash -c "python3 -m moereplay run $W/expanded.zst --all --backend pack:$MOEREPLAY_PACK \
+        --json-out $W/run_all.json > $W/run_all.txt 2>&1"
+    python3 - $W/run_all.json >> "$OUT/all.log" 2>&1 <<'PY'
+import json, sys
+reports = json.load(open(sys.argv[1]))["reports"]
+for rep in reports:
+    base = next((r for r in rep["results"] if r["label"] == "baseline"), None)
+    padding = [n for n in rep.get("notes", []) if "padding" in n]
+    if base is not None:
+        print(f"run_all call {rep['call']} {rep['op']}: {base['verdict']} bit_exact={base['bit_exact']} "
+              f"rows={base['rows']} nan={base['nan']} inf={base['inf']} " + (padding[0] if padding else "(no padding)"))
+print(f"run_all: {len(reports)} calls, {sum(1 for r in reports if any('padding' in n for n in r.get('notes', [])))} "
+      "with a padding note")
+PY
     [ $(stat -c %s "$G") -lt 16000000 ] && cp "$G" "$OUT/graph-flight.zst"
     [ -f $W/expanded.zst ] && [ $(stat -c %s $W/expanded.zst) -lt 16000000 ] && cp $W/expanded.zst "$OUT/expanded.zst"
 fi
 for d in graph limits; do cp $W/$d/summary.json "$OUT/$d-summary.json" 2>/dev/null
     tail -c 150000 $W/$d/server.log > "$OUT/$d-server.log" 2>/dev/null; done
-cp $W/expand.json $W/run.json "$OUT/" 2>/dev/null
-grep -E "^=== |serve_gpu|fault request|layers:|counters|plugin:|expand|bit-exact|verdict" "$OUT/all.log" | cut -c1-400 | tail -80
+cp $W/expand.json $W/run.json $W/run_all.txt "$OUT/" 2>/dev/null
+grep -E "^=== |serve_gpu|fault request|layers:|counters|plugin:|expand|bit-exact|verdict|run_all" "$OUT/all.log" | cut -c1-400 | tail -80
