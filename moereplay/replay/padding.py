@@ -48,10 +48,14 @@ class Padding:
         if not count:
             return f"{batch}; no output row of this call belongs to a padding token"
         where = row_ranges(torch.nonzero(padding).flatten().tolist())
-        return (
-            f"{batch}: output rows {where} ({count} of {padding.numel()}) belong to padding tokens "
-            f"{self.tokens}-{self.batch - 1} and are not judged (vLLM discards them)"
+        rows = f"output row {where}" if count == 1 else f"output rows {where} ({count} of {padding.numel()})"
+        tokens = (
+            f"padding token {self.tokens}"
+            if self.batch - self.tokens == 1
+            else f"padding tokens {self.tokens}-{self.batch - 1}"
         )
+        verb = "belongs" if count == 1 else "belong"
+        return f"{batch}: {rows} {verb} to {tokens} and {'is' if count == 1 else 'are'} not judged (vLLM discards them)"
 
 
 def padding_of(context: Mapping[Any, Any]) -> Padding | None:

@@ -36,7 +36,9 @@ def _judged(context: dict, bad_rows: slice, real_bad_row: int | None = None):
         activations[real_bad_row, 0] = float("nan")
     args["input"] = activations
     recorded = op.reference(args).output.to(call.captured_output.dtype).reshape(call.captured_output.shape)
-    loaded = dataclasses.replace(call, args=args, captured_output=recorded, context={**call.context, **context})
+    loaded = dataclasses.replace(
+        call, args=args, captured_output=recorded, context={**call.context, **context}
+    )
     session = ReplaySession(loaded, backend="reference", device="cpu")
     try:
         report = session.report()
@@ -107,8 +109,20 @@ def test_matmul_ogs_rows_follow_the_gather_and_the_scatter() -> None:
     assert tokens.tolist() == torch.div(gather, 2, rounding_mode="floor").tolist()
     assert sorted(tokens.tolist()) == sorted(list(range(8)) * 2)  # each token's two rows
     second = op.reference(dict(gemm2.args)).rows
-    assert layer_tokens(op, dict(gemm2.args), second, 8).tolist() == list(range(8))  # the output's rows: tokens
+    assert layer_tokens(op, dict(gemm2.args), second, 8).tolist() == list(
+        range(8)
+    )  # the output's rows: tokens
     assert layer_tokens(op, dict(gemm2.args), second, 4) is None  # not a batch of 4
+
+
+def test_the_note_names_one_row_and_one_token_in_the_singular() -> None:
+    # measured on the served gpt-oss: a batch of 8 with 7 real tokens, gemm2's output row 7 the padding's
+    note = Padding(tokens=7, batch=8).note(torch.tensor([False] * 7 + [True]))
+    assert "output row 7 belongs to padding token 7 and is not judged" in note
+    note = Padding(tokens=7, batch=8).note(torch.tensor([False, True] * 8))
+    assert (
+        "output rows 1, 3, 5, 7, 9, 11, 13, 15 (8 of 16) belong to padding token 7 and are not judged" in note
+    )
 
 
 def test_an_op_without_the_hook_is_judged_whole_and_says_so() -> None:
