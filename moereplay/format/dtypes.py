@@ -39,7 +39,7 @@ _BY_SIZE: dict[int, tuple[str, ...]] = {
         *(f"int{bits}" for bits in range(1, 8)),
     ),
     2: ("float16", "bfloat16", "int16", "uint16", "bits16"),
-    4: ("float32", "int32", "uint32", "qint32", "complex32"),
+    4: ("float32", "int32", "uint32", "qint32", "complex32", "bcomplex32"),  # bcomplex32: torch 2.14
     8: ("float64", "int64", "uint64", "complex64"),
     16: ("complex128",),
 }
