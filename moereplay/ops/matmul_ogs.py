@@ -973,6 +973,8 @@ class MatmulOgsOp:
         """The layer token of each output row. With a scatter the output's rows are the layer's tokens (the
         row map says which; a call whose output is not ``batch`` rows is not that batch's); otherwise the row
         map's ``token`` is a row of ``x`` — through the gather index, the layer's tokens themselves."""
+        if not bool((rows.token >= 0).any()):  # expert-sorted rows without a gather: no row names its token
+            return None
         if args.get("scatter_indx") is not None:
             return rows.token.to(torch.int64) if rows.rows == batch else None
         return tokens_by_activation_rows(rows.token, args.get("x"), batch)

@@ -452,6 +452,8 @@ class ReplaySession:
         if rows is not None and bool(rows.any()):
             written = result.written & ~rows.to(result.written.device)
             trimmed = dataclasses.replace(result, written=written)
+        if len(self._unpadded) >= 32:  # as many as the reference cache keeps: never hold more results alive
+            self._unpadded.pop(next(iter(self._unpadded)))
         self._unpadded[id(result)] = (result, trimmed)
         return trimmed
 

@@ -131,3 +131,10 @@ def test_an_op_without_the_hook_is_judged_whole_and_says_so() -> None:
     op = get_op("moe_wna16_marlin_gemm")
     assert padding.rows(op, {}, rows) is None  # no activation to read rows from
     assert "every row is judged" in padding.note(None)
+
+
+def test_matmul_ogs_rows_without_a_token_cannot_be_told_apart() -> None:
+    # expert-sorted rows with no gather: the row map names no token, so the op cannot say which rows are padding
+    op = get_op("matmul_ogs")
+    rows = RowMap(*(torch.full((6,), -1, dtype=torch.int64) for _ in range(4)))
+    assert layer_tokens(op, {"x": torch.zeros(6, 4)}, rows, 3) is None
