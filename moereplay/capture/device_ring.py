@@ -241,9 +241,8 @@ class DeviceRing:
                         spans += (source, target, words)
                     chunk += words
                     target += (size + 255) & ~255
-                spans += _PADDING[
-                    count
-                ]  # (count - 1 spans, padding): the checked span goes in the last place
+                # (count - 1 spans, padding): the checked span goes in the last place
+                spans += _PADDING[count]
                 spans += checked
                 launcher.launch_prepared(spans, MAX_SPANS, 1, chunk, check_info, word, fused=True)
                 return starts, leads, sizes, tag

@@ -24,8 +24,8 @@ without children, ready for ``moereplay expand``; their context adds ``cudagraph
 ``graph_sequence`` (the device's sequence number), when the call had a layer number at capture, ``graph_step``
 (replays of a first MoE layer's launch so far), and where the check reads the step's token count (below)
 ``graph_tokens`` (that count at this replay) and ``graph_batch`` (the padded batch's tokens, the output's rows):
-the rows from ``graph_tokens`` on are padding, which :mod:`moereplay.replay` leaves unjudged. They have no host time and no step of the host's
-forward count: a graph replay is not seen by the host.
+the rows from ``graph_tokens`` on are padding, which :mod:`moereplay.replay` leaves unjudged. They have no host
+time and no step of the host's forward count: a graph replay is not seen by the host.
 
 Detection delay: about one writer poll (≈ 5 ms) after the device finished the call, plus the copy-out (4–5 ms
 measured on the H200, ``tests/gpu/test_flight_graph_gpu.py``).
@@ -112,9 +112,8 @@ class GraphLaunch:
     launch: int
     ring: GraphRing
     call: LayerCall
-    batch: int | None = (
-        None  # the padded batch's tokens (the checked output's rows) when the check reads the count
-    )
+    # the padded batch's tokens (the checked output's rows) when the check reads the count
+    batch: int | None = None
 
 
 @dataclass(eq=False)

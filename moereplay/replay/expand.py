@@ -8,8 +8,8 @@ is then copied into ``OUT`` (calls renumbered in order, undecoded, blobs stored 
 context carrying ``"expanded_from": {"file", "call", "bit_exact"}`` and every kernel call's context
 ``"expanded_from": {"file", "call", "child", "recorded_child", "bit_exact"}``; the recorded parent's ``layer``,
 ``step`` (or a graph-kept call's ``graph_step``, ``graph_sequence``, ``graph_launch``, ``graph_tokens`` and
-``graph_batch``), ``layer_name``, ``tag`` and ``ranks`` are added where the re-run has none (outside vLLM's forward pass it has none), so ``moereplay ls
---layer`` finds them.
+``graph_batch``), ``layer_name``, ``tag`` and ``ranks`` are added where the re-run has none (outside vLLM's
+forward pass it has none), so ``moereplay ls --layer`` finds them.
 
 Arguments: loaded as recorded, on ``device``. Scratch buffers the layer-scope flight recorder did not keep
 (:class:`~moereplay.format.schema.Unsupported` whose text starts with ``scratch``) are passed as ``None`` (the
