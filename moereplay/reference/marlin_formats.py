@@ -656,6 +656,7 @@ def _count_scale_bytes(
         if counted is not None:
             return counted
     total = torch.zeros((), dtype=torch.long, device=scales.device)
+    experts = experts[experts >= 0]  # a device-routed list ends in −1 entries (no expert)
     for first in range(0, max(int(experts.numel()), 1), step):
         raw = _bytes(scales.index_select(0, experts[first : first + step]), allowed, what)
         total += torch.count_nonzero(predicate(raw))
@@ -733,8 +734,22 @@ def deferred_dequant_notes(weights: MarlinExpertWeights, experts: torch.Tensor) 
 def resolve_notes(notes: list[Note | CountedNote]) -> list[Note]:
     """``notes`` in order, each counted note as its (code, message) when its count is non-zero and left out when
     it is zero (one read of all counts)."""
+    return resolve_notes_reading(notes)[0]
+
+
+def resolve_notes_reading(
+    notes: list[Note | CountedNote], extra: torch.Tensor | None = None
+) -> tuple[list[Note], list[int]]:
+    """:func:`resolve_notes`, and the values of ``extra`` (a 1-d integer tensor, e.g. a device routing's summary)
+    read in the same read as the counts (one sync for both)."""
     counted = [note for note in notes if isinstance(note, CountedNote)]
-    if len(counted) > 1:
+    extra_values: list[int] = []
+    if extra is not None:
+        parts = [extra.reshape(-1).to(torch.long)]
+        parts += [note.count.reshape(1).to(device=extra.device, dtype=torch.long) for note in counted]
+        read = torch.cat(parts).tolist()
+        extra_values, values = read[: extra.numel()], read[extra.numel() :]
+    elif len(counted) > 1:
         values = torch.stack([note.count.to(counted[0].count.device) for note in counted]).tolist()
     else:  # the usual one count (or none): read as it is
         values = [note.count.item() for note in counted]
@@ -745,7 +760,7 @@ def resolve_notes(notes: list[Note | CountedNote]) -> list[Note]:
             resolved.append(note)
         elif count := next(counts):
             resolved.append((note.code, note.message.format(count=count)))
-    return resolved
+    return resolved, extra_values
 
 
 def dequant_notes(weights: MarlinExpertWeights, experts: torch.Tensor) -> list[Note]:

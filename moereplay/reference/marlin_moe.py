@@ -43,7 +43,7 @@ from moereplay.reference.marlin_formats import (
     MarlinExpertWeights,
     MarlinWeightFormat,
     deferred_dequant_notes,
-    resolve_notes,
+    resolve_notes_reading,
 )
 from moereplay.reference.marlin_layout import unpermute_bias
 
@@ -573,6 +573,141 @@ def reference_moe_wna16_marlin_gemm(
     else:
         b_bias = None
 
+    routing_notes_at = len(notes)
+    routed = None
+    if marlin_rows.available(device) and marlin_rows.usable(weights) and weights.b_qzeros is None:
+        # routed where the products run: no host round trip before the first launch; the routing notes (rare)
+        # are worked out on the host at the end, when the summary read with the call's one sync asks for them
+        routed = marlin_rows.route_on_device(
+            sorted_token_ids,
+            expert_ids,
+            num_tokens_past_padded,
+            moe_block_size,
+            num_slots,
+            top_k,
+            num_experts,
+            size_k,
+            size_n,
+        )
+    routed_gemm = None
+    if routed is not None:
+        routed_gemm = marlin_rows.expert_rows(
+            input,
+            weights,
+            routed.used,
+            routed.plan,
+            routed.fields,
+            routed.source,
+            routed.destination,
+            num_slots,
+        )
+    if (
+        routed_gemm is None
+    ):  # not routed here, or the products kernel cannot run: the host path from the start
+        routed = None
+    if routed is not None and routed_gemm is not None:
+        gemm = routed_gemm
+        experts_used = routed.used  # −1 after the used ones until the summary is read
+        tables = routed.tables
+        row_experts: torch.Tensor | None = routed.row_experts
+    else:
+        experts_used, tables, row_experts, gemm = _host_routed_rows(
+            input,
+            weights,
+            sorted_token_ids,
+            expert_ids,
+            num_tokens_past_padded,
+            moe_block_size,
+            top_k,
+            num_slots,
+            notes,
+            weight_cache,
+        )
+    weight_notes_at = len(notes)
+    # the weight notes' counts queue behind the products; read at the end with one sync
+    weight_notes = deferred_dequant_notes(weights, experts_used)
+    if b_bias is not None and b_bias.dtype != activation_dtype:
+        notes.append(
+            ReferenceNote(
+                "bias_dtype", f"b_bias is {b_bias.dtype}; the kernel reads it as {activation_dtype}"
+            )
+        )
+    if mul_topk_weights:
+        _row_weight_notes(topk_weights, num_slots, notes)
+    # the kernel's order: (row + bias) * weight; unwritten rows are 0 + 0 (times 0)
+    finished = None
+    if marlin_rows.available(device) and row_experts is not None:
+        # the products came from the packed-code kernel: its epilogue too (one launch)
+        finished = marlin_rows.finish_rows(
+            gemm, row_experts, b_bias, topk_weights if mul_topk_weights else None
+        )
+    if finished is not None:
+        total, bias_rows, row_weights, written = finished
+    else:
+        total, bias_rows, row_weights, written = _finish_rows(
+            gemm, tables, b_bias, topk_weights if mul_topk_weights else None
+        )
+
+    resolved, summary = resolve_notes_reading(weight_notes, routed.summary if routed is not None else None)
+    notes[weight_notes_at:weight_notes_at] = [ReferenceNote(code, m) for code, m in resolved]
+    if routed is not None:
+        read = routed.summary_of(summary)
+        experts_used = routed.used[: read["used"]]
+        if _routing_needs_notes(read):
+            routing_notes: list[ReferenceNote] = []
+            _route(
+                sorted_token_ids,
+                expert_ids,
+                num_tokens_past_padded,
+                moe_block_size,
+                num_slots,
+                num_experts,
+                routing_notes,
+            )
+            notes[routing_notes_at:routing_notes_at] = routing_notes
+    return MarlinReferenceResult(
+        output=total,
+        written=written,
+        row_map=RowMap(tables[0], tables[1], tables[2], tables[3]),
+        gemm=gemm,
+        bias_rows=bias_rows,
+        row_weights=row_weights,
+        format=weights.format,
+        activation_dtype=activation_dtype,
+        experts_used=experts_used,
+        notes=tuple(notes),
+    )
+
+
+def _routing_needs_notes(summary: dict[str, int]) -> bool:
+    """Whether a device routing's summary shows anything :func:`_route` has a note for."""
+    return bool(
+        summary["negative"]
+        or summary["after_padding"]
+        or summary["dropped"]
+        or summary["kept"] != summary["written"]
+        or summary["past_buffers"]
+        or summary["not_multiple"]
+    )
+
+
+def _host_routed_rows(
+    input: torch.Tensor,
+    weights: MarlinExpertWeights,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_past_padded: torch.Tensor | int,
+    moe_block_size: int,
+    top_k: int,
+    num_slots: int,
+    notes: list[ReferenceNote],
+    weight_cache: ExpertWeightCache | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The call routed on the host and its product rows: ``(experts used, row tables, row experts for the
+    packed-code epilogue — None where the products came from dense weights —, gemm)``, the routing's notes appended
+    to ``notes``."""
+    device = input.device
+    size_k, size_n = weights.size_k, weights.size_n
     # the routing arrays are small: on a GPU they are read once and routed on the host (numpy: no launch, no
     # sync per step); what the device needs of it goes back in one copy
     if device.type != "cpu":
@@ -580,7 +715,13 @@ def reference_moe_wna16_marlin_gemm(
             sorted_token_ids, expert_ids, num_tokens_past_padded
         )
     rows = _route(
-        sorted_token_ids, expert_ids, num_tokens_past_padded, moe_block_size, num_slots, num_experts, notes
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_past_padded,
+        moe_block_size,
+        num_slots,
+        weights.num_experts,
+        notes,
     )
     grouping = _group_rows(rows)
     # every host table goes to the device in one copy; the products are launched right after it
@@ -598,6 +739,7 @@ def reference_moe_wna16_marlin_gemm(
         # no dense weights: one kernel reads the packed codes (the same weights, a fixed float32 sum order)
         plan = marlin_rows.plan_rows(grouping.per_expert, grouping.experts, size_k, size_n)
         grouped_slots = rows.slot.numpy()[grouping.order.numpy()]
+        assert plan.fields is not None
         tables_on_host.update(source=grouped_slots // top_k, destination=grouped_slots, fields=plan.fields)
     moved = _to_device_together(tables_on_host, device)
     experts_used = moved["experts_used"]
@@ -614,62 +756,24 @@ def reference_moe_wna16_marlin_gemm(
             num_slots,
             every_row=rows.slot.numel() == num_slots,
         )
-    tables = moved["tables"]
-    weight_notes_at = len(notes)
-    # the weight notes' counts queue behind the products; read at the end with one sync
-    weight_notes = deferred_dequant_notes(weights, experts_used)
-    if gemm is None:
-        dense: torch.Tensor | Sequence[torch.Tensor] | _ExpertColumns
-        dense_bytes = int(experts_used.numel()) * size_k * size_n * 4
-        budget = DENSE_BYTES_AT_ONCE.get(device.type, DENSE_BYTES_AT_ONCE["cpu"])
-        if weight_cache is not None and dense_bytes <= budget:
-            dense = weight_cache.get_each(weights, experts_used)
-        elif dense_bytes <= budget:
-            dense = weights.dequantize(experts_used)
-        elif device.type == "cpu" and weights.fast_kind() is not None and size_n % 64 == 0:
-            dense = _ExpertColumns(weights, grouping.experts)
-        else:
-            dense = _ExpertsInChunks(weights, experts_used, budget // 4)
-        slot = moved["slot"]
-        grouping = dataclasses.replace(grouping, order=moved["order"])
-        gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
-        gemm[slot] = _expert_rows_matmul(input, slot, top_k, grouping, dense, size_n)
-    if b_bias is not None and b_bias.dtype != activation_dtype:
-        notes.append(
-            ReferenceNote(
-                "bias_dtype", f"b_bias is {b_bias.dtype}; the kernel reads it as {activation_dtype}"
-            )
-        )
-    if mul_topk_weights:
-        _row_weight_notes(topk_weights, num_slots, notes)
-    # the kernel's order: (row + bias) * weight; unwritten rows are 0 + 0 (times 0)
-    finished = None
-    if plan is not None:  # the products came from the packed-code kernel: its epilogue too (one launch)
-        finished = marlin_rows.finish_rows(
-            gemm, moved["row_experts"], b_bias, topk_weights if mul_topk_weights else None
-        )
-    if finished is not None:
-        total, bias_rows, row_weights, written = finished
+    if gemm is not None:
+        return experts_used, moved["tables"], moved["row_experts"], gemm
+    dense: torch.Tensor | Sequence[torch.Tensor] | _ExpertColumns
+    dense_bytes = int(experts_used.numel()) * size_k * size_n * 4
+    budget = DENSE_BYTES_AT_ONCE.get(device.type, DENSE_BYTES_AT_ONCE["cpu"])
+    if weight_cache is not None and dense_bytes <= budget:
+        dense = weight_cache.get_each(weights, experts_used)
+    elif dense_bytes <= budget:
+        dense = weights.dequantize(experts_used)
+    elif device.type == "cpu" and weights.fast_kind() is not None and size_n % 64 == 0:
+        dense = _ExpertColumns(weights, grouping.experts)
     else:
-        total, bias_rows, row_weights, written = _finish_rows(
-            gemm, tables, b_bias, topk_weights if mul_topk_weights else None
-        )
-
-    notes[weight_notes_at:weight_notes_at] = [
-        ReferenceNote(code, m) for code, m in resolve_notes(weight_notes)
-    ]
-    return MarlinReferenceResult(
-        output=total,
-        written=written,
-        row_map=RowMap(tables[0], tables[1], tables[2], tables[3]),
-        gemm=gemm,
-        bias_rows=bias_rows,
-        row_weights=row_weights,
-        format=weights.format,
-        activation_dtype=activation_dtype,
-        experts_used=experts_used,
-        notes=tuple(notes),
-    )
+        dense = _ExpertsInChunks(weights, experts_used, budget // 4)
+    slot = moved["slot"]
+    grouping = dataclasses.replace(grouping, order=moved["order"])
+    gemm = torch.zeros((num_slots, size_n), dtype=torch.float32, device=device)
+    gemm[slot] = _expert_rows_matmul(input, slot, top_k, grouping, dense, size_n)
+    return experts_used, moved["tables"], None, gemm
 
 
 @dataclass(frozen=True)

@@ -293,27 +293,240 @@ def _launch_errors() -> tuple[type[BaseException], ...]:
 
 
 @dataclass(frozen=True)
+class Pass:
+    """One pass of :func:`expert_rows`' launches: its rows' first place in the grouped order (``row_base``), how
+    many rows its partial sums hold, its row blocks (``tiles``, consecutive entries of the fields) and, in launch
+    order, each block height with its number of blocks."""
+
+    row_base: int
+    rows: int
+    tiles: int
+    heights: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
 class RowPlan:
-    """How :func:`expert_rows` launches a call's rows, made on the host before anything goes to the device: the
-    row blocks in passes (:func:`passes`), their fields in launch order (int64 ``[tiles, 4]``: start in the grouped
-    order, rows, expert, position among the used experts — the caller sends them with its other host tables, one
-    copy) and K's splits (:func:`k_splits`)."""
+    """How :func:`expert_rows` launches a call's rows: the passes (:class:`Pass`), the fields of their row blocks
+    in launch order (int64 ``[tiles, 4]``: start in the grouped order, rows, expert, position among the used experts)
+    and K's splits (:func:`k_splits`). Made on the host (:func:`plan_rows`: ``runs`` holds the row blocks, ``fields``
+    goes to the device with the caller's other host tables) or, for a routing that never leaves the device
+    (:func:`route_on_device`), one pass over upper bounds whose spare blocks have no rows (``runs`` empty, ``fields``
+    None: they are on the device)."""
 
     runs: list[dict[int, list[Tile]]]
-    fields: np.ndarray
+    fields: np.ndarray | None
     splits: int
     per_split: int
+    passes: tuple[Pass, ...]
+
+
+def row_budget(size_k: int, size_n: int) -> int:
+    """Rows one pass holds at K, N: its split partial sums stay within :data:`PARTIAL_BYTES`."""
+    splits, _ = k_splits(size_k // TILE_K)
+    return max(BLOCK_ROWS[-1], PARTIAL_BYTES // (splits * size_n * 4))
 
 
 def plan_rows(per_expert: Sequence[int], experts: Sequence[int], size_k: int, size_n: int) -> RowPlan:
     """The :class:`RowPlan` of ``per_expert[u]`` rows of expert ``experts[u]`` (grouped order) at K, N."""
     splits, per_split = k_splits(size_k // TILE_K)
-    row_budget = max(BLOCK_ROWS[-1], PARTIAL_BYTES // (splits * size_n * 4))
-    runs = passes(plan_tiles(per_expert, experts), row_budget)
+    runs = passes(plan_tiles(per_expert, experts), row_budget(size_k, size_n))
     fields = np.array(
         [tile for run in runs for height in sorted(run) for tile in run[height]], dtype=np.int64
     ).reshape(-1, 4)
-    return RowPlan(runs, fields, splits, per_split)
+    launches = tuple(
+        Pass(
+            row_base=min(tile[0] for tiles in run.values() for tile in tiles),
+            rows=sum(tile[1] for tiles in run.values() for tile in tiles),
+            tiles=sum(len(tiles) for tiles in run.values()),
+            heights=tuple((height, len(run[height])) for height in sorted(run)),
+        )
+        for run in runs
+    )
+    return RowPlan(runs, fields, splits, per_split, launches)
+
+
+SUMMARY = (
+    "negative",
+    "after_padding",
+    "dropped",
+    "kept",
+    "written",
+    "past_buffers",
+    "not_multiple",
+    "used",
+    "total",
+)
+"""What :func:`route_rows`' summary holds, in order: negative ``sorted_token_ids`` entries; valid entries right after
+padding in their block; valid entries of a block whose expert is out of range; the entries kept; the output rows
+written (fewer than kept: rows written twice); whether the blocks ran past the buffers; whether the padded total is
+not a multiple of the block size; the used experts; the padded total."""
+
+ROUTE_ON_DEVICE = True
+"""Whether :func:`route_on_device` routes at all (False: every call routes on the host; for comparisons)."""
+
+ROUTE_MAX_SLOTS, ROUTE_MAX_EXPERTS = 1 << 16, 1024
+"""Largest output rows and experts routed on the device (one program; larger calls route on the host, where a
+long call's host work is small beside its products)."""
+
+ROUTE_BLOCK, ROUTE_CELLS = 1024, 4096
+"""Entries one step of the routing program reads; the one-hot cells (rows × experts) of one step of its ranking."""
+
+
+@dataclass(frozen=True)
+class RoutedRows:
+    """A call's routing made on its device by :func:`route_on_device` (no host round trip). Everything the
+    host-routed reference holds, on the device: ``tables`` (int64 ``[5, rows]``: input row, expert, k slot, block,
+    written, as the host's row tables), ``row_experts`` (``tables[1]`` on an aligned start), the grouped order's
+    ``source`` and ``destination`` rows, the row blocks' ``fields`` and their :class:`RowPlan`, ``used`` (the used
+    experts ascending, −1 after them: every list of experts the call's launches need has this length) and
+    ``summary`` (:data:`SUMMARY`, read with the call's one sync at its end)."""
+
+    tables: torch.Tensor
+    row_experts: torch.Tensor
+    source: torch.Tensor
+    destination: torch.Tensor
+    fields: torch.Tensor
+    used: torch.Tensor
+    summary: torch.Tensor
+    plan: RowPlan
+
+    def summary_of(self, values: Sequence[int]) -> dict[str, int]:
+        """The summary's values (read from :attr:`summary`) by name."""
+        return dict(zip(SUMMARY, values, strict=True))
+
+
+_ROUTING_DTYPES = (torch.int32, torch.int64)
+
+
+def route_on_device(
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_past_padded: torch.Tensor | int,
+    block_size: int,
+    num_slots: int,
+    top_k: int,
+    num_experts: int,
+    size_k: int,
+    size_n: int,
+) -> RoutedRows | None:
+    """The call's routing and row plan on the routing arrays' device, one launch, no sync (:func:`route_rows`):
+    the same rows, tables, grouped order and row blocks as the host's numpy routing. The plan is one pass over
+    upper bounds of the row blocks each height can have (a spare block has no rows and costs its programs an
+    exit). None where it does not apply (arrays on another device or of another type, a call past
+    :data:`ROUTE_MAX_SLOTS` or :data:`ROUTE_MAX_EXPERTS` or one pass) or the kernel cannot run: the caller routes
+    on the host."""
+    device = sorted_token_ids.device
+    if (
+        not ROUTE_ON_DEVICE
+        or not available(device)
+        or expert_ids.device != device
+        or sorted_token_ids.dtype not in _ROUTING_DTYPES
+        or expert_ids.dtype not in _ROUTING_DTYPES
+        or not 0 < num_slots <= min(ROUTE_MAX_SLOTS, row_budget(size_k, size_n))
+        or not 0 < num_experts <= ROUTE_MAX_EXPERTS
+        or block_size < 1
+        or top_k < 1
+    ):
+        return None
+    total_tensor = None
+    if isinstance(num_tokens_past_padded, torch.Tensor):
+        if num_tokens_past_padded.numel() < 1 or num_tokens_past_padded.dtype not in _ROUTING_DTYPES:
+            return None
+        if num_tokens_past_padded.device == device:
+            total_tensor = num_tokens_past_padded.reshape(-1)
+            total_value = 0
+        elif num_tokens_past_padded.device.type == "cpu":
+            total_value = int(num_tokens_past_padded.reshape(-1)[0])
+        else:
+            return None
+    else:
+        total_value = int(num_tokens_past_padded)
+    if not -(1 << 62) < total_value < 1 << 62:
+        return None
+    splits, per_split = k_splits(size_k // TILE_K)
+    tiles4 = min(num_experts, num_slots)
+    tiles8 = min(num_experts, num_slots // 5)
+    tiles16 = -(-num_slots // 16) + min(num_experts, num_slots // 9)
+    tiles = tiles4 + tiles8 + tiles16
+    stride = num_slots + num_slots % 2
+    halves = -(-num_slots // 2) + (-(-num_slots // 2)) % 2  # int32 scratch of num_slots as even int64 words
+    sizes = {
+        "tables": 5 * stride,
+        "source": stride,
+        "destination": stride,
+        "fields": 4 * tiles,
+        "used": num_experts + num_experts % 2,
+        "summary": 16,
+        "last": halves,
+        "rank": halves,
+        "start": -(-num_experts // 2) + (-(-num_experts // 2)) % 2,
+    }
+    buffer = torch.empty(sum(sizes.values()), dtype=torch.int64, device=device)
+    parts: dict[str, torch.Tensor] = {}
+    at = 0
+    for name, size in sizes.items():
+        parts[name] = buffer[at : at + size]
+        at += size
+    experts_block = max(16, triton_next_power_of_2(num_experts))
+    try:
+        from moereplay.reference.marlin_rows_kernel import route_rows
+
+        with _current(device):
+            launch(
+                route_rows,
+                (1,),
+                sorted_token_ids,
+                expert_ids,
+                total_tensor if total_tensor is not None else parts["summary"],
+                total_value,
+                sorted_token_ids.numel(),
+                expert_ids.numel(),
+                num_slots,
+                top_k,
+                num_experts,
+                block_size,
+                parts["last"].view(torch.int32),
+                parts["rank"].view(torch.int32),
+                parts["start"].view(torch.int32),
+                parts["tables"],
+                stride,
+                parts["source"],
+                parts["destination"],
+                parts["fields"],
+                tiles4,
+                tiles8,
+                tiles16,
+                parts["used"],
+                parts["summary"],
+                TOTAL_IN_MEMORY=total_tensor is not None,
+                BLOCK=ROUTE_BLOCK,
+                ROWS=max(1, ROUTE_CELLS // experts_block),
+                EXPERTS=experts_block,
+                num_warps=4,
+            )
+    except _launch_errors() as error:
+        _give_up(error)
+        return None
+    tables = parts["tables"].view(5, stride)[:, :num_slots]
+    heights = tuple(
+        (height, count) for height, count in zip(BLOCK_ROWS, (tiles4, tiles8, tiles16), strict=True) if count
+    )
+    plan = RowPlan([], None, splits, per_split, (Pass(0, num_slots, tiles, heights),))
+    return RoutedRows(
+        tables=tables,
+        row_experts=tables[1],
+        source=parts["source"][:num_slots],
+        destination=parts["destination"][:num_slots],
+        fields=parts["fields"].view(tiles, 4),
+        used=parts["used"][:num_experts],
+        summary=parts["summary"][: len(SUMMARY)],
+        plan=plan,
+    )
+
+
+def triton_next_power_of_2(value: int) -> int:
+    """The smallest power of two at least ``value`` (1 for ``value`` below 2), as Triton's block sizes need."""
+    return 1 << max(0, int(value) - 1).bit_length()
 
 
 SUM_BLOCK = 1024
@@ -341,10 +554,10 @@ def expert_rows(
     path, from then on)."""
     device = input.device
     size_n = weights.size_n
-    out = (torch.empty if every_row and plan.runs else torch.zeros)(
+    out = (torch.empty if every_row and plan.passes else torch.zeros)(
         (num_rows, size_n), dtype=torch.float32, device=device
     )
-    if not plan.runs:
+    if not plan.passes:
         return out
     k_tiles = weights.size_k // TILE_K
     splits, per_split = plan.splits, plan.per_split
@@ -370,10 +583,8 @@ def expert_rows(
 
         # Triton launches on the current device's current stream (the CPU: Triton's interpreter, for tests)
         with _current(device):
-            for run in plan.runs:
-                row_base = min(tile[0] for tiles in run.values() for tile in tiles)
-                rows = sum(tile[1] for tiles in run.values() for tile in tiles)
-                run_tiles = sum(len(tiles) for tiles in run.values())
+            for run in plan.passes:
+                row_base, rows, run_tiles = run.row_base, run.rows, run.tiles
                 # the run's activations, float32, K-major per row block (one launch for every height)
                 staged = torch.empty(
                     (run_tiles, weights.size_k, int(STAGED_ROWS)), dtype=torch.float32, device=device
@@ -393,8 +604,7 @@ def expert_rows(
                 staged_pairs = staged.view(torch.int64)
                 run_first = first
                 partial = torch.empty((splits, rows, size_n), dtype=torch.float32, device=device)
-                for height in sorted(run):
-                    tiles = len(run[height])
+                for height, tiles in run.heights:
                     launch(
                         marlin_rows,
                         (tiles, -(-size_n // BLOCK_N), splits),

@@ -42,7 +42,7 @@ def stage_rows(x_ptr, stride_xm, stride_xk, src_ptr, tiles_ptr, staged_ptr, K, B
     row_ok = m < count
     src = tl.load(src_ptr + start + m, mask=row_ok, other=0)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_ok = k < K
+    k_ok = (k < K) & (count > 0)  # a block of no rows (a routed plan's spare entry) stages nothing
     x = tl.load(
         x_ptr + src[:, None] * stride_xm + k[None, :] * stride_xk,
         mask=row_ok[:, None] & k_ok[None, :],
@@ -141,7 +141,8 @@ def marlin_rows(
     even = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
     odd = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
     k_first = split * tiles_per_split
-    k_last = tl.minimum(k_first + tiles_per_split, k_tiles)
+    # a block of no rows (a routed plan's spare entry) runs no tile and stores nothing
+    k_last = tl.where(count > 0, tl.minimum(k_first + tiles_per_split, k_tiles), k_first)
     for kt in range(k_first, k_last):
         group = kt // group_tiles
         if SCALE_BYTES:
@@ -208,7 +209,7 @@ def count_scale_bytes(
     ``E8M0_NAN``) an e8m0 0xFF: the weight notes' counts in one pass over the bytes, no temporaries."""
     expert = tl.load(experts_ptr + tl.program_id(0))
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < per_expert
+    inside = (offsets < per_expert) & (expert >= 0)  # -1: no expert (the spare entries of a routed list)
     raw = tl.load(scales_ptr + expert * per_expert + offsets, mask=inside, other=0).to(tl.int32)
     if E8M0_NAN:  # noqa: SIM108 - a compile-time branch of the kernel
         hits = raw == 0xFF
@@ -230,7 +231,8 @@ def add_splits(
     BLOCK: tl.constexpr,
 ):
     """Row ``r`` of a pass's split partial sums (``[SPLITS, rows, N]``) summed split by split in order — ``((p0 +
-    p1) + p2) + …``, the same float32 additions for every row — and stored as row ``destination[r]`` of ``out``."""
+    p1) + p2) + …``, the same float32 additions for every row — and stored as row ``destination[r]`` of ``out``
+    (nothing where it is negative: a routed plan's rows past the written ones)."""
     r = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = n < N
@@ -239,7 +241,7 @@ def add_splits(
     for split in tl.static_range(1, SPLITS):
         total += tl.load(source + split * stride_split, mask=inside, other=0.0)
     row = tl.load(destination_ptr + r).to(tl.int64)
-    tl.store(out_ptr + row * stride_out + n, total, mask=inside)
+    tl.store(out_ptr + row * stride_out + n, total, mask=inside & (row >= 0))
 
 
 @triton.jit
@@ -289,3 +291,191 @@ def finish_rows(
     if tl.program_id(1) == 0:
         tl.store(row_weights_ptr + r, weight)
         tl.store(written_ptr + r, written)
+
+
+ROUTE_SUMMARY = tl.constexpr(9)
+"""int64 entries :func:`route_rows` leaves in ``summary_ptr`` (:data:`moereplay.reference.marlin_rows.SUMMARY`
+names them)."""
+
+
+@triton.jit
+def _store_fields(at, start, rows, expert, position, mask):
+    """One row block's four fields (start, rows, expert, position) at ``at``, where ``mask``."""
+    tl.store(at, start, mask=mask)
+    tl.store(at + 1, rows, mask=mask)
+    tl.store(at + 2, expert, mask=mask)
+    tl.store(at + 3, position, mask=mask)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "total_value",
+        "id_count",
+        "expert_count",
+        "num_slots",
+        "top_k",
+        "num_experts",
+        "block_size",
+        "table_stride",
+        "tiles4",
+        "tiles8",
+        "tiles16",
+    ]
+)
+def route_rows(
+    ids_ptr,
+    experts_ptr,
+    total_ptr,
+    total_value,
+    id_count,
+    expert_count,
+    num_slots,
+    top_k,
+    num_experts,
+    block_size,
+    last_ptr,
+    rank_ptr,
+    start_ptr,
+    tables_ptr,
+    table_stride,
+    source_ptr,
+    destination_ptr,
+    fields_ptr,
+    tiles4,
+    tiles8,
+    tiles16,
+    used_ptr,
+    summary_ptr,
+    TOTAL_IN_MEMORY: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    EXPERTS: tl.constexpr,
+):
+    """The routing of one Marlin MoE call on the device, in one program (no host round trip): what the host's
+    numpy routing makes, the same numbers in the same order.
+
+    - ``last``: per output row the largest position of ``sorted_token_ids`` that writes it (−1: none) — valid
+      entries of the first ``min(total // block_size, buffers)`` blocks whose block expert is in range;
+    - ``tables`` (int64 ``[5, table_stride]``): per output row its input row, expert, k slot, block (−1 where not
+      written) and whether it is written;
+    - the grouped order (rows by expert, each expert's rows by output row): ``source`` (input row) and
+      ``destination`` (output row; −1 past the written rows);
+    - ``fields`` (int64 ``[tiles4 + tiles8 + tiles16, 4]``: start, rows, expert, position among the used experts):
+      the row blocks of heights 4, 8 and 16 from entries 0, ``tiles4`` and ``tiles4 + tiles8``, in expert order,
+      the spare entries with no rows;
+    - ``used``: the used experts ascending, −1 after them;
+    - ``summary``: negative ids, valid entries after padding in their block, valid entries dropped by a block
+      expert out of range, entries kept, rows written, whether the blocks ran past the buffers, whether ``total``
+      is not a multiple of ``block_size``, used experts, and ``total`` itself.
+    Phases are separated by barriers (one program: its threads see each other's stores after one)."""
+    tiles = tiles4 + tiles8 + tiles16
+    for first in range(0, num_slots, BLOCK):
+        s = first + tl.arange(0, BLOCK)
+        inside = s < num_slots
+        tl.store(last_ptr + s, -1, mask=inside)
+        tl.store(destination_ptr + s, -1, mask=inside)
+    for first in range(0, tiles * 4, BLOCK):
+        f = first + tl.arange(0, BLOCK)
+        tl.store(fields_ptr + f, 0, mask=f < tiles * 4)
+    tl.debug_barrier()
+
+    # the entries: each valid one names its output row's last writer by position
+    if TOTAL_IN_MEMORY:  # noqa: SIM108 - a compile-time branch of the kernel
+        total = tl.load(total_ptr).to(tl.int64)
+    else:
+        total = total_value.to(tl.int64)
+    blocks = tl.maximum(total // block_size, 0)
+    available = tl.minimum(id_count // block_size, expert_count).to(tl.int64)
+    past = blocks > available
+    blocks = tl.minimum(blocks, available)
+    count = (blocks * block_size).to(tl.int32)
+    negative = tl.zeros([1], dtype=tl.int64)
+    after_padding = tl.zeros([1], dtype=tl.int64)
+    dropped = tl.zeros([1], dtype=tl.int64)
+    kept = tl.zeros([1], dtype=tl.int64)
+    for first in range(0, count, BLOCK):
+        p = first + tl.arange(0, BLOCK)
+        inside = p < count
+        ident = tl.load(ids_ptr + p, mask=inside, other=0).to(tl.int64)
+        valid = inside & (ident >= 0) & (ident < num_slots)
+        negative += tl.sum((inside & (ident < 0)).to(tl.int64))
+        opens = (p % block_size) == 0
+        before = tl.load(ids_ptr + p - 1, mask=inside & ~opens, other=0).to(tl.int64)
+        valid_before = (before >= 0) & (before < num_slots)
+        after_padding += tl.sum((valid & ~opens & ~valid_before).to(tl.int64))
+        expert = tl.load(experts_ptr + p // block_size, mask=inside, other=0).to(tl.int64)
+        good = (expert >= 0) & (expert < num_experts)
+        dropped += tl.sum((valid & ~good).to(tl.int64))
+        keep = valid & good
+        kept += tl.sum(keep.to(tl.int64))
+        tl.atomic_max(last_ptr + ident, p, mask=keep)
+    tl.debug_barrier()
+
+    # the rows: tables, and each written row's rank among its expert's rows (one-hot running counts: stable)
+    expert_index = tl.arange(0, EXPERTS)
+    per_expert = tl.zeros([EXPERTS], dtype=tl.int32)
+    written_rows = tl.zeros([1], dtype=tl.int64)
+    for first in range(0, num_slots, ROWS):
+        s = first + tl.arange(0, ROWS)
+        inside = s < num_slots
+        last = tl.load(last_ptr + s, mask=inside, other=-1)
+        written = last >= 0
+        block = tl.where(written, last // block_size, -1)
+        expert = tl.load(experts_ptr + block, mask=written, other=0).to(tl.int32)
+        expert = tl.where(written, expert, -1)
+        tl.store(tables_ptr + s, tl.where(written, s // top_k, -1), mask=inside)
+        tl.store(tables_ptr + table_stride + s, expert, mask=inside)
+        tl.store(tables_ptr + 2 * table_stride + s, tl.where(written, s % top_k, -1), mask=inside)
+        tl.store(tables_ptr + 3 * table_stride + s, block, mask=inside)
+        tl.store(tables_ptr + 4 * table_stride + s, written.to(tl.int64), mask=inside)
+        hot = (expert[:, None] == expert_index[None, :]).to(tl.int32)
+        earlier = tl.cumsum(hot, axis=0) - hot
+        rank = tl.sum(hot * (earlier + per_expert[None, :]), axis=1)
+        tl.store(rank_ptr + s, rank, mask=written)
+        per_expert += tl.sum(hot, axis=0)
+        written_rows += tl.sum(written.to(tl.int64))
+
+    # the experts: where their rows start, the used ones, their row blocks by height
+    known = expert_index < num_experts
+    start = tl.cumsum(per_expert, axis=0) - per_expert
+    tl.store(start_ptr + expert_index, start, mask=known)
+    used = (per_expert > 0).to(tl.int32)
+    position = tl.cumsum(used, axis=0) - used
+    used_count = tl.sum(used)
+    tl.store(used_ptr + position, expert_index, mask=used > 0)
+    tl.store(used_ptr + expert_index, -1, mask=known & (expert_index >= used_count))
+    height4 = ((per_expert > 0) & (per_expert <= 4)).to(tl.int32)
+    height8 = ((per_expert > 4) & (per_expert <= 8)).to(tl.int32)
+    blocks16 = tl.where(per_expert > 8, (per_expert + 15) // 16, 0)
+    at4 = (tl.cumsum(height4, axis=0) - height4) * 4
+    at8 = (tiles4 + tl.cumsum(height8, axis=0) - height8) * 4
+    at16 = tiles4 + tiles8 + tl.cumsum(blocks16, axis=0) - blocks16
+    _store_fields(fields_ptr + at4, start, per_expert, expert_index, position, height4 > 0)
+    _store_fields(fields_ptr + at8, start, per_expert, expert_index, position, height8 > 0)
+    for j in range(0, tl.max(blocks16, axis=0)):
+        rows = tl.minimum(per_expert - 16 * j, 16)
+        _store_fields(fields_ptr + (at16 + j) * 4, start + 16 * j, rows, expert_index, position, j < blocks16)
+    tl.debug_barrier()
+
+    # the grouped order
+    for first in range(0, num_slots, BLOCK):
+        s = first + tl.arange(0, BLOCK)
+        inside = s < num_slots
+        expert = tl.load(tables_ptr + table_stride + s, mask=inside, other=-1)
+        written = expert >= 0
+        rank = tl.load(rank_ptr + s, mask=written, other=0)
+        grouped = tl.load(start_ptr + expert, mask=written, other=0) + rank
+        tl.store(source_ptr + grouped, s // top_k, mask=written)
+        tl.store(destination_ptr + grouped, s, mask=written)
+
+    summary = tl.arange(0, 16)
+    values = tl.where(summary == 0, negative, 0)
+    values = tl.where(summary == 1, after_padding, values)
+    values = tl.where(summary == 2, dropped, values)
+    values = tl.where(summary == 3, kept, values)
+    values = tl.where(summary == 4, written_rows, values)
+    values = tl.where(summary == 5, past.to(tl.int64), values)
+    values = tl.where(summary == 6, (total % block_size != 0).to(tl.int64), values)
+    values = tl.where(summary == 7, used_count.to(tl.int64), values)
+    values = tl.where(summary == 8, total, values)
+    tl.store(summary_ptr + summary, values, mask=summary < ROUTE_SUMMARY)

@@ -249,3 +249,84 @@ def test_back_to_back_calls_do_not_share_their_host_tables() -> None:
     queued = [call(*args) for args in calls]
     for expected, result in zip(alone, queued, strict=True):
         assert torch.equal(result.output.cpu(), expected)
+
+
+ANOMALIES = (
+    "none",
+    "negative",
+    "duplicate",
+    "padding",
+    "bad_expert",
+    "not_multiple",
+    "past_buffers",
+    "int_total",
+)
+
+
+def _aligned_with(anomaly: str, ids: torch.Tensor, block: int, experts: int):  # type: ignore[no-untyped-def]
+    """vLLM's aligned routing arrays on the GPU with one anomaly the host routing has a note for."""
+    sorted_ids, expert_ids, total = moe_align_block_size(ids.to(torch.int32), block, experts)
+    sorted_ids, expert_ids, total = sorted_ids.clone(), expert_ids.clone(), total.clone()
+    if anomaly == "negative":
+        sorted_ids[2] = -4
+    elif anomaly == "duplicate":
+        sorted_ids[1] = sorted_ids[0]
+    elif anomaly == "padding":
+        sorted_ids[0] = 1 << 20
+    elif anomaly == "bad_expert":
+        expert_ids[0] = experts + 3
+    elif anomaly == "not_multiple":
+        total -= 3
+    elif anomaly == "past_buffers":
+        total += 64 * block
+    return sorted_ids, expert_ids, (int(total) if anomaly == "int_total" else total)
+
+
+@pytest.mark.parametrize(("fmt", "group_size", "dtype"), FAST)
+def test_routing_on_the_device_gives_the_host_routings_result_bit_for_bit(
+    fmt, group_size, dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The call routed on the GPU (``route_rows``, no host round trip) and on the host: every field of the result
+    the same bits, the same notes in the same order — for gemm1 (top-k 3) and gemm2 (top-k 1 over expanded rows),
+    with every routing anomaly. Formats with integer zero points route on the host either way."""
+    experts, k, n, tokens = 8, 256, 192, 37
+    packed = random_experts(
+        fmt, experts, k, n, group_size=group_size, activation_dtype=dtype, with_bias=True, with_dense=False,
+        generator=torch.Generator().manual_seed(30), device=CUDA,
+    )  # fmt: skip
+    for top_k, rows in ((3, tokens), (1, tokens * 3)):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(31)).to(CUDA, dtype)
+        weights, ids = _routing(rows, top_k, experts, 32)
+        for anomaly in ANOMALIES:
+            sorted_ids, expert_ids, total = _aligned_with(anomaly, ids, 16, experts)
+            results = []
+            for on_device in (True, False):
+                monkeypatch.setattr(marlin_rows, "ROUTE_ON_DEVICE", on_device)
+                results.append(
+                    reference_moe_wna16_marlin_gemm(
+                        input=x,
+                        output=None,
+                        a_scales=None,
+                        workspace=None,
+                        sorted_token_ids=sorted_ids,
+                        expert_ids=expert_ids,
+                        num_tokens_past_padded=total,
+                        topk_weights=weights,
+                        moe_block_size=16,
+                        top_k=top_k,
+                        mul_topk_weights=True,
+                        size_m=rows,
+                        **packed.kernel_kwargs(),
+                    )
+                )
+            device, host = results
+            where = f"{fmt.name} top_k={top_k} {anomaly}"
+            assert device.notes == host.notes, where
+            assert anomaly in ("none", "int_total") or device.notes, where
+            for field in ("output", "gemm", "bias_rows", "row_weights"):
+                got, expected = getattr(device, field), getattr(host, field)
+                assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0)), (where, field)
+            assert torch.equal(device.written, host.written), where
+            assert torch.equal(device.row_map.as_tensor(), host.row_map.as_tensor()), where
+            assert torch.equal(device.row_map.block, host.row_map.block), where
+            assert torch.equal(device.experts_used.cpu(), host.experts_used.cpu()), where

@@ -462,6 +462,37 @@ def time_launch_paths(args: dict[str, Any], kernel_ms: float, repeats: int, roun
     )
 
 
+def time_routing_paths(args: dict[str, Any], kernel_ms: float, repeats: int, rounds: int = 5) -> None:
+    """The GPU reference with the call routed on the host (numpy, one read of the routing arrays before the first
+    launch) and on the device (:func:`marlin_rows.route_on_device`), interleaved over ``rounds`` rounds (median of
+    each path's round medians), with their ratio, and whether both give the same output bits and notes."""
+    paths = {"host": False, "device": True}
+    medians: dict[str, list[float]] = {name: [] for name in paths}
+    results = {}
+    try:
+        for name, on_device in paths.items():
+            marlin_rows.ROUTE_ON_DEVICE = on_device
+            results[name] = reference_moe_wna16_marlin_gemm(**args)
+        for _ in range(rounds):
+            for name, on_device in paths.items():
+                marlin_rows.ROUTE_ON_DEVICE = on_device
+                medians[name].append(gpu_ms(lambda: reference_moe_wna16_marlin_gemm(**args), repeats))
+    finally:
+        marlin_rows.ROUTE_ON_DEVICE = True
+    host, device = results["host"], results["device"]
+    same = (
+        torch.equal(host.output.view(torch.int32), device.output.view(torch.int32))
+        and host.notes == device.notes
+    )
+    host_ms, device_ms = statistics.median(medians["host"]), statistics.median(medians["device"])
+    print(
+        f"  routing ({rounds} rounds): on the host {host_ms:.3f} ms ({host_ms / kernel_ms:.1f}x), "
+        f"on the device {device_ms:.3f} ms ({device_ms / kernel_ms:.1f}x), device/host {device_ms / host_ms:.3f}; "
+        f"same output bits and notes: {same}",
+        flush=True,
+    )
+
+
 def time_rows_variants(args: dict[str, Any], kernel_ms: float, variants: list[str], repeats: int) -> None:
     """The GPU reference again with other launch shapes of the packed-code kernel, one line each: ``WARPSxCOLUMNS``
     (:data:`marlin_rows.NUM_WARPS`, :data:`marlin_rows.BLOCK_N`), ``sSPLITS`` for at most that many K splits
@@ -516,6 +547,7 @@ def measure(
     cpu_repeats: int,
     rows_variants: list[str] | None = None,
     launch_paths: bool = False,
+    routing_paths: bool = False,
 ) -> Row:
     args = build_call(case, device)
     kernel = reference = cached = cpu_time = None
@@ -533,6 +565,8 @@ def measure(
             time_rows_variants(args, kernel, rows_variants, repeats)
         if launch_paths:
             time_launch_paths(args, kernel, repeats)
+        if routing_paths:
+            time_routing_paths(args, kernel, repeats)
         cache = ExpertWeightCache()
         cached = gpu_ms(
             lambda: reference_moe_wna16_marlin_gemm(**args, weight_cache=cache), max(3, repeats // 2)
@@ -563,12 +597,19 @@ TIMELINE_STAGES = {
         "_group_rows",
         "_row_tables",
         "_to_device_together",
+        "_host_routed_rows",
         "deferred_dequant_notes",
-        "resolve_notes",
+        "resolve_notes_reading",
         "unpermute_bias",
         "_finish_rows",
     ),
-    "moereplay.reference.marlin_rows": ("plan_rows", "expert_rows", "_scale_parts", "finish_rows"),
+    "moereplay.reference.marlin_rows": (
+        "route_on_device",
+        "plan_rows",
+        "expert_rows",
+        "_scale_parts",
+        "finish_rows",
+    ),
 }
 """Functions :func:`print_timeline` marks, by module (patched for the one profiled call, restored after)."""
 
@@ -771,6 +812,11 @@ def main() -> int:
         action="store_true",
         help="Marlin cases: also time the reference with Triton's launch path against the direct one",
     )
+    parser.add_argument(
+        "--routing-paths",
+        action="store_true",
+        help="Marlin cases: also time the reference with the call routed on the host against on the device",
+    )
     options = parser.parse_args()
     chosen = [c for c in CASES if c.name in options.cases.split(",")]
     chosen_calls = [c for c in CALL_CASES if c.name in options.cases.split(",")]
@@ -803,6 +849,7 @@ def main() -> int:
             cpu_repeats=options.cpu_repeats,
             rows_variants=[v for v in options.rows_variants.split(",") if v.strip()],
             launch_paths=options.launch_paths,
+            routing_paths=options.routing_paths,
         )
         if options.profile:
             profile_reference(case, device)
