@@ -475,8 +475,8 @@ def route_on_device(
             launch(
                 route_rows,
                 (1,),
-                sorted_token_ids,
-                expert_ids,
+                sorted_token_ids.reshape(-1).contiguous(),  # read flat in logical order (strided: a copy)
+                expert_ids.reshape(-1).contiguous(),
                 total_tensor if total_tensor is not None else parts["summary"],
                 total_value,
                 sorted_token_ids.numel(),

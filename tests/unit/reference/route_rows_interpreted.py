@@ -124,6 +124,12 @@ def main() -> int:
             ("  int64", ids.long(), block_experts.long(), total.long(), block, slots, top_k, experts)
         )
         cases.append(("  gemm2", ids, block_experts, total, block, slots, 1, experts))
+        # strided views of the same arrays (every other element of a twice-as-long buffer)
+        wide_ids = torch.stack((ids, torch.full_like(ids, -7)), dim=1).reshape(-1)[0::2]
+        wide_experts = torch.stack((block_experts, torch.full_like(block_experts, 99)), dim=1).reshape(-1)[
+            0::2
+        ]
+        cases.append(("  strided", wide_ids, wide_experts, total, block, slots, top_k, experts))
     ids, block_experts, total = moe_align_block_size(
         torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]], dtype=torch.int32), 8, 4
     )

@@ -148,7 +148,7 @@ def test_the_device_routing_is_the_host_routing_in_the_interpreter() -> None:
     """``route_rows`` (the Marlin reference's routing on the GPU, one program) run by Triton's interpreter: the same
     row tables, grouped order, used experts and row blocks as the host's numpy routing, and a summary that asks
     for exactly the host's notes — aligned routings (int32 and int64, the total as a tensor or an int, gemm2's top-k
-    of 1, 1 to 1,000 experts, experts with several 16-row blocks) and every anomaly, alone and mixed at random."""
+    of 1, strided views, 1 to 1,000 experts, experts with several 16-row blocks) and every anomaly, alone and mixed at random."""
     script = Path(__file__).with_name("route_rows_interpreted.py")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[3])}
     done = subprocess.run(
@@ -156,7 +156,7 @@ def test_the_device_routing_is_the_host_routing_in_the_interpreter() -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 65 and all(": same (" in line for line in lines), done.stdout
+    assert len(lines) == 73 and all(": same (" in line for line in lines), done.stdout
     for code in ("negative_sorted_id", "padding_inside_block", "invalid_block_expert", "duplicate_slot",
                  "padded_total_exceeds_buffers", "padded_total_not_multiple"):  # fmt: skip
         assert any(f"notes ['{code}']" in line for line in lines), code  # each anomaly alone at least once
