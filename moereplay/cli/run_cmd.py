@@ -40,7 +40,9 @@ _VERDICT_STYLE = {
 @app.command("run")
 def run_command(
     file: Annotated[Path, typer.Argument(help="A capture file (.zst).", show_default=False)],
-    call: Annotated[int | None, typer.Option("--call", help="Replay call N (see `moereplay ls`).")] = None,
+    call: Annotated[
+        list[int] | None, typer.Option("--call", help="Replay call N (repeatable; see `moereplay ls`).")
+    ] = None,
     op: Annotated[
         str | None, typer.Option("--op", help="Replay every call of ops matching this glob.")
     ] = None,
@@ -124,7 +126,7 @@ def run_command(
     from moereplay.errors import SettingsError
     from moereplay.replay import mutation_names
 
-    selectors = sum(value is not None for value in (call, op, layer)) + int(every)
+    selectors = sum(value is not None for value in (op, layer)) + int(bool(call)) + int(every)
     if selectors > 1:
         raise SettingsError("choose one of --call, --op, --layer, --all")
     if not file.exists():
@@ -141,7 +143,8 @@ def run_command(
     if ray_address is not None and not ray:
         raise SettingsError("--ray-address needs --ray")
     note_damage(file)
-    mutation_names.check_file(file, mutations, call)  # a mistyped name fails here, before torch is imported
+    # a mistyped name fails here, before torch is imported
+    mutation_names.check_file(file, mutations, call[0] if call and len(call) == 1 else None)
 
     from moereplay.replay.engine import check_mutations, replay
     from moereplay.replay.source import select_calls

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import tempfile
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,12 +102,13 @@ def captured_output(op: OpSpec, outputs: Mapping[str, Any] | None) -> torch.Tens
 def select_calls(
     path: str | Path,
     *,
-    call: int | None = None,
+    call: int | Sequence[int] | None = None,
     op: str | None = None,
     layer: Any = None,
     every: bool = False,
 ) -> list[int]:
-    """Call indices a ``moereplay run`` selection names, in file order.
+    """Call indices a ``moereplay run`` selection names, in file order (``call``: one call or several, each
+    once, in the order given).
 
     With no selector a capture holding exactly one replayable call selects it; otherwise the caller must choose
     (one-line :class:`ReplayError` listing how).
@@ -117,13 +118,16 @@ def select_calls(
 
     parents = parent_ops()
     with CaptureReader(path) as reader:
-        if call is not None:
-            if call not in reader.indices:
-                raise ReplayError(f"{path}: no call {call} (calls: {_index_summary(reader.indices)})")
-            record = reader.call(call)
-            if record.op in parents:
-                raise _layer_call_error(path, reader, [record])
-            return [call]
+        if call is not None and (isinstance(call, int) or len(call)):
+            wanted = [call] if isinstance(call, int) else list(dict.fromkeys(call))
+            for index in wanted:
+                if index not in reader.indices:
+                    raise ReplayError(f"{path}: no call {index} (calls: {_index_summary(reader.indices)})")
+            records = [reader.call(index) for index in wanted]
+            layer_calls = [record for record in records if record.op in parents]
+            if layer_calls:
+                raise _layer_call_error(path, reader, layer_calls)
+            return wanted
         if op is not None or layer is not None:
             records = list(reader.select(op=op, layer=layer))
             if not records:

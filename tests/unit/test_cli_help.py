@@ -33,7 +33,9 @@ def test_every_help_shows_flags_without_a_bool_type() -> None:
         assert "<bool>" not in result.output, (path, result.output)
         assert "--help" in result.output
     shown = runner.invoke(app, ["run", "--help"], terminal_width=100).output
-    assert "--call" in shown and "<int>" in shown  # options that take a value still say what
+    assert (
+        "--call" in shown and "<list[int]>" in shown
+    )  # options that take a value still say what (repeatable)
 
 
 def test_every_command_is_in_the_readmes_commands_table() -> None:

@@ -314,3 +314,20 @@ def test_a_wrong_call_is_said_before_a_mistyped_mutation(
         main(["run", str(layer_capture), "--call", chosen, "--flip", "topk_weights"])
     assert exit_info.value.code == 2
     assert said in capsys.readouterr().err
+
+
+def test_several_calls_each_get_their_report(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--call`` repeats: every named call is replayed, in the order given, once (a second ``--call`` used to
+    replace the first silently)."""
+    path = str(Path(__file__).parents[3] / "captures" / "marlin-nvfp4-layer.moe.zst")
+    result = runner.invoke(app, ["run", path, "--call", "2", "--call", "1", "--call", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert [report["call"] for report in json.loads(result.stdout)["reports"]] == [2, 1]
+    table = runner.invoke(app, ["run", path, "--call", "1", "--call", "2"])
+    assert table.exit_code == 0 and "call #1" in table.output and "call #2" in table.output, table.output
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", path, "--call", "1", "--call", "0"])  # call 0 is the layer call
+    error = capsys.readouterr().err.strip()
+    assert (
+        exit_info.value.code == 2 and "call 0 is a fused_marlin_moe layer call" in error and "\n" not in error
+    )
