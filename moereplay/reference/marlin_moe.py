@@ -575,7 +575,12 @@ def reference_moe_wna16_marlin_gemm(
 
     routing_notes_at = len(notes)
     routed = None
-    if marlin_rows.available(device) and marlin_rows.usable(weights) and weights.b_qzeros is None:
+    if (
+        marlin_rows.available(device)
+        and marlin_rows.usable(weights)
+        and weights.b_qzeros is None
+        and sorted_token_ids.device == device
+    ):
         # routed where the products run: no host round trip before the first launch; the routing notes (rare)
         # are worked out on the host at the end, when the summary read with the call's one sync asks for them
         routed = marlin_rows.route_on_device(

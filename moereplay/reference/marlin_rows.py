@@ -397,6 +397,9 @@ class RoutedRows:
 
 _ROUTING_DTYPES = (torch.int32, torch.int64)
 
+_ROUTE_FAILED: list[str] = []
+"""Why the routing kernel could not run in this process (then every call routes on the host), empty while it can."""
+
 
 def route_on_device(
     sorted_token_ids: torch.Tensor,
@@ -418,8 +421,10 @@ def route_on_device(
     device = sorted_token_ids.device
     if (
         not ROUTE_ON_DEVICE
+        or _ROUTE_FAILED
         or not available(device)
         or expert_ids.device != device
+        or sorted_token_ids.numel() >= 1 << 31  # the kernel's positions are int32
         or sorted_token_ids.dtype not in _ROUTING_DTYPES
         or expert_ids.dtype not in _ROUTING_DTYPES
         or not 0 < num_slots <= min(ROUTE_MAX_SLOTS, row_budget(size_k, size_n))
@@ -505,7 +510,14 @@ def route_on_device(
                 num_warps=4,
             )
     except _launch_errors() as error:
-        _give_up(error)
+        # the products kernel may still run: only the routing goes back to the host, from now on
+        _ROUTE_FAILED.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
+        warnings.warn(
+            f"moereplay: the Marlin reference's device routing cannot run here ({_ROUTE_FAILED[0]}); calls are "
+            "routed on the host instead",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
     tables = parts["tables"].view(5, stride)[:, :num_slots]
     heights = tuple(

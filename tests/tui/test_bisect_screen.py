@@ -168,3 +168,22 @@ async def test_bisect_that_cannot_start_says_why(stream_capture: Path) -> None:
         # call #0 is the enclosing fused_marlin_moe call: not in the stream of replayable calls
         assert any("--call 0 is not among the selected calls (" in message for message in notes.messages)
         assert not isinstance(app.screen, BisectScreen)
+
+
+@run_async
+async def test_the_dialog_asks_for_nonfinite_on_calls_only(stream_capture: Path) -> None:
+    """The dialog's NaN/Inf box is ``bisect --nonfinite``: on for a calls bisect, never sent with another
+    strategy (the request would refuse it)."""
+    app = make_app(stream_capture)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await pilot.press("b")
+        dialog = app.screen
+        assert isinstance(dialog, BisectDialog)
+        assert dialog.choice().request.nonfinite is False
+        dialog.query_one("#bisect-nonfinite").value = True  # type: ignore[attr-defined]
+        dialog.query_one("#bisect-strategy").value = "calls"  # type: ignore[attr-defined]
+        await settle(pilot)
+        assert dialog.choice().request.nonfinite is True
+        dialog.query_one("#bisect-strategy").value = "shape"  # type: ignore[attr-defined]
+        await settle(pilot)
+        assert dialog.choice().request.nonfinite is False

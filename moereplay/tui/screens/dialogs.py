@@ -181,6 +181,10 @@ class BisectDialog(ModalScreen[BisectChoice | None]):
                 )
                 yield Label("same bug if")
                 yield Select(MATCH_CHOICES, value="kinds", allow_blank=False, id="bisect-match")
+            yield Checkbox(
+                "calls: an output holding NaN or Inf is bad (--nonfinite: where they first appear)",
+                id="bisect-nonfinite",
+            )
             yield Checkbox("start afresh (ignore an existing session log)", id="bisect-fresh")
             yield Static("", id="bisect-error", classes="dialog-error")
             with Horizontal(classes="dialog-buttons"):
@@ -204,6 +208,7 @@ class BisectDialog(ModalScreen[BisectChoice | None]):
             dimensions=_items(self._value("dimensions"), ",") if strategy == "shape" else (),
             backend=self.backend,
             match=match,
+            nonfinite=self.query_one("#bisect-nonfinite", Checkbox).value and strategy == "calls",
         )
         return BisectChoice(request, self.query_one("#bisect-fresh", Checkbox).value)
 

@@ -210,9 +210,13 @@ def test_a_kernel_that_cannot_run_warns_once_and_the_dense_path_answers(
     real_available = marlin_rows.available
     monkeypatch.setitem(sys.modules, "moereplay.reference.marlin_rows_kernel", None)  # cannot be imported
     monkeypatch.setattr(marlin_rows, "_FAILED", [])
+    monkeypatch.setattr(marlin_rows, "_ROUTE_FAILED", [])
     monkeypatch.setattr(marlin_rows, "available", lambda device, environ=None: not marlin_rows._FAILED)
-    with pytest.warns(RuntimeWarning, match="packed-code Marlin reference kernel cannot run here"):
+    with pytest.warns(RuntimeWarning) as caught:  # the routing kernel first, then the products kernel
         result = reference_moe_wna16_marlin_gemm(**args)
+    said = [str(warning.message) for warning in caught]
+    assert len(said) == 2 and "device routing cannot run here" in said[0], said
+    assert "packed-code Marlin reference kernel cannot run here" in said[1], said
     assert torch.equal(result.output, expected.output)
     assert marlin_rows._FAILED and "marlin_rows_kernel" in marlin_rows._FAILED[0]
     assert not real_available(torch.device("cuda"), {})  # the dense path from then on
@@ -287,3 +291,24 @@ def test_one_pass_is_the_general_cut_with_a_budget_above_every_row() -> None:
         for height, tiles in run.items():
             joined.setdefault(height, []).extend(tiles)
     assert one == plan and joined == one
+
+
+def test_a_routing_kernel_that_cannot_run_leaves_the_products_kernel_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A routing launch that fails (compile or resources) sends routing back to the host, once and for the process;
+    the packed-code products stay available (they ran with host routing before the device routing existed)."""
+    monkeypatch.setattr(marlin_rows, "_FAILED", [])
+    monkeypatch.setattr(marlin_rows, "_ROUTE_FAILED", [])
+    monkeypatch.setattr(marlin_rows, "available", lambda device, environ=None: True)
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise ImportError("no routing kernel here")
+
+    monkeypatch.setattr(marlin_rows, "launch", fails)
+    ids = torch.arange(16, dtype=torch.int32)
+    experts = torch.zeros(2, dtype=torch.int32)
+    with pytest.warns(RuntimeWarning, match="device routing cannot run here"):
+        assert marlin_rows.route_on_device(ids, experts, 16, 8, 16, 1, 4, 256, 128) is None
+    assert marlin_rows._ROUTE_FAILED and not marlin_rows._FAILED
+    assert marlin_rows.route_on_device(ids, experts, 16, 8, 16, 1, 4, 256, 128) is None  # no second try
