@@ -13,6 +13,13 @@ for every row whatever else the call holds.
 Used on CUDA devices with Triton present for the formats the fast decoder handles (no act order, no float zero
 points; :meth:`MarlinExpertWeights.fast_kind`); ``MOEREPLAY_REFERENCE_FUSED=0`` (the switch of
 :mod:`.dequant_dense`) keeps the dense path everywhere.
+
+Where the products run here and the weights have no integer zero points, the call is routed on the GPU too
+(:func:`route_on_device`, one program of :func:`.marlin_rows_kernel.route_rows`): the host's numpy routing read the
+routing arrays back first (a sync) and worked on them for about half a millisecond of host time before the first
+product launch, while a decode call's products take a tenth of that on the device. The device routing makes the
+same tables, grouped order and row blocks; its summary of anomalies is read with the call's one sync at the end,
+and only a summary that shows one sends the routing arrays to the host for the notes' words.
 """
 
 from __future__ import annotations
