@@ -458,9 +458,8 @@ def route_on_device(
     splits, per_split = k_splits(size_k // TILE_K)
     tiles4 = min(num_experts, num_slots)
     tiles8 = min(num_experts, num_slots // 5)
-    tiles16 = num_slots // 16 + min(
-        num_experts, num_slots // 9
-    )  # sum of ceil(n / 16) over experts of n > 8 rows
+    # the 16-row blocks: the sum of ceil(n / 16) over experts of n > 8 rows (at most S // 9 of them)
+    tiles16 = num_slots // 16 + min(num_experts, num_slots // 9)
     tiles = tiles4 + tiles8 + tiles16
     stride = num_slots + num_slots % 2
     halves = -(-num_slots // 2) + (-(-num_slots // 2)) % 2  # int32 scratch of num_slots as even int64 words
