@@ -276,15 +276,17 @@ def _current(device: torch.device) -> contextlib.AbstractContextManager[object]:
     return torch.cuda.device(device)
 
 
-def _give_up(error: BaseException) -> None:
-    """Remember why a kernel could not run here and say so once: the reference takes the dense path from now on."""
-    _FAILED.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
-    warnings.warn(
-        f"moereplay: the packed-code Marlin reference kernel cannot run here ({_FAILED[0]}); the reference "
-        "dequantises to dense weights instead",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+def _give_up(
+    error: BaseException,
+    failed: list[str] | None = None,
+    what: str = "the packed-code Marlin reference kernel",
+    instead: str = "the reference dequantises to dense weights instead",
+) -> None:
+    """Remember in ``failed`` (default :data:`_FAILED`: the reference takes the dense path from now on) why a
+    kernel could not run here and say so once."""
+    failed = _FAILED if failed is None else failed
+    failed.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
+    warnings.warn(f"moereplay: {what} cannot run here ({failed[0]}); {instead}", RuntimeWarning, stacklevel=3)
 
 
 def _launch_errors() -> tuple[type[BaseException], ...]:
@@ -519,12 +521,11 @@ def route_on_device(
             )
     except _launch_errors() as error:
         # the products kernel may still run: only the routing goes back to the host, from now on
-        _ROUTE_FAILED.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
-        warnings.warn(
-            f"moereplay: the Marlin reference's device routing cannot run here ({_ROUTE_FAILED[0]}); calls are "
-            "routed on the host instead",
-            RuntimeWarning,
-            stacklevel=2,
+        _give_up(
+            error,
+            _ROUTE_FAILED,
+            "the Marlin reference's device routing",
+            "calls are routed on the host instead",
         )
         return None
     tables = parts["tables"].view(5, stride)[:, :num_slots]

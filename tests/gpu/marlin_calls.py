@@ -15,6 +15,13 @@ def reference_call(packed: PackedExperts, x: torch.Tensor, ids: torch.Tensor, we
     """``reference_moe_wna16_marlin_gemm`` on ``x`` routed to ``ids`` (``[tokens, top_k]``) with routing
     ``weights``, the blocks aligned as vLLM's ``moe_align_block_size`` aligns them."""
     sorted_ids, expert_ids, total = moe_align_block_size(ids.to(torch.int32), block, experts)
+    return routed_call(packed, x, sorted_ids, expert_ids, total, weights, top_k=top_k, block=block, mul=mul)
+
+
+def routed_call(packed: PackedExperts, x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                total: torch.Tensor | int, weights: torch.Tensor, *, top_k: int, block: int,
+                mul: bool = True) -> MarlinReferenceResult:  # fmt: skip
+    """``reference_moe_wna16_marlin_gemm`` on ``x`` with the routing arrays as given."""
     return reference_moe_wna16_marlin_gemm(
         input=x,
         output=None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from marlin_calls import reference_call, routing
+from marlin_calls import reference_call, routed_call, routing
 
 from moereplay.reference import marlin_rows
 from moereplay.reference.dequant_dense import SWITCH_VARIABLE
@@ -303,21 +303,7 @@ def test_routing_on_the_device_gives_the_host_routings_result_bit_for_bit(
             for on_device in (True, False):
                 monkeypatch.setattr(marlin_rows, "ROUTE_ON_DEVICE", on_device)
                 results.append(
-                    reference_moe_wna16_marlin_gemm(
-                        input=x,
-                        output=None,
-                        a_scales=None,
-                        workspace=None,
-                        sorted_token_ids=sorted_ids,
-                        expert_ids=expert_ids,
-                        num_tokens_past_padded=total,
-                        topk_weights=weights,
-                        moe_block_size=16,
-                        top_k=top_k,
-                        mul_topk_weights=True,
-                        size_m=rows,
-                        **packed.kernel_kwargs(),
-                    )
+                    routed_call(packed, x, sorted_ids, expert_ids, total, weights, top_k=top_k, block=16)
                 )
             device, host = results
             where = f"{fmt.name} top_k={top_k} {anomaly}"

@@ -433,31 +433,43 @@ ROWS_VARIANT = re.compile(r"(\d+)x(\d+)(?:s(\d+))?(t?)")
 """``WARPSxCOLUMNS[sSPLITS][t]`` of ``--rows-variants``."""
 
 
+def interleaved_paths(
+    args: dict[str, Any],
+    repeats: int,
+    rounds: int,
+    paths: dict[str, Callable[[], None]],
+    reset: Callable[[], None],
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """The GPU reference on each of ``paths`` (name → what switches to it), interleaved over ``rounds`` rounds:
+    each path's median of its round medians (ms) and one result per path; ``reset`` restores the default after."""
+    medians: dict[str, list[float]] = {name: [] for name in paths}
+    results = {}
+    try:
+        for name, switch in paths.items():
+            switch()
+            results[name] = reference_moe_wna16_marlin_gemm(**args)
+        for _ in range(rounds):
+            for name, switch in paths.items():
+                switch()
+                medians[name].append(gpu_ms(lambda: reference_moe_wna16_marlin_gemm(**args), repeats))
+    finally:
+        reset()
+    return {name: statistics.median(times) for name, times in medians.items()}, results
+
+
 def time_launch_paths(args: dict[str, Any], kernel_ms: float, repeats: int, rounds: int = 5) -> None:
     """The GPU reference with every Triton launch through ``kernel[grid]`` and through
     :func:`moereplay.reference.launch.launch`'s direct path, interleaved over ``rounds`` rounds (median of each
     path's round medians), with their ratio, and whether both paths give the same output bits."""
     from moereplay.reference import launch as launches
 
-    paths = {"triton": False, "direct": True}
-    medians: dict[str, list[float]] = {name: [] for name in paths}
-    outputs = {}
-    try:
-        for name, direct in paths.items():
-            launches.set_direct(direct)
-            outputs[name] = reference_moe_wna16_marlin_gemm(**args).output
-        for _ in range(rounds):
-            for name, direct in paths.items():
-                launches.set_direct(direct)
-                medians[name].append(gpu_ms(lambda: reference_moe_wna16_marlin_gemm(**args), repeats))
-    finally:
-        launches.set_direct(None)
-    same = torch.equal(outputs["triton"].view(torch.int32), outputs["direct"].view(torch.int32))
-    triton_ms, direct_ms = statistics.median(medians["triton"]), statistics.median(medians["direct"])
+    paths = {"triton": lambda: launches.set_direct(False), "direct": lambda: launches.set_direct(True)}
+    ms, results = interleaved_paths(args, repeats, rounds, paths, lambda: launches.set_direct(None))
+    same = torch.equal(results["triton"].output.view(torch.int32), results["direct"].output.view(torch.int32))
     print(
-        f"  launch paths ({rounds} rounds): kernel[grid] {triton_ms:.3f} ms ({triton_ms / kernel_ms:.1f}x), "
-        f"direct {direct_ms:.3f} ms ({direct_ms / kernel_ms:.1f}x), direct/kernel[grid] {direct_ms / triton_ms:.3f}; "
-        f"same output bits: {same}",
+        f"  launch paths ({rounds} rounds): kernel[grid] {ms['triton']:.3f} ms ({ms['triton'] / kernel_ms:.1f}x), "
+        f"direct {ms['direct']:.3f} ms ({ms['direct'] / kernel_ms:.1f}x), direct/kernel[grid] "
+        f"{ms['direct'] / ms['triton']:.3f}; same output bits: {same}",
         flush=True,
     )
 
@@ -466,29 +478,21 @@ def time_routing_paths(args: dict[str, Any], kernel_ms: float, repeats: int, rou
     """The GPU reference with the call routed on the host (numpy, one read of the routing arrays before the first
     launch) and on the device (:func:`marlin_rows.route_on_device`), interleaved over ``rounds`` rounds (median of
     each path's round medians), with their ratio, and whether both give the same output bits and notes."""
-    paths = {"host": False, "device": True}
-    medians: dict[str, list[float]] = {name: [] for name in paths}
-    results = {}
-    try:
-        for name, on_device in paths.items():
-            marlin_rows.ROUTE_ON_DEVICE = on_device
-            results[name] = reference_moe_wna16_marlin_gemm(**args)
-        for _ in range(rounds):
-            for name, on_device in paths.items():
-                marlin_rows.ROUTE_ON_DEVICE = on_device
-                medians[name].append(gpu_ms(lambda: reference_moe_wna16_marlin_gemm(**args), repeats))
-    finally:
-        marlin_rows.ROUTE_ON_DEVICE = True
+
+    def route_on(on_device: bool) -> Callable[[], None]:
+        return lambda: setattr(marlin_rows, "ROUTE_ON_DEVICE", on_device)
+
+    paths = {"host": route_on(False), "device": route_on(True)}
+    ms, results = interleaved_paths(args, repeats, rounds, paths, route_on(True))
     host, device = results["host"], results["device"]
     same = (
         torch.equal(host.output.view(torch.int32), device.output.view(torch.int32))
         and host.notes == device.notes
     )
-    host_ms, device_ms = statistics.median(medians["host"]), statistics.median(medians["device"])
     print(
-        f"  routing ({rounds} rounds): on the host {host_ms:.3f} ms ({host_ms / kernel_ms:.1f}x), "
-        f"on the device {device_ms:.3f} ms ({device_ms / kernel_ms:.1f}x), device/host {device_ms / host_ms:.3f}; "
-        f"same output bits and notes: {same}",
+        f"  routing ({rounds} rounds): on the host {ms['host']:.3f} ms ({ms['host'] / kernel_ms:.1f}x), "
+        f"on the device {ms['device']:.3f} ms ({ms['device'] / kernel_ms:.1f}x), device/host "
+        f"{ms['device'] / ms['host']:.3f}; same output bits and notes: {same}",
         flush=True,
     )
 

@@ -1,7 +1,7 @@
 """Run by test_marlin_rows_interpreter.py in a child process with ``TRITON_INTERPRET=1``: the device routing
 (:func:`moereplay.reference.marlin_rows.route_on_device`, one program of ``route_rows``) executed by Triton's
 interpreter on the CPU, against the host's numpy routing, over aligned routings and every anomaly the host routing
-has a note for. Prints one line per case and exits 1 on the first difference."""
+has a note for. Prints one line per case and exits 1 when any differs."""
 
 from __future__ import annotations
 
@@ -9,24 +9,12 @@ import sys
 
 import numpy as np
 import torch
-import triton.runtime.interpreter as interpreter
+from marlin_rows_interpreted import _index_first_element
 
 from moereplay.reference import marlin_moe, marlin_rows
 from moereplay.reference.moe_align import moe_align_block_size
 
 K, N = 512, 256
-
-
-def _index_first_element() -> None:
-    """Triton 3.6's interpreter reads a loop bound with ``int(array)`` of a one-element array, which NumPy 2.4
-    refuses; read its element instead (the interpreter only, this process only)."""
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):  # type: ignore[no-untyped-def]
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
 
 
 def _host(ids, experts, total, block, slots, top_k, num_experts):  # type: ignore[no-untyped-def]
