@@ -144,7 +144,7 @@ def run_command(
         raise SettingsError("--ray-address needs --ray")
     note_damage(file)
     # a mistyped name fails here, before torch is imported
-    mutation_names.check_file(file, mutations, call[0] if call and len(call) == 1 else None)
+    mutation_names.check_file(file, mutations, call)
 
     from moereplay.replay.engine import check_mutations, replay
     from moereplay.replay.source import select_calls

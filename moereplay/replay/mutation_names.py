@@ -98,11 +98,14 @@ def check_names(ops: Iterable[str], mutations: Sequence[str]) -> None:
                 )
 
 
-def check_file(path: str | Path, mutations: Sequence[str], call: int | None = None) -> None:
+def check_file(path: str | Path, mutations: Sequence[str], call: int | Sequence[int] | None = None) -> None:
     """:func:`check_names` against the kernel ops of the calls in ``path`` (layer calls are not mutated; a
-    record-only op is not replayed), or of call ``call`` alone when one is chosen. Silent when the file holds an op
-    no family declares (a ``python:`` backend may bring it), when ``call`` is not a kernel call of the file, or when
-    the file cannot be read: the selection's and the reader's own errors say those first."""
+    record-only op is not replayed), or of the chosen call(s) ``call`` alone. Silent when the file holds an op
+    no family declares (a ``python:`` backend may bring it), when a chosen call is not a kernel call of the file, or
+    when the file cannot be read: the selection's and the reader's own errors say those first."""
+    chosen = None if call is None else [call] if isinstance(call, int) else list(call)
+    if chosen is not None and not chosen:
+        chosen = None
     casts = any(text.strip().removeprefix("--").startswith("cast ") for text in mutations)
     if not casts and not any(mutated_names(text)[1] for text in mutations):
         return
@@ -121,15 +124,15 @@ def check_file(path: str | Path, mutations: Sequence[str], call: int | None = No
     ] = {}  # kernel op -> its calls' recorded argument names (one pass, no records kept)
     try:
         with CaptureReader(path) as reader:
-            if call is not None and call not in reader.indices:
+            if chosen is not None and any(index not in reader.indices for index in chosen):
                 return
-            for record in reader.calls() if call is None else [reader.call(call)]:
+            for record in reader.calls() if chosen is None else [reader.call(index) for index in chosen]:
                 ops.add(record.op)
                 if record.op in kernel:
                     arguments.setdefault(record.op, set()).update(record.args)
     except MoereplayError:
         return
-    if call is not None and not ops <= kernel:
+    if chosen is not None and not ops <= kernel:
         return
     if any(op not in kernel and op not in other for op in ops):
         return

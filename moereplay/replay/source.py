@@ -107,8 +107,8 @@ def select_calls(
     layer: Any = None,
     every: bool = False,
 ) -> list[int]:
-    """Call indices a ``moereplay run`` selection names, in file order (``call``: one call or several, each
-    once, in the order given).
+    """Call indices a ``moereplay run`` selection names: in file order, except ``call`` (one call or several):
+    the calls given, each once, in the order given.
 
     With no selector a capture holding exactly one replayable call selects it; otherwise the caller must choose
     (one-line :class:`ReplayError` listing how).

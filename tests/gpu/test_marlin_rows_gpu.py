@@ -251,6 +251,19 @@ def test_back_to_back_calls_do_not_share_their_host_tables() -> None:
         assert torch.equal(result.output.cpu(), expected)
 
 
+route_on_device = marlin_rows.route_on_device
+
+
+def _spy(function, seen: list[object]):  # type: ignore[no-untyped-def]
+    """``function``, keeping each of its results in ``seen``."""
+
+    def spied(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(function(*args, **kwargs))
+        return seen[-1]
+
+    return spied
+
+
 ANOMALIES = (
     "none",
     "negative",
@@ -300,13 +313,19 @@ def test_routing_on_the_device_gives_the_host_routings_result_bit_for_bit(
         for anomaly in ANOMALIES:
             sorted_ids, expert_ids, total = _aligned_with(anomaly, ids, 16, experts)
             results = []
+            routed: list[object] = []
             for on_device in (True, False):
                 monkeypatch.setattr(marlin_rows, "ROUTE_ON_DEVICE", on_device)
+                monkeypatch.setattr(marlin_rows, "route_on_device", _spy(route_on_device, routed))
                 results.append(
                     routed_call(packed, x, sorted_ids, expert_ids, total, weights, top_k=top_k, block=16)
                 )
             device, host = results
             where = f"{fmt.name} top_k={top_k} {anomaly}"
+            # the first call routed on the GPU (no silent fall-back to the host), the second on the host
+            first = routed[0] if routed else None  # zero points: not even asked
+            assert (first is not None) == (packed.b_qzeros is None), where
+            assert all(result is None for result in routed[1:]), where
             assert device.notes == host.notes, where
             assert anomaly in ("none", "int_total") or device.notes, where
             for field in ("output", "gemm", "bias_rows", "row_weights"):

@@ -181,10 +181,7 @@ class BisectDialog(ModalScreen[BisectChoice | None]):
                 )
                 yield Label("same bug if")
                 yield Select(MATCH_CHOICES, value="kinds", allow_blank=False, id="bisect-match")
-            yield Checkbox(
-                "calls: an output holding NaN or Inf is bad (--nonfinite: where they first appear)",
-                id="bisect-nonfinite",
-            )
+            yield Checkbox("calls: any NaN/Inf output is bad (--nonfinite)", id="bisect-nonfinite")
             yield Checkbox("start afresh (ignore an existing session log)", id="bisect-fresh")
             yield Static("", id="bisect-error", classes="dialog-error")
             with Horizontal(classes="dialog-buttons"):

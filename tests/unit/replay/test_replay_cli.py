@@ -331,3 +331,27 @@ def test_several_calls_each_get_their_report(capsys: pytest.CaptureFixture[str])
     assert (
         exit_info.value.code == 2 and "call 0 is a fused_marlin_moe layer call" in error and "\n" not in error
     )
+
+
+@pytest.mark.parametrize(
+    ("calls", "expected"),
+    [(["1", "99"], "no call 99"), (["1", "0"], "call 0 is a fused_marlin_moe layer call")],
+)
+def test_a_wrong_call_among_several_is_said_before_a_mistyped_mutation(
+    calls: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(Path(__file__).parents[3] / "captures" / "marlin-nvfp4-layer.moe.zst")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", path, *(f"--call={call}" for call in calls), "--flip", "topk_weights"])
+    error = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and expected in error, error
+
+
+def test_a_mistyped_mutation_with_several_good_calls_is_said_at_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = str(Path(__file__).parents[3] / "captures" / "marlin-nvfp4-layer.moe.zst")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", path, "--call", "1", "--call", "2", "--flip", "topk_weights"])
+    error = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "topk_weights" in error and "\n" not in error, error
