@@ -606,16 +606,13 @@ def reference_moe_wna16_marlin_gemm(
             routed.destination,
             num_slots,
         )
-    if (
-        routed_gemm is None
-    ):  # not routed here, or the products kernel cannot run: the host path from the start
-        routed = None
     if routed is not None and routed_gemm is not None:
         gemm = routed_gemm
         experts_used = routed.used  # −1 after the used ones until the summary is read
         tables = routed.tables
         row_experts: torch.Tensor | None = routed.row_experts
-    else:
+    else:  # not routed here, or the products kernel cannot run: the host path from the start
+        routed = None
         experts_used, tables, row_experts, gemm = _host_routed_rows(
             input,
             weights,
