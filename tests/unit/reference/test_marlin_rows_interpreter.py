@@ -25,7 +25,8 @@ def test_the_kernel_agrees_with_the_dense_path_in_the_interpreter() -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("written and notes the same: True") == 11, done.stdout
-    assert done.stdout.count("bit for bit: True") == 11, done.stdout
+    assert done.stdout.count("epilogue's bit for bit: True") == 11, done.stdout
+    assert done.stdout.count("dense decoder's weights bit for bit: True") == 11, done.stdout
 
 
 COMPILE_CASES = [
