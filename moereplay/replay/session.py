@@ -107,6 +107,10 @@ RECORDED_VARIANT = Variant((), RECORDED)
 """The call as captured, judged by its recorded output rather than a replay (no mutations, its own label)."""
 
 _NO_REPLAY = "replaying the call needs a kernel backend: the recorded row judges the captured output"
+_HYPOTHESIS_NOTE = (
+    "offline, a variant that changes what the call computes judges the captured output against the changed "
+    "call's reference: whether the kernel computed that call (a hypothesis), not whether the change fixes anything"
+)
 _NOTHING_RECORDED = "the capture holds no output for this call and no kernel backend runs: nothing to judge"
 _FILL_NEEDS_KERNEL = (
     "needs a kernel backend: guard fills test the memory a kernel reads (the reference reads none)"
@@ -663,6 +667,8 @@ class ReplaySession:
                 return self._needs_kernel(variant, _SAME_MEANING)
             outputs = [self.call.captured_output.to(reference.output.device)]
             fill = None
+            if _HYPOTHESIS_NOTE not in self.notes:
+                self.notes.append(_HYPOTHESIS_NOTE)
         shaped = [aligned(output, reference.output.shape) for output in outputs]
         if any(output is None for output in shaped):
             if run is None:  # offline: the changed call has another shape, which only a kernel could produce

@@ -355,3 +355,18 @@ def test_a_mistyped_mutation_with_several_good_calls_is_said_at_once(
         main(["run", path, "--call", "1", "--call", "2", "--flip", "topk_weights"])
     error = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and "topk_weights" in error and "\n" not in error, error
+
+
+def test_offline_a_changed_call_says_it_is_a_hypothesis_not_a_fix() -> None:
+    """Offline, a flag flip judges the captured output against the flipped call's reference; the report says what
+    that row means (once), and says nothing of it when no such variant was judged."""
+    from moereplay.replay import replay
+
+    path = Path(__file__).parents[3] / "captures" / "marlin-nvfp4-gpt-oss-gemm2.moe.zst"
+    flipped = replay(path, call=0, backend="reference", mutations=["flip mul_topk_weights"])
+    assert [r.verdict.value for r in flipped.results if r.label == "flip mul_topk_weights"] == ["corrupt"]
+    assert (
+        sum("a hypothesis" in note and "not whether the change fixes" in note for note in flipped.notes) == 1
+    )
+    plain = replay(path, call=0, backend="reference", mutations=[])
+    assert not any("a hypothesis" in note for note in plain.notes)
