@@ -14,6 +14,7 @@ from moereplay.bisect import FirstBadSearch, Observation, Session, Signature
 from moereplay.bisect.probes import ItemProbe
 from moereplay.tui.app import MoereplayApp
 from moereplay.tui.bisect_sessions import BisectLaunch
+from moereplay.tui.widgets.call.variant_matrix import VariantMatrix
 
 SIZE = (80, 24)
 
@@ -30,6 +31,12 @@ def steady(run_before: Callable[[Pilot[Any]], Awaitable[None]]) -> Callable[[Pil
         await pilot.pause()
 
     return run
+
+
+def _layout_pending(table: Any) -> bool:
+    """Whether a Textual ``DataTable`` still has rows or cell changes to measure (it does so when its message
+    pump is idle; Textual 8's private flags)."""
+    return bool(getattr(table, "_require_update_dimensions", False) or getattr(table, "_updated_cells", None))
 
 
 async def quiet(pilot: Pilot[Any]) -> None:
@@ -116,7 +123,13 @@ def test_mutation_dialog(snap_compare: Any, marlin_capture: Path) -> None:
         # a moment after the worker ended (the long-standing flake: the snapshot caught the matrix still empty)
         screen = pilot.app.screen
         await until(pilot, lambda: getattr(screen, "outcome", None) is not None)
-        await pilot.pause()
+        # ... and the screen must have painted the matrix's rows before the dialog covers it: the screen below a
+        # dialog kept its last paint, the rows still pending (reproduced with three busy processes beside it: 4
+        # failures in 16 runs, also when waiting for the table's own layout; with 0.2 s of real time for the
+        # paint, 20 of 20 passed, also beside five)
+        matrix = screen.query_one(VariantMatrix)
+        await until(pilot, lambda: bool(matrix.row_count) and not _layout_pending(matrix))
+        await pilot.pause(0.2)
         await pilot.press("a")
         await until_focused(pilot, "mutation-value")
         await pilot.press(*"mul_topk")
