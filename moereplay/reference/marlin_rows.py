@@ -317,12 +317,10 @@ class Pass:
 class RowPlan:
     """How :func:`expert_rows` launches a call's rows: the passes (:class:`Pass`), the fields of their row blocks
     in launch order (int64 ``[tiles, 4]``: start in the grouped order, rows, expert, position among the used experts)
-    and K's splits (:func:`k_splits`). Made on the host (:func:`plan_rows`: ``runs`` holds the row blocks, ``fields``
-    goes to the device with the caller's other host tables) or, for a routing that never leaves the device
-    (:func:`route_on_device`), one pass over upper bounds whose spare blocks have no rows (``runs`` empty, ``fields``
-    None: they are on the device)."""
+    and K's splits (:func:`k_splits`). Made on the host (:func:`plan_rows`: ``fields`` goes to the device with the
+    caller's other host tables) or, for a routing that never leaves the device (:func:`route_on_device`), one pass
+    over upper bounds whose spare blocks have no rows (``fields`` None: they are on the device)."""
 
-    runs: list[dict[int, list[Tile]]]
     fields: np.ndarray | None
     splits: int
     per_split: int
@@ -351,7 +349,7 @@ def plan_rows(per_expert: Sequence[int], experts: Sequence[int], size_k: int, si
         )
         for run in runs
     )
-    return RowPlan(runs, fields, splits, per_split, launches)
+    return RowPlan(fields, splits, per_split, launches)
 
 
 SUMMARY = (
@@ -463,18 +461,18 @@ def route_on_device(
     # the 16-row blocks: the sum of ceil(n / 16) over experts of n > 8 rows (at most S // 9 of them)
     tiles16 = num_slots // 16 + min(num_experts, num_slots // 9)
     tiles = tiles4 + tiles8 + tiles16
-    stride = num_slots + num_slots % 2
-    halves = -(-num_slots // 2) + (-(-num_slots // 2)) % 2  # int32 scratch of num_slots as even int64 words
+    stride = _even(num_slots)
+    # int64 words each part takes, an even number (every part starts 16-byte aligned); the int32 scratch in halves
     sizes = {
         "tables": 5 * stride,
         "source": stride,
         "destination": stride,
         "fields": 4 * tiles,
-        "used": num_experts + num_experts % 2,
+        "used": _even(num_experts),
         "summary": 16,
-        "last": halves,
-        "rank": halves,
-        "start": -(-num_experts // 2) + (-(-num_experts // 2)) % 2,
+        "last": _even(-(-num_slots // 2)),
+        "rank": _even(-(-num_slots // 2)),
+        "start": _even(-(-num_experts // 2)),
     }
     buffer = torch.empty(sum(sizes.values()), dtype=torch.int64, device=device)
     parts: dict[str, torch.Tensor] = {}
@@ -482,7 +480,7 @@ def route_on_device(
     for name, size in sizes.items():
         parts[name] = buffer[at : at + size]
         at += size
-    experts_block = max(16, triton_next_power_of_2(num_experts))
+    experts_block = max(16, 1 << (num_experts - 1).bit_length())  # a power of two, as Triton's blocks are
     try:
         from moereplay.reference.marlin_rows_kernel import route_rows
 
@@ -532,7 +530,7 @@ def route_on_device(
     heights = tuple(
         (height, count) for height, count in zip(BLOCK_ROWS, (tiles4, tiles8, tiles16), strict=True) if count
     )
-    plan = RowPlan([], None, splits, per_split, (Pass(0, num_slots, tiles, heights),))
+    plan = RowPlan(None, splits, per_split, (Pass(0, num_slots, tiles, heights),))
     return RoutedRows(
         tables=tables,
         row_experts=tables[1],
@@ -545,9 +543,9 @@ def route_on_device(
     )
 
 
-def triton_next_power_of_2(value: int) -> int:
-    """The smallest power of two at least ``value`` (1 for ``value`` below 2), as Triton's block sizes need."""
-    return 1 << max(0, int(value) - 1).bit_length()
+def _even(count: int) -> int:
+    """``count`` rounded up to an even number."""
+    return count + count % 2
 
 
 SUM_BLOCK = 1024

@@ -58,12 +58,16 @@ def _compare(name, ids, experts, total, block, slots, top_k, num_experts) -> boo
         and _codes(summary) == {n.code for n in notes},
     }
     # the row blocks: per height the host's blocks first, then spare entries with no rows
+    assert plan.fields is not None and len(plan.passes) <= 1
+    host_blocks, at = {}, 0
+    for height, count in plan.passes[0].heights if plan.passes else ():
+        host_blocks[height] = plan.fields[at : at + count]
+        at += count
     fields = routed.fields.numpy()
     base = 0
-    host_runs = plan.runs[0] if plan.runs else {}
     blocks_same = True
     for height, count in routed.plan.passes[0].heights:
-        host = np.array(host_runs.get(height, []), dtype=np.int64).reshape(-1, 4)
+        host = host_blocks.get(height, np.zeros((0, 4), dtype=np.int64))
         mine = fields[base : base + count]
         blocks_same &= np.array_equal(mine[: len(host)], host) and not mine[len(host) :, 1].any()
         base += count

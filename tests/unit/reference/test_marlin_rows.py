@@ -228,7 +228,7 @@ def test_plan_rows_lists_the_fields_in_launch_order() -> None:
     counts, experts = [3, 1, 70, 6], [5, 7, 11, 8]
     plan = marlin_rows.plan_rows(counts, experts, size_k=2944, size_n=2880)
     assert (plan.splits, plan.per_split) == marlin_rows.k_splits(2944 // 16)
-    assert len(plan.runs) == 1 and plan.fields.dtype.name == "int64"
+    assert len(plan.passes) == 1 and plan.fields is not None and plan.fields.dtype.name == "int64"
     assert plan.fields.tolist() == [
         [0, 3, 5, 0], [3, 1, 7, 1],  # height 4
         [74, 6, 8, 3],  # height 8
