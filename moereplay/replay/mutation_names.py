@@ -98,14 +98,12 @@ def check_names(ops: Iterable[str], mutations: Sequence[str]) -> None:
                 )
 
 
-def check_file(path: str | Path, mutations: Sequence[str], call: int | Sequence[int] | None = None) -> None:
+def check_file(path: str | Path, mutations: Sequence[str], call: Sequence[int] | None = None) -> None:
     """:func:`check_names` against the kernel ops of the calls in ``path`` (layer calls are not mutated; a
     record-only op is not replayed), or of the chosen call(s) ``call`` alone. Silent when the file holds an op
     no family declares (a ``python:`` backend may bring it), when a chosen call is not a kernel call of the file, or
     when the file cannot be read: the selection's and the reader's own errors say those first."""
-    chosen = None if call is None else [call] if isinstance(call, int) else list(call)
-    if chosen is not None and not chosen:
-        chosen = None
+    chosen = list(call) if call else None
     casts = any(text.strip().removeprefix("--").startswith("cast ") for text in mutations)
     if not casts and not any(mutated_names(text)[1] for text in mutations):
         return

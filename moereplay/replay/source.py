@@ -102,13 +102,13 @@ def captured_output(op: OpSpec, outputs: Mapping[str, Any] | None) -> torch.Tens
 def select_calls(
     path: str | Path,
     *,
-    call: int | Sequence[int] | None = None,
+    call: Sequence[int] | None = None,
     op: str | None = None,
     layer: Any = None,
     every: bool = False,
 ) -> list[int]:
-    """Call indices a ``moereplay run`` selection names: in file order, except ``call`` (one call or several):
-    the calls given, each once, in the order given.
+    """Call indices a ``moereplay run`` selection names: in file order, except ``call``: the calls given, each
+    once, in the order given.
 
     With no selector a capture holding exactly one replayable call selects it; otherwise the caller must choose
     (one-line :class:`ReplayError` listing how).
@@ -118,8 +118,8 @@ def select_calls(
 
     parents = parent_ops()
     with CaptureReader(path) as reader:
-        if call is not None and (isinstance(call, int) or len(call)):
-            wanted = [call] if isinstance(call, int) else list(dict.fromkeys(call))
+        if call:
+            wanted = list(dict.fromkeys(call))
             for index in wanted:
                 if index not in reader.indices:
                     raise ReplayError(f"{path}: no call {index} (calls: {_index_summary(reader.indices)})")
