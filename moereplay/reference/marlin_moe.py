@@ -638,8 +638,7 @@ def reference_moe_wna16_marlin_gemm(
         _row_weight_notes(topk_weights, num_slots, notes)
     # the kernel's order: (row + bias) * weight; unwritten rows are 0 + 0 (times 0)
     finished = None
-    if marlin_rows.available(device) and row_experts is not None:
-        # the products came from the packed-code kernel: its epilogue too (one launch)
+    if row_experts is not None:  # the products came from the packed-code kernel: its epilogue as well
         finished = marlin_rows.finish_rows(
             gemm, row_experts, b_bias, topk_weights if mul_topk_weights else None
         )
