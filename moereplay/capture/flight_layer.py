@@ -209,7 +209,8 @@ def _deferred_tree(value: Any, deferred: _Deferred, tensors: list[torch.Tensor])
 class LayerCounters(FlightCounters):
     too_large: int = 0
     polls: int = 0  # writer-thread polls
-    poll_ns: int = 0  # their time (GIL held for most of it: time the serving thread may wait)
+    # their time, the graph half's included (GIL held for most of it: time the serving thread may wait)
+    poll_ns: int = 0
     # of the polls, those that worked on the eager ring (the serving thread had left it to them)
     eager_polls: int = 0
     # checks the serving thread made itself after an eager call (see LayerFlight._check_inline)
@@ -561,7 +562,9 @@ class LayerFlight(PollingRecorder):
             if locked:
                 self._lock.release()
         if graph is not None:
-            graph.poll(launch=True)
+            graph_started = time.perf_counter_ns()
+            graph.poll(launch=True, full=self._settling)
+            self.counters.poll_ns += time.perf_counter_ns() - graph_started  # the writer's poll: both halves
             if graph.counters.launches:  # graph replays are found by polls only
                 self._writer_idle = False
                 return None

@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 import torch
 from aligned_pool import AlignedPool
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from moereplay.capture import graph_ring, padded_rows
+from moereplay.capture import flight_graph, graph_ring, padded_rows
 from moereplay.capture import recorder as recorder_module
 from moereplay.capture import session as session_module
 from moereplay.capture.context import Where
@@ -446,6 +448,99 @@ def test_polls_stop_at_the_first_unfinished_sequence_and_resume() -> None:
         harness.ring.replay(launch)
     harness.layer.poll(launch=True)
     assert harness.graph.counters.checked == 3 and harness.graph.settled
+
+
+def _float32_bits_near(values: tuple[float, ...]) -> list[int]:
+    """The bits of the float32 nearest each value and of its two neighbours (where rounding decides)."""
+    bits = []
+    for value in values:
+        near = int(np.array(np.float32(min(value, 3.4028234663852886e38)), dtype=np.float32).view(np.uint32))
+        bits.extend(b for b in (near - 1, near, near + 1) if 0 <= b <= 0x7FFFFFFF)
+    return bits
+
+
+def test_a_poll_reads_no_word_until_the_hint_moves_and_a_stale_hint_waits_for_the_next_full_read(
+    monkeypatch,
+) -> None:
+    harness = Harness(capacity=1 << 16)
+    x, w1, weights, out = _buffers()
+    hidden = x.clone()
+    launch = harness.capture(hidden, w1, weights, out)
+    now = [100.0]
+    monkeypatch.setattr(flight_graph.time, "perf_counter", lambda: now[0])
+    harness.layer.poll(launch=True)  # the first poll reads a whole chunk: nothing finished yet
+    for _ in range(3):
+        harness.ring.replay(launch)
+    hint = harness.ring.tags
+    harness.ring.host[hint] = 0  # the three hints' stores still on their way (two streams' order, say)
+    now[0] += flight_graph.FULL_READ_S / 2
+    harness.layer.poll(launch=True)
+    assert harness.graph.counters.checked == 0  # no new reservation seen: no word read
+    harness.ring.host[hint] = 1  # one hint landed: the words a few past it are read too
+    harness.layer.poll(launch=True)
+    assert harness.graph.counters.checked == 3
+    for _ in range(2):
+        harness.ring.replay(launch)
+    harness.ring.host[hint] = 3
+    now[0] += flight_graph.FULL_READ_S / 4
+    harness.layer.poll(launch=True)
+    assert harness.graph.counters.checked == 3
+    now[0] += flight_graph.FULL_READ_S  # the periodic read of a whole chunk finds them whatever the hint says
+    harness.layer.poll(launch=True)
+    assert harness.graph.counters.checked == 5
+
+
+def test_settling_reads_the_words_past_a_stale_hint(monkeypatch) -> None:
+    harness = Harness(capacity=1 << 16)
+    x, w1, weights, out = _buffers()
+    hidden = x.clone()
+    launch = harness.capture(hidden, w1, weights, out)
+    monkeypatch.setattr(flight_graph.time, "perf_counter", lambda: 100.0)
+    harness.layer.poll(launch=True)
+    hidden[0, 0] = float("nan")
+    for _ in range(2):
+        layer(hidden, w1, weights, out)
+        harness.ring.replay(launch)
+    harness.ring.host[harness.ring.tags] = 0  # stale: a plain poll reads nothing, and the hint says settled
+    harness.layer.poll(launch=True)
+    assert harness.graph.counters.checked == 0 and harness.layer.settled
+    assert harness.layer.settle(1.0)
+    assert harness.graph.counters.checked == 2 and harness.graph.counters.written == 2
+
+
+def test_reads_across_the_end_of_the_tag_array_keep_the_window_of_a_trigger() -> None:
+    harness = Harness(capacity=1 << 16, tags=8, max_calls=3)
+    x, w1, weights, out = _buffers()
+    hidden = x.clone()
+    launch = harness.capture(hidden, w1, weights, out)
+    for replay in range(20):
+        hidden.copy_(x)
+        if replay == 9:  # slot 1 of generation 2, two polls after the last one of generation 1
+            hidden[0, 0] = float("inf")
+        layer(hidden, w1, weights, out)
+        harness.ring.replay(launch)
+        if replay % 3 == 2:
+            harness.layer.poll(launch=True)
+    harness.layer.poll(launch=True)
+    counters = harness.graph.counters
+    assert counters.checked == 20 and counters.unchecked == 0 and counters.triggers == 1
+    assert [begin.context["graph_sequence"] for begin, _ in harness.written] == [7, 8, 9]
+    assert [begin.context["flight"]["trigger"] for begin, _ in harness.written] == [False, False, True]
+
+
+_BIT_CASES = (0.1, 1e3, 1e-45, 3.4028234663852886e38, 3.5e38)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    magnitude=st.integers(0, 0x7FFFFFFF) | st.sampled_from(_float32_bits_near(_BIT_CASES)),
+    absmax=st.none() | st.floats(0.0, 1e40, allow_nan=False) | st.sampled_from(_BIT_CASES),
+)
+def test_the_magnitude_bits_trigger_exactly_where_the_floats_do(magnitude: int, absmax: float | None) -> None:
+    graph = GraphFlight(types.SimpleNamespace(absmax=absmax), 1 << 12)  # type: ignore[arg-type]
+    value = float(np.array(magnitude, dtype=np.uint32).view(np.float32))
+    expected = not math.isfinite(value) or (absmax is not None and value > absmax)
+    assert (magnitude > graph._threshold) == expected
 
 
 # --- the Triton kernels' contract, through the arguments the ring captures -----------------------------------------
