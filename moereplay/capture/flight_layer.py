@@ -133,6 +133,7 @@ class LayerCall:
     status: str = "completed"
     error: str | None = None
     measured: Measured | None = None  # the dynamic inputs' spans, measured before the call (overlap check)
+    joined: Any = None  # the event after the inputs' copy on the side stream (see LayerFlight.before)
     probe: Any = None  # the triton_kernels opt_flags probe of a matmul_ogs call made outside a layer
     state_module: Any = None  # the process state of a layer call's GEMMs (process_state_via): .context()
     extra_context: dict[str, Any] | None = None
@@ -215,6 +216,8 @@ class LayerCounters(FlightCounters):
     eager_polls: int = 0
     # checks the serving thread made itself after an eager call (see LayerFlight._check_inline)
     inline_checks: int = 0
+    # eager calls whose inputs were copied on a side stream beside the call (see LayerFlight.before)
+    beside: int = 0
 
 
 QUIET_POLL_S = 0.02
@@ -229,6 +232,10 @@ for its check, none is left to the writer, and no CUDA graph holds ring launches
 not recorded (vLLM's API server, a layer filter that selects none), or between requests. Its polls would find
 nothing, and each takes the GIL from the threads that serve. The serving thread wakes the writer when it records
 a call it cannot finish checking itself, so a trigger waits no longer for it (see :meth:`LayerFlight.poll`)."""
+
+BESIDE_BYTES = 8 << 20
+"""An eager call whose dynamic inputs take at least this many ring bytes has them copied on a side stream while it
+runs (``MOEREPLAY_FLIGHT_BESIDE_BYTES``; see :meth:`LayerFlight.before`)."""
 
 SETTLE_LOCK_WAIT_S = 0.2
 """How long a settling poll waits for the lock the serving thread holds (see LayerFlight._acquire_for_poll)."""
@@ -278,8 +285,11 @@ class LayerFlight(PollingRecorder):
         emit: Callable[[Begin, Complete | None, Delivered], bool],
         ranks: Callable[[], Ranks | None] = lambda: None,
         budget: TriggerBudget | None = None,
+        beside_bytes: int = BESIDE_BYTES,
     ) -> None:
         self.budget = budget if budget is not None else TriggerBudget(0)
+        self.beside_bytes = beside_bytes
+        self._besides: dict[int, Any] = {}  # per device, the side stream of large calls' input copies
         self.max_calls = max_calls
         self.max_bytes = max_bytes
         self.absmax = absmax
@@ -343,16 +353,52 @@ class LayerFlight(PollingRecorder):
         return ring
 
     def before(self, target: CaptureTarget, bound: dict[str, Any], where: Where, sequence: int) -> LayerCall:
-        """Collect the dynamic inputs; copy them now when the call may write them (else after the call)."""
+        """Collect the dynamic inputs; copy them now when the call may write them (else after the call).
+
+        A call whose inputs it leaves intact and take at least :attr:`beside_bytes` of the ring (prefill: a
+        gpt-oss layer call's hidden states are 47 MB at 8,192 tokens) has them copied now, on a side stream
+        that waits for the work queued so far and runs beside the call's kernels, which only read them; after
+        the call its stream waits for that copy, then one launch copies the outputs and folds the check as
+        usual. The inputs' half of the copy then leaves the step's critical path where the device has room
+        beside the call's kernels. Decode-sized calls keep the one launch after the call: a side stream's
+        events cost host time, which decode cannot spare."""
         call, copy_first = self.collect(target, bound, where, sequence)
+        tensors = call.tensors
         if copy_first:
-            tensors = call.tensors
             assert tensors is not None
             ring = self._ring(tensors[0])
             call.ring = ring
             call.input_copy = ring.record(tensors, None, False, call.measured)[:3]
+        elif tensors and self.beside_bytes and tensors[0].is_cuda:
+            ring = self._ring(tensors[0])
+            if ring.launcher is not None:
+                measured = call.measured
+                if measured is None:
+                    measured = call.measured = ring.measure(tensors)
+                if measured.total >= self.beside_bytes:
+                    call.ring = ring
+                    self._copy_beside(call, ring, tensors, measured)
         call.started = time.perf_counter()
         return call
+
+    def _copy_beside(
+        self, call: LayerCall, ring: DeviceRing, tensors: list[torch.Tensor], measured: Measured
+    ) -> None:
+        """Copy ``tensors`` into the ring on the device's side stream, after the work queued on the current one
+        (see :meth:`before`); ``call.joined`` is the event :meth:`after` makes the call's stream wait for."""
+        index = ring.index
+        side = self._besides.get(index)
+        if side is None:
+            side = self._besides[index] = torch.cuda.Stream(index)
+        fork = torch.cuda.Event()
+        fork.record(torch.cuda.current_stream(index))
+        side.wait_event(fork)
+        with torch.cuda.stream(side):
+            call.input_copy = ring.record(tensors, None, False, measured)[:3]
+            joined = torch.cuda.Event()
+            joined.record(side)
+        call.joined = joined
+        self.counters.beside += 1
 
     def collect(
         self, target: CaptureTarget, bound: dict[str, Any], where: Where, sequence: int
@@ -406,6 +452,11 @@ class LayerFlight(PollingRecorder):
         call.ended = now  # the wall-clock time is derived when the call is written (one clock read less here)
         tensors = call.tensors
         assert tensors is not None
+        joined = call.joined
+        if joined is not None:  # the inputs' copy beside the call: before anything the caller queues next
+            assert call.ring is not None
+            torch.cuda.current_stream(call.ring.index).wait_event(joined)
+            call.joined = None
         outputs: list[torch.Tensor] = []
         check = None
         if error is None:

@@ -135,6 +135,7 @@ class Recorder(CallHandler):
                 absmax=settings.absmax,
                 emit=self._emit_layer_call,
                 ranks=lambda: self.tracker.ranks,
+                beside_bytes=settings.flight_beside_bytes,
             )
             if settings.flight_graph_bytes:
                 self.flight.graph = GraphFlight(self.flight, settings.flight_graph_bytes)

@@ -184,6 +184,53 @@ def test_a_lapping_ring_loses_no_check_and_writes_nothing_overwritten(kernels, t
         assert len(records) + counters["flight_lost"] == 8
 
 
+@pytest.mark.parametrize("beside", [True, False])
+def test_large_inputs_copied_beside_the_call_are_ordered_with_the_serving_stream(
+    kernels, tmp_path: Path, beside: bool
+) -> None:
+    """Inputs past MOEREPLAY_FLIGHT_BESIDE_BYTES are copied on a side stream while the call runs. The side
+    stream is held back here (a sleep queued on it before each call), and the serving stream rewrites the
+    hidden states right after each call returns: only the side copy's wait for the work queued before the call
+    (the fork) and the serving stream's wait for the copy (the join) keep every written call bit-exact."""
+    tokens = 4096  # hidden states 4096 x 8 float32: 128 KiB, past the 64 KiB threshold
+    session = _arm(tmp_path, flight_calls="4", flight_beside_bytes="64K" if beside else "0")
+    flight = session.recorder.flight
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, 8, device="cuda", generator=generator)
+    w1 = torch.randn(8, 6, device="cuda", generator=generator)
+    w2 = torch.randn(6, 8, device="cuda", generator=generator)
+    weights = torch.rand(tokens, device="cuda", generator=generator)
+    out = torch.empty(tokens, 8, device="cuda")
+    hidden = torch.empty(tokens, 8, device="cuda")
+    kernels.fused(x.clone(), w1, w2, weights, out)  # the ring and its side stream exist from here
+    torch.cuda.synchronize()
+    side = flight._besides.get(0)  # type: ignore[union-attr]
+    assert (side is not None) == beside
+    seen = []
+    for step in range(6):
+        if side is not None:
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(20_000_000)  # the side copy would run long after the serving stream's work
+        torch.cuda._sleep(2_000_000)  # the hidden states are written late on the serving stream: the fork
+        hidden.copy_(x + step)
+        if step == 5:
+            hidden[1, 2] = float("nan")
+        result = kernels.fused(hidden, w1, w2, weights, out)
+        seen.append((hidden.clone(), result.clone()))
+        hidden.fill_(-1.0)  # rewritten as soon as the call returns (vLLM's in-place residual add): the join
+    session.flush()
+    session.close()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        assert counters["flight_beside"] == (7 if beside else 0), counters
+        assert [r.context["call"] for r in records] == [3, 4, 5, 6], counters
+        for record in records:
+            value, result = seen[record.context["call"] - 1]
+            assert torch.equal(_bits(reader.load_args(record.index)["hidden"]), _bits(value)), record.index
+            assert torch.equal(_bits(reader.load_outputs(record.index)["output"]), _bits(result))
+
+
 # --- vLLM's real fused_marlin_moe ----------------------------------------------------------------------------------
 
 

@@ -64,6 +64,13 @@ SETTINGS: dict[str, dict[str, str]] = {
     # through the wrapper and the context tracking, none is recorded — the cost of being armed, apart from the
     # cost of recording ("flight" less this)
     "flight-idle": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_LAYERS": "100000"},
+    # diagnostic: the flight recorder with every eager call's inputs copied after it, in its one launch (no side
+    # stream beside prefill-sized calls): what copying the inputs beside the call saves at prefill
+    "flight-inline": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_BESIDE_BYTES": "0",
+    },
     # diagnostic: capture off again, a second server (an A/A test): its ratio to "off" is the bench's own spread
     # between two servers doing the same thing — a setting's ratio within it says nothing
     "off-again": {},
