@@ -91,7 +91,7 @@ def flight_with_a_no_op_launch() -> flight_layer.LayerFlight:
         made = device_ring.DeviceRing(capacity, torch.device("cpu"), use_kernel=False)
         launcher = object.__new__(device_ring._Launcher)
         launcher.device, launcher.index, launcher.programs = torch.device("cpu"), 0, 264
-        variants = ((a, c, m) for a in (0, 1) for c in (0, 1, 2, 3) for m in (0, 1, 2))
+        variants = ((a, c, m) for a in (0, 1) for c in (0, 1, 2, 3) for m in (0, 1, 2, 3))
         launcher._variants = {key: NoLaunch() for key in variants}
         launcher._get_stream = lambda index: 0
         made.launcher = launcher
