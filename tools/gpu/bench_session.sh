@@ -9,7 +9,8 @@ LAYERS=${1:-24}; MODES=${2:-graph eager}; M=/tmp/serve/gpt-oss-${LAYERS}l
 for mode in $MODES; do rm -rf /tmp/serve-bench-$mode
     step bench_$mode ${LIMIT:-280} python3 tools/bench/serve_bench.py --model $M --mode $mode --rounds ${ROUNDS:-5} --settings ${SETTINGS:-off,flight,full} --budget-s $(( ${LIMIT:-280} - 45 )) \
         --out /tmp/serve-bench-$mode --json "$OUT/bench-$mode.json"
-    for s in off flight full flight-nograph; do tail -c 40000 /tmp/serve-bench-$mode/$s/server.log > "$OUT/bench-$mode-$s.log" 2>/dev/null; done
+    for s in $(echo "${SETTINGS:-off,flight,full}" | tr , ' '); do  # every server's log, a failed one's included
+        tail -c 40000 /tmp/serve-bench-$mode/$s/server.log > "$OUT/bench-$mode-$s.log" 2>/dev/null; done
     rm -rf /tmp/serve-bench-$mode/full/captures
 done
 grep -E "^=== |serve_bench|^setting|^off |^flight|^full " "$OUT/all.log" | cut -c1-400 | tail -40
