@@ -185,6 +185,9 @@ class GraphFlight(PollingRecorder):
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self._warned: set[str] = set()
+        self._thresholds: dict[
+            float | None, int
+        ] = {}  # per MOEREPLAY_ABSMAX, the magnitude bits that trigger above
 
     # --- before a capture (serving thread, outside the capture) -------------------------------------------------
 
@@ -385,8 +388,14 @@ class GraphFlight(PollingRecorder):
                 gone = (ahead > 0) & (ahead < (1 << 30))
                 waiting = ~(ok | gone)
                 stop = int(np.argmax(waiting)) if waiting.any() else count
-                while stop < count and ok[stop + STALL :].any():  # stalled: later calls finished long since
-                    gone[stop] = True
+                # finished words after the run, past the array's end (the next generation, from slot 0): a
+                # sequence stuck near the end is given up as one anywhere else is, seeing a whole chunk ahead
+                later = None
+                if stop < count and low + count == tags and count < CHUNK:
+                    after = ring.words[: min(CHUNK - count, low)].copy()
+                    later = ((after >> 32) - ((generation + 1) & 0x7FFFFFFF)) % (1 << 31) == 0
+                while stop < count and _finished_after(ok, later, stop + STALL):  # stalled: later calls
+                    gone[stop] = True  # finished long since
                     waiting[stop] = False
                     stop = int(np.argmax(waiting)) if waiting.any() else count
                 if stop == 0:
@@ -413,9 +422,16 @@ class GraphFlight(PollingRecorder):
 
     @property
     def _threshold(self) -> int:
+        absmax = self.layer.absmax
+        cached = self._thresholds.get(absmax)
+        if cached is None:
+            cached = self._thresholds[absmax] = self._threshold_of(absmax)
+        return cached
+
+    @staticmethod
+    def _threshold_of(absmax: float | None) -> int:
         """The largest magnitude bits that do not trigger: the largest float32's not above ``MOEREPLAY_ABSMAX``,
         else the largest finite float's."""
-        absmax = self.layer.absmax
         if absmax is None or not absmax < _LARGEST:
             return _FINITE_BITS
         # the nearest float32; the largest one not above absmax is wanted
@@ -590,3 +606,11 @@ class GraphFlight(PollingRecorder):
         call.value = entry.magnitude
         call.ended = time.perf_counter()
         return call
+
+
+def _finished_after(ok: np.ndarray, later: np.ndarray | None, position: int) -> bool:
+    """Whether a word at ``position`` or after is finished: in the run read (``ok``), or past it in the words read
+    after the array's end (``later``, which continue the run)."""
+    if ok[position:].any():
+        return True
+    return later is not None and bool(later[max(0, position - len(ok)) :].any())

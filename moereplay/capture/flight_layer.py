@@ -452,11 +452,7 @@ class LayerFlight(PollingRecorder):
         call.ended = now  # the wall-clock time is derived when the call is written (one clock read less here)
         tensors = call.tensors
         assert tensors is not None
-        joined = call.joined
-        if joined is not None:  # the inputs' copy beside the call: before anything the caller queues next
-            assert call.ring is not None
-            torch.cuda.current_stream(call.ring.index).wait_event(joined)
-            call.joined = None
+        self.join(call)  # the inputs' copy beside the call: before anything the caller queues next
         outputs: list[torch.Tensor] = []
         check = None
         if error is None:
@@ -470,7 +466,8 @@ class LayerFlight(PollingRecorder):
         else:
             tensors.extend(outputs)
             copied = tensors
-        if copied:
+        # (inputs copied before the call and no output tensor: an empty entry still carries the call's tag word)
+        if copied or (call.input_copy is not None and error is None):
             ring = call.ring
             if ring is None:
                 ring = call.ring = self._ring(copied[0])
@@ -489,6 +486,16 @@ class LayerFlight(PollingRecorder):
             call.tag = tag
         self._new.append(call)
         self._check_inline(now)
+
+    def join(self, call: LayerCall) -> None:
+        """Make the call's stream wait for its inputs' copy beside it, once (see :meth:`before`): :meth:`after`
+        does, and the recorder again whatever failed before it got there — the caller may reuse the inputs'
+        memory as soon as the call returns."""
+        joined = call.joined
+        if joined is not None:
+            call.joined = None
+            assert call.ring is not None
+            torch.cuda.current_stream(call.ring.index).wait_event(joined)
 
     def _check_inline(self, now: float) -> None:
         """The serving thread's own look at finished tag words, right after an eager call: plain memory reads of

@@ -327,14 +327,18 @@ class Recorder(CallHandler):
         if probe is not None:
             bound.update(probe.state())
         call = flight.before(target, bound, where, sequence)
-        if target.process_state_via:
-            call.state_module = self._state_modules.get(id(original))
-        if probe is not None:
-            extra_context = probe.context()
-            if extra_context:
-                call.extra_context = extra_context
-            call.probe = probe
-            probe.start()
+        try:
+            if target.process_state_via:
+                call.state_module = self._state_modules.get(id(original))
+            if probe is not None:
+                extra_context = probe.context()
+                if extra_context:
+                    call.extra_context = extra_context
+                call.probe = probe
+                probe.start()
+        except BaseException:
+            flight.join(call)  # the call is not kept: its stream still waits for a copy beside it
+            raise
         return call
 
     def _graph_before(
@@ -402,6 +406,9 @@ class Recorder(CallHandler):
             flight.too_large(too_large)
         except Exception as internal:
             self._internal_error(f"{call.target.op} (after the call)", internal)
+        finally:
+            if call.joined is not None:  # (after did not get that far)
+                flight.join(call)
 
     def _emit_layer_call(self, begin: Begin, complete: Complete | None, delivered: Delivered) -> bool:
         """Hand a flight call to the writer (False: not handed over, ``MOEREPLAY_MAX_CALLS``); ``delivered`` is

@@ -186,12 +186,14 @@ def test_a_lapping_ring_loses_no_check_and_writes_nothing_overwritten(kernels, t
 
 @pytest.mark.parametrize("beside", [True, False])
 def test_large_inputs_copied_beside_the_call_are_ordered_with_the_serving_stream(
-    kernels, tmp_path: Path, beside: bool
+    kernels, tmp_path: Path, monkeypatch, beside: bool
 ) -> None:
-    """Inputs past MOEREPLAY_FLIGHT_BESIDE_BYTES are copied on a side stream while the call runs. The side
-    stream is held back here (a sleep queued on it before each call), and the serving stream rewrites the
-    hidden states right after each call returns: only the side copy's wait for the work queued before the call
-    (the fork) and the serving stream's wait for the copy (the join) keep every written call bit-exact."""
+    """Inputs past MOEREPLAY_FLIGHT_BESIDE_BYTES are copied on a side stream while the call runs. Here the side
+    stream is held back after its wait for the serving stream (a sleep queued right before each side copy), the
+    serving stream writes the hidden states late (a longer sleep before it) and rewrites them as soon as the
+    call returns: without the side copy's wait for the work queued before the call (the fork) it would copy
+    them before they are written, and without the serving stream's wait for the copy (the join) after they
+    were rewritten. Either way a written call would differ from what the layer saw."""
     tokens = 4096  # hidden states 4096 x 8 float32: 128 KiB, past the 64 KiB threshold
     session = _arm(tmp_path, flight_calls="4", flight_beside_bytes="64K" if beside else "0")
     flight = session.recorder.flight
@@ -206,18 +208,25 @@ def test_large_inputs_copied_beside_the_call_are_ordered_with_the_serving_stream
     torch.cuda.synchronize()
     side = flight._besides.get(0)  # type: ignore[union-attr]
     assert (side is not None) == beside
+    if side is not None:
+        ring = next(iter(flight._rings.values()))  # type: ignore[union-attr]
+        record = ring.record
+
+        def held(*args, **kwargs):
+            if torch.cuda.current_stream(0) == side:  # after the side stream's wait for the fork
+                torch.cuda._sleep(10_000_000)
+            return record(*args, **kwargs)
+
+        monkeypatch.setattr(ring, "record", held)
     seen = []
     for step in range(6):
-        if side is not None:
-            with torch.cuda.stream(side):
-                torch.cuda._sleep(20_000_000)  # the side copy would run long after the serving stream's work
-        torch.cuda._sleep(2_000_000)  # the hidden states are written late on the serving stream: the fork
+        torch.cuda._sleep(30_000_000)  # longer than the side copy's hold: the hidden states are written late
         hidden.copy_(x + step)
         if step == 5:
             hidden[1, 2] = float("nan")
         result = kernels.fused(hidden, w1, w2, weights, out)
         seen.append((hidden.clone(), result.clone()))
-        hidden.fill_(-1.0)  # rewritten as soon as the call returns (vLLM's in-place residual add): the join
+        hidden.fill_(-1.0)  # rewritten as soon as the call returns (vLLM's in-place residual add)
     session.flush()
     session.close()
     with CaptureReader(session.path) as reader:

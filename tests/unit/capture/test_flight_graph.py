@@ -531,6 +531,30 @@ def test_reads_across_the_end_of_the_tag_array_keep_the_window_of_a_trigger() ->
 _BIT_CASES = (0.1, 1e3, 1e-45, 3.4028234663852886e38, 3.5e38)
 
 
+def test_a_sequence_stuck_near_the_end_of_the_tag_array_is_given_up_and_the_words_after_it_read() -> None:
+    harness = Harness(capacity=1 << 16, tags=2048, max_calls=2)
+    x, w1, weights, out = _buffers()
+    hidden = x.clone()
+    launch = harness.capture(hidden, w1, weights, out)
+    for _ in range(2040):
+        layer(hidden, w1, weights, out)
+        harness.ring.replay(launch)
+    harness.layer.poll(launch=True)
+    assert harness.graph.counters.checked == 2040
+    for sequence in range(2040, 3540):  # 1,500 more, through the end of the array into its next generation
+        hidden.copy_(x)
+        if sequence == 3530:  # (an early one's entry would have been lapped in this small ring)
+            hidden[0, 0] = float("nan")
+        layer(hidden, w1, weights, out)
+        harness.ring.replay(launch)
+    harness.ring.words[2045] = 0  # sequence 2045 never finished (its word still an older generation's)
+    harness.layer.poll(launch=True)
+    counters = harness.graph.counters
+    assert counters.unchecked == 1 and counters.checked == 3539 and counters.triggers == 1
+    assert [begin.context["graph_sequence"] for begin, _ in harness.written] == [3529, 3530]
+    assert harness.graph.settled
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     magnitude=st.integers(0, 0x7FFFFFFF) | st.sampled_from(_float32_bits_near(_BIT_CASES)),
