@@ -116,6 +116,28 @@ def measure(server: harness.Server, words: list[str], what: str, options: argpar
     return batch.prompt_tokens / batch.seconds
 
 
+class ServerFailed(RuntimeError):
+    """A setting's server failed a measurement's requests: which, and the lines of its log that say why."""
+
+
+def measure_or_say(
+    name: str, server: harness.Server, words: list[str], what: str, options: argparse.Namespace
+) -> float:
+    """:func:`measure`, naming the setting and quoting its server log's error lines when requests fail (a
+    server that ran out of GPU memory answers HTTP 500 to every request, which says nothing by itself)."""
+    try:
+        return measure(server, words, what, options)
+    except RuntimeError as error:
+        log = options.out / name / "server.log"
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        said = [line for line in lines if re.search(r"Error|out of memory|Traceback|EngineDeadError", line)]
+        quoted = "\n  ".join(line[:300] for line in said[-8:]) or "(no error line in it)"
+        raise ServerFailed(f"setting {name!r} failed {what}: {error}; {log}:\n  {quoted}") from error
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
@@ -178,7 +200,7 @@ def main() -> int:
         for name, server in servers.items():
             print(f"serve_bench: {name} ready in {server.wait_ready(options.timeout):.1f} s", flush=True)
             for what in measurements:  # warm-up: every batch shape once (compiles, first allocations)
-                measure(server, words, what, options)
+                measure_or_say(name, server, words, what, options)
         rounds_began = time.time()
         for round_index in range(options.rounds):
             began = time.monotonic()
@@ -188,7 +210,7 @@ def main() -> int:
             order = names[round_index % len(names) :] + names[: round_index % len(names)]
             for what in measurements:
                 for name in order:
-                    results[name][what].append(measure(servers[name], words, what, options))
+                    results[name][what].append(measure_or_say(name, servers[name], words, what, options))
             rounds_done, last_round = round_index + 1, time.monotonic() - began
             values = "; ".join(
                 f"{name} " + " ".join(f"{results[name][what][-1]:.1f}" for what in measurements)

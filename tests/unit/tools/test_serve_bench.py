@@ -105,3 +105,26 @@ def test_the_idle_setting_arms_the_recorder_with_no_layer_selected(bench: types.
         settings.layers.contains(layer, f"model.layers.{layer}.mlp.experts") for layer in range(4096)
     )
     assert settings_from_environ(bench.SETTINGS["flight"]).layers.everything
+
+
+def test_a_server_whose_requests_fail_is_named_with_its_logs_error_lines(
+    bench: types.ModuleType, tmp_path: Path
+) -> None:
+    (tmp_path / "flight-inline").mkdir()
+    (tmp_path / "flight-inline" / "server.log").write_text(
+        "(EngineCore pid=7) INFO 12-06 18:49:13 [core.py:1] ready\n"
+        "(EngineCore pid=7) ERROR 12-06 18:50:02 [core.py:9] torch.OutOfMemoryError: CUDA out of memory. Tried to "
+        "allocate 378.00 MiB\n"
+        '(APIServer pid=3) INFO:     127.0.0.1:5 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error\n'
+    )
+
+    class Failing:
+        def complete_many(self, prompts, tokens):
+            raise RuntimeError("63 of 64 requests failed; first: <HTTPError 500: 'Internal Server Error'>")
+
+    options = types.SimpleNamespace(out=tmp_path, prefill_length=4, prefill_requests=2, decode_tokens=1)
+    with pytest.raises(bench.ServerFailed) as failed:
+        bench.measure_or_say("flight-inline", Failing(), ["a", "b"], "prefill", options)
+    text = str(failed.value)
+    assert text.startswith("setting 'flight-inline' failed prefill: 63 of 64 requests failed")
+    assert "CUDA out of memory" in text and "500 Internal Server Error" in text
