@@ -30,6 +30,8 @@ Scratch buffers are recorded as :class:`~moereplay.format.schema.Unsupported` (`
 buffer passed in (``output``) is recorded as an input with its bytes *after* the call when the call may be
 copied after it (the target declares its inputs intact) — its bytes before the call are not used by the kernels.
 A target that may write its inputs, or whose output overlaps an input, gets a second launch before the call.
+A call whose inputs take at least ``MOEREPLAY_FLIGHT_BESIDE_BYTES`` (prefill) has them copied on a side stream
+beside the call, joined before the output launch (:meth:`LayerFlight.before`).
 """
 
 from __future__ import annotations
