@@ -14,9 +14,10 @@ sequences finished since the last poll (plain memory reads of a NumPy view; no C
 stopping at the first not yet finished — only as far as the device's hint word says it has reserved, and not at
 all when the hint has not moved (a whole chunk every :data:`FULL_READ_S` whatever it says). The poll holds the
 GIL, which at decode it takes from the serving thread: 20.7 µs with 48 new words and 2.7 µs with none, against
-54.5 and 44.7 µs when every poll read a whole chunk (``tools/bench/graph_poll_bench.py``, development machine). A non-finite magnitude, or one above ``MOEREPLAY_ABSMAX``, triggers:
-read the metadata rows of the offending sequence and the ``MOEREPLAY_FLIGHT_CALLS - 1`` checked sequences before
-it that no earlier trigger wrote (a small copy on a side stream, waited for: it waits on nothing but itself),
+54.5 and 44.7 µs when every poll read a whole chunk (``tools/bench/graph_poll_bench.py``, development machine).
+A non-finite magnitude, or one above ``MOEREPLAY_ABSMAX``, triggers: read the metadata rows of the offending
+sequence and the ``MOEREPLAY_FLIGHT_CALLS - 1`` checked sequences before it that no earlier trigger wrote (a
+small copy on a side stream, waited for: it waits on nothing but itself),
 copy their entries and then the ring's head to pinned memory on that stream, and once those landed write every
 entry the head had not lapped (the rest count as ``flight_graph_lost``). These CUDA calls run only through the
 graph gate, never while a graph is being captured. A sequence whose word was overwritten before it was read
@@ -185,9 +186,8 @@ class GraphFlight(PollingRecorder):
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self._warned: set[str] = set()
-        self._thresholds: dict[
-            float | None, int
-        ] = {}  # per MOEREPLAY_ABSMAX, the magnitude bits that trigger above
+        # per MOEREPLAY_ABSMAX, the magnitude bits that trigger above
+        self._thresholds: dict[float | None, int] = {}
 
     # --- before a capture (serving thread, outside the capture) -------------------------------------------------
 

@@ -479,3 +479,24 @@ def test_timers_are_off_by_default(arm, kernels, inputs) -> None:
     close(session)
     with CaptureReader(session.path) as reader:
         assert not any(key.startswith("timer_") for key in reader.footer["counters"])
+
+
+def test_a_call_copied_before_it_runs_and_returning_no_tensor_is_still_checked() -> None:
+    """Inputs copied before the call (it may write them; on CUDA also a large call's inputs copied beside it)
+    and no output tensor: the launch after the call is an empty entry that still carries the call's tag word,
+    so the call is checked (it used to be left without one, never counted)."""
+    from moereplay.capture.context import Where
+    from moereplay.capture.flight_layer import LayerFlight
+    from moereplay.capture.patch_points import CaptureTarget
+
+    flight = LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
+    target = CaptureTarget("scale", "parent", "moereplay_test_no_output", "scale")  # may write its inputs
+    where = Where(0, 1, 0, "model.layers.0.mlp.experts", "run", "NONE")
+    for sequence in range(3):
+        x = torch.ones(4, 4)
+        call = flight.before(target, {"x": x, "factor": 2.0}, where, sequence)
+        assert call.input_copy is not None
+        x.mul_(2.0)
+        flight.after(call, None, None)
+    flight.poll(launch=True)
+    assert flight.counters.checked == 3
