@@ -328,14 +328,7 @@ class Recorder(CallHandler):
             bound.update(probe.state())
         call = flight.before(target, bound, where, sequence)
         try:
-            if target.process_state_via:
-                call.state_module = self._state_modules.get(id(original))
-            if probe is not None:
-                extra_context = probe.context()
-                if extra_context:
-                    call.extra_context = extra_context
-                call.probe = probe
-                probe.start()
+            self._attach(call, target, original, probe)
         except BaseException:
             flight.join(call)  # the call is not kept: its stream still waits for a copy beside it
             raise
@@ -377,16 +370,22 @@ class Recorder(CallHandler):
             self.counters.skipped_graph_capture += 1
             return None
         call.graph = True
+        self.counters.selected += 1
+        self._attach(call, target, original, probe)
+        return call
+
+    def _attach(
+        self, call: LayerCall, target: CaptureTarget, original: Callable[..., Any], probe: Any
+    ) -> None:
+        """Give a layer call its GEMMs' process state and its opt_flags probe (started here)."""
         if target.process_state_via:
             call.state_module = self._state_modules.get(id(original))
-        self.counters.selected += 1
         if probe is not None:
             extra_context = probe.context()
             if extra_context:
                 call.extra_context = extra_context
             call.probe = probe
             probe.start()
-        return call
 
     def _layer_after(self, call: LayerCall, result: Any, error: BaseException | None) -> None:
         flight = self.flight
