@@ -17,9 +17,10 @@ points; :meth:`MarlinExpertWeights.fast_kind`); ``MOEREPLAY_REFERENCE_FUSED=0`` 
 Where the products run here and the weights have no integer zero points, the call is routed on the GPU too
 (:func:`route_on_device`, one program of :func:`.marlin_rows_kernel.route_rows`): the host's numpy routing read the
 routing arrays back first (a sync) and worked on them before the first product launch: about 0.5 ms of host time
-on an H100 machine, where the Marlin kernel's own call at 32 tokens takes 0.10 ms (gemm2) to 0.15 ms (gemm1). The device routing makes the
-same tables, grouped order and row blocks; its summary of anomalies is read with the call's one sync at the end,
-and only a summary that shows one sends the routing arrays to the host for the notes' words.
+on an H100 machine, where the Marlin kernel's own call at 32 tokens takes 0.10 ms (gemm2) to 0.15 ms (gemm1).
+The device routing makes the same tables, grouped order and row blocks; its summary of anomalies is read with the
+call's one sync at the end, and only a summary that shows one sends the routing arrays to the host for the notes'
+words.
 """
 
 from __future__ import annotations
