@@ -186,8 +186,7 @@ class GraphFlight(PollingRecorder):
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self._warned: set[str] = set()
-        # per MOEREPLAY_ABSMAX, the magnitude bits that trigger above
-        self._thresholds: dict[float | None, int] = {}
+        self._threshold = _threshold_of(layer.absmax)  # the magnitude bits above which a word triggers
 
     # --- before a capture (serving thread, outside the capture) -------------------------------------------------
 
@@ -420,26 +419,6 @@ class GraphFlight(PollingRecorder):
             if stop < count or (not full and watch.next >= hint):
                 return
 
-    @property
-    def _threshold(self) -> int:
-        absmax = self.layer.absmax
-        cached = self._thresholds.get(absmax)
-        if cached is None:
-            cached = self._thresholds[absmax] = self._threshold_of(absmax)
-        return cached
-
-    @staticmethod
-    def _threshold_of(absmax: float | None) -> int:
-        """The largest magnitude bits that do not trigger: the largest float32's not above ``MOEREPLAY_ABSMAX``,
-        else the largest finite float's."""
-        if absmax is None or not absmax < _LARGEST:
-            return _FINITE_BITS
-        # the nearest float32; the largest one not above absmax is wanted
-        below = np.float32(max(absmax, 0.0))
-        if float(below) > absmax:
-            below = np.nextafter(below, np.float32(0.0))
-        return int(np.array(below, dtype=np.float32).view(np.uint32))
-
     @staticmethod
     def _remember(
         watch: _Watch, first: int, bits: np.ndarray, checked: np.ndarray | None, low: int, high: int
@@ -614,3 +593,15 @@ def _finished_after(ok: np.ndarray, later: np.ndarray | None, position: int) -> 
     if ok[position:].any():
         return True
     return later is not None and bool(later[max(0, position - len(ok)) :].any())
+
+
+def _threshold_of(absmax: float | None) -> int:
+    """The largest magnitude bits that do not trigger: the largest float32's not above ``MOEREPLAY_ABSMAX``, else
+    the largest finite float's."""
+    if absmax is None or not absmax < _LARGEST:
+        return _FINITE_BITS
+    # the nearest float32; the largest one not above absmax is wanted
+    below = np.float32(max(absmax, 0.0))
+    if float(below) > absmax:
+        below = np.nextafter(below, np.float32(0.0))
+    return int(np.array(below, dtype=np.float32).view(np.uint32))
