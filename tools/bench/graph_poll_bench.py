@@ -8,7 +8,8 @@ the graph ring's kernels stored since the last poll (:meth:`LayerFlight.poll` wi
 This runs exactly that poll, on a :class:`GraphRing` in host memory whose tag words and hint are written here as
 the kernels write them on the device (finished sequences of magnitude 1.0), ``--new`` sequences per poll (24
 layers x about two batch-1 decode steps per 5 ms: 48), and also with none new (the poll between two steps).
-Prints µs per poll (median of rounds). The ratio between two trees on one machine is the measurement.
+Prints µs per poll (median of rounds), and the graph half's cost against a read of a whole chunk of words (what
+every poll did before 2026-12-06) with their ratio, from the same run.
 
     python tools/bench/graph_poll_bench.py [--new 48] [--polls 2000] [--rounds 7]
 """
@@ -54,14 +55,14 @@ def main() -> int:
             sequence += 1
         ring.host[tags] = sequence
 
-    def timed(new: int) -> float:
+    def timed(new: int, poll=lambda: layer.poll(launch=True)) -> float:
         samples = []
         for _ in range(options.rounds):
             spent = 0
             for _ in range(options.polls):
                 finish(new)  # the device's stores: off the clock
                 started = time.perf_counter_ns()
-                layer.poll(launch=True)
+                poll()
                 spent += time.perf_counter_ns() - started
             samples.append(spent / options.polls / 1e3)
         return statistics.median(samples)
@@ -69,10 +70,17 @@ def main() -> int:
     timed(options.new)  # warm up
     with_new = timed(options.new)
     none_new = timed(0)
+    # the graph half alone, as the writer polls it and reading a whole chunk (every poll did, before 2026-12-06)
+    graph_half = timed(options.new, lambda: graph.poll(launch=True))
+    whole_chunk = timed(options.new, lambda: graph.poll(launch=True, full=True))
     checked = graph.counters.checked
     print(
         f"graph_poll_bench: {with_new:.1f} µs a poll with {options.new} new sequences, {none_new:.1f} µs with "
         f"none new ({options.rounds} rounds of {options.polls} polls; {checked} sequences checked)"
+    )
+    print(
+        f"graph_poll_bench: graph half {graph_half:.1f} µs a poll, {whole_chunk:.1f} µs reading a whole chunk "
+        f"(x{whole_chunk / graph_half:.2f} of it, this run)"
     )
     if checked != sequence:
         print(f"graph_poll_bench: checked {checked} of {sequence} sequences: the poll missed some")
