@@ -601,7 +601,7 @@ def _threshold_of(absmax: float | None) -> int:
     if absmax is None or not absmax < _LARGEST:
         return _FINITE_BITS
     # the nearest float32; the largest one not above absmax is wanted
-    below = np.float32(max(absmax, 0.0))
+    below = np.float32(absmax if absmax > 0.0 else 0.0)  # (max() would keep -0.0, whose sign bit is set)
     if float(below) > absmax:
         below = np.nextafter(below, np.float32(0.0))
     return int(np.array(below, dtype=np.float32).view(np.uint32))

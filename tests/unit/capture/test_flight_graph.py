@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from aligned_pool import AlignedPool
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from moereplay.capture import flight_graph, graph_ring, padded_rows
@@ -560,6 +560,7 @@ def test_a_sequence_stuck_near_the_end_of_the_tag_array_is_given_up_and_the_word
     magnitude=st.integers(0, 0x7FFFFFFF) | st.sampled_from(_float32_bits_near(_BIT_CASES)),
     absmax=st.none() | st.floats(0.0, 1e40, allow_nan=False) | st.sampled_from(_BIT_CASES),
 )
+@example(magnitude=1, absmax=-0.0)  # -0.0 once kept its sign bit in the threshold, which nothing exceeded
 def test_the_magnitude_bits_trigger_exactly_where_the_floats_do(magnitude: int, absmax: float | None) -> None:
     graph = GraphFlight(types.SimpleNamespace(absmax=absmax), 1 << 12)  # type: ignore[arg-type]
     value = float(np.array(magnitude, dtype=np.uint32).view(np.float32))
