@@ -120,7 +120,7 @@ class Recorder(CallHandler):
         self._state_modules: dict[int, Any] = {}
         importlib.import_module("moereplay.ops.vllm_codecs")  # registers vLLM's own value types' codecs
         self.flight: FlightRecorder | LayerFlight | None = None
-        self.layer_scope = settings.trigger is Trigger.FLIGHT and settings.flight_scope == "layer"
+        self.layer_scope = settings.layer_flight
         # MOEREPLAY_TIMERS: the recorder's pieces timed, CPU time beside wall time (moereplay.capture.phase_timers)
         self._timers: phase_timers.Timers | None = None
         self._untime: Callable[[], None] | None = None

@@ -239,7 +239,11 @@ def arm(
         directory.mkdir(parents=True, exist_ok=True)
         pid = os.getpid()
         path = directory / file_name(process_rank(), pid)
-        targets = tuple(targets)
+        # a layer call above the usual parent (CaptureTarget.layer_flight_only) is wrapped for that recorder only,
+        # and not where MOEREPLAY_OPS leaves it out (the parent it calls is then the outermost call recorded)
+        targets = tuple(
+            t for t in targets if not t.layer_flight_only or (settings.layer_flight and settings.op_selected(t.op))
+        )
         recorder_holder: list[Recorder] = []
 
         def on_failure(reason: str) -> None:

@@ -222,6 +222,11 @@ class CaptureSettings:
         if self.writer_threads < -1:
             raise ValueError("writer_threads must be >= -1")
 
+    @property
+    def layer_flight(self) -> bool:
+        """Whether the layer-scope flight recorder is armed (``MOEREPLAY_TRIGGER=flight``, scope ``layer``)."""
+        return self.trigger is Trigger.FLIGHT and self.flight_scope == "layer"
+
     def resolved_writer_threads(self) -> int:
         """``writer_threads`` with -1 replaced by the default for this machine (a quarter of the CPUs, 1 to 4)."""
         if self.writer_threads >= 0:

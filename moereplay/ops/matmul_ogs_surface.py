@@ -16,6 +16,16 @@ of that module. The constraints are recorded as the call's process-state pseudo-
 (:func:`moereplay.ops.matmul_ogs.process_state`), a manual ``_opt_flags`` override in the call's context, and the
 flags chosen for the call as its ``opt_flags`` output (see :mod:`moereplay.ops.ogs_process_state`).
 
+The layer-scope flight recorder records gpt-oss one level higher, at ``triton_kernel_moe_forward(hidden_states,
+w1, w2, gating_output, topk, renormalize, ...)`` — what ``OAITritonMxfp4ExpertsMonolithic.apply`` (the served
+Hopper MXFP4 path) calls: it computes the routing from the router logits (triton_kernels' ``routing``, or ``topk``
+and ``make_routing_data`` with an expert map), allocates the output and calls ``triton_kernel_fused_experts``. Its
+dynamic arguments are two tensors, where ``triton_kernel_fused_experts``' hold 18 (RoutingData with four block
+sizes' offsets and block maps, GatherIndx, ScatterIndx): the per-call host work of the recorder is mostly per
+tensor. Only that recorder wraps it (``CaptureTarget.layer_flight_only``); ``moereplay expand`` re-runs it from
+the recorded logits — the routing is bit-identical run to run (``tools/gpu/routing_determinism.py``) — and the
+re-run is recorded as the ``triton_kernel_fused_experts`` call it makes, with its two ``matmul_ogs`` calls.
+
 A layer's two ``matmul_ogs`` calls without a parent record pair up by their arguments: gemm1 gathers (and fuses
 the activation), gemm2 scatters.
 """
@@ -30,6 +40,7 @@ from moereplay.ops.surface import CaptureTarget, FamilySurface, register_family
 GEMM_OP = "matmul_ogs"
 MATMUL_OP = "matmul"
 FUSED_PARENT_OP = "triton_kernel_fused_experts"
+FORWARD_PARENT_OP = "triton_kernel_moe_forward"
 UNFUSED_PARENT_OP = "unfused_oai_triton_experts"
 
 GPT_OSS_MODULES = (
@@ -93,6 +104,22 @@ def _targets() -> tuple[CaptureTarget, ...]:
         )
         targets.append(
             CaptureTarget(
+                FORWARD_PARENT_OP,
+                "parent",
+                module,
+                FORWARD_PARENT_OP,
+                static=("w1", "w2", "quant_config", "expert_map"),
+                codec_modules=OGS_CODECS,
+                # vLLM 0.25.1's body reads hidden_states and gating_output, allocates its output and writes only
+                # that (through triton_kernel_fused_experts)
+                inputs_intact=True,
+                process_state=PROCESS_STATE,
+                process_state_via=GEMM_OP,
+                layer_flight_only=True,
+            )
+        )
+        targets.append(
+            CaptureTarget(
                 UNFUSED_PARENT_OP,
                 "parent",
                 module,
@@ -126,7 +153,7 @@ FAMILY = register_family(
         name="ogs",
         kernel_ops=(GEMM_OP,),
         op_modules={GEMM_OP: "moereplay.ops.matmul_ogs"},
-        parent_ops=(FUSED_PARENT_OP, UNFUSED_PARENT_OP),
+        parent_ops=(FUSED_PARENT_OP, FORWARD_PARENT_OP, UNFUSED_PARENT_OP),
         record_only_ops=(MATMUL_OP,),
         targets=_targets(),
         vllm_series=((0, 25), (0, 33)),

@@ -53,6 +53,12 @@ class CaptureTarget:
     call itself is probed (state as pseudo-arguments, override in the context, chosen flags as an output); with it,
     the call is a layer call whose GEMMs, reached through that global of its module, run under the state (recorded
     in the context, reapplied by ``moereplay expand``).
+
+    ``layer_flight_only``: a layer call wrapped only while the layer-scope flight recorder is armed — one level
+    above a parent every other capture records, because its arguments hold far fewer dynamic tensors (gpt-oss's
+    ``triton_kernel_moe_forward``: hidden states and router logits, where the parent below it takes triton_kernels'
+    routing objects: 16 tensors more for the serving thread to walk, measure and copy per call). ``moereplay
+    expand`` re-runs it unwrapped, so its re-run is recorded as the parent it calls, with that parent's kernel calls.
     """
 
     op: str
@@ -67,6 +73,7 @@ class CaptureTarget:
     inputs_intact: bool = False
     process_state: str = ""
     process_state_via: str = ""
+    layer_flight_only: bool = False
 
     @property
     def site(self) -> str:

@@ -9,7 +9,10 @@ context carrying ``"expanded_from": {"file", "call", "bit_exact"}`` and every ke
 ``"expanded_from": {"file", "call", "child", "recorded_child", "bit_exact"}``; the recorded parent's ``layer``,
 ``step`` (or a graph-kept call's ``graph_step``, ``graph_sequence``, ``graph_launch``, ``graph_tokens`` and
 ``graph_batch``), ``layer_name``, ``tag`` and ``ranks`` are added where the re-run has none (outside vLLM's
-forward pass it has none), so ``moereplay ls --layer`` finds them.
+forward pass it has none), so ``moereplay ls --layer`` finds them. A layer call only the layer-scope flight recorder
+wraps (``CaptureTarget.layer_flight_only``: gpt-oss's ``triton_kernel_moe_forward``) is re-run unwrapped: its re-run
+is recorded as the layer call it makes (``triton_kernel_fused_experts``, routing recomputed from the recorded router
+logits) with that call's kernel calls, and judged against the recorded output.
 
 Arguments: loaded as recorded, on ``device``. Scratch buffers the layer-scope flight recorder did not keep
 (:class:`~moereplay.format.schema.Unsupported` whose text starts with ``scratch``) are passed as ``None`` (the
@@ -202,9 +205,14 @@ def _rerun(
     try:
         for record in records:
             scratch, omitted, notes = plans[record.index]
+            target = by_site[record.site]
             module, attribute = modules[record.site]
             function = attribute_of(module, attribute)
-            if getattr(function, ORIGINAL, None) is None:
+            if target.layer_flight_only:
+                # wrapped only while the layer-scope flight recorder is armed: its re-run is recorded as the
+                # parent it calls, with that parent's kernel calls
+                notes = (*notes, f"re-run unwrapped: recorded as the layer call {target.op} makes, with its kernel calls")
+            elif getattr(function, ORIGINAL, None) is None:
                 raise ReplayError(f"the capture session did not wrap {record.site}")
             where = f"call {record.index}"
             packages = frozenset({record.site.split(".", 1)[0].split(":", 1)[0], *LIBRARY_PACKAGES})

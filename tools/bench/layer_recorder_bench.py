@@ -8,7 +8,9 @@ weights static), with the ring's launch replaced by a no-op that takes the same 
 ``capture_bench --phases``' business, on the GPU). The routing objects are moereplay's plain specs of them, which
 go through the same codecs.
 
-Prints µs per layer call (median of rounds) and, with ``--pieces``, where it goes. Run it before and after a
+Prints µs per layer call (median of rounds) for that call and for the one the recorder keeps for gpt-oss since
+2026-12-06, ``triton_kernel_moe_forward`` (hidden states and router logits; the routing objects are made inside
+it), timed in interleaved rounds, with their ratio; with ``--pieces``, where the first one's time goes. Run it before and after a
 change to the recorder's serving path: the ratio between two runs on one machine is the measurement.
 
     python tools/bench/layer_recorder_bench.py [--calls 2000] [--rounds 7] [--pieces]
@@ -103,50 +105,79 @@ def flight_with_a_no_op_launch() -> flight_layer.LayerFlight:
     return flight_layer.LayerFlight(max_calls=16, max_bytes=1 << 26, absmax=None, emit=lambda *a: True)
 
 
+def moe_forward_arguments(fused: dict[str, object]) -> dict[str, object]:
+    """Bound arguments of the call one level up, ``triton_kernel_moe_forward`` (what the layer-scope flight recorder
+    now keeps for gpt-oss): the same hidden states and weights, the router logits instead of the routing objects."""
+    return {
+        "hidden_states": fused["hidden_states"], "w1": fused["w1"], "w2": fused["w2"],
+        "gating_output": torch.randn(TOKENS, EXPERTS), "topk": TOP_K, "renormalize": True,
+        "activation": "swigluoai", "quant_config": None, "apply_router_weight_on_input": False,
+        "global_num_experts": EXPERTS, "expert_map": None, "unpadded_N_w1": None, "unpadded_K_w1": None,
+        "unpadded_N_w2": None, "unpadded_K_w2": None,
+    }  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--pieces", action="store_true", help="also time the recorder's pieces (cProfile)")
     options = parser.parse_args()
-    target = CaptureTarget(
+    fused_target = CaptureTarget(
         "triton_kernel_fused_experts", "parent", "bench", "triton_kernel_fused_experts",
         static=("w1", "w2", "quant_config"), outputs=("output_tensor",), scratch=("intermediate_cache",),
         inputs_intact=True,
     )  # fmt: skip
+    forward_target = CaptureTarget(
+        "triton_kernel_moe_forward", "parent", "bench", "triton_kernel_moe_forward",
+        static=("w1", "w2", "quant_config", "expert_map"), inputs_intact=True,
+    )  # fmt: skip
     bound = layer_call_arguments()
     output = bound["output_tensor"]
+    shapes = {
+        "triton_kernel_fused_experts": (fused_target, bound),
+        "triton_kernel_moe_forward": (forward_target, moe_forward_arguments(bound)),
+    }
     flight = flight_with_a_no_op_launch()
     where = Where(0, 1, 0, "model.layers.0.mlp.experts", "run", "NONE")
     inline_absent = not hasattr(flight, "_check_inline")  # before 2026-12-06 the writer thread read the words
 
-    def one(sequence: int) -> None:
-        call = flight.before(target, dict(bound), where, sequence)
+    def one(sequence: int, target: CaptureTarget, arguments: dict[str, object]) -> None:
+        call = flight.before(target, dict(arguments), where, sequence)
         flight.after(call, output, None)
         if inline_absent and sequence % 64 == 63:  # older trees: the writer thread's share, off the clock
             flight._new.clear()
 
     for i in range(200):
-        one(i)
-    samples = []
-    for _ in range(options.rounds):
-        started = time.perf_counter()
-        for i in range(options.calls):
-            one(i)
-        samples.append((time.perf_counter() - started) / options.calls * 1e6)
+        for target, arguments in shapes.values():
+            one(i, target, arguments)
+    samples: dict[str, list[float]] = {name: [] for name in shapes}
+    for _ in range(options.rounds):  # interleaved rounds: both shapes see the same machine
+        for name, (target, arguments) in shapes.items():
+            started = time.perf_counter()
+            for i in range(options.calls):
+                one(i, target, arguments)
+            samples[name].append((time.perf_counter() - started) / options.calls * 1e6)
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    for name, values in samples.items():
+        print(
+            f"layer_recorder_bench: {torch.__version__}, {TOKENS} tokens, top-{TOP_K}, {name}: "
+            f"{medians[name]:.1f} µs of serving-thread time per layer call "
+            f"(min {min(values):.1f}, max {max(values):.1f}; {options.rounds} rounds of {options.calls})"
+        )
     print(
-        f"layer_recorder_bench: {torch.__version__}, {TOKENS} tokens, top-{TOP_K}: "
-        f"{statistics.median(samples):.1f} µs of serving-thread time per layer call "
-        f"(min {min(samples):.1f}, max {max(samples):.1f}; {options.rounds} rounds of {options.calls})"
+        "layer_recorder_bench: triton_kernel_moe_forward / triton_kernel_fused_experts = "
+        f"{medians['triton_kernel_moe_forward'] / medians['triton_kernel_fused_experts']:.2f}"
     )
     if options.pieces:
         import cProfile
         import pstats
 
+        target, arguments = shapes["triton_kernel_fused_experts"]
         profiler = cProfile.Profile()
         profiler.enable()
         for i in range(options.calls):
-            one(i)
+            one(i, target, arguments)
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(18)
     return 0
