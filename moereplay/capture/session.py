@@ -240,10 +240,8 @@ def arm(
         pid = os.getpid()
         path = directory / file_name(process_rank(), pid)
         # a layer call above the usual parent (CaptureTarget.layer_flight_only) is wrapped for that recorder only,
-        # and not where MOEREPLAY_OPS leaves it out (the parent it calls is then the outermost call recorded)
-        targets = tuple(
-            t for t in targets if not t.layer_flight_only or (settings.layer_flight and settings.op_selected(t.op))
-        )
+        # and not where MOEREPLAY_OPS leaves it or that parent out (the parent is then the outermost call recorded)
+        targets = tuple(t for t in targets if not t.layer_flight_only or _layer_flight_wraps(t, settings))
         recorder_holder: list[Recorder] = []
 
         def on_failure(reason: str) -> None:
@@ -289,6 +287,14 @@ def arm(
     _hook_exit()
     _hook_sigterm()
     return session
+
+
+def _layer_flight_wraps(target: CaptureTarget, settings: CaptureSettings) -> bool:
+    """Whether a ``layer_flight_only`` target is wrapped: the layer-scope flight recorder is armed and the ops
+    filter selects the target and the parent it is recorded in place of."""
+    if not settings.layer_flight or not settings.op_selected(target.op):
+        return False
+    return not target.in_place_of or settings.op_selected(target.in_place_of)
 
 
 def _report_patch_points(patcher: Patcher) -> None:

@@ -16,15 +16,17 @@ of that module. The constraints are recorded as the call's process-state pseudo-
 (:func:`moereplay.ops.matmul_ogs.process_state`), a manual ``_opt_flags`` override in the call's context, and the
 flags chosen for the call as its ``opt_flags`` output (see :mod:`moereplay.ops.ogs_process_state`).
 
-The layer-scope flight recorder records gpt-oss one level higher, at ``triton_kernel_moe_forward(hidden_states,
-w1, w2, gating_output, topk, renormalize, ...)`` — what ``OAITritonMxfp4ExpertsMonolithic.apply`` (the served
-Hopper MXFP4 path) calls: it computes the routing from the router logits (triton_kernels' ``routing``, or ``topk``
-and ``make_routing_data`` with an expert map), allocates the output and calls ``triton_kernel_fused_experts``. Its
-dynamic arguments are two tensors, where ``triton_kernel_fused_experts``' hold 18 (RoutingData with four block
-sizes' offsets and block maps, GatherIndx, ScatterIndx): the per-call host work of the recorder is mostly per
-tensor. Only that recorder wraps it (``CaptureTarget.layer_flight_only``); ``moereplay expand`` re-runs it from
-the recorded logits — the routing is bit-identical run to run (``tools/gpu/routing_determinism.py``) — and the
-re-run is recorded as the ``triton_kernel_fused_experts`` call it makes, with its two ``matmul_ogs`` calls.
+The layer-scope flight recorder records gpt-oss one level higher where the served Hopper MXFP4 path
+(``OAITritonMxfp4ExpertsMonolithic.apply``) calls ``triton_kernel_moe_forward(hidden_states, w1, w2, gating_output,
+topk, renormalize, ...)``: it computes the routing from the router logits (triton_kernels' fused ``routing`` with the
+legacy triton_kernels and no expert map; else ``topk`` and ``make_routing_data``), allocates the output and calls
+``triton_kernel_fused_experts``. Its dynamic arguments are two tensors, where ``triton_kernel_fused_experts``' are 17
+(the hidden states; RoutingData with four block sizes' offsets and block maps; GatherIndx; ScatterIndx), and the
+recorder's per-call host work is mostly per tensor. Only that recorder wraps it (``CaptureTarget.layer_flight_only``);
+``OAITritonExperts.apply`` calls ``triton_kernel_fused_experts`` directly, which stays the layer call there.
+``moereplay expand`` re-runs it from the recorded logits, and the re-run is recorded as the
+``triton_kernel_fused_experts`` call it makes, with its two ``matmul_ogs`` calls. The legacy routing without an
+expert map was measured bit-identical run to run (``tools/gpu/routing_determinism.py``); the other path was not.
 
 A layer's two ``matmul_ogs`` calls without a parent record pair up by their arguments: gemm1 gathers (and fuses
 the activation), gemm2 scatters.
@@ -102,22 +104,27 @@ def _targets() -> tuple[CaptureTarget, ...]:
                 process_state_via=GEMM_OP,
             )
         )
-        targets.append(
-            CaptureTarget(
-                FORWARD_PARENT_OP,
-                "parent",
-                module,
-                FORWARD_PARENT_OP,
-                static=("w1", "w2", "quant_config", "expert_map"),
-                codec_modules=OGS_CODECS,
-                # vLLM 0.25.1's body reads hidden_states and gating_output, allocates its output and writes only
-                # that (through triton_kernel_fused_experts)
-                inputs_intact=True,
-                process_state=PROCESS_STATE,
-                process_state_via=GEMM_OP,
-                layer_flight_only=True,
+        if module == GPT_OSS_MODULES[0]:  # read in vLLM 0.25.1's source; the older module's was not
+            targets.append(
+                CaptureTarget(
+                    FORWARD_PARENT_OP,
+                    "parent",
+                    module,
+                    FORWARD_PARENT_OP,
+                    # expert_map static (stored once per file): its only caller, OAITritonMxfp4ExpertsMonolithic,
+                    # refuses EPLB, the one thing that rewrites a map in place (triton_kernel_fused_experts, reached
+                    # by other callers too, keeps it dynamic)
+                    static=("w1", "w2", "quant_config", "expert_map"),
+                    codec_modules=OGS_CODECS,
+                    # vLLM 0.25.1's body reads hidden_states and gating_output, allocates its output and writes only
+                    # that (through triton_kernel_fused_experts)
+                    inputs_intact=True,
+                    process_state=PROCESS_STATE,
+                    process_state_via=GEMM_OP,
+                    layer_flight_only=True,
+                    in_place_of=FUSED_PARENT_OP,
+                )
             )
-        )
         targets.append(
             CaptureTarget(
                 UNFUSED_PARENT_OP,

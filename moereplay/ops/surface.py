@@ -59,6 +59,8 @@ class CaptureTarget:
     ``triton_kernel_moe_forward``: hidden states and router logits, where the parent below it takes triton_kernels'
     routing objects: 16 tensors more for the serving thread to walk, measure and copy per call). ``moereplay
     expand`` re-runs it unwrapped, so its re-run is recorded as the parent it calls, with that parent's kernel calls.
+    ``in_place_of``: that parent's op; ``MOEREPLAY_OPS`` / ``MOEREPLAY_OPS_EXCLUDE`` must select both for the call
+    above it to be wrapped (where they leave it out, the parent is the outermost call recorded, or nothing is).
     """
 
     op: str
@@ -74,6 +76,7 @@ class CaptureTarget:
     process_state: str = ""
     process_state_via: str = ""
     layer_flight_only: bool = False
+    in_place_of: str = ""
 
     @property
     def site(self) -> str:

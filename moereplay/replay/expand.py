@@ -162,6 +162,9 @@ class _Run:
     call: int
     error: str | None
     notes: tuple[str, ...]
+    recorded: bool = (
+        True  # the re-run left a top-level record (a layer_flight_only call may fail before its parent)
+    )
 
 
 def _rerun(
@@ -211,7 +214,9 @@ def _rerun(
             if target.layer_flight_only:
                 # wrapped only while the layer-scope flight recorder is armed: its re-run is recorded as the
                 # parent it calls, with that parent's kernel calls
-                notes = (*notes, f"re-run unwrapped: recorded as the layer call {target.op} makes, with its kernel calls")
+                notes = (*notes, f"{target.op} re-run unwrapped (what it computes before its layer call, such as "
+                         "the routing, computed again from the recorded arguments); recorded as the layer call it "
+                         "makes, with its kernel calls")  # fmt: skip
             elif getattr(function, ORIGINAL, None) is None:
                 raise ReplayError(f"the capture session did not wrap {record.site}")
             where = f"call {record.index}"
@@ -227,6 +232,7 @@ def _rerun(
                     continue
                 keyword[name] = None if name in scratch else rebuilder.rebuild(value, name)
             error = None
+            seen = session.recorder.counters.seen
             try:
                 with state if state is not None else contextlib.nullcontext():
                     function(**keyword)
@@ -237,7 +243,10 @@ def _rerun(
             except Exception as failure:  # the kernel's own error is a finding, recorded by the session too
                 error = f"{type(failure).__name__}: {failure}".splitlines()[0][:300]
             del keyword, loaded
-            runs.append(_Run(record.index, error, notes))
+            recorded = not target.layer_flight_only or session.recorder.counters.seen > seen
+            if not recorded and error is None:
+                notes = (*notes, f"the re-run of {target.op} made no layer call to record")
+            runs.append(_Run(record.index, error, notes, recorded))
         if not session.flush(timeout=600.0):
             raise ReplayError("the capture writer did not finish writing the re-runs within 600 s")
         if session.recorder.disabled_reason is not None:
@@ -352,7 +361,7 @@ def expand_capture(
     final = tuple(
         dataclasses.replace(
             call,
-            parent=renumbered[call.parent],
+            parent=renumbered[call.parent] if call.parent is not None else None,
             kernel_calls=tuple(renumbered[index] for index in call.kernel_calls),
             kernel_comparisons=tuple(
                 dataclasses.replace(pair, rerun=renumbered[pair.rerun]) for pair in call.kernel_comparisons
@@ -399,15 +408,38 @@ def _judge(
     """Pair each recorded parent with its re-run (the n-th top-level call of the session file) and compare."""
     session_records = list(rerun.calls())
     tops = [record for record in session_records if record.parent is None]
-    if len(tops) != len(records):
+    wanted = sum(1 for run in runs if run.recorded)
+    if len(tops) != wanted:
         raise ReplayError(
-            f"the capture of the re-runs holds {plural(len(tops), 'layer call')} for {plural(len(records), 're-run')}; "
+            f"the capture of the re-runs holds {plural(len(tops), 'layer call')} for {plural(wanted, 're-run')}; "
             "were they recorded?"
         )
     expanded: list[ExpandedCall] = []
     contexts: dict[int, dict[str, Any]] = {}
     source_name = reader.path.name
-    for record, run, top in zip(records, runs, tops, strict=True):
+    next_top = iter(tops)
+    for record, run in zip(records, runs, strict=True):
+        if (
+            not run.recorded
+        ):  # a layer_flight_only call that failed (or returned) before the layer call it makes
+            verdict = ExpandVerdict.RAISED if run.error is not None else ExpandVerdict.NOT_COMPARED
+            expanded.append(
+                ExpandedCall(
+                    record.index,
+                    record.op,
+                    dict(record.context),
+                    verdict,
+                    None,
+                    (),
+                    (),
+                    (),
+                    (),
+                    run.error,
+                    run.notes,
+                )
+            )
+            continue
+        top = next(next_top)
         children = tuple(child.index for child in session_records if child.parent == top.index)
         recorded = recorded_children[record.index]
         inherited = {
