@@ -162,9 +162,8 @@ class _Run:
     call: int
     error: str | None
     notes: tuple[str, ...]
-    recorded: bool = (
-        True  # the re-run left a top-level record (a layer_flight_only call may fail before its parent)
-    )
+    # the re-run left a top-level record (a layer_flight_only call may fail before the layer call it makes)
+    recorded: bool = True
 
 
 def _rerun(
@@ -214,9 +213,12 @@ def _rerun(
             if target.layer_flight_only:
                 # wrapped only while the layer-scope flight recorder is armed: its re-run is recorded as the
                 # parent it calls, with that parent's kernel calls
-                notes = (*notes, f"{target.op} re-run unwrapped (what it computes before its layer call, such as "
-                         "the routing, computed again from the recorded arguments); recorded as the layer call it "
-                         "makes, with its kernel calls")  # fmt: skip
+                unwrapped = (
+                    f"{target.op} re-run unwrapped (what it computes before its layer call, such as the routing, "
+                    "computed again from the recorded arguments); recorded as the layer call it makes, with its "
+                    "kernel calls"
+                )
+                notes = (*notes, unwrapped)
             elif getattr(function, ORIGINAL, None) is None:
                 raise ReplayError(f"the capture session did not wrap {record.site}")
             where = f"call {record.index}"
@@ -419,23 +421,21 @@ def _judge(
     source_name = reader.path.name
     next_top = iter(tops)
     for record, run in zip(records, runs, strict=True):
-        if (
-            not run.recorded
-        ):  # a layer_flight_only call that failed (or returned) before the layer call it makes
+        if not run.recorded:  # a layer_flight_only call that failed before the layer call it makes
             verdict = ExpandVerdict.RAISED if run.error is not None else ExpandVerdict.NOT_COMPARED
             expanded.append(
                 ExpandedCall(
-                    record.index,
-                    record.op,
-                    dict(record.context),
-                    verdict,
-                    None,
-                    (),
-                    (),
-                    (),
-                    (),
-                    run.error,
-                    run.notes,
+                    call=record.index,
+                    op=record.op,
+                    context=dict(record.context),
+                    verdict=verdict,
+                    parent=None,
+                    kernel_calls=(),
+                    recorded_kernel_calls=(),
+                    outputs=(),
+                    kernel_comparisons=(),
+                    error=run.error,
+                    notes=run.notes,
                 )
             )
             continue

@@ -106,7 +106,8 @@ class ExpandedCall:
     """One recorded layer call and its re-run.
 
     ``parent``: the re-run parent's index in OUT (None: the re-run recorded none — a layer call above the parent,
-    ``CaptureTarget.layer_flight_only``, that failed before calling it); ``kernel_calls``: its kernel calls' indices in OUT;
+    ``CaptureTarget.layer_flight_only``, that failed before calling it); ``kernel_calls``: its kernel calls' indices
+    in OUT;
     ``recorded_kernel_calls``: the recorded parent's kernel calls in the source (empty for a layer-scope record);
     ``outputs``: the parent's outputs compared; ``kernel_comparisons``: pairs by call order.
     """

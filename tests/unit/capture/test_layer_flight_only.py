@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import gemm
 
 from moereplay.capture import session as session_module
 from moereplay.capture.patch_points import TARGETS as REAL_TARGETS
@@ -25,20 +26,6 @@ from moereplay.replay.expand import ExpandVerdict, expand_capture
 MODULE = "moereplay_test_forward"
 
 
-def gemm(
-    input: torch.Tensor,
-    output: torch.Tensor | None,
-    weight: torch.Tensor,
-    topk_weights: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    if output is None:
-        output = torch.empty(input.shape[0], weight.shape[1], dtype=input.dtype)
-    torch.matmul(input, weight, out=output)
-    output.mul_(topk_weights.reshape(-1, 1) * scale)
-    return output
-
-
 def fused(
     output_tensor: torch.Tensor,
     hidden: torch.Tensor,
@@ -48,8 +35,8 @@ def fused(
 ) -> torch.Tensor:
     """Writes the output buffer it is given and returns a view of it, as ``triton_kernel_fused_experts`` does."""
     module = sys.modules[MODULE]
-    first = module.gemm(hidden, None, w1, topk_weights, 1.0)
-    module.gemm(torch.relu(first), output_tensor, w2, topk_weights, 0.5)
+    first = module.gemm(hidden, None, w1, topk_weights, 1, True)
+    module.gemm(torch.relu(first), output_tensor, w2, topk_weights, 1, True, scale=0.5)
     return output_tensor.view(output_tensor.shape)
 
 
