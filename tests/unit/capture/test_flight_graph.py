@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,11 +53,32 @@ def scale_in_place(x: torch.Tensor, factor: float) -> torch.Tensor:
     return x.mul_(factor)
 
 
+def routing_weights(logits: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(logits, dim=-1).amax(dim=-1)
+
+
+def forward(hidden: torch.Tensor, w1: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """A call above ``layer`` (as ``triton_kernel_moe_forward`` is above ``triton_kernel_fused_experts``): the
+    routing from the logits, an output it allocates, then the layer through the module global."""
+    out = torch.empty(hidden.shape[0], w1.shape[1])
+    return sys.modules[MODULE].layer(hidden, w1, routing_weights(logits), out)
+
+
 TARGETS = (
     CaptureTarget(
         "layer", "parent", MODULE, "layer", static=("w1",), outputs=("output",), inputs_intact=True
     ),
     CaptureTarget("scale", "parent", MODULE, "scale"),
+    CaptureTarget(
+        "forward",
+        "parent",
+        MODULE,
+        "forward",
+        static=("w1",),
+        inputs_intact=True,
+        layer_flight_only=True,
+        in_place_of="layer",
+    ),
 )
 
 
@@ -99,7 +121,7 @@ class EmulatedGraph:
 @pytest.fixture
 def graph_module(stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.ModuleType]:
     try:
-        yield stand_in_module(MODULE, layer=layer, scale=scale_in_place)
+        yield stand_in_module(MODULE, layer=layer, scale=scale_in_place, forward=forward)
     finally:
         session_module.disarm()
 
@@ -199,6 +221,45 @@ def test_graph_replays_are_kept_and_a_nan_writes_them_up_to_the_bad_one(
             assert record.aliases() == {"output": ("output",)}  # the output buffer, as the call left it
         assert math.isnan(records[-1].context["flight"]["magnitude"])
         assert records[0].context["flight"]["magnitude"] == pytest.approx(float(seen[4][1].abs().max()))
+
+
+def test_a_call_above_the_layer_is_kept_under_a_graph_with_its_own_inputs(
+    tmp_path, graph_module, monkeypatch
+) -> None:
+    """A ``layer_flight_only`` call captured into a graph: its one launch keeps its own dynamic inputs (hidden
+    states and logits, not the routing it computes) and the output it allocated; the layer inside passes through."""
+    session = _arm(tmp_path, flight_calls="3", flight_graph_bytes="64K")
+    x, w1, _, _ = _buffers()
+    logits = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    graph = EmulatedGraph(session, monkeypatch)
+    static, static_logits = x.clone(), logits.clone()
+    captured: list[torch.Tensor] = []
+    graph.capture(
+        lambda: captured.append(graph_module.forward(static, w1, static_logits)),
+        lambda: layer(static, w1, routing_weights(static_logits), captured[0]),
+    )
+    assert graph.launches == [0] and session.recorder.counters.seen == 1  # the layer inside passed through
+    seen = []
+    for replay in range(6):
+        static.copy_(x + replay)
+        static_logits.copy_(logits * (replay + 1))
+        if replay == 4:
+            static[1, 1] = float("nan")
+        graph.replay()
+        seen.append((static.clone(), static_logits.clone(), captured[0].clone()))
+    session.flush()
+    session.close()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        assert [r.op for r in records] == ["forward"] * 3
+        assert [r.context["graph_sequence"] for r in records] == [2, 3, 4]
+        for record, (hidden, routed, output) in zip(records, seen[2:5], strict=True):
+            args = reader.load_args(record.index)
+            assert set(args) == {"hidden", "w1", "logits"}
+            assert torch.equal(_bits(args["hidden"]), _bits(hidden)) and torch.equal(
+                _bits(args["logits"]), _bits(routed)
+            )
+            assert torch.equal(_bits(reader.load_outputs(record.index)["return"]), _bits(output))
 
 
 def test_a_captured_ring_launch_wakes_a_writer_that_found_nothing_outstanding(
