@@ -11,7 +11,8 @@ content deduplication cannot flatter the rate; drops (full queue) are printed an
 ``--family ogs``: the same measurements on vLLM's gpt-oss MXFP4 entry point as a served gpt-oss model runs it
 (``triton_kernel_moe_forward``: triton_kernels routing, then ``triton_kernel_fused_experts`` with its two
 ``matmul_ogs`` calls; gpt-oss-20b shapes, fp32 biases, swizzled by vLLM's own ``_swizzle_mxfp4``). Its patch points
-for the floors are ``triton_kernel_fused_experts`` and ``matmul_ogs`` of that module.
+for the floors are ``triton_kernel_fused_experts`` and ``matmul_ogs`` of that module; since 2026-12-06 the layer
+flight recorder keeps ``triton_kernel_moe_forward`` itself (a third patch point the floors do not wrap).
 
 Usage (GPU machine, vLLM 0.25.1 importable, e.g. ``source tools/gpu/device_setup.sh``)::
 
