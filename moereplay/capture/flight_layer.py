@@ -4,7 +4,9 @@
 (:mod:`moereplay.capture.flight`) copies every kernel call's inputs and outputs: exact, but at decode it costs
 several times the call, because every copy is a launch and a launch costs as much host time as the kernels it
 watches. Here only the *outermost* recorded call — the fused MoE layer (``fused_marlin_moe``,
-``triton_kernel_fused_experts`` …), or a kernel call made outside any layer — is kept, and with ONE launch
+``triton_kernel_fused_experts`` …; on vLLM's served gpt-oss path ``triton_kernel_moe_forward`` above it, wrapped
+for this recorder only: ``CaptureTarget.layer_flight_only``), or a kernel call made outside any layer — is kept,
+and with ONE launch
 (:class:`~moereplay.capture.device_ring.DeviceRing`): its dynamic inputs (hidden states, routing; not weights,
 which are stored once per file, and not scratch buffers, whose bytes before the call mean nothing) and its output
 go into a circular device buffer, and the same launch folds the output's largest magnitude into a tag word.
