@@ -57,6 +57,7 @@ from moereplay.capture.context import Ranks, Where
 from moereplay.capture.device_ring import DeviceRing, Measured, decode_word, measure
 from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerBudget, TriggerDelivery
 from moereplay.capture.patch_points import CaptureTarget
+from moereplay.capture.settings import FLIGHT_BESIDE_BYTES
 from moereplay.capture.snapshot import (
     Snapshot,
     TensorCopy,
@@ -237,10 +238,6 @@ not recorded (vLLM's API server, a layer filter that selects none), or between r
 nothing, and each takes the GIL from the threads that serve. The serving thread wakes the writer when it records
 a call it cannot finish checking itself, so a trigger waits no longer for it (see :meth:`LayerFlight.poll`)."""
 
-BESIDE_BYTES = 8 << 20
-"""An eager call whose dynamic inputs take at least this many ring bytes has them copied on a side stream while it
-runs (``MOEREPLAY_FLIGHT_BESIDE_BYTES``; see :meth:`LayerFlight.before`)."""
-
 SETTLE_LOCK_WAIT_S = 0.2
 """How long a settling poll waits for the lock the serving thread holds (see LayerFlight._acquire_for_poll)."""
 
@@ -289,7 +286,7 @@ class LayerFlight(PollingRecorder):
         emit: Callable[[Begin, Complete | None, Delivered], bool],
         ranks: Callable[[], Ranks | None] = lambda: None,
         budget: TriggerBudget | None = None,
-        beside_bytes: int = BESIDE_BYTES,
+        beside_bytes: int = FLIGHT_BESIDE_BYTES,
     ) -> None:
         self.budget = budget if budget is not None else TriggerBudget(0)
         self.beside_bytes = beside_bytes

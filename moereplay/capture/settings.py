@@ -164,6 +164,11 @@ class LayerSelection:
         return name is not None and any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
 
+FLIGHT_BESIDE_BYTES = 8 << 20
+"""The default of ``MOEREPLAY_FLIGHT_BESIDE_BYTES``: an eager call whose dynamic inputs take at least this many ring
+bytes has them copied on a side stream while it runs (:meth:`moereplay.capture.flight_layer.LayerFlight.before`)."""
+
+
 @dataclass(frozen=True)
 class CaptureSettings:
     """Everything the capture plugin needs to know, validated.
@@ -187,7 +192,7 @@ class CaptureSettings:
     flight_bytes: int = 1 << 30
     flight_scope: str = "layer"
     flight_graph_bytes: int = 256 << 20
-    flight_beside_bytes: int = 8 << 20
+    flight_beside_bytes: int = FLIGHT_BESIDE_BYTES
     flight_triggers: int = 8
     absmax: float | None = None
     queue_calls: int = 64
@@ -270,7 +275,7 @@ class CaptureSettings:
             )
             if self.flight_scope == "layer":
                 parts.append(f"flight_graph_bytes={self.flight_graph_bytes}")
-                if self.flight_beside_bytes != 8 << 20:
+                if self.flight_beside_bytes != FLIGHT_BESIDE_BYTES:
                     parts.append(f"flight_beside_bytes={self.flight_beside_bytes}")
             if self.absmax is not None:
                 parts.append(f"absmax={self.absmax:g}")
