@@ -62,10 +62,11 @@ def kernels(stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.
 
 @pytest.fixture
 def arm(kernels: types.ModuleType, tmp_path: Path):
-    """``arm(**settings)`` → an armed session writing under tmp_path (disarmed at teardown)."""
+    """``arm(**settings)`` → an armed session writing under tmp_path (``directory``: elsewhere — one per session
+    where a test arms several: a process names its file by its pid) (disarmed at teardown)."""
 
-    def _arm(targets=TARGETS, sink_factory=None, **settings: str):
-        env = {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_DIR": str(tmp_path / "captures")}
+    def _arm(targets=TARGETS, sink_factory=None, directory: Path | None = None, **settings: str):
+        env = {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_DIR": str(directory or tmp_path / "captures")}
         env.update({f"MOEREPLAY_{key.upper()}": value for key, value in settings.items()})
         kwargs = {} if sink_factory is None else {"sink_factory": sink_factory}
         session = session_module.arm(env, targets=targets, **kwargs)

@@ -384,6 +384,19 @@ class Harness:
         self.ring = ring
         self.target = TARGETS[0]
 
+    def capture_layer(self, **sizes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer call on fresh buffers captured into the graph; ``(x, hidden)``: the inputs' values and the graph's
+        static input, which :meth:`replay` reads (``w1``, ``weights``, ``out`` and ``launch`` kept here)."""
+        x, self.w1, self.weights, self.out = _buffers(**sizes)
+        self.hidden = x.clone()
+        self.launch = self.capture(self.hidden, self.w1, self.weights, self.out)
+        return x, self.hidden
+
+    def replay(self) -> None:
+        """One replay of the graph :meth:`capture_layer` made: the layer on its buffers, then its ring launch."""
+        layer(self.hidden, self.w1, self.weights, self.out)
+        self.ring.replay(self.launch)
+
     def capture(self, hidden, w1, weights, out, layer_index: int | None = None) -> int:
         bound = {"hidden": hidden, "w1": w1, "topk_weights": weights, "output": out}
         where = Where(0, None, layer_index, None, None, None)
@@ -437,17 +450,14 @@ def test_a_trigger_writes_only_entries_the_head_had_not_lapped() -> None:
     # by when sequence 7 (physical 1280-2048) has overwritten part of sequence 2 (1536-2304): of its history
     # (2, 3, 4) sequence 2 is lost, not written wrong
     harness = Harness(capacity=4096, max_calls=4)
-    x, w1, weights, out = _buffers(tokens=5, hidden=8, inner=6)
-    hidden = x.clone()
-    launch = harness.capture(hidden, w1, weights, out)
+    x, hidden = harness.capture_layer(tokens=5, hidden=8, inner=6)
     seen = []
     for replay in range(8):
         hidden.copy_(x + replay)
         if replay == 5:
             hidden[0, 0] = float("nan")
-        layer(hidden, w1, weights, out)
-        harness.ring.replay(launch)
-        seen.append((hidden.clone(), out.clone()))
+        harness.replay()
+        seen.append((hidden.clone(), harness.out.clone()))
     harness.layer.poll(launch=True)
     counters = harness.graph.counters
     assert counters.checked == 8 and counters.triggers == 1
@@ -467,13 +477,10 @@ def test_a_trigger_writes_only_entries_the_head_had_not_lapped() -> None:
 
 def test_absmax_triggers_and_later_triggers_do_not_write_a_call_twice() -> None:
     harness = Harness(capacity=1 << 16, max_calls=3, absmax=1e3)
-    x, w1, weights, out = _buffers()
-    hidden = x.clone()
-    launch = harness.capture(hidden, w1, weights, out)
+    x, hidden = harness.capture_layer()
     for replay in range(8):
         hidden.copy_(x * (1e6 if replay in (4, 5) else 1.0))
-        layer(hidden, w1, weights, out)
-        harness.ring.replay(launch)
+        harness.replay()
     harness.layer.poll(launch=True)
     sequences = [begin.context["graph_sequence"] for begin, _ in harness.written]
     assert sequences == [2, 3, 4, 5]  # trigger 4 with 2 and 3 before it; trigger 5 alone
@@ -483,12 +490,9 @@ def test_absmax_triggers_and_later_triggers_do_not_write_a_call_twice() -> None:
 
 def test_a_writer_that_fell_a_whole_tag_array_behind_counts_the_calls_unchecked() -> None:
     harness = Harness(capacity=1 << 16, tags=8)
-    x, w1, weights, out = _buffers()
-    hidden = x.clone()
-    launch = harness.capture(hidden, w1, weights, out)
+    harness.capture_layer()
     for _ in range(20):  # 20 sequences into 8 tag words: the first 12 words were overwritten unread
-        layer(hidden, w1, weights, out)
-        harness.ring.replay(launch)
+        harness.replay()
     harness.layer.poll(launch=True)
     counters = harness.graph.counters
     assert counters.unchecked == 12 and counters.checked == 8 and counters.triggers == 0
@@ -497,16 +501,13 @@ def test_a_writer_that_fell_a_whole_tag_array_behind_counts_the_calls_unchecked(
 
 def test_polls_stop_at_the_first_unfinished_sequence_and_resume() -> None:
     harness = Harness(capacity=1 << 16)
-    x, w1, weights, out = _buffers()
-    hidden = x.clone()
-    launch = harness.capture(hidden, w1, weights, out)
-    layer(hidden, w1, weights, out)
-    harness.ring.replay(launch)
+    harness.capture_layer()
+    harness.replay()
     harness.ring.host[harness.ring.tags] = 3  # the device reserved sequences 1 and 2, still running
     harness.layer.poll(launch=True)
     assert harness.graph.counters.checked == 1 and not harness.graph.settled
     for _ in range(2):
-        harness.ring.replay(launch)
+        harness.ring.replay(harness.launch)
     harness.layer.poll(launch=True)
     assert harness.graph.counters.checked == 3 and harness.graph.settled
 
@@ -524,14 +525,12 @@ def test_a_poll_reads_no_word_until_the_hint_moves_and_a_stale_hint_waits_for_th
     monkeypatch,
 ) -> None:
     harness = Harness(capacity=1 << 16)
-    x, w1, weights, out = _buffers()
-    hidden = x.clone()
-    launch = harness.capture(hidden, w1, weights, out)
+    harness.capture_layer()
     now = [100.0]
     monkeypatch.setattr(flight_graph.time, "perf_counter", lambda: now[0])
     harness.layer.poll(launch=True)  # the first poll reads a whole chunk: nothing finished yet
     for _ in range(3):
-        harness.ring.replay(launch)
+        harness.ring.replay(harness.launch)
     hint = harness.ring.tags
     harness.ring.host[hint] = 0  # the three hints' stores still on their way (two streams' order, say)
     now[0] += flight_graph.FULL_READ_S / 2
@@ -541,7 +540,7 @@ def test_a_poll_reads_no_word_until_the_hint_moves_and_a_stale_hint_waits_for_th
     harness.layer.poll(launch=True)
     assert harness.graph.counters.checked == 3
     for _ in range(2):
-        harness.ring.replay(launch)
+        harness.ring.replay(harness.launch)
     harness.ring.host[hint] = 3
     now[0] += flight_graph.FULL_READ_S / 4
     harness.layer.poll(launch=True)
@@ -553,15 +552,12 @@ def test_a_poll_reads_no_word_until_the_hint_moves_and_a_stale_hint_waits_for_th
 
 def test_settling_reads_the_words_past_a_stale_hint(monkeypatch) -> None:
     harness = Harness(capacity=1 << 16)
-    x, w1, weights, out = _buffers()
-    hidden = x.clone()
-    launch = harness.capture(hidden, w1, weights, out)
+    _, hidden = harness.capture_layer()
     monkeypatch.setattr(flight_graph.time, "perf_counter", lambda: 100.0)
     harness.layer.poll(launch=True)
     hidden[0, 0] = float("nan")
     for _ in range(2):
-        layer(hidden, w1, weights, out)
-        harness.ring.replay(launch)
+        harness.replay()
     harness.ring.host[harness.ring.tags] = 0  # stale: a plain poll reads nothing, and the hint says settled
     harness.layer.poll(launch=True)
     assert harness.graph.counters.checked == 0 and harness.layer.settled
@@ -571,15 +567,12 @@ def test_settling_reads_the_words_past_a_stale_hint(monkeypatch) -> None:
 
 def test_reads_across_the_end_of_the_tag_array_keep_the_window_of_a_trigger() -> None:
     harness = Harness(capacity=1 << 16, tags=8, max_calls=3)
-    x, w1, weights, out = _buffers()
-    hidden = x.clone()
-    launch = harness.capture(hidden, w1, weights, out)
+    x, hidden = harness.capture_layer()
     for replay in range(20):
         hidden.copy_(x)
         if replay == 9:  # slot 1 of generation 2, two polls after the last one of generation 1
             hidden[0, 0] = float("inf")
-        layer(hidden, w1, weights, out)
-        harness.ring.replay(launch)
+        harness.replay()
         if replay % 3 == 2:
             harness.layer.poll(launch=True)
     harness.layer.poll(launch=True)
@@ -594,20 +587,16 @@ _BIT_CASES = (0.1, 1e3, 1e-45, 3.4028234663852886e38, 3.5e38)
 
 def test_a_sequence_stuck_near_the_end_of_the_tag_array_is_given_up_and_the_words_after_it_read() -> None:
     harness = Harness(capacity=1 << 16, tags=2048, max_calls=2)
-    x, w1, weights, out = _buffers()
-    hidden = x.clone()
-    launch = harness.capture(hidden, w1, weights, out)
+    x, hidden = harness.capture_layer()
     for _ in range(2040):
-        layer(hidden, w1, weights, out)
-        harness.ring.replay(launch)
+        harness.replay()
     harness.layer.poll(launch=True)
     assert harness.graph.counters.checked == 2040
     for sequence in range(2040, 3540):  # 1,500 more, through the end of the array into its next generation
         hidden.copy_(x)
         if sequence == 3530:  # (an early one's entry would have been lapped in this small ring)
             hidden[0, 0] = float("nan")
-        layer(hidden, w1, weights, out)
-        harness.ring.replay(launch)
+        harness.replay()
     harness.ring.words[2045] = 0  # sequence 2045 never finished (its word still an older generation's)
     harness.layer.poll(launch=True)
     counters = harness.graph.counters

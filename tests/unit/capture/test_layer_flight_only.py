@@ -75,16 +75,18 @@ def module(stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.M
         session_module.disarm()
 
 
-def arm(directory: Path, **settings: str) -> session_module.Session:
-    env = {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_DIR": str(directory)}
-    env.update({f"MOEREPLAY_{key.upper()}": value for key, value in settings.items()})
-    session = session_module.arm(env, targets=TARGETS)
-    assert session is not None
-    return session
+@pytest.fixture
+def arm_here(arm) -> Callable[..., session_module.Session]:
+    """conftest's ``arm`` with this file's targets, writing into the directory given."""
+
+    def _arm(directory: Path, **settings: str) -> session_module.Session:
+        return arm(targets=TARGETS, directory=directory, **settings)
+
+    return _arm
 
 
 def serve(
-    module: types.ModuleType, calls: int, bad: int | None = None, experts: int = 6
+    module: types.ModuleType, calls: int, bad: int | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``calls`` layer calls through ``forward``; hidden states of call ``bad`` hold a NaN. (inputs, output) each."""
     generator = torch.Generator().manual_seed(0)
@@ -92,7 +94,7 @@ def serve(
     made = []
     for call in range(calls):
         hidden = torch.randn(5, 8, generator=generator)
-        logits = torch.randn(5, experts, generator=generator)
+        logits = torch.randn(5, 6, generator=generator)
         if call == bad:
             hidden[2, 3] = math.nan
         made.append((hidden.clone(), module.forward(hidden, w1, w2, logits, 1).clone()))
@@ -104,12 +106,12 @@ def close(session: session_module.Session) -> None:
     session_module.disarm()
 
 
-def test_every_other_capture_leaves_it_unwrapped(module, tmp_path: Path) -> None:
+def test_every_other_capture_leaves_it_unwrapped(module, arm_here, tmp_path: Path) -> None:
     for settings in ({}, {"trigger": "flight", "flight_scope": "kernel"}):
-        session = arm(tmp_path / str(len(settings)), **settings)
+        session = arm_here(tmp_path / str(len(settings)), **settings)
         assert f"{MODULE}:forward" not in session.patcher.sites and f"{MODULE}:fused" in session.patcher.sites
         session_module.disarm()
-    session = arm(tmp_path / "full")
+    session = arm_here(tmp_path / "full")
     serve(module, 2)
     close(session)
     with CaptureReader(session.path) as reader:
@@ -118,8 +120,10 @@ def test_every_other_capture_leaves_it_unwrapped(module, tmp_path: Path) -> None
         ]  # fmt: skip
 
 
-def test_the_layer_flight_recorder_keeps_it_with_its_own_two_tensors(module, tmp_path: Path) -> None:
-    session = arm(tmp_path, trigger="flight", flight_calls="3")
+def test_the_layer_flight_recorder_keeps_it_with_its_own_two_tensors(
+    module, arm_here, tmp_path: Path
+) -> None:
+    session = arm_here(tmp_path, trigger="flight", flight_calls="3")
     assert f"{MODULE}:forward" in session.patcher.sites
     made = serve(module, 6, bad=4)
     flight = session.recorder.flight
@@ -141,15 +145,15 @@ def test_the_layer_flight_recorder_keeps_it_with_its_own_two_tensors(module, tmp
             )
 
 
-def test_ops_leaving_it_out_make_the_parent_below_the_layer_call(module, tmp_path: Path) -> None:
-    session = arm(tmp_path / "a", trigger="flight", flight_calls="2", ops="fused,gemm")
+def test_ops_leaving_it_out_make_the_parent_below_the_layer_call(module, arm_here, tmp_path: Path) -> None:
+    session = arm_here(tmp_path / "a", trigger="flight", flight_calls="2", ops="fused,gemm")
     assert f"{MODULE}:forward" not in session.patcher.sites
     serve(module, 3, bad=2)
     close(session)
     with CaptureReader(session.path) as reader:
         assert [r.op for r in reader.calls()] == ["fused", "fused"]
     # excluding the parent it stands in for leaves the layer unrecorded, as it did before the call above existed
-    session = arm(tmp_path / "b", trigger="flight", flight_calls="2", ops_exclude="fused")
+    session = arm_here(tmp_path / "b", trigger="flight", flight_calls="2", ops_exclude="fused")
     assert f"{MODULE}:forward" not in session.patcher.sites
     serve(module, 3, bad=2)
     close(session)
@@ -157,8 +161,8 @@ def test_ops_leaving_it_out_make_the_parent_below_the_layer_call(module, tmp_pat
         assert len(reader) == 0
 
 
-def test_expand_reruns_it_unwrapped_as_the_parent_it_calls(module, tmp_path: Path) -> None:
-    session = arm(tmp_path / "captures", trigger="flight", flight_calls="3")
+def test_expand_reruns_it_unwrapped_as_the_parent_it_calls(module, arm_here, tmp_path: Path) -> None:
+    session = arm_here(tmp_path / "captures", trigger="flight", flight_calls="3")
     serve(module, 6, bad=4)
     close(session)
     out = tmp_path / "expanded.moe.zst"
@@ -173,10 +177,12 @@ def test_expand_reruns_it_unwrapped_as_the_parent_it_calls(module, tmp_path: Pat
         assert torch.isnan(next(iter(bad.values()))).any()  # the bad call's NaN, regenerated
 
 
-def test_a_rerun_failing_before_its_layer_call_is_reported_beside_the_others(module, tmp_path: Path) -> None:
+def test_a_rerun_failing_before_its_layer_call_is_reported_beside_the_others(
+    module, arm_here, tmp_path: Path
+) -> None:
     """A recorded call whose re-run raises in its routing, before the parent it calls, leaves no top-level record:
     it is reported as raised, and the calls around it are still paired with their own re-runs."""
-    session = arm(tmp_path / "captures", trigger="flight", flight_calls="3")
+    session = arm_here(tmp_path / "captures", trigger="flight", flight_calls="3")
     serve(module, 6, bad=4)
     close(session)
     source = session.path
