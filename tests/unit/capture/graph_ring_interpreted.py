@@ -68,7 +68,9 @@ def case(tokens: int, span_count: int, staged: bool = False, real: int | None = 
     count = placed(1, torch.int32)
     count.fill_(real if real is not None else 0)
     limit = (count.data_ptr(), 2880) if real is not None else None
-    spans = Spans(tuple(sources), tuple(offsets), tuple(sizes), (out.data_ptr(), out.numel(), 2), total, limit)
+    spans = Spans(
+        tuple(sources), tuple(offsets), tuple(sizes), (out.data_ptr(), out.numel(), 2), total, limit
+    )
     programs = ring.capture(0, spans, first=True)
     ring.buffer.fill_(0xA5)
     right = True
@@ -81,7 +83,9 @@ def case(tokens: int, span_count: int, staged: bool = False, real: int | None = 
         if replay_index == 2:
             out[-1] = float("inf")  # the last element: the last program's block
         if real is not None:
-            out[real * 2880 :] = float("nan")  # padding rows (2,880 elements a row): whatever the buffers held
+            out[real * 2880 :] = float(
+                "nan"
+            )  # padding rows (2,880 elements a row): whatever the buffers held
         replay()
         start = int(ring.meta[replay_index][1])
         for tensor, offset, lead, size in zip(tensors, offsets, leads, sizes, strict=True):
@@ -97,7 +101,9 @@ def case(tokens: int, span_count: int, staged: bool = False, real: int | None = 
         right &= ring.cells[2:6, 0].tolist() == [0, 0, 0, 0]
     nodes = f"{len(GRAPH)} nodes ({sum(stage for _, _, stage in GRAPH)} staging)"
     counted = "" if real is None else f", {real} real"
-    print(f"tokens {tokens}{counted}, {span_count} spans: {nodes}, {programs} programs; entries right: {right}")
+    print(
+        f"tokens {tokens}{counted}, {span_count} spans: {nodes}, {programs} programs; entries right: {right}"
+    )
 
 
 def main() -> None:
@@ -107,7 +113,9 @@ def main() -> None:
         case(tokens, span_count)
     case(1, 18, staged=True)  # the served gpt-oss decode call, staged off the graph's path
     case(1, 26, staged=True)  # two staging nodes, one record node
-    case(8, 18, real=6)  # a padded batch: the count in the metadata row, padding rows unchecked (shared entry)
+    case(
+        8, 18, real=6
+    )  # a padded batch: the count in the metadata row, padding rows unchecked (shared entry)
     case(2, 18, staged=True, real=1)  # the same through the staged record node
     case(8, 26, real=5)  # two nodes: the reserving one stores the count, the last one limits its check
 

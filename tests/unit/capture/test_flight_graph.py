@@ -637,7 +637,9 @@ def record_kernel(programs: int, args: list[int]) -> None:
     ]
     rows, row_numel = args[3 * SPANS + 18 :]
     real = -1  # the metadata row's token count: unknown
-    if rows:  # the step's token count, read at replay: into the metadata row, and padding rows are not checked
+    if (
+        rows
+    ):  # the step's token count, read at replay: into the metadata row, and padding rows are not checked
         real = ctypes.c_int32.from_address(rows).value
         if finish and real > 0:
             numel = min(numel, real * row_numel)
@@ -1158,9 +1160,9 @@ def test_padding_rows_of_a_replayed_batch_are_copied_but_not_checked(monkeypatch
     assert not math.isfinite(bad[0].context["flight"]["magnitude"])
     assert torch.isnan(_bits(bad[1].outputs.tree["output"].view())[6:].view(torch.bfloat16).float()).all()
     # every written record says which of its rows were real at its replay: a replay leaves the padding unjudged
-    assert [(begin.context["graph_tokens"], begin.context["graph_batch"]) for begin, _ in harness.written] == [
-        (6, 8)
-    ] * len(harness.written)
+    assert [
+        (begin.context["graph_tokens"], begin.context["graph_batch"]) for begin, _ in harness.written
+    ] == [(6, 8)] * len(harness.written)
 
 
 def test_without_the_runner_every_row_is_checked_and_counted() -> None:

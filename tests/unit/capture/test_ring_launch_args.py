@@ -533,7 +533,9 @@ def test_the_writer_may_wait_longer_while_the_serving_thread_checks_and_is_woken
     flight.inline_window = 0.0
     assert flight.poll(launch=True) is None  # pending, and the serving thread's check is too old
     flight.inline_window = 3600.0
-    flight.graph = types.SimpleNamespace(poll=lambda launch, full: None, counters=types.SimpleNamespace(launches=1))
+    flight.graph = types.SimpleNamespace(
+        poll=lambda launch, full: None, counters=types.SimpleNamespace(launches=1)
+    )
     finish()
     one_layer_call(flight, 6)
     assert flight.poll(launch=True) is None  # graph replays are found by polls only
@@ -576,7 +578,9 @@ def test_a_call_that_joins_while_the_writer_decides_it_is_idle_is_not_left_for_t
     flight.inline_window = 0.0  # the writer does the eager work itself (not a quiet poll)
     assert not flight._writer_idle
     ran: list[int] = []
-    idle_graph = types.SimpleNamespace(poll=lambda launch, full: None, counters=types.SimpleNamespace(launches=0))
+    idle_graph = types.SimpleNamespace(
+        poll=lambda launch, full: None, counters=types.SimpleNamespace(launches=0)
+    )
 
     def graph_read(self: object) -> object:
         if not ran:
