@@ -71,6 +71,13 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_BESIDE_BYTES": "0",
     },
+    # diagnostic: the flight recorder keeping gpt-oss's layer calls one level down, at triton_kernel_fused_experts
+    # (as before 2026-12-06): what recording triton_kernel_moe_forward instead changes
+    "flight-fused": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_OPS_EXCLUDE": "triton_kernel_moe_forward",
+    },
     # diagnostic: capture off again, a second server (an A/A test): its ratio to "off" is the bench's own spread
     # between two servers doing the same thing — a setting's ratio within it says nothing
     "off-again": {},
@@ -101,6 +108,31 @@ def capture_stopped(log: Path, rounds_began: float) -> str | None:
     when = stamp.timestamp() - rounds_began
     place = "before the measured rounds" if when < 0 else f"{when:.0f} s into the measured rounds"
     return f"stopped {place}: {reason}"
+
+
+TWO_MODES = 1.15
+"""A setting's rounds of one measurement whose fastest is this many times its slowest are reported as spread over
+two modes. Seen on the H100 (2026-12-06): servers sharing the one GPU fall for a few rounds into a mode ~1.3× slower
+(decode b1 ~285 against ~370 tokens/s), now one setting, now another — capture off included. A median over such
+rounds says which mode most rounds fell in, not what the setting costs; the A/A server's spread is the check."""
+
+
+def spread_notes(results: dict[str, dict[str, list[float]]], *, limit: float = TWO_MODES) -> list[str]:
+    """One line per setting and measurement whose rounds spread past ``limit`` (fastest ÷ slowest), naming the
+    rounds below the midpoint of the two extremes (the slow mode) and the rounds' range."""
+    notes = []
+    for name, by in results.items():
+        for what, values in by.items():
+            low, high = (min(values), max(values)) if values else (0.0, 0.0)
+            if low <= 0 or high / low <= limit:
+                continue
+            middle = (low + high) / 2
+            slow = [str(i + 1) for i, value in enumerate(values) if value < middle]
+            notes.append(
+                f"{name} {what}: rounds spread {low:.1f}–{high:.1f} tok/s ({high / low:.2f}×); round(s) "
+                f"{', '.join(slow)} of {len(values)} in the slow mode — its median is not a cost"
+            )
+    return notes
 
 
 def measure(server: harness.Server, words: list[str], what: str, options: argparse.Namespace) -> float:
@@ -239,6 +271,8 @@ def main() -> int:
             ratio = f"{base / value:6.3f}" if base else f"{'':>6}"
             cells.append(f"{value:18.1f} {ratio}")
         print(f"{name + ('*' if stopped[name] else ''):<14} " + " ".join(cells))
+    for note in spread_notes(results):
+        print(f"~ {note}")
     for name, why in stopped.items():
         if why:
             print(f"* {name}: the recorder {why} — what follows it measured capture off, not {name}")
@@ -263,7 +297,15 @@ def main() -> int:
                     print(f"{name:<14} {path.name}: {timers}")
     if options.json:
         options.json.write_text(
-            json.dumps({"results": results, "medians": medians, "mode": options.mode, "stopped": stopped})
+            json.dumps(
+                {
+                    "results": results,
+                    "medians": medians,
+                    "mode": options.mode,
+                    "stopped": stopped,
+                    "spread": spread_notes(results),
+                }
+            )
         )
     return 0
 

@@ -128,3 +128,18 @@ def test_a_server_whose_requests_fail_is_named_with_its_logs_error_lines(
     text = str(failed.value)
     assert text.startswith("setting 'flight-inline' failed prefill: 63 of 64 requests failed")
     assert "CUDA out of memory" in text and "500 Internal Server Error" in text
+
+
+def test_rounds_in_two_modes_are_named_and_steady_ones_are_not(bench: types.ModuleType) -> None:
+    # decode b1 of the H100's run of 2026-12-06: the flight server's rounds 2, 3, 4 and 6 in the slow mode
+    results = {
+        "off": {"decode_b1": [372.6, 371.2, 375.4, 371.0, 376.2, 370.1]},
+        "flight": {"decode_b1": [358.3, 284.8, 287.7, 288.5, 337.6, 275.9]},
+    }
+    notes = bench.spread_notes(results)
+    assert notes == [
+        "flight decode_b1: rounds spread 275.9–358.3 tok/s (1.30×); round(s) 2, 3, 4, 6 of 6 in the slow mode — "
+        "its median is not a cost"
+    ]
+    assert bench.spread_notes({"off": {"prefill": [70000.0, 60870.0]}}) == []  # 1.15× exactly: not two modes
+    assert bench.spread_notes({"off": {"prefill": []}}) == []
