@@ -20,11 +20,19 @@ that isolate where a node's time goes:
   variant's copy into each launch's staging slot; the record nodes on a side stream, forked after each copy and
   joined at the capture's end (what the graph gate's hooks do for a served capture). Its record nodes run one
   after another on the side stream, and with these ≈ 1.4 µs stand-in layers that chain outlasts the graph's path:
-  the figure is bounded by it (``graph_ring_ablation``'s ``staged-path`` measures the path alone).
+  the figure is bounded by it (``graph_ring_ablation``'s ``staged-path`` measures the path alone);
+- ``ring-3-forward``: what a served gpt-oss layer call keeps since 2026-12-06, ``triton_kernel_moe_forward`` —
+  hidden states, router logits (``--experts`` bf16 a token) and output, the output checked; with ``--tokens 32``
+  (a decode batch of 32: ≈ 370 KB, 92,160 elements to fold) a node of many programs sharing the entry through the
+  handshake, where batch 1 runs alone;
+- ``ring-3-forward-nocheck``: the same without the fold (what folding 32 rows costs).
+
+``--tokens`` sets the rows of every variant's input and output (the stand-in layer's too); the routing spans keep
+their batch-1 sizes.
 
 Interleaved rounds, CUDA-event time per replay, medians; prints µs per layer call over the bare graph.
 
-    python3 tools/bench/graph_ring_bench.py [--layers 24] [--rounds 7] [--replays 300]
+    python3 tools/bench/graph_ring_bench.py [--layers 24] [--rounds 7] [--replays 300] [--tokens 1]
 """
 
 from __future__ import annotations
@@ -86,11 +94,15 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--replays", type=int, default=300)
+    parser.add_argument("--tokens", type=int, default=1, help="rows of each layer call's input and output")
+    parser.add_argument("--experts", type=int, default=32, help="router logits a token (ring-3-forward)")
     options = parser.parse_args()
     device = torch.device("cuda", 0)
     layers = options.layers
-    inputs = [torch.randn(1, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
-    outputs = [torch.randn(1, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
+    rows = options.tokens
+    inputs = [torch.randn(rows, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
+    outputs = [torch.randn(rows, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
+    logits = [torch.randn(rows, options.experts, device=device, dtype=torch.bfloat16) for _ in range(layers)]
     small = [[torch.zeros(16, device=device, dtype=torch.int32) for _ in range(10)] for _ in range(layers)]
     routing = [
         [torch.zeros(size, device=device, dtype=torch.uint8) for size in ROUTING_BYTES] for _ in range(layers)
@@ -98,6 +110,8 @@ def main() -> int:
     keep: list[torch.Tensor] = []
 
     def spans(i: int, extra: int, check: bool) -> Spans:
+        if extra == -2:  # triton_kernel_moe_forward: hidden states, router logits, output
+            return entry_spans([inputs[i], logits[i], outputs[i]], outputs[i] if check else None)
         tensors = [inputs[i], outputs[i], *(routing[i] if extra < 0 else small[i][:extra])]
         return entry_spans(tensors, outputs[i] if check else None)
 
@@ -110,6 +124,8 @@ def main() -> int:
                 keep.append(words)
                 ring._host_address = words.data_ptr()
         extra = {"ring-2": 0, "ring-18-oss": -1, "ring-18-staged": -1}.get(variant, 10)
+        if variant.startswith("ring-3-forward"):
+            extra = -2
         stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
         alone = graph_ring.ALONE_BYTES
@@ -139,9 +155,11 @@ def main() -> int:
         "ring-12-shared",
         "ring-18-oss",
         "ring-18-staged",
+        "ring-3-forward",
+        "ring-3-forward-nocheck",
     ]
     graphs = {variant: build(variant) for variant in variants}
-    time_and_report("graph_ring_bench", graphs, layers, options.rounds, options.replays)
+    time_and_report(f"graph_ring_bench ({rows} token(s))", graphs, layers, options.rounds, options.replays)
     return 0
 
 
