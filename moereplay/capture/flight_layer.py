@@ -27,6 +27,10 @@ describe the offending call and the K calls before it (tensor metadata, argument
 host, check that nothing overwrote them meanwhile (the ring's ``head`` had not lapped them when the copy
 finished) and hand them to the writer. Until a call leaves the history (K calls later, once checked) its argument
 references are held — not copies: the allocator reuses those tensors' memory K calls later than it would have.
+A call whose copies take at least :data:`RELEASE_BYTES` of the ring (prefill) has its dynamic tensors' metadata
+read right after its launch and their references let go there (:meth:`LayerFlight.release`): K prefill calls'
+fresh outputs held would keep K × 47 MB from the allocator at 8,192 tokens of gpt-oss — memory vLLM's start-up
+profile run counts against the KV cache.
 
 Scratch buffers are recorded as :class:`~moereplay.format.schema.Unsupported` (``"scratch …"``); an output
 buffer passed in (``output``) is recorded as an input with its bytes *after* the call when the call may be
@@ -247,6 +251,12 @@ leaves the ring alone (unless the serving thread left it something): a finished 
 eager call's end, or by the writer within about ``inline_window`` + :data:`QUIET_POLL_S` once calls stop."""
 
 
+RELEASE_BYTES = 1 << 20
+"""A call whose copies (inputs and outputs) take at least this many ring bytes lets go of its dynamic tensors right
+after its launch (their metadata read then: a few µs a call, see :meth:`LayerFlight.release`); smaller calls
+(decode) keep the references until they leave the history, at most ``K × RELEASE_BYTES`` of them in all."""
+
+
 @dataclass(eq=False)
 class _Plan:
     """Per target and argument layout: the names to look at for dynamic tensors, and the output buffers that may
@@ -287,9 +297,11 @@ class LayerFlight(PollingRecorder):
         ranks: Callable[[], Ranks | None] = lambda: None,
         budget: TriggerBudget | None = None,
         beside_bytes: int = FLIGHT_BESIDE_BYTES,
+        release_bytes: int = RELEASE_BYTES,
     ) -> None:
         self.budget = budget if budget is not None else TriggerBudget(0)
         self.beside_bytes = beside_bytes
+        self.release_bytes = release_bytes
         self._besides: dict[int, Any] = {}  # per device, the side stream of large calls' input copies
         self.max_calls = max_calls
         self.max_bytes = max_bytes
@@ -485,6 +497,9 @@ class LayerFlight(PollingRecorder):
             )
             call.output_copy = (starts, leads, sizes)
             call.tag = tag
+            total = sum(sizes) + (sum(call.input_copy[2]) if call.input_copy is not None else 0)
+            if self.release_bytes and total >= self.release_bytes:
+                self.release(call)
         self._new.append(call)
         self._check_inline(now)
 
@@ -705,9 +720,33 @@ class LayerFlight(PollingRecorder):
         finally:  # (see _check_in_place)
             self._joined = joined
 
-    def _describe(self, call: LayerCall) -> None:
-        """Tensor metadata and argument trees; the live dynamic tensors are let go."""
-        bound = call.bound or {}
+    def release(self, call: LayerCall) -> None:
+        """Read the copied tensors' metadata now and let go of what the call's description will not need: every
+        dynamic tensor, unless a codec object's tree is built from them at the trigger (triton_kernels' routing
+        objects, whose tensors are checked by identity then: the inputs stay, the outputs go). Runs on the
+        serving thread before the call joins the history (no other thread sees it yet)."""
+        call.copies = self._copied(call)
+        trees = call.trees
+        deferred = False
+        for found in trees.values():
+            if type(found) is _Deferred:
+                deferred = True
+                break
+        bound = call.bound
+        if bound is not None:
+            later = call.target.outputs if call.target.inputs_intact else ()
+            outputs = call.outputs
+            call.bound = {
+                name: None
+                if (name in trees and type(trees[name]) is not _Deferred)
+                or (name in later and name in outputs)
+                else value
+                for name, value in bound.items()
+            }
+        call.tensors = call.tensors[: call.n_inputs] if deferred and call.tensors is not None else None
+
+    def _copied(self, call: LayerCall) -> list[_Copied]:
+        """Each copied tensor's metadata and where its bytes are in the ring (the tensors are alive)."""
         tensors = call.tensors or []
         copies: list[_Copied] = []
         regions: list[tuple[int, int, int]] = []
@@ -729,6 +768,14 @@ class LayerFlight(PollingRecorder):
                     size,
                 )
             )
+        return copies
+
+    def _describe(self, call: LayerCall) -> None:
+        """Tensor metadata (unless :meth:`release` read it) and argument trees; the live dynamic tensors are let
+        go."""
+        bound = call.bound or {}
+        tensors = call.tensors or []
+        copies = call.copies if call.copies is not None else self._copied(call)
         static = frozenset(call.target.static)
         scratch = frozenset(call.target.scratch)
         tree: dict[str, Any] = {}
@@ -867,7 +914,7 @@ class LayerFlight(PollingRecorder):
         self.counters.evicted += max(0, len(calls) - self.max_calls)
         calls = calls[-self.max_calls :]
         for call in calls:
-            if call.copies is None:
+            if call.input_tree is None:
                 self._describe(call)
         name = f"{trigger.target.op} call {trigger.where.call}"
         logger.error(

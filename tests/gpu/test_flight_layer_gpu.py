@@ -240,6 +240,58 @@ def test_large_inputs_copied_beside_the_call_are_ordered_with_the_serving_stream
             assert torch.equal(_bits(reader.load_outputs(record.index)["output"]), _bits(result))
 
 
+def fresh_layer(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Returns a fresh output each call, as vLLM's ``triton_kernel_moe_forward`` does."""
+    return torch.matmul(hidden, weight) * 0.5
+
+
+def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
+    stand_in_module: Callable[..., types.ModuleType], tmp_path: Path
+) -> None:
+    """A call whose copies take at least RELEASE_BYTES lets go of its tensors when it returns: twelve calls on
+    fresh 16 MiB inputs returning fresh 16 MiB outputs leave the allocator where it was, though the history keeps
+    four calls for a trigger (held, they would keep 128 MiB). Their memory is reused by the next call's tensors
+    while the ring's copies — the inputs' beside the call, on the side stream — may still be reading it: the
+    written calls are bit-exact with what the layer saw and returned."""
+    module = stand_in_module("moereplay_gpu_release", layer=fresh_layer)
+    target = CaptureTarget(
+        "layer", "parent", module.__name__, "layer", static=("weight",), inputs_intact=True
+    )
+    try:
+        session = _arm(tmp_path, targets=(target,), flight_calls="4", flight_bytes="512M")
+        weight = torch.eye(1024, device="cuda")
+        module.layer(torch.ones(4096, 1024, device="cuda"), weight)  # the ring and its side stream exist now
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+        for step in range(12):  # no synchronisation: the next call's tensors take the memory let go
+            output = module.layer(_hidden(step), weight)
+            del output
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_allocated() - baseline
+        assert grown < 8 << 20, f"{grown / 2**20:.0f} MiB still allocated after the calls"
+        assert session.recorder.flight.counters.beside == 13  # type: ignore[union-attr]
+        session.flush()
+        session.close()
+    finally:
+        session_module.disarm()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        assert [r.context["call"] for r in records] == [8, 9, 10, 11]
+        assert records[-1].context["flight"]["trigger"]
+        for record in records:
+            hidden = _hidden(record.context["call"] - 1)
+            assert torch.equal(_bits(reader.load_args(record.index)["hidden"]), _bits(hidden)), record.index
+            expected = _bits(fresh_layer(hidden, weight))
+            assert torch.equal(_bits(reader.load_outputs(record.index)["return"]), expected), record.index
+
+
+def _hidden(step: int) -> torch.Tensor:
+    hidden = torch.full((4096, 1024), float(step + 1), device="cuda")
+    if step == 10:
+        hidden[4095, 3] = float("nan")
+    return hidden
+
+
 # --- vLLM's real fused_marlin_moe ----------------------------------------------------------------------------------
 
 
