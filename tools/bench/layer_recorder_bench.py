@@ -13,7 +13,12 @@ Prints µs per layer call (median of rounds) for that call and for the one the r
 it), timed in interleaved rounds, with their ratio; with ``--pieces``, where the first one's time goes. Run it before and after a
 change to the recorder's serving path: the ratio between two runs on one machine is the measurement.
 
-    python tools/bench/layer_recorder_bench.py [--calls 2000] [--rounds 7] [--pieces]
+Then ``triton_kernel_moe_forward`` at a prefill of ``--prefill`` tokens, with and without letting go of its tensors
+after the copy (``LayerFlight.release``, for calls of at least ``flight_layer.RELEASE_BYTES``), interleaved: what
+reading the tensors' metadata on the serving thread costs a call that keeps the device busy for a millisecond or
+more.
+
+    python tools/bench/layer_recorder_bench.py [--calls 2000] [--rounds 7] [--pieces] [--prefill 2048]
 """
 
 from __future__ import annotations
@@ -117,11 +122,51 @@ def moe_forward_arguments(fused: dict[str, object]) -> dict[str, object]:
     }  # fmt: skip
 
 
+def time_release(
+    flight: flight_layer.LayerFlight, target: CaptureTarget, where: Where, options: argparse.Namespace
+) -> None:
+    """µs per prefill-sized ``triton_kernel_moe_forward`` call with its tensors let go after the copy and kept."""
+    tokens = options.prefill
+    arguments = moe_forward_arguments(
+        {
+            "hidden_states": torch.randn(tokens, HIDDEN).to(torch.bfloat16),
+            "w1": torch.zeros(8, 8),
+            "w2": torch.zeros(8, 8),
+        }
+    )
+    arguments["gating_output"] = torch.randn(tokens, EXPERTS).to(torch.bfloat16)
+    output = torch.zeros(tokens, HIDDEN, dtype=torch.bfloat16)
+    settings = {"released": flight_layer.RELEASE_BYTES, "kept": 0}
+    calls = max(1, options.calls // 4)
+    samples: dict[str, list[float]] = {name: [] for name in settings}
+    for round_ in range(options.rounds + 1):  # the first round warms up
+        for name, release_bytes in settings.items():
+            flight.release_bytes = release_bytes
+            started = time.perf_counter()
+            for i in range(calls):
+                call = flight.before(target, dict(arguments), where, i)
+                flight.after(call, output, None)
+            if round_:
+                samples[name].append((time.perf_counter() - started) / calls * 1e6)
+    flight.release_bytes = flight_layer.RELEASE_BYTES
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    for name, values in samples.items():
+        print(
+            f"layer_recorder_bench: {tokens} tokens, triton_kernel_moe_forward, tensors {name}: "
+            f"{medians[name]:.1f} µs of serving-thread time per layer call (min {min(values):.1f}, "
+            f"max {max(values):.1f}; {options.rounds} rounds of {calls})"
+        )
+    print(
+        f"layer_recorder_bench: {tokens} tokens, released − kept = {medians['released'] - medians['kept']:.1f} µs"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--pieces", action="store_true", help="also time the recorder's pieces (cProfile)")
+    parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill call (0: not timed)")
     options = parser.parse_args()
     fused_target = CaptureTarget(
         "triton_kernel_fused_experts", "parent", "bench", "triton_kernel_fused_experts",
@@ -169,6 +214,8 @@ def main() -> int:
         "layer_recorder_bench: triton_kernel_moe_forward / triton_kernel_fused_experts = "
         f"{medians['triton_kernel_moe_forward'] / medians['triton_kernel_fused_experts']:.2f}"
     )
+    if options.prefill:
+        time_release(flight, forward_target, where, options)
     if options.pieces:
         import cProfile
         import pstats
