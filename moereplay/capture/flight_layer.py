@@ -27,10 +27,10 @@ describe the offending call and the K calls before it (tensor metadata, argument
 host, check that nothing overwrote them meanwhile (the ring's ``head`` had not lapped them when the copy
 finished) and hand them to the writer. Until a call leaves the history (K calls later, once checked) its argument
 references are held — not copies: the allocator reuses those tensors' memory K calls later than it would have.
-A call whose copies take at least :data:`RELEASE_BYTES` of the ring (prefill) has its dynamic tensors' metadata
-read right after its launch and their references let go there (:meth:`LayerFlight.release`): K prefill calls'
-fresh outputs held would keep K × 47 MB from the allocator at 8,192 tokens of gpt-oss — memory vLLM's start-up
-profile run counts against the KV cache.
+A call whose copies take at least :data:`RELEASE_BYTES` of the ring (prefill) has its tensors' metadata read right
+after its launch and its references let go there (:meth:`LayerFlight.release`): K prefill calls' fresh outputs
+held would keep K × 47 MB from the allocator at 8,192 tokens of gpt-oss — memory vLLM's start-up profile run
+counts against the KV cache.
 
 Scratch buffers are recorded as :class:`~moereplay.format.schema.Unsupported` (``"scratch …"``); an output
 buffer passed in (``output``) is recorded as an input with its bytes *after* the call when the call may be
@@ -251,10 +251,11 @@ leaves the ring alone (unless the serving thread left it something): a finished 
 eager call's end, or by the writer within about ``inline_window`` + :data:`QUIET_POLL_S` once calls stop."""
 
 
-RELEASE_BYTES = 1 << 20
-"""A call whose copies (inputs and outputs) take at least this many ring bytes lets go of its dynamic tensors right
-after its launch (their metadata read then: a few µs a call, see :meth:`LayerFlight.release`); smaller calls
-(decode) keep the references until they leave the history, at most ``K × RELEASE_BYTES`` of them in all."""
+RELEASE_BYTES = FLIGHT_BESIDE_BYTES
+"""A call whose copies (inputs and outputs) take at least this many ring bytes — prefill, as for the beside copy:
+8 MiB, ~700 tokens of gpt-oss — lets go of its tensors right after its launch (their metadata read then: a few µs
+a call, see :meth:`LayerFlight.release`). Smaller calls (decode) keep their references until they leave the
+history: the last K calls, more while the checks lag behind the serving thread; a view keeps its whole block."""
 
 
 @dataclass(eq=False)
@@ -722,28 +723,52 @@ class LayerFlight(PollingRecorder):
 
     def release(self, call: LayerCall) -> None:
         """Read the copied tensors' metadata now and let go of what the call's description will not need: every
-        dynamic tensor, unless a codec object's tree is built from them at the trigger (triton_kernels' routing
-        objects, whose tensors are checked by identity then: the inputs stay, the outputs go). Runs on the
-        serving thread before the call joins the history (no other thread sees it yet)."""
+        dynamic tensor but those of a codec object whose tree is built at the trigger (triton_kernels' routing
+        objects: their tensors are checked by identity then), the output buffers passed in, and the scratch
+        buffers (their marker is made now). Runs on the serving thread right after the call's launch and before
+        the call joins the history (no other thread sees it yet).
+
+        The ring's kernels may not have read these tensors yet when the caller drops them: the caching allocator
+        then hands their memory to later allocations on the stream it was allocated on, ordered after the work
+        queued there. A tensor from another stream is marked used on the serving stream (``record_stream``) —
+        where the output launch was queued after the side copy's join — so its memory waits for that; where the
+        allocator cannot be told, the call keeps its references."""
+        tensors = call.tensors
+        ring = call.ring
+        if tensors and ring is not None and ring.index >= 0:
+            stream = torch.cuda.current_stream(ring.index)
+            try:
+                for tensor in tensors:
+                    if tensor.is_cuda:
+                        tensor.record_stream(stream)
+            except RuntimeError:
+                return
         call.copies = self._copied(call)
         trees = call.trees
-        deferred = False
+        kept: list[Any] | None = None
         for found in trees.values():
-            if type(found) is _Deferred:
-                deferred = True
-                break
+            if type(found) is _Deferred and tensors is not None:
+                if kept is None:
+                    kept = [None] * call.n_inputs
+                end = found.first + found.count
+                kept[found.first : end] = tensors[found.first : end]
         bound = call.bound
         if bound is not None:
             later = call.target.outputs if call.target.inputs_intact else ()
+            scratch = call.target.scratch
             outputs = call.outputs
-            call.bound = {
-                name: None
-                if (name in trees and type(trees[name]) is not _Deferred)
-                or (name in later and name in outputs)
-                else value
-                for name, value in bound.items()
-            }
-        call.tensors = call.tensors[: call.n_inputs] if deferred and call.tensors is not None else None
+            released: dict[str, Any] = {}
+            for name, value in bound.items():
+                found = trees.get(name)
+                if (found is not None and type(found) is not _Deferred) or (
+                    name in later and name in outputs
+                ):
+                    value = None  # described from its copy (_Pending), never from the value
+                elif name in scratch and isinstance(value, torch.Tensor):
+                    value = scratch_marker(value)
+                released[name] = value
+            call.bound = released
+        call.tensors = kept
 
     def _copied(self, call: LayerCall) -> list[_Copied]:
         """Each copied tensor's metadata and where its bytes are in the ring (the tensors are alive)."""
@@ -797,6 +822,8 @@ class LayerFlight(PollingRecorder):
                 )
             elif name in scratch and isinstance(value, torch.Tensor):
                 tree[name] = scratch_marker(value)
+            elif name in scratch and isinstance(value, Unsupported):  # made by release
+                tree[name] = value
             elif isinstance(value, torch.Tensor):  # cannot happen: every dynamic tensor is in ``trees``
                 tree[name] = Unsupported("torch.Tensor", "not copied")
             else:

@@ -246,13 +246,14 @@ def fresh_layer(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
-    stand_in_module: Callable[..., types.ModuleType], tmp_path: Path
+    stand_in_module: Callable[..., types.ModuleType], tmp_path: Path, monkeypatch
 ) -> None:
     """A call whose copies take at least RELEASE_BYTES lets go of its tensors when it returns: twelve calls on
     fresh 16 MiB inputs returning fresh 16 MiB outputs leave the allocator where it was, though the history keeps
-    four calls for a trigger (held, they would keep 128 MiB). Their memory is reused by the next call's tensors
-    while the ring's copies — the inputs' beside the call, on the side stream — may still be reading it: the
-    written calls are bit-exact with what the layer saw and returned."""
+    four calls for a trigger (held, they would keep 128 MiB). The side stream is held back before each input
+    copy (a sleep queued there), so the host has let go of a call's tensors and allocated the next call's long
+    before the copies run: the written calls are bit-exact with what the layer saw and returned only if that
+    memory's reuse waits for them."""
     module = stand_in_module("moereplay_gpu_release", layer=fresh_layer)
     target = CaptureTarget(
         "layer", "parent", module.__name__, "layer", static=("weight",), inputs_intact=True
@@ -262,6 +263,17 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
         weight = torch.eye(1024, device="cuda")
         module.layer(torch.ones(4096, 1024, device="cuda"), weight)  # the ring and its side stream exist now
         torch.cuda.synchronize()
+        flight = session.recorder.flight
+        side = flight._besides[0]  # type: ignore[union-attr]
+        ring = next(iter(flight._rings.values()))  # type: ignore[union-attr]
+        copy = ring.record
+
+        def held(*args, **kwargs):
+            if torch.cuda.current_stream(0) == side:
+                torch.cuda._sleep(10_000_000)
+            return copy(*args, **kwargs)
+
+        monkeypatch.setattr(ring, "record", held)
         baseline = torch.cuda.memory_allocated()
         for step in range(12):  # no synchronisation: the next call's tensors take the memory let go
             output = module.layer(_hidden(step), weight)
@@ -269,7 +281,7 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
         torch.cuda.synchronize()
         grown = torch.cuda.memory_allocated() - baseline
         assert grown < 8 << 20, f"{grown / 2**20:.0f} MiB still allocated after the calls"
-        assert session.recorder.flight.counters.beside == 13  # type: ignore[union-attr]
+        assert flight.counters.beside == 13  # type: ignore[union-attr]
         session.flush()
         session.close()
     finally:
