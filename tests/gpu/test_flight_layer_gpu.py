@@ -250,10 +250,11 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
 ) -> None:
     """A call whose copies take at least RELEASE_BYTES lets go of its tensors when it returns: twelve calls on
     fresh 16 MiB inputs returning fresh 16 MiB outputs leave the allocator where it was, though the history keeps
-    four calls for a trigger (held, they would keep 128 MiB). The side stream is held back before each input
-    copy (a sleep queued there), so the host has let go of a call's tensors and allocated the next call's long
-    before the copies run: the written calls are bit-exact with what the layer saw and returned only if that
-    memory's reuse waits for them."""
+    four calls for a trigger (held, they would keep 128 MiB). The hidden states come from another stream (a
+    producer the serving stream waits for, which never waits for the recorder's side stream), and the side
+    stream is held back before each input copy (a sleep queued there): the producer's next fill would take the
+    memory let go before the copy read it, unless the release marked it used on the serving stream, which waits
+    for the copy. The written calls are bit-exact with what the layer saw and returned only if it did."""
     module = stand_in_module("moereplay_gpu_release", layer=fresh_layer)
     target = CaptureTarget(
         "layer", "parent", module.__name__, "layer", static=("weight",), inputs_intact=True
@@ -275,9 +276,13 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
 
         monkeypatch.setattr(ring, "record", held)
         baseline = torch.cuda.memory_allocated()
+        producer = torch.cuda.Stream()
         for step in range(12):  # no synchronisation: the next call's tensors take the memory let go
-            output = module.layer(_hidden(step), weight)
-            del output
+            with torch.cuda.stream(producer):
+                hidden = _hidden(step)
+            torch.cuda.current_stream().wait_stream(producer)
+            output = module.layer(hidden, weight)
+            del hidden, output
         torch.cuda.synchronize()
         grown = torch.cuda.memory_allocated() - baseline
         assert grown < 8 << 20, f"{grown / 2**20:.0f} MiB still allocated after the calls"
