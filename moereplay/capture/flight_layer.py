@@ -227,6 +227,8 @@ class LayerCounters(FlightCounters):
     inline_checks: int = 0
     # eager calls whose inputs were copied on a side stream beside the call (see LayerFlight.before)
     beside: int = 0
+    # eager calls that let go of their tensors when they returned (see LayerFlight.release)
+    released: int = 0
 
 
 QUIET_POLL_S = 0.02
@@ -743,6 +745,7 @@ class LayerFlight(PollingRecorder):
                         tensor.record_stream(stream)
             except RuntimeError:
                 return
+        self.counters.released += 1
         call.copies = self._copied(call)
         trees = call.trees
         kept: list[Any] | None = None

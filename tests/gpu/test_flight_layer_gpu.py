@@ -286,7 +286,7 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
         torch.cuda.synchronize()
         grown = torch.cuda.memory_allocated() - baseline
         assert grown < 8 << 20, f"{grown / 2**20:.0f} MiB still allocated after the calls"
-        assert flight.counters.beside == 13  # type: ignore[union-attr]
+        assert flight.counters.beside == 13 and flight.counters.released == 13  # type: ignore[union-attr]
         session.flush()
         session.close()
     finally:

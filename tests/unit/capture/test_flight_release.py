@@ -81,7 +81,10 @@ def test_a_large_call_lets_go_of_its_tensors_when_it_returns(layer) -> None:
     module = layer(FRESH, flight_calls="4")
     refs = call_dropping_everything(module, LARGE, torch.eye(COLUMNS))
     assert [ref() is None for ref in refs] == [True, True, True]
+    call_dropping_everything(module, 8, torch.eye(COLUMNS))
     close(module)
+    with CaptureReader(module.session.path) as reader:
+        assert reader.footer["counters"]["flight_released"] == 1  # the large call, not the small one
 
 
 @pytest.mark.parametrize("rows", [8, 512])  # 512 rows: 2 MiB of copies, under RELEASE_BYTES
