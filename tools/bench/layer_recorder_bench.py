@@ -122,6 +122,17 @@ def moe_forward_arguments(fused: dict[str, object]) -> dict[str, object]:
     }  # fmt: skip
 
 
+def report(label: str, samples: dict[str, list[float]], calls: int) -> dict[str, float]:
+    """Print each setting's median µs per layer call (with the rounds' range); return the medians."""
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    for name, values in samples.items():
+        print(
+            f"layer_recorder_bench: {label}{name}: {medians[name]:.1f} µs of serving-thread time per layer call "
+            f"(min {min(values):.1f}, max {max(values):.1f}; {len(values)} rounds of {calls})"
+        )
+    return medians
+
+
 def time_release(
     flight: flight_layer.LayerFlight, target: CaptureTarget, where: Where, options: argparse.Namespace
 ) -> None:
@@ -149,13 +160,7 @@ def time_release(
             if round_:
                 samples[name].append((time.perf_counter() - started) / calls * 1e6)
     flight.release_bytes = flight_layer.RELEASE_BYTES
-    medians = {name: statistics.median(values) for name, values in samples.items()}
-    for name, values in samples.items():
-        print(
-            f"layer_recorder_bench: {tokens} tokens, triton_kernel_moe_forward, tensors {name}: "
-            f"{medians[name]:.1f} µs of serving-thread time per layer call (min {min(values):.1f}, "
-            f"max {max(values):.1f}; {options.rounds} rounds of {calls})"
-        )
+    medians = report(f"{tokens} tokens, triton_kernel_moe_forward, tensors ", samples, calls)
     print(
         f"layer_recorder_bench: {tokens} tokens, released − kept = {medians['released'] - medians['kept']:.1f} µs"
     )
@@ -203,13 +208,7 @@ def main() -> int:
             for i in range(options.calls):
                 one(i, target, arguments)
             samples[name].append((time.perf_counter() - started) / options.calls * 1e6)
-    medians = {name: statistics.median(values) for name, values in samples.items()}
-    for name, values in samples.items():
-        print(
-            f"layer_recorder_bench: {torch.__version__}, {TOKENS} tokens, top-{TOP_K}, {name}: "
-            f"{medians[name]:.1f} µs of serving-thread time per layer call "
-            f"(min {min(values):.1f}, max {max(values):.1f}; {options.rounds} rounds of {options.calls})"
-        )
+    medians = report(f"{torch.__version__}, {TOKENS} tokens, top-{TOP_K}, ", samples, options.calls)
     print(
         "layer_recorder_bench: triton_kernel_moe_forward / triton_kernel_fused_experts = "
         f"{medians['triton_kernel_moe_forward'] / medians['triton_kernel_fused_experts']:.2f}"
