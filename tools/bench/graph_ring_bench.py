@@ -25,7 +25,10 @@ that isolate where a node's time goes:
   hidden states, router logits (``--experts`` bf16 a token) and output, the output checked; with ``--tokens 32``
   (a decode batch of 32: ≈ 370 KB, 92,160 elements to fold) a node of many programs sharing the entry through the
   handshake, where batch 1 runs alone;
-- ``ring-3-forward-nocheck``: the same without the fold (what folding 32 rows costs).
+- ``ring-3-forward-nocheck``: the same without the fold (what folding 32 rows costs);
+- ``ring-3-forward-alone``: the same entry run by one program whatever its size (``graph_ring.ALONE_BYTES`` and
+  ``ALONE_ELEMENTS`` lifted while it is captured): at 32 tokens, one SM's copy and fold against the handshake of
+  many programs.
 
 ``--tokens`` sets the rows of every variant's input and output (the stand-in layer's too); the routing spans keep
 their batch-1 sizes.
@@ -128,9 +131,11 @@ def main() -> int:
             extra = -2
         stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
-        alone = graph_ring.ALONE_BYTES
+        alone, alone_elements = graph_ring.ALONE_BYTES, graph_ring.ALONE_ELEMENTS
         if variant.endswith("shared"):
             graph_ring.ALONE_BYTES = -1  # never alone: the work per program decides (three programs here)
+        elif variant.endswith("alone"):
+            graph_ring.ALONE_BYTES = graph_ring.ALONE_ELEMENTS = 1 << 62  # one program whatever the entry
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
             # what the graph gate's hooks do around a served capture: open it for staging, join at its end
             handle = ring.open_capture() if ring is not None and variant.endswith("staged") else None
@@ -143,7 +148,7 @@ def main() -> int:
             if ring is not None:
                 assert len(ring.staged) == (layers if handle is not None else 0)
                 ring.close_capture(handle)
-        graph_ring.ALONE_BYTES = alone
+        graph_ring.ALONE_BYTES, graph_ring.ALONE_ELEMENTS = alone, alone_elements
         return graph
 
     variants = [
@@ -157,6 +162,7 @@ def main() -> int:
         "ring-18-staged",
         "ring-3-forward",
         "ring-3-forward-nocheck",
+        "ring-3-forward-alone",
     ]
     graphs = {variant: build(variant) for variant in variants}
     time_and_report(f"graph_ring_bench ({rows} token(s))", graphs, layers, options.rounds, options.replays)
