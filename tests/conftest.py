@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def stand_in_module() -> Iterator[Callable[..., types.ModuleType]]:
     """``stand_in_module(name, **functions)``: a module of stand-in functions registered in ``sys.modules`` (patch
     points look their targets up there by module name), removed at teardown — after the fixtures that asked for
-    it have finished theirs (disarming a capture first)."""
+    it have finished theirs, and after any capture still armed is disarmed (it wraps these modules' functions)."""
     names: list[str] = []
 
     def install(name: str, **functions: Any) -> types.ModuleType:
@@ -71,5 +71,9 @@ def stand_in_module() -> Iterator[Callable[..., types.ModuleType]]:
         return module
 
     yield install
+    if names:
+        from moereplay.capture import session
+
+        session.disarm()
     for name in names:
         sys.modules.pop(name, None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,11 +53,8 @@ TARGETS = (
 
 
 @pytest.fixture
-def kernels(stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.ModuleType]:
-    try:
-        yield stand_in_module(MODULE, gemm=gemm, fused=fused)
-    finally:
-        session_module.disarm()
+def kernels(stand_in_module: Callable[..., types.ModuleType]) -> types.ModuleType:
+    return stand_in_module(MODULE, gemm=gemm, fused=fused)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import ctypes
 import math
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -119,11 +119,8 @@ class EmulatedGraph:
 
 
 @pytest.fixture
-def graph_module(stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.ModuleType]:
-    try:
-        yield stand_in_module(MODULE, layer=layer, scale=scale_in_place, forward=forward)
-    finally:
-        session_module.disarm()
+def graph_module(stand_in_module: Callable[..., types.ModuleType]) -> types.ModuleType:
+    return stand_in_module(MODULE, layer=layer, scale=scale_in_place, forward=forward)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,11 +68,8 @@ TARGETS = (
 
 
 @pytest.fixture
-def module(stand_in_module: Callable[..., types.ModuleType]) -> Iterator[types.ModuleType]:
-    try:
-        yield stand_in_module(MODULE, gemm=gemm, fused=fused, forward=forward)
-    finally:
-        session_module.disarm()
+def module(stand_in_module: Callable[..., types.ModuleType]) -> types.ModuleType:
+    return stand_in_module(MODULE, gemm=gemm, fused=fused, forward=forward)
 
 
 @pytest.fixture
