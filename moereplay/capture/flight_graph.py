@@ -64,6 +64,7 @@ from moereplay.capture.device_ring import ALIGNMENT, DeviceRing
 from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerDelivery
 from moereplay.capture.flight_layer import LayerCall, LayerFlight, collect_outputs
 from moereplay.capture.graph_ring import (
+    ALONE_BYTES,
     DEFAULT_LAUNCHES,
     DEFAULT_TAGS,
     META_COLUMNS,
@@ -173,10 +174,17 @@ class GraphFlight(PollingRecorder):
     ``emit`` are reused); ``capacity``, ``tags``, ``launches``: of each device's graph ring (:class:`GraphRing`)."""
 
     def __init__(
-        self, layer: LayerFlight, capacity: int, *, tags: int = DEFAULT_TAGS, launches: int = DEFAULT_LAUNCHES
+        self,
+        layer: LayerFlight,
+        capacity: int,
+        *,
+        tags: int = DEFAULT_TAGS,
+        launches: int = DEFAULT_LAUNCHES,
+        stage_bytes: int = ALONE_BYTES,
     ) -> None:
         self.layer = layer
         self.capacity = capacity
+        self.stage_bytes = stage_bytes
         self.tags = tags
         self.launches = launches
         self.counters = GraphCounters()
@@ -206,7 +214,14 @@ class GraphFlight(PollingRecorder):
             if cuda and not kernels_available():
                 self._warn("kernels", f"no Triton ring kernels: {kernel_error()}")
                 return None
-            ring = GraphRing(self.capacity, device, tags=self.tags, launches=self.launches, use_kernel=cuda)
+            ring = GraphRing(
+                self.capacity,
+                device,
+                tags=self.tags,
+                launches=self.launches,
+                use_kernel=cuda,
+                stage_bytes=self.stage_bytes,
+            )
             self._watches[key] = _Watch(ring, {}, max(1, self.layer.max_calls))
             return ring
 

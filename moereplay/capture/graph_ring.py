@@ -69,8 +69,12 @@ more than one SM copying 32 KiB (``tools/bench/graph_ring_bench.py`` measures bo
 call at batch 1 (two 5.6 KB activations, routing metadata, 2,880 output elements) fits."""
 
 STAGE_SHARE = 16
-"""The staging area of a ring (lone entries staged off the graph's critical path, see :meth:`GraphRing.capture`) is
+"""The staging area of a ring (entries staged off the graph's critical path, see :meth:`GraphRing.capture`) is
 ``capacity // STAGE_SHARE`` bytes; launches past it take the one-node path."""
+LONE_SHARE = 4
+"""Of the staging area, ``1 / LONE_SHARE`` is kept for lone entries: vLLM captures its largest batch sizes first,
+so entries larger than lone ones (staged when ``stage_bytes`` allows them) must not take the room of the decode
+batches captured last."""
 SIDE_STREAMS = 4
 """Graphs one ring can stage for while they are being captured at once (one side stream each)."""
 
@@ -139,6 +143,7 @@ class GraphRing:
         tags: int = DEFAULT_TAGS,
         launches: int = DEFAULT_LAUNCHES,
         use_kernel: bool | None = None,
+        stage_bytes: int = ALONE_BYTES,
     ) -> None:
         capacity -= capacity % ALIGNMENT
         if capacity < 4 * ALIGNMENT:
@@ -169,12 +174,13 @@ class GraphRing:
             host, self._host_address = _host_words(tags + 1, cuda)
             self.kernels = _compile(self.index) if use_kernel else None
             self.stage_kernel = _compile(self.index, stage=True) if use_kernel else None
-            stage_bytes = max(ALIGNMENT, capacity // STAGE_SHARE // ALIGNMENT * ALIGNMENT)
-            self.stage = torch.empty(stage_bytes, dtype=torch.uint8, device=device) if use_kernel else None
+            area = max(ALIGNMENT, capacity // STAGE_SHARE // ALIGNMENT * ALIGNMENT)
+            self.stage = torch.empty(area, dtype=torch.uint8, device=device) if use_kernel else None
             self._sides = [torch.cuda.Stream(device) for _ in range(SIDE_STREAMS)] if use_kernel else []
             if use_kernel:
                 _programs(self.index)  # device properties read now, not while a graph is being captured
         self._stage_used = 0
+        self.stage_bytes = stage_bytes  # entries up to this size may be staged (lone ones always may)
         self._open: dict[int, _Open] = {}
         self.staged: set[int] = set()  # launch ids whose record node is off the critical path
         self.host = host  # NumPy int64 view: tags words, then the hint
@@ -335,11 +341,14 @@ class GraphRing:
         return most
 
     def _stage(self, spans: Spans) -> tuple[int, Spans] | None:
-        """A staging slot for a lone entry: its address and the record node's spans (the whole slot as one span,
-        the check moved into it), or None (not lone, the check outside the spans, or no room left)."""
+        """A staging slot for a lone entry, or one of at most ``stage_bytes``: its address and the record node's
+        spans (the whole slot as one span, the check moved into it), or None (too large, the check outside the
+        spans, or no room left: an entry that is not lone leaves the area's last ``1 / LONE_SHARE`` to lone ones)."""
         numel = spans.check[1] if spans.check is not None else 0
-        if spans.total > ALONE_BYTES or numel > ALONE_ELEMENTS or self.stage is None:
+        lone = spans.total <= ALONE_BYTES and numel <= ALONE_ELEMENTS
+        if self.stage is None or not (lone or spans.total <= self.stage_bytes):
             return None
+        room = self.stage.numel() if lone else self.stage.numel() - self.stage.numel() // LONE_SHARE
         check = None
         if spans.check is not None:
             address, numel, code = spans.check
@@ -353,7 +362,7 @@ class GraphRing:
                 return None
             check = (inside[0], address - spans.sources[inside[0]], numel, code)
         with self._lock:
-            if self._stage_used + spans.total > self.stage.numel():
+            if self._stage_used + spans.total > room:
                 return None
             slot = self.stage.data_ptr() + self._stage_used
             self._stage_used += spans.total

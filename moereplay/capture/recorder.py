@@ -138,7 +138,9 @@ class Recorder(CallHandler):
                 beside_bytes=settings.flight_beside_bytes,
             )
             if settings.flight_graph_bytes:
-                self.flight.graph = GraphFlight(self.flight, settings.flight_graph_bytes)
+                self.flight.graph = GraphFlight(
+                    self.flight, settings.flight_graph_bytes, stage_bytes=settings.flight_graph_stage
+                )
         elif settings.trigger is Trigger.FLIGHT:
             self.flight = FlightRecorder(
                 max_calls=settings.flight_calls,

@@ -28,7 +28,10 @@ that isolate where a node's time goes:
 - ``ring-3-forward-nocheck``: the same without the fold (what folding 32 rows costs);
 - ``ring-3-forward-alone``: the same entry run by one program whatever its size (``graph_ring.ALONE_BYTES`` and
   ``ALONE_ELEMENTS`` lifted while it is captured): at 32 tokens, one SM's copy and fold against the handshake of
-  many programs.
+  many programs;
+- ``ring-3-forward-staged``: the same entry staged as a lone one is (the limits lifted the same way): on the
+  graph's path only the many-program staging copy, the one-program record node on the side stream (the replay's
+  time includes the side chain, joined at the capture's end).
 
 ``--tokens`` sets the rows of every variant's input and output (the stand-in layer's too); the routing spans keep
 their batch-1 sizes.
@@ -121,7 +124,10 @@ def main() -> int:
     def build(variant: str) -> torch.cuda.CUDAGraph:
         ring = None
         if variant != "bare":
-            ring = GraphRing(64 << 20, device, launches=layers + 8)
+            # the staged forward entries need their staging slots: capacity // STAGE_SHARE of the ring
+            ring = GraphRing(
+                (512 if variant == "ring-3-forward-staged" else 64) << 20, device, launches=layers + 8
+            )
             if variant.endswith("devwords"):
                 words = torch.zeros(ring.tags + 1, dtype=torch.int64, device=device)
                 keep.append(words)
@@ -134,7 +140,7 @@ def main() -> int:
         alone, alone_elements = graph_ring.ALONE_BYTES, graph_ring.ALONE_ELEMENTS
         if variant.endswith("shared"):
             graph_ring.ALONE_BYTES = -1  # never alone: the work per program decides (three programs here)
-        elif variant.endswith("alone"):
+        elif variant.endswith("alone") or variant == "ring-3-forward-staged":
             graph_ring.ALONE_BYTES = graph_ring.ALONE_ELEMENTS = 1 << 62  # one program whatever the entry
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
             # what the graph gate's hooks do around a served capture: open it for staging, join at its end
@@ -163,6 +169,7 @@ def main() -> int:
         "ring-3-forward",
         "ring-3-forward-nocheck",
         "ring-3-forward-alone",
+        "ring-3-forward-staged",
     ]
     graphs = {variant: build(variant) for variant in variants}
     time_and_report(f"graph_ring_bench ({rows} token(s))", graphs, layers, options.rounds, options.replays)

@@ -78,6 +78,14 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_OPS_EXCLUDE": "triton_kernel_moe_forward",
     },
+    # the flight recorder staging graph entries up to 384 KiB (a gpt-oss decode batch of 32 at
+    # triton_kernel_moe_forward: 370 KB), not only lone ones: what staging saves where a node of many programs
+    # sat on the graph's path
+    "flight-stage": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_GRAPH_STAGE": "384K",
+    },
     # diagnostic: capture off again, a second server (an A/A test): its ratio to "off" is the bench's own spread
     # between two servers doing the same thing — a setting's ratio within it says nothing
     "off-again": {},

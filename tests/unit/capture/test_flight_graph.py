@@ -342,6 +342,12 @@ def test_a_call_that_may_write_its_inputs_is_not_kept_under_a_graph(
     session.close()
 
 
+def test_the_stage_setting_reaches_the_graph_ring(tmp_path, graph_module, monkeypatch) -> None:
+    session = _arm(tmp_path, flight_graph_bytes="64K", flight_graph_stage="384K")
+    assert EmulatedGraph(session, monkeypatch).ring.stage_bytes == 384 << 10
+    session.close()
+
+
 def test_without_the_graph_ring_calls_in_a_capture_are_skipped_as_before(
     tmp_path, graph_module, monkeypatch
 ) -> None:
@@ -364,7 +370,13 @@ class Harness:
     """A GraphFlight over a CPU graph ring, polled by hand; ``written`` collects what it hands to the writer."""
 
     def __init__(
-        self, *, capacity: int, max_calls: int = 4, tags: int = 1 << 14, absmax: float | None = None
+        self,
+        *,
+        capacity: int,
+        max_calls: int = 4,
+        tags: int = 1 << 14,
+        absmax: float | None = None,
+        stage_bytes: int = graph_ring.ALONE_BYTES,
     ):
         self.written: list[tuple[Any, Any]] = []
 
@@ -374,7 +386,7 @@ class Harness:
             return True
 
         self.layer = LayerFlight(max_calls=max_calls, max_bytes=1 << 20, absmax=absmax, emit=emit)
-        self.graph = GraphFlight(self.layer, capacity, tags=tags)
+        self.graph = GraphFlight(self.layer, capacity, tags=tags, stage_bytes=stage_bytes)
         self.layer.graph = self.graph
         ring = self.graph.prepare(torch.device("cpu"))
         assert ring is not None
@@ -822,14 +834,19 @@ class FakeStream:
         self.events.append(("wait", self.cuda_stream, other.cuda_stream))
 
 
-def test_lone_launches_are_staged_off_the_graphs_path_and_joined_at_its_end(monkeypatch) -> None:
+@pytest.mark.parametrize("stage_bytes", [None, 64 << 10], ids=["lone-only", "up-to-64K"])
+def test_lone_launches_are_staged_off_the_graphs_path_and_joined_at_its_end(
+    monkeypatch, stage_bytes: int | None
+) -> None:
     # in a graph opened for staging, a lone layer call puts only a copy into its staging slot on the graph's
     # stream; its record node (reservation, copy into the ring, check, tag) goes on the side stream after a
     # fork; a call too large to stage joins the side branch first and takes the one-node path; closing the
     # capture joins the side stream back. Replayed in graph order, the entries hold each call's bits.
+    # With a stage limit above the lone size, the 88-token call (34.5 KB) is staged too: its record node beside
+    # the graph runs three programs through the handshake.
     monkeypatch.setattr(graph_ring, "_current_stream", lambda index: 1234)
     monkeypatch.setattr(graph_ring, "_programs", lambda index: 3)
-    harness = Harness(capacity=1 << 20, max_calls=8)
+    harness = Harness(capacity=1 << 20, max_calls=8, stage_bytes=stage_bytes or graph_ring.ALONE_BYTES)
     ring = harness.ring
     events: list[tuple[str, int, int]] = []
     graph: list[tuple[Callable[[int, list[int]], None], int, list[int]]] = []
@@ -843,11 +860,11 @@ def test_lone_launches_are_staged_off_the_graphs_path_and_joined_at_its_end(monk
 
     ring.kernels = launcher(record_kernel)
     ring.stage_kernel = launcher(stage_kernel)
-    ring.stage = aligned(1 << 15, torch.uint8)
+    ring.stage = aligned(1 << 16, torch.uint8)  # 48 KiB for entries that are not lone: one 88-token entry
     ring._open[1234] = graph_ring._Open(FakeStream(1234, events), FakeStream(99, events))
     width = 96
     calls = []
-    for layer_index, tokens in enumerate((2, 3, 88, 4)):  # 88 tokens: over ALONE_BYTES, not staged
+    for layer_index, tokens in enumerate((2, 3, 88, 4)):  # 88 tokens: over ALONE_BYTES
         hidden = aligned(tokens * width, torch.bfloat16).view(tokens, width)
         weights = aligned(tokens, torch.bfloat16)
         weights.copy_(torch.rand(tokens))
@@ -856,7 +873,14 @@ def test_lone_launches_are_staged_off_the_graphs_path_and_joined_at_its_end(monk
         harness.capture(hidden, w1, weights, out, layer_index=layer_index)
         calls.append((hidden, w1, weights, out))
     ring.close_capture(1234)
-    assert ring.staged == {0, 1, 3} and harness.graph.counters.staged == 3
+    staged = [0, 1, 3] if stage_bytes is None else [0, 1, 2, 3]
+    assert ring.staged == set(staged) and harness.graph.counters.staged == len(staged)
+    layer_2 = [("launch", 1234, 0), ("wait", 99, 1234), ("launch", 99, 0)]  # staged as the others
+    if stage_bytes is None:
+        layer_2 = [
+            ("wait", 1234, 99),  # join: layer 2 reserves after the staged ones
+            ("launch", 1234, 0),  # its one node
+        ]
     assert events == [
         ("launch", 1234, 0),  # layer 0's staging copy, on the graph's path
         ("wait", 99, 1234),  # fork
@@ -864,8 +888,7 @@ def test_lone_launches_are_staged_off_the_graphs_path_and_joined_at_its_end(monk
         ("launch", 1234, 0),  # layer 1
         ("wait", 99, 1234),
         ("launch", 99, 0),
-        ("wait", 1234, 99),  # join: layer 2 reserves after the staged ones
-        ("launch", 1234, 0),  # its one node
+        *layer_2,
         ("launch", 1234, 0),  # layer 3
         ("wait", 99, 1234),
         ("launch", 99, 0),
@@ -881,7 +904,7 @@ def test_lone_launches_are_staged_off_the_graphs_path_and_joined_at_its_end(monk
     assert [programs for programs, _ in records] == [1, 1, 3, 1]
     slots = [args[3 * SPANS + 8 + 3] for args in staging]
     assert slots[0] == ring.stage.data_ptr() and slots == sorted(set(slots))  # a slot a launch, in order
-    for slot, (_programs, args) in zip(slots, (records[0], records[1], records[3]), strict=True):
+    for slot, (_programs, args) in zip(slots, [records[i] for i in staged], strict=True):
         # the record node reads the whole slot as one span and checks the output's staged copy
         assert (
             args[:6] == [slot, 0, args[3 * SPANS + 6], 0, 0, 0]
@@ -965,6 +988,25 @@ def test_staging_needs_room_and_a_check_inside_the_spans() -> None:
     assert ring._stage(spans) is None  # the staging area is full: the one-node path
 
 
+def test_entries_over_the_lone_size_are_staged_within_the_limit_and_leave_lone_ones_their_room() -> None:
+    # vLLM captures its largest batches first: entries that are not lone may be staged up to ``stage_bytes`` but
+    # take at most 3/4 of the area, so the decode batches captured last still find room
+    ring = GraphRing(1 << 16, torch.device("cpu"), tags=4, launches=4, use_kernel=False)
+    ring.stage = aligned(128 << 10, torch.uint8)
+    source = aligned(10 << 10, torch.float32)  # 40 KiB: over the lone size
+    big = Spans((source.data_ptr(),), (0,), (40 << 10,), (source.data_ptr(), 10 << 10, 3), 40 << 10)
+    lone = Spans((source.data_ptr(),), (0,), (8 << 10,), (source.data_ptr(), 2 << 10, 3), 8 << 10)
+    assert ring.stage_bytes == graph_ring.ALONE_BYTES
+    assert ring._stage(big) is None  # the default: lone entries only
+    ring.stage_bytes = 32 << 10
+    assert ring._stage(big) is None  # over the limit
+    ring.stage_bytes = 40 << 10
+    assert ring._stage(big) is not None and ring._stage(big) is not None  # 80 KiB of the 128
+    assert ring._stage(big) is None  # past 3/4 of the area
+    slots = [ring._stage(lone) for _ in range(6)]
+    assert all(slots) and ring._stage(lone) is None  # the rest: lone entries, until full
+
+
 # --- settings and the gate's prepare hook -------------------------------------------------------------------------
 
 
@@ -977,6 +1019,11 @@ def test_graph_ring_size_setting() -> None:
     )
     with pytest.raises(SettingsError, match="FLIGHT_GRAPH_BYTES"):
         settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_BYTES": "100"})
+    assert settings_from_environ(base).flight_graph_stage == graph_ring.ALONE_BYTES
+    staged = settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "384K"})
+    assert staged.flight_graph_stage == 384 << 10 and "flight_graph_stage=393216" in staged.describe()
+    with pytest.raises(SettingsError, match="FLIGHT_GRAPH_STAGE"):
+        settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "lots"})
 
 
 def test_the_gate_prepares_before_the_capture_begins_and_never_during_another() -> None:
