@@ -875,6 +875,7 @@ def test_lone_launches_are_staged_off_the_graphs_path_and_joined_at_its_end(
     ring.close_capture(1234)
     staged = [0, 1, 3] if stage_bytes is None else [0, 1, 2, 3]
     assert ring.staged == set(staged) and harness.graph.counters.staged == len(staged)
+    assert harness.graph.counters.lone == 3  # the 88-token entry's record node runs three programs, staged or not
     layer_2 = [("launch", 1234, 0), ("wait", 99, 1234), ("launch", 99, 0)]  # staged as the others
     if stage_bytes is None:
         layer_2 = [
