@@ -27,16 +27,16 @@ process lives (:data:`_KEEP` holds every ring).
 Staging (lone entries, and entries up to ``stage_bytes`` — ``MOEREPLAY_FLIGHT_GRAPH_STAGE`` — in a graph the graph
 gate opened: :meth:`GraphRing.open_capture` / :meth:`GraphRing.close_capture`): a node on the graph's own path costs
 its whole latency at every replay — at decode, ≈ 8 µs of the ≈ 109 µs a gpt-oss layer takes on the H200. So a
-staged launch puts on the graph's path only
-the STAGE variant of the kernel, which copies the spans into the launch's own slot of ``stage`` (no atomic, no
+staged launch puts on the graph's path only the STAGE variant of the kernel, which copies the spans into the launch's own slot of ``stage`` (no atomic, no
 fence), and its record node — the reservation, the copy from the slot into the ring, the check and the tag word —
 goes on a side stream forked right after that copy: it runs beside the layers that follow, and the capture's end
 joins it (a graph does not finish before it, and the slot is rewritten by the graph's next replay only).
 A staged entry that is not lone has a record node of many programs (the handshake, off the path). Known limits:
 slots are never reclaimed (a recaptured graph takes new ones; when the area is full, launches take the one-node
-path; entries that are not lone stop at three quarters of it, :data:`LONE_SHARE`); a one-node launch joins the side branch of its own stream only, so a layer call captured on
-another stream of the same graph could reserve before earlier staged ones (its sequence and step then count
-from there; vLLM captures its MoE layers on one stream).
+path; entries that are not lone stop at three quarters of it, :data:`LONE_SHARE`); a one-node launch joins the
+side branch of its own stream only, so a layer call captured on another stream of the same graph could reserve
+before earlier staged ones (its sequence and step then count from there; vLLM captures its MoE layers on one
+stream).
 
 Without Triton (CPU, tests) the same contract is kept by :meth:`GraphRing.replay`, which does what the
 kernels do with torch operations on the same state tensors; there is no capture to put it in, so a test replays
@@ -261,8 +261,8 @@ class GraphRing:
         node of the launch runs (1: every node alone, without the handshake; 0 without the kernels).
 
         Staged (a lone entry or one of at most ``stage_bytes``, in a graph opened with :meth:`open_capture`, while
-        the staging area has room): on
-        the graph's path only a copy of the spans into this launch's own staging slot (no atomics, no fence);
+        the staging area has room): on the graph's path only a copy of the spans into this launch's own staging
+        slot (no atomics, no fence);
         the record node — reservation, copy into the ring, check, tag word — reads that slot on a side stream
         forked there and joined when the capture ends, so it runs beside the layers that follow. The slot is
         rewritten by the next replay of the same graph only, which starts after this one's side branch ended."""
