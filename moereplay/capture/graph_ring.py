@@ -214,7 +214,9 @@ class GraphRing:
         with self._lock:
             # a capture left open (its end never reported) on this stream is over
             self._open.pop(handle, None)
-            taken = {opened.side.cuda_stream for opened in self._open.values()}
+            # a side stream is never a capturing stream: torch hands out its streams from a small pool, round
+            # robin, so one of ours may be the very stream a capture runs on (vLLM's, or another open one's)
+            taken = {opened.side.cuda_stream for opened in self._open.values()} | set(self._open) | {handle}
             side = next((side for side in self._sides if side.cuda_stream not in taken), None)
             if side is None:
                 return None

@@ -875,7 +875,8 @@ def test_lone_launches_are_staged_off_the_graphs_path_and_joined_at_its_end(
     ring.close_capture(1234)
     staged = [0, 1, 3] if stage_bytes is None else [0, 1, 2, 3]
     assert ring.staged == set(staged) and harness.graph.counters.staged == len(staged)
-    assert harness.graph.counters.lone == 3  # the 88-token entry's record node runs three programs, staged or not
+    # the 88-token entry's record node runs three programs, staged or not
+    assert harness.graph.counters.lone == 3
     layer_2 = [("launch", 1234, 0), ("wait", 99, 1234), ("launch", 99, 0)]  # staged as the others
     if stage_bytes is None:
         layer_2 = [
@@ -972,6 +973,23 @@ def test_a_capture_holds_its_side_stream_until_it_has_ended_and_stages_nothing_o
     ring.release_capture(555)  # never closed: not released
     assert 555 in ring._open
     assert opened_on(555) == 555 and ring._open[555].side.cuda_stream == 98  # the stale entry replaced
+
+
+def test_a_side_stream_is_never_the_stream_a_capture_runs_on(monkeypatch) -> None:
+    # torch hands out streams from a small pool, round robin: one of the ring's side streams may be the stream
+    # vLLM captures on (or another open capture's); forking onto it would put the record nodes on the graph's
+    # path, and another capture's stream cannot be forked into this one
+    events: list[tuple[str, int, int]] = []
+    current = [FakeStream(99, events)]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: current[0])
+    ring = GraphRing(1 << 16, torch.device("cpu"), tags=4, launches=4, use_kernel=False)
+    ring.stage_kernel = lambda programs, stream, args: None
+    ring._sides = [FakeStream(99, events), FakeStream(98, events), FakeStream(97, events)]
+    assert ring.open_capture() == 99 and ring._open[99].side.cuda_stream == 98
+    current[0] = FakeStream(97, events)
+    assert ring.open_capture() is None  # 99 captures, 98 is its side, 97 captures now: none left
+    ring._sides.append(FakeStream(96, events))
+    assert ring.open_capture() == 97 and ring._open[97].side.cuda_stream == 96
 
 
 def test_staging_needs_room_and_a_check_inside_the_spans() -> None:
