@@ -171,7 +171,8 @@ class _CopyOut:
 
 class GraphFlight(PollingRecorder):
     """See the module docstring. ``layer``: the eager layer-scope recorder (its call description, messages and
-    ``emit`` are reused); ``capacity``, ``tags``, ``launches``: of each device's graph ring (:class:`GraphRing`)."""
+    ``emit`` are reused); ``capacity``, ``tags``, ``launches``, ``stage_bytes`` (the largest entry staged beside the
+    graph's path, ``MOEREPLAY_FLIGHT_GRAPH_STAGE``): of each device's graph ring (:class:`GraphRing`)."""
 
     def __init__(
         self,
@@ -226,7 +227,7 @@ class GraphFlight(PollingRecorder):
             return ring
 
     def open_capture(self, index: int) -> tuple[GraphRing, int] | None:
-        """A graph capture has begun on device ``index``'s current stream: its ring may stage lone launches
+        """A graph capture has begun on device ``index``'s current stream: its ring may stage lone launches (and those up to ``stage_bytes``)
         (:meth:`GraphRing.open_capture`). Returns the token for :meth:`close_capture`."""
         watch = self._watches.get(index)
         if watch is None:

@@ -204,7 +204,7 @@ class GraphRing:
 
     def open_capture(self) -> int | None:
         """A graph capture begins on the current stream (``GraphGate``, right after ``capture_begin``): from now on
-        its lone launches may be staged (see :meth:`capture`). Returns the stream's handle for
+        its lone launches (and those up to ``stage_bytes``) may be staged (see :meth:`capture`). Returns the stream's handle for
         :meth:`close_capture` and :meth:`release_capture`, or None (no kernels, or every side stream taken: the
         one-node path)."""
         if self.stage_kernel is None:
@@ -259,8 +259,9 @@ class GraphRing:
         """Queue the record kernel node(s) of ``launch`` on the current stream — while it captures a graph,
         into the graph. ``first``: the launch bumps the graph step. Without the kernels, ``views`` (the spans'
         bytes), ``check`` (the output to reduce) and ``rows`` (the token count ``spans.rows`` points at) are kept
-        for :meth:`replay`. Returns the most programs a
-        node of the launch runs (1: every node alone, without the handshake; 0 without the kernels).
+        for :meth:`replay`. Returns the most programs a record node of the launch runs (1: every record node
+        alone, without the handshake; 0 without the kernels); a staged launch's staging copy, which needs no
+        handshake, may run more.
 
         Staged (a lone entry or one of at most ``stage_bytes``, in a graph opened with :meth:`open_capture`, while
         the staging area has room): on the graph's path only a copy of the spans into this launch's own staging
@@ -351,7 +352,9 @@ class GraphRing:
         spans, or no room left: an entry that is not lone leaves the area's last ``1 / LONE_SHARE`` to lone ones)."""
         numel = spans.check[1] if spans.check is not None else 0
         lone = spans.total <= ALONE_BYTES and numel <= ALONE_ELEMENTS
-        if self.stage is None or not (lone or spans.total <= self.stage_bytes):
+        # a limit at the lone size (the default) stages lone entries only, also one of few bytes but many elements
+        larger = self.stage_bytes > ALONE_BYTES and spans.total <= self.stage_bytes
+        if self.stage is None or not (lone or larger):
             return None
         room = self.stage.numel() if lone else self.stage.numel() - self.stage.numel() // LONE_SHARE
         check = None

@@ -29,9 +29,10 @@ that isolate where a node's time goes:
 - ``ring-3-forward-alone``: the same entry run by one program whatever its size (``graph_ring.ALONE_BYTES`` and
   ``ALONE_ELEMENTS`` lifted while it is captured): at 32 tokens, one SM's copy and fold against the handshake of
   many programs;
-- ``ring-3-forward-staged``: the same entry staged as a lone one is (the limits lifted the same way): on the
-  graph's path only the many-program staging copy, the one-program record node on the side stream (the replay's
-  time includes the side chain, joined at the capture's end).
+- ``ring-3-forward-staged``: the same entry staged (the ring's stage limit lifted, as
+  ``MOEREPLAY_FLIGHT_GRAPH_STAGE`` does): on the graph's path only the many-program staging copy, the record node
+  (many programs at 32 tokens) on the side stream; the replay's time includes the side chain, joined at the
+  capture's end.
 
 ``--tokens`` sets the rows of every variant's input and output (the stand-in layer's too); the routing spans keep
 their batch-1 sizes.
@@ -124,9 +125,14 @@ def main() -> int:
     def build(variant: str) -> torch.cuda.CUDAGraph:
         ring = None
         if variant != "bare":
-            # the staged forward entries need their staging slots: capacity // STAGE_SHARE of the ring
+            # the staged forward entries (the stage limit lifted, as MOEREPLAY_FLIGHT_GRAPH_STAGE does) need
+            # their staging slots: three quarters of capacity // STAGE_SHARE
+            staged_forward = variant == "ring-3-forward-staged"
             ring = GraphRing(
-                (512 if variant == "ring-3-forward-staged" else 64) << 20, device, launches=layers + 8
+                (512 if staged_forward else 64) << 20,
+                device,
+                launches=layers + 8,
+                stage_bytes=1 << 30 if staged_forward else graph_ring.ALONE_BYTES,
             )
             if variant.endswith("devwords"):
                 words = torch.zeros(ring.tags + 1, dtype=torch.int64, device=device)
@@ -140,21 +146,23 @@ def main() -> int:
         alone, alone_elements = graph_ring.ALONE_BYTES, graph_ring.ALONE_ELEMENTS
         if variant.endswith("shared"):
             graph_ring.ALONE_BYTES = -1  # never alone: the work per program decides (three programs here)
-        elif variant.endswith("alone") or variant == "ring-3-forward-staged":
+        elif variant.endswith("alone"):
             graph_ring.ALONE_BYTES = graph_ring.ALONE_ELEMENTS = 1 << 62  # one program whatever the entry
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            # what the graph gate's hooks do around a served capture: open it for staging, join at its end
-            handle = ring.open_capture() if ring is not None and variant.endswith("staged") else None
-            for i in range(layers):
-                torch.add(inputs[i], 1.0, out=outputs[i])  # the "layer call"
+        try:
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                # what the graph gate's hooks do around a served capture: open it for staging, join at its end
+                handle = ring.open_capture() if ring is not None and variant.endswith("staged") else None
+                for i in range(layers):
+                    torch.add(inputs[i], 1.0, out=outputs[i])  # the "layer call"
+                    if ring is not None:
+                        launch = ring.new_launch()
+                        assert launch is not None
+                        ring.capture(launch, spans(i, extra, not variant.endswith("nocheck")), first=i == 0)
                 if ring is not None:
-                    launch = ring.new_launch()
-                    assert launch is not None
-                    ring.capture(launch, spans(i, extra, not variant.endswith("nocheck")), first=i == 0)
-            if ring is not None:
-                assert len(ring.staged) == (layers if handle is not None else 0)
-                ring.close_capture(handle)
-        graph_ring.ALONE_BYTES, graph_ring.ALONE_ELEMENTS = alone, alone_elements
+                    assert len(ring.staged) == (layers if handle is not None else 0)
+                    ring.close_capture(handle)
+        finally:
+            graph_ring.ALONE_BYTES, graph_ring.ALONE_ELEMENTS = alone, alone_elements
         return graph
 
     variants = [

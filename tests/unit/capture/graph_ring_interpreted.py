@@ -3,7 +3,8 @@
 words — 33+ int32 token offsets behind 4- and 8-byte leads — one node, alone), eight tokens (the node's three
 programs share the entry through the arrive/ready handshake), forty tokens (three spans, three programs) and 26
 spans (two nodes sharing one entry); the first and the last again staged (the STAGE variant's copy into a
-staging slot, then one record node reading the slot). Three replays each: every span's bytes in its entry, the tag word's magnitude, the metadata row, the
+staging slot, then one record node reading the slot), and eight tokens staged under a stage limit above the lone
+size (the record node's three programs read the slot). Three replays each: every span's bytes in its entry, the tag word's magnitude, the metadata row, the
 launch's cells reset. Prints one line per case; run by ``test_ring_kernels_triton.py``."""
 
 from __future__ import annotations
@@ -45,16 +46,25 @@ def replay() -> None:
         )
 
 
-def case(tokens: int, span_count: int, staged: bool = False, real: int | None = None) -> None:
-    """``real``: the step's token count, read at replay (rows past it are padding: NaN here, not checked)."""
+def case(
+    tokens: int,
+    span_count: int,
+    staged: bool = False,
+    real: int | None = None,
+    stage_bytes: int | None = None,
+) -> None:
+    """``real``: the step's token count, read at replay (rows past it are padding: NaN here, not checked);
+    ``stage_bytes``: the ring's stage limit (entries larger than lone ones staged too)."""
     GRAPH.clear()
     ring = GraphRing(1 << 21, torch.device("cpu"), tags=8, launches=4, use_kernel=False)
+    if stage_bytes is not None:
+        ring.stage_bytes = stage_bytes
     ring.kernels = capture_launch
     if (
         staged
     ):  # a graph opened for staging: the STAGE variant's copy, then the record node on the side stream
         ring.stage_kernel = capture_stage
-        ring.stage = placed(1 << 16, torch.uint8)
+        ring.stage = placed(1 << 18, torch.uint8)
         ring._open[0] = graph_ring._Open(Stream(0), Stream(1))
     tensors = [placed(tokens * 2880, torch.bfloat16)]
     tensors += [placed(33 + i, torch.int32, 4 * (i % 3)) for i in range(span_count - 2)]
@@ -118,6 +128,9 @@ def main() -> None:
     )  # a padded batch: the count in the metadata row, padding rows unchecked (shared entry)
     case(2, 18, staged=True, real=1)  # the same through the staged record node
     case(8, 26, real=5)  # two nodes: the reserving one stores the count, the last one limits its check
+    # an entry larger than a lone one, staged (MOEREPLAY_FLIGHT_GRAPH_STAGE): the record node on the side stream
+    # runs three programs through the handshake, reading the slot and the count
+    case(8, 18, staged=True, real=6, stage_bytes=1 << 20)
 
 
 if __name__ == "__main__":

@@ -1017,6 +1017,8 @@ def test_entries_over_the_lone_size_are_staged_within_the_limit_and_leave_lone_o
     lone = Spans((source.data_ptr(),), (0,), (8 << 10,), (source.data_ptr(), 2 << 10, 3), 8 << 10)
     assert ring.stage_bytes == graph_ring.ALONE_BYTES
     assert ring._stage(big) is None  # the default: lone entries only
+    wide = Spans((source.data_ptr(),), (0,), (24 << 10,), (source.data_ptr(), 12_000, 2), 24 << 10)
+    assert ring._stage(wide) is None  # few bytes but more elements than one program checks: not lone either
     ring.stage_bytes = 32 << 10
     assert ring._stage(big) is None  # over the limit
     ring.stage_bytes = 40 << 10

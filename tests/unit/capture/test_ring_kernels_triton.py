@@ -21,7 +21,7 @@ def test_graph_record_keeps_every_span_the_magnitude_and_the_token_count_in_the_
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("entries right: True") == 9, done.stdout
+    assert done.stdout.count("entries right: True") == 10, done.stdout
     assert (
         "tokens 1, 18 spans: 1 nodes (0 staging), 1 programs" in done.stdout
     )  # gpt-oss decode: one node, alone
@@ -33,6 +33,8 @@ def test_graph_record_keeps_every_span_the_magnitude_and_the_token_count_in_the_
     assert "tokens 8, 6 real, 18 spans: 1 nodes (0 staging), 3 programs" in done.stdout
     assert "tokens 2, 1 real, 18 spans: 2 nodes (1 staging), 1 programs" in done.stdout
     assert "tokens 8, 5 real, 26 spans: 2 nodes (0 staging), 3 programs" in done.stdout
+    # larger than lone, staged: the copy, then a record node of three programs on the side stream
+    assert "tokens 8, 6 real, 18 spans: 2 nodes (1 staging), 3 programs" in done.stdout
 
 
 @pytest.mark.parametrize("stage", [0, 1])
