@@ -8,7 +8,8 @@ kernels captured into the graph; vLLM 0.25.1's ``fused_marlin_moe`` from the ker
 - thousands of replays through a small graph ring (it laps hundreds of times): no check lost, nothing overwritten
   written;
 - a graph captured in a stand-in model runner's frame, replayed with NaN in its padding rows (past the runner's
-  token count) on the staged lone path and the multi-program path: no trigger; a NaN in a real row triggers;
+  token count) on the staged lone path, the multi-program path and that path staged (its record node of many
+  programs reading the count on the side stream): no trigger; a NaN in a real row triggers;
 - vLLM's ``fused_marlin_moe`` at gpt-oss NVFP4 shapes (E = 32, top-4, hidden 2880, intermediate 2944, M = 8) in a
   CUDA graph (default activation: SWIGLUOAI's clamps would turn a NaN into a finite value): a NaN written into the
   hidden-states buffer before replay k triggers within the delay; the file holds
@@ -217,17 +218,23 @@ class _Runner:
 
 
 @pytest.mark.parametrize(
-    ("tokens", "hidden", "staged"),
-    [(8, 64, 1), (512, 1024, 0)],
-    ids=["lone-staged", "multi-program"],
+    ("tokens", "hidden", "staged", "stage"),
+    [(8, 64, 1, None), (512, 1024, 0, None), (512, 1024, 1, "8M")],
+    ids=["lone-staged", "multi-program", "multi-program-staged"],
 )
 def test_padding_rows_of_a_replayed_graph_do_not_trigger(
-    kernels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tokens: int, hidden: int, staged: int
+    kernels,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tokens: int,
+    hidden: int,
+    staged: int,
+    stage: str | None,
 ) -> None:
     from moereplay.capture import padded_rows
 
     monkeypatch.setattr(padded_rows, "batch_tokens", lambda: tokens)  # vLLM's BatchDescriptor while capturing
-    session = _arm(tmp_path, flight_calls="4")
+    session = _arm(tmp_path, flight_calls="4", **({} if stage is None else {"flight_graph_stage": stage}))
     graph_flight = _graph_flight(session)
     generator = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(tokens, hidden, device="cuda", generator=generator)
