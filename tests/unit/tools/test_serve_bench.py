@@ -107,6 +107,25 @@ def test_the_idle_setting_arms_the_recorder_with_no_layer_selected(bench: types.
     assert settings_from_environ(bench.SETTINGS["flight"]).layers.everything
 
 
+def test_every_setting_parses_and_the_stage_setting_has_room_for_a_batch_of_32(
+    bench: types.ModuleType,
+) -> None:
+    """A typo in a setting's variables would only show as a server that refuses to arm, minutes into a GPU call."""
+    from moereplay.capture import graph_ring
+    from moereplay.capture.settings import settings_from_environ
+
+    parsed = {name: settings_from_environ(env) for name, env in bench.SETTINGS.items() if env}
+    staged = parsed["flight-stage"]
+    entry = (
+        2 * 32 * 2880 * 2 + 256
+    )  # a gpt-oss batch of 32 at triton_kernel_moe_forward: hidden, output, logits
+    assert staged.flight_graph_stage >= entry
+    area = staged.flight_graph_bytes // graph_ring.STAGE_SHARE
+    room = area - area // graph_ring.LONE_SHARE
+    assert 2 * 24 * entry <= room  # 24 layers, piecewise and full graphs
+    assert parsed["flight"].flight_graph_stage == graph_ring.ALONE_BYTES
+
+
 def test_a_server_whose_requests_fail_is_named_with_its_logs_error_lines(
     bench: types.ModuleType, tmp_path: Path
 ) -> None:
