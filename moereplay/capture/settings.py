@@ -500,7 +500,16 @@ def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None
     if (text := get("FLIGHT_BESIDE_BYTES")) is not None:
         values["flight_beside_bytes"] = parse_size("FLIGHT_BESIDE_BYTES", text)
     if (text := get("FLIGHT_GRAPH_STAGE")) is not None:
-        values["flight_graph_stage"] = parse_size("FLIGHT_GRAPH_STAGE", text)
+        stage = values["flight_graph_stage"] = parse_size("FLIGHT_GRAPH_STAGE", text)
+        ring = int(values.get("flight_graph_bytes", CaptureSettings.flight_graph_bytes))
+        room = ring // 16 - ring // 64  # three quarters of the staging area (graph_ring.STAGE_SHARE, LONE_SHARE)
+        if ring and stage > max(room, FLIGHT_GRAPH_STAGE):
+            raise _bad(
+                "FLIGHT_GRAPH_STAGE",
+                text,
+                f"exceeds the {room} bytes such entries may take of a {ring}-byte graph ring "
+                "(raise MOEREPLAY_FLIGHT_GRAPH_BYTES with it)",
+            )
     if (text := get("FLIGHT_TRIGGERS")) is not None:
         values["flight_triggers"] = parse_count("FLIGHT_TRIGGERS", text)
     if (text := get("ABSMAX")) is not None:

@@ -1045,6 +1045,18 @@ def test_graph_ring_size_setting() -> None:
     assert staged.flight_graph_stage == 384 << 10 and "flight_graph_stage=393216" in staged.describe()
     with pytest.raises(SettingsError, match="FLIGHT_GRAPH_STAGE"):
         settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "lots"})
+    # an entry larger than what a 256M ring lets such entries take (12M) could never be staged: said at once
+    assert (graph_ring.STAGE_SHARE, graph_ring.LONE_SHARE) == (
+        16,
+        4,
+    )  # what the settings' room check spells out
+    with pytest.raises(SettingsError, match=r"FLIGHT_GRAPH_STAGE.*raise MOEREPLAY_FLIGHT_GRAPH_BYTES"):
+        settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "16M"})
+    assert (
+        settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "12M"}).flight_graph_stage == 12 << 20
+    )
+    bigger = {**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "16M", "MOEREPLAY_FLIGHT_GRAPH_BYTES": "1G"}
+    assert settings_from_environ(bigger).flight_graph_stage == 16 << 20
 
 
 def test_the_gate_prepares_before_the_capture_begins_and_never_during_another() -> None:
