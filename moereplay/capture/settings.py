@@ -501,7 +501,8 @@ def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None
         values["flight_beside_bytes"] = parse_size("FLIGHT_BESIDE_BYTES", text)
     if (text := get("FLIGHT_GRAPH_STAGE")) is not None:
         stage = values["flight_graph_stage"] = parse_size("FLIGHT_GRAPH_STAGE", text)
-        ring = int(values.get("flight_graph_bytes", CaptureSettings.flight_graph_bytes))
+        ring = values.get("flight_graph_bytes", CaptureSettings.flight_graph_bytes)
+        assert isinstance(ring, int)
         room = ring // 16 - ring // 64  # three quarters of the staging area (graph_ring.STAGE_SHARE, LONE_SHARE)
         if ring and stage > max(room, FLIGHT_GRAPH_STAGE):
             raise _bad(

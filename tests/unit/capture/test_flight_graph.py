@@ -343,7 +343,7 @@ def test_a_call_that_may_write_its_inputs_is_not_kept_under_a_graph(
 
 
 def test_the_stage_setting_reaches_the_graph_ring(tmp_path, graph_module, monkeypatch) -> None:
-    session = _arm(tmp_path, flight_graph_bytes="64K", flight_graph_stage="384K")
+    session = _arm(tmp_path, flight_graph_bytes="8M", flight_graph_stage="384K")  # 384K of its staging area
     assert EmulatedGraph(session, monkeypatch).ring.stage_bytes == 384 << 10
     session.close()
 
