@@ -227,8 +227,8 @@ class GraphFlight(PollingRecorder):
             return ring
 
     def open_capture(self, index: int) -> tuple[GraphRing, int] | None:
-        """A graph capture has begun on device ``index``'s current stream: its ring may stage lone launches (and those up to ``stage_bytes``)
-        (:meth:`GraphRing.open_capture`). Returns the token for :meth:`close_capture`."""
+        """A graph capture has begun on device ``index``'s current stream: its ring may stage lone launches (and
+        those up to ``stage_bytes``, :meth:`GraphRing.open_capture`). Returns the token for :meth:`close_capture`."""
         watch = self._watches.get(index)
         if watch is None:
             return None

@@ -27,10 +27,11 @@ process lives (:data:`_KEEP` holds every ring).
 Staging (lone entries, and entries up to ``stage_bytes`` — ``MOEREPLAY_FLIGHT_GRAPH_STAGE`` — in a graph the graph
 gate opened: :meth:`GraphRing.open_capture` / :meth:`GraphRing.close_capture`): a node on the graph's own path costs
 its whole latency at every replay — at decode, ≈ 8 µs of the ≈ 109 µs a gpt-oss layer takes on the H200. So a
-staged launch puts on the graph's path only the STAGE variant of the kernel, which copies the spans into the launch's own slot of ``stage`` (no atomic, no
-fence), and its record node — the reservation, the copy from the slot into the ring, the check and the tag word —
-goes on a side stream forked right after that copy: it runs beside the layers that follow, and the capture's end
-joins it (a graph does not finish before it, and the slot is rewritten by the graph's next replay only).
+staged launch puts on the graph's path only the STAGE variant of the kernel, which copies the spans into the
+launch's own slot of ``stage`` (no atomic, no fence), and its record node — the reservation, the copy from the slot
+into the ring, the check and the tag word — goes on a side stream forked right after that copy: it runs beside the
+layers that follow, and the capture's end joins it (a graph does not finish before it, and the slot is rewritten by
+the graph's next replay only).
 A staged entry that is not lone has a record node of many programs (the handshake, off the path). Known limits:
 slots are never reclaimed (a recaptured graph takes new ones; when the area is full, launches take the one-node
 path; entries that are not lone stop at three quarters of it, :data:`LONE_SHARE`); a one-node launch joins the
@@ -67,8 +68,9 @@ ALONE_BYTES = 32 << 10
 ALONE_ELEMENTS = 8192
 """A node moving at most this many bytes and checking at most this many output elements runs as one program: the
 arrive/ready/done handshake that lets several programs share an entry is a chain of dependent atomics, which costs
-more than one SM copying 32 KiB (``tools/bench/graph_ring_bench.py`` measures both: ``ring-12`` vs ``ring-12-shared``). A gpt-oss decode layer
-call at batch 1 (two 5.6 KB activations, routing metadata, 2,880 output elements) fits."""
+more than one SM copying 32 KiB (``tools/bench/graph_ring_bench.py`` measures both: ``ring-12`` vs
+``ring-12-shared``). A gpt-oss decode layer call at batch 1 (two 5.6 KB activations, routing metadata, 2,880 output
+elements) fits."""
 
 STAGE_SHARE = 16
 """The staging area of a ring (entries staged off the graph's critical path, see :meth:`GraphRing.capture`) is
@@ -204,9 +206,9 @@ class GraphRing:
 
     def open_capture(self) -> int | None:
         """A graph capture begins on the current stream (``GraphGate``, right after ``capture_begin``): from now on
-        its lone launches (and those up to ``stage_bytes``) may be staged (see :meth:`capture`). Returns the stream's handle for
-        :meth:`close_capture` and :meth:`release_capture`, or None (no kernels, or every side stream taken: the
-        one-node path)."""
+        its lone launches (and those up to ``stage_bytes``) may be staged (see :meth:`capture`). Returns the
+        stream's handle for :meth:`close_capture` and :meth:`release_capture`, or None (no kernels, or every side
+        stream taken: the one-node path)."""
         if self.stage_kernel is None:
             return None
         stream = torch.cuda.current_stream(self.index)
