@@ -79,6 +79,18 @@ LONE_SHARE = 4
 """Of the staging area, ``1 / LONE_SHARE`` is kept for lone entries: vLLM captures its largest batch sizes first,
 so entries larger than lone ones (staged when ``stage_bytes`` allows them) must not take the room of the decode
 batches captured last."""
+
+
+def staging_area(capacity: int) -> int:
+    """The staging area's bytes in a ring of ``capacity`` bytes (:data:`STAGE_SHARE`)."""
+    return max(ALIGNMENT, (capacity - capacity % ALIGNMENT) // STAGE_SHARE // ALIGNMENT * ALIGNMENT)
+
+
+def larger_room(area: int) -> int:
+    """Of a staging area of ``area`` bytes, what entries that are not lone may take (:data:`LONE_SHARE`)."""
+    return area - area // LONE_SHARE
+
+
 SIDE_STREAMS = 4
 """Graphs one ring can stage for while they are being captured at once (one side stream each)."""
 
@@ -178,7 +190,7 @@ class GraphRing:
             host, self._host_address = _host_words(tags + 1, cuda)
             self.kernels = _compile(self.index) if use_kernel else None
             self.stage_kernel = _compile(self.index, stage=True) if use_kernel else None
-            area = max(ALIGNMENT, capacity // STAGE_SHARE // ALIGNMENT * ALIGNMENT)
+            area = staging_area(capacity)
             self.stage = torch.empty(area, dtype=torch.uint8, device=device) if use_kernel else None
             self._sides = [torch.cuda.Stream(device) for _ in range(SIDE_STREAMS)] if use_kernel else []
             if use_kernel:
@@ -358,7 +370,7 @@ class GraphRing:
         larger = self.stage_bytes > ALONE_BYTES and spans.total <= self.stage_bytes
         if self.stage is None or not (lone or larger):
             return None
-        room = self.stage.numel() if lone else self.stage.numel() - self.stage.numel() // LONE_SHARE
+        room = self.stage.numel() if lone else larger_room(self.stage.numel())
         check = None
         if spans.check is not None:
             address, numel, code = spans.check

@@ -504,7 +504,9 @@ def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None
         stage = values["flight_graph_stage"] = parse_size("FLIGHT_GRAPH_STAGE", text)
         ring = values.get("flight_graph_bytes", CaptureSettings.flight_graph_bytes)
         assert isinstance(ring, int)
-        room = ring // 16 - ring // 64  # three quarters of the staging area (graph_ring.STAGE_SHARE, LONE_SHARE)
+        from moereplay.capture.graph_ring import larger_room, staging_area  # torch: only where this is set
+
+        room = larger_room(staging_area(ring)) if ring else 0
         if ring and stage > max(room, FLIGHT_GRAPH_STAGE):
             raise _bad(
                 "FLIGHT_GRAPH_STAGE",

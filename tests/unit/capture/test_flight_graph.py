@@ -1046,10 +1046,7 @@ def test_graph_ring_size_setting() -> None:
     with pytest.raises(SettingsError, match="FLIGHT_GRAPH_STAGE"):
         settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "lots"})
     # an entry larger than what a 256M ring lets such entries take (12M) could never be staged: said at once
-    assert (graph_ring.STAGE_SHARE, graph_ring.LONE_SHARE) == (
-        16,
-        4,
-    )  # what the settings' room check spells out
+    assert (graph_ring.STAGE_SHARE, graph_ring.LONE_SHARE) == (16, 4)  # the 12M follows from these
     with pytest.raises(SettingsError, match=r"FLIGHT_GRAPH_STAGE.*raise MOEREPLAY_FLIGHT_GRAPH_BYTES"):
         settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "16M"})
     assert (
