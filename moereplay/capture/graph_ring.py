@@ -28,16 +28,19 @@ Staging (lone entries, and entries up to ``stage_bytes`` — ``MOEREPLAY_FLIGHT_
 gate opened: :meth:`GraphRing.open_capture` / :meth:`GraphRing.close_capture`): a node on the graph's own path costs
 its whole latency at every replay — at decode, ≈ 8 µs of the ≈ 109 µs a gpt-oss layer takes on the H200. So a
 staged launch puts on the graph's path only the STAGE variant of the kernel, which copies the spans into the
-launch's own slot of ``stage`` (no atomic, no fence), and its record node — the reservation, the copy from the slot
+launch's slot of ``stage`` (no atomic, no fence), and its record node — the reservation, the copy from the slot
 into the ring, the check and the tag word — goes on a side stream forked right after that copy: it runs beside the
-layers that follow, and the capture's end joins it (a graph does not finish before it, and the slot is rewritten by
-the graph's next replay only).
-A staged entry that is not lone has a record node of many programs (the handshake, off the path). Known limits:
-slots are never reclaimed (a recaptured graph takes new ones; when the area is full, launches take the one-node
-path; entries that are not lone stop at three quarters of it, :data:`LONE_SHARE`); a one-node launch joins the
-side branch of its own stream only, so a layer call captured on another stream of the same graph could reserve
-before earlier staged ones (its sequence and step then count from there; vLLM captures its MoE layers on one
-stream).
+layers that follow, and the capture's end joins it (a graph does not finish before it).
+A staged entry that is not lone has a record node of many programs (the handshake, off the path).
+Slots: a capture's staged launches take consecutive slots from the area's start, and every graph reuses the area
+from its start: a graph's replay, its side branch included, ends before the next graph replayed on the same stream
+begins, so no two replays use a slot at once. The area a graph needs is its own staged entries (a full gpt-oss
+decode graph at batch 32: 24 × 370 KB), not the sum over every graph vLLM captures; a recaptured graph takes no
+new room. When a graph's staged entries fill the area, its later launches take the one-node path.
+Known limits: graphs replayed at the same time on different streams would share slots (vLLM replays its graphs
+one after another on its one stream); a one-node launch joins the side branch of its own stream only, so a layer
+call captured on another stream of the same graph could reserve before earlier staged ones (its sequence and step
+then count from there; vLLM captures its MoE layers on one stream).
 
 Without Triton (CPU, tests) the same contract is kept by :meth:`GraphRing.replay`, which does what the
 kernels do with torch operations on the same state tensors; there is no capture to put it in, so a test replays
@@ -74,21 +77,13 @@ elements) fits."""
 
 STAGE_SHARE = 16
 """The staging area of a ring (entries staged off the graph's critical path, see :meth:`GraphRing.capture`) is
-``capacity // STAGE_SHARE`` bytes; launches past it take the one-node path."""
-LONE_SHARE = 4
-"""Of the staging area, ``1 / LONE_SHARE`` is kept for lone entries: vLLM captures its largest batch sizes first,
-so entries larger than lone ones (staged when ``stage_bytes`` allows them) must not take the room of the decode
-batches captured last."""
+``capacity // STAGE_SHARE`` bytes, reused by every graph; a graph's launches past it take the one-node path."""
 
 
 def staging_area(capacity: int) -> int:
-    """The staging area's bytes in a ring of ``capacity`` bytes (:data:`STAGE_SHARE`)."""
+    """The staging area's bytes in a ring of ``capacity`` bytes (:data:`STAGE_SHARE`): the most one graph's staged
+    entries may take."""
     return max(ALIGNMENT, (capacity - capacity % ALIGNMENT) // STAGE_SHARE // ALIGNMENT * ALIGNMENT)
-
-
-def larger_room(area: int) -> int:
-    """Of a staging area of ``area`` bytes, what entries that are not lone may take (:data:`LONE_SHARE`)."""
-    return area - area // LONE_SHARE
 
 
 SIDE_STREAMS = 4
@@ -134,6 +129,7 @@ class _Open:
     side: Any
     pending: bool = False
     closing: bool = False  # the capture is ending: nothing more is staged in it
+    used: int = 0  # staging bytes its launches took, from the area's start
 
 
 @dataclass(eq=False)
@@ -195,7 +191,6 @@ class GraphRing:
             self._sides = [torch.cuda.Stream(device) for _ in range(SIDE_STREAMS)] if use_kernel else []
             if use_kernel:
                 _programs(self.index)  # device properties read now, not while a graph is being captured
-        self._stage_used = 0
         self.stage_bytes = stage_bytes  # entries up to this size may be staged (lone ones always may)
         self._open: dict[int, _Open] = {}
         self.staged: set[int] = set()  # launch ids whose record node is off the critical path
@@ -282,7 +277,7 @@ class GraphRing:
         slot (no atomics, no fence);
         the record node — reservation, copy into the ring, check, tag word — reads that slot on a side stream
         forked there and joined when the capture ends, so it runs beside the layers that follow. The slot is
-        rewritten by the next replay of the same graph only, which starts after this one's side branch ended."""
+        rewritten by the next graph replayed on the stream, which starts after this one's side branch ended."""
         if spans.total > self.max_entry:
             raise ValueError(f"an entry of {spans.total} bytes exceeds the graph ring's {self.max_entry}")
         if self.kernels is not None and any(source & 7 for source in spans.sources):
@@ -301,7 +296,7 @@ class GraphRing:
             opened = self._open.get(stream)
         if opened is not None and opened.closing:
             opened = None
-        staged = self._stage(spans) if opened is not None else None
+        staged = self._stage(spans, opened) if opened is not None else None
         if opened is not None and opened.pending and staged is None:
             self._join(opened)  # a one-node launch reserves after the staged ones before it
         if opened is None or staged is None:
@@ -360,17 +355,16 @@ class GraphRing:
             most = max(most, programs)
         return most
 
-    def _stage(self, spans: Spans) -> tuple[int, Spans] | None:
-        """A staging slot for a lone entry, or one of at most ``stage_bytes``: its address and the record node's
-        spans (the whole slot as one span, the check moved into it), or None (too large, the check outside the
-        spans, or no room left: an entry that is not lone leaves the area's last ``1 / LONE_SHARE`` to lone ones)."""
+    def _stage(self, spans: Spans, opened: _Open) -> tuple[int, Spans] | None:
+        """The next staging slot of the graph ``opened`` for a lone entry, or one of at most ``stage_bytes``: its
+        address and the record node's spans (the whole slot as one span, the check moved into it), or None (too
+        large, the check outside the spans, or the graph's staged entries fill the area)."""
         numel = spans.check[1] if spans.check is not None else 0
         lone = spans.total <= ALONE_BYTES and numel <= ALONE_ELEMENTS
         # a limit at the lone size (the default) stages lone entries only, also one of few bytes but many elements
         larger = self.stage_bytes > ALONE_BYTES and spans.total <= self.stage_bytes
         if self.stage is None or not (lone or larger):
             return None
-        room = self.stage.numel() if lone else larger_room(self.stage.numel())
         check = None
         if spans.check is not None:
             address, numel, code = spans.check
@@ -384,10 +378,10 @@ class GraphRing:
                 return None
             check = (inside[0], address - spans.sources[inside[0]], numel, code)
         with self._lock:
-            if self._stage_used + spans.total > room:
+            if opened.used + spans.total > self.stage.numel():
                 return None
-            slot = self.stage.data_ptr() + self._stage_used
-            self._stage_used += spans.total
+            slot = self.stage.data_ptr() + opened.used
+            opened.used += spans.total
         moved = None
         if check is not None:
             span, lead, numel, code = check

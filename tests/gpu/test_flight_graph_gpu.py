@@ -278,6 +278,45 @@ def test_padding_rows_of_a_replayed_graph_do_not_trigger(
         ), [record.context for record in records]
 
 
+def test_graphs_sharing_the_staging_area_keep_each_replays_bits(kernels, tmp_path: Path) -> None:
+    # every graph stages from the area's start (graph_ring: a graph's replay, its side branch included, ends before
+    # the next one on the stream begins): two graphs of entries that are not lone, replayed alternately, share
+    # their slot; each written replay holds its own bits, none the other graph's
+    session = _arm(tmp_path, flight_calls="8", flight_graph_stage="1M")
+    graph_flight = _graph_flight(session)
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    w1 = torch.randn(256, 256, device="cuda", generator=generator) / 16
+    w2 = torch.randn(256, 256, device="cuda", generator=generator) / 16
+    graphs = []
+    for tokens in (96, 64):  # 96 KB and 64 KB entries: over the lone size, many programs
+        static = torch.randn(tokens, 256, device="cuda", generator=generator)
+        weights = torch.rand(tokens, device="cuda", generator=generator)
+        out = torch.empty(tokens, 256, device="cuda")
+        graph = _capture(lambda s=static, w=weights, o=out: kernels.layer(s, w1, w2, w, o))
+        graphs.append((graph, static, out))
+    assert graph_flight.counters.launches == 2 and graph_flight.counters.staged == 2
+    ring = next(iter(graph_flight._watches.values())).ring
+    assert ring.staged == {0, 1}
+    seen = []
+    for replay in range(40):
+        graph, static, out = graphs[replay % 2]
+        static.normal_(generator=generator)
+        if replay == 39:
+            static[3, 5] = float("nan")
+        graph.replay()
+        seen.append((static.clone(), out.clone()))
+    torch.cuda.synchronize()
+    assert _wait_for_trigger(graph_flight, 1) < DELAY_S
+    session_module.disarm()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        assert [record.context["graph_sequence"] for record in records] == list(range(32, 40))
+        for record in records:
+            hidden, output = seen[record.context["graph_sequence"]]
+            assert torch.equal(_bits(reader.load_args(record.index)["hidden"]), _bits(hidden))
+            assert torch.equal(_bits(reader.load_outputs(record.index)["output"]), _bits(output))
+
+
 def test_a_lapping_graph_ring_loses_no_check_and_writes_nothing_overwritten(kernels, tmp_path: Path) -> None:
     # one entry = hidden + topk + output, three 256-byte spans (5 × 8 floats): a 64 KiB ring laps every ~85 replays
     session = _arm(tmp_path, flight_calls="8", flight_graph_bytes="64K")

@@ -126,7 +126,7 @@ def main() -> int:
         ring = None
         if variant != "bare":
             # the staged forward entries (the stage limit lifted, as MOEREPLAY_FLIGHT_GRAPH_STAGE does) need
-            # their staging slots: three quarters of capacity // STAGE_SHARE
+            # their staging slots: the graph's layers take capacity // STAGE_SHARE at the most
             staged_forward = variant == "ring-3-forward-staged"
             ring = GraphRing(
                 (512 if staged_forward else 64) << 20,

@@ -80,13 +80,12 @@ SETTINGS: dict[str, dict[str, str]] = {
     },
     # the flight recorder staging graph entries up to 384 KiB (a gpt-oss decode batch of 32 at
     # triton_kernel_moe_forward: 370 KB), not only lone ones: what staging saves where a node of many programs
-    # sat on the graph's path. A 1G ring: its 64 MB staging area leaves 48 MB to such entries, room for 24 layers
-    # of batches 4-32 twice (vLLM captures piecewise graphs, then the full decode graphs)
+    # sat on the graph's path. The default ring: every graph reuses its 16 MB staging area, and a full decode
+    # graph of 24 layers at batch 32 takes 9 MB of it
     "flight-stage": {
         "MOEREPLAY_CAPTURE": "1",
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_GRAPH_STAGE": "384K",
-        "MOEREPLAY_FLIGHT_GRAPH_BYTES": "1G",
     },
     # diagnostic: capture off again, a second server (an A/A test): its ratio to "off" is the bench's own spread
     # between two servers doing the same thing — a setting's ratio within it says nothing

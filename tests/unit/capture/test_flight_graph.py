@@ -860,7 +860,7 @@ def test_lone_launches_are_staged_off_the_graphs_path_and_joined_at_its_end(
 
     ring.kernels = launcher(record_kernel)
     ring.stage_kernel = launcher(stage_kernel)
-    ring.stage = aligned(1 << 16, torch.uint8)  # 48 KiB for entries that are not lone: one 88-token entry
+    ring.stage = aligned(1 << 16, torch.uint8)  # 64 KiB: room for every entry of this graph
     ring._open[1234] = graph_ring._Open(FakeStream(1234, events), FakeStream(99, events))
     width = 96
     calls = []
@@ -995,37 +995,52 @@ def test_a_side_stream_is_never_the_stream_a_capture_runs_on(monkeypatch) -> Non
 def test_staging_needs_room_and_a_check_inside_the_spans() -> None:
     ring = GraphRing(1 << 16, torch.device("cpu"), tags=4, launches=4, use_kernel=False)
     ring.stage = aligned(1024, torch.uint8)
+    opened = graph_ring._Open(None, None)
     source = aligned(64, torch.float32)
     spans = Spans((source.data_ptr(),), (0,), (256,), (source.data_ptr() + 4, 60, 3), 256)
-    slot, staged = ring._stage(spans)  # type: ignore[misc]
+    slot, staged = ring._stage(spans, opened)  # type: ignore[misc]
     assert slot == ring.stage.data_ptr() and staged.sources == (slot,) and staged.sizes == (256,)
     assert staged.check == (slot + 4, 60, 3)
     outside = Spans((source.data_ptr(),), (0,), (256,), (source.data_ptr() + 4, 64, 3), 256)
-    assert ring._stage(outside) is None  # the check runs past its span
+    assert ring._stage(outside, opened) is None  # the check runs past its span
     for _ in range(3):
-        assert ring._stage(spans) is not None
-    assert ring._stage(spans) is None  # the staging area is full: the one-node path
+        assert ring._stage(spans, opened) is not None
+    assert ring._stage(spans, opened) is None  # this graph's entries fill the area: the one-node path
 
 
-def test_entries_over_the_lone_size_are_staged_within_the_limit_and_leave_lone_ones_their_room() -> None:
-    # vLLM captures its largest batches first: entries that are not lone may be staged up to ``stage_bytes`` but
-    # take at most 3/4 of the area, so the decode batches captured last still find room
+def test_entries_over_the_lone_size_are_staged_within_the_limit() -> None:
     ring = GraphRing(1 << 16, torch.device("cpu"), tags=4, launches=4, use_kernel=False)
     ring.stage = aligned(128 << 10, torch.uint8)
+    opened = graph_ring._Open(None, None)
     source = aligned(10 << 10, torch.float32)  # 40 KiB: over the lone size
     big = Spans((source.data_ptr(),), (0,), (40 << 10,), (source.data_ptr(), 10 << 10, 3), 40 << 10)
     lone = Spans((source.data_ptr(),), (0,), (8 << 10,), (source.data_ptr(), 2 << 10, 3), 8 << 10)
     assert ring.stage_bytes == graph_ring.ALONE_BYTES
-    assert ring._stage(big) is None  # the default: lone entries only
+    assert ring._stage(big, opened) is None  # the default: lone entries only
     wide = Spans((source.data_ptr(),), (0,), (24 << 10,), (source.data_ptr(), 12_000, 2), 24 << 10)
-    assert ring._stage(wide) is None  # few bytes but more elements than one program checks: not lone either
+    assert ring._stage(wide, opened) is None  # few bytes but more elements than one program checks: not lone
     ring.stage_bytes = 32 << 10
-    assert ring._stage(big) is None  # over the limit
+    assert ring._stage(big, opened) is None  # over the limit
     ring.stage_bytes = 40 << 10
-    assert ring._stage(big) is not None and ring._stage(big) is not None  # 80 KiB of the 128
-    assert ring._stage(big) is None  # past 3/4 of the area
-    slots = [ring._stage(lone) for _ in range(6)]
-    assert all(slots) and ring._stage(lone) is None  # the rest: lone entries, until full
+    slots = [ring._stage(big, opened) for _ in range(3)]  # 120 KiB of the 128
+    assert all(slots) and ring._stage(big, opened) is None
+    assert ring._stage(lone, opened) is not None and ring._stage(lone, opened) is None  # the last 8 KiB
+
+
+def test_every_graph_reuses_the_staging_area_from_its_start() -> None:
+    # a graph's replay, its side branch included, ends before the next graph on the stream begins: graphs share
+    # the area, so what one graph may stage is the area itself, and captures never use it up (vLLM captures ~67
+    # batch sizes, piecewise and full, and may recapture)
+    ring = GraphRing(1 << 16, torch.device("cpu"), tags=4, launches=4, use_kernel=False)
+    ring.stage = aligned(1024, torch.uint8)
+    source = aligned(64, torch.float32)
+    spans = Spans((source.data_ptr(),), (0,), (256,), (source.data_ptr(), 64, 3), 256)
+    base = ring.stage.data_ptr()
+    for _ in range(50):  # many graphs, each of four entries: every one finds the whole area
+        opened = graph_ring._Open(None, None)
+        slots = [ring._stage(spans, opened) for _ in range(4)]
+        assert [slot[0] for slot in slots if slot] == [base, base + 256, base + 512, base + 768]
+        assert ring._stage(spans, opened) is None
 
 
 # --- settings and the gate's prepare hook -------------------------------------------------------------------------
@@ -1045,15 +1060,17 @@ def test_graph_ring_size_setting() -> None:
     assert staged.flight_graph_stage == 384 << 10 and "flight_graph_stage=393216" in staged.describe()
     with pytest.raises(SettingsError, match="FLIGHT_GRAPH_STAGE"):
         settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "lots"})
-    # an entry larger than what a 256M ring lets such entries take (12M) could never be staged: said at once
-    assert (graph_ring.STAGE_SHARE, graph_ring.LONE_SHARE) == (16, 4)  # the 12M follows from these
-    with pytest.raises(SettingsError, match=r"FLIGHT_GRAPH_STAGE.*raise MOEREPLAY_FLIGHT_GRAPH_BYTES"):
-        settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "16M"})
+    # an entry larger than a 256M ring's staging area (16M) could never be staged: said at once
+    assert graph_ring.STAGE_SHARE == 16  # the 16M follows from it
+    with pytest.raises(
+        SettingsError, match=r"FLIGHT_GRAPH_STAGE.*16777216-byte staging area.*raise MOEREPLAY"
+    ):
+        settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "17M"})
     assert (
-        settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "12M"}).flight_graph_stage == 12 << 20
+        settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "16M"}).flight_graph_stage == 16 << 20
     )
-    bigger = {**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "16M", "MOEREPLAY_FLIGHT_GRAPH_BYTES": "1G"}
-    assert settings_from_environ(bigger).flight_graph_stage == 16 << 20
+    bigger = {**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "17M", "MOEREPLAY_FLIGHT_GRAPH_BYTES": "1G"}
+    assert settings_from_environ(bigger).flight_graph_stage == 17 << 20
 
 
 def test_the_gate_prepares_before_the_capture_begins_and_never_during_another() -> None:
@@ -1313,6 +1330,6 @@ def test_a_staged_launch_keeps_its_row_limit_for_the_record_node() -> None:
     ring.stage = torch.zeros(4096, dtype=torch.uint8)  # a staging area, as the kernels' ring has
     source = torch.zeros(64, dtype=torch.uint8)
     spans = Spans((source.data_ptr(),), (0,), (64,), (source.data_ptr(), 32, 2), ALIGNMENT, (1234, 16))
-    staged = ring._stage(spans)
+    staged = ring._stage(spans, graph_ring._Open(None, None))
     assert staged is not None
     assert staged[1].rows == (1234, 16)
