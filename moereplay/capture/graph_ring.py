@@ -273,8 +273,8 @@ class GraphRing:
         handshake, may run more.
 
         Staged (a lone entry or one of at most ``stage_bytes``, in a graph opened with :meth:`open_capture`, while
-        the staging area has room): on the graph's path only a copy of the spans into this launch's own staging
-        slot (no atomics, no fence);
+        the graph's staged entries fit the staging area): on the graph's path only a copy of the spans into this
+        launch's staging slot (no atomics, no fence);
         the record node — reservation, copy into the ring, check, tag word — reads that slot on a side stream
         forked there and joined when the capture ends, so it runs beside the layers that follow. The slot is
         rewritten by the next graph replayed on the stream, which starts after this one's side branch ended."""

@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 import torch
 
+from moereplay.capture import graph_ring
 from moereplay.capture import session as session_module
 from moereplay.capture.flight_graph import GraphFlight
 from moereplay.capture.flight_layer import LayerFlight
@@ -288,15 +289,26 @@ def test_graphs_sharing_the_staging_area_keep_each_replays_bits(kernels, tmp_pat
     w1 = torch.randn(256, 256, device="cuda", generator=generator) / 16
     w2 = torch.randn(256, 256, device="cuda", generator=generator) / 16
     graphs = []
-    for tokens in (96, 64):  # 96 KB and 64 KB entries: over the lone size, many programs
+    targets: list[int] = []  # where the second graph's staging copy writes
+    for tokens in (96, 64):  # entries of about 193 KB and 129 KB: over the lone size, many programs
         static = torch.randn(tokens, 256, device="cuda", generator=generator)
         weights = torch.rand(tokens, device="cuda", generator=generator)
         out = torch.empty(tokens, 256, device="cuda")
+        if graphs:  # the ring exists since the first capture: see the second one's staging copy
+            ring = next(iter(graph_flight._watches.values())).ring
+            copy = ring.stage_kernel
+
+            def seen_copy(programs: int, stream: int, args: list[int], copy: Any = copy) -> None:
+                targets.append(args[3 * graph_ring.SPANS + 8 + 3])  # ``buffer``: the slot's address
+                copy(programs, stream, args)
+
+            ring.stage_kernel = seen_copy
         graph = _capture(lambda s=static, w=weights, o=out: kernels.layer(s, w1, w2, w, o))
         graphs.append((graph, static, out))
     assert graph_flight.counters.launches == 2 and graph_flight.counters.staged == 2
     ring = next(iter(graph_flight._watches.values())).ring
     assert ring.staged == {0, 1}
+    assert targets == [ring.stage.data_ptr()]  # the second graph stages at the area's start, as the first did
     seen = []
     for replay in range(40):
         graph, static, out = graphs[replay % 2]

@@ -126,7 +126,8 @@ def main() -> int:
         ring = None
         if variant != "bare":
             # the staged forward entries (the stage limit lifted, as MOEREPLAY_FLIGHT_GRAPH_STAGE does) need
-            # their staging slots: the graph's layers take capacity // STAGE_SHARE at the most
+            # their staging slots, capacity // STAGE_SHARE for the graph's layers: 32 MB here, room for larger
+            # --tokens than the default ring's 16 MB
             staged_forward = variant == "ring-3-forward-staged"
             ring = GraphRing(
                 (512 if staged_forward else 64) << 20,

@@ -963,6 +963,7 @@ def test_a_capture_holds_its_side_stream_until_it_has_ended_and_stages_nothing_o
     current[0] = ring._open[1234].stream
     ring.capture(0, spans, first=True)
     assert launches == [(1234, -1), (99, 1)] and ring.staged == {0}  # staged: the copy, then the side record
+    assert ring._open[1234].used == 256
     ring.close_capture(1234)
     assert events[-1] == ("wait", 1234, 99)  # joined before the capture ends
     ring.capture(1, spans, first=False)
@@ -970,6 +971,7 @@ def test_a_capture_holds_its_side_stream_until_it_has_ended_and_stages_nothing_o
     assert opened_on(777) is None  # 99 still belongs to the capture on 1234 until it has ended
     ring.release_capture(1234)
     assert opened_on(777) == 777 and ring._open[777].side.cuda_stream == 99
+    assert ring._open[777].used == 0  # a new graph stages from the area's start
     ring.release_capture(555)  # never closed: not released
     assert 555 in ring._open
     assert opened_on(555) == 555 and ring._open[555].side.cuda_stream == 98  # the stale entry replaced
