@@ -36,7 +36,7 @@ from moereplay.capture.graph_ring import GraphRing, Spans
 from moereplay.capture.ring_kernel import compile_launcher
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_ring_bench import ROUTING_BYTES, entry_spans, time_and_report
+from graph_ring_bench import ROUTING_BYTES, capture_layers, entry_spans, time_and_report
 
 # index of ``check`` in graph_record's arguments; then numel, code, moved, finish, reserve, total, first
 FLAGS = 3 * graph_ring_kernel.SPANS
@@ -104,22 +104,13 @@ def main() -> int:
                     name="graph record",
                     num_warps=warps[variant],
                 )
-        stream = torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            handle = ring.open_capture() if ring is not None and variant.startswith("staged") else None
-            for i in range(layers):
-                torch.add(inputs[i], 1.0, out=outputs[i])  # the "layer call"
-                if ring is not None:
-                    launch = ring.new_launch()
-                    assert launch is not None
-                    ring.capture(launch, spans(i), first=i == 0)
-                elif variant == "trivial":
-                    nothing(1, graph_ring._current_stream(0), [0])
-                elif variant == "memcpy":
-                    copies[i].copy_(outputs[i])
-            if ring is not None:
-                ring.close_capture(handle)
+        others: dict[str, Callable[[int], object]] = {
+            "trivial": lambda i: nothing(1, graph_ring._current_stream(0), [0]),
+            "memcpy": lambda i: copies[i].copy_(outputs[i]),
+        }
+        graph, _ = capture_layers(
+            ring, inputs, outputs, spans, staged=variant.startswith("staged"), other=others.get(variant)
+        )
         return graph
 
     variants = ["bare", "trivial", "memcpy", *ablations, "full", *warps, "staged", "staged-path"]

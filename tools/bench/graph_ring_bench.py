@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 
 import torch
 
@@ -66,6 +67,36 @@ def entry_spans(tensors: list[torch.Tensor], check: torch.Tensor | None) -> Span
         at += -(-size // ALIGNMENT) * ALIGNMENT
     probe = (check.data_ptr(), check.numel(), 2) if check is not None else None
     return Spans(tuple(t.data_ptr() for t in tensors), tuple(offsets), tuple(sizes), probe, at)
+
+
+def capture_layers(
+    ring: GraphRing | None,
+    inputs: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    spans_of: Callable[[int], Spans],
+    *,
+    staged: bool,
+    other: Callable[[int], object] | None = None,
+) -> tuple[torch.cuda.CUDAGraph, int | None]:
+    """One graph of ``len(inputs)`` stand-in layer calls (an add each), captured on a stream of its own; after each,
+    the ring's record node(s) of ``spans_of(i)``, or ``other(i)`` without a ring. ``staged``: the capture is opened
+    for staging and joined at its end, as the graph gate's hooks do around a served capture. Returns the graph and
+    the staging handle (None: not opened, or no side stream)."""
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        handle = ring.open_capture() if ring is not None and staged else None
+        for i in range(len(inputs)):
+            torch.add(inputs[i], 1.0, out=outputs[i])  # the "layer call"
+            if ring is not None:
+                launch = ring.new_launch()
+                assert launch is not None
+                ring.capture(launch, spans_of(i), first=i == 0)
+            elif other is not None:
+                other(i)
+        if ring is not None:
+            ring.close_capture(handle)
+    return graph, handle
 
 
 def time_and_report(
@@ -142,28 +173,20 @@ def main() -> int:
         extra = {"ring-2": 0, "ring-18-oss": -1, "ring-18-staged": -1}.get(variant, 10)
         if variant.startswith("ring-3-forward"):
             extra = -2
-        stream = torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
         alone, alone_elements = graph_ring.ALONE_BYTES, graph_ring.ALONE_ELEMENTS
         if variant.endswith("shared"):
             graph_ring.ALONE_BYTES = -1  # never alone: the work per program decides (three programs here)
         elif variant.endswith("alone"):
             graph_ring.ALONE_BYTES = graph_ring.ALONE_ELEMENTS = 1 << 62  # one program whatever the entry
+        check = not variant.endswith("nocheck")
         try:
-            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-                # what the graph gate's hooks do around a served capture: open it for staging, join at its end
-                handle = ring.open_capture() if ring is not None and variant.endswith("staged") else None
-                for i in range(layers):
-                    torch.add(inputs[i], 1.0, out=outputs[i])  # the "layer call"
-                    if ring is not None:
-                        launch = ring.new_launch()
-                        assert launch is not None
-                        ring.capture(launch, spans(i, extra, not variant.endswith("nocheck")), first=i == 0)
-                if ring is not None:
-                    assert len(ring.staged) == (layers if handle is not None else 0)
-                    ring.close_capture(handle)
+            graph, handle = capture_layers(
+                ring, inputs, outputs, lambda i: spans(i, extra, check), staged=variant.endswith("staged")
+            )
         finally:
             graph_ring.ALONE_BYTES, graph_ring.ALONE_ELEMENTS = alone, alone_elements
+        if ring is not None:
+            assert len(ring.staged) == (layers if handle is not None else 0)
         return graph
 
     variants = [
