@@ -16,9 +16,10 @@ that isolate where a node's time goes:
   experts), most of whose sizes (33 int32 token offsets: 132 bytes) break 8-byte words. Until 2026-12-05 such a
   call took two nodes (16 spans a node) that copied byte by byte; the served cost (≈ 15 µs a layer call) was twice
   ``ring-12``'s;
-- ``ring-18-staged``: the same entries staged (2026-12-05, tenth session): on the graph's path only the STAGE
-  variant's copy into each launch's staging slot; the record nodes on a side stream, forked after each copy and
-  joined at the capture's end (what the graph gate's hooks do for a served capture). Its record nodes run one
+- ``ring-18-staged``: the same entries staged (2026-12-05, tenth session; the ring's stage limit lifted, so
+  they are staged at ``--tokens`` above 1 too, where they outgrow the lone size): on the graph's path only the
+  STAGE variant's copy into each launch's staging slot; the record nodes on a side stream, forked after each copy
+  and joined at the capture's end (what the graph gate's hooks do for a served capture). Its record nodes run one
   after another on the side stream, and with these ≈ 1.4 µs stand-in layers that chain outlasts the graph's path:
   the figure is bounded by it (``graph_ring_ablation``'s ``staged-path`` measures the path alone);
 - ``ring-3-forward``: what a served gpt-oss layer call keeps since 2026-12-06, ``triton_kernel_moe_forward`` —
@@ -156,15 +157,15 @@ def main() -> int:
     def build(variant: str) -> torch.cuda.CUDAGraph:
         ring = None
         if variant != "bare":
-            # the staged forward entries (the stage limit lifted, as MOEREPLAY_FLIGHT_GRAPH_STAGE does) need
-            # their staging slots, capacity // STAGE_SHARE for the graph's layers: 32 MB here, room for larger
-            # --tokens than the default ring's 16 MB
-            staged_forward = variant == "ring-3-forward-staged"
+            # a staged variant lifts the ring's stage limit (as MOEREPLAY_FLIGHT_GRAPH_STAGE does): entries over
+            # the lone size (every one at --tokens 32) are staged too. Their slots come from the staging area,
+            # capacity // STAGE_SHARE: 32 MB here, room for larger --tokens than the default ring's 16 MB
+            staged = variant.endswith("staged")
             ring = GraphRing(
-                (512 if staged_forward else 64) << 20,
+                (512 if staged else 64) << 20,
                 device,
                 launches=layers + 8,
-                stage_bytes=1 << 30 if staged_forward else graph_ring.ALONE_BYTES,
+                stage_bytes=1 << 30 if staged else graph_ring.ALONE_BYTES,
             )
             if variant.endswith("devwords"):
                 words = torch.zeros(ring.tags + 1, dtype=torch.int64, device=device)
@@ -186,7 +187,13 @@ def main() -> int:
         finally:
             graph_ring.ALONE_BYTES, graph_ring.ALONE_ELEMENTS = alone, alone_elements
         if ring is not None:
-            assert len(ring.staged) == (layers if handle is not None else 0)
+            # a staged variant whose entries do not all fit the staging area would time a mix of both paths
+            expected = layers if handle is not None else 0
+            if len(ring.staged) != expected:
+                raise SystemExit(
+                    f"graph_ring_bench: {variant} staged {len(ring.staged)} of its {layers} layer calls, not "
+                    f"{expected} (a {graph_ring.staging_area(ring.capacity)}-byte staging area; lower --tokens)"
+                )
         return graph
 
     variants = [
