@@ -15,6 +15,10 @@ machine (clocks, other tenants) touches all settings alike. Measurements, all gr
 
 Each number includes the HTTP round trip, identical for all settings. Prints one table: the median of the rounds
 per setting and its ratio to capture off (slowdown ×: off tokens/s ÷ setting tokens/s, so 1.05 is 5 % slower).
+Under it, per setting, the median and range of the per-round ratios (each round's off ÷ setting): a slow round
+moves one of them, where it can move a column's median (decode batch 32 falls into a ~2× slow mode now and then,
+capture off included). ``--pool A.json B.json …`` prints the same table over several runs' ``--json`` files,
+serving nothing (rounds are paired within their own run).
 
 Two ways a number can mean something else, both handled:
 
@@ -144,6 +148,97 @@ def spread_notes(results: dict[str, dict[str, list[float]]], *, limit: float = T
     return notes
 
 
+def paired_ratios(
+    results: dict[str, dict[str, list[float]]], base: str = "off"
+) -> dict[str, dict[str, list[float]]]:
+    """Per setting and measurement, each round's own ratio to ``base`` (``base``'s tokens/s ÷ the setting's, both
+    measured in that round, minutes apart): a drift or a slow mode that lasts a round or two touches one pair, not
+    a whole column, so the median of these ratios moves less than the ratio of the columns' medians."""
+    paired: dict[str, dict[str, list[float]]] = {}
+    for name, by in results.items():
+        if name == base or base not in results:
+            continue
+        paired[name] = {
+            what: [b / v for b, v in zip(results[base].get(what, []), values, strict=False) if v > 0]
+            for what, values in by.items()
+        }
+    return paired
+
+
+def table(
+    results: dict[str, dict[str, list[float]]],
+    paired: dict[str, dict[str, list[float]]],
+    stopped: dict[str, str | None],
+) -> list[str]:
+    """The table's lines: per setting and measurement the median of its rounds and that median's ratio to capture
+    off; under it, per setting, the median of the per-round ratios (:func:`paired_ratios`) and their range."""
+    measurements = list(next(iter(results.values())))
+    lines = [f"{'setting':<14} " + " ".join(f"{m + ' tok/s':>18} {'×':>6}" for m in measurements)]
+    for name, by in results.items():
+        cells = []
+        for what in measurements:
+            values = by.get(what) or []
+            value = statistics.median(values) if values else 0.0
+            base_values = results.get("off", {}).get(what) or []
+            ratio = f"{statistics.median(base_values) / value:6.3f}" if base_values and value else f"{'':>6}"
+            cells.append(f"{value:18.1f} {ratio}")
+        lines.append(f"{name + ('*' if stopped.get(name) else ''):<14} " + " ".join(cells))
+    for name, by in paired.items():
+        parts = [
+            f"{what} {statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
+            for what, ratios in by.items()
+            if ratios
+        ]
+        if parts:
+            rounds = max(len(ratios) for ratios in by.values())
+            lines.append(
+                f"= {name}: per-round ratios to off, median (range) of {rounds}: " + ", ".join(parts)
+            )
+    return lines
+
+
+class PoolError(ValueError):
+    """A ``--pool`` file that is not a serve_bench ``--json`` file: its path and what is wrong with it."""
+
+
+def pooled(
+    paths: list[Path],
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, list[float]]], str]:
+    """Several runs' ``--json`` files as one: every setting's rounds, and the per-round ratios taken within each
+    run (a round pairs measurements of one run's servers). Returns the rounds, the ratios and the runs' mode."""
+    results: dict[str, dict[str, list[float]]] = {}
+    paired: dict[str, dict[str, list[float]]] = {}
+    modes = set()
+    for path in paths:
+        try:
+            loaded = json.loads(path.read_text())
+            run = loaded["results"]
+            modes.add(str(loaded.get("mode", "?")))
+            if not isinstance(run, dict) or not all(
+                isinstance(by, dict)
+                and all(
+                    isinstance(v, list) and all(isinstance(x, (int, float)) for x in v) for v in by.values()
+                )
+                for by in run.values()
+            ):
+                raise PoolError(f"{path}: 'results' is not settings of measurements of numbers")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+            raise PoolError(
+                f"{path}: not a serve_bench --json file ({type(error).__name__}: {error})"
+            ) from None
+        for name, by in run.items():
+            for what, values in by.items():
+                results.setdefault(name, {}).setdefault(what, []).extend(float(x) for x in values)
+        for name, by in paired_ratios(run).items():
+            for what, ratios in by.items():
+                paired.setdefault(name, {}).setdefault(what, []).extend(ratios)
+    if len(modes) > 1:
+        raise PoolError(f"the files mix modes {sorted(modes)}: pool runs of one mode")
+    if "off" in results:  # capture off first, as in a run's own table
+        results = {"off": results.pop("off"), **results}
+    return results, paired, next(iter(modes), "?")
+
+
 def measure(server: harness.Server, words: list[str], what: str, options: argparse.Namespace) -> float:
     if what == "decode_b1":
         batch = server.complete_many(serve_gpu.prompts(words, [8]), options.decode_tokens)
@@ -181,7 +276,15 @@ def measure_or_say(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--model", type=Path, help="the served model's directory (every run but --pool's)")
+    parser.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="serve nothing: print one table over the rounds of these runs' --json files (one mode), each run's "
+        "rounds paired within it",
+    )
     parser.add_argument("--mode", choices=("eager", "graph"), default="graph")
     parser.add_argument("--out", type=Path, default=Path("/tmp/serve-bench"))
     parser.add_argument("--rounds", type=int, default=3)
@@ -208,6 +311,24 @@ def main() -> int:
         "start (0: no bound); the table then covers the rounds done",
     )
     options = parser.parse_args()
+    if options.pool:
+        try:
+            runs, paired, mode = pooled(options.pool)
+        except PoolError as error:
+            print(f"serve_bench: {error}", file=sys.stderr)
+            return 2
+        if not runs:
+            print("serve_bench: the files hold no rounds", file=sys.stderr)
+            return 2
+        rounds = max(len(values) for by in runs.values() for values in by.values())
+        print(f"serve_bench: {len(options.pool)} runs pooled, {mode}, median of up to {rounds} rounds")
+        for line in table(runs, paired, {}):
+            print(line)
+        for note in spread_notes(runs):
+            print(f"~ {note}")
+        return 0
+    if options.model is None:
+        parser.error("--model is required (or --pool)")
     names = [name.strip() for name in options.settings.split(",") if name.strip()]
     unknown = [name for name in names if name not in SETTINGS]
     if unknown:
@@ -268,18 +389,10 @@ def main() -> int:
         print("serve_bench: no round finished")
         return 1
     medians = {n: {m: statistics.median(v) for m, v in by.items()} for n, by in results.items()}
-    header = f"{'setting':<14} " + " ".join(f"{m + ' tok/s':>18} {'×':>6}" for m in measurements)
     print(f"\nserve_bench: {options.model.name}, {options.mode}, median of {rounds_done} interleaved rounds")
-    print(header)
     stopped = {name: capture_stopped(options.out / name / "server.log", rounds_began) for name in names}
-    for name in names:
-        cells = []
-        for what in measurements:
-            value = medians[name][what]
-            base = medians.get("off", {}).get(what)
-            ratio = f"{base / value:6.3f}" if base else f"{'':>6}"
-            cells.append(f"{value:18.1f} {ratio}")
-        print(f"{name + ('*' if stopped[name] else ''):<14} " + " ".join(cells))
+    for line in table(results, paired_ratios(results), stopped):
+        print(line)
     for note in spread_notes(results):
         print(f"~ {note}")
     for name, why in stopped.items():
@@ -313,6 +426,7 @@ def main() -> int:
                     "mode": options.mode,
                     "stopped": stopped,
                     "spread": spread_notes(results),
+                    "paired": paired_ratios(results),
                 }
             )
         )

@@ -160,3 +160,83 @@ def test_rounds_in_two_modes_are_named_and_steady_ones_are_not(bench: types.Modu
     ]
     assert bench.spread_notes({"off": {"prefill": [70000.0, 60870.0]}}) == []  # 1.15× exactly: not two modes
     assert bench.spread_notes({"off": {"prefill": []}}) == []
+
+
+def test_per_round_ratios_pair_each_round_and_shrug_off_a_slow_round(bench: types.ModuleType) -> None:
+    """A round where capture off fell into the slow mode moves the ratio of the medians' columns (here off's
+    median is its slow round's neighbour) but only one of the per-round ratios."""
+    results = {
+        "off": {"decode_b32": [4500.0, 1600.0, 4600.0, 4400.0]},
+        "flight": {"decode_b32": [4300.0, 4350.0, 4400.0, 4200.0]},
+    }
+    paired = bench.paired_ratios(results)
+    assert list(paired) == ["flight"]
+    ratios = paired["flight"]["decode_b32"]
+    assert ratios == pytest.approx([4500 / 4300, 1600 / 4350, 4600 / 4400, 4400 / 4200])
+    lines = bench.table(results, paired, {"flight": None})
+    assert lines[1].split()[:3] == ["off", "4450.0", "1.000"]
+    assert lines[2].split()[:3] == ["flight", "4325.0", f"{4450 / 4325:.3f}"]
+    assert lines[3] == (
+        f"= flight: per-round ratios to off, median (range) of 4: decode_b32 "
+        f"{sorted(ratios)[1] / 2 + sorted(ratios)[2] / 2:.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
+    )
+    assert bench.paired_ratios({"flight": {"prefill": [1.0]}}) == {}  # no capture-off server: nothing to pair
+
+
+def test_pooled_runs_keep_every_round_and_pair_rounds_within_their_run(
+    bench: types.ModuleType, tmp_path: Path
+) -> None:
+    import json
+
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(
+        json.dumps(
+            {
+                "mode": "graph",
+                "results": {"off": {"prefill": [100.0, 90.0]}, "flight-stage": {"prefill": [50.0, 45.0]}},
+            }
+        )
+    )
+    # the second run has another setting, listed before off, and one round: its pair is its own off's round,
+    # not the first run's first (what concatenating the columns would pair it with)
+    second.write_text(
+        json.dumps({"mode": "graph", "results": {"flight": {"prefill": [80.0]}, "off": {"prefill": [80.0]}}})
+    )
+    results, paired, mode = bench.pooled([first, second])
+    assert mode == "graph" and list(results) == ["off", "flight-stage", "flight"]
+    assert results["off"]["prefill"] == [100.0, 90.0, 80.0]
+    assert paired["flight-stage"]["prefill"] == pytest.approx([2.0, 2.0])
+    assert paired["flight"]["prefill"] == pytest.approx([1.0])
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("not json", "not a serve_bench --json file (JSONDecodeError"),
+        ('{"mode": "graph"}', "not a serve_bench --json file (KeyError"),
+        (
+            '{"results": {"off": {"prefill": ["fast"]}}}',
+            "'results' is not settings of measurements of numbers",
+        ),
+        ('{"results": [1, 2]}', "'results' is not settings of measurements of numbers"),
+    ],
+)
+def test_a_pooled_file_that_is_not_a_bench_run_is_named(
+    bench: types.ModuleType, tmp_path: Path, text: str, said: str
+) -> None:
+    path = tmp_path / "run.json"
+    path.write_text(text)
+    with pytest.raises(bench.PoolError) as error:
+        bench.pooled([path])
+    assert str(error.value).startswith(f"{path}: ") and said in str(error.value)
+
+
+def test_pooling_refuses_runs_of_two_modes(bench: types.ModuleType, tmp_path: Path) -> None:
+    import json
+
+    for mode in ("graph", "eager"):
+        (tmp_path / f"{mode}.json").write_text(
+            json.dumps({"mode": mode, "results": {"off": {"prefill": [1.0]}}})
+        )
+    with pytest.raises(bench.PoolError, match="mix modes"):
+        bench.pooled([tmp_path / "graph.json", tmp_path / "eager.json"])
