@@ -38,7 +38,8 @@ begins, so no two replays use a slot at once. The area a graph needs is its own 
 decode graph at batch 32: 24 × 370 KB), not the sum over every graph vLLM captures; a recaptured graph takes no
 new room. When a graph's staged entries fill the area, its later launches take the one-node path.
 Known limits: graphs replayed at the same time on different streams would share slots (vLLM replays its graphs
-one after another on its one stream); a one-node launch joins the side branch of its own stream only, so a layer
+one after another on its one stream: piecewise and full graphs, breakable graphs' segments, and dual batch
+overlap's one graph holding both micro-batches, whose threads launch on the capture stream); a one-node launch joins the side branch of its own stream only, so a layer
 call captured on another stream of the same graph could reserve before earlier staged ones (its sequence and step
 then count from there; vLLM captures its MoE layers on one stream).
 
