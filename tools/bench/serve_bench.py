@@ -35,10 +35,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import re
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -169,9 +171,12 @@ def table(
     results: dict[str, dict[str, list[float]]],
     paired: dict[str, dict[str, list[float]]],
     stopped: dict[str, str | None],
+    bases: dict[str, dict[str, list[float]]] | None = None,
 ) -> list[str]:
     """The table's lines: per setting and measurement the median of its rounds and that median's ratio to capture
-    off; under it, per setting, the median of the per-round ratios (:func:`paired_ratios`) and their range."""
+    off's (``bases``: per setting, the capture-off rounds to compare it with — those of the runs it was in; by
+    default all of off's); under it, per setting, the median of the per-round ratios (:func:`paired_ratios`) and
+    their range."""
     measurements = list(next(iter(results.values())))
     lines = [f"{'setting':<14} " + " ".join(f"{m + ' tok/s':>18} {'×':>6}" for m in measurements)]
     for name, by in results.items():
@@ -179,7 +184,7 @@ def table(
         for what in measurements:
             values = by.get(what) or []
             value = statistics.median(values) if values else 0.0
-            base_values = results.get("off", {}).get(what) or []
+            base_values = (bases or {}).get(name, results.get("off", {})).get(what) or []
             ratio = f"{statistics.median(base_values) / value:6.3f}" if base_values and value else f"{'':>6}"
             cells.append(f"{value:18.1f} {ratio}")
         lines.append(f"{name + ('*' if stopped.get(name) else ''):<14} " + " ".join(cells))
@@ -198,45 +203,89 @@ def table(
 
 
 class PoolError(ValueError):
-    """A ``--pool`` file that is not a serve_bench ``--json`` file: its path and what is wrong with it."""
+    """``--pool`` files that cannot be tabled together: which file, or which files, and why."""
 
 
-def pooled(
-    paths: list[Path],
-) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, list[float]]], str]:
-    """Several runs' ``--json`` files as one: every setting's rounds, and the per-round ratios taken within each
-    run (a round pairs measurements of one run's servers). Returns the rounds, the ratios and the runs' mode."""
-    results: dict[str, dict[str, list[float]]] = {}
-    paired: dict[str, dict[str, list[float]]] = {}
+@dataclass
+class Pool:
+    """Several runs' ``--json`` files as one table's material (:func:`pooled`)."""
+
+    mode: str
+    results: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # every run's rounds, run by run
+    paired: dict[str, dict[str, list[float]]] = field(
+        default_factory=dict
+    )  # per-round ratios, within each run
+    bases: dict[str, dict[str, list[float]]] = field(
+        default_factory=dict
+    )  # off's rounds of the runs a setting ran in
+    stopped: dict[str, str | None] = field(default_factory=dict)  # a recorder that stopped, in which run
+    notes: list[str] = field(default_factory=list)  # each run's own spread notes, the run named
+
+    @property
+    def rounds(self) -> int:
+        return max((len(values) for by in self.results.values() for values in by.values()), default=0)
+
+
+def _numbers(values: object) -> bool:
+    return isinstance(values, list) and all(
+        type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in values
+    )
+
+
+def pooled(paths: list[Path]) -> Pool:
+    """Several runs' ``--json`` files as one: every setting's rounds, each compared with the capture-off rounds of
+    the runs it was in, and the per-round ratios taken within each run (a round pairs measurements of one run's
+    servers). Every file must be a run of one mode with a capture-off server."""
+    pool: Pool | None = None
     modes = set()
-    for path in paths:
+    for number, path in enumerate(paths, 1):
         try:
             loaded = json.loads(path.read_text())
             run = loaded["results"]
-            modes.add(str(loaded.get("mode", "?")))
+            mode = str(loaded.get("mode", "?"))
+            stopped = loaded.get("stopped") or {}
             if not isinstance(run, dict) or not all(
-                isinstance(by, dict)
-                and all(
-                    isinstance(v, list) and all(isinstance(x, (int, float)) for x in v) for v in by.values()
-                )
-                for by in run.values()
+                isinstance(by, dict) and all(_numbers(v) for v in by.values()) for by in run.values()
             ):
-                raise PoolError(f"{path}: 'results' is not settings of measurements of numbers")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+                raise PoolError(f"{path}: 'results' is not settings of measurements of finite numbers")
+            if not isinstance(stopped, dict):
+                raise PoolError(f"{path}: 'stopped' is not settings of reasons")
+        except (
+            OSError,
+            UnicodeDecodeError,
+            json.JSONDecodeError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            RecursionError,
+            OverflowError,
+        ) as error:
             raise PoolError(
                 f"{path}: not a serve_bench --json file ({type(error).__name__}: {error})"
             ) from None
+        if "off" not in run:
+            raise PoolError(f"{path}: the run has no capture-off server to compare the others with")
+        modes.add(mode)
+        pool = pool or Pool(mode)
         for name, by in run.items():
             for what, values in by.items():
-                results.setdefault(name, {}).setdefault(what, []).extend(float(x) for x in values)
+                pool.results.setdefault(name, {}).setdefault(what, []).extend(float(x) for x in values)
+                pool.bases.setdefault(name, {}).setdefault(what, []).extend(
+                    float(x) for x in run["off"].get(what, [])
+                )
+            why = stopped.get(name)
+            if why and not pool.stopped.get(name):
+                pool.stopped[name] = f"{why} (run {number}, {path.name})"
         for name, by in paired_ratios(run).items():
             for what, ratios in by.items():
-                paired.setdefault(name, {}).setdefault(what, []).extend(ratios)
+                pool.paired.setdefault(name, {}).setdefault(what, []).extend(ratios)
+        pool.notes += [f"run {number} ({path.name}): {note}" for note in spread_notes(run)]
     if len(modes) > 1:
         raise PoolError(f"the files mix modes {sorted(modes)}: pool runs of one mode")
-    if "off" in results:  # capture off first, as in a run's own table
-        results = {"off": results.pop("off"), **results}
-    return results, paired, next(iter(modes), "?")
+    if pool is None:
+        raise PoolError("no file to pool")
+    pool.results = {"off": pool.results.pop("off"), **pool.results}  # capture off first, as in a run's table
+    return pool
 
 
 def measure(server: harness.Server, words: list[str], what: str, options: argparse.Namespace) -> float:
@@ -313,19 +362,23 @@ def main() -> int:
     options = parser.parse_args()
     if options.pool:
         try:
-            runs, paired, mode = pooled(options.pool)
+            pool = pooled(options.pool)
         except PoolError as error:
             print(f"serve_bench: {error}", file=sys.stderr)
             return 2
-        if not runs:
+        if not pool.rounds:
             print("serve_bench: the files hold no rounds", file=sys.stderr)
             return 2
-        rounds = max(len(values) for by in runs.values() for values in by.values())
-        print(f"serve_bench: {len(options.pool)} runs pooled, {mode}, median of up to {rounds} rounds")
-        for line in table(runs, paired, {}):
+        print(
+            f"serve_bench: {len(options.pool)} runs pooled, {pool.mode}, median of up to {pool.rounds} rounds"
+        )
+        for line in table(pool.results, pool.paired, pool.stopped, pool.bases):
             print(line)
-        for note in spread_notes(runs):
+        for note in pool.notes:
             print(f"~ {note}")
+        for name, why in pool.stopped.items():
+            if why:
+                print(f"* {name}: the recorder {why} — what follows it measured capture off, not {name}")
         return 0
     if options.model is None:
         parser.error("--model is required (or --pool)")

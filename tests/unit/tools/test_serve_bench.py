@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import json
 import sys
 import types
 from pathlib import Path
@@ -186,27 +187,54 @@ def test_per_round_ratios_pair_each_round_and_shrug_off_a_slow_round(bench: type
 def test_pooled_runs_keep_every_round_and_pair_rounds_within_their_run(
     bench: types.ModuleType, tmp_path: Path
 ) -> None:
-    import json
-
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     first.write_text(
         json.dumps(
             {
                 "mode": "graph",
                 "results": {"off": {"prefill": [100.0, 90.0]}, "flight-stage": {"prefill": [50.0, 45.0]}},
+                "stopped": {"off": None, "flight-stage": None},
             }
         )
     )
     # the second run has another setting, listed before off, and one round: its pair is its own off's round,
-    # not the first run's first (what concatenating the columns would pair it with)
+    # not the first run's first (what concatenating the columns would pair it with); its recorder stopped
     second.write_text(
-        json.dumps({"mode": "graph", "results": {"flight": {"prefill": [80.0]}, "off": {"prefill": [80.0]}}})
+        json.dumps(
+            {
+                "mode": "graph",
+                "results": {"flight": {"prefill": [80.0]}, "off": {"prefill": [80.0]}},
+                "stopped": {"flight": "stopped before the measured rounds: the capture file reached it"},
+            }
+        )
     )
-    results, paired, mode = bench.pooled([first, second])
-    assert mode == "graph" and list(results) == ["off", "flight-stage", "flight"]
-    assert results["off"]["prefill"] == [100.0, 90.0, 80.0]
-    assert paired["flight-stage"]["prefill"] == pytest.approx([2.0, 2.0])
-    assert paired["flight"]["prefill"] == pytest.approx([1.0])
+    pool = bench.pooled([first, second])
+    assert pool.mode == "graph" and list(pool.results) == ["off", "flight-stage", "flight"]
+    assert pool.results["off"]["prefill"] == [100.0, 90.0, 80.0] and pool.rounds == 3
+    assert pool.paired["flight-stage"]["prefill"] == pytest.approx([2.0, 2.0])
+    assert pool.paired["flight"]["prefill"] == pytest.approx([1.0])
+    # each setting's × against the capture-off rounds of its own runs: flight 80 ÷ 80, not off's pooled 90 ÷ 80
+    assert pool.bases["flight"]["prefill"] == [80.0]
+    lines = bench.table(pool.results, pool.paired, pool.stopped, pool.bases)
+    assert lines[2].split()[:3] == ["flight-stage", "47.5", f"{95 / 47.5:.3f}"]
+    assert lines[3].split()[:3] == ["flight*", "80.0", "1.000"]
+    assert (
+        pool.stopped["flight"]
+        == "stopped before the measured rounds: the capture file reached it (run 2, b.json)"
+    )
+
+
+def test_pooled_spread_notes_name_the_run_and_its_own_rounds(bench: types.ModuleType, tmp_path: Path) -> None:
+    """Two steady runs on different days are not one setting's two modes; a slow round is named in its run."""
+    paths = []
+    for index, rounds in enumerate(([4500.0, 4400.0], [3900.0, 3850.0], [4500.0, 1600.0, 4400.0])):
+        paths.append(tmp_path / f"run{index}.json")
+        paths[-1].write_text(json.dumps({"mode": "graph", "results": {"off": {"decode_b32": rounds}}}))
+    pool = bench.pooled(paths)
+    assert pool.notes == [
+        "run 3 (run2.json): off decode_b32: rounds spread 1600.0–4500.0 tok/s (2.81×); round(s) 2 of 3 in the "
+        "slow mode — its median is not a cost"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -214,11 +242,21 @@ def test_pooled_runs_keep_every_round_and_pair_rounds_within_their_run(
     [
         ("not json", "not a serve_bench --json file (JSONDecodeError"),
         ('{"mode": "graph"}', "not a serve_bench --json file (KeyError"),
+        ("[]", "not a serve_bench --json file (TypeError"),
         (
             '{"results": {"off": {"prefill": ["fast"]}}}',
-            "'results' is not settings of measurements of numbers",
+            "'results' is not settings of measurements of finite",
         ),
-        ('{"results": [1, 2]}', "'results' is not settings of measurements of numbers"),
+        ('{"results": {"off": {"prefill": [true]}}}', "'results' is not settings of measurements of finite"),
+        ('{"results": {"off": {"prefill": [NaN]}}}', "'results' is not settings of measurements of finite"),
+        ('{"results": {"off": {"prefill": [-1.0]}}}', "'results' is not settings of measurements of finite"),
+        pytest.param(
+            '{"results": {"off": {"prefill": [1' + "0" * 400 + "]}}}", "(OverflowError", id="huge-int"
+        ),
+        pytest.param("[" * 100000, "not a serve_bench --json file (RecursionError", id="deep"),
+        ('{"results": [1, 2]}', "'results' is not settings of measurements of finite numbers"),
+        ('{"results": {"off": {}}, "stopped": [1]}', "'stopped' is not settings of reasons"),
+        ('{"results": {"flight": {"prefill": [1.0]}}}', "the run has no capture-off server"),
     ],
 )
 def test_a_pooled_file_that_is_not_a_bench_run_is_named(
@@ -232,11 +270,35 @@ def test_a_pooled_file_that_is_not_a_bench_run_is_named(
 
 
 def test_pooling_refuses_runs_of_two_modes(bench: types.ModuleType, tmp_path: Path) -> None:
-    import json
-
     for mode in ("graph", "eager"):
         (tmp_path / f"{mode}.json").write_text(
             json.dumps({"mode": mode, "results": {"off": {"prefill": [1.0]}}})
         )
     with pytest.raises(bench.PoolError, match="mix modes"):
         bench.pooled([tmp_path / "graph.json", tmp_path / "eager.json"])
+
+
+def test_the_pool_command_prints_a_table_or_one_line(
+    bench: types.ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    run = tmp_path / "run.json"
+    run.write_text(
+        json.dumps({"mode": "eager", "results": {"off": {"prefill": [2.0]}, "flight": {"prefill": [1.0]}}})
+    )
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"mode": "eager", "results": {"off": {"prefill": []}}}))
+    outcomes = []
+    for files in ([run], [empty], [tmp_path]):
+        monkeypatch.setattr(sys, "argv", ["serve_bench.py", "--pool", *map(str, files)])
+        code = bench.main()
+        out, err = capsys.readouterr()
+        outcomes.append((code, out, err))
+    (code, out, err), (empty_code, _, empty_err), (dir_code, _, dir_err) = outcomes
+    assert code == 0 and err == "" and "serve_bench: 1 runs pooled, eager, median of up to 1 rounds" in out
+    assert out.splitlines()[3].split()[:3] == ["flight", "1.0", "2.000"]
+    assert (empty_code, empty_err) == (2, "serve_bench: the files hold no rounds\n")
+    assert dir_code == 2 and dir_err.startswith(f"serve_bench: {tmp_path}: not a serve_bench --json file (")
+    assert dir_err.count("\n") == 1
