@@ -181,7 +181,7 @@ def main() -> int:
             graph_ring.ALONE_BYTES = graph_ring.ALONE_ELEMENTS = 1 << 62  # one program whatever the entry
         check = not variant.endswith("nocheck")
         try:
-            graph, handle = capture_layers(
+            graph, _ = capture_layers(
                 ring, inputs, outputs, lambda i: spans(i, extra, check), staged=variant.endswith("staged")
             )
         finally:
