@@ -39,9 +39,10 @@ decode graph at batch 32: 24 × 370 KB), not the sum over every graph vLLM captu
 new room. When a graph's staged entries fill the area, its later launches take the one-node path.
 Known limits: graphs replayed at the same time on different streams would share slots (vLLM replays its graphs
 one after another on its one stream: piecewise and full graphs, breakable graphs' segments, and dual batch
-overlap's one graph holding both micro-batches, whose threads launch on the capture stream); a one-node launch joins the side branch of its own stream only, so a layer
-call captured on another stream of the same graph could reserve before earlier staged ones (its sequence and step
-then count from there; vLLM captures its MoE layers on one stream).
+overlap's one graph holding both micro-batches, whose threads launch on the capture stream); a one-node launch
+joins the side branch of its own stream only, so a layer call captured on another stream of the same graph could
+reserve before earlier staged ones (its sequence and step then count from there; vLLM captures its MoE layers on
+one stream).
 
 Without Triton (CPU, tests) the same contract is kept by :meth:`GraphRing.replay`, which does what the
 kernels do with torch operations on the same state tensors; there is no capture to put it in, so a test replays
