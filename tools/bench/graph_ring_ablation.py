@@ -108,7 +108,7 @@ def main() -> int:
             "trivial": lambda i: nothing(1, graph_ring._current_stream(0), [0]),
             "memcpy": lambda i: copies[i].copy_(outputs[i]),
         }
-        graph, _ = capture_layers(
+        graph = capture_layers(
             ring, inputs, outputs, spans, staged=variant.startswith("staged"), other=others.get(variant)
         )
         return graph

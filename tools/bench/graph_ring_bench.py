@@ -78,11 +78,10 @@ def capture_layers(
     *,
     staged: bool,
     other: Callable[[int], object] | None = None,
-) -> tuple[torch.cuda.CUDAGraph, int | None]:
+) -> torch.cuda.CUDAGraph:
     """One graph of ``len(inputs)`` stand-in layer calls (an add each), captured on a stream of its own; after each,
     the ring's record node(s) of ``spans_of(i)``, or ``other(i)`` without a ring. ``staged``: the capture is opened
-    for staging and joined at its end, as the graph gate's hooks do around a served capture. Returns the graph and
-    the staging handle (None: not opened, or no side stream)."""
+    for staging and joined at its end, as the graph gate's hooks do around a served capture."""
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
@@ -97,7 +96,7 @@ def capture_layers(
                 other(i)
         if ring is not None:
             ring.close_capture(handle)
-    return graph, handle
+    return graph
 
 
 def time_and_report(
@@ -181,7 +180,7 @@ def main() -> int:
             graph_ring.ALONE_BYTES = graph_ring.ALONE_ELEMENTS = 1 << 62  # one program whatever the entry
         check = not variant.endswith("nocheck")
         try:
-            graph, _ = capture_layers(
+            graph = capture_layers(
                 ring, inputs, outputs, lambda i: spans(i, extra, check), staged=variant.endswith("staged")
             )
         finally:

@@ -172,11 +172,12 @@ def table(
     paired: dict[str, dict[str, list[float]]],
     stopped: dict[str, str | None],
     bases: dict[str, dict[str, list[float]]] | None = None,
+    notes: tuple[str, ...] | list[str] = (),
 ) -> list[str]:
     """The table's lines: per setting and measurement the median of its rounds and that median's ratio to capture
     off's (``bases``: per setting, the capture-off rounds to compare it with — those of the runs it was in; by
     default all of off's); under it, per setting, the median of the per-round ratios (:func:`paired_ratios`) and
-    their range."""
+    their range; then the ``notes`` (:func:`spread_notes`) and a line per recorder that stopped."""
     measurements = list(next(iter(results.values())))
     lines = [f"{'setting':<14} " + " ".join(f"{m + ' tok/s':>18} {'×':>6}" for m in measurements)]
     for name, by in results.items():
@@ -199,6 +200,12 @@ def table(
             lines.append(
                 f"= {name}: per-round ratios to off, median (range) of {rounds}: " + ", ".join(parts)
             )
+    lines += [f"~ {note}" for note in notes]
+    lines += [
+        f"* {name}: the recorder {why} — what follows it measured capture off, not {name}"
+        for name, why in stopped.items()
+        if why
+    ]
     return lines
 
 
@@ -372,13 +379,8 @@ def main() -> int:
         print(
             f"serve_bench: {len(options.pool)} runs pooled, {pool.mode}, median of up to {pool.rounds} rounds"
         )
-        for line in table(pool.results, pool.paired, pool.stopped, pool.bases):
+        for line in table(pool.results, pool.paired, pool.stopped, pool.bases, pool.notes):
             print(line)
-        for note in pool.notes:
-            print(f"~ {note}")
-        for name, why in pool.stopped.items():
-            if why:
-                print(f"* {name}: the recorder {why} — what follows it measured capture off, not {name}")
         return 0
     if options.model is None:
         parser.error("--model is required (or --pool)")
@@ -444,13 +446,8 @@ def main() -> int:
     medians = {n: {m: statistics.median(v) for m, v in by.items()} for n, by in results.items()}
     print(f"\nserve_bench: {options.model.name}, {options.mode}, median of {rounds_done} interleaved rounds")
     stopped = {name: capture_stopped(options.out / name / "server.log", rounds_began) for name in names}
-    for line in table(results, paired_ratios(results), stopped):
+    for line in table(results, paired_ratios(results), stopped, notes=spread_notes(results)):
         print(line)
-    for note in spread_notes(results):
-        print(f"~ {note}")
-    for name, why in stopped.items():
-        if why:
-            print(f"* {name}: the recorder {why} — what follows it measured capture off, not {name}")
     for name in names:
         for path in sorted((options.out / name / "captures").glob("**/*.zst")):
             try:

@@ -218,6 +218,10 @@ def test_pooled_runs_keep_every_round_and_pair_rounds_within_their_run(
     lines = bench.table(pool.results, pool.paired, pool.stopped, pool.bases)
     assert lines[2].split()[:3] == ["flight-stage", "47.5", f"{95 / 47.5:.3f}"]
     assert lines[3].split()[:3] == ["flight*", "80.0", "1.000"]
+    assert lines[-1] == (
+        "* flight: the recorder stopped before the measured rounds: the capture file reached it (run 2, b.json) — "
+        "what follows it measured capture off, not flight"
+    )
     assert (
         pool.stopped["flight"]
         == "stopped before the measured rounds: the capture file reached it (run 2, b.json)"
