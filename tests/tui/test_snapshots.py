@@ -8,7 +8,7 @@ from typing import Any
 
 from textual.pilot import Pilot
 from textual.widgets import Input
-from tui_helpers import make_app, settle, until, until_focused
+from tui_helpers import make_app, settle, until, until_focused, until_painted
 
 from moereplay.bisect import FirstBadSearch, Observation, Session, Signature
 from moereplay.bisect.probes import ItemProbe
@@ -123,13 +123,12 @@ def test_mutation_dialog(snap_compare: Any, marlin_capture: Path) -> None:
         # a moment after the worker ended (the long-standing flake: the snapshot caught the matrix still empty)
         screen = pilot.app.screen
         await until(pilot, lambda: getattr(screen, "outcome", None) is not None)
-        # ... and the screen must have painted the matrix's rows before the dialog covers it: the screen below a
-        # dialog kept its last paint, the rows still pending (reproduced with three busy processes beside it: 4
-        # failures in 16 runs, also when waiting for the table's own layout; with 0.2 s of real time for the
-        # paint, 20 of 20 passed, also beside five)
+        # ... and the screen must have painted the matrix's rows at their final widths before the dialog covers it:
+        # the screen below a dialog keeps its last paint (reproduced with three busy processes beside it: 4 failures
+        # in 16; a fixed 0.2 s of real time for the paint still failed once on CI)
         matrix = screen.query_one(VariantMatrix)
         await until(pilot, lambda: bool(matrix.row_count) and not _layout_pending(matrix))
-        await pilot.pause(0.2)
+        await until_painted(pilot, tuple(label.split()[0] for label in matrix.labels))
         await pilot.press("a")
         await until_focused(pilot, "mutation-value")
         await pilot.press(*"mul_topk")

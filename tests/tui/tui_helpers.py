@@ -60,6 +60,19 @@ async def until(pilot: Pilot[Any], ready: Callable[[], bool], rounds: int = 200)
         await pilot.pause()
 
 
+async def until_painted(pilot: Pilot[Any], texts: tuple[str, ...] = (), rounds: int = 100) -> None:
+    """Pause until the screen as painted shows every one of ``texts`` and two paints a moment apart are the same:
+    a widget's new content reaches the screen on a later refresh, and a screen a dialog then covers keeps the paint
+    it had (a snapshot of the dialog caught the table below it half laid out on a loaded CI machine)."""
+    before = None
+    for _ in range(rounds):
+        await pilot.pause(0.02)
+        shot = pilot.app.export_screenshot()
+        if shot == before and all(text in shot for text in texts):
+            return
+        before = shot
+
+
 class Notes:
     """Records the app's notifications (the real ``notify`` still runs)."""
 
