@@ -105,10 +105,17 @@ def decode_word(word: int, generation: int) -> tuple[str, float]:
 
 class DeviceRing:
     """See the module docstring. ``capacity``: bytes of the buffer; ``tags``: tag words (entries whose check is
-    outstanding at once, at most)."""
+    outstanding at once, at most); ``stream_stores``: the kernel's stores into the ring marked as written once
+    (``MOEREPLAY_FLIGHT_STREAM_STORES``, see ``ring_kernel._store``)."""
 
     def __init__(
-        self, capacity: int, device: torch.device, *, tags: int = 1 << 14, use_kernel: bool | None = None
+        self,
+        capacity: int,
+        device: torch.device,
+        *,
+        tags: int = 1 << 14,
+        use_kernel: bool | None = None,
+        stream_stores: bool = False,
     ):
         if capacity < ALIGNMENT:
             raise ValueError("ring capacity must be at least 256 bytes")
@@ -129,7 +136,7 @@ class DeviceRing:
         self._lock = threading.Lock()
         if use_kernel is None:
             use_kernel = cuda and _kernel_available()
-        self.launcher: _Launcher | None = _Launcher(device) if use_kernel else None
+        self.launcher: _Launcher | None = _Launcher(device, stream_stores) if use_kernel else None
         # finished tag words where the writer thread reads them without a CUDA call: on CUDA with the kernel,
         # host-mapped words its last program stores (and per slot a counter of finished programs); on the CPU,
         # the words themselves. None: CUDA without the kernel (read back with an event and a copy).
@@ -145,6 +152,7 @@ class DeviceRing:
             self.done = torch.zeros(tags, dtype=torch.int32)
             self._done = self.done.data_ptr()
             self._host = self._words
+        self.stream_stores = stream_stores
         self._made_ns = time.perf_counter_ns() - started
 
     def setup_ns(self) -> int:
@@ -423,8 +431,11 @@ class _Launcher:
     """Compiled variants of the ring kernel (alignment × check dtype), launched through Triton's compiled
     launcher with positional arguments only. Compiles lazily, once per variant, on first use."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, stream_stores: bool = False) -> None:
         self.device = device
+        self.stream_stores = (
+            stream_stores  # every variant's ring stores marked streaming (ring_kernel._store)
+        )
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.programs = torch.cuda.get_device_properties(self.index).multi_processor_count * 4
         self._variants: dict[tuple[int, int, int], Any] = {}
@@ -469,7 +480,9 @@ class _Launcher:
         variant = self._variants.get(key)
         if variant is None:
             started = time.perf_counter_ns()
-            variant = self._variants[key] = _KERNEL.compile_variant(aligned, code, mode, self.index)
+            variant = self._variants[key] = _KERNEL.compile_variant(
+                aligned, code, mode, self.index, self.stream_stores
+            )
             self.compile_ns += time.perf_counter_ns() - started
         programs = max(1, min(self.programs, -(-total // _BLOCK_BYTES[aligned])))
         variant(programs, self._get_stream(self.index), args)

@@ -301,10 +301,14 @@ class LayerFlight(PollingRecorder):
         budget: TriggerBudget | None = None,
         beside_bytes: int = FLIGHT_BESIDE_BYTES,
         release_bytes: int = RELEASE_BYTES,
+        stream_stores: bool = False,
     ) -> None:
         self.budget = budget if budget is not None else TriggerBudget(0)
         self.beside_bytes = beside_bytes
         self.release_bytes = release_bytes
+        self.stream_stores = (
+            stream_stores  # the ring kernel's stores marked streaming (MOEREPLAY_FLIGHT_STREAM_STORES)
+        )
         self._besides: dict[int, Any] = {}  # per device, the side stream of large calls' input copies
         self.max_calls = max_calls
         self.max_bytes = max_bytes
@@ -365,7 +369,9 @@ class LayerFlight(PollingRecorder):
         key = tensor.get_device()
         ring = self._rings.get(key)
         if ring is None:
-            ring = self._rings[key] = DeviceRing(self.max_bytes, tensor.device)
+            ring = self._rings[key] = DeviceRing(
+                self.max_bytes, tensor.device, stream_stores=self.stream_stores
+            )
         return ring
 
     def before(self, target: CaptureTarget, bound: dict[str, Any], where: Where, sequence: int) -> LayerCall:

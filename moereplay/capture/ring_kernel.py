@@ -40,7 +40,20 @@ _INTS = [name for i in range(SPANS) for name in (f"s{i}", f"t{i}", f"n{i}")] + [
 
 
 @triton.jit
-def _copy_span(source, target, size, pid, programs, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def _store(pointer, value, mask, STREAM: tl.constexpr):
+    """A store into the ring: with ``STREAM``, marked as written once and not read again (``st.global.cs``: its
+    lines are the first L2 evicts), so a prefill's ~100 MB of ring writes per layer call need not push out of L2
+    what the kernels after the launch read — the call's output among them."""
+    if STREAM:
+        tl.store(pointer, value, mask=mask, cache_modifier=".cs")
+    else:
+        tl.store(pointer, value, mask=mask)
+
+
+@triton.jit
+def _copy_span(
+    source, target, size, pid, programs, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr
+):
     if ALIGNED:
         src = source.to(tl.pointer_type(tl.int64))
         dst = target.to(tl.pointer_type(tl.int64))
@@ -53,11 +66,13 @@ def _copy_span(source, target, size, pid, programs, ALIGNED: tl.constexpr, BLOCK
     for start in range(pid * BLOCK, count, programs * BLOCK):
         index = start + offsets
         mask = index < count
-        tl.store(dst + index, tl.load(src + index, mask=mask), mask=mask)
+        _store(dst + index, tl.load(src + index, mask=mask), mask, STREAM)
 
 
 @triton.jit
-def _copy_span_max(source, target, size, numel, pid, programs, CODE: tl.constexpr, BLOCK: tl.constexpr):
+def _copy_span_max(
+    source, target, size, numel, pid, programs, CODE: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr
+):
     """:func:`_copy_span` of 8-byte words, returning per lane the largest magnitude's bits among the first
     ``numel`` elements (of dtype ``CODE``) the words hold — the |x| bit patterns of IEEE floats order as integers
     (NaN above Inf, as the separate reduction's float32 bits do); bytes of the last word past the tensor are
@@ -71,7 +86,7 @@ def _copy_span_max(source, target, size, numel, pid, programs, CODE: tl.constexp
         index = start + offsets
         mask = index < count
         words = tl.load(src + index, mask=mask, other=0)
-        tl.store(dst + index, words, mask=mask)
+        _store(dst + index, words, mask, STREAM)
         if CODE == 3:  # two float32 per word
             low = tl.where(index * 2 < numel, words & 0x7FFFFFFF, 0)
             high = tl.where(index * 2 + 1 < numel, (words >> 32) & 0x7FFFFFFF, 0)
@@ -90,37 +105,37 @@ def ring_copy(
     s12, t12, n12, s13, t13, n13, s14, t14, n14, s15, t15, n15, s16, t16, n16, s17, t17, n17,
     s18, t18, n18, s19, t19, n19, s20, t20, n20, s21, t21, n21, s22, t22, n22, s23, t23, n23,
     check, numel, word, generation, done, host,
-    ALIGNED: tl.constexpr, CODE: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, CODE: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0).to(tl.int64)
-    _copy_span(s0, t0, n0, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s1, t1, n1, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s2, t2, n2, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s3, t3, n3, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s4, t4, n4, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s5, t5, n5, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s6, t6, n6, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s7, t7, n7, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s8, t8, n8, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s9, t9, n9, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s10, t10, n10, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s11, t11, n11, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s12, t12, n12, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s13, t13, n13, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s14, t14, n14, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s15, t15, n15, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s16, t16, n16, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s17, t17, n17, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s18, t18, n18, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s19, t19, n19, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s20, t20, n20, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s21, t21, n21, pid, programs, ALIGNED, BLOCK)
-    _copy_span(s22, t22, n22, pid, programs, ALIGNED, BLOCK)
+    _copy_span(s0, t0, n0, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s1, t1, n1, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s2, t2, n2, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s3, t3, n3, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s4, t4, n4, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s5, t5, n5, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s6, t6, n6, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s7, t7, n7, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s8, t8, n8, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s9, t9, n9, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s10, t10, n10, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s11, t11, n11, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s12, t12, n12, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s13, t13, n13, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s14, t14, n14, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s15, t15, n15, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s16, t16, n16, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s17, t17, n17, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s18, t18, n18, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s19, t19, n19, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s20, t20, n20, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s21, t21, n21, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s22, t22, n22, pid, programs, ALIGNED, BLOCK, STREAM)
     if MODE == 3:  # the checked tensor's own words: reduced as they are copied
-        fused = tl.max(_copy_span_max(s23, t23, n23, numel, pid, programs, CODE, BLOCK), axis=0)
+        fused = tl.max(_copy_span_max(s23, t23, n23, numel, pid, programs, CODE, BLOCK, STREAM), axis=0)
     else:
-        _copy_span(s23, t23, n23, pid, programs, ALIGNED, BLOCK)
+        _copy_span(s23, t23, n23, pid, programs, ALIGNED, BLOCK, STREAM)
     if MODE != 0:
         tag = word.to(tl.pointer_type(tl.int64))
         folded = generation << 32
@@ -189,10 +204,10 @@ def _driver() -> Any:
     return _DRIVER
 
 
-def compile_variant(aligned: int, code: int, mode: int, device_index: int) -> Any:
+def compile_variant(aligned: int, code: int, mode: int, device_index: int, stream: bool = False) -> Any:
     """Compile one variant of :func:`ring_copy` on ``device_index`` and return ``launch(programs, stream, args)``
-    (see :func:`compile_launcher`)."""
-    constants = {"ALIGNED": aligned, "CODE": code or 3, "MODE": mode, "BLOCK": BLOCK}
+    (see :func:`compile_launcher`); ``stream``: the ring's stores marked streaming (see :func:`_store`)."""
+    constants = {"ALIGNED": aligned, "CODE": code or 3, "MODE": mode, "BLOCK": BLOCK, "STREAM": int(stream)}
     return compile_launcher(ring_copy, len(_INTS), constants, device_index, name="ring copy")
 
 

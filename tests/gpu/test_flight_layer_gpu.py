@@ -106,17 +106,22 @@ def test_the_ring_kernel_is_what_copies(kernels, tmp_path: Path) -> None:
     session.close()
 
 
-def test_the_ring_kernel_publishes_finished_words_to_host_memory(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("stream_stores", [False, True])
+def test_the_ring_kernel_publishes_finished_words_to_host_memory(
+    tmp_path: Path, monkeypatch, stream_stores: bool
+) -> None:
     """The kernel's last program stores each finished tag word into host-mapped memory: after the stream
     finishes, the host word equals the device word for every dtype, several programs or one, NaN and Inf
     included — what the writer thread reads without a CUDA call. The check reduced from the checked tensor's
     copied words (fused) and by a second pass over it agree, and the fused one leaves out the bytes of its last
-    word past the tensor (NaN here: counted, they would turn every word into NaN)."""
+    word past the tensor (NaN here: counted, they would turn every word into NaN). The same with the ring's
+    stores marked streaming (MOEREPLAY_FLIGHT_STREAM_STORES)."""
     from moereplay.capture import device_ring
     from moereplay.capture.device_ring import DeviceRing, decode_word
 
-    ring = DeviceRing(1 << 26, torch.device("cuda", 0))
+    ring = DeviceRing(1 << 26, torch.device("cuda", 0), stream_stores=stream_stores)
     assert ring.launcher is not None and ring.host_words is not None
+    assert ring.launcher.stream_stores is stream_stores
     for fused in (True, False):
         monkeypatch.setattr(device_ring, "FUSED_CHECK", fused)
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -145,9 +150,13 @@ def test_the_ring_kernel_publishes_finished_words_to_host_memory(tmp_path: Path,
     assert int(ring.done.sum()) == 0  # every slot's counter reset by its last program
 
 
-def test_nan_writes_the_layer_calls_bit_exact(kernels, tmp_path: Path) -> None:
-    session = _arm(tmp_path, flight_calls="6")
+@pytest.mark.parametrize("stream_stores", ["0", "1"])
+def test_nan_writes_the_layer_calls_bit_exact(kernels, tmp_path: Path, stream_stores: str) -> None:
+    session = _arm(tmp_path, flight_calls="6", flight_stream_stores=stream_stores)
     seen = _run(kernels, 40, bad_step=30)
+    rings = list(session.recorder.flight._rings.values())  # type: ignore[union-attr]
+    assert rings and rings[0].launcher is not None
+    assert rings[0].launcher.stream_stores is (stream_stores == "1")  # the setting reached the kernel
     session.flush()
     session.close()
     with CaptureReader(session.path) as reader:

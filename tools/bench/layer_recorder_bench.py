@@ -94,13 +94,14 @@ class NoLaunch:
 
 
 def flight_with_a_no_op_launch() -> flight_layer.LayerFlight:
-    def ring(capacity: int, device: torch.device) -> device_ring.DeviceRing:
+    def ring(capacity: int, device: torch.device, **options: object) -> device_ring.DeviceRing:
         made = device_ring.DeviceRing(capacity, torch.device("cpu"), use_kernel=False)
         launcher = object.__new__(device_ring._Launcher)
         launcher.device, launcher.index, launcher.programs = torch.device("cpu"), 0, 264
         variants = ((a, c, m) for a in (0, 1) for c in (0, 1, 2, 3) for m in (0, 1, 2, 3))
         launcher._variants = {key: NoLaunch() for key in variants}
         launcher._get_stream = lambda index: 0
+        launcher.stream_stores = False
         made.launcher = launcher
         if hasattr(device_ring, "host_words"):  # (absent before 2026-12-04: lets the bench time older trees)
             made.host_words, made._host = device_ring.host_words(made.tags, False)

@@ -12,13 +12,16 @@ gets. This measures, per token count, with CUDA events (median of ``--repeats``)
 - ``torch``: the same bytes copied by ``Tensor.copy_`` into a preallocated buffer, plus ``output.abs().amax()``;
 - with ``--warps`` / ``--programs`` / ``--block``, the ring kernel compiled with other ``num_warps`` or elements
   per program and loop step, and launched over another number of programs per SM (the recorder's are 4 warps —
-  Triton's default —, ``ring_kernel.BLOCK`` and 2 programs per SM).
+  Triton's default —, ``ring_kernel.BLOCK`` and 4 programs per SM);
+- with ``--stream 0,1``, the ring's stores plain and marked streaming (``MOEREPLAY_FLIGHT_STREAM_STORES``), each
+  also followed by what vLLM runs next on the output — a residual add reading it (``+next``, beside ``next`` alone,
+  both ms): the ring's own time does not show whether its writes pushed the output out of L2 for that kernel.
 
 Prints GB/s of each (bytes moved: copies read and written, the check's read unless fused) and the ring/torch
 time ratio, all from one run. GPU only (Triton and CUDA):
 
     python tools/bench/ring_bandwidth.py [--tokens 8192,2048,256] [--warps 4,8] [--programs 2,4] [--block 1024,4096]
-        [--check both|fused|2-pass] [--repeats 20]
+        [--check both|fused|2-pass] [--stream 0,1] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def timed(work, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def recompile(ring, warps: int, block: int) -> None:
+def recompile(ring, warps: int, block: int, stream: bool) -> None:
     """The ring's kernel variants compiled again with ``warps`` warps per program and ``block`` elements per
     program and loop step (the launch's program count still comes from the recorder's block: the bench sets it
     per SM, above any a large copy needs)."""
@@ -88,7 +91,13 @@ def recompile(ring, warps: int, block: int) -> None:
     launcher = ring.launcher
     for key in list(launcher._variants):
         aligned, code, mode = key
-        constants = {"ALIGNED": aligned, "CODE": code or 3, "MODE": mode, "BLOCK": block}
+        constants = {
+            "ALIGNED": aligned,
+            "CODE": code or 3,
+            "MODE": mode,
+            "BLOCK": block,
+            "STREAM": int(stream),
+        }
         launcher._variants[key] = ring_kernel.compile_launcher(
             ring_kernel.ring_copy,
             len(ring_kernel._INTS),
@@ -105,7 +114,7 @@ def main() -> int:
     parser.add_argument(
         "--warps", default="4", help="num_warps of the ring kernel to try (4: the recorder's)"
     )
-    parser.add_argument("--programs", default="2", help="programs per SM to try (2: the recorder's)")
+    parser.add_argument("--programs", default="4", help="programs per SM to try (4: the recorder's)")
     parser.add_argument(
         "--check",
         choices=("both", "fused", "2-pass"),
@@ -114,6 +123,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--block", default="", help="elements per program and loop step to try (default: ring_kernel.BLOCK)"
+    )
+    parser.add_argument(
+        "--stream",
+        default="0",
+        help="the ring's stores plain (0: the default) and/or streaming (1), comma-separated",
     )
     parser.add_argument("--repeats", type=int, default=20)
     options = parser.parse_args()
@@ -127,13 +141,14 @@ def main() -> int:
 
     blocks = [int(text) for text in options.block.split(",")] if options.block else [ring_kernel.BLOCK]
     checks = {"both": (True, False), "fused": (True,), "2-pass": (False,)}[options.check]
+    streams = [bool(int(text)) for text in options.stream.split(",")]
 
     device = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"ring_bandwidth: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {sms} SMs")
     print(
-        f"{'tokens':>7} {'warps':>5} {'block':>5} {'prog/SM':>7} {'check':>6} {'ring ms':>8} {'ring GB/s':>9} {'torch ms':>8} "
-        f"{'torch GB/s':>10} {'ring/torch':>10}"
+        f"{'tokens':>7} {'warps':>5} {'block':>5} {'prog/SM':>7} {'check':>6} {'stream':>6} {'ring ms':>8} "
+        f"{'ring GB/s':>9} {'torch ms':>8} {'torch GB/s':>10} {'ring/torch':>10} {'+next ms':>8} {'next ms':>8}"
     )
     for tokens in (int(text) for text in options.tokens.split(",")):
         tensors, output = layer_tensors(tokens, device)
@@ -153,29 +168,41 @@ def main() -> int:
             output.abs().amax()
 
         torch_ms = timed(torch_work, options.repeats)
+        residual = torch.randn_like(output)
+        added = torch.empty_like(output)
+
+        def following(output=output, residual=residual, added=added) -> None:
+            torch.add(output, residual, out=added)
+
+        next_ms = timed(following, options.repeats)
         for warps in (int(text) for text in options.warps.split(",")):
-            for block in blocks:
-                for fused in checks:
-                    device_ring.FUSED_CHECK = fused
-                    ring.record(tensors, output, True)  # compiles the variant this call uses
-                    if warps != 4 or block != ring_kernel.BLOCK:
-                        recompile(ring, warps, block)
-                    # bytes moved: the copies read and written, and the check's own read unless fused
-                    moved = 2 * copied + (0 if fused else output.numel() * output.element_size())
-                    for per_sm in (int(text) for text in options.programs.split(",")):
-                        ring.launcher.programs = sms * per_sm
-                        ring_ms = timed(
-                            lambda ring=ring, tensors=tensors, output=output: ring.record(
-                                tensors, output, True
-                            ),
-                            options.repeats,
-                        )
-                        print(
-                            f"{tokens:>7} {warps:>5} {block:>5} {per_sm:>7} {'fused' if fused else '2-pass':>6} "
-                            f"{ring_ms:>8.3f} {moved / ring_ms / 1e6:>9.0f} {torch_ms:>8.3f} "
-                            f"{torch_moved / torch_ms / 1e6:>10.0f} {ring_ms / torch_ms:>10.2f}"
-                        )
-                    ring.launcher._variants.clear()  # the next variants compile afresh
+            for block, fused, stream in ((b, f, t) for b in blocks for f in checks for t in streams):
+                device_ring.FUSED_CHECK = fused
+                ring.launcher.stream_stores = stream
+                ring.record(tensors, output, True)  # compiles the variant this call uses
+                if warps != 4 or block != ring_kernel.BLOCK:
+                    recompile(ring, warps, block, stream)
+                # bytes moved: the copies read and written, and the check's own read unless fused
+                moved = 2 * copied + (0 if fused else output.numel() * output.element_size())
+                for per_sm in (int(text) for text in options.programs.split(",")):
+                    ring.launcher.programs = sms * per_sm
+
+                    def launch(ring=ring, tensors=tensors, output=output) -> None:
+                        ring.record(tensors, output, True)
+
+                    def launch_then_next(launch=launch, following=following) -> None:
+                        launch()
+                        following()
+
+                    ring_ms = timed(launch, options.repeats)
+                    both_ms = timed(launch_then_next, options.repeats)
+                    print(
+                        f"{tokens:>7} {warps:>5} {block:>5} {per_sm:>7} {'fused' if fused else '2-pass':>6} "
+                        f"{'yes' if stream else 'no':>6} {ring_ms:>8.3f} {moved / ring_ms / 1e6:>9.0f} "
+                        f"{torch_ms:>8.3f} {torch_moved / torch_ms / 1e6:>10.0f} {ring_ms / torch_ms:>10.2f} "
+                        f"{both_ms:>8.3f} {next_ms:>8.3f}"
+                    )
+                ring.launcher._variants.clear()  # the next variants compile afresh
         device_ring.FUSED_CHECK = True
     return 0
 

@@ -93,6 +93,14 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_GRAPH_STAGE": "384K",
     },
+    # the flight recorder with its eager ring launch's stores marked as written once (st.global.cs, evicted from L2
+    # first): whether a prefill's ring writes (~100 MB a layer call at 8,192 tokens) cost the kernels after the
+    # launch their L2 hits on the layer's output — an A/B, not yet measured
+    "flight-stream": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_STREAM_STORES": "1",
+    },
     # diagnostic: capture off again, a second server (an A/A test): its ratio to "off" is the bench's own spread
     # between two servers doing the same thing — a setting's ratio within it says nothing
     "off-again": {},

@@ -87,6 +87,15 @@ def test_a_large_call_lets_go_of_its_tensors_when_it_returns(layer) -> None:
         assert reader.footer["counters"]["flight_released"] == 1  # the large call, not the small one
 
 
+@pytest.mark.parametrize("stream_stores", ["0", "1"])
+def test_the_stream_stores_setting_reaches_the_rings(layer, stream_stores: str) -> None:
+    module = layer(FRESH, flight_calls="4", flight_stream_stores=stream_stores)
+    call_dropping_everything(module, 8, torch.eye(COLUMNS))
+    rings = list(module.session.recorder.flight._rings.values())
+    assert [ring.stream_stores for ring in rings] == [stream_stores == "1"]
+    close(module)
+
+
 @pytest.mark.parametrize("rows", [8, 512])  # 512 rows: 2 MiB of copies, under RELEASE_BYTES
 def test_a_smaller_call_keeps_its_tensors_until_it_leaves_the_history(layer, rows: int) -> None:
     module = layer(FRESH, flight_calls="4")

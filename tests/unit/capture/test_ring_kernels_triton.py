@@ -75,3 +75,36 @@ def test_graph_record_compiles_for_hopper_moving_whole_words(tmp_path: Path, sta
             capture_output=True, text=True, timeout=120, check=True,
         ).stderr  # fmt: skip
         assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def test_the_eager_ring_stores_streaming_only_when_asked() -> None:
+    """sm_90 without a GPU: with ``STREAM`` (MOEREPLAY_FLIGHT_STREAM_STORES) every store into the ring is
+    ``st.global.cs`` — the one plain store left is the finished word into host memory — and without it none is."""
+    import inspect
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from moereplay.capture.ring_kernel import BLOCK, ring_copy
+
+    names = list(inspect.signature(ring_copy.fn).parameters)
+    for mode in (0, 3):  # copies only; copies with the fused check and the tag word
+        for stream in (0, 1):
+            constants = {"ALIGNED": 1, "CODE": 2, "MODE": mode, "BLOCK": BLOCK, "STREAM": stream}
+            signature = {name: "constexpr" if name in constants else "i64" for name in names}
+            built = compile(
+                ASTSource(
+                    ring_copy, signature, constexprs={(names.index(n),): v for n, v in constants.items()}
+                ),
+                target=GPUTarget("cuda", 90, 32),
+            )
+            stores = re.findall(r"st\.global[.\w:]*", built.asm["ptx"])
+            streaming = sum(".cs" in store for store in stores)
+            if stream:  # (mode 3: the host word's store stays plain)
+                assert streaming and len(stores) - streaming == (1 if mode else 0), (
+                    mode,
+                    sorted(set(stores)),
+                )
+            else:
+                assert stores and not streaming, (mode, sorted(set(stores)))

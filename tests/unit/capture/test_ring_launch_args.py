@@ -89,7 +89,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch):
     kernel = types.SimpleNamespace(
         BLOCK=1024,
         SPANS=MAX_SPANS,
-        compile_variant=lambda aligned, code, mode, index: Emulator(
+        compile_variant=lambda aligned, code, mode, index, stream: Emulator(
             aligned, code, mode, launches, held if make.hold else None
         ),
     )
@@ -101,6 +101,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch):
         launcher.device, launcher.index, launcher.programs = torch.device("cpu"), 0, 8
         launcher._variants, launcher.compile_ns = {}, 0
         launcher._get_stream = lambda index: 0
+        launcher.stream_stores = False
         ring.launcher = launcher
         ring.host_words, ring._host = device_ring.host_words(ring.tags, False)  # apart, as on CUDA
         return ring
@@ -260,7 +261,7 @@ def test_layer_calls_written_through_the_launch_path_are_exact(
     from moereplay.capture import flight_layer
     from moereplay.format import CaptureReader
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
     session = arm(trigger="flight", flight_calls="3")
     x, w1, w2, weights = inputs()
     seen = []
@@ -289,7 +290,7 @@ def test_the_writer_checks_a_call_only_once_its_host_word_is_published(emulated,
     (nothing triggers, nothing is lost) until its last program publishes the word."""
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
     emulated.hold = True
     flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
     flight.inline_window = 0.0  # the writer polls the ring however recently the serving thread checked it
@@ -312,7 +313,7 @@ def test_an_intact_layer_through_the_launch_path_reuses_its_measured_spans(
     from moereplay.capture import flight_layer
     from moereplay.format import CaptureReader
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
     session, module = arm_intact(layer_doubling, trigger="flight", flight_calls="4")
     w1 = torch.ones(8, 6)
     seen = []
@@ -397,7 +398,7 @@ def test_the_serving_thread_checks_finished_words_itself_and_leaves_a_bad_one_to
     one inside the window — triggers on it."""
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
     emulated.hold = True
     written: list[object] = []
     flight = flight_layer.LayerFlight(
@@ -445,7 +446,7 @@ def test_a_settle_does_not_wait_forever_for_a_check_interrupted_on_the_serving_t
 
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
     written: list[object] = []
     flight = flight_layer.LayerFlight(
         max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: written.append(a) or True
@@ -497,7 +498,7 @@ def test_the_writer_may_wait_longer_while_the_serving_thread_checks_and_is_woken
     leaves a call unchecked after an idle poll."""
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
     emulated.hold = True  # words are published when the test says (launches that have not finished yet)
 
     def finish() -> None:
@@ -546,7 +547,7 @@ def test_a_call_that_finds_an_idle_writer_holding_the_lock_wakes_it(emulated, mo
     the writer instead of leaving the call for IDLE_POLL_S."""
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
     emulated.hold = True  # words published late: the calls stay unchecked
     flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
     wakes: list[int] = []
@@ -570,7 +571,7 @@ def test_a_call_that_joins_while_the_writer_decides_it_is_idle_is_not_left_for_t
 
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device: emulated(capacity))
+    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
     emulated.hold = True
     flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
     wakes: list[int] = []

@@ -36,6 +36,7 @@ def test_defaults() -> None:
     assert settings.trigger is Trigger.ALWAYS
     assert settings.op_selected("moe_wna16_marlin_gemm")
     assert (settings.max_calls, settings.max_bytes, settings.per_shape, settings.sample) == (0, 0, 0, 1.0)
+    assert not settings.flight_stream_stores
 
 
 def test_every_variable() -> None:
@@ -57,6 +58,7 @@ def test_every_variable() -> None:
         queue_bytes="512MiB",
         compression_level="3",
         compression_threads="-1",
+        flight_stream_stores="on",
     )
     assert settings.directory == Path("/tmp/x") and not settings.directory_was_default
     assert settings.op_selected("moe_wna16_marlin_gemm") and settings.op_selected("matmul_ogs")
@@ -71,6 +73,7 @@ def test_every_variable() -> None:
     assert (settings.queue_calls, settings.queue_bytes) == (16, 512 << 20)
     assert (settings.compression_level, settings.compression_threads) == (3, -1)
     assert "trigger=flight" in settings.describe() and "zstd=3 zstd_threads=-1" in settings.describe()
+    assert settings.flight_stream_stores and "flight_stream_stores=on" in settings.describe()
 
 
 @pytest.mark.parametrize(
@@ -108,6 +111,7 @@ def test_step_ranges(steps: str, expected: StepRange) -> None:
         ("compression_threads", "-2", "must be in [-1, 256]"),
         ("compression_threads", "x", "not an integer"),
         ("timers", "sometimes", "MOEREPLAY_TIMERS='sometimes': not a boolean"),
+        ("flight_stream_stores", "2", "MOEREPLAY_FLIGHT_STREAM_STORES='2': not a boolean"),
     ],
 )
 def test_malformed_values_raise_one_line(variable: str, value: str, fragment: str) -> None:

@@ -123,6 +123,7 @@ def test_every_setting_parses_and_the_stage_setting_has_room_for_a_batch_of_32(
     room = graph_ring.staging_area(staged.flight_graph_bytes)
     assert 24 * entry <= room  # a full decode graph of 24 layers (every graph reuses the area)
     assert parsed["flight"].flight_graph_stage == graph_ring.ALONE_BYTES
+    assert parsed["flight-stream"].flight_stream_stores and not parsed["flight"].flight_stream_stores
 
 
 def test_a_server_whose_requests_fail_is_named_with_its_logs_error_lines(
