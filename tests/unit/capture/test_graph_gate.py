@@ -4,6 +4,7 @@ graph class; the real torch.cuda.CUDAGraph is exercised on the GPU by test_graph
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,9 @@ def test_a_capture_waits_for_the_writers_current_device_work() -> None:
     capturer = threading.Thread(target=capture)
     capturer.start()
     assert not captured.wait(0.2)  # still blocked behind the writer
+    deadline = time.monotonic() + HANG_GUARD_S
+    while gate.waits < 1 and time.monotonic() < deadline:  # (a loaded machine may start the capturer late)
+        time.sleep(0.005)
     release.set()
     worker.join(HANG_GUARD_S)
     capturer.join(HANG_GUARD_S)

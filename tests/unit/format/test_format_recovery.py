@@ -132,7 +132,7 @@ def _read_all_or_fail_cleanly(path: Path, original: list[tuple[Any, ...]]) -> No
         for got in snapshot:
             expected = by_index[got[0]]
             assert got == expected or got == (*expected[:2], "inputs_saved", *expected[3:5], None)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30  # no pathological scan (a loaded machine is slow, not this slow)
 
 
 def test_one_bit_flipped_in_every_byte(small_file: tuple[bytes, list[Envelope]], tmp_path: Path) -> None:
