@@ -33,12 +33,6 @@ def steady(run_before: Callable[[Pilot[Any]], Awaitable[None]]) -> Callable[[Pil
     return run
 
 
-def _layout_pending(table: Any) -> bool:
-    """Whether a Textual ``DataTable`` still has rows or cell changes to measure (it does so when its message
-    pump is idle; Textual 8's private flags)."""
-    return bool(getattr(table, "_require_update_dimensions", False) or getattr(table, "_updated_cells", None))
-
-
 async def quiet(pilot: Pilot[Any]) -> None:
     await settle(pilot)
     pilot.app.clear_notifications()
@@ -127,8 +121,10 @@ def test_mutation_dialog(snap_compare: Any, marlin_capture: Path) -> None:
         # the screen below a dialog keeps its last paint (reproduced with three busy processes beside it: 4 failures
         # in 16; a fixed 0.2 s of real time for the paint still failed once on CI)
         matrix = screen.query_one(VariantMatrix)
-        await until(pilot, lambda: bool(matrix.row_count) and not _layout_pending(matrix))
-        await until_painted(pilot, tuple(label.split()[0] for label in matrix.labels))
+        await until(pilot, lambda: bool(matrix.row_count))
+        await until_painted(
+            pilot, matrix, lines=1 + matrix.row_count
+        )  # the header and every row, as laid out now
         await pilot.press("a")
         await until_focused(pilot, "mutation-value")
         await pilot.press(*"mul_topk")

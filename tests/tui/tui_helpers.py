@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
 from textual.pilot import Pilot
+from textual.widget import Widget
 
 from moereplay.tui.app import MoereplayApp
 
@@ -60,17 +63,38 @@ async def until(pilot: Pilot[Any], ready: Callable[[], bool], rounds: int = 200)
         await pilot.pause()
 
 
-async def until_painted(pilot: Pilot[Any], texts: tuple[str, ...] = (), rounds: int = 100) -> None:
-    """Pause until the screen as painted shows every one of ``texts`` and two paints a moment apart are the same:
-    a widget's new content reaches the screen on a later refresh, and a screen a dialog then covers keeps the paint
-    it had (a snapshot of the dialog caught the table below it half laid out on a loaded CI machine)."""
-    before = None
+def layout_pending(table: Any) -> bool:
+    """Whether a Textual ``DataTable`` still has rows or cell changes to measure (it does so when its message
+    pump is idle; Textual 8's private flags)."""
+    return bool(getattr(table, "_require_update_dimensions", False) or getattr(table, "_updated_cells", None))
+
+
+def painted_text(app: Any) -> str:
+    """The screen as last painted, as plain text: what ``export_screenshot`` renders (the compositor's last
+    update of every screen shown), without the SVG."""
+    width, height = app.size
+    console = Console(
+        width=width, height=height, file=io.StringIO(), record=True, legacy_windows=False, safe_box=False
+    )
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text()
+
+
+async def until_painted(pilot: Pilot[Any], widget: Widget, lines: int, rounds: int = 500) -> None:
+    """Pause until the screen as painted holds the first ``lines`` lines the widget renders now (laid out: a
+    ``DataTable`` measures new rows when idle): a widget's new content reaches the screen on a later refresh, and
+    a screen a dialog then covers keeps the paint it had — a snapshot of the dialog caught the variant matrix below
+    it still painted as before its rows came, on a loaded CI machine. Fails, with the paint, if it never comes."""
+    painted = ""
     for _ in range(rounds):
-        await pilot.pause(0.02)
-        shot = pilot.app.export_screenshot()
-        if shot == before and all(text in shot for text in texts):
+        await pilot.pause(0.01)
+        if layout_pending(widget):
+            continue
+        wanted = [widget.render_line(y).text.strip() for y in range(lines)]
+        painted = painted_text(pilot.app)
+        if all(line and line in painted for line in wanted):
             return
-        before = shot
+    raise AssertionError(f"{widget!r} was not painted as it renders now; the screen:\n{painted}")
 
 
 class Notes:

@@ -178,7 +178,8 @@ def main() -> int:
         for warps in (int(text) for text in options.warps.split(",")):
             for block, fused, stream in ((b, f, t) for b in blocks for f in checks for t in streams):
                 device_ring.FUSED_CHECK = fused
-                ring.launcher.stream_stores = stream
+                # (the variants are keyed without it: cleared after each setting, below)
+                ring.launcher.stream_stores = ring.stream_stores = stream
                 ring.record(tensors, output, True)  # compiles the variant this call uses
                 if warps != 4 or block != ring_kernel.BLOCK:
                     recompile(ring, warps, block, stream)

@@ -32,7 +32,7 @@ class BlockingSink(FormatSink):
         self.release = threading.Event()
 
     def begin(self, message, parent):
-        self.release.wait(timeout=30)
+        self.release.wait(timeout=300)  # (far past the bound on the caller below: the two cannot blur)
         return super().begin(message, parent)
 
 
@@ -49,7 +49,7 @@ def test_full_queue_drops_and_counts_without_blocking(arm, kernels: types.Module
     for step in range(20):
         kernels.fused(x + step, w1, w2, weights)
     elapsed = time.perf_counter() - started
-    assert elapsed < 30.0  # the writer is stuck (until released below); the caller is not
+    assert elapsed < 15.0  # the writer is stuck (until released below); the caller is not
     counters = session.writer.counters
     recorder = session.recorder.counters
     assert recorder.dropped_queue_full + counters.dropped_queue_full > 0

@@ -86,27 +86,28 @@ class Emulator:
 def emulated(monkeypatch: pytest.MonkeyPatch):
     launches: list = []
     held: list = []
-    kernel = types.SimpleNamespace(
-        BLOCK=1024,
-        SPANS=MAX_SPANS,
-        compile_variant=lambda aligned, code, mode, index, stream: Emulator(
-            aligned, code, mode, launches, held if make.hold else None
-        ),
-    )
+    compiled: list[tuple[int, int, int, bool]] = []  # (aligned, code, mode, stream) of each variant compiled
+
+    def compile_variant(aligned: int, code: int, mode: int, index: int, stream: bool) -> Emulator:
+        compiled.append((aligned, code, mode, stream))
+        return Emulator(aligned, code, mode, launches, held if make.hold else None)
+
+    kernel = types.SimpleNamespace(BLOCK=1024, SPANS=MAX_SPANS, compile_variant=compile_variant)
     monkeypatch.setattr(device_ring, "_KERNEL", kernel)
 
-    def make(capacity: int = 1 << 16) -> DeviceRing:
-        ring = DeviceRing(capacity, torch.device("cpu"), use_kernel=False)
+    def make(capacity: int = 1 << 16, stream_stores: bool = False) -> DeviceRing:
+        ring = DeviceRing(capacity, torch.device("cpu"), use_kernel=False, stream_stores=stream_stores)
         launcher = object.__new__(device_ring._Launcher)
         launcher.device, launcher.index, launcher.programs = torch.device("cpu"), 0, 8
         launcher._variants, launcher.compile_ns = {}, 0
         launcher._get_stream = lambda index: 0
-        launcher.stream_stores = False
+        launcher.stream_stores = stream_stores
         ring.launcher = launcher
         ring.host_words, ring._host = device_ring.host_words(ring.tags, False)  # apart, as on CUDA
         return ring
 
     make.launches = launches  # type: ignore[attr-defined]
+    make.compiled = compiled  # type: ignore[attr-defined]
     make.held = held  # type: ignore[attr-defined]
     make.hold = False  # type: ignore[attr-defined]
     return make
@@ -261,7 +262,9 @@ def test_layer_calls_written_through_the_launch_path_are_exact(
     from moereplay.capture import flight_layer
     from moereplay.format import CaptureReader
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
+    monkeypatch.setattr(
+        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
+    )
     session = arm(trigger="flight", flight_calls="3")
     x, w1, w2, weights = inputs()
     seen = []
@@ -285,12 +288,33 @@ def test_layer_calls_written_through_the_launch_path_are_exact(
             assert torch.equal(result.view(torch.uint8), output.view(torch.uint8))
 
 
+@pytest.mark.parametrize("stream_stores", ["0", "1"])
+def test_the_stream_stores_setting_reaches_every_variant_compiled(
+    emulated, arm, kernels, inputs, monkeypatch, stream_stores: str
+) -> None:
+    """MOEREPLAY_FLIGHT_STREAM_STORES from the settings to each ring-kernel variant the layer calls compile."""
+    from moereplay.capture import flight_layer
+
+    monkeypatch.setattr(
+        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
+    )
+    session = arm(trigger="flight", flight_calls="3", flight_stream_stores=stream_stores)
+    x, w1, w2, weights = inputs()
+    for step in range(3):
+        kernels.fused(x + step, w1, w2, weights)
+    session.flush()
+    session.close()
+    assert emulated.compiled and {stream for *_, stream in emulated.compiled} == {stream_stores == "1"}
+
+
 def test_the_writer_checks_a_call_only_once_its_host_word_is_published(emulated, monkeypatch) -> None:
     """Host words are read in place, with no event: a launch that has not finished leaves its call unchecked
     (nothing triggers, nothing is lost) until its last program publishes the word."""
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
+    monkeypatch.setattr(
+        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
+    )
     emulated.hold = True
     flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
     flight.inline_window = 0.0  # the writer polls the ring however recently the serving thread checked it
@@ -313,7 +337,9 @@ def test_an_intact_layer_through_the_launch_path_reuses_its_measured_spans(
     from moereplay.capture import flight_layer
     from moereplay.format import CaptureReader
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
+    monkeypatch.setattr(
+        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
+    )
     session, module = arm_intact(layer_doubling, trigger="flight", flight_calls="4")
     w1 = torch.ones(8, 6)
     seen = []
@@ -398,7 +424,9 @@ def test_the_serving_thread_checks_finished_words_itself_and_leaves_a_bad_one_to
     one inside the window — triggers on it."""
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
+    monkeypatch.setattr(
+        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
+    )
     emulated.hold = True
     written: list[object] = []
     flight = flight_layer.LayerFlight(
@@ -446,7 +474,9 @@ def test_a_settle_does_not_wait_forever_for_a_check_interrupted_on_the_serving_t
 
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
+    monkeypatch.setattr(
+        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
+    )
     written: list[object] = []
     flight = flight_layer.LayerFlight(
         max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: written.append(a) or True
@@ -498,7 +528,9 @@ def test_the_writer_may_wait_longer_while_the_serving_thread_checks_and_is_woken
     leaves a call unchecked after an idle poll."""
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
+    monkeypatch.setattr(
+        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
+    )
     emulated.hold = True  # words are published when the test says (launches that have not finished yet)
 
     def finish() -> None:
@@ -547,7 +579,9 @@ def test_a_call_that_finds_an_idle_writer_holding_the_lock_wakes_it(emulated, mo
     the writer instead of leaving the call for IDLE_POLL_S."""
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
+    monkeypatch.setattr(
+        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
+    )
     emulated.hold = True  # words published late: the calls stay unchecked
     flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
     wakes: list[int] = []
@@ -571,7 +605,9 @@ def test_a_call_that_joins_while_the_writer_decides_it_is_idle_is_not_left_for_t
 
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity))
+    monkeypatch.setattr(
+        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
+    )
     emulated.hold = True
     flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
     wakes: list[int] = []
