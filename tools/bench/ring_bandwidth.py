@@ -16,6 +16,8 @@ gets. This measures, per token count, with CUDA events (median of ``--repeats``)
 - with ``--stream 0,1``, the ring's stores plain and marked streaming (``MOEREPLAY_FLIGHT_STREAM_STORES``), each
   also followed by what vLLM runs next on the output — a residual add reading it (``+next``, beside ``next`` alone,
   both ms): the ring's own time does not show whether its writes pushed the output out of L2 for that kernel.
+  Compare ``+next`` between the two settings: ``next`` alone runs with its inputs warm in L2 where they fit
+  (2,048 tokens and fewer on an H100).
 
 Prints GB/s of each (bytes moved: copies read and written, the check's read unless fused) and the ring/torch
 time ratio, all from one run. GPU only (Triton and CUDA):
