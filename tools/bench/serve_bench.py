@@ -17,8 +17,9 @@ Each number includes the HTTP round trip, identical for all settings. Prints one
 per setting and its ratio to capture off (slowdown ×: off tokens/s ÷ setting tokens/s, so 1.05 is 5 % slower).
 Under it, per setting, the median and range of the per-round ratios (each round's off ÷ setting): a slow round
 moves one of them, where it can move a column's median (decode batch 32 falls into a ~2× slow mode now and then,
-capture off included). ``--pool A.json B.json …`` prints the same table over several runs' ``--json`` files,
-serving nothing (rounds are paired within their own run).
+capture off included). Last, a line per recorder setting held to issue 14's targets (:data:`TARGETS`): meets,
+misses, or at the line within the A/A spread. ``--pool A.json B.json …`` prints the same over several runs'
+``--json`` files, serving nothing (rounds are paired within their own run).
 
 Two ways a number can mean something else, both handled:
 
@@ -217,6 +218,74 @@ def table(
     return lines
 
 
+TARGETS: dict[str, dict[str, float]] = {
+    "graph": {"decode_b1": 1.05, "decode_b32": 1.05, "prefill": 1.02},
+    "eager": {"decode_b1": 1.15, "decode_b32": 1.15, "prefill": 1.02},
+}
+"""Issue 14's targets for the flight recorder armed, per vLLM mode and measurement (slowdown ×: off ÷ armed)."""
+
+JUDGED = ("flight", "flight-stage", "flight-stream")
+"""The settings held to :data:`TARGETS`: the default recorder and the candidates for its default (the others are
+diagnostics that take a piece away or add timers)."""
+
+
+def _median_ratio(base: list[float], values: list[float]) -> float | None:
+    return (
+        statistics.median(base) / statistics.median(values) if base and values and min(values) > 0 else None
+    )
+
+
+def verdicts(
+    results: dict[str, dict[str, list[float]]],
+    paired: dict[str, dict[str, list[float]]],
+    mode: str,
+    stopped: dict[str, str | None],
+    bases: dict[str, dict[str, list[float]]] | None = None,
+) -> list[str]:
+    """A line per judged setting (:data:`JUDGED`) against ``mode``'s :data:`TARGETS`: per measurement the ratio of
+    the medians and the median of the per-round ratios, and whether both meet the target, both miss it by more
+    than the A/A spread (``off-again``'s larger distance from 1.000 of its two figures; none without that server)
+    or it is at the line."""
+    targets = TARGETS.get(mode)
+    if not targets or "off" not in results:
+        return []
+
+    def figures(name: str, what: str) -> tuple[float, ...]:
+        base = (bases or {}).get(name, results["off"]).get(what) or []
+        ratio = _median_ratio(base, results[name].get(what) or [])
+        rounds = paired.get(name, {}).get(what) or []
+        return tuple(x for x in (ratio, statistics.median(rounds) if rounds else None) if x is not None)
+
+    lines = []
+    for name in (name for name in JUDGED if name in results):
+        if stopped.get(name):
+            lines.append(f"> {name}: not judged (its recorder stopped)")
+            continue
+        parts = []
+        for what, target in targets.items():
+            found = figures(name, what)
+            if not found:
+                continue
+            spread = (
+                max((abs(x - 1.0) for x in figures("off-again", what)), default=0.0)
+                if "off-again" in results
+                else 0.0
+            )
+            if max(found) <= target:
+                word = "meets"
+            elif min(found) > target + spread:
+                word = "misses"
+            else:
+                word = "at the line" + (f" (A/A ±{spread:.3f})" if spread else "")
+            parts.append(f"{what} ≤ {target:.2f}: {' / '.join(f'{x:.3f}' for x in found)} {word}")
+        if parts:
+            lines.append(
+                f"> {name} against the {mode} targets (medians' ratio / per-round median): "
+                + "; ".join(parts)
+            )
+    return lines
+
+
 class PoolError(ValueError):
     """``--pool`` files that cannot be tabled together: which file, or which files, and why."""
 
@@ -389,6 +458,8 @@ def main() -> int:
         )
         for line in table(pool.results, pool.paired, pool.stopped, pool.bases, pool.notes):
             print(line)
+        for line in verdicts(pool.results, pool.paired, pool.mode, pool.stopped, pool.bases):
+            print(line)
         return 0
     if options.model is None:
         parser.error("--model is required (or --pool)")
@@ -454,7 +525,10 @@ def main() -> int:
     medians = {n: {m: statistics.median(v) for m, v in by.items()} for n, by in results.items()}
     print(f"\nserve_bench: {options.model.name}, {options.mode}, median of {rounds_done} interleaved rounds")
     stopped = {name: capture_stopped(options.out / name / "server.log", rounds_began) for name in names}
-    for line in table(results, paired_ratios(results), stopped, notes=spread_notes(results)):
+    paired = paired_ratios(results)
+    for line in table(results, paired, stopped, notes=spread_notes(results)):
+        print(line)
+    for line in verdicts(results, paired, options.mode, stopped):
         print(line)
     for name in names:
         for path in sorted((options.out / name / "captures").glob("**/*.zst")):

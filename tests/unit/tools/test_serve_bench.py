@@ -304,6 +304,43 @@ def test_the_pool_command_prints_a_table_or_one_line(
     (code, out, err), (empty_code, _, empty_err), (dir_code, _, dir_err) = outcomes
     assert code == 0 and err == "" and "serve_bench: 1 runs pooled, eager, median of up to 1 rounds" in out
     assert out.splitlines()[3].split()[:3] == ["flight", "1.0", "2.000"]
+    assert out.splitlines()[-1] == (
+        "> flight against the eager targets (medians' ratio / per-round median): prefill ≤ 1.02: 2.000 / 2.000 misses"
+    )
     assert (empty_code, empty_err) == (2, "serve_bench: the files hold no rounds\n")
     assert dir_code == 2 and dir_err.startswith(f"serve_bench: {tmp_path}: not a serve_bench --json file (")
     assert dir_err.count("\n") == 1
+
+
+def test_the_recorder_settings_are_judged_against_the_issues_targets(bench: types.ModuleType) -> None:
+    """Both figures under the target: meets; both over it by more than the A/A spread: misses; else at the line.
+    Diagnostic settings and stopped recorders are not judged; eager mode has its own decode target."""
+    results = {
+        "off": {"decode_b1": [100.0, 100.0, 100.0], "prefill": [1000.0, 1040.0, 1000.0]},
+        "off-again": {"decode_b1": [100.0, 100.0, 100.0], "prefill": [995.0, 995.0, 995.0]},  # A/A: 1.005
+        # decode 1.036; prefill: medians 1000 / 985 = 1.015, per round 1.015, 1.030, 1.026
+        "flight": {"decode_b1": [97.0, 96.0, 96.5], "prefill": [985.0, 1010.0, 975.0]},
+        "flight-stream": {"decode_b1": [90.0, 90.0, 90.0], "prefill": [900.0, 936.0, 900.0]},  # 1.111 both
+        "flight-timers": {"decode_b1": [50.0, 50.0, 50.0], "prefill": [500.0, 500.0, 500.0]},
+    }
+    paired = bench.paired_ratios(results)
+    lines = bench.verdicts(results, paired, "graph", {})
+    assert [line.split()[1] for line in lines] == [
+        "flight",
+        "flight-stream",
+    ]  # in JUDGED's order; no diagnostic
+    flight, stream = lines
+    assert "decode_b1 ≤ 1.05: 1.036 / 1.036 meets" in flight
+    assert "prefill ≤ 1.02: 1.015 / 1.026 at the line (A/A ±0.005)" in flight
+    assert (
+        "decode_b1 ≤ 1.05: 1.111 / 1.111 misses" in stream
+        and "prefill ≤ 1.02: 1.111 / 1.111 misses" in stream
+    )
+    assert "decode_b1 ≤ 1.15: 1.111 / 1.111 meets" in bench.verdicts(results, paired, "eager", {})[1]
+    assert (
+        bench.verdicts(results, paired, "graph", {"flight": "stopped"})[0]
+        == "> flight: not judged (its recorder stopped)"
+    )
+    assert (
+        bench.verdicts({"flight": results["flight"]}, {}, "graph", {}) == []
+    )  # no capture off: nothing to judge
