@@ -433,9 +433,8 @@ class _Launcher:
 
     def __init__(self, device: torch.device, stream_stores: bool = False) -> None:
         self.device = device
-        self.stream_stores = (
-            stream_stores  # every variant's ring stores marked streaming (ring_kernel._store)
-        )
+        # every variant's stores into the ring marked streaming (ring_kernel._store)
+        self.stream_stores = stream_stores
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.programs = torch.cuda.get_device_properties(self.index).multi_processor_count * 4
         self._variants: dict[tuple[int, int, int], Any] = {}

@@ -306,9 +306,8 @@ class LayerFlight(PollingRecorder):
         self.budget = budget if budget is not None else TriggerBudget(0)
         self.beside_bytes = beside_bytes
         self.release_bytes = release_bytes
-        self.stream_stores = (
-            stream_stores  # the ring kernel's stores marked streaming (MOEREPLAY_FLIGHT_STREAM_STORES)
-        )
+        # the ring kernel's stores marked streaming (MOEREPLAY_FLIGHT_STREAM_STORES)
+        self.stream_stores = stream_stores
         self._besides: dict[int, Any] = {}  # per device, the side stream of large calls' input copies
         self.max_calls = max_calls
         self.max_bytes = max_bytes

@@ -122,9 +122,7 @@ def test_mutation_dialog(snap_compare: Any, marlin_capture: Path) -> None:
         # in 16; a fixed 0.2 s of real time for the paint still failed once on CI)
         matrix = screen.query_one(VariantMatrix)
         await until(pilot, lambda: bool(matrix.row_count))
-        await until_painted(
-            pilot, matrix, lines=1 + matrix.row_count
-        )  # the header and every row, as laid out now
+        await until_painted(pilot, matrix, lines=1 + matrix.row_count)  # its header and every row, laid out
         await pilot.press("a")
         await until_focused(pilot, "mutation-value")
         await pilot.press(*"mul_topk")

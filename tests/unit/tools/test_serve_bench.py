@@ -325,10 +325,8 @@ def test_the_recorder_settings_are_judged_against_the_issues_targets(bench: type
     }
     paired = bench.paired_ratios(results)
     lines = bench.verdicts(results, paired, "graph", {})
-    assert [line.split()[1] for line in lines] == [
-        "flight",
-        "flight-stream",
-    ]  # in JUDGED's order; no diagnostic
+    # in JUDGED's order; no diagnostic
+    assert [line.split()[1] for line in lines] == ["flight", "flight-stream"]
     flight, stream = lines
     assert "decode_b1 ≤ 1.05: 1.036 / 1.036 meets" in flight
     assert "prefill ≤ 1.02: 1.015 / 1.026 at the line (A/A ±0.005)" in flight
