@@ -155,11 +155,11 @@ def main() -> int:
 
     def build(variant: str) -> torch.cuda.CUDAGraph:
         ring = None
+        staged = variant.endswith("staged")
         if variant != "bare":
             # a staged variant lifts the ring's stage limit (as MOEREPLAY_FLIGHT_GRAPH_STAGE does): entries over
             # the lone size (every one at --tokens 32) are staged too. Their slots come from the staging area,
             # capacity // STAGE_SHARE: 32 MB here, room for larger --tokens than the default ring's 16 MB
-            staged = variant.endswith("staged")
             ring = GraphRing(
                 (512 if staged else 64) << 20,
                 device,
@@ -180,15 +180,13 @@ def main() -> int:
             graph_ring.ALONE_BYTES = graph_ring.ALONE_ELEMENTS = 1 << 62  # one program whatever the entry
         check = not variant.endswith("nocheck")
         try:
-            graph = capture_layers(
-                ring, inputs, outputs, lambda i: spans(i, extra, check), staged=variant.endswith("staged")
-            )
+            graph = capture_layers(ring, inputs, outputs, lambda i: spans(i, extra, check), staged=staged)
         finally:
             graph_ring.ALONE_BYTES, graph_ring.ALONE_ELEMENTS = alone, alone_elements
         if ring is not None:
             # a staged variant whose entries do not all fit the staging area, or that got no side stream, would
             # time a mix of both paths or the one-node path under a staged name
-            expected = layers if variant.endswith("staged") else 0
+            expected = layers if staged else 0
             if len(ring.staged) != expected:
                 raise SystemExit(
                     f"graph_ring_bench: {variant} staged {len(ring.staged)} of its {layers} layer calls, not "

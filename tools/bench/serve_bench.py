@@ -176,6 +176,24 @@ def paired_ratios(
     return paired
 
 
+def _off_rounds(
+    results: dict[str, dict[str, list[float]]],
+    bases: dict[str, dict[str, list[float]]] | None,
+    name: str,
+    what: str,
+) -> list[float]:
+    """The capture-off rounds ``name``'s ``what`` is compared with: those of the runs it was in (``bases``, from
+    :func:`pooled`), by default all of off's."""
+    return (bases or {}).get(name, results.get("off", {})).get(what) or []
+
+
+def _median_ratio(base: list[float], values: list[float]) -> float | None:
+    """Capture off's median ÷ the setting's (slowdown ×), or None where either has no rounds."""
+    if not base or not values or statistics.median(values) <= 0:
+        return None
+    return statistics.median(base) / statistics.median(values)
+
+
 def table(
     results: dict[str, dict[str, list[float]]],
     paired: dict[str, dict[str, list[float]]],
@@ -194,9 +212,8 @@ def table(
         for what in measurements:
             values = by.get(what) or []
             value = statistics.median(values) if values else 0.0
-            base_values = (bases or {}).get(name, results.get("off", {})).get(what) or []
-            ratio = f"{statistics.median(base_values) / value:6.3f}" if base_values and value else f"{'':>6}"
-            cells.append(f"{value:18.1f} {ratio}")
+            ratio = _median_ratio(_off_rounds(results, bases, name, what), values)
+            cells.append(f"{value:18.1f} " + (f"{ratio:6.3f}" if ratio is not None else f"{'':>6}"))
         lines.append(f"{name + ('*' if stopped.get(name) else ''):<14} " + " ".join(cells))
     for name, by in paired.items():
         parts = [
@@ -229,12 +246,6 @@ JUDGED = ("flight", "flight-stage", "flight-stream")
 diagnostics that take a piece away or add timers)."""
 
 
-def _median_ratio(base: list[float], values: list[float]) -> float | None:
-    return (
-        statistics.median(base) / statistics.median(values) if base and values and min(values) > 0 else None
-    )
-
-
 def verdicts(
     results: dict[str, dict[str, list[float]]],
     paired: dict[str, dict[str, list[float]]],
@@ -251,8 +262,7 @@ def verdicts(
         return []
 
     def figures(name: str, what: str) -> tuple[float, ...]:
-        base = (bases or {}).get(name, results["off"]).get(what) or []
-        ratio = _median_ratio(base, results[name].get(what) or [])
+        ratio = _median_ratio(_off_rounds(results, bases, name, what), results[name].get(what) or [])
         rounds = paired.get(name, {}).get(what) or []
         return tuple(x for x in (ratio, statistics.median(rounds) if rounds else None) if x is not None)
 
@@ -558,7 +568,7 @@ def main() -> int:
                     "mode": options.mode,
                     "stopped": stopped,
                     "spread": spread_notes(results),
-                    "paired": paired_ratios(results),
+                    "paired": paired,
                 }
             )
         )
