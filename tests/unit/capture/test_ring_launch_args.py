@@ -106,6 +106,8 @@ def emulated(monkeypatch: pytest.MonkeyPatch):
         ring.host_words, ring._host = device_ring.host_words(ring.tags, False)  # apart, as on CUDA
         return ring
 
+    # in DeviceRing's place (flight_layer.DeviceRing): the recorder's rings made by ``make``, its options kept
+    make.device_ring = lambda capacity, device, **options: make(capacity, **options)  # type: ignore[attr-defined]
     make.launches = launches  # type: ignore[attr-defined]
     make.compiled = compiled  # type: ignore[attr-defined]
     make.held = held  # type: ignore[attr-defined]
@@ -262,9 +264,7 @@ def test_layer_calls_written_through_the_launch_path_are_exact(
     from moereplay.capture import flight_layer
     from moereplay.format import CaptureReader
 
-    monkeypatch.setattr(
-        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
-    )
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
     session = arm(trigger="flight", flight_calls="3")
     x, w1, w2, weights = inputs()
     seen = []
@@ -295,9 +295,7 @@ def test_the_stream_stores_setting_reaches_every_variant_compiled(
     """MOEREPLAY_FLIGHT_STREAM_STORES from the settings to each ring-kernel variant the layer calls compile."""
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(
-        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
-    )
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
     session = arm(trigger="flight", flight_calls="3", flight_stream_stores=stream_stores)
     x, w1, w2, weights = inputs()
     for step in range(3):
@@ -312,9 +310,7 @@ def test_the_writer_checks_a_call_only_once_its_host_word_is_published(emulated,
     (nothing triggers, nothing is lost) until its last program publishes the word."""
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(
-        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
-    )
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
     emulated.hold = True
     flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
     flight.inline_window = 0.0  # the writer polls the ring however recently the serving thread checked it
@@ -337,9 +333,7 @@ def test_an_intact_layer_through_the_launch_path_reuses_its_measured_spans(
     from moereplay.capture import flight_layer
     from moereplay.format import CaptureReader
 
-    monkeypatch.setattr(
-        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
-    )
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
     session, module = arm_intact(layer_doubling, trigger="flight", flight_calls="4")
     w1 = torch.ones(8, 6)
     seen = []
@@ -424,9 +418,7 @@ def test_the_serving_thread_checks_finished_words_itself_and_leaves_a_bad_one_to
     one inside the window — triggers on it."""
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(
-        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
-    )
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
     emulated.hold = True
     written: list[object] = []
     flight = flight_layer.LayerFlight(
@@ -474,9 +466,7 @@ def test_a_settle_does_not_wait_forever_for_a_check_interrupted_on_the_serving_t
 
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(
-        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
-    )
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
     written: list[object] = []
     flight = flight_layer.LayerFlight(
         max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: written.append(a) or True
@@ -528,9 +518,7 @@ def test_the_writer_may_wait_longer_while_the_serving_thread_checks_and_is_woken
     leaves a call unchecked after an idle poll."""
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(
-        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
-    )
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
     emulated.hold = True  # words are published when the test says (launches that have not finished yet)
 
     def finish() -> None:
@@ -579,9 +567,7 @@ def test_a_call_that_finds_an_idle_writer_holding_the_lock_wakes_it(emulated, mo
     the writer instead of leaving the call for IDLE_POLL_S."""
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(
-        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
-    )
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
     emulated.hold = True  # words published late: the calls stay unchecked
     flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
     wakes: list[int] = []
@@ -605,9 +591,7 @@ def test_a_call_that_joins_while_the_writer_decides_it_is_idle_is_not_left_for_t
 
     from moereplay.capture import flight_layer
 
-    monkeypatch.setattr(
-        flight_layer, "DeviceRing", lambda capacity, device, **options: emulated(capacity, **options)
-    )
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
     emulated.hold = True
     flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True)
     wakes: list[int] = []
