@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from moereplay.capture import phase_timers
 
 
@@ -42,3 +44,33 @@ def test_collections_before_a_freeze_are_startup_pieces() -> None:
             gc.unfreeze()
     finally:
         undo()
+
+
+def test_the_freeze_count_is_asked_until_a_freeze_is_seen_then_never(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPython counts the frozen objects by walking their list: in a serving vLLM process (millions frozen) one
+    ask takes tens of ms. Asked at every collection, it made each collection look that long and slowed a served
+    prefill ~6× (the twenty-ninth session's eager bench with MOEREPLAY_TIMERS)."""
+    answers = iter([0, 0, 7])
+    asked: list[int] = []
+
+    def freeze_count() -> int:
+        answer = next(answers, 7)
+        asked.append(answer)
+        return answer
+
+    monkeypatch.setattr(gc, "get_freeze_count", freeze_count)
+    was_enabled = gc.isenabled()
+    gc.disable()  # only the test's own collections (gc.collect runs regardless)
+    times, undo = phase_timers.install()
+    try:
+        gc.collect(0)
+        gc.collect(0)
+        assert times["gc0-startup"][1] == 2 and times["gc0"][1] == 0 and asked == [0, 0]
+        for _ in range(5):
+            gc.collect(0)
+        assert times["gc0"][1] == 5 and times["gc0-startup"][1] == 2
+        assert asked == [0, 0, 7]  # once seen frozen, never asked again
+    finally:
+        undo()
+        if was_enabled:
+            gc.enable()
