@@ -17,8 +17,9 @@ Each number includes the HTTP round trip, identical for all settings. Prints one
 per setting and its ratio to capture off (slowdown ×: off tokens/s ÷ setting tokens/s, so 1.05 is 5 % slower).
 Under it, per setting, the median and range of the per-round ratios (each round's off ÷ setting): a slow round
 moves one of them, where it can move a column's median (decode batch 32 falls into a ~2× slow mode now and then,
-capture off included). Last, a line per recorder setting held to issue 14's targets (:data:`TARGETS`): meets,
-misses, or at the line within the A/A spread. ``--pool A.json B.json …`` prints the same over several runs'
+capture off included), and where a round of either side fell into that mode, the same over the steady rounds
+alone (:func:`steady_ratios`). Last, a line per recorder setting held to issue 14's targets (:data:`TARGETS`):
+meets (every figure under it), misses, or at the line within the A/A spread. ``--pool A.json B.json …`` prints the same over several runs'
 ``--json`` files, serving nothing (rounds are paired within their own run).
 
 Two ways a number can mean something else, both handled:
@@ -141,17 +142,26 @@ two modes. Seen on the H100 (2026-12-06): servers sharing the one GPU fall for a
 rounds says which mode most rounds fell in, not what the setting costs; the A/A server's spread is the check."""
 
 
+def slow_rounds(values: list[float], *, limit: float = TWO_MODES) -> set[int]:
+    """The indices of ``values``' rounds in the slow mode: those below the midpoint of the two extremes, when the
+    fastest is more than ``limit`` times the slowest (else none)."""
+    low, high = (min(values), max(values)) if values else (0.0, 0.0)
+    if low <= 0 or high / low <= limit:
+        return set()
+    middle = (low + high) / 2
+    return {i for i, value in enumerate(values) if value < middle}
+
+
 def spread_notes(results: dict[str, dict[str, list[float]]], *, limit: float = TWO_MODES) -> list[str]:
     """One line per setting and measurement whose rounds spread past ``limit`` (fastest ÷ slowest), naming the
     rounds below the midpoint of the two extremes (the slow mode) and the rounds' range."""
     notes = []
     for name, by in results.items():
         for what, values in by.items():
-            low, high = (min(values), max(values)) if values else (0.0, 0.0)
-            if low <= 0 or high / low <= limit:
+            slow = [str(i + 1) for i in sorted(slow_rounds(values, limit=limit))]
+            if not slow:
                 continue
-            middle = (low + high) / 2
-            slow = [str(i + 1) for i, value in enumerate(values) if value < middle]
+            low, high = min(values), max(values)
             notes.append(
                 f"{name} {what}: rounds spread {low:.1f}–{high:.1f} tok/s ({high / low:.2f}×); round(s) "
                 f"{', '.join(slow)} of {len(values)} in the slow mode — its median is not a cost"
@@ -174,6 +184,33 @@ def paired_ratios(
             for what, values in by.items()
         }
     return paired
+
+
+Steady = dict[str, dict[str, tuple[list[float], int]]]
+"""Per setting and measurement: the per-round ratios of the steady rounds and how many rounds were left out."""
+
+
+def steady_ratios(
+    results: dict[str, dict[str, list[float]]], base: str = "off", *, limit: float = TWO_MODES
+) -> Steady:
+    """:func:`paired_ratios` over the rounds where neither the setting nor ``base`` was in the slow mode
+    (:func:`slow_rounds`), and how many rounds that left out. The slow mode strikes capture off too, a few rounds
+    a run: a median of per-round ratios that keeps a round where one side fell into it and the other did not
+    keeps a ratio of two modes, not a cost (seen at decode batch 32, 2026-12-07: 1.081 over 11 rounds, 1.072
+    over the 8 steady ones, 0.617–1.657 in the rounds left out)."""
+    steady: Steady = {}
+    if base not in results:
+        return steady
+    for name, by in results.items():
+        if name == base:
+            continue
+        for what, values in by.items():
+            base_values = results[base].get(what, [])
+            slow = slow_rounds(values, limit=limit) | slow_rounds(base_values, limit=limit)
+            pairs = list(zip(base_values, values, strict=False))
+            ratios = [b / v for i, (b, v) in enumerate(pairs) if i not in slow and v > 0]
+            steady.setdefault(name, {})[what] = (ratios, len(pairs) - len(ratios))
+    return steady
 
 
 def _off_rounds(
@@ -200,11 +237,13 @@ def table(
     stopped: dict[str, str | None],
     bases: dict[str, dict[str, list[float]]] | None = None,
     notes: tuple[str, ...] | list[str] = (),
+    steady: Steady | None = None,
 ) -> list[str]:
     """The table's lines: per setting and measurement the median of its rounds and that median's ratio to capture
     off's (``bases``: per setting, the capture-off rounds to compare it with — those of the runs it was in; by
     default all of off's); under it, per setting, the median of the per-round ratios (:func:`paired_ratios`) and
-    their range; then the ``notes`` (:func:`spread_notes`) and a line per recorder that stopped."""
+    their range, and the same over the steady rounds where ``steady`` (:func:`steady_ratios`) left a round out;
+    then the ``notes`` (:func:`spread_notes`) and a line per recorder that stopped."""
     measurements = list(next(iter(results.values())))
     lines = [f"{'setting':<14} " + " ".join(f"{m + ' tok/s':>18} {'×':>6}" for m in measurements)]
     for name, by in results.items():
@@ -225,6 +264,16 @@ def table(
             rounds = max(len(ratios) for ratios in by.values())
             lines.append(
                 f"= {name}: per-round ratios to off, median (range) of {rounds}: " + ", ".join(parts)
+            )
+    for name, by in (steady or {}).items():
+        parts = [
+            f"{what} {statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) of {len(ratios)}"
+            for what, (ratios, left_out) in by.items()
+            if ratios and left_out
+        ]
+        if parts:
+            lines.append(
+                f"= {name}: the same over the steady rounds (neither in the slow mode): " + ", ".join(parts)
             )
     lines += [f"~ {note}" for note in notes]
     lines += [
@@ -252,19 +301,27 @@ def verdicts(
     mode: str,
     stopped: dict[str, str | None],
     bases: dict[str, dict[str, list[float]]] | None = None,
+    steady: Steady | None = None,
 ) -> list[str]:
     """A line per judged setting (:data:`JUDGED`) against ``mode``'s :data:`TARGETS`: per measurement the ratio of
-    the medians and the median of the per-round ratios, and whether both meet the target, both miss it by more
-    than the A/A spread (``off-again``'s larger distance from 1.000 of its two figures; none without that server)
-    or it is at the line."""
+    the medians, the median of the per-round ratios and — where ``steady`` (:func:`steady_ratios`) left rounds in
+    the slow mode out — the median of the steady rounds' ratios; and whether all meet the target, all miss it by
+    more than the A/A spread (``off-again``'s largest distance from 1.000 of its figures; none without that
+    server) or it is at the line."""
     targets = TARGETS.get(mode)
     if not targets or "off" not in results:
         return []
 
-    def figures(name: str, what: str) -> tuple[float, ...]:
+    def figures(name: str, what: str) -> list[tuple[str, float]]:
         ratio = _median_ratio(_off_rounds(results, bases, name, what), results[name].get(what) or [])
         rounds = paired.get(name, {}).get(what) or []
-        return tuple(x for x in (ratio, statistics.median(rounds) if rounds else None) if x is not None)
+        kept, left_out = (steady or {}).get(name, {}).get(what, ([], 0))
+        found = [
+            ("", ratio),
+            ("", statistics.median(rounds) if rounds else None),
+            (f"steady ({len(kept)} rounds) ", statistics.median(kept) if kept and left_out else None),
+        ]
+        return [(label, x) for label, x in found if x is not None]
 
     lines = []
     for name in (name for name in JUDGED if name in results):
@@ -277,17 +334,19 @@ def verdicts(
             if not found:
                 continue
             spread = (
-                max((abs(x - 1.0) for x in figures("off-again", what)), default=0.0)
+                max((abs(x - 1.0) for _, x in figures("off-again", what)), default=0.0)
                 if "off-again" in results
                 else 0.0
             )
-            if max(found) <= target:
+            values = [x for _, x in found]
+            if max(values) <= target:
                 word = "meets"
-            elif min(found) > target + spread:
+            elif min(values) > target + spread:
                 word = "misses"
             else:
                 word = "at the line" + (f" (A/A ±{spread:.3f})" if spread else "")
-            parts.append(f"{what} ≤ {target:.2f}: {' / '.join(f'{x:.3f}' for x in found)} {word}")
+            shown = " / ".join(f"{label}{x:.3f}" for label, x in found)
+            parts.append(f"{what} ≤ {target:.2f}: {shown} {word}")
         if parts:
             lines.append(
                 f"> {name} against the {mode} targets (medians' ratio / per-round median): "
@@ -314,6 +373,7 @@ class Pool:
     )  # off's rounds of the runs a setting ran in
     stopped: dict[str, str | None] = field(default_factory=dict)  # a recorder that stopped, in which run
     notes: list[str] = field(default_factory=list)  # each run's own spread notes, the run named
+    steady: Steady = field(default_factory=dict)  # steady_ratios, within each run
 
     @property
     def rounds(self) -> int:
@@ -373,6 +433,10 @@ def pooled(paths: list[Path]) -> Pool:
         for name, by in paired_ratios(run).items():
             for what, ratios in by.items():
                 pool.paired.setdefault(name, {}).setdefault(what, []).extend(ratios)
+        for name, steady_by in steady_ratios(run).items():
+            for what, (kept, left_out) in steady_by.items():
+                pooled_kept, pooled_left_out = pool.steady.setdefault(name, {}).get(what, ([], 0))
+                pool.steady[name][what] = (pooled_kept + kept, pooled_left_out + left_out)
         pool.notes += [f"run {number} ({path.name}): {note}" for note in spread_notes(run)]
     if len(modes) > 1:
         raise PoolError(f"the files mix modes {sorted(modes)}: pool runs of one mode")
@@ -466,9 +530,9 @@ def main() -> int:
         print(
             f"serve_bench: {len(options.pool)} runs pooled, {pool.mode}, median of up to {pool.rounds} rounds"
         )
-        for line in table(pool.results, pool.paired, pool.stopped, pool.bases, pool.notes):
+        for line in table(pool.results, pool.paired, pool.stopped, pool.bases, pool.notes, pool.steady):
             print(line)
-        for line in verdicts(pool.results, pool.paired, pool.mode, pool.stopped, pool.bases):
+        for line in verdicts(pool.results, pool.paired, pool.mode, pool.stopped, pool.bases, pool.steady):
             print(line)
         return 0
     if options.model is None:
@@ -536,9 +600,10 @@ def main() -> int:
     print(f"\nserve_bench: {options.model.name}, {options.mode}, median of {rounds_done} interleaved rounds")
     stopped = {name: capture_stopped(options.out / name / "server.log", rounds_began) for name in names}
     paired = paired_ratios(results)
-    for line in table(results, paired, stopped, notes=spread_notes(results)):
+    steady = steady_ratios(results)
+    for line in table(results, paired, stopped, notes=spread_notes(results), steady=steady):
         print(line)
-    for line in verdicts(results, paired, options.mode, stopped):
+    for line in verdicts(results, paired, options.mode, stopped, steady=steady):
         print(line)
     for name in names:
         for path in sorted((options.out / name / "captures").glob("**/*.zst")):
@@ -569,6 +634,7 @@ def main() -> int:
                     "stopped": stopped,
                     "spread": spread_notes(results),
                     "paired": paired,
+                    "steady": steady,
                 }
             )
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import json
+import statistics
 import sys
 import types
 from pathlib import Path
@@ -342,3 +343,82 @@ def test_the_recorder_settings_are_judged_against_the_issues_targets(bench: type
     assert (
         bench.verdicts({"flight": results["flight"]}, {}, "graph", {}) == []
     )  # no capture off: nothing to judge
+
+
+def test_steady_ratios_leave_out_every_round_either_side_spent_in_the_slow_mode(
+    bench: types.ModuleType,
+) -> None:
+    """The recorder's rounds 2 and 3 fell into the slow mode: their pairs are ratios of two modes (2.2 here), and
+    only the other four rounds say what the recorder costs. Without a slow round nothing is left out, and the
+    table and the verdict show no steady figure."""
+    results = {
+        "off": {"decode_b32": [4500.0, 4450.0, 4600.0, 4400.0, 4550.0, 4500.0], "decode_b1": [370.0, 372.0]},
+        "flight": {
+            "decode_b32": [4300.0, 2000.0, 2100.0, 4000.0, 4250.0, 4350.0],
+            "decode_b1": [355.0, 357.0],
+        },
+    }
+    steady = bench.steady_ratios(results)
+    kept, left_out = steady["flight"]["decode_b32"]
+    assert left_out == 2 and kept == pytest.approx([4500 / 4300, 4400 / 4000, 4550 / 4250, 4500 / 4350])
+    paired = bench.paired_ratios(results)
+    assert steady["flight"]["decode_b1"] == (pytest.approx(paired["flight"]["decode_b1"]), 0)
+    assert bench.steady_ratios({"flight": results["flight"]}) == {}  # no capture off: nothing to pair
+
+    lines = bench.table(results, paired, {"flight": None}, steady=steady)
+    middle = statistics.median(kept)  # 1.059, where all six rounds' median is 1.085
+    assert (
+        f"= flight: the same over the steady rounds (neither in the slow mode): decode_b32 {middle:.3f} "
+        f"({min(kept):.3f}–{max(kept):.3f}) of 4"
+    ) in lines
+    assert sum("steady" in line for line in lines) == 1  # decode b1 left nothing out
+    (line,) = bench.verdicts(results, paired, "graph", {}, steady=steady)
+    every = statistics.median(paired["flight"]["decode_b32"])
+    assert (
+        f"decode_b32 ≤ 1.05: {4500 / 4125:.3f} / {every:.3f} / steady (4 rounds) {middle:.3f} misses" in line
+    )
+    assert "decode_b1 ≤ 1.05: 1.042 / 1.042 meets" in line  # no steady figure where none was left out
+    (eager,) = bench.verdicts(results, paired, "eager", {}, steady=steady)
+    assert f"steady (4 rounds) {middle:.3f} meets" in eager
+
+    # capture off's slow rounds pull the other two figures under the target; the steady one alone is over it
+    results["off"]["decode_b32"] = [4500.0, 1600.0, 1700.0, 4400.0, 4550.0, 4500.0]
+    results["flight"]["decode_b32"] = [4300.0, 4300.0, 4250.0, 4000.0, 4250.0, 4350.0]
+    steady, paired = bench.steady_ratios(results), bench.paired_ratios(results)
+    (line,) = bench.verdicts(results, paired, "graph", {}, steady=steady)
+    assert statistics.median(paired["flight"]["decode_b32"]) <= 1.05 and 4450 / 4275 <= 1.05
+    assert f"steady (4 rounds) {statistics.median(steady['flight']['decode_b32'][0]):.3f} at the line" in line
+
+
+def test_pooled_steady_rounds_are_taken_within_each_run(bench: types.ModuleType, tmp_path: Path) -> None:
+    """A round is slow against its own run's rounds: the second run's 3000 is steady there (its off is 3000 too),
+    though it would be the slow mode among the first run's 4500s."""
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(
+        json.dumps(
+            {
+                "mode": "graph",
+                "results": {
+                    "off": {"decode_b32": [4500.0, 1600.0, 4400.0]},
+                    "flight": {"decode_b32": [4300.0, 4200.0, 4000.0]},
+                },
+            }
+        )
+    )
+    second.write_text(
+        json.dumps(
+            {
+                "mode": "graph",
+                "results": {
+                    "off": {"decode_b32": [3000.0, 3100.0]},
+                    "flight": {"decode_b32": [2900.0, 3000.0]},
+                },
+            }
+        )
+    )
+    pool = bench.pooled([first, second])
+    kept, left_out = pool.steady["flight"]["decode_b32"]
+    assert left_out == 1
+    assert kept == pytest.approx([4500 / 4300, 4400 / 4000, 3000 / 2900, 3100 / 3000])
+    (line,) = bench.verdicts(pool.results, pool.paired, pool.mode, pool.stopped, pool.bases, pool.steady)
+    assert f"steady (4 rounds) {sorted(kept)[1] / 2 + sorted(kept)[2] / 2:.3f}" in line
