@@ -411,6 +411,11 @@ def _kernel_available() -> bool:
 
 _PADDING = [(0, 0, 0) * (MAX_SPANS - n) for n in range(MAX_SPANS + 1)]
 
+DRIVER_TIMER: Any = None
+"""Set by ``MOEREPLAY_TIMERS`` (:func:`moereplay.capture.phase_timers.install`): wraps the driver's
+``cuLaunchKernel`` of every ring kernel compiled from then on (``ring_kernel.compile_launcher``), to time the
+driver call apart from the Python around it (timer piece ``cu_launch``). None: launches call the driver itself."""
+
 FUSED_CHECK = True
 """Whether a checked tensor that is also copied is reduced from its copy's words (one read of its bytes; see
 :mod:`moereplay.capture.ring_kernel`) rather than by a second pass over it. ``tools/bench/ring_bandwidth.py``

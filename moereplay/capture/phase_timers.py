@@ -6,7 +6,9 @@ then holds, per piece, ``timer_<piece>_ns``, ``timer_<piece>_cpu_ns`` and ``time
 well above its CPU time is time the thread spent waiting — for the GIL, held by another thread, or for the OS —
 rather than working (a launch releases the GIL: another thread may take it meanwhile). The pieces nest (an inner
 piece's time is inside its caller's). ``moereplay info`` prints them; ``tools/bench/capture_bench.py --phases``
-uses the same timers in a benchmark. The interpreter's garbage collections are timed too, by generation: pieces
+uses the same timers in a benchmark. Piece ``cu_launch`` is the driver's ``cuLaunchKernel`` alone, inside
+``launch_prepared``, for every ring kernel compiled while the timers are installed (see
+``device_ring.DRIVER_TIMER``). The interpreter's garbage collections are timed too, by generation: pieces
 ``gc0``–``gc2`` once part of the heap is frozen — vLLM's processes ``gc.freeze()`` their start-up heap when they
 are ready to serve, so these are the collections of serving time — and ``gc0-startup``–``gc2-startup`` before
 (start-up's own explicit ``gc.collect()`` calls walk the whole heap: hundreds of ms each, never a serving cost).
@@ -77,14 +79,40 @@ def install() -> tuple[Timers, Callable[[], None]]:
 
     collecting = _time_garbage_collections(times)
     gc.callbacks.append(collecting)
+    from moereplay.capture import device_ring
+
+    device_ring.DRIVER_TIMER = _driver_timer(times.setdefault("cu_launch", [0, 0, 0]))
 
     def undo() -> None:
         for owner, name, raw in reversed(saved):
             setattr(owner, name, raw)
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(collecting)
+        device_ring.DRIVER_TIMER = None  # (kernels compiled meanwhile keep their timed driver call)
 
     return times, undo
+
+
+def _driver_timer(cell: list[int]) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """Wraps a ring kernel's ``cuLaunchKernel`` (see ``device_ring.DRIVER_TIMER``): piece ``cu_launch``, the driver
+    call alone inside ``launch_prepared`` — what the launch costs in the driver, apart from the Python that fills
+    its parameter block (a standalone launch took ~8.4 µs of host time, ``launch_prepared`` in a served eager
+    engine 35–51)."""
+
+    def wrap(driver: Callable[..., int]) -> Callable[..., int]:
+        def timed_driver(*args: Any) -> int:
+            cpu = time.thread_time_ns()
+            started = time.perf_counter_ns()
+            try:
+                return driver(*args)
+            finally:
+                cell[0] += time.perf_counter_ns() - started
+                cell[2] += time.thread_time_ns() - cpu
+                cell[1] += 1
+
+        return timed_driver
+
+    return wrap
 
 
 def _time_garbage_collections(times: Timers) -> Callable[[str, dict[str, Any]], None]:

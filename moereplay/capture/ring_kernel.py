@@ -255,6 +255,10 @@ def compile_launcher(
         return launch_via_triton
 
     driver = _driver()
+    from moereplay.capture import device_ring
+
+    if device_ring.DRIVER_TIMER is not None:  # MOEREPLAY_TIMERS: the driver call timed on its own
+        driver = device_ring.DRIVER_TIMER(driver)
     threads = 32 * int(info.num_warps)
     shared = int(info.shared)
     params = _Params(count)

@@ -74,3 +74,58 @@ def test_the_freeze_count_is_asked_until_a_freeze_is_seen_then_never(monkeypatch
         undo()
         if was_enabled:
             gc.enable()
+
+
+def test_the_driver_call_of_each_ring_launch_is_a_piece_of_its_own_while_installed() -> None:
+    """``cu_launch``: the driver's ``cuLaunchKernel`` alone, wrapped into every ring kernel compiled while the
+    timers are installed (``device_ring.DRIVER_TIMER``); nothing is wrapped once they are undone."""
+    from moereplay.capture import device_ring
+
+    assert device_ring.DRIVER_TIMER is None
+    times, undo = phase_timers.install()
+    try:
+        calls: list[tuple[int, ...]] = []
+
+        def driver(*args: int) -> int:
+            calls.append(args)
+            return 0
+
+        timed = device_ring.DRIVER_TIMER(driver)
+        assert timed(1, 2, 3) == 0 and timed(4) == 0
+        assert calls == [(1, 2, 3), (4,)] and times["cu_launch"][1] == 2 and times["cu_launch"][0] > 0
+        assert phase_timers.as_counters(times)["timer_cu_launch_calls"] == 2
+    finally:
+        undo()
+    assert device_ring.DRIVER_TIMER is None
+
+
+def test_a_ring_kernel_compiled_while_timed_launches_through_the_timed_driver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ring_kernel.compile_launcher``'s direct launch (no GPU here: the compiled kernel and the driver are
+    stand-ins, the parameter block and the launch path are the real ones)."""
+    pytest.importorskip("triton")
+    import contextlib
+    import types
+
+    import torch
+
+    from moereplay.capture import ring_kernel
+
+    launched: list[tuple[object, ...]] = []
+    monkeypatch.setattr(ring_kernel, "_driver", lambda: lambda *args: launched.append(args) or 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    metadata = types.SimpleNamespace(num_warps=4, shared=0, global_scratch_size=0, profile_scratch_size=0)
+    compiled = types.SimpleNamespace(run=None, function=7, packed_metadata=None, metadata=metadata)
+    kernel = types.SimpleNamespace(warmup=lambda *args, **kwargs: compiled)
+    times, undo = phase_timers.install()
+    try:
+        launch = ring_kernel.compile_launcher(kernel, 3, {"BLOCK": 1}, 0, name="test")
+        launch(5, 0, [1, 2, 3])
+    finally:
+        undo()
+    assert len(launched) == 1 and launched[0][:2] == (7, 5)
+    assert times["cu_launch"][1] == 1
+    untimed = ring_kernel.compile_launcher(kernel, 3, {"BLOCK": 1}, 0, name="test")
+    untimed(5, 0, [1, 2, 3])
+    assert len(launched) == 2 and times["cu_launch"][1] == 1  # compiled after the undo: not timed
