@@ -33,6 +33,7 @@ import math
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -411,9 +412,9 @@ def _kernel_available() -> bool:
 
 _PADDING = [(0, 0, 0) * (MAX_SPANS - n) for n in range(MAX_SPANS + 1)]
 
-DRIVER_TIMER: Any = None
+DRIVER_TIMER: Callable[[Callable[..., int]], Callable[..., int]] | None = None
 """Set by ``MOEREPLAY_TIMERS`` (:func:`moereplay.capture.phase_timers.install`): wraps the driver's
-``cuLaunchKernel`` of every ring kernel compiled from then on (``ring_kernel.compile_launcher``), to time the
+``cuLaunchKernel`` of every eager ring variant compiled from then on (``ring_kernel.compile_variant``), to time the
 driver call apart from the Python around it (timer piece ``cu_launch``). None: launches call the driver itself."""
 
 FUSED_CHECK = True

@@ -6,9 +6,9 @@ then holds, per piece, ``timer_<piece>_ns``, ``timer_<piece>_cpu_ns`` and ``time
 well above its CPU time is time the thread spent waiting — for the GIL, held by another thread, or for the OS —
 rather than working (a launch releases the GIL: another thread may take it meanwhile). The pieces nest (an inner
 piece's time is inside its caller's). ``moereplay info`` prints them; ``tools/bench/capture_bench.py --phases``
-uses the same timers in a benchmark. Piece ``cu_launch`` is the driver's ``cuLaunchKernel`` alone, inside
-``launch_prepared``, for every ring kernel compiled while the timers are installed (see
-``device_ring.DRIVER_TIMER``). The interpreter's garbage collections are timed too, by generation: pieces
+uses the same timers in a benchmark. Piece ``cu_launch`` is the driver's ``cuLaunchKernel`` inside
+``launch_prepared``, for every eager ring variant compiled while the timers are installed (see
+``device_ring.DRIVER_TIMER``; the graph ring's launches are made while a graph is captured, and are not timed). The interpreter's garbage collections are timed too, by generation: pieces
 ``gc0``–``gc2`` once part of the heap is frozen — vLLM's processes ``gc.freeze()`` their start-up heap when they
 are ready to serve, so these are the collections of serving time — and ``gc0-startup``–``gc2-startup`` before
 (start-up's own explicit ``gc.collect()`` calls walk the whole heap: hundreds of ms each, never a serving cost).
@@ -62,18 +62,7 @@ def install() -> tuple[Timers, Callable[[], None]]:
         piece = name.lstrip("_")
         cell = times.setdefault(piece, [0, 0, 0])
 
-        def timed_piece(
-            *args: Any, __original: Any = original, __cell: list[int] = cell, **kwargs: Any
-        ) -> Any:
-            cpu = time.thread_time_ns()
-            started = time.perf_counter_ns()
-            try:
-                return __original(*args, **kwargs)
-            finally:
-                __cell[0] += time.perf_counter_ns() - started
-                __cell[2] += time.thread_time_ns() - cpu
-                __cell[1] += 1
-
+        timed_piece = _timed(original, cell)
         setattr(owner, name, staticmethod(timed_piece) if isinstance(raw, staticmethod) else timed_piece)
         saved.append((owner, name, raw))
 
@@ -81,38 +70,49 @@ def install() -> tuple[Timers, Callable[[], None]]:
     gc.callbacks.append(collecting)
     from moereplay.capture import device_ring
 
-    device_ring.DRIVER_TIMER = _driver_timer(times.setdefault("cu_launch", [0, 0, 0]))
+    previous_timer = device_ring.DRIVER_TIMER
+    driver_timer = device_ring.DRIVER_TIMER = _driver_timer(times.setdefault("cu_launch", [0, 0, 0]))
 
     def undo() -> None:
         for owner, name, raw in reversed(saved):
             setattr(owner, name, raw)
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(collecting)
-        device_ring.DRIVER_TIMER = None  # (kernels compiled meanwhile keep their timed driver call)
+        # (ring variants compiled meanwhile keep their timed call)
+        if device_ring.DRIVER_TIMER is driver_timer:
+            device_ring.DRIVER_TIMER = previous_timer
 
     return times, undo
 
 
 def _driver_timer(cell: list[int]) -> Callable[[Callable[..., int]], Callable[..., int]]:
-    """Wraps a ring kernel's ``cuLaunchKernel`` (see ``device_ring.DRIVER_TIMER``): piece ``cu_launch``, the driver
-    call alone inside ``launch_prepared`` — what the launch costs in the driver, apart from the Python that fills
-    its parameter block (a standalone launch took ~8.4 µs of host time, ``launch_prepared`` in a served eager
-    engine 35–51)."""
+    """Wraps an eager ring variant's ``cuLaunchKernel`` (see ``device_ring.DRIVER_TIMER``): piece ``cu_launch``,
+    the driver call inside ``launch_prepared`` — what the launch costs in the driver, apart from the Python that
+    fills its parameter block (a standalone launch took ~8.4 µs of host time, ``launch_prepared`` in a served eager
+    engine 35–51). Also inside it: ctypes converting the call's 11 arguments (the call keeps the GIL), and a switch
+    to another thread when the interpreter checks for one as the call returns — the CPU column tells that wait
+    from the driver's work."""
 
     def wrap(driver: Callable[..., int]) -> Callable[..., int]:
-        def timed_driver(*args: Any) -> int:
-            cpu = time.thread_time_ns()
-            started = time.perf_counter_ns()
-            try:
-                return driver(*args)
-            finally:
-                cell[0] += time.perf_counter_ns() - started
-                cell[2] += time.thread_time_ns() - cpu
-                cell[1] += 1
-
-        return timed_driver
+        return _timed(driver, cell)
 
     return wrap
+
+
+def _timed(function: Callable[..., Any], cell: list[int]) -> Callable[..., Any]:
+    """``function`` adding each call's wall and thread CPU nanoseconds and the call to ``cell``."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        cpu = time.thread_time_ns()
+        started = time.perf_counter_ns()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            cell[0] += time.perf_counter_ns() - started
+            cell[2] += time.thread_time_ns() - cpu
+            cell[1] += 1
+
+    return timed
 
 
 def _time_garbage_collections(times: Timers) -> Callable[[str, dict[str, Any]], None]:

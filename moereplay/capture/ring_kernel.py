@@ -208,7 +208,7 @@ def compile_variant(aligned: int, code: int, mode: int, device_index: int, strea
     """Compile one variant of :func:`ring_copy` on ``device_index`` and return ``launch(programs, stream, args)``
     (see :func:`compile_launcher`); ``stream``: the ring's stores marked streaming (see :func:`_store`)."""
     constants = {"ALIGNED": aligned, "CODE": code or 3, "MODE": mode, "BLOCK": BLOCK, "STREAM": int(stream)}
-    return compile_launcher(ring_copy, len(_INTS), constants, device_index, name="ring copy")
+    return compile_launcher(ring_copy, len(_INTS), constants, device_index, name="ring copy", timed=True)
 
 
 def compile_launcher(
@@ -219,6 +219,7 @@ def compile_launcher(
     *,
     name: str,
     num_warps: int | None = None,
+    timed: bool = False,
 ) -> Any:
     """Compile ``kernel`` (``count`` integer arguments, all int64 and never specialised, then ``constants``) on
     ``device_index`` and return ``launch(programs, stream, args)``.
@@ -227,7 +228,8 @@ def compile_launcher(
     ``struct.pack_into`` (the compiled kernel takes the ``count`` integers, then Triton's global and profile scratch
     pointers, both unused here: checked). Where that does not hold (a Triton whose kernels need scratch), it
     falls back to Triton's own compiled launcher. A launch on a stream that is capturing a CUDA graph is captured
-    (its arguments are copied into the graph)."""
+    (its arguments are copied into the graph). ``timed``: the driver call goes through ``device_ring.DRIVER_TIMER``
+    when it is set (the eager ring's variants, under ``MOEREPLAY_TIMERS``)."""
     import torch
 
     options = {} if num_warps is None else {"num_warps": num_warps}
@@ -255,10 +257,12 @@ def compile_launcher(
         return launch_via_triton
 
     driver = _driver()
-    from moereplay.capture import device_ring
+    if timed:  # the eager ring's launches: under MOEREPLAY_TIMERS, the driver call timed on its own
+        from moereplay.capture import device_ring
 
-    if device_ring.DRIVER_TIMER is not None:  # MOEREPLAY_TIMERS: the driver call timed on its own
-        driver = device_ring.DRIVER_TIMER(driver)
+        timer = device_ring.DRIVER_TIMER
+        if timer is not None:
+            driver = timer(driver)
     threads = 32 * int(info.num_warps)
     shared = int(info.shared)
     params = _Params(count)

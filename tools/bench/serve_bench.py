@@ -19,8 +19,8 @@ Under it, per setting, the median and range of the per-round ratios (each round'
 moves one of them, where it can move a column's median (decode batch 32 falls into a ~2× slow mode now and then,
 capture off included), and where a round of either side fell into that mode, the same over the steady rounds
 alone (:func:`steady_ratios`). Last, a line per recorder setting held to issue 14's targets (:data:`TARGETS`):
-meets (every figure under it), misses, or at the line within the A/A spread. ``--pool A.json B.json …`` prints the same over several runs'
-``--json`` files, serving nothing (rounds are paired within their own run).
+meets (every figure under it), misses, or at the line within the A/A spread. ``--pool A.json B.json …`` prints
+the same over several runs' ``--json`` files, serving nothing (rounds are paired within their own run).
 
 Two ways a number can mean something else, both handled:
 
@@ -195,10 +195,10 @@ def steady_ratios(
     results: dict[str, dict[str, list[float]]], base: str = "off", *, limit: float = TWO_MODES
 ) -> Steady:
     """:func:`paired_ratios` over the rounds where neither the setting nor ``base`` was in the slow mode
-    (:func:`slow_rounds`), and how many rounds that left out. The slow mode strikes capture off too, a few rounds
-    a run: a median of per-round ratios that keeps a round where one side fell into it and the other did not
-    keeps a ratio of two modes, not a cost (seen at decode batch 32, 2026-12-07: 1.081 over 11 rounds, 1.072
-    over the 8 steady ones, 0.617–1.657 in the rounds left out)."""
+    (:func:`slow_rounds`, over the rounds both measured with tokens to show), and how many rounds the slow mode
+    left out. The slow mode strikes capture off too, a few rounds a run: a median of per-round ratios that keeps a
+    round where one side fell into it and the other did not keeps a ratio of two modes, not a cost (seen at decode
+    batch 32, 2026-12-07: 1.081 over 11 rounds, 1.072 over the 8 steady ones, 0.617–1.657 in all)."""
     steady: Steady = {}
     if base not in results:
         return steady
@@ -206,11 +206,14 @@ def steady_ratios(
         if name == base:
             continue
         for what, values in by.items():
-            base_values = results[base].get(what, [])
-            slow = slow_rounds(values, limit=limit) | slow_rounds(base_values, limit=limit)
-            pairs = list(zip(base_values, values, strict=False))
-            ratios = [b / v for i, (b, v) in enumerate(pairs) if i not in slow and v > 0]
-            steady.setdefault(name, {})[what] = (ratios, len(pairs) - len(ratios))
+            pairs = [
+                (b, v) for b, v in zip(results[base].get(what, []), values, strict=False) if b > 0 and v > 0
+            ]
+            slow = slow_rounds([b for b, _ in pairs], limit=limit) | slow_rounds(
+                [v for _, v in pairs], limit=limit
+            )
+            kept = [b / v for i, (b, v) in enumerate(pairs) if i not in slow]
+            steady.setdefault(name, {})[what] = (kept, len(slow))
     return steady
 
 
@@ -266,11 +269,13 @@ def table(
             lines.append(
                 f"= {name}: per-round ratios to off, median (range) of {rounds}: " + ", ".join(parts)
             )
-    for name, by in (steady or {}).items():
+    for name, steady_by in (steady or {}).items():
         parts = [
             f"{what} {statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) of {len(ratios)}"
-            for what, (ratios, left_out) in by.items()
-            if ratios and left_out
+            if ratios
+            else f"{what} none ({left_out} left out)"
+            for what, (ratios, left_out) in steady_by.items()
+            if left_out
         ]
         if parts:
             lines.append(
@@ -350,7 +355,9 @@ def verdicts(
             parts.append(f"{what} ≤ {target:.2f}: {shown} {word}")
         if parts:
             lines.append(
-                f"> {name} against the {mode} targets (medians' ratio / per-round median): "
+                f"> {name} against the {mode} targets (medians' ratio / per-round median"
+                + (" / over the steady rounds" if any("steady (" in part for part in parts) else "")
+                + "): "
                 + "; ".join(parts)
             )
     return lines

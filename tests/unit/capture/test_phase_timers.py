@@ -4,13 +4,27 @@ collections (nothing frozen yet) apart from serving ones (vLLM froze its start-u
 from __future__ import annotations
 
 import gc
+import time
+from collections.abc import Iterator
 
 import pytest
 
 from moereplay.capture import phase_timers
 
 
-def test_collections_are_timed_by_generation_until_undone() -> None:
+@pytest.fixture
+def no_automatic_collections() -> Iterator[None]:
+    """Only the test's own collections (``gc.collect`` runs regardless): exact counts."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def test_collections_are_timed_by_generation_until_undone(no_automatic_collections: None) -> None:
     before = list(gc.callbacks)
     times, undo = phase_timers.install()
     try:
@@ -29,7 +43,7 @@ def test_collections_are_timed_by_generation_until_undone() -> None:
     assert times["gc2-startup"][1] == calls  # no longer timed
 
 
-def test_collections_before_a_freeze_are_startup_pieces() -> None:
+def test_collections_before_a_freeze_are_startup_pieces(no_automatic_collections: None) -> None:
     times, undo = phase_timers.install()
     try:
         assert gc.get_freeze_count() == 0
@@ -46,7 +60,9 @@ def test_collections_before_a_freeze_are_startup_pieces() -> None:
         undo()
 
 
-def test_the_freeze_count_is_asked_until_a_freeze_is_seen_then_never(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_freeze_count_is_asked_until_a_freeze_is_seen_then_never(
+    monkeypatch: pytest.MonkeyPatch, no_automatic_collections: None
+) -> None:
     """CPython counts the frozen objects by walking their list: in a serving vLLM process (millions frozen) one
     ask takes tens of ms. Asked at every collection, it made each collection look that long and slowed a served
     prefill ~6× (the twenty-ninth session's eager bench with MOEREPLAY_TIMERS)."""
@@ -56,11 +72,13 @@ def test_the_freeze_count_is_asked_until_a_freeze_is_seen_then_never(monkeypatch
     def freeze_count() -> int:
         answer = next(answers, 7)
         asked.append(answer)
+        if answer:
+            time.sleep(
+                0.3
+            )  # as slow as walking a served process's frozen heap: never inside a collection's time
         return answer
 
     monkeypatch.setattr(gc, "get_freeze_count", freeze_count)
-    was_enabled = gc.isenabled()
-    gc.disable()  # only the test's own collections (gc.collect runs regardless)
     times, undo = phase_timers.install()
     try:
         gc.collect(0)
@@ -70,10 +88,9 @@ def test_the_freeze_count_is_asked_until_a_freeze_is_seen_then_never(monkeypatch
             gc.collect(0)
         assert times["gc0"][1] == 5 and times["gc0-startup"][1] == 2
         assert asked == [0, 0, 7]  # once seen frozen, never asked again
+        assert times["gc0"][0] < 0.15e9  # the 0.3 s ask came before the first one's clocks started
     finally:
         undo()
-        if was_enabled:
-            gc.enable()
 
 
 def test_the_driver_call_of_each_ring_launch_is_a_piece_of_its_own_while_installed() -> None:
@@ -120,12 +137,33 @@ def test_a_ring_kernel_compiled_while_timed_launches_through_the_timed_driver(
     kernel = types.SimpleNamespace(warmup=lambda *args, **kwargs: compiled)
     times, undo = phase_timers.install()
     try:
-        launch = ring_kernel.compile_launcher(kernel, 3, {"BLOCK": 1}, 0, name="test")
+        launch = ring_kernel.compile_launcher(kernel, 3, {"BLOCK": 1}, 0, name="test", timed=True)
         launch(5, 0, [1, 2, 3])
+        # the graph ring's kernel (compiled without ``timed``): its launches are captured into graphs, not timed
+        graph = ring_kernel.compile_launcher(kernel, 3, {"BLOCK": 1}, 0, name="graph record")
+        graph(5, 0, [1, 2, 3])
     finally:
         undo()
-    assert len(launched) == 1 and launched[0][:2] == (7, 5)
+    assert len(launched) == 2 and launched[0][:2] == (7, 5)
     assert times["cu_launch"][1] == 1
-    untimed = ring_kernel.compile_launcher(kernel, 3, {"BLOCK": 1}, 0, name="test")
+    untimed = ring_kernel.compile_launcher(kernel, 3, {"BLOCK": 1}, 0, name="test", timed=True)
     untimed(5, 0, [1, 2, 3])
-    assert len(launched) == 2 and times["cu_launch"][1] == 1  # compiled after the undo: not timed
+    assert len(launched) == 3 and times["cu_launch"][1] == 1  # compiled after the undo: not timed
+
+
+def test_an_undo_restores_the_driver_timer_it_replaced() -> None:
+    """Two installs (a benchmark's inside a served process's): undoing the inner one leaves the outer's timer."""
+    from moereplay.capture import device_ring
+
+    _, outer_undo = phase_timers.install()
+    try:
+        outer = device_ring.DRIVER_TIMER
+        _, inner_undo = phase_timers.install()
+        try:
+            assert device_ring.DRIVER_TIMER is not outer
+        finally:
+            inner_undo()
+        assert device_ring.DRIVER_TIMER is outer
+    finally:
+        outer_undo()
+    assert device_ring.DRIVER_TIMER is None

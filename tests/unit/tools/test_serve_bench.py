@@ -386,8 +386,39 @@ def test_steady_ratios_leave_out_every_round_either_side_spent_in_the_slow_mode(
     results["flight"]["decode_b32"] = [4300.0, 4300.0, 4250.0, 4000.0, 4250.0, 4350.0]
     steady, paired = bench.steady_ratios(results), bench.paired_ratios(results)
     (line,) = bench.verdicts(results, paired, "graph", {}, steady=steady)
-    assert statistics.median(paired["flight"]["decode_b32"]) <= 1.05 and 4450 / 4275 <= 1.05
-    assert f"steady (4 rounds) {statistics.median(steady['flight']['decode_b32'][0]):.3f} at the line" in line
+    every = statistics.median(paired["flight"]["decode_b32"])
+    middle = statistics.median(steady["flight"]["decode_b32"][0])
+    assert every <= 1.05 < middle
+    assert (
+        f"decode_b32 ≤ 1.05: {4450 / 4275:.3f} / {every:.3f} / steady (4 rounds) {middle:.3f} at the line"
+        in line
+    )
+    assert line.startswith(
+        "> flight against the graph targets (medians' ratio / per-round median / over the steady"
+    )
+
+
+def test_steady_rounds_are_paired_rounds_with_tokens_to_show(bench: types.ModuleType) -> None:
+    """A round of 0 tokens/s (in a hand-made --pool file) is no round of either mode: it neither turns the slow
+    mode's detection off nor counts as left out; rounds past the shorter column are not paired, and do not move
+    the other's extremes; a column whose every paired round is slow says so."""
+    results = {
+        "off": {"decode_b32": [4500.0, 0.0, 2000.0, 4500.0, 4400.0, 9000.0]},
+        "flight": {"decode_b32": [4300.0, 4300.0, 4250.0, 4200.0, 0.0]},
+    }
+    kept, left_out = bench.steady_ratios(results)["flight"]["decode_b32"]
+    # paired rounds with tokens: 1, 3, 4 (round 2's off and round 5's flight read 0; off's round 6 has no pair)
+    assert left_out == 1 and kept == pytest.approx([4500 / 4300, 4500 / 4200])
+    lines = bench.table(
+        {"off": {"prefill": [10.0, 30.0]}, "flight": {"prefill": [30.0, 10.0]}},
+        {},
+        {"flight": None},
+        steady=bench.steady_ratios({"off": {"prefill": [10.0, 30.0]}, "flight": {"prefill": [30.0, 10.0]}}),
+    )
+    assert (
+        "= flight: the same over the steady rounds (neither in the slow mode): prefill none (2 left out)"
+        in lines
+    )
 
 
 def test_pooled_steady_rounds_are_taken_within_each_run(bench: types.ModuleType, tmp_path: Path) -> None:
