@@ -72,6 +72,15 @@ SETTINGS: dict[str, dict[str, str]] = {
     # through the wrapper and the context tracking, none is recorded — the cost of being armed, apart from the
     # cost of recording ("flight" less this)
     "flight-idle": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_LAYERS": "100000"},
+    # diagnostic: flight-idle with MOEREPLAY_TIMERS — the serving process's garbage collections when nothing is
+    # recorded, beside flight-timers' when every layer call is: whether the recorder's per-call objects bring on
+    # the full collections (281 ms each, nine in an eager run of 2026-12-07)
+    "flight-idle-timers": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_LAYERS": "100000",
+        "MOEREPLAY_TIMERS": "1",
+    },
     # diagnostic: the flight recorder with every eager call's inputs copied after it, in its one launch (no side
     # stream beside prefill-sized calls): what copying the inputs beside the call saves at prefill
     "flight-inline": {
