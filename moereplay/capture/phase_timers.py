@@ -8,10 +8,11 @@ rather than working (a launch releases the GIL: another thread may take it meanw
 piece's time is inside its caller's). ``moereplay info`` prints them; ``tools/bench/capture_bench.py --phases``
 uses the same timers in a benchmark. Piece ``cu_launch`` is the driver's ``cuLaunchKernel`` inside
 ``launch_prepared``, for every eager ring variant compiled while the timers are installed (see
-``device_ring.DRIVER_TIMER``; the graph ring's launches are made while a graph is captured, and are not timed). The interpreter's garbage collections are timed too, by generation: pieces
-``gc0``–``gc2`` once part of the heap is frozen — vLLM's processes ``gc.freeze()`` their start-up heap when they
-are ready to serve, so these are the collections of serving time — and ``gc0-startup``–``gc2-startup`` before
-(start-up's own explicit ``gc.collect()`` calls walk the whole heap: hundreds of ms each, never a serving cost).
+``device_ring.DRIVER_TIMER``; the graph ring's launches are made while a graph is captured, and are not timed).
+The interpreter's garbage collections are timed too, by generation: pieces ``gc0``–``gc2`` once part of the
+heap is frozen — vLLM's processes ``gc.freeze()`` their start-up heap when they are ready to serve, so these are
+the collections of serving time — and ``gc0-startup``–``gc2-startup`` before (start-up's own explicit
+``gc.collect()`` calls walk the whole heap: hundreds of ms each, never a serving cost).
 """
 
 from __future__ import annotations

@@ -178,8 +178,8 @@ def count_collections(
     shape: tuple[CaptureTarget, dict[str, object]],
     calls: int,
 ) -> None:
-    """Print the collections each generation made over ``calls`` recorded calls, after ``gc.freeze()``, with the
-    same loop and no recorded call beside it (a new output tensor and argument dictionary per call in both)."""
+    """Print the collections each generation made over ``calls`` recorded calls, after ``gc.freeze()``, and over
+    as many turns of a loop that records nothing (a copy of the arguments and a new tensor a turn)."""
     target, arguments = shape
     counts = {}
     for label, recording in (("recorded", True), ("not recorded", False)):
