@@ -15,9 +15,14 @@ the floors of any node (a one-argument Triton kernel that does nothing; a captur
   takes ≈ 100 µs, which hides its node); ``staged-path``: the same without the record nodes — the cost on the
   graph's path.
 
-Interleaved rounds, CUDA-event time per replay, medians; µs per layer call over the bare graph.
+Interleaved rounds, CUDA-event time per replay, medians; µs per layer call over the bare graph. ``--tokens``
+sets the rows of each layer call's input and output (the routing spans keep their decode sizes, as in
+``graph_ring_bench``): at 32 tokens the entry (≈ 370 KB) outgrows the lone size, so its node runs many programs
+and the ``reserve`` variant includes their arrive/ready handshake. A served decode batch of 32 paid ≈ 21 µs a
+layer call for the recorder in all (2026-12-07, H100: 1.072× over 7.06 ms steps of 24 layers), where
+``graph_ring_bench`` times the node alone at ≈ 9.
 
-    python3 tools/bench/graph_ring_ablation.py [--layers 24] [--rounds 5] [--replays 200]
+    python3 tools/bench/graph_ring_ablation.py [--layers 24] [--rounds 5] [--replays 200] [--tokens 1]
 """
 
 from __future__ import annotations
@@ -53,11 +58,12 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument("--tokens", type=int, default=1, help="rows of each layer call's input and output")
     options = parser.parse_args()
     device = torch.device("cuda", 0)
-    layers = options.layers
-    inputs = [torch.randn(1, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
-    outputs = [torch.randn(1, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
+    layers, rows = options.layers, options.tokens
+    inputs = [torch.randn(rows, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
+    outputs = [torch.randn(rows, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
     copies = [torch.empty_like(output) for output in outputs]
     routing = [
         [torch.zeros(n, device=device, dtype=torch.uint8) for n in ROUTING_BYTES] for _ in range(layers)
@@ -115,6 +121,7 @@ def main() -> int:
 
     variants = ["bare", "trivial", "memcpy", *ablations, "full", *warps, "staged", "staged-path"]
     graphs = {variant: build(variant) for variant in variants}
+    print(f"graph_ring_ablation: {rows} token(s) a layer call")
     time_and_report("graph_ring_ablation", graphs, layers, options.rounds, options.replays)
     return 0
 
