@@ -42,6 +42,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,6 +180,20 @@ def spread_notes(results: dict[str, dict[str, list[float]]], *, limit: float = T
     return notes
 
 
+def _round_pairs(
+    results: dict[str, dict[str, list[float]]], base: str
+) -> Iterator[tuple[str, str, list[tuple[float, float]]]]:
+    """Per setting but ``base`` and measurement, each round's (``base``'s tokens/s, the setting's), in round order
+    (as many as both measured)."""
+    if base not in results:
+        return
+    for name, by in results.items():
+        if name == base:
+            continue
+        for what, values in by.items():
+            yield name, what, list(zip(results[base].get(what, []), values, strict=False))
+
+
 def paired_ratios(
     results: dict[str, dict[str, list[float]]], base: str = "off"
 ) -> dict[str, dict[str, list[float]]]:
@@ -186,13 +201,8 @@ def paired_ratios(
     measured in that round, minutes apart): a drift or a slow mode that lasts a round or two touches one pair, not
     a whole column, so the median of these ratios moves less than the ratio of the columns' medians."""
     paired: dict[str, dict[str, list[float]]] = {}
-    for name, by in results.items():
-        if name == base or base not in results:
-            continue
-        paired[name] = {
-            what: [b / v for b, v in zip(results[base].get(what, []), values, strict=False) if v > 0]
-            for what, values in by.items()
-        }
+    for name, what, pairs in _round_pairs(results, base):
+        paired.setdefault(name, {})[what] = [b / v for b, v in pairs if v > 0]
     return paired
 
 
@@ -209,20 +219,12 @@ def steady_ratios(
     round where one side fell into it and the other did not keeps a ratio of two modes, not a cost (seen at decode
     batch 32, 2026-12-07: 1.081 over 11 rounds, 1.072 over the 8 steady ones, 0.617–1.657 in all)."""
     steady: Steady = {}
-    if base not in results:
-        return steady
-    for name, by in results.items():
-        if name == base:
-            continue
-        for what, values in by.items():
-            pairs = [
-                (b, v) for b, v in zip(results[base].get(what, []), values, strict=False) if b > 0 and v > 0
-            ]
-            slow = slow_rounds([b for b, _ in pairs], limit=limit) | slow_rounds(
-                [v for _, v in pairs], limit=limit
-            )
-            kept = [b / v for i, (b, v) in enumerate(pairs) if i not in slow]
-            steady.setdefault(name, {})[what] = (kept, len(slow))
+    for name, what, pairs in _round_pairs(results, base):
+        shown = [(b, v) for b, v in pairs if b > 0 and v > 0]
+        slow = slow_rounds([b for b, _ in shown], limit=limit)
+        slow |= slow_rounds([v for _, v in shown], limit=limit)
+        kept = [b / v for i, (b, v) in enumerate(shown) if i not in slow]
+        steady.setdefault(name, {})[what] = (kept, len(slow))
     return steady
 
 
@@ -344,10 +346,12 @@ def verdicts(
             lines.append(f"> {name}: not judged (its recorder stopped)")
             continue
         parts = []
+        with_steady = False
         for what, target in targets.items():
             found = figures(name, what)
             if not found:
                 continue
+            with_steady |= any(label for label, _ in found)  # (only the steady figure has a label)
             spread = (
                 max((abs(x - 1.0) for _, x in figures("off-again", what)), default=0.0)
                 if "off-again" in results
@@ -365,7 +369,7 @@ def verdicts(
         if parts:
             lines.append(
                 f"> {name} against the {mode} targets (medians' ratio / per-round median"
-                + (" / over the steady rounds" if any("steady (" in part for part in parts) else "")
+                + (" / over the steady rounds" if with_steady else "")
                 + "): "
                 + "; ".join(parts)
             )
@@ -382,12 +386,10 @@ class Pool:
 
     mode: str
     results: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # every run's rounds, run by run
-    paired: dict[str, dict[str, list[float]]] = field(
-        default_factory=dict
-    )  # per-round ratios, within each run
-    bases: dict[str, dict[str, list[float]]] = field(
-        default_factory=dict
-    )  # off's rounds of the runs a setting ran in
+    # per-round ratios, within each run
+    paired: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # off's rounds of the runs a setting ran in
+    bases: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     stopped: dict[str, str | None] = field(default_factory=dict)  # a recorder that stopped, in which run
     notes: list[str] = field(default_factory=list)  # each run's own spread notes, the run named
     steady: Steady = field(default_factory=dict)  # steady_ratios, within each run

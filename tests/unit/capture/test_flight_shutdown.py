@@ -418,9 +418,8 @@ def test_a_wake_between_a_polls_wait_test_and_its_store_is_kept(monkeypatch) -> 
     from moereplay.capture import flight_layer, writer_thread
 
     assert flight_layer.IDLE_POLL_S <= writer_thread.MAX_POLL_WAIT_S  # the idle wait is not clamped away
-    monkeypatch.setattr(
-        writer_thread, "MAX_POLL_WAIT_S", 30.0
-    )  # (a wait no loaded machine blurs with the wake)
+    # (a wait no loaded machine blurs with the wake)
+    monkeypatch.setattr(writer_thread, "MAX_POLL_WAIT_S", 30.0)
     times: list[float] = []
     injected: list[float] = []
     code = WriterThread._run_poll.__code__
@@ -435,9 +434,8 @@ def test_a_wake_between_a_polls_wait_test_and_its_store_is_kept(monkeypatch) -> 
 
     def poll() -> float:
         times.append(time.monotonic())
-        return (
-            30.0 if len(times) >= 2 else 0.005
-        )  # the wake is injected in the second poll, which asks for 30 s
+        # the wake is injected in the second poll, which asks for 30 s
+        return 30.0 if len(times) >= 2 else 0.005
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
         if frame.f_code is not code:
