@@ -31,8 +31,10 @@ without children, ready for ``moereplay expand``; their context adds ``cudagraph
 the rows from ``graph_tokens`` on are padding, which :mod:`moereplay.replay` leaves unjudged. They have no host
 time and no step of the host's forward count: a graph replay is not seen by the host.
 
-Detection delay: about one writer poll (≈ 5 ms) after the device finished the call, plus the copy-out (4–5 ms
-measured on the H200, ``tests/gpu/test_flight_graph_gpu.py``).
+Detection delay: about one writer poll (≈ 5 ms; ``MOEREPLAY_FLIGHT_GRAPH_POLL_MS`` sets it, 1–500 ms, while no
+eager call waits for the writer) after the device finished the call, plus the copy-out (4–5 ms measured on the
+H200, ``tests/gpu/test_flight_graph_gpu.py``). Polling every 50 ms instead of 5 left the served batch-32 cost where
+it was (an H100, 2026-12-07: the polls are not what graph mode costs; the ring nodes' device time is).
 The check skips padding rows where it can tell them: a graph replays a batch padded to its captured size, and its
 padding rows hold whatever the buffers held. For an output with one row per token of the captured batch,
 :mod:`moereplay.capture.padded_rows` finds the model runner's token count, which the kernel reads when the graph
@@ -96,6 +98,10 @@ STALL = 1024
 HINT_SLACK = 8
 """Tag words a poll reads past the device's hint (the last reserved sequence + 1, stored before the entry's copies
 and its tag word): a hint store still on its way when the word behind it has landed."""
+
+GRAPH_POLL_S = 0.005
+"""The default of ``MOEREPLAY_FLIGHT_GRAPH_POLL_MS``: how long the writer waits between two polls while CUDA graphs
+hold ring launches and no eager call waits for it (an eager call it must look at wakes it)."""
 
 FULL_READ_S = 0.1
 """How often a poll reads a whole :data:`CHUNK` whatever the hint says: launches replayed on two streams may store
@@ -182,9 +188,11 @@ class GraphFlight(PollingRecorder):
         tags: int = DEFAULT_TAGS,
         launches: int = DEFAULT_LAUNCHES,
         stage_bytes: int = ALONE_BYTES,
+        poll_s: float = GRAPH_POLL_S,
     ) -> None:
         self.layer = layer
         self.capacity = capacity
+        self.poll_s = poll_s  # the writer's wait between polls while graphs hold ring launches (and no eager work)
         self.stage_bytes = stage_bytes
         self.tags = tags
         self.launches = launches

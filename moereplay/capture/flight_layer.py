@@ -237,6 +237,9 @@ CUDA graph holds ring launches): each poll takes the GIL from the serving thread
 offs per eager decode step. A call the serving thread leaves to the writer wakes it at once; once calls stop,
 the last ones are checked within this plus ``inline_window``."""
 
+MIN_GRAPH_POLL_S = 0.005
+"""The writer's poll interval (``WriterThread``'s default): a graph poll wait at most this is no wait of its own."""
+
 IDLE_POLL_S = 0.5
 """How long the writer may wait for its next poll while nothing is outstanding — no call of the eager ring waits
 for its check, none is left to the writer, and no CUDA graph holds ring launches: a process whose MoE layers are
@@ -634,7 +637,11 @@ class LayerFlight(PollingRecorder):
                 self.counters.eager_polls += 1
             idle = not self._outstanding()  # (the eager work above, or a quiet poll, left no defers)
             graph = self.graph
-            self._writer_idle = idle and (graph is None or not graph.counters.launches)
+            # idle: the writer may wait longer than its poll interval (IDLE_POLL_S, or the graph ring's poll wait
+            # while graphs hold ring launches), so a call left to it must wake it
+            self._writer_idle = idle and (
+                graph is None or not graph.counters.launches or graph.poll_s > MIN_GRAPH_POLL_S
+            )
             # a call that joined after ``idle`` was read saw the flag unset (no wake): read again after setting it
             if self._writer_idle and self._new:
                 self._writer_idle = idle = False
@@ -647,9 +654,11 @@ class LayerFlight(PollingRecorder):
             graph_started = time.perf_counter_ns()
             graph.poll(launch=True, full=self._settling)
             self.counters.poll_ns += time.perf_counter_ns() - graph_started  # the writer's poll: both halves
-            if graph.counters.launches:  # graph replays are found by polls only
-                self._writer_idle = False
-                return None
+            if graph.counters.launches:  # graph replays are found by polls only: every graph.poll_s at most
+                if not idle or graph.poll_s <= MIN_GRAPH_POLL_S:
+                    self._writer_idle = False
+                    return None
+                return graph.poll_s
         if idle:
             return IDLE_POLL_S
         return QUIET_POLL_S if quiet else None

@@ -140,7 +140,10 @@ class Recorder(CallHandler):
             )
             if settings.flight_graph_bytes:
                 self.flight.graph = GraphFlight(
-                    self.flight, settings.flight_graph_bytes, stage_bytes=settings.flight_graph_stage
+                    self.flight,
+                    settings.flight_graph_bytes,
+                    stage_bytes=settings.flight_graph_stage,
+                    poll_s=settings.flight_graph_poll_ms / 1000.0,
                 )
         elif settings.trigger is Trigger.FLIGHT:
             self.flight = FlightRecorder(

@@ -35,6 +35,10 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            ``FLIGHT_GRAPH_BYTES / 16`` (reused by every graph: a gpt-oss decode graph of 24 layers
                            at batch 32 takes 9 MB of the default 16 MB); a limit larger than the area is refused
                            (raise ``FLIGHT_GRAPH_BYTES`` with it; see ``graph_ring``)
+``MOEREPLAY_FLIGHT_GRAPH_POLL_MS``  layer-scope flight recorder under CUDA graphs: how often the writer thread
+                           reads the graph-replayed calls' tag words while no eager call waits for it (default 5;
+                           1 to 500): a trigger among them is found within about this long; each poll takes the
+                           GIL from the serving threads
 ``MOEREPLAY_FLIGHT_STREAM_STORES``  layer-scope flight recorder: ``1`` marks the eager ring launch's stores as
                            written once (``st.global.cs``: L2 evicts them first), so a prefill's ring writes
                            leave the L2 lines the next kernels read (default 0: measured on an H100,
@@ -114,6 +118,7 @@ KNOWN_VARIABLES = (
     "FLIGHT_BESIDE_BYTES",
     "FLIGHT_GRAPH_STAGE",
     "FLIGHT_STREAM_STORES",
+    "FLIGHT_GRAPH_POLL_MS",
     "ABSMAX",
     "QUEUE_CALLS",
     "QUEUE_BYTES",
@@ -183,6 +188,8 @@ bytes has them copied on a side stream while it runs (:meth:`moereplay.capture.f
 FLIGHT_GRAPH_STAGE = 32 << 10
 """The default of ``MOEREPLAY_FLIGHT_GRAPH_STAGE``: ``graph_ring.ALONE_BYTES``, so only lone entries are staged
 (those are staged whatever the setting says: ``0`` does not turn staging off)."""
+FLIGHT_GRAPH_POLL_MS = 5
+"""The default of ``MOEREPLAY_FLIGHT_GRAPH_POLL_MS`` (``flight_graph.GRAPH_POLL_S`` in milliseconds)."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +218,7 @@ class CaptureSettings:
     flight_beside_bytes: int = FLIGHT_BESIDE_BYTES
     flight_graph_stage: int = FLIGHT_GRAPH_STAGE
     flight_stream_stores: bool = False
+    flight_graph_poll_ms: int = FLIGHT_GRAPH_POLL_MS
     flight_triggers: int = 8
     absmax: float | None = None
     queue_calls: int = 64
@@ -238,6 +246,8 @@ class CaptureSettings:
             raise ValueError("flight_beside_bytes must be >= 0")
         if self.flight_graph_stage < 0:
             raise ValueError("flight_graph_stage must be >= 0")
+        if not 1 <= self.flight_graph_poll_ms <= 500:
+            raise ValueError("flight_graph_poll_ms must be in [1, 500]")
         if self.absmax is not None and not self.absmax > 0.0:
             raise ValueError("absmax must be > 0")
         if self.flight_triggers < 0:
@@ -301,6 +311,8 @@ class CaptureSettings:
                     parts.append(f"flight_graph_stage={self.flight_graph_stage}")
                 if self.flight_stream_stores:
                     parts.append("flight_stream_stores=on")
+                if self.flight_graph_poll_ms != FLIGHT_GRAPH_POLL_MS:
+                    parts.append(f"flight_graph_poll_ms={self.flight_graph_poll_ms}")
             if self.absmax is not None:
                 parts.append(f"absmax={self.absmax:g}")
         parts.append(f"zstd={self.compression_level}")
@@ -539,6 +551,8 @@ def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None
         values["writer_threads"] = parse_int_range("WRITER_THREADS", text, -1, 256)
     if (text := get("FLIGHT_STREAM_STORES")) is not None:
         values["flight_stream_stores"] = parse_flag("FLIGHT_STREAM_STORES", text)
+    if (text := get("FLIGHT_GRAPH_POLL_MS")) is not None:
+        values["flight_graph_poll_ms"] = parse_int_range("FLIGHT_GRAPH_POLL_MS", text, 1, 500)
     if (text := get("TIMERS")) is not None:
         values["timers"] = parse_flag("TIMERS", text)
     return CaptureSettings(**values)  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from aligned_pool import AlignedPool
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from moereplay.capture import flight_graph, graph_ring, padded_rows
+from moereplay.capture import flight_graph, flight_layer, graph_ring, padded_rows
 from moereplay.capture import recorder as recorder_module
 from moereplay.capture import session as session_module
 from moereplay.capture.context import Where
@@ -1335,3 +1335,31 @@ def test_a_staged_launch_keeps_its_row_limit_for_the_record_node() -> None:
     staged = ring._stage(spans, graph_ring._Open(None, None))
     assert staged is not None
     assert staged[1].rows == (1234, 16)
+
+
+@pytest.mark.parametrize("poll_s", [0.005, 0.05])
+def test_with_graph_launches_the_writer_waits_the_graph_poll_and_an_eager_call_wakes_it(poll_s: float) -> None:
+    """MOEREPLAY_FLIGHT_GRAPH_POLL_MS: while graphs hold ring launches and no eager call waits for the writer, a
+    poll asks for ``poll_s`` (None at the writer's own 5 ms: no wait of its own). A longer wait marks the writer
+    idle, so the serving thread wakes it when it leaves an eager call to it; at 5 ms it is never idle."""
+    harness = Harness(capacity=1 << 16)
+    harness.graph.poll_s = poll_s
+    harness.capture_layer()
+    harness.replay()
+    wanted = harness.layer.poll(launch=True)
+    assert harness.graph.counters.checked == 1
+    longer = poll_s > flight_layer.MIN_GRAPH_POLL_S
+    assert wanted == (poll_s if longer else None)
+    assert harness.layer._writer_idle is longer
+    wakes: list[int] = []
+    harness.layer.wake = lambda: wakes.append(1)
+    harness.layer.wake_if_idle()  # what the serving thread calls when it leaves an eager call unchecked
+    assert wakes == ([1] if longer else [])
+
+
+def test_the_graph_poll_setting_reaches_the_graph_flight(tmp_path) -> None:
+    session = _arm(tmp_path, flight_graph_bytes="64K", flight_graph_poll_ms="40")
+    flight = session.recorder.flight
+    assert isinstance(flight, LayerFlight) and flight.graph is not None
+    assert flight.graph.poll_s == pytest.approx(0.04)
+    session.close()
