@@ -13,7 +13,7 @@ the floors of any node (a one-argument Triton kernel that does nothing; a captur
   With these stand-in layers (≈ 1.4 µs each) the side stream's chain of record nodes is longer than the graph's
   path, so a replay waits for it at the join: this figure is the side chain's, not the path's (a served layer
   takes ≈ 100 µs, which hides its node); ``staged-path``: the same without the record nodes — the cost on the
-  graph's path.
+  graph's path. Staged variants lift the ring's stage limit, so at ``--tokens 32`` they stage too.
 
 Interleaved rounds, CUDA-event time per replay, medians; µs per layer call over the bare graph. ``--tokens``
 sets the rows of each layer call's input and output (the routing spans keep their decode sizes, as in
@@ -41,7 +41,7 @@ from moereplay.capture.graph_ring import GraphRing, Spans
 from moereplay.capture.ring_kernel import compile_launcher
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_ring_bench import ROUTING_BYTES, capture_layers, entry_spans, time_and_report
+from graph_ring_bench import ROUTING_BYTES, Thrash, capture_layers, entry_spans, time_and_report
 
 # index of ``check`` in graph_record's arguments; then numel, code, moved, finish, reserve, total, first
 FLAGS = 3 * graph_ring_kernel.SPANS
@@ -59,9 +59,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=1, help="rows of each layer call's input and output")
+    parser.add_argument("--thrash", type=int, default=0, help="MB each layer reads before its call")
     options = parser.parse_args()
     device = torch.device("cuda", 0)
     layers, rows = options.layers, options.tokens
+    thrash = Thrash(options.thrash, layers, device)
     inputs = [torch.randn(rows, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
     outputs = [torch.randn(rows, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
     copies = [torch.empty_like(output) for output in outputs]
@@ -94,8 +96,16 @@ def main() -> int:
 
     def build(variant: str) -> torch.cuda.CUDAGraph:
         ring = None
-        if variant in ablations or variant.startswith(("full", "staged")):
-            ring = GraphRing(64 << 20, device, launches=layers + 8)
+        staged = variant.startswith("staged")
+        if variant in ablations or variant.startswith("full") or staged:
+            # staged variants lift the stage limit (as graph_ring_bench's do): entries over the lone size (every
+            # one at --tokens 32) are staged too
+            ring = GraphRing(
+                (512 if staged else 64) << 20,
+                device,
+                launches=layers + 8,
+                stage_bytes=1 << 30 if staged else graph_ring.ALONE_BYTES,
+            )
             assert ring.kernels is not None, graph_ring.kernel_error()
             if variant in ablations:
                 ring.kernels = patched(ring.kernels, ablations[variant])
@@ -115,13 +125,23 @@ def main() -> int:
             "memcpy": lambda i: copies[i].copy_(outputs[i]),
         }
         graph = capture_layers(
-            ring, inputs, outputs, spans, staged=variant.startswith("staged"), other=others.get(variant)
+            ring,
+            inputs,
+            outputs,
+            spans,
+            staged=staged,
+            other=others.get(variant),
+            before=thrash.before,
         )
+        if staged and ring is not None and len(ring.staged) != layers:
+            raise SystemExit(
+                f"graph_ring_ablation: {variant} staged {len(ring.staged)} of its {layers} layer calls"
+            )
         return graph
 
     variants = ["bare", "trivial", "memcpy", *ablations, "full", *warps, "staged", "staged-path"]
     graphs = {variant: build(variant) for variant in variants}
-    print(f"graph_ring_ablation: {rows} token(s) a layer call")
+    print(f"graph_ring_ablation: {rows} token(s) a layer call, {options.thrash} MB read before each")
     time_and_report("graph_ring_ablation", graphs, layers, options.rounds, options.replays)
     return 0
 

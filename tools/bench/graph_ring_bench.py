@@ -40,7 +40,7 @@ their batch-1 sizes.
 
 Interleaved rounds, CUDA-event time per replay, medians; prints µs per layer call over the bare graph.
 
-    python3 tools/bench/graph_ring_bench.py [--layers 24] [--rounds 7] [--replays 300] [--tokens 1]
+    python3 tools/bench/graph_ring_bench.py [--layers 24] [--rounds 7] [--replays 300] [--tokens 1] [--thrash 0]
 """
 
 from __future__ import annotations
@@ -78,15 +78,19 @@ def capture_layers(
     *,
     staged: bool,
     other: Callable[[int], object] | None = None,
+    before: Callable[[int], object] | None = None,
 ) -> torch.cuda.CUDAGraph:
     """One graph of ``len(inputs)`` stand-in layer calls (an add each), captured on a stream of its own; after each,
     the ring's record node(s) of ``spans_of(i)``, or ``other(i)`` without a ring. ``staged``: the capture is opened
-    for staging and joined at its end, as the graph gate's hooks do around a served capture."""
+    for staging and joined at its end, as the graph gate's hooks do around a served capture. ``before(i)`` runs
+    before each layer call (:class:`Thrash`)."""
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         handle = ring.open_capture() if ring is not None and staged else None
         for i in range(len(inputs)):
+            if before is not None:
+                before(i)
             torch.add(inputs[i], 1.0, out=outputs[i])  # the "layer call"
             if ring is not None:
                 launch = ring.new_launch()
@@ -97,6 +101,25 @@ def capture_layers(
         if ring is not None:
             ring.close_capture(handle)
     return graph
+
+
+class Thrash:
+    """``--thrash MB``: before each stand-in layer call, a reduction reading that layer's own ``MB`` megabytes (a
+    served MoE layer streams its experts' weights: ≈ 400 MB a gpt-oss layer at a decode batch of 32), so the L2
+    cache no longer holds what the previous replay left there — the ring's state, cells and metadata rows, which a
+    node's dependent atomics read — as it does when the stand-in layers touch a few kilobytes."""
+
+    def __init__(self, megabytes: int, layers: int, device: torch.device) -> None:
+        elements = megabytes * (1 << 20) // 4
+        self.chunks = [torch.ones(elements, device=device) for _ in range(layers)] if megabytes else []
+        self.sinks = torch.zeros(layers, device=device)
+
+    def __call__(self, i: int) -> None:
+        torch.sum(self.chunks[i], dim=0, out=self.sinks[i])
+
+    @property
+    def before(self) -> Callable[[int], object] | None:
+        return self if self.chunks else None
 
 
 def time_and_report(
@@ -134,10 +157,12 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=300)
     parser.add_argument("--tokens", type=int, default=1, help="rows of each layer call's input and output")
     parser.add_argument("--experts", type=int, default=32, help="router logits a token (ring-3-forward)")
+    parser.add_argument("--thrash", type=int, default=0, help="MB each layer reads before its call (Thrash)")
     options = parser.parse_args()
     device = torch.device("cuda", 0)
     layers = options.layers
     rows = options.tokens
+    thrash = Thrash(options.thrash, layers, device)
     inputs = [torch.randn(rows, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
     outputs = [torch.randn(rows, 2880, device=device, dtype=torch.bfloat16) for _ in range(layers)]
     logits = [torch.randn(rows, options.experts, device=device, dtype=torch.bfloat16) for _ in range(layers)]
@@ -180,7 +205,9 @@ def main() -> int:
             graph_ring.ALONE_BYTES = graph_ring.ALONE_ELEMENTS = 1 << 62  # one program whatever the entry
         check = not variant.endswith("nocheck")
         try:
-            graph = capture_layers(ring, inputs, outputs, lambda i: spans(i, extra, check), staged=staged)
+            graph = capture_layers(
+                ring, inputs, outputs, lambda i: spans(i, extra, check), staged=staged, before=thrash.before
+            )
         finally:
             graph_ring.ALONE_BYTES, graph_ring.ALONE_ELEMENTS = alone, alone_elements
         if ring is not None:
@@ -209,7 +236,13 @@ def main() -> int:
         "ring-3-forward-staged",
     ]
     graphs = {variant: build(variant) for variant in variants}
-    time_and_report(f"graph_ring_bench ({rows} token(s))", graphs, layers, options.rounds, options.replays)
+    time_and_report(
+        f"graph_ring_bench ({rows} token(s), {options.thrash} MB read a layer)",
+        graphs,
+        layers,
+        options.rounds,
+        options.replays,
+    )
     return 0
 
 
