@@ -192,7 +192,9 @@ class GraphFlight(PollingRecorder):
     ) -> None:
         self.layer = layer
         self.capacity = capacity
-        self.poll_s = poll_s  # the writer's wait between polls while graphs hold ring launches (and no eager work)
+        self.poll_s = (
+            poll_s  # the writer's wait between polls while graphs hold ring launches (and no eager work)
+        )
         self.stage_bytes = stage_bytes
         self.tags = tags
         self.launches = launches

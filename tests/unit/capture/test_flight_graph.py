@@ -1338,7 +1338,9 @@ def test_a_staged_launch_keeps_its_row_limit_for_the_record_node() -> None:
 
 
 @pytest.mark.parametrize("poll_s", [0.005, 0.05])
-def test_with_graph_launches_the_writer_waits_the_graph_poll_and_an_eager_call_wakes_it(poll_s: float) -> None:
+def test_with_graph_launches_the_writer_waits_the_graph_poll_and_an_eager_call_wakes_it(
+    poll_s: float,
+) -> None:
     """MOEREPLAY_FLIGHT_GRAPH_POLL_MS: while graphs hold ring launches and no eager call waits for the writer, a
     poll asks for ``poll_s`` (None at the writer's own 5 ms: no wait of its own). A longer wait marks the writer
     idle, so the serving thread wakes it when it leaves an eager call to it; at 5 ms it is never idle."""
