@@ -189,12 +189,13 @@ class GraphFlight(PollingRecorder):
         launches: int = DEFAULT_LAUNCHES,
         stage_bytes: int = ALONE_BYTES,
         poll_s: float = GRAPH_POLL_S,
+        batch: bool = False,
     ) -> None:
         self.layer = layer
         self.capacity = capacity
-        self.poll_s = (
-            poll_s  # the writer's wait between polls while graphs hold ring launches (and no eager work)
-        )
+        self.batch = batch  # staged entries recorded by one node at the graph's end (GraphRing's ``batch``)
+        # the writer's wait between polls while graphs hold ring launches (and no eager work)
+        self.poll_s = poll_s
         self.stage_bytes = stage_bytes
         self.tags = tags
         self.launches = launches
@@ -232,6 +233,7 @@ class GraphFlight(PollingRecorder):
                 launches=self.launches,
                 use_kernel=cuda,
                 stage_bytes=self.stage_bytes,
+                batch=self.batch,
             )
             self._watches[key] = _Watch(ring, {}, max(1, self.layer.max_calls))
             return ring

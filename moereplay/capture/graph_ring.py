@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -97,6 +97,9 @@ _CODE_BYTES = {1: 2, 2: 2, 3: 4}  # the check's dtype code: bytes an element
 _FOLD = 8192  # graph_ring_kernel.FOLD output elements a program folds per step
 SPANS = 24
 """Spans one kernel node copies (graph_ring_kernel.SPANS, checked when the kernel is imported)."""
+_BATCH_SLOTS = 24  # graph_ring_kernel.BATCH: the batch kernel's entry arguments (checked when it is imported)
+BATCH = _BATCH_SLOTS
+"""Staged entries one batch node records (at most the kernel's entry arguments)."""
 _KEEP: list[GraphRing] = []
 _KEEP_LOCK = threading.Lock()
 
@@ -132,6 +135,20 @@ class _Open:
     pending: bool = False
     closing: bool = False  # the capture is ending: nothing more is staged in it
     used: int = 0  # staging bytes its launches took, from the area's start
+    batch: list[_Batched] = field(default_factory=list)  # staged entries not recorded yet (a ring with batch)
+
+
+@dataclass(frozen=True)
+class _Batched:
+    """A staged entry left to the graph's batch node: its launch, slot address and bytes, check (address in the
+    slot, elements, dtype code) or None, whether it bumps the step, and where its real row count is read."""
+
+    launch: int
+    slot: int
+    total: int
+    check: tuple[int, int, int] | None
+    first: bool
+    rows: tuple[int, int] | None
 
 
 @dataclass(eq=False)
@@ -158,6 +175,7 @@ class GraphRing:
         launches: int = DEFAULT_LAUNCHES,
         use_kernel: bool | None = None,
         stage_bytes: int = ALONE_BYTES,
+        batch: bool = False,
     ) -> None:
         capacity -= capacity % ALIGNMENT
         if capacity < 4 * ALIGNMENT:
@@ -188,6 +206,7 @@ class GraphRing:
             host, self._host_address = _host_words(tags + 1, cuda)
             self.kernels = _compile(self.index) if use_kernel else None
             self.stage_kernel = _compile(self.index, stage=True) if use_kernel else None
+            self.batch_kernel = _compile(self.index, batch=True) if use_kernel and batch else None
             area = staging_area(capacity)
             self.stage = torch.empty(area, dtype=torch.uint8, device=device) if use_kernel else None
             self._sides = [torch.cuda.Stream(device) for _ in range(SIDE_STREAMS)] if use_kernel else []
@@ -245,6 +264,8 @@ class GraphRing:
             if opened is None or opened.closing:
                 return
             opened.closing = True
+        if opened.batch:
+            self._flush(opened)
         if opened.pending:
             self._join(opened)
 
@@ -291,23 +312,34 @@ class GraphRing:
             self._fallbacks[launch] = _Fallback(spans, views, check, int(first), rows)
             return 0
         stream = _current_stream(self.index)
-        common = [self.state.data_ptr(), self.meta.data_ptr(), self._host_address + 8 * self.tags]
-        common += [self.buffer.data_ptr(), self.capacity, launch, self.cells.data_ptr(), self.launches]
-        common += [self._host_address, self.tags]
+        common = self._common(launch)
         with self._lock:
             opened = self._open.get(stream)
         if opened is not None and opened.closing:
             opened = None
         staged = self._stage(spans, opened) if opened is not None else None
-        if opened is not None and opened.pending and staged is None:
-            self._join(opened)  # a one-node launch reserves after the staged ones before it
+        if opened is not None and staged is None:
+            # a one-node launch reserves after the staged ones before it
+            if opened.batch:
+                self._flush(opened)
+            if opened.pending:
+                self._join(opened)
         if opened is None or staged is None:
             return self._nodes(spans, first, stream, common)
         address, slot = staged
         assert self.stage_kernel is not None
         stage_common = list(common)
         stage_common[3] = address  # ``buffer``: the STAGE variant copies to it as is
-        self._nodes(spans, first, stream, stage_common, launcher=self.stage_kernel, record=False)
+        copying = self._nodes(spans, first, stream, stage_common, launcher=self.stage_kernel, record=False)
+        if self.batch_kernel is not None:
+            entry = _Batched(launch, address, slot.total, slot.check, first, slot.rows)
+            if opened.batch and not _batchable(opened.batch, entry):
+                self._flush(opened)
+            opened.batch.append(entry)
+            self.staged.add(launch)
+            if len(opened.batch) == BATCH:
+                self._flush(opened)
+            return copying
         opened.pending = True  # before the fork: whatever happens after it, the capture's end joins the side
         self._fork(opened)
         programs = self._nodes(slot, first, int(opened.side.cuda_stream), common)
@@ -389,6 +421,44 @@ class GraphRing:
             span, lead, numel, code = check
             moved = (slot + spans.offsets[span] + lead, numel, code)
         return slot, Spans((slot,), (0,), (spans.total,), moved, spans.total, spans.rows)
+
+    def _flush(self, opened: _Open) -> None:
+        """Queue the batch node recording ``opened``'s staged entries not recorded yet, on its capturing stream:
+        one reservation for all of them (their sequences consecutive, each entry where a reservation of its own
+        would have put it), their copies from the staging area into the ring, their checks and tag words. Without
+        a launch id left for the node's own cells, each entry gets its record node instead."""
+        entries, opened.batch = opened.batch, []
+        stream = int(opened.stream.cuda_stream)
+        own = self.new_launch()
+        if own is None:
+            for entry in entries:
+                spans = Spans((entry.slot,), (0,), (entry.total,), entry.check, entry.total, entry.rows)
+                self._nodes(spans, entry.first, stream, self._common(entry.launch))
+            return
+        area = entries[0].slot
+        args: list[int] = []
+        codes = {entry.check[2] for entry in entries if entry.check is not None}
+        work = 0
+        for entry in entries:
+            address, numel, _ = entry.check if entry.check is not None else (area, 0, 0)
+            args += (entry.launch, entry.slot - area, address - area, numel)
+            work += -(-entry.total // _BLOCK_BYTES) + -(-numel // _FOLD)
+        args += (0, 0, 0, 0) * (_BATCH_SLOTS - len(entries))
+        moved = entries[-1].slot + entries[-1].total - area
+        first = next((i for i, entry in enumerate(entries) if entry.first), -1)
+        args += (area, moved, len(entries), first, codes.pop() if codes else 0, own)
+        args += (self.state.data_ptr(), self.meta.data_ptr(), self._host_address + 8 * self.tags)
+        args += (self.buffer.data_ptr(), self.capacity, self.cells.data_ptr(), self.launches)
+        args += (self._host_address, self.tags)
+        args += entries[0].rows if entries[0].rows is not None else (0, 0)
+        assert self.batch_kernel is not None
+        self.batch_kernel(max(1, min(_programs(self.index), work)), stream, args)
+
+    def _common(self, launch: int) -> list[int]:
+        """The record kernel's arguments after the spans' and flags' (see :meth:`capture`)."""
+        common = [self.state.data_ptr(), self.meta.data_ptr(), self._host_address + 8 * self.tags]
+        common += [self.buffer.data_ptr(), self.capacity, launch, self.cells.data_ptr(), self.launches]
+        return [*common, self._host_address, self.tags]
 
     @staticmethod
     def _fork(opened: _Open) -> None:
@@ -479,7 +549,7 @@ def _programs(index: int) -> int:
     return programs
 
 
-_COMPILED: dict[tuple[int, bool], Any] = {}
+_COMPILED: dict[tuple[int, bool, bool], Any] = {}
 _KERNEL_ERROR: list[str] = []
 
 
@@ -491,11 +561,12 @@ def kernels_available() -> bool:
         from moereplay.capture import graph_ring_kernel
 
         kernel = graph_ring_kernel
-        if (_BLOCK_BYTES, _STAGE_BLOCK_BYTES, _FOLD, SPANS) != (
+        if (_BLOCK_BYTES, _STAGE_BLOCK_BYTES, _FOLD, SPANS, _BATCH_SLOTS) != (
             8 * kernel.BLOCK,
             8 * kernel.STAGE_BLOCK,
             kernel.FOLD,
             kernel.SPANS,
+            kernel.BATCH,
         ) or ALONE_ELEMENTS > _FOLD:
             # (a lone node folds its whole check in the fold's first step: ALONE_ELEMENTS <= FOLD)
             raise ImportError("graph_ring_kernel's BLOCK, FOLD or SPANS does not match the launcher's")
@@ -510,10 +581,20 @@ def kernel_error() -> str | None:
     return _KERNEL_ERROR[0] if _KERNEL_ERROR else None
 
 
-def _compile(index: int, *, stage: bool = False) -> Any:
-    compiled = _COMPILED.get((index, stage))
+def _compile(index: int, *, stage: bool = False, batch: bool = False) -> Any:
+    compiled = _COMPILED.get((index, stage, batch))
     if compiled is None:
         from moereplay.capture import graph_ring_kernel
 
-        compiled = _COMPILED[index, stage] = graph_ring_kernel.compile_kernel(index, stage=stage)
+        compiled = graph_ring_kernel.compile_kernel(index, stage=stage, batch=batch)
+        _COMPILED[index, stage, batch] = compiled
     return compiled
+
+
+def _batchable(batch: list[_Batched], entry: _Batched) -> bool:
+    """Whether ``entry`` may join ``batch``'s node: the same real-row count (one read for all), and the same
+    dtype of checked output."""
+    if entry.rows != batch[0].rows:
+        return False
+    codes = {item.check[2] for item in batch if item.check is not None}
+    return entry.check is None or not codes or entry.check[2] in codes

@@ -242,8 +242,252 @@ def graph_record(
                 tl.store(slot, (generation << 32) | word)
 
 
-def compile_kernel(device_index: int, *, stage: bool = False) -> Any:
+BATCH = 24
+"""Entries one :func:`graph_record_batch` node records (a graph with more staged entries gets one more node per
+further :data:`BATCH`)."""
+
+BATCH_INTS = [name for i in range(BATCH) for name in (f"l{i}", f"e{i}", f"c{i}", f"k{i}")] + [
+    "area", "moved", "count", "first", "code", "own",
+    "state", "meta", "hint", "buffer", "capacity", "cells", "launches", "words", "tags",
+    "rows", "row_numel",
+]  # fmt: skip
+
+
+@triton.jit
+def _batch_row(meta, tags, seq0, head, step, real, launch, entry, ENTRY: tl.constexpr, count):
+    """The metadata row of the batch's entry ``ENTRY`` (if the batch has it): sequence, start, launch, step, tokens."""
+    if count > ENTRY:
+        sequence = seq0 + ENTRY
+        row = meta.to(tl.pointer_type(tl.int64)) + (sequence % tags) * 5
+        tl.store(row, sequence)
+        tl.store(row + 1, head + entry)
+        tl.store(row + 2, launch)
+        tl.store(row + 3, step)
+        tl.store(row + 4, real)
+
+
+@triton.jit
+def _batch_fold(area, check, numel, launch, ENTRY: tl.constexpr, count, limit_rows, code, pid, programs, base, partials,
+                FOLD: tl.constexpr):  # fmt: skip
+    """Fold entry ``ENTRY``'s checked output (``numel`` elements at ``check`` bytes into the staged area, its first
+    ``limit_rows`` elements when that is not negative) into the launch's partial word. The fold steps of all
+    the batch's entries are dealt to the programs in turn (``base``: the steps of the entries before this one),
+    so every program folds about as many whatever the entries' sizes. Returns ``base`` plus this entry's steps."""
+    steps = tl.zeros([], dtype=tl.int64)
+    if count > ENTRY:
+        limit = numel
+        if limit_rows >= 0:
+            limit = tl.minimum(numel, limit_rows)
+        steps = (limit + FOLD - 1) // FOLD
+        first = ((pid - base) % programs + programs) % programs
+        if first < steps:
+            best = tl.zeros([FOLD], dtype=tl.int32)
+            for fold_step in range(first, steps, programs):
+                index = fold_step * FOLD + tl.arange(0, FOLD).to(tl.int64)
+                more = _load_magnitudes(area + check, index, limit, code)
+                best = tl.maximum(best, more.to(tl.int32, bitcast=True))
+            tl.atomic_max(partials + launch, tl.max(best, axis=0).to(tl.int64), sem="relaxed")
+    return base + steps
+
+
+@triton.jit
+def _batch_copy(area, buffer, capacity, head, entry, following, moved, ENTRY: tl.constexpr, count, pid, programs, base,
+                BLOCK: tl.constexpr):  # fmt: skip
+    """Copy the batch's entry ``ENTRY`` (from ``entry`` bytes into the staged area up to the next entry's start,
+    ``following``, or ``moved`` for the last) to its place in the ring. The copy steps of all the batch's entries are
+    dealt to the programs in turn (``base``: the steps of the entries before this one). Returns ``base`` plus this
+    entry's steps."""
+    steps = tl.zeros([], dtype=tl.int64)
+    if count > ENTRY:
+        end = moved
+        if count > ENTRY + 1:
+            end = following
+        words = (end - entry) // 8
+        steps = (words + BLOCK - 1) // BLOCK
+        first = ((pid - base) % programs + programs) % programs
+        source = area + entry
+        target = buffer + (head + entry) % capacity
+        lanes = tl.arange(0, BLOCK).to(tl.int64)
+        for copy_step in range(first, steps, programs):
+            index = copy_step * BLOCK + lanes
+            mask = index < words
+            word = tl.load((source + index * 8).to(tl.pointer_type(tl.int64)), mask=mask)
+            tl.store((target + index * 8).to(tl.pointer_type(tl.int64)), word, mask=mask)
+    return base + steps
+
+
+@triton.jit
+def _batch_tag(words, tags, seq0, partials, launch, ENTRY: tl.constexpr, count):
+    """The finished tag word of the batch's entry ``ENTRY`` (the last program, after every fold), its partial reset."""
+    if count > ENTRY:
+        largest = tl.atomic_xchg(partials + launch, 0, sem="relaxed")
+        sequence = seq0 + ENTRY
+        generation = ((sequence // tags) + 1) & 0x7FFFFFFF
+        tl.store(words.to(tl.pointer_type(tl.int64)) + sequence % tags, (generation << 32) | largest)
+
+
+@triton.jit(do_not_specialize=BATCH_INTS)
+def graph_record_batch(
+    l0, e0, c0, k0, l1, e1, c1, k1, l2, e2, c2, k2, l3, e3, c3, k3, l4, e4, c4, k4, l5, e5, c5, k5, l6, e6, c6, k6,
+    l7, e7, c7, k7, l8, e8, c8, k8, l9, e9, c9, k9, l10, e10, c10, k10, l11, e11, c11, k11, l12, e12, c12, k12, l13,
+    e13, c13, k13, l14, e14, c14, k14, l15, e15, c15, k15, l16, e16, c16, k16, l17, e17, c17, k17, l18, e18, c18,
+    k18, l19, e19, c19, k19, l20, e20, c20, k20, l21, e21, c21, k21, l22, e22, c22, k22, l23, e23, c23, k23,
+    area, moved, count, first, code, own,
+    state, meta, hint, buffer, capacity, cells, launches, words, tags,
+    rows, row_numel,
+    BLOCK: tl.constexpr,
+    FOLD: tl.constexpr,
+):  # fmt: skip
+    """Record ``count`` staged entries at once (see the module docstring, batch)."""
+    pid = tl.program_id(0).to(tl.int64)
+    programs = tl.num_programs(0).to(tl.int64)
+    real = tl.full([], -1, dtype=tl.int64)
+    limit_rows = tl.full([], -1, dtype=tl.int64)
+    if rows != 0:
+        real = tl.load(rows.to(tl.pointer_type(tl.int32))).to(tl.int64)
+        if real > 0:
+            limit_rows = real * row_numel
+    column = cells.to(tl.pointer_type(tl.int64)) + own
+    start_cell = column + 0 * launches  # CELL_START
+    sequence_cell = column + 1 * launches  # CELL_SEQUENCE
+    counter = column + 3 * launches  # CELL_DONE
+    arrive_cell = column + 4 * launches  # CELL_ARRIVE
+    ready_cell = column + 5 * launches  # CELL_READY
+    partials = cells.to(tl.pointer_type(tl.int64)) + 2 * launches  # CELL_PARTIAL of each entry's launch
+    reserving = programs == 1
+    if not reserving:
+        reserving = tl.atomic_add(arrive_cell, 1, sem="relaxed") == 0
+    if reserving:
+        state_cells = state.to(tl.pointer_type(tl.int64))
+        bump = (first >= 0).to(tl.int64)
+        head = tl.atomic_add(state_cells, moved, sem="relaxed")
+        seq0 = tl.atomic_add(state_cells + 1, count, sem="relaxed")
+        step = tl.atomic_add(state_cells + 2, bump, sem="relaxed") + bump
+        tl.atomic_xchg(start_cell, head, sem="relaxed")
+        tl.atomic_xchg(sequence_cell, seq0, sem="relaxed")
+        _batch_row(meta, tags, seq0, head, step, real, l0, e0, 0, count)
+        _batch_row(meta, tags, seq0, head, step, real, l1, e1, 1, count)
+        _batch_row(meta, tags, seq0, head, step, real, l2, e2, 2, count)
+        _batch_row(meta, tags, seq0, head, step, real, l3, e3, 3, count)
+        _batch_row(meta, tags, seq0, head, step, real, l4, e4, 4, count)
+        _batch_row(meta, tags, seq0, head, step, real, l5, e5, 5, count)
+        _batch_row(meta, tags, seq0, head, step, real, l6, e6, 6, count)
+        _batch_row(meta, tags, seq0, head, step, real, l7, e7, 7, count)
+        _batch_row(meta, tags, seq0, head, step, real, l8, e8, 8, count)
+        _batch_row(meta, tags, seq0, head, step, real, l9, e9, 9, count)
+        _batch_row(meta, tags, seq0, head, step, real, l10, e10, 10, count)
+        _batch_row(meta, tags, seq0, head, step, real, l11, e11, 11, count)
+        _batch_row(meta, tags, seq0, head, step, real, l12, e12, 12, count)
+        _batch_row(meta, tags, seq0, head, step, real, l13, e13, 13, count)
+        _batch_row(meta, tags, seq0, head, step, real, l14, e14, 14, count)
+        _batch_row(meta, tags, seq0, head, step, real, l15, e15, 15, count)
+        _batch_row(meta, tags, seq0, head, step, real, l16, e16, 16, count)
+        _batch_row(meta, tags, seq0, head, step, real, l17, e17, 17, count)
+        _batch_row(meta, tags, seq0, head, step, real, l18, e18, 18, count)
+        _batch_row(meta, tags, seq0, head, step, real, l19, e19, 19, count)
+        _batch_row(meta, tags, seq0, head, step, real, l20, e20, 20, count)
+        _batch_row(meta, tags, seq0, head, step, real, l21, e21, 21, count)
+        _batch_row(meta, tags, seq0, head, step, real, l22, e22, 22, count)
+        _batch_row(meta, tags, seq0, head, step, real, l23, e23, 23, count)
+        tl.store(hint.to(tl.pointer_type(tl.int64)), seq0 + count)
+        if programs > 1:
+            tl.atomic_xchg(ready_cell, 1, sem="release")  # the cells above before "ready"
+    if programs > 1:
+        ready = tl.atomic_add(ready_cell, 0, sem="acquire")
+        while ready == 0:  # only programs that arrived after the reserving one, which runs: no deadlock
+            ready = tl.atomic_add(ready_cell, 0, sem="acquire")
+    head = tl.atomic_add(start_cell, 0, sem="relaxed")  # through L2: never a stale L1 line
+    # the staged entries lie one after another from ``area``; each goes where a reservation of its own would have
+    # put it (``start % capacity``, running into the tail past ``capacity``), which is where the writer reads it
+    base = tl.zeros([], dtype=tl.int64)
+    base = _batch_copy(area, buffer, capacity, head, e0, e1, moved, 0, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e1, e2, moved, 1, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e2, e3, moved, 2, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e3, e4, moved, 3, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e4, e5, moved, 4, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e5, e6, moved, 5, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e6, e7, moved, 6, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e7, e8, moved, 7, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e8, e9, moved, 8, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e9, e10, moved, 9, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e10, e11, moved, 10, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e11, e12, moved, 11, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e12, e13, moved, 12, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e13, e14, moved, 13, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e14, e15, moved, 14, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e15, e16, moved, 15, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e16, e17, moved, 16, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e17, e18, moved, 17, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e18, e19, moved, 18, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e19, e20, moved, 19, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e20, e21, moved, 20, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e21, e22, moved, 21, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e22, e23, moved, 22, count, pid, programs, base, BLOCK)
+    base = _batch_copy(area, buffer, capacity, head, e23, moved, moved, 23, count, pid, programs, base, BLOCK)
+    base = _batch_fold(area, c0, k0, l0, 0, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c1, k1, l1, 1, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c2, k2, l2, 2, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c3, k3, l3, 3, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c4, k4, l4, 4, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c5, k5, l5, 5, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c6, k6, l6, 6, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c7, k7, l7, 7, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c8, k8, l8, 8, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c9, k9, l9, 9, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c10, k10, l10, 10, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c11, k11, l11, 11, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c12, k12, l12, 12, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c13, k13, l13, 13, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c14, k14, l14, 14, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c15, k15, l15, 15, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c16, k16, l16, 16, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c17, k17, l17, 17, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c18, k18, l18, 18, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c19, k19, l19, 19, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c20, k20, l20, 20, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c21, k21, l21, 21, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c22, k22, l22, 22, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    base = _batch_fold(area, c23, k23, l23, 23, count, limit_rows, code, pid, programs, base, partials, FOLD)
+    tl.debug_barrier()  # this program's copies and folds (every thread's) before the fenced atomic below
+    arrived = tl.atomic_add(counter, 1)  # acq_rel: this program's copies and maxima before its "done"
+    if arrived == programs - 1:  # the last program: every other one's maxima are in the partial words
+        tl.atomic_xchg(counter, 0, sem="relaxed")
+        tl.atomic_xchg(arrive_cell, 0, sem="relaxed")
+        tl.atomic_xchg(ready_cell, 0, sem="relaxed")
+        seq0 = tl.atomic_add(sequence_cell, 0, sem="relaxed")
+        _batch_tag(words, tags, seq0, partials, l0, 0, count)
+        _batch_tag(words, tags, seq0, partials, l1, 1, count)
+        _batch_tag(words, tags, seq0, partials, l2, 2, count)
+        _batch_tag(words, tags, seq0, partials, l3, 3, count)
+        _batch_tag(words, tags, seq0, partials, l4, 4, count)
+        _batch_tag(words, tags, seq0, partials, l5, 5, count)
+        _batch_tag(words, tags, seq0, partials, l6, 6, count)
+        _batch_tag(words, tags, seq0, partials, l7, 7, count)
+        _batch_tag(words, tags, seq0, partials, l8, 8, count)
+        _batch_tag(words, tags, seq0, partials, l9, 9, count)
+        _batch_tag(words, tags, seq0, partials, l10, 10, count)
+        _batch_tag(words, tags, seq0, partials, l11, 11, count)
+        _batch_tag(words, tags, seq0, partials, l12, 12, count)
+        _batch_tag(words, tags, seq0, partials, l13, 13, count)
+        _batch_tag(words, tags, seq0, partials, l14, 14, count)
+        _batch_tag(words, tags, seq0, partials, l15, 15, count)
+        _batch_tag(words, tags, seq0, partials, l16, 16, count)
+        _batch_tag(words, tags, seq0, partials, l17, 17, count)
+        _batch_tag(words, tags, seq0, partials, l18, 18, count)
+        _batch_tag(words, tags, seq0, partials, l19, 19, count)
+        _batch_tag(words, tags, seq0, partials, l20, 20, count)
+        _batch_tag(words, tags, seq0, partials, l21, 21, count)
+        _batch_tag(words, tags, seq0, partials, l22, 22, count)
+        _batch_tag(words, tags, seq0, partials, l23, 23, count)
+
+
+def compile_kernel(device_index: int, *, stage: bool = False, batch: bool = False) -> Any:
     """:func:`graph_record` as ``launch(programs, stream, args)`` (see ``ring_kernel.compile_launcher``);
-    ``stage``: the staging variant (``STAGE`` 1)."""
+    ``stage``: the staging variant (``STAGE`` 1); ``batch``: :func:`graph_record_batch` instead."""
+    if batch:
+        constants = {"BLOCK": BLOCK, "FOLD": FOLD}
+        return compile_launcher(
+            graph_record_batch, len(BATCH_INTS), constants, device_index, name="graph record batch"
+        )
     constants = {"BLOCK": STAGE_BLOCK if stage else BLOCK, "FOLD": FOLD, "STAGE": int(stage)}
     return compile_launcher(graph_record, len(RECORD_INTS), constants, device_index, name="graph record")

@@ -144,6 +144,7 @@ class Recorder(CallHandler):
                     settings.flight_graph_bytes,
                     stage_bytes=settings.flight_graph_stage,
                     poll_s=settings.flight_graph_poll_ms / 1000.0,
+                    batch=settings.flight_graph_batch,
                 )
         elif settings.trigger is Trigger.FLIGHT:
             self.flight = FlightRecorder(

@@ -39,6 +39,10 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            reads the graph-replayed calls' tag words while no eager call waits for it (default 5;
                            1 to 500): a trigger among them is found within about this long; each poll takes the
                            GIL from the serving threads
+``MOEREPLAY_FLIGHT_GRAPH_BATCH``  layer-scope flight recorder under CUDA graphs: ``1`` records a graph's staged
+                           entries (see ``FLIGHT_GRAPH_STAGE``) by one node at the graph's end — one reservation,
+                           copy and check for up to 24 layer calls — instead of a record node each beside the
+                           path (default 0)
 ``MOEREPLAY_FLIGHT_STREAM_STORES``  layer-scope flight recorder: ``1`` marks the eager ring launch's stores as
                            written once (``st.global.cs``: L2 evicts them first), so a prefill's ring writes
                            leave the L2 lines the next kernels read (default 0: measured on an H100,
@@ -119,6 +123,7 @@ KNOWN_VARIABLES = (
     "FLIGHT_GRAPH_STAGE",
     "FLIGHT_STREAM_STORES",
     "FLIGHT_GRAPH_POLL_MS",
+    "FLIGHT_GRAPH_BATCH",
     "ABSMAX",
     "QUEUE_CALLS",
     "QUEUE_BYTES",
@@ -219,6 +224,7 @@ class CaptureSettings:
     flight_graph_stage: int = FLIGHT_GRAPH_STAGE
     flight_stream_stores: bool = False
     flight_graph_poll_ms: int = FLIGHT_GRAPH_POLL_MS
+    flight_graph_batch: bool = False
     flight_triggers: int = 8
     absmax: float | None = None
     queue_calls: int = 64
@@ -311,6 +317,8 @@ class CaptureSettings:
                     parts.append(f"flight_graph_stage={self.flight_graph_stage}")
                 if self.flight_stream_stores:
                     parts.append("flight_stream_stores=on")
+                if self.flight_graph_batch:
+                    parts.append("flight_graph_batch=on")
                 if self.flight_graph_poll_ms != FLIGHT_GRAPH_POLL_MS:
                     parts.append(f"flight_graph_poll_ms={self.flight_graph_poll_ms}")
             if self.absmax is not None:
@@ -553,6 +561,8 @@ def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None
         values["flight_stream_stores"] = parse_flag("FLIGHT_STREAM_STORES", text)
     if (text := get("FLIGHT_GRAPH_POLL_MS")) is not None:
         values["flight_graph_poll_ms"] = parse_int_range("FLIGHT_GRAPH_POLL_MS", text, 1, 500)
+    if (text := get("FLIGHT_GRAPH_BATCH")) is not None:
+        values["flight_graph_batch"] = parse_flag("FLIGHT_GRAPH_BATCH", text)
     if (text := get("TIMERS")) is not None:
         values["timers"] = parse_flag("TIMERS", text)
     return CaptureSettings(**values)  # type: ignore[arg-type]

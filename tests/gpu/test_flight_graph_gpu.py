@@ -142,13 +142,21 @@ def _per_replay_us(graph: torch.cuda.CUDAGraph, replays: int = 200) -> tuple[flo
     return (time.perf_counter() - started) / replays * 1e6, start.elapsed_time(end) * 1e3 / replays
 
 
-@pytest.mark.parametrize("stage", [None, "8M"], ids=["one-node", "staged"])
+@pytest.mark.parametrize(
+    ("stage", "batch"),
+    [(None, False), ("8M", False), ("8M", True)],
+    ids=["one-node", "staged", "staged-batch"],
+)
 def test_a_graph_captured_while_the_writer_is_busy_keeps_its_replays(
-    kernels, tmp_path: Path, stage: str | None
+    kernels, tmp_path: Path, stage: str | None, batch: bool
 ) -> None:
     # staged: the 6 MB entry (not lone) staged as MOEREPLAY_FLIGHT_GRAPH_STAGE allows — on the graph's path only
-    # the copy into its slot, the record node of many programs (handshake and all) on the side stream
-    session = _arm(tmp_path, flight_calls="6", **({} if stage is None else {"flight_graph_stage": stage}))
+    # the copy into its slot, the record node of many programs (handshake and all) on the side stream; batch:
+    # recorded instead by the batch node at the graph's end (MOEREPLAY_FLIGHT_GRAPH_BATCH)
+    settings = {} if stage is None else {"flight_graph_stage": stage}
+    if batch:
+        settings["flight_graph_batch"] = "1"
+    session = _arm(tmp_path, flight_calls="6", **settings)
     graph_flight = _graph_flight(session)
     generator = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(512, 1024, device="cuda", generator=generator)
@@ -220,8 +228,14 @@ class _Runner:
 
 @pytest.mark.parametrize(
     ("tokens", "hidden", "staged", "stage"),
-    [(8, 64, 1, None), (512, 1024, 0, None), (512, 1024, 1, "8M")],
-    ids=["lone-staged", "multi-program", "multi-program-staged"],
+    [
+        (8, 64, 1, None),
+        (512, 1024, 0, None),
+        (512, 1024, 1, "8M"),
+        (8, 64, 1, "batch"),
+        (512, 1024, 1, "8M batch"),
+    ],
+    ids=["lone-staged", "multi-program", "multi-program-staged", "lone-batch", "multi-program-batch"],
 )
 def test_padding_rows_of_a_replayed_graph_do_not_trigger(
     kernels,
@@ -235,7 +249,11 @@ def test_padding_rows_of_a_replayed_graph_do_not_trigger(
     from moereplay.capture import padded_rows
 
     monkeypatch.setattr(padded_rows, "batch_tokens", lambda: tokens)  # vLLM's BatchDescriptor while capturing
-    session = _arm(tmp_path, flight_calls="4", **({} if stage is None else {"flight_graph_stage": stage}))
+    settings = {"flight_graph_batch": "1"} if stage is not None and "batch" in stage else {}
+    limit = None if stage is None else stage.replace("batch", "").strip()
+    if limit:
+        settings["flight_graph_stage"] = limit
+    session = _arm(tmp_path, flight_calls="4", **settings)
     graph_flight = _graph_flight(session)
     generator = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(tokens, hidden, device="cuda", generator=generator)
@@ -327,6 +345,61 @@ def test_graphs_sharing_the_staging_area_keep_each_replays_bits(kernels, tmp_pat
             hidden, output = seen[record.context["graph_sequence"]]
             assert torch.equal(_bits(reader.load_args(record.index)["hidden"]), _bits(hidden))
             assert torch.equal(_bits(reader.load_outputs(record.index)["output"]), _bits(output))
+
+
+def test_a_batch_node_records_every_layer_of_a_graph_bit_exact(kernels, tmp_path: Path) -> None:
+    """MOEREPLAY_FLIGHT_GRAPH_BATCH: five layer calls of 96 tokens (≈ 300 KB entries, over the lone size) in one
+    graph, each staged (a copy on the path), recorded by one batch node at the graph's end. A NaN weight of the
+    last layer at the 25th replay triggers; the written calls — the bad one and the seven before it, across two
+    replays — hold their own bits, consecutive sequences and their layer's launch."""
+    session = _arm(tmp_path, flight_calls="8", flight_graph_stage="1M", flight_graph_batch="1")
+    graph_flight = _graph_flight(session)
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    tokens, hidden, layers = 96, 768, 5
+    w1 = [
+        torch.randn(hidden, hidden, device="cuda", generator=generator) / hidden**0.5 for _ in range(layers)
+    ]
+    w2 = [
+        torch.randn(hidden, hidden, device="cuda", generator=generator) / hidden**0.5 for _ in range(layers)
+    ]
+    weights = torch.rand(tokens, device="cuda", generator=generator)
+    static = torch.randn(tokens, hidden, device="cuda", generator=generator)
+    outs = [torch.empty(tokens, hidden, device="cuda") for _ in range(layers)]
+
+    def forward() -> None:
+        value = static
+        for layer in range(layers):
+            kernels.layer(value, w1[layer], w2[layer], weights, outs[layer])
+            value = outs[layer]
+
+    graph = _capture(forward)
+    ring = next(iter(graph_flight._watches.values())).ring
+    assert ring.batch_kernel is not None and graph_flight.counters.launches == layers
+    assert graph_flight.counters.staged == layers and ring.staged == set(range(layers))
+    seen = []
+    for replay in range(25):
+        static.normal_(generator=generator)
+        if replay == 24:
+            w1[-1][0, 0] = float("nan")  # only the last layer's output goes bad
+        graph.replay()
+        inputs = [static, *outs[:-1]]
+        seen.append([(inputs[layer].clone(), outs[layer].clone()) for layer in range(layers)])
+    torch.cuda.synchronize()
+    assert _wait_for_trigger(graph_flight, 1) < DELAY_S
+    session_module.disarm()
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        sequences = [record.context["graph_sequence"] for record in records]
+        assert sequences == list(range(24 * layers - 3, 25 * layers)), sequences  # replays 23 and 24
+        assert records[-1].context["flight"]["trigger"]
+        for record in records:
+            sequence = record.context["graph_sequence"]
+            replay, layer = divmod(sequence, layers)
+            assert record.context["graph_launch"] == layer
+            hidden_in, output = seen[replay][layer]
+            assert torch.equal(_bits(reader.load_args(record.index)["hidden"]), _bits(hidden_in)), sequence
+            assert torch.equal(_bits(reader.load_outputs(record.index)["output"]), _bits(output)), sequence
+        assert reader.footer["counters"]["flight_graph_lost"] == 0
 
 
 def test_a_lapping_graph_ring_loses_no_check_and_writes_nothing_overwritten(kernels, tmp_path: Path) -> None:

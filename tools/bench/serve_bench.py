@@ -76,6 +76,14 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_GRAPH_POLL_MS": "50",
     },
+    # the flight recorder staging graph entries up to 384 KiB (every decode batch up to 32 of gpt-oss) and recording
+    # each graph's staged entries by one batch node at its end: on the graph's path only a copy per layer call
+    "flight-batch": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_GRAPH_STAGE": "384K",
+        "MOEREPLAY_FLIGHT_GRAPH_BATCH": "1",
+    },
     "flight-timers": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_TIMERS": "1"},
     # diagnostic: armed, but no MoE layer selected (no model has a layer 100000): every layer call still goes
     # through the wrapper and the context tracking, none is recorded — the cost of being armed, apart from the
@@ -315,7 +323,7 @@ TARGETS: dict[str, dict[str, float]] = {
 }
 """Issue 14's targets for the flight recorder armed, per vLLM mode and measurement (slowdown ×: off ÷ armed)."""
 
-JUDGED = ("flight", "flight-stage", "flight-stream", "flight-gpoll50")
+JUDGED = ("flight", "flight-stage", "flight-stream", "flight-gpoll50", "flight-batch")
 """The settings held to :data:`TARGETS`: the default recorder and the candidates for its default (the others are
 diagnostics that take a piece away or add timers)."""
 

@@ -30,6 +30,10 @@ def capture_stage(programs: int, stream: int, args: list[int]) -> None:
     GRAPH.append((programs, list(args), 1))
 
 
+def capture_batch(programs: int, stream: int, args: list[int]) -> None:
+    GRAPH.append((programs, list(args), 2))
+
+
 class Stream:
     def __init__(self, handle: int) -> None:
         self.cuda_stream = handle
@@ -40,6 +44,11 @@ class Stream:
 
 def replay() -> None:
     for programs, args, stage in GRAPH:
+        if stage == 2:
+            graph_ring_kernel.graph_record_batch[(programs,)](
+                *args, BLOCK=graph_ring_kernel.BLOCK, FOLD=graph_ring_kernel.FOLD
+            )
+            continue
         block = graph_ring_kernel.STAGE_BLOCK if stage else graph_ring_kernel.BLOCK
         graph_ring_kernel.graph_record[(programs,)](
             *args, BLOCK=block, FOLD=graph_ring_kernel.FOLD, STAGE=stage
@@ -116,6 +125,82 @@ def case(
     )
 
 
+def batch_case(
+    tokens: int, layers: int, capacity: int, real: int | None = None, chunk: int | None = None
+) -> None:
+    """``layers`` layer calls of three spans each (hidden states, router logits, output) staged in one graph whose
+    batch node records them all (``MOEREPLAY_FLIGHT_GRAPH_BATCH``); ``chunk``: entries a batch node takes (the
+    kernel's BATCH, lowered: more nodes). Five replays in a ring of ``capacity`` bytes (entries past its end go
+    where their own reservations would have put them); checks each entry's bytes, tag word and metadata row."""
+    GRAPH.clear()
+    ring = GraphRing(capacity, torch.device("cpu"), tags=16, launches=8, use_kernel=False)
+    ring.stage_bytes = 1 << 20
+    ring.kernels = capture_launch
+    ring.stage_kernel = capture_stage
+    ring.batch_kernel = capture_batch
+    ring.stage = placed(1 << 18, torch.uint8)
+    ring._open[0] = graph_ring._Open(Stream(0), Stream(1))
+    batch_size = graph_ring.BATCH
+    if chunk is not None:
+        graph_ring.BATCH = chunk
+    count = placed(1, torch.int32)
+    count.fill_(real if real is not None else 0)
+    calls = []
+    for layer in range(layers):
+        hidden = placed(tokens * 2880, torch.bfloat16)
+        logits = placed(tokens * 32, torch.bfloat16, 2 * (layer % 2))  # a lead of 2 bytes: not on a word
+        out = placed(tokens * 2880, torch.bfloat16)
+        tensors = [hidden, logits, out]
+        leads = [tensor.data_ptr() & 255 for tensor in tensors]
+        sizes = [tensor.nbytes + lead for tensor, lead in zip(tensors, leads, strict=True)]
+        offsets = [sum(-(-size // ALIGNMENT) * ALIGNMENT for size in sizes[:i]) for i in range(3)]
+        total = offsets[-1] + -(-sizes[-1] // ALIGNMENT) * ALIGNMENT
+        sources = [tensor.data_ptr() - lead for tensor, lead in zip(tensors, leads, strict=True)]
+        limit = (count.data_ptr(), 2880) if real is not None else None
+        spans = Spans(
+            tuple(sources), tuple(offsets), tuple(sizes), (out.data_ptr(), out.numel(), 2), total, limit
+        )
+        launch = ring.new_launch()
+        assert launch is not None
+        ring.capture(launch, spans, first=layer == 0)
+        calls.append((launch, tensors, leads, sizes, offsets))
+    ring.close_capture(0)
+    graph_ring.BATCH = batch_size
+    ring.buffer.fill_(0xA5)
+    right = True
+    for replay_index in range(5):
+        for layer, (_, tensors, _, _, _) in enumerate(calls):
+            for tensor in tensors:
+                tensor.copy_(torch.randn(tensor.numel()) * (replay_index + layer + 1))
+            if (replay_index + layer) % 3 == 0:
+                tensors[2][-1] = float("inf")
+            if real is not None:
+                tensors[2][real * 2880 :] = float("nan")  # padding rows: not checked
+        replay()
+        for layer, (launch, tensors, leads, sizes, offsets) in enumerate(calls):
+            sequence = replay_index * layers + layer
+            row = ring.meta[sequence % ring.tags].tolist()
+            start = row[1]
+            right &= row == [sequence, start, launch, replay_index + 1, -1 if real is None else real]
+            for tensor, offset, lead, size in zip(tensors, offsets, leads, sizes, strict=True):
+                right &= torch.equal(
+                    ring.view(start, offset + lead, size - lead), tensor.view(torch.uint8).flatten()
+                )
+            checked = tensors[2] if real is None else tensors[2][: real * 2880]
+            largest = int(torch.tensor(float(checked.float().abs().max())).view(torch.int32))
+            word = int(ring.words[sequence % ring.tags])
+            right &= word >> 32 == sequence // ring.tags + 1 and (word & 0xFFFFFFFF) == largest
+        right &= int(ring.host[ring.tags]) == (replay_index + 1) * layers  # the hint
+        right &= not ring.cells[2:6].any().item()  # every partial, counter and handshake cell reset
+    wrapped = int(ring.state[0]) > ring.capacity
+    kinds = [stage for _, _, stage in GRAPH]
+    counted = "" if real is None else f", {real} real"
+    print(
+        f"batch: {layers} layers of {tokens} tokens{counted}: {kinds.count(1)} staging nodes, {kinds.count(2)} "
+        f"batch node(s), {kinds.count(0)} record nodes, wrapped {wrapped}; entries right: {right}"
+    )
+
+
 def main() -> None:
     graph_ring._current_stream = lambda index: 0  # type: ignore[assignment]
     graph_ring._programs = lambda index: 3  # type: ignore[assignment]
@@ -131,6 +216,10 @@ def main() -> None:
     # an entry larger than a lone one, staged (MOEREPLAY_FLIGHT_GRAPH_STAGE): the record node on the side stream
     # runs three programs through the handshake, reading the slot and the count
     case(8, 18, staged=True, real=6, stage_bytes=1 << 20)
+    # MOEREPLAY_FLIGHT_GRAPH_BATCH: the staged entries of a graph recorded by one node at its end
+    batch_case(4, 3, 1 << 18)  # three programs share the batch; the ring wraps within five replays
+    batch_case(4, 5, 1 << 18, real=3, chunk=2)  # padded rows; three batch nodes of 2, 2 and 1 entries
+    batch_case(1, 2, 1 << 20)  # lone entries (decode batch 1)
 
 
 if __name__ == "__main__":

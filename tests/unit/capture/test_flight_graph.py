@@ -1359,9 +1359,9 @@ def test_with_graph_launches_the_writer_waits_the_graph_poll_and_an_eager_call_w
     assert wakes == ([1] if longer else [])
 
 
-def test_the_graph_poll_setting_reaches_the_graph_flight(tmp_path) -> None:
-    session = _arm(tmp_path, flight_graph_bytes="64K", flight_graph_poll_ms="40")
+def test_the_graph_poll_and_batch_settings_reach_the_graph_flight(tmp_path, graph_module) -> None:
+    session = _arm(tmp_path, flight_graph_bytes="64K", flight_graph_poll_ms="40", flight_graph_batch="1")
     flight = session.recorder.flight
     assert isinstance(flight, LayerFlight) and flight.graph is not None
-    assert flight.graph.poll_s == pytest.approx(0.04)
+    assert flight.graph.poll_s == pytest.approx(0.04) and flight.graph.batch
     session.close()

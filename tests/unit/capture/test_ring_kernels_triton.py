@@ -21,7 +21,7 @@ def test_graph_record_keeps_every_span_the_magnitude_and_the_token_count_in_the_
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("entries right: True") == 10, done.stdout
+    assert done.stdout.count("entries right: True") == 13, done.stdout
     assert (
         "tokens 1, 18 spans: 1 nodes (0 staging), 1 programs" in done.stdout
     )  # gpt-oss decode: one node, alone
@@ -35,6 +35,51 @@ def test_graph_record_keeps_every_span_the_magnitude_and_the_token_count_in_the_
     assert "tokens 8, 5 real, 26 spans: 2 nodes (0 staging), 3 programs" in done.stdout
     # larger than lone, staged: the copy, then a record node of three programs on the side stream
     assert "tokens 8, 6 real, 18 spans: 2 nodes (1 staging), 3 programs" in done.stdout
+    # MOEREPLAY_FLIGHT_GRAPH_BATCH: a copy on the path per layer call, one node at the graph's end records them
+    assert (
+        "batch: 3 layers of 4 tokens: 3 staging nodes, 1 batch node(s), 0 record nodes, wrapped True"
+        in done.stdout
+    )
+    assert (
+        "batch: 5 layers of 4 tokens, 3 real: 5 staging nodes, 3 batch node(s), 0 record nodes" in done.stdout
+    )
+    assert "batch: 2 layers of 1 tokens: 2 staging nodes, 1 batch node(s), 0 record nodes" in done.stdout
+
+
+def test_the_batch_record_kernel_compiles_for_hopper_without_spills(tmp_path: Path) -> None:
+    """sm_90 without a GPU: :func:`graph_record_batch` (24 entries' arguments) compiles to a cubin with no local
+    memory; its copies move 8-byte words."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from moereplay.capture.graph_ring_kernel import BATCH_INTS, BLOCK, FOLD, graph_record_batch
+
+    names = list(inspect.signature(graph_record_batch.fn).parameters)
+    assert names == [*BATCH_INTS, "BLOCK", "FOLD"]
+    constants = {"BLOCK": BLOCK, "FOLD": FOLD}
+    signature = {name: "constexpr" if name in constants else "i64" for name in names}
+    built = compile(
+        ASTSource(
+            graph_record_batch, signature, constexprs={(names.index(n),): v for n, v in constants.items()}
+        ),
+        target=GPUTarget("cuda", 90, 32),
+    )
+    ptx = built.asm["ptx"]
+    assert built.asm["cubin"]
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "ld.global.b64" in ptx and "st.global.b64" in ptx
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if ptxas.exists():
+        source = tmp_path / "graph_record_batch.ptx"
+        source.write_text(ptx)
+        report = subprocess.run(
+            [str(ptxas), "-arch=sm_90a", "-v", str(source), "-o", str(tmp_path / "batch.cubin")],
+            capture_output=True, text=True, timeout=120, check=True,
+        ).stderr  # fmt: skip
+        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
 @pytest.mark.parametrize("stage", [0, 1])
