@@ -31,7 +31,7 @@ without children, ready for ``moereplay expand``; their context adds ``cudagraph
 the rows from ``graph_tokens`` on are padding, which :mod:`moereplay.replay` leaves unjudged. They have no host
 time and no step of the host's forward count: a graph replay is not seen by the host.
 
-Detection delay: about one writer poll (≈ 5 ms; ``MOEREPLAY_FLIGHT_GRAPH_POLL_MS`` sets it, 1–500 ms, while no
+Detection delay: about one writer poll (≈ 5 ms; ``MOEREPLAY_FLIGHT_GRAPH_POLL_MS`` sets it, 5–500 ms, while no
 eager call waits for the writer) after the device finished the call, plus the copy-out (4–5 ms measured on the
 H200, ``tests/gpu/test_flight_graph_gpu.py``). Polling every 50 ms instead of 5 left the served batch-32 cost where
 it was (an H100, 2026-12-07: the polls are not what graph mode costs; the ring nodes' device time is).
@@ -370,6 +370,11 @@ class GraphFlight(PollingRecorder):
             now = time.perf_counter()
             for watch in list(self._watches.values()):
                 self._read(watch, now, full)
+
+    @property
+    def copying(self) -> bool:
+        """A trigger's copy-out is on its way (the next poll writes it)."""
+        return bool(self._copy_outs)
 
     @property
     def settled(self) -> bool:

@@ -655,7 +655,8 @@ class LayerFlight(PollingRecorder):
             graph.poll(launch=True, full=self._settling)
             self.counters.poll_ns += time.perf_counter_ns() - graph_started  # the writer's poll: both halves
             if graph.counters.launches:  # graph replays are found by polls only: every graph.poll_s at most
-                if not idle or graph.poll_s <= MIN_GRAPH_POLL_S:
+                # a trigger's copy-out in flight: its entries are written at the next poll, not poll_s later
+                if not idle or graph.poll_s <= MIN_GRAPH_POLL_S or graph.copying:
                     self._writer_idle = False
                     return None
                 return graph.poll_s

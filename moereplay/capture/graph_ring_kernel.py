@@ -32,6 +32,14 @@ further :data:`SPANS`, which only copy):
   an atomic over PCIe. Every other atomic is relaxed: a fenced (acq_rel, Triton's default) atomic costs ≈ 0.3 µs
   in a dependent chain (``tools/bench/graph_ring_bench.py``, 2026-12-04: 12.70 → 8.81 µs a node relaxed).
 
+Batch (:func:`graph_record_batch`, one node at a graph's end for up to :data:`BATCH` staged entries, see
+``graph_ring``): the first program to arrive reserves ``moved`` bytes and ``count`` sequences at once, bumps the
+step when the batch starts with the first MoE layer's launch (``first`` 0; -1 none), writes every entry's metadata
+row and the hint, and releases ``ready``; each entry's words go from the staging area to ``(head + offset) %
+capacity`` and its checked output's real rows are folded into its launch's partial word, both dealt to the
+programs step by step across the entries; the last program to finish (the acq_rel ``done`` cell of the node's own
+launch id) stores every entry's tag word and resets the cells.
+
 Concurrent launches (graphs replayed on several streams) reserve with atomics, so their entries never overlap;
 one launch id is never replayed twice at once (a graph's replays are ordered on its stream).
 Every argument is a 64-bit integer (addresses, sizes in bytes — multiples of 8 —, ``moved`` their sum, the
@@ -338,7 +346,7 @@ def graph_record_batch(
     BLOCK: tl.constexpr,
     FOLD: tl.constexpr,
 ):  # fmt: skip
-    """Record ``count`` staged entries at once (see the module docstring, batch)."""
+    """Record ``count`` staged entries at once (see the module docstring, Batch)."""
     pid = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0).to(tl.int64)
     real = tl.full([], -1, dtype=tl.int64)

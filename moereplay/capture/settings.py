@@ -36,9 +36,9 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            at batch 32 takes 9 MB of the default 16 MB); a limit larger than the area is refused
                            (raise ``FLIGHT_GRAPH_BYTES`` with it; see ``graph_ring``)
 ``MOEREPLAY_FLIGHT_GRAPH_POLL_MS``  layer-scope flight recorder under CUDA graphs: how often the writer thread
-                           reads the graph-replayed calls' tag words while no eager call waits for it (default 5;
-                           1 to 500): a trigger among them is found within about this long; each poll takes the
-                           GIL from the serving threads
+                           reads the graph-replayed calls' tag words while no eager call waits for it (default 5,
+                           the writer's own interval and the least; up to 500): a trigger among them is found
+                           within about this long; each poll takes the GIL from the serving threads
 ``MOEREPLAY_FLIGHT_GRAPH_BATCH``  layer-scope flight recorder under CUDA graphs: ``1`` records a graph's staged
                            entries (see ``FLIGHT_GRAPH_STAGE``) by one node at the graph's end — one reservation,
                            copy and check for up to 24 layer calls — instead of a record node each beside the
@@ -252,8 +252,8 @@ class CaptureSettings:
             raise ValueError("flight_beside_bytes must be >= 0")
         if self.flight_graph_stage < 0:
             raise ValueError("flight_graph_stage must be >= 0")
-        if not 1 <= self.flight_graph_poll_ms <= 500:
-            raise ValueError("flight_graph_poll_ms must be in [1, 500]")
+        if not 5 <= self.flight_graph_poll_ms <= 500:
+            raise ValueError("flight_graph_poll_ms must be in [5, 500]")
         if self.absmax is not None and not self.absmax > 0.0:
             raise ValueError("absmax must be > 0")
         if self.flight_triggers < 0:
@@ -560,7 +560,7 @@ def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None
     if (text := get("FLIGHT_STREAM_STORES")) is not None:
         values["flight_stream_stores"] = parse_flag("FLIGHT_STREAM_STORES", text)
     if (text := get("FLIGHT_GRAPH_POLL_MS")) is not None:
-        values["flight_graph_poll_ms"] = parse_int_range("FLIGHT_GRAPH_POLL_MS", text, 1, 500)
+        values["flight_graph_poll_ms"] = parse_int_range("FLIGHT_GRAPH_POLL_MS", text, 5, 500)
     if (text := get("FLIGHT_GRAPH_BATCH")) is not None:
         values["flight_graph_batch"] = parse_flag("FLIGHT_GRAPH_BATCH", text)
     if (text := get("TIMERS")) is not None:

@@ -66,8 +66,6 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_GRAPH_BYTES": "0",
     },
-    # diagnostic: the flight recorder with MOEREPLAY_TIMERS (its pieces timed, its threads' CPU time beside the
-    # wall time; a few µs a call more than "flight"): where the serving thread's time per layer call goes
     # diagnostic: the flight recorder polling the graph ring's tag words every 50 ms instead of 5 (its other
     # polls unchanged): what the writer's polls, which take the GIL from the serving threads, cost under graphs
     # beside the ring kernels' device time
@@ -84,6 +82,8 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_FLIGHT_GRAPH_STAGE": "384K",
         "MOEREPLAY_FLIGHT_GRAPH_BATCH": "1",
     },
+    # diagnostic: the flight recorder with MOEREPLAY_TIMERS (its pieces timed, its threads' CPU time beside the
+    # wall time; a few µs a call more than "flight"): where the serving thread's time per layer call goes
     "flight-timers": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_TIMERS": "1"},
     # diagnostic: armed, but no MoE layer selected (no model has a layer 100000): every layer call still goes
     # through the wrapper and the context tracking, none is recorded — the cost of being armed, apart from the
@@ -323,7 +323,7 @@ TARGETS: dict[str, dict[str, float]] = {
 }
 """Issue 14's targets for the flight recorder armed, per vLLM mode and measurement (slowdown ×: off ÷ armed)."""
 
-JUDGED = ("flight", "flight-stage", "flight-stream", "flight-gpoll50", "flight-batch")
+JUDGED = ("flight", "flight-stage", "flight-stream", "flight-batch")
 """The settings held to :data:`TARGETS`: the default recorder and the candidates for its default (the others are
 diagnostics that take a piece away or add timers)."""
 

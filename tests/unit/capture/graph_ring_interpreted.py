@@ -126,12 +126,20 @@ def case(
 
 
 def batch_case(
-    tokens: int, layers: int, capacity: int, real: int | None = None, chunk: int | None = None
+    tokens: int,
+    layers: int,
+    capacity: int,
+    real: int | None = None,
+    chunk: int | None = None,
+    firsts: tuple[int, ...] = (0,),
+    unchecked: int | None = None,
 ) -> None:
     """``layers`` layer calls of three spans each (hidden states, router logits, output) staged in one graph whose
     batch node records them all (``MOEREPLAY_FLIGHT_GRAPH_BATCH``); ``chunk``: entries a batch node takes (the
     kernel's BATCH, lowered: more nodes). Five replays in a ring of ``capacity`` bytes (entries past its end go
-    where their own reservations would have put them); checks each entry's bytes, tag word and metadata row."""
+    where their own reservations would have put them); checks each entry's bytes, tag word and metadata row.
+    ``firsts``: the layers whose launches bump the step (each starts a batch node); ``unchecked``: a layer whose
+    output is not checked (its tag word's magnitude 0)."""
     GRAPH.clear()
     ring = GraphRing(capacity, torch.device("cpu"), tags=16, launches=8, use_kernel=False)
     ring.stage_bytes = 1 << 20
@@ -157,12 +165,11 @@ def batch_case(
         total = offsets[-1] + -(-sizes[-1] // ALIGNMENT) * ALIGNMENT
         sources = [tensor.data_ptr() - lead for tensor, lead in zip(tensors, leads, strict=True)]
         limit = (count.data_ptr(), 2880) if real is not None else None
-        spans = Spans(
-            tuple(sources), tuple(offsets), tuple(sizes), (out.data_ptr(), out.numel(), 2), total, limit
-        )
+        probe = None if layer == unchecked else (out.data_ptr(), out.numel(), 2)
+        spans = Spans(tuple(sources), tuple(offsets), tuple(sizes), probe, total, limit)
         launch = ring.new_launch()
         assert launch is not None
-        ring.capture(launch, spans, first=layer == 0)
+        ring.capture(launch, spans, first=layer in firsts)
         calls.append((launch, tensors, leads, sizes, offsets))
     ring.close_capture(0)
     graph_ring.BATCH = batch_size
@@ -181,13 +188,16 @@ def batch_case(
             sequence = replay_index * layers + layer
             row = ring.meta[sequence % ring.tags].tolist()
             start = row[1]
-            right &= row == [sequence, start, launch, replay_index + 1, -1 if real is None else real]
+            step = replay_index * len(firsts) + sum(first <= layer for first in firsts)
+            right &= row == [sequence, start, launch, step, -1 if real is None else real]
             for tensor, offset, lead, size in zip(tensors, offsets, leads, sizes, strict=True):
                 right &= torch.equal(
                     ring.view(start, offset + lead, size - lead), tensor.view(torch.uint8).flatten()
                 )
             checked = tensors[2] if real is None else tensors[2][: real * 2880]
             largest = int(torch.tensor(float(checked.float().abs().max())).view(torch.int32))
+            if layer == unchecked:
+                largest = 0
             word = int(ring.words[sequence % ring.tags])
             right &= word >> 32 == sequence // ring.tags + 1 and (word & 0xFFFFFFFF) == largest
         right &= int(ring.host[ring.tags]) == (replay_index + 1) * layers  # the hint
@@ -219,7 +229,10 @@ def main() -> None:
     # MOEREPLAY_FLIGHT_GRAPH_BATCH: the staged entries of a graph recorded by one node at its end
     batch_case(4, 3, 1 << 18)  # three programs share the batch; the ring wraps within five replays
     batch_case(4, 5, 1 << 18, real=3, chunk=2)  # padded rows; three batch nodes of 2, 2 and 1 entries
-    batch_case(1, 2, 1 << 20)  # lone entries (decode batch 1)
+    batch_case(1, 2, 1 << 20)  # lone entries (decode batch 1): one program, no handshake
+    # two launches that bump the step (dual batch overlap's two micro-batches): a batch node each, every entry with
+    # the step it ran in; the second layer's output unchecked
+    batch_case(4, 4, 1 << 18, firsts=(0, 2), unchecked=1)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def test_graph_record_keeps_every_span_the_magnitude_and_the_token_count_in_the_
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("entries right: True") == 13, done.stdout
+    assert done.stdout.count("entries right: True") == 14, done.stdout
     assert (
         "tokens 1, 18 spans: 1 nodes (0 staging), 1 programs" in done.stdout
     )  # gpt-oss decode: one node, alone
@@ -44,6 +44,7 @@ def test_graph_record_keeps_every_span_the_magnitude_and_the_token_count_in_the_
         "batch: 5 layers of 4 tokens, 3 real: 5 staging nodes, 3 batch node(s), 0 record nodes" in done.stdout
     )
     assert "batch: 2 layers of 1 tokens: 2 staging nodes, 1 batch node(s), 0 record nodes" in done.stdout
+    assert "batch: 4 layers of 4 tokens: 4 staging nodes, 2 batch node(s), 0 record nodes" in done.stdout
 
 
 def test_the_batch_record_kernel_compiles_for_hopper_without_spills(tmp_path: Path) -> None:

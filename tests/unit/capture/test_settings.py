@@ -112,7 +112,7 @@ def test_step_ranges(steps: str, expected: StepRange) -> None:
         ("compression_threads", "x", "not an integer"),
         ("timers", "sometimes", "MOEREPLAY_TIMERS='sometimes': not a boolean"),
         ("flight_stream_stores", "2", "MOEREPLAY_FLIGHT_STREAM_STORES='2': not a boolean"),
-        ("flight_graph_poll_ms", "0", "MOEREPLAY_FLIGHT_GRAPH_POLL_MS='0': must be in [1, 500]"),
+        ("flight_graph_poll_ms", "4", "MOEREPLAY_FLIGHT_GRAPH_POLL_MS='4': must be in [5, 500]"),
         ("flight_graph_poll_ms", "fast", "not an integer"),
         ("flight_graph_batch", "2", "MOEREPLAY_FLIGHT_GRAPH_BATCH='2': not a boolean"),
     ],
