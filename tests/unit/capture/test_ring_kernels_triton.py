@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,80 +48,60 @@ def test_graph_record_keeps_every_span_the_magnitude_and_the_token_count_in_the_
     assert "batch: 4 layers of 4 tokens: 4 staging nodes, 2 batch node(s), 0 record nodes" in done.stdout
 
 
-def test_the_batch_record_kernel_compiles_for_hopper_without_spills(tmp_path: Path) -> None:
-    """sm_90 without a GPU: :func:`graph_record_batch` (24 entries' arguments) compiles to a cubin with no local
-    memory; its copies move 8-byte words."""
+def _hopper(kernel: Any, ints: list[str], constants: dict[str, int], tmp_path: Path) -> Any:
+    """``kernel`` (``ints`` int64 arguments, then ``constants``) compiled for sm_90 without a GPU; asserts a cubin,
+    no local memory, and — where Triton ships ptxas — no spills. Returns the compiled kernel."""
     import inspect
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from moereplay.capture.graph_ring_kernel import BATCH_INTS, BLOCK, FOLD, graph_record_batch
-
-    names = list(inspect.signature(graph_record_batch.fn).parameters)
-    assert names == [*BATCH_INTS, "BLOCK", "FOLD"]
-    constants = {"BLOCK": BLOCK, "FOLD": FOLD}
+    names = list(inspect.signature(kernel.fn).parameters)
+    assert names == [*ints, *constants]
     signature = {name: "constexpr" if name in constants else "i64" for name in names}
     built = compile(
-        ASTSource(
-            graph_record_batch, signature, constexprs={(names.index(n),): v for n, v in constants.items()}
-        ),
+        ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()}),
         target=GPUTarget("cuda", 90, 32),
     )
     ptx = built.asm["ptx"]
     assert built.asm["cubin"]
     assert "ld.local" not in ptx and "st.local" not in ptx
-    assert "ld.global.b64" in ptx and "st.global.b64" in ptx
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if ptxas.exists():
-        source = tmp_path / "graph_record_batch.ptx"
+    if ptxas.exists():  # e.g. the fold's first step held in registers across the copies must not spill
+        source = tmp_path / "kernel.ptx"
         source.write_text(ptx)
         report = subprocess.run(
-            [str(ptxas), "-arch=sm_90a", "-v", str(source), "-o", str(tmp_path / "batch.cubin")],
+            [str(ptxas), "-arch=sm_90a", "-v", str(source), "-o", str(tmp_path / "kernel.cubin")],
             capture_output=True, text=True, timeout=120, check=True,
         ).stderr  # fmt: skip
         assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    return built
+
+
+def test_the_batch_record_kernel_compiles_for_hopper_without_spills(tmp_path: Path) -> None:
+    """sm_90 without a GPU: :func:`graph_record_batch` (24 entries' arguments) compiles to a cubin with no local
+    memory or spills; its copies move 8-byte words."""
+    from moereplay.capture.graph_ring_kernel import BATCH_INTS, BLOCK, FOLD, graph_record_batch
+
+    ptx = _hopper(graph_record_batch, BATCH_INTS, {"BLOCK": BLOCK, "FOLD": FOLD}, tmp_path).asm["ptx"]
+    assert "ld.global.b64" in ptx and "st.global.b64" in ptx
 
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_graph_record_compiles_for_hopper_moving_whole_words(tmp_path: Path, stage: int) -> None:
     """sm_90 without a GPU: a cubin, no local memory or spills, and no byte-wide global access — every span
     moves as 8-byte words (the decode entry's odd-sized routing spans once made a whole node copy byte by byte)."""
-    import inspect
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
     from moereplay.capture.graph_ring_kernel import BLOCK, FOLD, RECORD_INTS, STAGE_BLOCK, graph_record
 
-    names = list(inspect.signature(graph_record.fn).parameters)
-    assert names == [*RECORD_INTS, "BLOCK", "FOLD", "STAGE"]
     constants = {"BLOCK": STAGE_BLOCK if stage else BLOCK, "FOLD": FOLD, "STAGE": stage}
-    signature = {name: "constexpr" if name in constants else "i64" for name in names}
-    built = compile(
-        ASTSource(graph_record, signature, constexprs={(names.index(n),): v for n, v in constants.items()}),
-        target=GPUTarget("cuda", 90, 32),
-    )
+    built = _hopper(graph_record, RECORD_INTS, constants, tmp_path)
     ptx = built.asm["ptx"]
-    assert built.asm["cubin"]
-    assert "ld.local" not in ptx and "st.local" not in ptx
     assert not any(f"{op}.global.{width}" in ptx for op in ("ld", "st") for width in ("u8", "b8", "s8"))
     words = constants["BLOCK"]
     assert ptx.count("ld.global.b64") >= words // (32 * built.metadata.num_warps)  # a word per lane a step
     if stage:  # the staging copy on the graph's path: no atomic, no fence, no fold
         assert "atom." not in ptx and "fence" not in ptx and "membar" not in ptx, ptx[:2000]
-    # the fold's first step is held in registers across the copies: ptxas must not spill them
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if ptxas.exists():
-        source = tmp_path / "graph_record.ptx"
-        source.write_text(ptx)
-        report = subprocess.run(
-            [str(ptxas), "-arch=sm_90a", "-v", str(source), "-o", str(tmp_path / "graph_record.cubin")],
-            capture_output=True, text=True, timeout=120, check=True,
-        ).stderr  # fmt: skip
-        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
 def test_the_eager_ring_stores_streaming_only_when_asked() -> None:
