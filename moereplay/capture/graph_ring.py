@@ -594,7 +594,7 @@ def kernels_available() -> bool:
             kernel.BATCH,
         ) or ALONE_ELEMENTS > _FOLD:
             # (a lone node folds its whole check in the fold's first step: ALONE_ELEMENTS <= FOLD)
-            raise ImportError("graph_ring_kernel's BLOCK, FOLD or SPANS does not match the launcher's")
+            raise ImportError("graph_ring_kernel's BLOCK, FOLD, SPANS or BATCH does not match the launcher's")
     except Exception as error:  # no triton, or one whose language differs
         _KERNEL_ERROR.append(f"{type(error).__name__}: {error}")
         return False
