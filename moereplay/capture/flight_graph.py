@@ -82,6 +82,7 @@ from moereplay.capture.graph_ring import (
     kernel_error,
     kernels_available,
 )
+from moereplay.capture.writer_thread import POLL_INTERVAL_S
 
 logger = logging.getLogger("moereplay.capture")
 
@@ -99,9 +100,10 @@ HINT_SLACK = 8
 """Tag words a poll reads past the device's hint (the last reserved sequence + 1, stored before the entry's copies
 and its tag word): a hint store still on its way when the word behind it has landed."""
 
-GRAPH_POLL_S = 0.005
+GRAPH_POLL_S = POLL_INTERVAL_S
 """The default of ``MOEREPLAY_FLIGHT_GRAPH_POLL_MS``: how long the writer waits between two polls while CUDA graphs
-hold ring launches and no eager call waits for it (an eager call it must look at wakes it)."""
+hold ring launches and no eager call waits for it (an eager call it must look at wakes it) — the writer's own
+interval, so no wait of its own (a longer one marks the writer idle: see ``LayerFlight.poll``)."""
 
 FULL_READ_S = 0.1
 """How often a poll reads a whole :data:`CHUNK` whatever the hint says: launches replayed on two streams may store

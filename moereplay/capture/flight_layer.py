@@ -76,7 +76,7 @@ from moereplay.capture.snapshot import (
     qualified_type_name,
     storage_key,
 )
-from moereplay.capture.writer_thread import Begin, Complete, Delivered
+from moereplay.capture.writer_thread import POLL_INTERVAL_S, Begin, Complete, Delivered
 from moereplay.format.schema import Unsupported
 
 if TYPE_CHECKING:
@@ -236,9 +236,6 @@ QUIET_POLL_S = 0.02
 CUDA graph holds ring launches): each poll takes the GIL from the serving thread, and every 5 ms that is ~9 hand-
 offs per eager decode step. A call the serving thread leaves to the writer wakes it at once; once calls stop,
 the last ones are checked within this plus ``inline_window``."""
-
-MIN_GRAPH_POLL_S = 0.005
-"""The writer's poll interval (``WriterThread``'s default): a graph poll wait at most this is no wait of its own."""
 
 IDLE_POLL_S = 0.5
 """How long the writer may wait for its next poll while nothing is outstanding — no call of the eager ring waits
@@ -640,7 +637,7 @@ class LayerFlight(PollingRecorder):
             # idle: the writer may wait longer than its poll interval (IDLE_POLL_S, or the graph ring's poll wait
             # while graphs hold ring launches), so a call left to it must wake it
             self._writer_idle = idle and (
-                graph is None or not graph.counters.launches or graph.poll_s > MIN_GRAPH_POLL_S
+                graph is None or not graph.counters.launches or graph.poll_s > POLL_INTERVAL_S
             )
             # a call that joined after ``idle`` was read saw the flag unset (no wake): read again after setting it
             if self._writer_idle and self._new:
@@ -656,7 +653,7 @@ class LayerFlight(PollingRecorder):
             self.counters.poll_ns += time.perf_counter_ns() - graph_started  # the writer's poll: both halves
             if graph.counters.launches:  # graph replays are found by polls only: every graph.poll_s at most
                 # a trigger's copy-out in flight: its entries are written at the next poll, not poll_s later
-                if not idle or graph.poll_s <= MIN_GRAPH_POLL_S or graph.copying:
+                if not idle or graph.poll_s <= POLL_INTERVAL_S or graph.copying:
                     self._writer_idle = False
                     return None
                 return graph.poll_s

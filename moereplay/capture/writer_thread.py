@@ -62,6 +62,9 @@ Delivered = Callable[[bool, str | None], None]
 """``delivered(written, why_not)``: see the module docstring (Delivery)."""
 
 
+POLL_INTERVAL_S = 0.005
+"""The default seconds between two polls of an idle writer thread (:meth:`WriterThread.set_poll`)."""
+
 MAX_POLL_WAIT_S = 0.5
 """The longest a poll may ask the thread to wait for the next one (see :meth:`WriterThread.set_poll`): the layer
 flight recorder's wait while nothing is outstanding (``flight_layer.IDLE_POLL_S``)."""
@@ -197,7 +200,7 @@ class WriterThread:
         max_file_bytes: int = 0,
         on_failure: Callable[[str], None] | None = None,
         poll: Callable[[], float | None] | None = None,
-        poll_interval: float = 0.005,
+        poll_interval: float = POLL_INTERVAL_S,
         name: str = "moereplay-writer",
         gate: GraphGate | None = None,
         prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,

@@ -24,7 +24,7 @@ from aligned_pool import AlignedPool
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from moereplay.capture import flight_graph, flight_layer, graph_ring, padded_rows
+from moereplay.capture import flight_graph, graph_ring, padded_rows, writer_thread
 from moereplay.capture import recorder as recorder_module
 from moereplay.capture import session as session_module
 from moereplay.capture.context import Where
@@ -1350,7 +1350,7 @@ def test_with_graph_launches_the_writer_waits_the_graph_poll_and_an_eager_call_w
     harness.replay()
     wanted = harness.layer.poll(launch=True)
     assert harness.graph.counters.checked == 1
-    longer = poll_s > flight_layer.MIN_GRAPH_POLL_S
+    longer = poll_s > writer_thread.POLL_INTERVAL_S
     assert wanted == (poll_s if longer else None)
     assert harness.layer._writer_idle is longer
     wakes: list[int] = []
@@ -1365,3 +1365,10 @@ def test_the_graph_poll_and_batch_settings_reach_the_graph_flight(tmp_path, grap
     assert isinstance(flight, LayerFlight) and flight.graph is not None
     assert flight.graph.poll_s == pytest.approx(0.04) and flight.graph.batch
     session.close()
+
+
+def test_the_graph_poll_default_is_the_writers_own_interval() -> None:
+    """settings cannot import the writer (no torch there): its default is spelled again, and must agree."""
+    from moereplay.capture import settings
+
+    assert settings.FLIGHT_GRAPH_POLL_MS / 1000 == writer_thread.POLL_INTERVAL_S == flight_graph.GRAPH_POLL_S
