@@ -470,7 +470,7 @@ class GraphRing:
         moved = entries[-1].slot + entries[-1].total - area
         if moved <= ALONE_BYTES and checked <= ALONE_ELEMENTS:
             work = 1  # one program: no arrive/ready/done handshake (as a lone record node)
-        first = next((i for i, entry in enumerate(entries) if entry.first), -1)
+        first = 0 if entries[0].first else -1  # a launch that bumps the step starts its batch (_batchable)
         args += (area, moved, len(entries), first, codes.pop() if codes else 0, own)
         args += (self.state.data_ptr(), self.meta.data_ptr(), self._host_address + 8 * self.tags)
         args += (self.buffer.data_ptr(), self.capacity, self.cells.data_ptr(), self.launches)
