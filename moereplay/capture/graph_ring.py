@@ -109,6 +109,10 @@ _CODE_BYTES = {1: 2, 2: 2, 3: 4}  # the check's dtype code: bytes an element
 _FOLD = 8192  # graph_ring_kernel.FOLD output elements a program folds per step
 SPANS = 24
 """Spans one kernel node copies (graph_ring_kernel.SPANS, checked when the kernel is imported)."""
+STAGE_WAVES = 1
+"""A staging copy runs up to this many times a record node's programs (two an SM), each one :data:`_STAGE_BLOCK_BYTES`
+step: with 1, a gpt-oss decode entry of 32 tokens (≈ 370 KB, 361 steps) takes two waves of loads."""
+
 _BATCH_SLOTS = 24  # graph_ring_kernel.BATCH: the batch kernel's entry arguments (checked when it is imported)
 BATCH = _BATCH_SLOTS
 """Staged entries one batch node records (at most the kernel's entry arguments)."""
@@ -225,6 +229,7 @@ class GraphRing:
             if use_kernel:
                 _programs(self.index)  # device properties read now, not while a graph is being captured
         self.stage_bytes = stage_bytes  # entries up to this size may be staged (lone ones always may)
+        self.stage_waves = STAGE_WAVES
         self._open: dict[int, _Open] = {}
         self.staged: set[int] = set()  # launch ids whose record node is off the critical path
         self.host = host  # NumPy int64 view: tags words, then the hint
@@ -397,13 +402,17 @@ class GraphRing:
             work = max(-(-moved // (_BLOCK_BYTES if record else _STAGE_BLOCK_BYTES)), -(-numel // _FOLD))
             if record and moved <= ALONE_BYTES and numel <= ALONE_ELEMENTS:
                 work = 1  # one program: no handshake among programs (see graph_ring_kernel)
-            programs = max(1, min(_programs(self.index), work))
+            programs = max(1, min(_programs(self.index) if record else self.stage_programs(), work))
             # every record node reads the count (the reserving one stores it in the metadata row), the last one
             # also limits its check to the real rows
             limit = spans.rows if record and spans.rows is not None else (0, 0)
             launch_kernel(programs, stream, args + common + list(limit))
             most = max(most, programs)
         return most
+
+    def stage_programs(self) -> int:
+        """The most programs a staging copy runs: :attr:`stage_waves` × the programs of a record node."""
+        return _programs(self.index) * self.stage_waves
 
     def _stage(self, spans: Spans, opened: _Open) -> tuple[int, Spans] | None:
         """The next staging slot of the graph ``opened`` for a lone entry, or one of at most ``stage_bytes``: its

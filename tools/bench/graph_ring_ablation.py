@@ -13,7 +13,10 @@ the floors of any node (a one-argument Triton kernel that does nothing; a captur
   With these stand-in layers (≈ 1.4 µs each) the side stream's chain of record nodes is longer than the graph's
   path, so a replay waits for it at the join: this figure is the side chain's, not the path's (a served layer
   takes ≈ 100 µs, which hides its node); ``staged-path``: the same without the record nodes — the cost on the
-  graph's path. Staged variants lift the ring's stage limit, so at ``--tokens 32`` they stage too.
+  graph's path. Staged variants lift the ring's stage limit, so at ``--tokens 32`` they stage too;
+  ``staged-path-x2`` / ``-x4``: the path with the staging copy allowed twice / four times the programs
+  (``GraphRing.stage_waves``: one wave of loads where the default takes two at 32 tokens); ``memcpy-path``: the
+  staging done by two captured copies (copy nodes) of the layer call's input and output instead.
 
 Interleaved rounds, CUDA-event time per replay, medians; µs per layer call over the bare graph. ``--tokens``
 sets the rows of each layer call's input and output (the routing spans keep their decode sizes, as in
@@ -93,6 +96,8 @@ def main() -> int:
         "finish-nocheck": {moved: 0, reserve: 0, code: 0, numel: 0},
     }
     warps = {"full-w1": 1, "full-w2": 2, "full-w8": 8}
+    stage_waves = {"staged-path-x2": 2, "staged-path-x4": 4}
+    staging = [torch.empty_like(output) for output in outputs] + [torch.empty_like(i) for i in inputs]
 
     def build(variant: str) -> torch.cuda.CUDAGraph:
         ring = None
@@ -109,8 +114,10 @@ def main() -> int:
             assert ring.kernels is not None, graph_ring.kernel_error()
             if variant in ablations:
                 ring.kernels = patched(ring.kernels, ablations[variant])
-            if variant == "staged-path":  # the record nodes (side stream) left out: the graph's path alone
+            if variant.startswith("staged-path"):  # the record nodes (side stream) left out: the path alone
                 ring.kernels = lambda programs, stream, args: None
+            if variant in stage_waves:
+                ring.stage_waves = stage_waves[variant]
             if variant in warps:
                 ring.kernels = compile_launcher(
                     graph_ring_kernel.graph_record,
@@ -123,6 +130,8 @@ def main() -> int:
         others: dict[str, Callable[[int], object]] = {
             "trivial": lambda i: nothing(1, graph_ring._current_stream(0), [0]),
             "memcpy": lambda i: copies[i].copy_(outputs[i]),
+            # the staging path as captured copies (copy nodes) of the layer call's input and output instead
+            "memcpy-path": lambda i: (staging[i].copy_(outputs[i]), staging[layers + i].copy_(inputs[i])),
         }
         graph = capture_layers(
             ring,
@@ -139,7 +148,18 @@ def main() -> int:
             )
         return graph
 
-    variants = ["bare", "trivial", "memcpy", *ablations, "full", *warps, "staged", "staged-path"]
+    variants = [
+        "bare",
+        "trivial",
+        "memcpy",
+        *ablations,
+        "full",
+        *warps,
+        "staged",
+        "staged-path",
+        *stage_waves,
+    ]
+    variants.append("memcpy-path")
     graphs = {variant: build(variant) for variant in variants}
     print(f"graph_ring_ablation: {rows} token(s) a layer call, {options.thrash} MB read before each")
     time_and_report("graph_ring_ablation", graphs, layers, options.rounds, options.replays)

@@ -35,7 +35,9 @@ that isolate where a node's time goes:
   (many programs at 32 tokens) on the side stream; the replay's time includes the side chain, joined at the
   capture's end;
 - ``ring-3-forward-batch``: the same entries staged and recorded by one batch node at the graph's end
-  (``MOEREPLAY_FLIGHT_GRAPH_BATCH``): on the path a copy per layer call, then one node for all 24.
+  (``MOEREPLAY_FLIGHT_GRAPH_BATCH``): on the path a copy per layer call, then one node for all 24;
+  ``ring-3-forward-batch-x4``: the same with each staging copy allowed four times the programs
+  (``GraphRing.stage_waves``).
 
 ``--tokens`` sets the rows of every variant's input and output (the stand-in layer's too); the routing spans keep
 their batch-1 sizes.
@@ -182,7 +184,7 @@ def main() -> int:
 
     def build(variant: str) -> torch.cuda.CUDAGraph:
         ring = None
-        staged = variant.endswith(("staged", "batch"))
+        staged = variant.endswith(("staged", "batch", "batch-x4"))
         if variant != "bare":
             # a staged variant lifts the ring's stage limit (as MOEREPLAY_FLIGHT_GRAPH_STAGE does): entries over
             # the lone size (every one at --tokens 32) are staged too. Their slots come from the staging area,
@@ -192,8 +194,10 @@ def main() -> int:
                 device,
                 launches=layers + 8,
                 stage_bytes=1 << 30 if staged else graph_ring.ALONE_BYTES,
-                batch=variant.endswith("batch"),
+                batch=variant.endswith(("batch", "batch-x4")),
             )
+            if variant.endswith("x4"):
+                ring.stage_waves = 4
             if variant.endswith("devwords"):
                 words = torch.zeros(ring.tags + 1, dtype=torch.int64, device=device)
                 keep.append(words)
@@ -238,6 +242,7 @@ def main() -> int:
         "ring-3-forward-alone",
         "ring-3-forward-staged",
         "ring-3-forward-batch",
+        "ring-3-forward-batch-x4",
     ]
     graphs = {variant: build(variant) for variant in variants}
     time_and_report(
