@@ -29,9 +29,10 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            this much of the ring has them copied on a side stream while it runs (default 8M, a
                            prefill's hidden states; ``0``: always one copy after the call)
 ``MOEREPLAY_FLIGHT_GRAPH_STAGE``  layer-scope flight recorder under CUDA graphs: a graph-replayed layer call whose
-                           entry takes at most this much is staged — on the graph's path only a copy, its check
-                           beside the layers that follow (default 32K: decode batches of one or two gpt-oss tokens,
-                           staged whatever this says). Each graph's staged entries share the staging area,
+                           entry takes at most this much is staged — on the graph's path only a copy, its record
+                           and check at the graph's end (``FLIGHT_GRAPH_BATCH``) or beside the layers that follow
+                           (default 384K: gpt-oss decode batches up to 32; entries up to 32K are staged whatever
+                           this says). Each graph's staged entries share the staging area,
                            ``FLIGHT_GRAPH_BYTES / 16`` (reused by every graph: a gpt-oss decode graph of 24 layers
                            at batch 32 takes 9 MB of the default 16 MB); a limit larger than the area is refused
                            (raise ``FLIGHT_GRAPH_BYTES`` with it; see ``graph_ring``)
@@ -42,7 +43,7 @@ Variables (all optional; every value is validated, a malformed one raises :class
 ``MOEREPLAY_FLIGHT_GRAPH_BATCH``  layer-scope flight recorder under CUDA graphs: ``1`` records a graph's staged
                            entries (see ``FLIGHT_GRAPH_STAGE``) by one node at the graph's end — one reservation,
                            copy and check for up to 24 layer calls — instead of a record node each beside the
-                           path (default 0)
+                           path (default 1; ``0``: a record node each)
 ``MOEREPLAY_FLIGHT_STREAM_STORES``  layer-scope flight recorder: ``1`` marks the eager ring launch's stores as
                            written once (``st.global.cs``: L2 evicts them first), so a prefill's ring writes
                            leave the L2 lines the next kernels read (default 0: measured on an H100,
@@ -190,9 +191,12 @@ class LayerSelection:
 FLIGHT_BESIDE_BYTES = 8 << 20
 """The default of ``MOEREPLAY_FLIGHT_BESIDE_BYTES``: an eager call whose dynamic inputs take at least this many ring
 bytes has them copied on a side stream while it runs (:meth:`moereplay.capture.flight_layer.LayerFlight.before`)."""
-FLIGHT_GRAPH_STAGE = 32 << 10
-"""The default of ``MOEREPLAY_FLIGHT_GRAPH_STAGE``: ``graph_ring.ALONE_BYTES``, so only lone entries are staged
-(those are staged whatever the setting says: ``0`` does not turn staging off)."""
+FLIGHT_GRAPH_STAGE = 384 << 10
+"""The default of ``MOEREPLAY_FLIGHT_GRAPH_STAGE``: a gpt-oss decode batch of 32 at ``triton_kernel_moe_forward``
+(≈ 370 KB) is staged, and with ``MOEREPLAY_FLIGHT_GRAPH_BATCH`` (the default) recorded by its graph's batch node.
+Lone entries (``graph_ring.ALONE_BYTES``) are staged whatever the setting says: ``0`` does not turn staging off."""
+LONE_STAGE = 32 << 10
+"""``graph_ring.ALONE_BYTES`` (no torch here): a stage limit up to it is always allowed, whatever the ring's size."""
 FLIGHT_GRAPH_POLL_MS = 5
 """The default of ``MOEREPLAY_FLIGHT_GRAPH_POLL_MS`` (``flight_graph.GRAPH_POLL_S`` in milliseconds)."""
 
@@ -224,7 +228,7 @@ class CaptureSettings:
     flight_graph_stage: int = FLIGHT_GRAPH_STAGE
     flight_stream_stores: bool = False
     flight_graph_poll_ms: int = FLIGHT_GRAPH_POLL_MS
-    flight_graph_batch: bool = False
+    flight_graph_batch: bool = True
     flight_triggers: int = 8
     absmax: float | None = None
     queue_calls: int = 64
@@ -317,8 +321,8 @@ class CaptureSettings:
                     parts.append(f"flight_graph_stage={self.flight_graph_stage}")
                 if self.flight_stream_stores:
                     parts.append("flight_stream_stores=on")
-                if self.flight_graph_batch:
-                    parts.append("flight_graph_batch=on")
+                if not self.flight_graph_batch:
+                    parts.append("flight_graph_batch=off")
                 if self.flight_graph_poll_ms != FLIGHT_GRAPH_POLL_MS:
                     parts.append(f"flight_graph_poll_ms={self.flight_graph_poll_ms}")
             if self.absmax is not None:
@@ -536,7 +540,7 @@ def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None
         from moereplay.capture.graph_ring import staging_area  # torch: only where this is set
 
         room = staging_area(ring) if ring else 0
-        if ring and stage > max(room, FLIGHT_GRAPH_STAGE):
+        if ring and stage > max(room, LONE_STAGE):
             raise _bad(
                 "FLIGHT_GRAPH_STAGE",
                 text,

@@ -153,9 +153,8 @@ def test_a_graph_captured_while_the_writer_is_busy_keeps_its_replays(
     # staged: the 6 MB entry (not lone) staged as MOEREPLAY_FLIGHT_GRAPH_STAGE allows — on the graph's path only
     # the copy into its slot, the record node of many programs (handshake and all) on the side stream; batch:
     # recorded instead by the batch node at the graph's end (MOEREPLAY_FLIGHT_GRAPH_BATCH)
-    settings = {} if stage is None else {"flight_graph_stage": stage}
-    if batch:
-        settings["flight_graph_batch"] = "1"
+    settings = {"flight_graph_batch": "1" if batch else "0"}
+    settings["flight_graph_stage"] = "32K" if stage is None else stage  # 32K: only lone entries are staged
     session = _arm(tmp_path, flight_calls="6", **settings)
     graph_flight = _graph_flight(session)
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -249,10 +248,9 @@ def test_padding_rows_of_a_replayed_graph_do_not_trigger(
     from moereplay.capture import padded_rows
 
     monkeypatch.setattr(padded_rows, "batch_tokens", lambda: tokens)  # vLLM's BatchDescriptor while capturing
-    settings = {"flight_graph_batch": "1"} if stage is not None and "batch" in stage else {}
+    settings = {"flight_graph_batch": "1" if stage is not None and "batch" in stage else "0"}
     limit = None if stage is None else stage.replace("batch", "").strip()
-    if limit:
-        settings["flight_graph_stage"] = limit
+    settings["flight_graph_stage"] = limit or "32K"  # 32K: only lone entries are staged
     session = _arm(tmp_path, flight_calls="4", **settings)
     graph_flight = _graph_flight(session)
     generator = torch.Generator(device="cuda").manual_seed(1)
@@ -297,11 +295,12 @@ def test_padding_rows_of_a_replayed_graph_do_not_trigger(
         ), [record.context for record in records]
 
 
-def test_graphs_sharing_the_staging_area_keep_each_replays_bits(kernels, tmp_path: Path) -> None:
+@pytest.mark.parametrize("batch", ["0", "1"], ids=["record-nodes", "batch"])
+def test_graphs_sharing_the_staging_area_keep_each_replays_bits(kernels, tmp_path: Path, batch: str) -> None:
     # every graph stages from the area's start (graph_ring: a graph's replay, its side branch included, ends before
     # the next one on the stream begins): two graphs of entries that are not lone, replayed alternately, share
     # their slot; each written replay holds its own bits, none the other graph's
-    session = _arm(tmp_path, flight_calls="8", flight_graph_stage="1M")
+    session = _arm(tmp_path, flight_calls="8", flight_graph_stage="1M", flight_graph_batch=batch)
     graph_flight = _graph_flight(session)
     generator = torch.Generator(device="cuda").manual_seed(2)
     w1 = torch.randn(256, 256, device="cuda", generator=generator) / 16

@@ -74,13 +74,14 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_GRAPH_POLL_MS": "50",
     },
-    # the flight recorder staging graph entries up to 384 KiB (every decode batch up to 32 of gpt-oss) and recording
-    # each graph's staged entries by one batch node at its end: on the graph's path only a copy per layer call
-    "flight-batch": {
+    # diagnostic: the flight recorder as it was by default until 2026-12-07 — only lone graph entries staged, each
+    # entry recorded by a node of its own (the default stages entries up to 384K, every gpt-oss decode batch up to
+    # 32, and records a graph's staged entries by one batch node at its end: on the path a copy per layer call)
+    "flight-nobatch": {
         "MOEREPLAY_CAPTURE": "1",
         "MOEREPLAY_TRIGGER": "flight",
-        "MOEREPLAY_FLIGHT_GRAPH_STAGE": "384K",
-        "MOEREPLAY_FLIGHT_GRAPH_BATCH": "1",
+        "MOEREPLAY_FLIGHT_GRAPH_STAGE": "32K",
+        "MOEREPLAY_FLIGHT_GRAPH_BATCH": "0",
     },
     # diagnostic: the flight recorder with MOEREPLAY_TIMERS (its pieces timed, its threads' CPU time beside the
     # wall time; a few µs a call more than "flight"): where the serving thread's time per layer call goes
@@ -112,14 +113,14 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_OPS_EXCLUDE": "triton_kernel_moe_forward",
     },
-    # the flight recorder staging graph entries up to 384 KiB (a gpt-oss decode batch of 32 at
-    # triton_kernel_moe_forward: 370 KB), not only lone ones: what staging saves where a node of many programs
-    # sat on the graph's path. The default ring: every graph reuses its 16 MB staging area, and a full decode
-    # graph of 24 layers at batch 32 takes 9 MB of it
+    # diagnostic: the default's staging (entries up to 384 KiB, a gpt-oss decode batch of 32 at
+    # triton_kernel_moe_forward: 370 KB) without its batch node — each staged entry's record node of many
+    # programs on a side stream beside the layers that follow (the default ring: every graph reuses its 16 MB
+    # staging area, and a full decode graph of 24 layers at batch 32 takes 9 MB of it)
     "flight-stage": {
         "MOEREPLAY_CAPTURE": "1",
         "MOEREPLAY_TRIGGER": "flight",
-        "MOEREPLAY_FLIGHT_GRAPH_STAGE": "384K",
+        "MOEREPLAY_FLIGHT_GRAPH_BATCH": "0",
     },
     # the flight recorder with its eager ring launch's stores marked as written once (st.global.cs, evicted from L2
     # first): whether a prefill's ring writes (~100 MB a layer call at 8,192 tokens) cost the kernels after the
@@ -323,7 +324,7 @@ TARGETS: dict[str, dict[str, float]] = {
 }
 """Issue 14's targets for the flight recorder armed, per vLLM mode and measurement (slowdown ×: off ÷ armed)."""
 
-JUDGED = ("flight", "flight-stage", "flight-stream", "flight-batch")
+JUDGED = ("flight", "flight-stream")
 """The settings held to :data:`TARGETS`: the default recorder and the candidates for its default (the others are
 diagnostics that take a piece away or add timers)."""
 

@@ -1057,9 +1057,25 @@ def test_graph_ring_size_setting() -> None:
     )
     with pytest.raises(SettingsError, match="FLIGHT_GRAPH_BYTES"):
         settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_BYTES": "100"})
-    assert settings_from_environ(base).flight_graph_stage == graph_ring.ALONE_BYTES
-    staged = settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "384K"})
-    assert staged.flight_graph_stage == 384 << 10 and "flight_graph_stage=393216" in staged.describe()
+    from moereplay.capture import settings as settings_module
+
+    assert settings_module.LONE_STAGE == graph_ring.ALONE_BYTES  # settings spells it without importing torch
+    default = settings_from_environ(base)
+    assert default.flight_graph_stage == 384 << 10 and default.flight_graph_batch
+    assert "flight_graph_stage" not in default.describe() and "flight_graph_batch" not in default.describe()
+    lone = settings_from_environ(
+        {**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "32K", "MOEREPLAY_FLIGHT_GRAPH_BATCH": "0"}
+    )
+    assert lone.flight_graph_stage == graph_ring.ALONE_BYTES and not lone.flight_graph_batch
+    assert "flight_graph_stage=32768" in lone.describe() and "flight_graph_batch=off" in lone.describe()
+    # a limit up to the lone size is allowed in a ring of any size (lone entries are staged whatever it says);
+    # one above the staging area of a small ring is refused
+    small = {**base, "MOEREPLAY_FLIGHT_GRAPH_BYTES": "1M"}
+    assert (
+        settings_from_environ({**small, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "32K"}).flight_graph_stage == 32 << 10
+    )
+    with pytest.raises(SettingsError, match=r"FLIGHT_GRAPH_STAGE.*65536-byte staging area"):
+        settings_from_environ({**small, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "100K"})
     with pytest.raises(SettingsError, match="FLIGHT_GRAPH_STAGE"):
         settings_from_environ({**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "lots"})
     # an entry larger than a 256M ring's staging area (16M) could never be staged: said at once

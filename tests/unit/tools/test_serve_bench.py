@@ -123,7 +123,9 @@ def test_every_setting_parses_and_the_stage_setting_has_room_for_a_batch_of_32(
     assert staged.flight_graph_stage >= entry
     room = graph_ring.staging_area(staged.flight_graph_bytes)
     assert 24 * entry <= room  # a full decode graph of 24 layers (every graph reuses the area)
-    assert parsed["flight"].flight_graph_stage == graph_ring.ALONE_BYTES
+    assert parsed["flight"].flight_graph_batch and not parsed["flight-stage"].flight_graph_batch
+    nobatch = parsed["flight-nobatch"]
+    assert nobatch.flight_graph_stage == graph_ring.ALONE_BYTES and not nobatch.flight_graph_batch
     assert parsed["flight-stream"].flight_stream_stores and not parsed["flight"].flight_stream_stores
 
 
