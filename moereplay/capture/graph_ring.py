@@ -37,7 +37,8 @@ from its start: a graph's replay, its side branch included, ends before the next
 begins, so no two replays use a slot at once. The area a graph needs is its own staged entries (a full gpt-oss
 decode graph at batch 32: 24 × 370 KB), not the sum over every graph vLLM captures; a recaptured graph takes no
 new room. When a graph's staged entries fill the area, its later launches take the one-node path.
-Batch (``batch``, ``MOEREPLAY_FLIGHT_GRAPH_BATCH``): a staged launch gets no record node of its own; the graph's
+Batch (``batch``, ``MOEREPLAY_FLIGHT_GRAPH_BATCH``, the recorder's default since 2026-12-07 with a 384K stage
+limit; the ring's own default is off): a staged launch gets no record node of its own; the graph's
 staged entries are recorded by one node of :func:`~moereplay.capture.graph_ring_kernel.graph_record_batch` on the
 capturing stream — queued when the capture ends, when :data:`BATCH` have gathered, before a launch that is not
 staged (it reserves after them), or before an entry that cannot share the node (another real-row count or
