@@ -197,6 +197,44 @@ def spread_notes(results: dict[str, dict[str, list[float]]], *, limit: float = T
     return notes
 
 
+def after_own(names: list[str], round_index: int) -> str | None:
+    """The server whose first measurement of round ``round_index`` came right after its own last measurement of
+    the round before (the same server twice in a row: :func:`main` rotates the order by one a round, so with two
+    servers every other round), or None."""
+    if round_index < 1 or not names:
+        return None
+    count = len(names)
+    first = names[round_index % count]
+    last_before = names[(round_index - 1) % count - 1]  # the last of the order the round before used
+    return first if first == last_before else None
+
+
+def follow_notes(results: dict[str, dict[str, list[float]]], base: str = "off") -> list[str]:
+    """Per setting, its first measurement's per-round ratio in the rounds where that measurement came right after
+    its own server's last one (:func:`after_own`: with two servers, every other round) against the other rounds —
+    an aftermath of the server's own work (a prefill's) shows here, where it splits the rounds in two modes."""
+    names = list(results)
+    if base not in results or len(names) != 2:
+        return []
+    notes = []
+    for name, what, pairs in _round_pairs(results, base):
+        if what != next(iter(results[name]), None):
+            continue
+        mine = [i for i in range(len(pairs)) if after_own(names, i) == name]
+        others = [i for i in range(len(pairs)) if i not in mine]
+        if len(mine) < 2 or len(others) < 2:
+            continue
+        ratio = {
+            group: statistics.median(pairs[i][0] / pairs[i][1] for i in rounds if pairs[i][1] > 0)
+            for group, rounds in (("mine", mine), ("others", others))
+        }
+        notes.append(
+            f"{name} {what}: per-round ratio {ratio['mine']:.3f} in the {len(mine)} rounds it followed its own "
+            f"server's last measurement (the round before's), {ratio['others']:.3f} in the other {len(others)}"
+        )
+    return notes
+
+
 def _round_pairs(
     results: dict[str, dict[str, list[float]]], base: str
 ) -> Iterator[tuple[str, str, list[tuple[float, float]]]]:
@@ -473,7 +511,8 @@ def pooled(paths: list[Path]) -> Pool:
             for what, (kept, left_out) in steady_by.items():
                 pooled_kept, pooled_left_out = pool.steady.setdefault(name, {}).get(what, ([], 0))
                 pool.steady[name][what] = (pooled_kept + kept, pooled_left_out + left_out)
-        pool.notes += [f"run {number} ({path.name}): {note}" for note in spread_notes(run)]
+        notes = spread_notes(run) + follow_notes(run)
+        pool.notes += [f"run {number} ({path.name}): {note}" for note in notes]
     if len(modes) > 1:
         raise PoolError(f"the files mix modes {sorted(modes)}: pool runs of one mode")
     if pool is None:
@@ -637,7 +676,9 @@ def main() -> int:
     stopped = {name: capture_stopped(options.out / name / "server.log", rounds_began) for name in names}
     paired = paired_ratios(results)
     steady = steady_ratios(results)
-    for line in table(results, paired, stopped, notes=spread_notes(results), steady=steady):
+    for line in table(
+        results, paired, stopped, notes=spread_notes(results) + follow_notes(results), steady=steady
+    ):
         print(line)
     for line in verdicts(results, paired, options.mode, stopped, steady=steady):
         print(line)

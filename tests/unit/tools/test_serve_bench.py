@@ -455,3 +455,34 @@ def test_pooled_steady_rounds_are_taken_within_each_run(bench: types.ModuleType,
     assert kept == pytest.approx([4500 / 4300, 4400 / 4000, 3000 / 2900, 3100 / 3000])
     (line,) = bench.verdicts(pool.results, pool.paired, pool.mode, pool.stopped, pool.bases, pool.steady)
     assert f"steady (4 rounds) {sorted(kept)[1] / 2 + sorted(kept)[2] / 2:.3f}" in line
+
+
+def test_the_server_measured_twice_in_a_row_is_found_by_the_rotation(bench: types.ModuleType) -> None:
+    """main rotates the order by one a round: with two servers the first measurement of every other round comes
+    right after the same server's last one (its prefill), with three never."""
+    two = ["off", "flight"]
+    assert [bench.after_own(two, i) for i in range(5)] == [None, "flight", "off", "flight", "off"]
+    three = ["off", "flight", "other"]
+    assert all(bench.after_own(three, i) is None for i in range(9))
+    # the same answer as the orders main builds, round after round
+    for names in (two, three):
+        orders = [names[i % len(names) :] + names[: i % len(names)] for i in range(7)]
+        for i in range(1, 7):
+            same = orders[i][0] if orders[i][0] == orders[i - 1][-1] else None
+            assert bench.after_own(names, i) == same
+
+
+def test_a_first_measurement_slow_right_after_its_own_server_is_noted(bench: types.ModuleType) -> None:
+    off = [100.0] * 8
+    # flight's decode_b1 is slow only in the rounds that follow its own server's prefill (1, 3, 5, 7 from 0)
+    flight = [95.0 if i % 2 == 0 else 88.0 for i in range(8)]
+    results = {"off": {"decode_b1": off, "prefill": off}, "flight": {"decode_b1": flight, "prefill": flight}}
+    notes = bench.follow_notes(results)
+    assert len(notes) == 1 and notes[0].startswith("flight decode_b1: per-round ratio")
+    assert (
+        f"{100 / 88:.3f} in the 4 rounds it followed" in notes[0]
+        and f"{100 / 95:.3f} in the other 4" in notes[0]
+    )
+    # three servers never measure one after itself: no note; nor a run without capture off
+    assert bench.follow_notes({**results, "again": results["off"]}) == []
+    assert bench.follow_notes({"a": results["off"], "b": results["flight"]}) == []
