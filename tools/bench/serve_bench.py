@@ -200,22 +200,29 @@ def spread_notes(results: dict[str, dict[str, list[float]]], *, limit: float = T
     return notes
 
 
+def rotation(names: list[str], round_index: int) -> list[str]:
+    """The order the servers are measured in, round ``round_index`` (each measurement in turn, every server in this
+    order): rotated by one a round, so a drift of the machine touches every setting alike."""
+    shift = round_index % len(names) if names else 0
+    return names[shift:] + names[:shift]
+
+
 def after_own(names: list[str], round_index: int) -> str | None:
     """The server whose first measurement of round ``round_index`` came right after its own last measurement of
-    the round before (the same server twice in a row: :func:`main` rotates the order by one a round, so with two
-    servers every other round), or None."""
+    the round before (:func:`rotation`: with two servers, from the second round on, the two servers by turns;
+    with three or more, never), or None."""
     if round_index < 1 or not names:
         return None
-    count = len(names)
-    first = names[round_index % count]
-    last_before = names[(round_index - 1) % count - 1]  # the last of the order the round before used
-    return first if first == last_before else None
+    first = rotation(names, round_index)[0]
+    return first if first == rotation(names, round_index - 1)[-1] else None
 
 
 def follow_notes(results: dict[str, dict[str, list[float]]], base: str = "off") -> list[str]:
-    """Per setting, its first measurement's per-round ratio in the rounds where that measurement came right after
-    its own server's last one (:func:`after_own`: with two servers, every other round) against the other rounds —
-    an aftermath of the server's own work (a prefill's) shows here, where it splits the rounds in two modes."""
+    """With two servers: the first measurement (decode batch 1) of each, split by whether it came right after its
+    own server's last one (:func:`after_own`: a server's prefill, then at once its decode) — an aftermath of the
+    server's own work shows there. Every round from the second has one server in that position, by turns, so the
+    setting's other rounds are the ones where capture off followed itself: the line gives each server's median
+    apart and the ratio of the two servers' medians where neither followed itself."""
     names = list(results)
     if base not in results or len(names) != 2:
         return []
@@ -223,17 +230,24 @@ def follow_notes(results: dict[str, dict[str, list[float]]], base: str = "off") 
     for name, what, pairs in _round_pairs(results, base):
         if what != next(iter(results[name]), None):
             continue
-        mine = [i for i in range(len(pairs)) if after_own(names, i) == name]
-        others = [i for i in range(len(pairs)) if i not in mine]
-        if len(mine) < 2 or len(others) < 2:
+        shown = [(i, b, v) for i, (b, v) in enumerate(pairs) if b > 0 and v > 0]
+        medians: dict[tuple[str, bool], float] = {}
+        counts: dict[tuple[str, bool], int] = {}
+        for server, column in ((base, 1), (name, 2)):
+            for own in (True, False):
+                values = [row[column] for row in shown if (after_own(names, row[0]) == server) == own]
+                if len(values) < 2:
+                    break
+                medians[server, own] = statistics.median(values)
+                counts[server, own] = len(values)
+        if len(medians) < 4:
             continue
-        ratio = {
-            group: statistics.median(pairs[i][0] / pairs[i][1] for i in rounds if pairs[i][1] > 0)
-            for group, rounds in (("mine", mine), ("others", others))
-        }
         notes.append(
-            f"{name} {what}: per-round ratio {ratio['mine']:.3f} in the {len(mine)} rounds it followed its own "
-            f"server's last measurement (the round before's), {ratio['others']:.3f} in the other {len(others)}"
+            f"{name} {what}: {medians[name, True]:.1f} tok/s right after its own server's last measurement "
+            f"({counts[name, True]} rounds), {medians[name, False]:.1f} otherwise; {base} "
+            f"{medians[base, True]:.1f} and {medians[base, False]:.1f}; where neither followed itself "
+            f"{medians[base, False] / medians[name, False]:.3f}× ({base} {medians[base, False]:.1f} ÷ "
+            f"{medians[name, False]:.1f})"
         )
     return notes
 
@@ -655,7 +669,7 @@ def main() -> int:
             if options.budget_s and rounds_done and began - started + last_round > options.budget_s:
                 print(f"serve_bench: stopping after {rounds_done} rounds (--budget-s {options.budget_s:.0f})")
                 break
-            order = names[round_index % len(names) :] + names[: round_index % len(names)]
+            order = rotation(names, round_index)
             for what in measurements:
                 for name in order:
                     results[name][what].append(measure_or_say(name, servers[name], words, what, options))
