@@ -119,7 +119,8 @@ class GraphCounters(FlightCounters):
     launches: int = 0  # layer calls captured into graphs with the ring kernels
     not_kept: int = 0  # layer calls captured into graphs without them (see the log for why)
     lone: int = 0  # of the launches, those whose ring nodes run as one program each (no handshake)
-    # of the launches, those staged: only a copy on the graph's path, the record node beside it
+    # of the launches, those staged: only a copy on the graph's path, recorded by the graph's batch node at its end
+    # (or, without batch recording, by a record node beside the path)
     staged: int = 0
     entry_bytes: int = 0  # bytes the launches' entries take in the ring, together (each replay copies them)
     # launches whose check covers every row of the graph's padded batch: the step's token count was not found
@@ -179,8 +180,9 @@ class _CopyOut:
 
 class GraphFlight(PollingRecorder):
     """See the module docstring. ``layer``: the eager layer-scope recorder (its call description, messages and
-    ``emit`` are reused); ``capacity``, ``tags``, ``launches``, ``stage_bytes`` (the largest entry staged beside the
-    graph's path, ``MOEREPLAY_FLIGHT_GRAPH_STAGE``): of each device's graph ring (:class:`GraphRing`)."""
+    ``emit`` are reused); ``capacity``, ``tags``, ``launches``, ``stage_bytes`` (the largest entry staged: only a copy
+    on the graph's path, ``MOEREPLAY_FLIGHT_GRAPH_STAGE``), ``batch`` (staged entries recorded by one node at the
+    graph's end, ``MOEREPLAY_FLIGHT_GRAPH_BATCH``): of each device's graph ring (:class:`GraphRing`)."""
 
     def __init__(
         self,
@@ -297,7 +299,9 @@ class GraphFlight(PollingRecorder):
             )
         launch = ring.new_launch()
         if launch is None:
-            return self.not_kept(f"more than {ring.launches} captured layer calls on one device")
+            return self.not_kept(
+                f"more than {ring.launches} launch ids (captured layer calls and batch nodes) on one device"
+            )
         offsets: list[int] = []
         at = 0
         for size in sizes:

@@ -80,7 +80,9 @@ META_COLUMNS = 5
 DEFAULT_TAGS = 1 << 14
 """Tag words and metadata rows: a sequence's word and row are reused ``tags`` graph layer calls later."""
 DEFAULT_LAUNCHES = 1 << 14
-"""Captured launches a ring can tell apart (vLLM captures ~67 batch sizes × the MoE layers: ~1,600 for gpt-oss)."""
+"""Launch ids a ring hands out: one per captured layer call, and with batch recording one more per batch node (its
+own cells). vLLM captures ~67 batch sizes × the MoE layers, in full graphs and in piecewise ones that hold a layer
+each: ~1,600 layer calls for gpt-oss, about as many batch nodes more."""
 
 ALONE_BYTES = 32 << 10
 ALONE_ELEMENTS = 8192
@@ -421,7 +423,8 @@ class GraphRing:
         large, the check outside the spans, or the graph's staged entries fill the area)."""
         numel = spans.check[1] if spans.check is not None else 0
         lone = spans.total <= ALONE_BYTES and numel <= ALONE_ELEMENTS
-        # a limit at the lone size (the default) stages lone entries only, also one of few bytes but many elements
+        # a limit at the lone size (this class's default) stages lone entries only, also one of few bytes but many
+        # elements
         larger = self.stage_bytes > ALONE_BYTES and spans.total <= self.stage_bytes
         if self.stage is None or not (lone or larger):
             return None

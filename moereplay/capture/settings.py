@@ -34,8 +34,10 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            (default 384K: gpt-oss decode batches up to 32; entries up to 32K are staged whatever
                            this says). Each graph's staged entries share the staging area,
                            ``FLIGHT_GRAPH_BYTES / 16`` (reused by every graph: a gpt-oss decode graph of 24 layers
-                           at batch 32 takes 9 MB of the default 16 MB); a limit larger than the area is refused
-                           (raise ``FLIGHT_GRAPH_BYTES`` with it; see ``graph_ring``)
+                           at batch 32 takes 9 MB of the default 16 MB); a limit set larger than the area is
+                           refused (raise ``FLIGHT_GRAPH_BYTES`` with it; see ``graph_ring``). The default applies
+                           to any ring: in one whose area is smaller, entries are staged while they fit and the
+                           rest take a record node each
 ``MOEREPLAY_FLIGHT_GRAPH_POLL_MS``  layer-scope flight recorder under CUDA graphs: how often the writer thread
                            reads the graph-replayed calls' tag words while no eager call waits for it (default 5,
                            the writer's own interval and the least; up to 500): a trigger among them is found
