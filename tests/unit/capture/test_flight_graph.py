@@ -343,8 +343,19 @@ def test_a_call_that_may_write_its_inputs_is_not_kept_under_a_graph(
 
 
 def test_the_stage_setting_reaches_the_graph_ring(tmp_path, graph_module, monkeypatch) -> None:
-    session = _arm(tmp_path, flight_graph_bytes="8M", flight_graph_stage="384K")  # 384K of its staging area
-    assert EmulatedGraph(session, monkeypatch).ring.stage_bytes == 384 << 10
+    session = _arm(tmp_path, flight_graph_bytes="8M", flight_graph_stage="100K")  # not the default (384K)
+    ring = EmulatedGraph(session, monkeypatch).ring
+    assert ring.stage_bytes == 100 << 10
+    session.close()
+
+
+@pytest.mark.parametrize("batch", [None, "0"])
+def test_the_batch_setting_reaches_the_graph_flight(tmp_path, graph_module, monkeypatch, batch) -> None:
+    settings = {} if batch is None else {"flight_graph_batch": batch}
+    session = _arm(tmp_path, flight_graph_bytes="8M", **settings)
+    flight = session.recorder.flight
+    assert flight is not None and flight.graph is not None
+    assert flight.graph.batch is (batch is None)  # on by default
     session.close()
 
 
