@@ -402,9 +402,13 @@ def test_a_batch_node_records_every_layer_of_a_graph_bit_exact(kernels, tmp_path
         assert reader.footer["counters"]["flight_graph_lost"] == 0
 
 
-def test_a_lapping_graph_ring_loses_no_check_and_writes_nothing_overwritten(kernels, tmp_path: Path) -> None:
-    # one entry = hidden + topk + output, three 256-byte spans (5 × 8 floats): a 64 KiB ring laps every ~85 replays
-    session = _arm(tmp_path, flight_calls="8", flight_graph_bytes="64K")
+@pytest.mark.parametrize("batch", ["0", "1"], ids=["record-node", "batch"])
+def test_a_lapping_graph_ring_loses_no_check_and_writes_nothing_overwritten(
+    kernels, tmp_path: Path, batch: str
+) -> None:
+    # one entry = hidden + topk + output, three 256-byte spans (5 × 8 floats): a 64 KiB ring laps every ~85 replays;
+    # the lone entry is staged, recorded by a record node beside the graph's path or by the graph's batch node
+    session = _arm(tmp_path, flight_calls="8", flight_graph_bytes="64K", flight_graph_batch=batch)
     graph_flight = _graph_flight(session)
     generator = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(5, 8, device="cuda", generator=generator)
@@ -428,7 +432,7 @@ def test_a_lapping_graph_ring_loses_no_check_and_writes_nothing_overwritten(kern
         records = list(reader.calls())
         counters = reader.footer["counters"]
         assert counters["flight_graph_checked"] == 3000 and counters["flight_graph_unchecked"] == 0, counters
-        assert counters["flight_graph_staged"] == 1  # a lone entry: its record node beside the graph's path
+        assert counters["flight_graph_staged"] == 1  # a lone entry: only its staging copy on the graph's path
         assert records and records[-1].context["graph_sequence"] == 2999
         for record in records:
             hidden, output = seen[record.context["graph_sequence"]]

@@ -13,7 +13,7 @@ source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.
 source tools/gpu/steps.sh
 W=/tmp/serve; mkdir -p $W
 step models 60 python3 tools/models/make_gpt_oss.py $W/gpt-oss-bad --layers 2 --poison 0:5 $MODEL_ARGS
-ENVS=""; for kv in $FLIGHT_ENV; do ENVS="$ENVS --env $kv"; done  # e.g. FLIGHT_ENV="MOEREPLAY_FLIGHT_GRAPH_BATCH=1"
+ENVS=""; for kv in $FLIGHT_ENV; do ENVS="$ENVS --env $kv"; done  # e.g. FLIGHT_ENV="MOEREPLAY_FLIGHT_GRAPH_BATCH=0" (a record node per layer call)
 step graph_flight 200 python3 tools/gpu/serve_gpu.py --model $W/gpt-oss-bad --mode graph --capture flight \
     --out $W/graph --requests 8 --fault-word zebra $ENVS
 G=$(ls -S $W/graph/captures/*.zst 2>/dev/null | head -1)
