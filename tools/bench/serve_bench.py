@@ -330,7 +330,7 @@ def table(
     off's (``bases``: per setting, the capture-off rounds to compare it with — those of the runs it was in; by
     default all of off's); under it, per setting, the median of the per-round ratios (:func:`paired_ratios`) and
     their range, and the same over the steady rounds where ``steady`` (:func:`steady_ratios`) left a round out;
-    then the ``notes`` (:func:`spread_notes`) and a line per recorder that stopped."""
+    then the ``notes`` (:func:`spread_notes`, :func:`follow_notes`) and a line per recorder that stopped."""
     measurements = list(next(iter(results.values())))
     lines = [f"{'setting':<14} " + " ".join(f"{m + ' tok/s':>18} {'×':>6}" for m in measurements)]
     for name, by in results.items():
@@ -463,7 +463,7 @@ class Pool:
     # off's rounds of the runs a setting ran in
     bases: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     stopped: dict[str, str | None] = field(default_factory=dict)  # a recorder that stopped, in which run
-    notes: list[str] = field(default_factory=list)  # each run's own spread notes, the run named
+    notes: list[str] = field(default_factory=list)  # each run's own spread and follow-on notes, the run named
     steady: Steady = field(default_factory=dict)  # steady_ratios, within each run
 
     @property
@@ -633,6 +633,8 @@ def main() -> int:
     unknown = [name for name in names if name not in SETTINGS]
     if unknown:
         parser.error(f"unknown settings {unknown}; known: {list(SETTINGS)}")
+    if len(set(names)) != len(names):  # one server per setting: results are kept by name
+        parser.error(f"a setting named twice in {names}")
     words = serve_gpu.vocabulary_words(options.model)
     memory = max(0.08, min(0.28, 0.85 / len(names)))
     servers: dict[str, harness.Server] = {}

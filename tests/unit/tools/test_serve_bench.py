@@ -486,3 +486,17 @@ def test_a_first_measurement_slow_right_after_its_own_server_is_noted(bench: typ
     # rounds without tokens to show are left out, never a crash that loses the run's table
     empty = {"off": {"decode_b1": [0.0] * 8}, "flight": {"decode_b1": [0.0] * 8}}
     assert bench.follow_notes(empty) == []
+
+
+def test_a_setting_named_twice_or_unknown_is_refused_before_any_server_starts(
+    bench: types.ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Results are kept by setting name, the rotation by position: ``off,flight,off`` would pair rounds wrongly."""
+    for settings, said in (("off,flight,off", "a setting named twice"), ("off,nonsense", "unknown settings")):
+        monkeypatch.setattr(sys, "argv", ["serve_bench.py", "--model", str(tmp_path), "--settings", settings])
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main()
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err
