@@ -221,6 +221,8 @@ class LayerCounters(FlightCounters):
     polls: int = 0  # writer-thread polls
     # their time, the graph half's included (GIL held for most of it: time the serving thread may wait)
     poll_ns: int = 0
+    # the longest one (both halves): a backlog worked off in one poll keeps the serving thread waiting that long
+    poll_max_ns: int = 0
     # of the polls, those that worked on the eager ring (the serving thread had left it to them)
     eager_polls: int = 0
     # checks the serving thread made itself after an eager call (see LayerFlight._check_inline)
@@ -643,20 +645,25 @@ class LayerFlight(PollingRecorder):
             if self._writer_idle and self._new:
                 self._writer_idle = idle = False
             self.counters.polls += 1
-            self.counters.poll_ns += time.perf_counter_ns() - started
+            spent = time.perf_counter_ns() - started
+            self.counters.poll_ns += spent
         finally:
             if locked:
                 self._lock.release()
         if graph is not None:
             graph_started = time.perf_counter_ns()
             graph.poll(launch=True, full=self._settling)
-            self.counters.poll_ns += time.perf_counter_ns() - graph_started  # the writer's poll: both halves
-            if graph.counters.launches:  # graph replays are found by polls only: every graph.poll_s at most
-                # a trigger's copy-out in flight: its entries are written at the next poll, not poll_s later
-                if not idle or graph.poll_s <= POLL_INTERVAL_S or graph.copying:
-                    self._writer_idle = False
-                    return None
-                return graph.poll_s
+            graph_ns = time.perf_counter_ns() - graph_started
+            self.counters.poll_ns += graph_ns  # the writer's poll: both halves
+            spent += graph_ns
+        self.counters.poll_max_ns = max(self.counters.poll_max_ns, spent)
+        if graph is not None and graph.counters.launches:
+            # graph replays are found by polls only: every graph.poll_s at most; a trigger's copy-out in flight:
+            # its entries are written at the next poll, not poll_s later
+            if not idle or graph.poll_s <= POLL_INTERVAL_S or graph.copying:
+                self._writer_idle = False
+                return None
+            return graph.poll_s
         if idle:
             return IDLE_POLL_S
         return QUIET_POLL_S if quiet else None

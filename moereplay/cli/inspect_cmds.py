@@ -270,9 +270,12 @@ def recorder_cost(counters: Mapping[str, int]) -> str | None:
         )
     polls = counters.get("flight_polls", 0)
     if polls:
+        longest = counters.get("flight_poll_max_ns", 0)
         parts.append(
             f"writer {counters.get('flight_poll_ns', 0) / polls / 1e3:.1f} µs per flight poll ({polls} polls, "
-            f"{counters.get('flight_poll_ns', 0) / 1e9:.2f} s)"
+            f"{counters.get('flight_poll_ns', 0) / 1e9:.2f} s"
+            + (f"; the longest {longest / 1e6:.2f} ms" if longest else "")
+            + ")"
         )
     return "; ".join(parts) or None
 

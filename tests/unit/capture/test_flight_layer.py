@@ -428,6 +428,10 @@ def test_info_shows_what_the_armed_recorder_cost(arm, kernels, inputs) -> None:
     assert f"recorder {per_call:.1f} µs of serving-thread time per layer call (12 calls) plus " in line
     assert "ms once (eager ring buffers, ring-kernel compiles)" in line
     assert "µs per flight poll" in line
+    # the longest poll: one of them, so no longer than all together, no shorter than their mean
+    longest = counters["flight_poll_max_ns"]
+    assert counters["flight_poll_ns"] / counters["flight_polls"] <= longest <= counters["flight_poll_ns"]
+    assert f"the longest {longest / 1e6:.2f} ms)" in line
 
 
 def test_timers_time_the_recorders_pieces_into_the_footer_and_come_off_at_disarm(

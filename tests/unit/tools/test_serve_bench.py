@@ -79,6 +79,11 @@ def test_recorder_cost_reads_the_footer_timers(bench: types.ModuleType) -> None:
         "writer 500.0 µs per flight poll (4 polls, 0.00 s)"
     )
     assert bench.recorder_cost({"recorder_seen": 5}) is None
+    # a footer with the longest poll (since 2026-12-07) says it
+    longest = bench.recorder_cost(
+        {"flight_polls": 4, "flight_poll_ns": 2_000_000, "flight_poll_max_ns": 1_500_000}
+    )
+    assert longest == "writer 500.0 µs per flight poll (4 polls, 0.00 s; the longest 1.50 ms)"
 
 
 def test_recorder_cost_sets_the_rings_one_time_set_up_apart(bench: types.ModuleType) -> None:
