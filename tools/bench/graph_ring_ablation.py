@@ -158,8 +158,8 @@ def main() -> int:
         "staged",
         "staged-path",
         *stage_waves,
+        "memcpy-path",
     ]
-    variants.append("memcpy-path")
     graphs = {variant: build(variant) for variant in variants}
     print(f"graph_ring_ablation: {rows} token(s) a layer call, {options.thrash} MB read before each")
     time_and_report("graph_ring_ablation", graphs, layers, options.rounds, options.replays)

@@ -18,10 +18,10 @@ per setting and its ratio to capture off (slowdown ×: off tokens/s ÷ setting t
 Under it, per setting, the median and range of the per-round ratios (each round's off ÷ setting): a slow round
 moves one of them, where it can move a column's median (decode batch 32 falls into a ~2× slow mode now and then,
 capture off included), and where a round of either side fell into that mode, the same over the steady rounds
-alone (:func:`steady_ratios`). With two servers the rotation measures a server's decode batch 1 right after its
-own prefill every other round: a line splits that column's per-round ratio into those rounds and the others
-(:func:`follow_notes`; a prefill's aftermath shows there). Last, a line per recorder setting held to issue 14's
-targets (:data:`TARGETS`):
+alone (:func:`steady_ratios`). With two servers the rotation measures, in every round from the second, one server's
+decode batch 1 right after its own prefill, the two by turns: a line gives each server's median apart, right
+after its own prefill or not, and the ratio where neither followed itself (:func:`follow_notes`; a prefill's
+aftermath shows there). Last, a line per recorder setting held to issue 14's targets (:data:`TARGETS`):
 meets (every figure under it), misses, or at the line within the A/A spread. ``--pool A.json B.json …`` prints
 the same over several runs' ``--json`` files, serving nothing (rounds are paired within their own run).
 
