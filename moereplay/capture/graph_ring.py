@@ -485,18 +485,24 @@ class GraphRing:
             work = 1  # one program: no arrive/ready/done handshake (as a lone record node)
         first = 0 if entries[0].first else -1  # a launch that bumps the step starts its batch (_batchable)
         args += (area, moved, len(entries), first, codes.pop() if codes else 0, own)
-        args += (self.state.data_ptr(), self.meta.data_ptr(), self._host_address + 8 * self.tags)
-        args += (self.buffer.data_ptr(), self.capacity, self.cells.data_ptr(), self.launches)
-        args += (self._host_address, self.tags)
+        before, after = self._ring_args()
+        args += (*before, *after)  # the batch node's own launch id is ``own``, above
         args += entries[0].rows if entries[0].rows is not None else (0, 0)
         assert self.batch_kernel is not None
         self.batch_kernel(max(1, min(_programs(self.index), work)), stream, args)
 
     def _common(self, launch: int) -> list[int]:
         """The record kernel's arguments after the spans' and flags' (see :meth:`capture`)."""
-        common = [self.state.data_ptr(), self.meta.data_ptr(), self._host_address + 8 * self.tags]
-        common += [self.buffer.data_ptr(), self.capacity, launch, self.cells.data_ptr(), self.launches]
-        return [*common, self._host_address, self.tags]
+        before, after = self._ring_args()
+        return [*before, launch, *after]
+
+    def _ring_args(self) -> tuple[list[int], list[int]]:
+        """The ring's addresses and sizes both kernels take, as the record kernel's two runs of them around its
+        ``launch`` argument: ``state, meta, hint, buffer, capacity`` and ``cells, launches, words, tags`` (the batch
+        kernel takes them back to back)."""
+        before = [self.state.data_ptr(), self.meta.data_ptr(), self._host_address + 8 * self.tags]
+        before += [self.buffer.data_ptr(), self.capacity]
+        return before, [self.cells.data_ptr(), self.launches, self._host_address, self.tags]
 
     @staticmethod
     def _fork(opened: _Open) -> None:
