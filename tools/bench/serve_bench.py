@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import re
@@ -538,9 +539,76 @@ def pooled(paths: list[Path]) -> Pool:
     return pool
 
 
-def measure(server: harness.Server, words: list[str], what: str, options: argparse.Namespace) -> float:
+AFTERMATH = ("b1_before", "b1_after")
+"""``--aftermath``'s measurements: decode batch 1 streamed, right before and right after the server's own prefill."""
+
+SLOW_STEP = 1.5
+"""A step slower than this many times the request's median step counts toward :func:`step_times`' ``slow_ms``."""
+
+
+def step_times(times: tuple[float, ...] | list[float]) -> dict[str, float]:
+    """One streamed request's timeline in ms (:attr:`harness.Completion.times`): ``first`` (the request to its first
+    token: its prefill, and whatever the server still did before it), the steps' ``median``, ``slow_ms`` (the time
+    the steps over :data:`SLOW_STEP` × the median took beyond it) and the ``slowest`` step; empty for no token."""
+    if not times:
+        return {}
+    gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(times)]
+    median = statistics.median(gaps) if gaps else 0.0
+    return {
+        "first": times[0] * 1e3,
+        "median": median,
+        "slow_ms": sum(g - median for g in gaps if g > SLOW_STEP * median),
+        "slowest": max(gaps, default=0.0),
+        "total": times[-1] * 1e3,
+    }
+
+
+def aftermath_notes(timelines: dict[str, dict[str, list[dict[str, float]]]]) -> list[str]:
+    """Per setting, ``--aftermath``'s streamed decode batch 1 right before and right after the server's own
+    prefill, the medians over the rounds of :func:`step_times`' figures: where a prefill's aftermath is spent — in
+    the first token (work the server did before it took the request) or in slow steps, and how much."""
+    notes = []
+    for name, by in timelines.items():
+        before, after = ([row for row in by.get(what, []) if row] for what in AFTERMATH)
+        if not before or not after:
+            continue
+
+        def med(rows: list[dict[str, float]], key: str) -> float:
+            return statistics.median(row[key] for row in rows)
+
+        parts = [
+            f"{label} {med(before, key):.1f} / {med(after, key):.1f} ms"
+            for key, label in (
+                ("total", "request"),
+                ("first", "first token"),
+                ("median", "median step"),
+                ("slow_ms", f"beyond the median in steps over {SLOW_STEP}×"),
+                ("slowest", "slowest step"),
+            )
+        ]
+        notes.append(
+            f"{name} decode b1 streamed, before / right after its own prefill (medians of {len(after)} rounds): "
+            + ", ".join(parts)
+        )
+    return notes
+
+
+def measure(
+    server: harness.Server,
+    words: list[str],
+    what: str,
+    options: argparse.Namespace,
+    timeline: list[dict[str, float]] | None = None,
+) -> float:
     if what == "decode_b1":
         batch = server.complete_many(serve_gpu.prompts(words, [8]), options.decode_tokens)
+        return batch.completion_tokens / batch.seconds
+    if what in AFTERMATH:  # decode batch 1 streamed: when each step's token came, for the timeline
+        batch = server.complete_many(
+            serve_gpu.prompts(words, [8], offset=3), options.decode_tokens, stream=True
+        )
+        if timeline is not None:
+            timeline.append(step_times(batch.completions[0].times))
         return batch.completion_tokens / batch.seconds
     if what == "decode_b32":
         batch = server.complete_many(serve_gpu.prompts(words, [8] * 32, offset=5), options.decode_tokens)
@@ -556,12 +624,17 @@ class ServerFailed(RuntimeError):
 
 
 def measure_or_say(
-    name: str, server: harness.Server, words: list[str], what: str, options: argparse.Namespace
+    name: str,
+    server: harness.Server,
+    words: list[str],
+    what: str,
+    options: argparse.Namespace,
+    timeline: list[dict[str, float]] | None = None,
 ) -> float:
     """:func:`measure`, naming the setting and quoting its server log's error lines when requests fail (a
     server that ran out of GPU memory answers HTTP 500 to every request, which says nothing by itself)."""
     try:
-        return measure(server, words, what, options)
+        return measure(server, words, what, options, timeline)
     except RuntimeError as error:
         log = options.out / name / "server.log"
         try:
@@ -597,6 +670,13 @@ def main() -> int:
         help="prefill batch: requests of --prefill-length prompt tokens (64 · 900: seven scheduler steps of 8,192 "
         "tokens, ~0.9 s on the H200. One step of 8 requests scattered up to 1.5× between rounds of the same "
         "server; at 32 · 900, 0.45 s, capture off's own rounds spread 63–67 K tokens/s)",
+    )
+    parser.add_argument(
+        "--aftermath",
+        action="store_true",
+        help="each round also measures every server's decode batch 1 streamed right before and right after a "
+        "prefill of its own (b1_before, b1_after; that prefill not counted), with when each step's token came: "
+        "where a prefill's aftermath at decode goes (first token or slow steps)",
     )
     parser.add_argument("--serve-arg", action="append", default=[])
     parser.add_argument("--kv-cache-bytes", type=int, default=4 << 30, help="KV cache of each server")
@@ -640,7 +720,9 @@ def main() -> int:
     servers: dict[str, harness.Server] = {}
     started = time.monotonic()
     measurements = ("decode_b1", "decode_b32", "prefill")
-    results: dict[str, dict[str, list[float]]] = {n: {m: [] for m in measurements} for n in names}
+    after = AFTERMATH if options.aftermath else ()
+    results: dict[str, dict[str, list[float]]] = {n: {m: [] for m in measurements + after} for n in names}
+    timelines: dict[str, dict[str, list[dict[str, float]]]] = {n: {m: [] for m in after} for n in names}
     rounds_done, last_round = 0, 0.0
     rounds_began = time.time()
     try:
@@ -663,7 +745,7 @@ def main() -> int:
             time.sleep(5.0)  # let each take its memory before the next measures what is free
         for name, server in servers.items():
             print(f"serve_bench: {name} ready in {server.wait_ready(options.timeout):.1f} s", flush=True)
-            for what in measurements:  # warm-up: every batch shape once (compiles, first allocations)
+            for what in measurements + after[:1]:  # warm-up: every batch shape once (compiles, allocations)
                 measure_or_say(name, server, words, what, options)
         rounds_began = time.time()
         for round_index in range(options.rounds):
@@ -675,9 +757,18 @@ def main() -> int:
             for what in measurements:
                 for name in order:
                     results[name][what].append(measure_or_say(name, servers[name], words, what, options))
+            for name in order if after else ():  # each server: b1, its own prefill, at once b1 again
+                server, lines = servers[name], timelines[name]
+                results[name][after[0]].append(
+                    measure_or_say(name, server, words, after[0], options, lines[after[0]])
+                )
+                measure_or_say(name, server, words, "prefill", options)
+                results[name][after[1]].append(
+                    measure_or_say(name, server, words, after[1], options, lines[after[1]])
+                )
             rounds_done, last_round = round_index + 1, time.monotonic() - began
             values = "; ".join(
-                f"{name} " + " ".join(f"{results[name][what][-1]:.1f}" for what in measurements)
+                f"{name} " + " ".join(f"{results[name][what][-1]:.1f}" for what in measurements + after)
                 for name in names
             )
             print(
@@ -696,7 +787,11 @@ def main() -> int:
     paired = paired_ratios(results)
     steady = steady_ratios(results)
     for line in table(
-        results, paired, stopped, notes=spread_notes(results) + follow_notes(results), steady=steady
+        results,
+        paired,
+        stopped,
+        notes=spread_notes(results) + follow_notes(results) + aftermath_notes(timelines),
+        steady=steady,
     ):
         print(line)
     for line in verdicts(results, paired, options.mode, stopped, steady=steady):
@@ -731,6 +826,7 @@ def main() -> int:
                     "spread": spread_notes(results),
                     "paired": paired,
                     "steady": steady,
+                    "timelines": timelines,
                 }
             )
         )

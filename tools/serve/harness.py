@@ -24,9 +24,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ENTRY_POINTS = "[vllm.general_plugins]\nmoereplay = moereplay.capture.plugin:register\n"
 
@@ -119,10 +120,13 @@ class Server:
         ignore_eos: bool = True,
         timeout: float = 300.0,
         extra: dict[str, object] | None = None,
+        stream: bool = False,
     ) -> Completion:
         """One ``/v1/completions`` request, greedy; its text, token counts and wall seconds.
 
-        ``extra``: more fields of the request body (``logit_bias``, …)."""
+        ``extra``: more fields of the request body (``logit_bias``, …). ``stream``: the answer as server-sent
+        events, and when each event with text arrived (:attr:`Completion.times`: one per engine step that made a
+        token, so the gaps between them are the steps' times as the client saw them)."""
         body: dict[str, object] = {
             "model": self.model,
             "prompt": prompt,
@@ -131,18 +135,23 @@ class Server:
             "ignore_eos": ignore_eos,
             **(extra or {}),
         }
+        if stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
         request = urllib.request.Request(
             f"{self.url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
         started = time.monotonic()
+        times: list[float] = []
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            answer = json.loads(response.read())
+            answer = read_events(response, started, times) if stream else json.loads(response.read())
         usage = answer.get("usage") or {}
         return Completion(
             text=str(answer["choices"][0]["text"]),
             prompt_tokens=int(usage.get("prompt_tokens", 0)),
             completion_tokens=int(usage.get("completion_tokens", 0)),
             seconds=time.monotonic() - started,
+            times=tuple(times),
         )
 
     def complete_many(self, prompts: Sequence[str], max_tokens: int, **options: object) -> Batch:
@@ -193,6 +202,32 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     seconds: float
+    times: tuple[float, ...] = ()  # a streamed answer's: seconds from the request to each event with text
+
+
+def read_events(lines: Iterable[bytes], started: float, times: list[float]) -> dict[str, Any]:
+    """A streamed ``/v1/completions`` answer (``data: {json}`` lines, ``data: [DONE]`` last) as one answer: the
+    text joined, the usage of the last event that has one; appends to ``times`` when each event with text came
+    (seconds after ``started``, ``time.monotonic()``)."""
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    for raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        event = json.loads(data)
+        if isinstance(event, dict) and "error" in event:
+            raise RuntimeError(f"the streamed answer reports an error: {str(event['error'])[:300]}")
+        for choice in event.get("choices") or ():
+            if choice.get("text"):
+                text.append(str(choice["text"]))
+                times.append(time.monotonic() - started)
+        if event.get("usage"):
+            usage = event["usage"]
+    return {"choices": [{"text": "".join(text)}], "usage": usage}
 
 
 @dataclass(frozen=True)

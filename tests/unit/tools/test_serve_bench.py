@@ -505,3 +505,71 @@ def test_a_setting_named_twice_or_unknown_is_refused_before_any_server_starts(
         with pytest.raises(SystemExit) as exit_info:
             bench.main()
         assert exit_info.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_streamed_request_gives_when_each_step_token_came(bench: types.ModuleType) -> None:
+    """``--aftermath``'s timeline: the harness reads vLLM's server-sent events (a text event per engine step, the
+    usage in the last) from a real HTTP server here, and ``step_times`` turns the arrival times into figures."""
+    import http.server
+    import threading
+
+    events = [{"choices": [{"text": word}]} for word in ("a", " b", " c")]
+    events += [{"choices": [{"text": ""}], "usage": {"prompt_tokens": 8, "completion_tokens": 3}}]
+    asked: list[dict[str, object]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            asked.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for event in events:
+                self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = bench.harness.Server(
+            process=None, port=server.server_address[1], model="m", log=Path("unused")
+        )
+        answer = client.complete("hello", 3, stream=True)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert asked[0]["stream"] is True and asked[0]["stream_options"] == {"include_usage": True}
+    assert answer.text == "a b c" and (answer.prompt_tokens, answer.completion_tokens) == (8, 3)
+    assert len(answer.times) == 3 and list(answer.times) == sorted(
+        answer.times
+    )  # the empty last event: no time
+    assert answer.times[-1] <= answer.seconds
+
+
+def test_step_times_separate_the_first_token_from_slow_steps(bench: types.ModuleType) -> None:
+    got = bench.step_times([0.100, 0.110, 0.120, 0.200, 0.210])
+    assert got["first"] == pytest.approx(100.0) and got["total"] == pytest.approx(210.0)
+    assert got["median"] == pytest.approx(10.0) and got["slowest"] == pytest.approx(80.0)
+    assert got["slow_ms"] == pytest.approx(70.0)  # only the 80 ms step, beyond the 10 ms median
+    assert bench.step_times([0.05]) == {
+        "first": 50.0,
+        "median": 0.0,
+        "slow_ms": 0.0,
+        "slowest": 0.0,
+        "total": 50.0,
+    }
+    assert bench.step_times([]) == {}
+
+
+def test_aftermath_notes_give_before_and_after_medians(bench: types.ModuleType) -> None:
+    before = [bench.step_times([0.02, 0.03, 0.04]) for _ in range(3)]
+    after = [bench.step_times([0.06, 0.07, 0.08]), bench.step_times([0.05, 0.06, 0.07]), {}]
+    notes = bench.aftermath_notes(
+        {"flight": {"b1_before": before, "b1_after": after}, "off": {"b1_before": []}}
+    )
+    assert len(notes) == 1 and notes[0].startswith("flight decode b1 streamed")
+    assert "of 2 rounds" in notes[0]  # the round without a token left out
+    assert "first token 20.0 / 55.0 ms" in notes[0] and "median step 10.0 / 10.0 ms" in notes[0]
