@@ -101,6 +101,15 @@ def is_scratch_marker(value: Any) -> bool:
     return isinstance(value, Unsupported) and value.repr_excerpt.lstrip().lower().startswith("scratch")
 
 
+def unkept_marker(value: torch.Tensor) -> Unsupported:
+    """What a layer call's output checked but not copied (``MOEREPLAY_FLIGHT_OUTPUT_BYTES``) is recorded as."""
+    return Unsupported(
+        "torch.Tensor",
+        f"output {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}: checked (the call's flight "
+        "magnitude), its bytes not kept by the layer-scope flight recorder (MOEREPLAY_FLIGHT_OUTPUT_BYTES)",
+    )
+
+
 def scratch_marker(value: torch.Tensor) -> Unsupported:
     return Unsupported(
         "torch.Tensor",
@@ -147,6 +156,7 @@ class LayerCall:
     state_module: Any = None  # the process state of a layer call's GEMMs (process_state_via): .context()
     extra_context: dict[str, Any] | None = None
     extra_outputs: dict[str, Any] | None = None  # values, not tensors (the chosen opt_flags)
+    unkept: dict[str, Unsupported] | None = None  # outputs checked but not copied (LayerFlight.output_bytes)
     # writer thread
     copies: list[_Copied] | None = None
     input_tree: dict[str, Any] | None = None
@@ -231,6 +241,8 @@ class LayerCounters(FlightCounters):
     beside: int = 0
     # eager calls that let go of their tensors when they returned (see LayerFlight.release)
     released: int = 0
+    # eager calls whose returned output was checked but not kept (MOEREPLAY_FLIGHT_OUTPUT_BYTES)
+    outputs_unkept: int = 0
 
 
 QUIET_POLL_S = 0.02
@@ -304,9 +316,12 @@ class LayerFlight(PollingRecorder):
         beside_bytes: int = FLIGHT_BESIDE_BYTES,
         release_bytes: int = RELEASE_BYTES,
         stream_stores: bool = False,
+        output_bytes: int = 0,
     ) -> None:
         self.budget = budget if budget is not None else TriggerBudget(0)
         self.beside_bytes = beside_bytes
+        # a returned output of at least this many bytes is checked, not copied (MOEREPLAY_FLIGHT_OUTPUT_BYTES; 0: off)
+        self.output_bytes = output_bytes
         self.release_bytes = release_bytes
         # the ring kernel's stores marked streaming (MOEREPLAY_FLIGHT_STREAM_STORES)
         self.stream_stores = stream_stores
@@ -480,6 +495,17 @@ class LayerFlight(PollingRecorder):
         check = None
         if error is None:
             outputs, check = collect_outputs(call, result)
+            if (
+                self.output_bytes
+                and check is not None
+                and outputs == [check]
+                and "return" in call.outputs
+                and check.numel() * check.element_size() >= self.output_bytes
+            ):  # checked by the launch below, its bytes not kept (a marker in its place: see _describe)
+                del call.outputs["return"]
+                call.unkept = {"return": unkept_marker(check)}
+                outputs = []
+                self.counters.outputs_unkept += 1
         else:
             call.status = "failed"
             call.error = f"{type(error).__name__}: {error}"[:2000]
@@ -489,11 +515,12 @@ class LayerFlight(PollingRecorder):
         else:
             tensors.extend(outputs)
             copied = tensors
-        # (inputs copied before the call and no output tensor: an empty entry still carries the call's tag word)
-        if copied or (call.input_copy is not None and error is None):
+        # (inputs copied before the call and no output tensor, or one not kept: an empty entry still carries the
+        # call's tag word — the check of an output not kept reads it where it is)
+        if copied or check is not None or (call.input_copy is not None and error is None):
             ring = call.ring
             if ring is None:
-                ring = call.ring = self._ring(copied[0])
+                ring = call.ring = self._ring(copied[0] if copied else check)  # type: ignore[arg-type]
             index = ring.index
             if index >= 0:
                 call.device_index = index
@@ -856,6 +883,7 @@ class LayerFlight(PollingRecorder):
         call.copies = copies
         call.input_tree = tree
         outputs: dict[str, Any] = {name: _Pending(index) for name, index in call.outputs.items()}
+        outputs.update(call.unkept or {})
         for name, value in (call.extra_outputs or {}).items():
             outputs[name] = _walk(value, [], format_codec, 0)
         call.output_tree = outputs

@@ -28,6 +28,13 @@ Variables (all optional; every value is validated, a malformed one raises :class
 ``MOEREPLAY_FLIGHT_BESIDE_BYTES``  layer-scope flight recorder: an eager call whose dynamic inputs take at least
                            this much of the ring has them copied on a side stream while it runs (default 8M, a
                            prefill's hidden states; ``0``: always one copy after the call)
+``MOEREPLAY_FLIGHT_OUTPUT_BYTES``  layer-scope flight recorder: an eager call's returned output of at least this
+                           many bytes is checked (its largest magnitude, as every output) but its bytes are not
+                           kept (default 0: every output kept). A trigger's file then holds the call's inputs and,
+                           for that output, a marker with its shape, dtype and magnitude; ``moereplay expand``
+                           regenerates it but has nothing to compare it with. A diagnostic for now: at prefill
+                           the output's copy (47 MB a gpt-oss layer call at 8,192 tokens) and the L2 lines its
+                           stores evict are part of the recorder's cost
 ``MOEREPLAY_FLIGHT_GRAPH_STAGE``  layer-scope flight recorder under CUDA graphs: a graph-replayed layer call whose
                            entry takes at most this much is staged — on the graph's path only a copy, its record
                            and check at the graph's end (``FLIGHT_GRAPH_BATCH``) or beside the layers that follow
@@ -123,6 +130,7 @@ KNOWN_VARIABLES = (
     "FLIGHT_SCOPE",
     "FLIGHT_GRAPH_BYTES",
     "FLIGHT_BESIDE_BYTES",
+    "FLIGHT_OUTPUT_BYTES",
     "FLIGHT_GRAPH_STAGE",
     "FLIGHT_STREAM_STORES",
     "FLIGHT_GRAPH_POLL_MS",
@@ -227,6 +235,7 @@ class CaptureSettings:
     flight_scope: str = "layer"
     flight_graph_bytes: int = 256 << 20
     flight_beside_bytes: int = FLIGHT_BESIDE_BYTES
+    flight_output_bytes: int = 0
     flight_graph_stage: int = FLIGHT_GRAPH_STAGE
     flight_stream_stores: bool = False
     flight_graph_poll_ms: int = FLIGHT_GRAPH_POLL_MS
@@ -256,6 +265,8 @@ class CaptureSettings:
             raise ValueError("flight_graph_bytes must be 0 or at least 1024")
         if self.flight_beside_bytes < 0:
             raise ValueError("flight_beside_bytes must be >= 0")
+        if self.flight_output_bytes < 0:
+            raise ValueError("flight_output_bytes must be >= 0")
         if self.flight_graph_stage < 0:
             raise ValueError("flight_graph_stage must be >= 0")
         if not 5 <= self.flight_graph_poll_ms <= 500:
@@ -319,6 +330,8 @@ class CaptureSettings:
                 parts.append(f"flight_graph_bytes={self.flight_graph_bytes}")
                 if self.flight_beside_bytes != FLIGHT_BESIDE_BYTES:
                     parts.append(f"flight_beside_bytes={self.flight_beside_bytes}")
+                if self.flight_output_bytes:
+                    parts.append(f"flight_output_bytes={self.flight_output_bytes}")
                 if self.flight_graph_stage != FLIGHT_GRAPH_STAGE:
                     parts.append(f"flight_graph_stage={self.flight_graph_stage}")
                 if self.flight_stream_stores:
@@ -535,6 +548,8 @@ def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None
         values["flight_graph_bytes"] = size
     if (text := get("FLIGHT_BESIDE_BYTES")) is not None:
         values["flight_beside_bytes"] = parse_size("FLIGHT_BESIDE_BYTES", text)
+    if (text := get("FLIGHT_OUTPUT_BYTES")) is not None:
+        values["flight_output_bytes"] = parse_size("FLIGHT_OUTPUT_BYTES", text)
     if (text := get("FLIGHT_GRAPH_STAGE")) is not None:
         stage = values["flight_graph_stage"] = parse_size("FLIGHT_GRAPH_STAGE", text)
         ring = values.get("flight_graph_bytes", CaptureSettings.flight_graph_bytes)

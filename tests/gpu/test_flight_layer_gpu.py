@@ -23,6 +23,7 @@ import torch
 from moereplay.capture import session as session_module
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.format import CaptureReader
+from moereplay.format.schema import Unsupported
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -254,8 +255,9 @@ def fresh_layer(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.matmul(hidden, weight) * 0.5
 
 
+@pytest.mark.parametrize("unkept", [False, True], ids=["outputs-kept", "outputs-checked-only"])
 def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
-    stand_in_module: Callable[..., types.ModuleType], tmp_path: Path, monkeypatch
+    stand_in_module: Callable[..., types.ModuleType], tmp_path: Path, monkeypatch, unkept: bool
 ) -> None:
     """A call whose copies take at least RELEASE_BYTES lets go of its tensors when it returns: twelve calls on
     fresh 16 MiB inputs returning fresh 16 MiB outputs leave the allocator where it was, though the history keeps
@@ -269,7 +271,13 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
         "layer", "parent", module.__name__, "layer", static=("weight",), inputs_intact=True
     )
     try:
-        session = _arm(tmp_path, targets=(target,), flight_calls="4", flight_bytes="512M")
+        session = _arm(
+            tmp_path,
+            targets=(target,),
+            flight_calls="4",
+            flight_bytes="512M",
+            flight_output_bytes="8M" if unkept else "0",  # (checked where it is, not copied)
+        )
         weight = torch.eye(1024, device="cuda")
         module.layer(torch.ones(4096, 1024, device="cuda"), weight)  # the ring and its side stream exist now
         torch.cuda.synchronize()
@@ -296,6 +304,7 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
         grown = torch.cuda.memory_allocated() - baseline
         assert grown < 8 << 20, f"{grown / 2**20:.0f} MiB still allocated after the calls"
         assert flight.counters.beside == 13 and flight.counters.released == 13  # type: ignore[union-attr]
+        assert flight.counters.outputs_unkept == (13 if unkept else 0)  # type: ignore[union-attr]
         session.flush()
         session.close()
     finally:
@@ -307,8 +316,12 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
         for record in records:
             hidden = _hidden(record.context["call"] - 1)
             assert torch.equal(_bits(reader.load_args(record.index)["hidden"]), _bits(hidden)), record.index
+            output = reader.load_outputs(record.index)["return"]
+            if unkept:  # the NaN found all the same, by the check of the output where the call left it
+                assert isinstance(output, Unsupported) and "not kept" in output.repr_excerpt
+                continue
             expected = _bits(fresh_layer(hidden, weight))
-            assert torch.equal(_bits(reader.load_outputs(record.index)["return"]), expected), record.index
+            assert torch.equal(_bits(output), expected), record.index
 
 
 def _hidden(step: int) -> torch.Tensor:

@@ -117,6 +117,15 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_OPS_EXCLUDE": "triton_kernel_moe_forward",
     },
+    # diagnostic: the flight recorder with prefill-sized outputs checked, not kept (MOEREPLAY_FLIGHT_OUTPUT_BYTES:
+    # an 8,192-token gpt-oss layer call's 47 MB output neither copied nor its stores evicting from L2 the lines the
+    # residual add after the call reads — 0.085 ms of ring and +0.084 ms of add a layer call in ring_bandwidth):
+    # what keeping prefill outputs costs at prefill
+    "flight-checkonly": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_OUTPUT_BYTES": "8M",
+    },
     # diagnostic: the default's staging (entries up to 384 KiB, a gpt-oss decode batch of 32 at
     # triton_kernel_moe_forward: 370 KB) without its batch node — each staged entry's record node of many
     # programs on a side stream beside the layers that follow (the default ring: every graph reuses its 16 MB

@@ -504,3 +504,37 @@ def test_a_call_copied_before_it_runs_and_returning_no_tensor_is_still_checked()
         flight.after(call, None, None)
     flight.poll(launch=True)
     assert flight.counters.checked == 3
+
+
+def test_an_output_over_the_output_limit_is_checked_but_not_kept(arm, kernels, inputs) -> None:
+    """``MOEREPLAY_FLIGHT_OUTPUT_BYTES``: the returned output's magnitude still triggers (the check reads it where
+    it is), the inputs are kept bit for bit, and the output is a marker naming what it was — never stale ring
+    bytes presented as the output."""
+    session = arm(trigger="flight", flight_calls="4", flight_output_bytes="1")
+    calls = run(kernels, inputs, bad_step=5, steps=8)
+    close(session)
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        assert [r.context["call"] for r in records] == [2, 3, 4, 5]
+        assert math.isnan(records[-1].context["flight"]["magnitude"])  # the check of the unkept output
+        assert counters["flight_outputs_unkept"] == 8 and counters["flight_lost"] == 0  # every call
+        for record, (hidden, output) in zip(records, calls[2:6], strict=True):
+            args = reader.load_args(record.index)
+            assert torch.equal(args["hidden"].view(torch.uint8), hidden.view(torch.uint8))
+            marker = reader.load_outputs(record.index)["return"]
+            assert isinstance(marker, Unsupported) and "not kept" in marker.repr_excerpt
+            assert str(tuple(output.shape)) in marker.repr_excerpt
+
+
+def test_an_output_under_the_output_limit_is_kept(arm, kernels, inputs) -> None:
+    session = arm(trigger="flight", flight_calls="4", flight_output_bytes="1G")
+    calls = run(kernels, inputs, bad_step=5, steps=8)
+    close(session)
+    with CaptureReader(session.path) as reader:
+        kept = [reader.load_outputs(r.index)["return"] for r in reader.calls()]
+        assert len(kept) == 4 and all(
+            torch.equal(k.view(torch.uint8), c[1].view(torch.uint8))
+            for k, c in zip(kept, calls[2:6], strict=True)
+        )
+        assert reader.footer["counters"].get("flight_outputs_unkept", 0) == 0

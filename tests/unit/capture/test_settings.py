@@ -59,6 +59,7 @@ def test_every_variable() -> None:
         compression_level="3",
         compression_threads="-1",
         flight_stream_stores="on",
+        flight_output_bytes="8M",
     )
     assert settings.directory == Path("/tmp/x") and not settings.directory_was_default
     assert settings.op_selected("moe_wna16_marlin_gemm") and settings.op_selected("matmul_ogs")
@@ -74,6 +75,7 @@ def test_every_variable() -> None:
     assert (settings.compression_level, settings.compression_threads) == (3, -1)
     assert "trigger=flight" in settings.describe() and "zstd=3 zstd_threads=-1" in settings.describe()
     assert settings.flight_stream_stores and "flight_stream_stores=on" in settings.describe()
+    assert settings.flight_output_bytes == 8 << 20 and "flight_output_bytes=8388608" in settings.describe()
 
 
 @pytest.mark.parametrize(
@@ -115,6 +117,7 @@ def test_step_ranges(steps: str, expected: StepRange) -> None:
         ("flight_graph_poll_ms", "4", "MOEREPLAY_FLIGHT_GRAPH_POLL_MS='4': must be in [5, 500]"),
         ("flight_graph_poll_ms", "fast", "not an integer"),
         ("flight_graph_batch", "2", "MOEREPLAY_FLIGHT_GRAPH_BATCH='2': not a boolean"),
+        ("flight_output_bytes", "big", "MOEREPLAY_FLIGHT_OUTPUT_BYTES='big': not a size"),
     ],
 )
 def test_malformed_values_raise_one_line(variable: str, value: str, fragment: str) -> None:
