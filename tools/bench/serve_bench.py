@@ -505,6 +505,9 @@ def pooled(paths: list[Path]) -> Pool:
                 raise PoolError(f"{path}: 'results' is not settings of measurements of finite numbers")
             if not isinstance(stopped, dict):
                 raise PoolError(f"{path}: 'stopped' is not settings of reasons")
+            timelines = loaded.get("timelines") or {}
+            if not _timelines(timelines):
+                raise PoolError(f"{path}: 'timelines' is not settings of measurements of step timelines")
         except (
             OSError,
             UnicodeDecodeError,
@@ -538,7 +541,7 @@ def pooled(paths: list[Path]) -> Pool:
             for what, (kept, left_out) in steady_by.items():
                 pooled_kept, pooled_left_out = pool.steady.setdefault(name, {}).get(what, ([], 0))
                 pool.steady[name][what] = (pooled_kept + kept, pooled_left_out + left_out)
-        notes = spread_notes(run) + follow_notes(run)
+        notes = run_notes(run, timelines)
         pool.notes += [f"run {number} ({path.name}): {note}" for note in notes]
     if len(modes) > 1:
         raise PoolError(f"the files mix modes {sorted(modes)}: pool runs of one mode")
@@ -600,6 +603,32 @@ def aftermath_notes(timelines: dict[str, dict[str, list[dict[str, float]]]]) -> 
             + ", ".join(parts)
         )
     return notes
+
+
+def run_notes(
+    results: dict[str, dict[str, list[float]]], timelines: dict[str, dict[str, list[dict[str, float]]]]
+) -> list[str]:
+    """One run's notes under its table (and each run's in ``--pool``): the spread, the follow-on split and the
+    aftermath's timelines."""
+    return spread_notes(results) + follow_notes(results) + aftermath_notes(timelines)
+
+
+def _timelines(value: object) -> bool:
+    """Whether a ``--json`` file's ``timelines`` is settings of measurements of :func:`step_times` rows."""
+    return isinstance(value, dict) and all(
+        isinstance(by, dict)
+        and all(
+            isinstance(rows, list)
+            and all(
+                isinstance(row, dict)
+                and _numbers(list(row.values()))
+                and (not row or set(row) >= {"first", "median", "slow_ms", "slowest", "total"})
+                for row in rows
+            )
+            for rows in by.values()
+        )
+        for by in value.values()
+    )
 
 
 def measure(
@@ -799,7 +828,7 @@ def main() -> int:
         results,
         paired,
         stopped,
-        notes=spread_notes(results) + follow_notes(results) + aftermath_notes(timelines),
+        notes=run_notes(results, timelines),
         steady=steady,
     ):
         print(line)

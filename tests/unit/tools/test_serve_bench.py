@@ -573,3 +573,25 @@ def test_aftermath_notes_give_before_and_after_medians(bench: types.ModuleType) 
     assert len(notes) == 1 and notes[0].startswith("flight decode b1 streamed")
     assert "of 2 rounds" in notes[0]  # the round without a token left out
     assert "first token 20.0 / 55.0 ms" in notes[0] and "median step 10.0 / 10.0 ms" in notes[0]
+
+
+def test_pooled_runs_carry_their_aftermath_notes_and_refuse_bad_timelines(
+    bench: types.ModuleType, tmp_path: Path
+) -> None:
+    rows = {
+        "b1_before": [bench.step_times([0.02, 0.03])] * 2,
+        "b1_after": [bench.step_times([0.04, 0.05])] * 2,
+    }
+    results = {name: {"decode_b1": [100.0, 101.0]} for name in ("off", "flight")}
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"results": results, "mode": "graph", "timelines": {"flight": rows}}))
+    notes = bench.pooled([good]).notes
+    assert any("flight decode b1 streamed" in note and "first token 20.0 / 40.0 ms" in note for note in notes)
+    for timelines in (
+        {"flight": {"b1_before": [{"first": "x"}]}},
+        {"flight": {"b1_before": [{"first": 1.0}]}},
+    ):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"results": results, "mode": "graph", "timelines": timelines}))
+        with pytest.raises(bench.PoolError, match="timelines"):
+            bench.pooled([bad])
