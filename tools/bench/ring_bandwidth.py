@@ -23,7 +23,7 @@ Prints GB/s of each (bytes moved: copies read and written, the check's read unle
 time ratio, all from one run. GPU only (Triton and CUDA):
 
     python tools/bench/ring_bandwidth.py [--tokens 8192,2048,256] [--warps 4,8] [--programs 2,4] [--block 1024,4096]
-        [--check both|fused|2-pass] [--stream 0,1] [--repeats 20]
+        [--check both|fused|2-pass] [--stream 0,1] [--unkept] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -131,6 +131,12 @@ def main() -> int:
         default="0",
         help="the ring's stores plain (0: the default) and/or streaming (1), comma-separated",
     )
+    parser.add_argument(
+        "--unkept",
+        action="store_true",
+        help="also the launch with the output checked where it is, not copied (MOEREPLAY_FLIGHT_OUTPUT_BYTES): "
+        "a row 'unkept' whose ring/torch column is its time over the row's above",
+    )
     parser.add_argument("--repeats", type=int, default=20)
     options = parser.parse_args()
     import torch
@@ -155,6 +161,7 @@ def main() -> int:
     for tokens in (int(text) for text in options.tokens.split(",")):
         tensors, output = layer_tensors(tokens, device)
         copied = sum(t.numel() * t.element_size() for t in tensors)
+        output_bytes = output.numel() * output.element_size()
         torch_moved = (
             2 * copied + output.numel() * output.element_size()
         )  # copies read + write, the check's read
@@ -205,6 +212,24 @@ def main() -> int:
                         f"{torch_ms:>8.3f} {torch_moved / torch_ms / 1e6:>10.0f} {ring_ms / torch_ms:>10.2f} "
                         f"{both_ms:>8.3f} {next_ms:>8.3f}"
                     )
+                    if options.unkept:  # the output checked where it is, not copied (FLIGHT_OUTPUT_BYTES)
+
+                        def unkept(ring=ring, inputs=tensors[:-1], output=output) -> None:
+                            ring.record(inputs, output, True)
+
+                        def unkept_then_next(unkept=unkept, following=following) -> None:
+                            unkept()
+                            following()
+
+                        unkept_ms = timed(unkept, options.repeats)
+                        moved_unkept = 2 * (copied - output_bytes) + output_bytes
+                        print(
+                            f"{tokens:>7} {warps:>5} {block:>5} {per_sm:>7} {'unkept':>6} "
+                            f"{'yes' if stream else 'no':>6} {unkept_ms:>8.3f} "
+                            f"{moved_unkept / unkept_ms / 1e6:>9.0f} {'':>8} {'':>10} "
+                            f"{unkept_ms / ring_ms:>10.2f} {timed(unkept_then_next, options.repeats):>8.3f} "
+                            f"{next_ms:>8.3f}"
+                        )
                 ring.launcher._variants.clear()  # the next variants compile afresh
         device_ring.FUSED_CHECK = True
     return 0
