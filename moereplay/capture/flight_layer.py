@@ -101,13 +101,32 @@ def is_scratch_marker(value: Any) -> bool:
     return isinstance(value, Unsupported) and value.repr_excerpt.lstrip().lower().startswith("scratch")
 
 
+UNKEPT = "checked (the call's flight magnitude), its bytes not kept by the layer-scope flight recorder"
+
+
 def unkept_marker(value: torch.Tensor) -> Unsupported:
     """What a layer call's output checked but not copied (``MOEREPLAY_FLIGHT_OUTPUT_BYTES``) is recorded as."""
     return Unsupported(
         "torch.Tensor",
-        f"output {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}: checked (the call's flight "
-        "magnitude), its bytes not kept by the layer-scope flight recorder (MOEREPLAY_FLIGHT_OUTPUT_BYTES)",
+        f"output {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}: {UNKEPT} "
+        "(MOEREPLAY_FLIGHT_OUTPUT_BYTES)",
     )
+
+
+def is_unkept_marker(value: Any) -> bool:
+    """Whether ``value`` is what :func:`unkept_marker` records."""
+    return isinstance(value, Unsupported) and UNKEPT in value.repr_excerpt
+
+
+def largest_magnitude(tensor: torch.Tensor) -> float:
+    """A tensor's largest magnitude as the flight recorder's check reports it: NaN when it holds one (NaN orders
+    above Inf), else the largest |x| (0.0 for no element)."""
+    if not tensor.numel():
+        return 0.0
+    values = tensor.detach()
+    if values.is_floating_point() and bool(torch.isnan(values).any()):
+        return math.nan
+    return float(values.abs().max().float())
 
 
 def scratch_marker(value: torch.Tensor) -> Unsupported:

@@ -32,7 +32,7 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            many bytes is checked (its largest magnitude, as every output) but its bytes are not
                            kept (default 0: every output kept). A trigger's file then holds the call's inputs and,
                            for that output, a marker with its shape and dtype (the call's flight magnitude is its
-                           check); ``moereplay expand`` regenerates it but has nothing to compare it with. A
+                           check); ``moereplay expand`` regenerates it and compares only the largest magnitudes. A
                            diagnostic for now: at prefill the output's copy (47 MB a gpt-oss layer call at 8,192
                            tokens) and the L2 lines its stores evict are part of the recorder's cost
 ``MOEREPLAY_FLIGHT_GRAPH_STAGE``  layer-scope flight recorder under CUDA graphs: a graph-replayed layer call whose

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from moereplay.capture.flight_layer import is_unkept_marker, largest_magnitude
 from moereplay.capture.patch_points import TARGETS, CaptureTarget
 from moereplay.capture.patching import ORIGINAL
 from moereplay.errors import MoereplayError, ReplayError, SettingsError
@@ -448,14 +449,17 @@ def _judge(
             if record.context.get(key) is not None and top.context.get(key) is None
         }
         outputs: tuple[OutputComparison, ...] = ()
+        checked: tuple[str, float, float] | None = None
         if run.error is not None:
             verdict = ExpandVerdict.RAISED
         elif record.status != "completed" or top.status != "completed":
             verdict = ExpandVerdict.NOT_COMPARED
         else:
-            outputs = compare_outputs(reader.load_outputs(record.index), rerun.load_outputs(top.index))
+            recorded_outputs, rerun_outputs = reader.load_outputs(record.index), rerun.load_outputs(top.index)
+            outputs = compare_outputs(recorded_outputs, rerun_outputs)
             if not outputs:
                 verdict = ExpandVerdict.NOT_COMPARED
+                checked = _checked_only(record.context, recorded_outputs, rerun_outputs)
             elif all(output.bit_exact for output in outputs):
                 verdict = ExpandVerdict.BIT_EXACT
             else:
@@ -510,6 +514,7 @@ def _judge(
             tuple(pairs),
             run.error,
             run.notes,
+            checked,
         )
         contexts[top.index] = {
             **inherited,
@@ -517,3 +522,19 @@ def _judge(
         }
         expanded.append(call)
     return _Judged(tuple(expanded), contexts)
+
+
+def _checked_only(
+    context: Mapping[str, Any], recorded: Mapping[str, Any], rerun: Mapping[str, Any]
+) -> tuple[str, float, float] | None:
+    """An output the flight recorder checked but did not keep (``MOEREPLAY_FLIGHT_OUTPUT_BYTES``) and the re-run's
+    tensor of that name: (name, the recorded largest magnitude, the re-run's), or None."""
+    flight = context.get("flight")
+    magnitude = flight.get("magnitude") if isinstance(flight, Mapping) else None
+    if not isinstance(magnitude, (int, float)) or isinstance(magnitude, bool):
+        return None
+    for name, value in recorded.items():
+        again = rerun.get(name)
+        if is_unkept_marker(value) and isinstance(again, torch.Tensor):
+            return name, float(magnitude), largest_magnitude(again)
+    return None

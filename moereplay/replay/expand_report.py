@@ -5,6 +5,7 @@ one line the CLI prints, ``to_json()`` the document ``--json-out`` writes."""
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,11 @@ class ExpandVerdict(enum.Enum):
     DIFFERS = "differs"
     NOT_COMPARED = "not_compared"  # the recorded call has no output (inputs_saved, failed)
     RAISED = "raised"  # the re-run raised
+
+
+def _json_float(value: float) -> float | str:
+    """A magnitude for a JSON report: the number, or ``"nan"`` / ``"inf"`` (JSON has no non-finite numbers)."""
+    return value if math.isfinite(value) else str(value)
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,9 @@ class ExpandedCall:
     kernel_comparisons: tuple[KernelCallComparison, ...]
     error: str | None = None
     notes: tuple[str, ...] = ()
+    # an output the recording checked but did not keep (MOEREPLAY_FLIGHT_OUTPUT_BYTES): (its name, the recorded
+    # largest magnitude, the re-run's) — compared in place of its bytes
+    checked: tuple[str, float, float] | None = None
 
     def __post_init__(self) -> None:
         if (self.verdict is ExpandVerdict.RAISED) != (self.error is not None):
@@ -147,7 +156,9 @@ class ExpandedCall:
         placed = f"kernel calls {kernels} in {output_name}"
         if self.verdict is ExpandVerdict.RAISED:
             return f"{head}the re-run raised {self.error}; {placed}"
-        if self.verdict is ExpandVerdict.NOT_COMPARED:
+        if self.verdict is ExpandVerdict.NOT_COMPARED and self.checked is not None:
+            body = self._checked_only(output_name)
+        elif self.verdict is ExpandVerdict.NOT_COMPARED:
             body = "re-run; the recorded call has no output to compare"
         elif self.verdict is ExpandVerdict.BIT_EXACT:
             nonfinite = sum(output.recorded_nonfinite for output in self.outputs)
@@ -157,6 +168,26 @@ class ExpandedCall:
         else:
             body = self._difference(output_name)
         return head + body + "; " + placed + self._kernel_summary()
+
+    def _checked_only(self, output_name: str) -> str:
+        """The line's body for an output the recording checked but did not keep: the two largest magnitudes."""
+        assert self.checked is not None
+        name, recorded, rerun = self.checked
+        what = "output" if name in ("return", "output", "output_tensor") else name
+        text = (
+            f"re-run; the recorded {what} was checked, not kept (no bytes to compare): largest |x| "
+            f"{recorded:.6g} recorded, {rerun:.6g} re-run"
+        )
+        if recorded == rerun or (math.isnan(recorded) and math.isnan(rerun)):
+            return text + " — the check agrees"
+        reasons = "state the kernel read outside its arguments, or nondeterminism"
+        if not math.isfinite(recorded) and math.isfinite(rerun):
+            text += f" — the failure did not reproduce in a fresh process ({reasons})"
+        else:
+            text += f" — the check differs ({reasons})"
+        first = self.kernel_calls[0] if self.kernel_calls else None
+        hint = f": moereplay run {output_name} --call {first} --fill 0xff" if first is not None else ""
+        return text + f"; replay the expanded calls with --fill 0xff{hint}"
 
     def _difference(self, output_name: str) -> str:
         worst = next(output for output in self.outputs if not output.bit_exact)
@@ -217,6 +248,15 @@ class ExpandedCall:
             "kernel_comparisons": [pair.to_json() for pair in self.kernel_comparisons],
             "error": self.error,
             "notes": list(self.notes),
+            "checked": (
+                None
+                if self.checked is None
+                else {
+                    "name": self.checked[0],
+                    "recorded_magnitude": _json_float(self.checked[1]),
+                    "rerun_magnitude": _json_float(self.checked[2]),
+                }
+            ),
         }
 
 

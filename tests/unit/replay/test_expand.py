@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ import torch
 from typer.testing import CliRunner
 
 from moereplay.capture import session as session_module
+from moereplay.capture.flight_layer import largest_magnitude, unkept_marker
 from moereplay.cli import app, main
 from moereplay.errors import ReplayError, SettingsError
 from moereplay.format import CaptureReader, CaptureWriter, Unsupported
@@ -249,7 +251,12 @@ def test_a_scale_read_outside_the_arguments_differs_without_nonfinite(fake_vllm,
 
 
 def layer_scope_record(
-    path: Path, *, unsupported: dict[str, Unsupported] | None = None, site: str = ""
+    path: Path,
+    *,
+    unsupported: dict[str, Unsupported] | None = None,
+    site: str = "",
+    magnitude: float = 3.5,
+    unkept: bool = False,
 ) -> Any:
     """A layer call as the layer-scope flight recorder writes it: no kernel calls, scratch buffers not kept, the
     output buffer among the inputs, the result among the outputs, ``context["flight"]``."""
@@ -275,7 +282,7 @@ def layer_scope_record(
         "graph_sequence": 8,
         "graph_tokens": 5,
         "graph_batch": 6,
-        "flight": {"scope": "layer", "trigger": True, "magnitude": 3.5},
+        "flight": {"scope": "layer", "trigger": True, "magnitude": magnitude},
     }
     with CaptureWriter(path) as writer:
         index = writer.begin_call(
@@ -285,7 +292,7 @@ def layer_scope_record(
             context=context,
             static={"w1", "w2"},
         )
-        writer.complete_call(index, {"output": expected})
+        writer.complete_call(index, {"output": unkept_marker(expected) if unkept else expected})
     return expected
 
 
@@ -316,6 +323,39 @@ def test_a_layer_scope_record_is_expanded(fake_vllm, tmp_path: Path) -> None:
         args = out.load_args(gemm1.index)
         assert args["workspace"].dtype == torch.int32  # the function allocated its own scratch
         assert torch.equal(out.load_outputs(0)["output"], expected)
+
+
+@pytest.mark.parametrize("reproduced", [True, False])
+def test_an_output_checked_but_not_kept_is_compared_by_its_magnitude(
+    fake_vllm, tmp_path: Path, reproduced: bool
+) -> None:
+    """MOEREPLAY_FLIGHT_OUTPUT_BYTES: the file has no output bytes, only the check's largest magnitude; the re-run's
+    is compared with it — never called bit-exact, and a NaN the re-run does not reproduce is said so."""
+    source = tmp_path / "flight.moe.zst"
+    expected = layer_scope_record(source, unkept=True, magnitude=math.nan)
+    if reproduced:  # the recorded check saw what the re-run computes
+        layer_scope_record(source, unkept=True, magnitude=largest_magnitude(expected))
+    json_out = tmp_path / "report.json"
+    result = runner.invoke(
+        app,
+        ["expand", str(source), "-o", str(tmp_path / "out.moe.zst"), "--backend", "vllm", "--device", "cpu",
+         "--json-out", str(json_out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.stdout.splitlines() if line.startswith("call 0 "))
+    assert "the recorded output was checked, not kept (no bytes to compare)" in line
+    assert f"{largest_magnitude(expected):.6g} re-run" in line
+    if reproduced:
+        assert "— the check agrees" in line
+    else:
+        assert (
+            "largest |x| nan recorded" in line and "the failure did not reproduce in a fresh process" in line
+        )
+        assert "--fill 0xff" in line
+    call = json.loads(json_out.read_text())["calls"][0]
+    assert call["verdict"] == "not_compared" and call["bit_exact"] is None
+    assert call["checked"]["name"] == "output"
+    assert call["checked"]["recorded_magnitude"] == (largest_magnitude(expected) if reproduced else "nan")
 
 
 def test_arguments_that_cannot_be_passed_are_one_line_errors(fake_vllm, tmp_path: Path) -> None:
