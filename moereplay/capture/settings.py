@@ -34,7 +34,7 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            for that output, a marker with its shape and dtype (the call's flight magnitude is its
                            check); ``moereplay expand`` regenerates it and compares only the largest magnitudes. A
                            diagnostic for now: at prefill the output's copy (47 MB a gpt-oss layer call at 8,192
-                           tokens) and the L2 lines its stores evict are part of the recorder's cost
+                           tokens) is about half the ring launch's device time
 ``MOEREPLAY_FLIGHT_GRAPH_STAGE``  layer-scope flight recorder under CUDA graphs: a graph-replayed layer call whose
                            entry takes at most this much is staged — on the graph's path only a copy, its record
                            and check at the graph's end (``FLIGHT_GRAPH_BATCH``) or beside the layers that follow

@@ -118,8 +118,8 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_OPS_EXCLUDE": "triton_kernel_moe_forward",
     },
     # diagnostic: the flight recorder with prefill-sized outputs checked, not kept (MOEREPLAY_FLIGHT_OUTPUT_BYTES:
-    # an 8,192-token gpt-oss layer call's 47 MB output neither copied nor its stores evicting from L2 the lines the
-    # residual add after the call reads — 0.085 ms of ring and +0.084 ms of add a layer call in ring_bandwidth):
+    # an 8,192-token gpt-oss layer call's 47 MB output read for its check, not copied — about half of the ring
+    # launch's 0.085 ms a layer call in ring_bandwidth, whose residual add after it took its own time, +0.050 ms):
     # what keeping prefill outputs costs at prefill
     "flight-checkonly": {
         "MOEREPLAY_CAPTURE": "1",
