@@ -345,9 +345,17 @@ class DeviceRing:
         if check is None or not check.is_floating_point() or check.is_complex() or check.numel() == 0:
             word.fill_(high)
             return
-        magnitude = torch.linalg.vector_norm(check.detach(), ord=math.inf, dtype=torch.float32).reshape(1)
-        bits = magnitude.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        bits = magnitude(check).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         word.copy_(bits + high)
+
+
+def magnitude(tensor: torch.Tensor) -> torch.Tensor:
+    """A floating-point tensor's largest |x| as the check computes it, a one-element float32 tensor on its device:
+    NaN when it holds one (NaN orders above Inf); float64 values narrowed to float32 first (beyond its range: Inf)."""
+    values = tensor.detach()
+    if values.dtype == torch.float64:  # (vector_norm will not narrow its result's dtype)
+        values = values.float()
+    return torch.linalg.vector_norm(values, ord=math.inf, dtype=torch.float32).reshape(1)
 
 
 def _raw_at(tensor: torch.Tensor, lead: int, size: int) -> torch.Tensor:

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moereplay.capture.context import Ranks, Where
-from moereplay.capture.device_ring import DeviceRing, Measured, decode_word, measure
+from moereplay.capture.device_ring import DeviceRing, Measured, decode_word, magnitude, measure
 from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerBudget, TriggerDelivery
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.settings import FLIGHT_BESIDE_BYTES
@@ -119,14 +119,13 @@ def is_unkept_marker(value: Any) -> bool:
 
 
 def largest_magnitude(tensor: torch.Tensor) -> float:
-    """A tensor's largest magnitude as the flight recorder's check reports it: NaN when it holds one (NaN orders
-    above Inf), else the largest |x| (0.0 for no element)."""
+    """A tensor's largest magnitude as the flight recorder's check reports it (:func:`device_ring.magnitude`: NaN
+    when it holds one, float32); 0.0 for no element, and |x| of the largest for integers."""
     if not tensor.numel():
         return 0.0
-    values = tensor.detach()
-    if values.is_floating_point() and bool(torch.isnan(values).any()):
-        return math.nan
-    return float(values.abs().max().float())
+    if not tensor.is_floating_point() or tensor.is_complex():
+        return float(tensor.detach().abs().max())
+    return float(magnitude(tensor).item())
 
 
 def scratch_marker(value: torch.Tensor) -> Unsupported:
@@ -554,6 +553,11 @@ class LayerFlight(PollingRecorder):
             )
             call.output_copy = (starts, leads, sizes)
             call.tag = tag
+            if call.unkept and check is not None and check.is_cuda:
+                # no reference is kept to the output the launch reads: its memory must wait for the launch
+                # (a no-op where the caller allocated it on this stream, as vLLM does)
+                with contextlib.suppress(RuntimeError):
+                    check.record_stream(torch.cuda.current_stream(ring.index))
             total = sum(sizes) + (sum(call.input_copy[2]) if call.input_copy is not None else 0)
             if self.release_bytes and total >= self.release_bytes:
                 self.release(call)

@@ -28,13 +28,14 @@ Variables (all optional; every value is validated, a malformed one raises :class
 ``MOEREPLAY_FLIGHT_BESIDE_BYTES``  layer-scope flight recorder: an eager call whose dynamic inputs take at least
                            this much of the ring has them copied on a side stream while it runs (default 8M, a
                            prefill's hidden states; ``0``: always one copy after the call)
-``MOEREPLAY_FLIGHT_OUTPUT_BYTES``  layer-scope flight recorder: an eager call's returned output of at least this
-                           many bytes is checked (its largest magnitude, as every output) but its bytes are not
-                           kept (default 0: every output kept). A trigger's file then holds the call's inputs and,
-                           for that output, a marker with its shape and dtype (the call's flight magnitude is its
-                           check); ``moereplay expand`` regenerates it and compares only the largest magnitudes. A
-                           diagnostic for now: at prefill the output's copy (47 MB a gpt-oss layer call at 8,192
-                           tokens) is about half the ring launch's device time
+``MOEREPLAY_FLIGHT_OUTPUT_BYTES``  layer-scope flight recorder: an eager call's one returned output of at least
+                           this many bytes is checked (its largest magnitude, as a call's first floating-point
+                           output always is) but its bytes are not kept (default 0: every output kept). A
+                           trigger's file then holds the call's inputs and, for that output, a marker with its
+                           shape and dtype (the call's flight magnitude is its check); ``moereplay expand``
+                           regenerates it and compares only the largest magnitudes. A diagnostic for now: at
+                           prefill the output's copy (47 MB a gpt-oss layer call at 8,192 tokens) is about half the
+                           ring launch's device time
 ``MOEREPLAY_FLIGHT_GRAPH_STAGE``  layer-scope flight recorder under CUDA graphs: a graph-replayed layer call whose
                            entry takes at most this much is staged — on the graph's path only a copy, its record
                            and check at the graph's end (``FLIGHT_GRAPH_BATCH``) or beside the layers that follow

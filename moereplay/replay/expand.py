@@ -25,7 +25,9 @@ passed as recorded (a layer-scope record holds its post-call bytes; the function
 Verdicts: the re-run parent's outputs against the recorded ones, byte for byte (NaN payloads included), and —
 when the recorded parent had kernel calls — each re-run kernel call's outputs against the recorded one in call
 order. Not bit-exact is a finding, not an error: the kernel read state outside its arguments (triton_kernels'
-process-wide opt_flags, a stale workspace), or it is nondeterministic.
+process-wide opt_flags, a stale workspace), or it is nondeterministic. An output the flight recorder checked but
+did not keep (``MOEREPLAY_FLIGHT_OUTPUT_BYTES``) has no bytes to compare: its recorded largest magnitude is compared
+with the re-run's (``ExpandedCall.checked``; the verdict stays not compared).
 
 Cost: the re-run itself, plus the capture writing every call (weights hashed and compressed once per call) and
 one copy of that file into ``OUT``. The re-runs are not isolated in a worker: a kernel that kills the CUDA context
@@ -69,6 +71,7 @@ from moereplay.replay.expand_report import (
     OutputComparison,
     compare_bytes,
     compare_outputs,
+    primary_output,
 )
 from moereplay.wording import index_range, plural
 
@@ -449,7 +452,7 @@ def _judge(
             if record.context.get(key) is not None and top.context.get(key) is None
         }
         outputs: tuple[OutputComparison, ...] = ()
-        checked: tuple[str, float, float] | None = None
+        checked: tuple[str, float | None, float] | None = None
         if run.error is not None:
             verdict = ExpandVerdict.RAISED
         elif record.status != "completed" or top.status != "completed":
@@ -518,7 +521,12 @@ def _judge(
         )
         contexts[top.index] = {
             **inherited,
-            "expanded_from": {"file": source_name, "call": record.index, "bit_exact": call.bit_exact},
+            "expanded_from": {
+                "file": source_name,
+                "call": record.index,
+                "bit_exact": call.bit_exact,
+                **({"check_agrees": call.check_agrees} if call.checked is not None else {}),
+            },
         }
         expanded.append(call)
     return _Judged(tuple(expanded), contexts)
@@ -526,15 +534,22 @@ def _judge(
 
 def _checked_only(
     context: Mapping[str, Any], recorded: Mapping[str, Any], rerun: Mapping[str, Any]
-) -> tuple[str, float, float] | None:
+) -> tuple[str, float | None, float] | None:
     """An output the flight recorder checked but did not keep (``MOEREPLAY_FLIGHT_OUTPUT_BYTES``) and the re-run's
-    tensor of that name: (name, the recorded largest magnitude, the re-run's), or None."""
+    tensor of that name, else its primary output (the re-run of a layer call kept one level up may name it
+    otherwise): (name, the recorded largest magnitude — None when its check was never read —, the re-run's), or
+    None."""
     flight = context.get("flight")
     magnitude = flight.get("magnitude") if isinstance(flight, Mapping) else None
     if not isinstance(magnitude, (int, float)) or isinstance(magnitude, bool):
-        return None
+        magnitude = None
     for name, value in recorded.items():
+        if not is_unkept_marker(value):
+            continue
         again = rerun.get(name)
-        if is_unkept_marker(value) and isinstance(again, torch.Tensor):
-            return name, float(magnitude), largest_magnitude(again)
+        if not isinstance(again, torch.Tensor):
+            primary = primary_output(rerun)
+            again = primary[1] if primary is not None else None
+        if isinstance(again, torch.Tensor):
+            return name, None if magnitude is None else float(magnitude), largest_magnitude(again)
     return None

@@ -25,9 +25,13 @@ class ExpandVerdict(enum.Enum):
     RAISED = "raised"  # the re-run raised
 
 
-def _json_float(value: float) -> float | str:
+def _json_float(value: float | None) -> float | str | None:
     """A magnitude for a JSON report: the number, or ``"nan"`` / ``"inf"`` (JSON has no non-finite numbers)."""
-    return value if math.isfinite(value) else str(value)
+    return value if value is None or math.isfinite(value) else str(value)
+
+
+_REASONS = "state the kernel read outside its arguments, or nondeterminism"
+"""Why a re-run differs from its recording, when it does."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +134,8 @@ class ExpandedCall:
     error: str | None = None
     notes: tuple[str, ...] = ()
     # an output the recording checked but did not keep (MOEREPLAY_FLIGHT_OUTPUT_BYTES): (its name, the recorded
-    # largest magnitude, the re-run's) — compared in place of its bytes
-    checked: tuple[str, float, float] | None = None
+    # largest magnitude — None when its check was never read —, the re-run's), compared in place of its bytes
+    checked: tuple[str, float | None, float] | None = None
 
     def __post_init__(self) -> None:
         if (self.verdict is ExpandVerdict.RAISED) != (self.error is not None):
@@ -169,25 +173,36 @@ class ExpandedCall:
             body = self._difference(output_name)
         return head + body + "; " + placed + self._kernel_summary()
 
+    @property
+    def check_agrees(self) -> bool | None:
+        """For an output checked but not kept: whether the re-run's largest magnitude is the recorded one (None: no
+        such output, or its check was never read)."""
+        if self.checked is None or self.checked[1] is None:
+            return None
+        recorded, rerun = self.checked[1], self.checked[2]
+        return recorded == rerun or (math.isnan(recorded) and math.isnan(rerun))
+
     def _checked_only(self, output_name: str) -> str:
         """The line's body for an output the recording checked but did not keep: the two largest magnitudes."""
         assert self.checked is not None
         name, recorded, rerun = self.checked
         what = "output" if name in ("return", "output", "output_tensor") else name
-        text = (
-            f"re-run; the recorded {what} was checked, not kept (no bytes to compare): largest |x| "
-            f"{recorded:.6g} recorded, {rerun:.6g} re-run"
-        )
-        if recorded == rerun or (math.isnan(recorded) and math.isnan(rerun)):
+        text = f"re-run; the recorded {what} was checked, not kept (no bytes to compare): largest |x| "
+        if recorded is None:
+            return text + f"{rerun:.6g} re-run, the recorded check never read (the call was not checked)"
+        text += f"{recorded:.6g} recorded, {rerun:.6g} re-run"
+        if self.check_agrees:
             return text + " — the check agrees"
-        reasons = "state the kernel read outside its arguments, or nondeterminism"
         if not math.isfinite(recorded) and math.isfinite(rerun):
-            text += f" — the failure did not reproduce in a fresh process ({reasons})"
+            text += f" — the failure did not reproduce in a fresh process ({_REASONS})"
         else:
-            text += f" — the check differs ({reasons})"
+            text += f" — the check differs ({_REASONS})"
+        return text + self._fill_hint(output_name)
+
+    def _fill_hint(self, output_name: str) -> str:
         first = self.kernel_calls[0] if self.kernel_calls else None
         hint = f": moereplay run {output_name} --call {first} --fill 0xff" if first is not None else ""
-        return text + f"; replay the expanded calls with --fill 0xff{hint}"
+        return f"; replay the expanded calls with --fill 0xff{hint}"
 
     def _difference(self, output_name: str) -> str:
         worst = next(output for output in self.outputs if not output.bit_exact)
@@ -202,16 +217,13 @@ class ExpandedCall:
             )
         flight = self.context.get("flight")
         triggered = isinstance(flight, Mapping) and bool(flight.get("trigger"))
-        reasons = "state the kernel read outside its arguments, or nondeterminism"
         if worst.recorded_nonfinite > worst.rerun_nonfinite or (triggered and worst.rerun_nonfinite == 0):
-            text += f" — the failure did not reproduce in a fresh process ({reasons})"
+            text += f" — the failure did not reproduce in a fresh process ({_REASONS})"
         elif worst.rerun_nonfinite > worst.recorded_nonfinite:
-            text += f" — the re-run has non-finite values the recorded call had not ({reasons})"
+            text += f" — the re-run has non-finite values the recorded call had not ({_REASONS})"
         else:
-            text += f" — not bit-exact ({reasons})"
-        first = self.kernel_calls[0] if self.kernel_calls else None
-        hint = f": moereplay run {output_name} --call {first} --fill 0xff" if first is not None else ""
-        return text + f"; replay the expanded calls with --fill 0xff{hint}"
+            text += f" — not bit-exact ({_REASONS})"
+        return text + self._fill_hint(output_name)
 
     def _kernel_summary(self) -> str:
         if not self.recorded_kernel_calls:
@@ -255,6 +267,7 @@ class ExpandedCall:
                     "name": self.checked[0],
                     "recorded_magnitude": _json_float(self.checked[1]),
                     "rerun_magnitude": _json_float(self.checked[2]),
+                    "agrees": self.check_agrees,
                 }
             ),
         }
@@ -348,13 +361,13 @@ def compare_outputs(recorded: Mapping[str, Any], rerun: Mapping[str, Any]) -> tu
     ]
     if common:
         return tuple(compare_bytes(name, recorded[name], rerun[name]) for name in common)
-    first, second = _primary(recorded), _primary(rerun)
+    first, second = primary_output(recorded), primary_output(rerun)
     if first is None or second is None:
         return ()
     return (compare_bytes(first[0], first[1], second[1]),)
 
 
-def _primary(outputs: Mapping[str, Any]) -> tuple[str, torch.Tensor] | None:
+def primary_output(outputs: Mapping[str, Any]) -> tuple[str, torch.Tensor] | None:
     value = outputs.get("return")
     if isinstance(value, torch.Tensor):
         return "return", value

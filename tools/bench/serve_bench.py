@@ -234,8 +234,12 @@ def follow_notes(results: dict[str, dict[str, list[float]]], base: str = "off") 
     setting's other rounds are the ones where capture off followed itself: the line gives each server's median
     apart and the ratio of the two servers' medians where neither followed itself."""
     names = list(results)
-    if base not in results or len(names) != 2:
-        return []
+    if (
+        base not in results
+        or len(names) != 2
+        or any(what in by for by in results.values() for what in AFTERMATH)
+    ):
+        return []  # (--aftermath ends every round with each server's own prefill: no rounds to set apart)
     notes = []
     for name, what, pairs in _round_pairs(results, base):
         if what != next(iter(results[name]), None):
@@ -598,8 +602,9 @@ def aftermath_notes(timelines: dict[str, dict[str, list[dict[str, float]]]]) -> 
                 ("slowest", "slowest step"),
             )
         ]
+        rounds = f"{len(after)}" if len(before) == len(after) else f"{len(before)} / {len(after)}"
         notes.append(
-            f"{name} decode b1 streamed, before / right after its own prefill (medians of {len(after)} rounds): "
+            f"{name} decode b1 streamed, before / right after its own prefill (medians of {rounds} rounds): "
             + ", ".join(parts)
         )
     return notes

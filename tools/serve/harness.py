@@ -125,8 +125,8 @@ class Server:
         """One ``/v1/completions`` request, greedy; its text, token counts and wall seconds.
 
         ``extra``: more fields of the request body (``logit_bias``, …). ``stream``: the answer as server-sent
-        events, and when each event with text arrived (:attr:`Completion.times`: one per engine step that made a
-        token, so the gaps between them are the steps' times as the client saw them)."""
+        events, and when each event with a choice arrived (:attr:`Completion.times`: one per engine step that
+        made a token, so the gaps between them are the steps' times as the client saw them)."""
         body: dict[str, object] = {
             "model": self.model,
             "prompt": prompt,
@@ -202,13 +202,15 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     seconds: float
-    times: tuple[float, ...] = ()  # a streamed answer's: seconds from the request to each event with text
+    times: tuple[float, ...] = ()  # a streamed answer's: seconds from the request to each event with a choice
 
 
 def read_events(lines: Iterable[bytes], started: float, times: list[float]) -> dict[str, Any]:
     """A streamed ``/v1/completions`` answer (``data: {json}`` lines, ``data: [DONE]`` last) as one answer: the
-    text joined, the usage of the last event that has one; appends to ``times`` when each event with text came
-    (seconds after ``started``, ``time.monotonic()``)."""
+    text joined, the usage of the last event that has one; appends to ``times`` when each event with a choice came
+    (seconds after ``started``, ``time.monotonic()``): one per engine step that made tokens, its text empty where a
+    token ends inside a character (the usage-only event has no choice). An error event, or a stream that ends
+    without ``[DONE]``, raises RuntimeError."""
     text: list[str] = []
     usage: dict[str, Any] = {}
     for raw in lines:
@@ -217,17 +219,20 @@ def read_events(lines: Iterable[bytes], started: float, times: list[float]) -> d
             continue
         data = line[5:].strip()
         if data == b"[DONE]":
-            break
+            return {"choices": [{"text": "".join(text)}], "usage": usage}
         event = json.loads(data)
-        if isinstance(event, dict) and "error" in event:
+        if not isinstance(event, dict):
+            raise RuntimeError(f"the streamed answer holds a non-object event: {data[:200]!r}")
+        if "error" in event:
             raise RuntimeError(f"the streamed answer reports an error: {str(event['error'])[:300]}")
-        for choice in event.get("choices") or ():
-            if choice.get("text"):
-                text.append(str(choice["text"]))
-                times.append(time.monotonic() - started)
+        choices = event.get("choices") or ()
+        for choice in choices:
+            text.append(str(choice.get("text") or ""))
+        if choices:
+            times.append(time.monotonic() - started)
         if event.get("usage"):
             usage = event["usage"]
-    return {"choices": [{"text": "".join(text)}], "usage": usage}
+    raise RuntimeError("the streamed answer ended without data: [DONE]")
 
 
 @dataclass(frozen=True)

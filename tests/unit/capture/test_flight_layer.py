@@ -538,3 +538,22 @@ def test_an_output_under_the_output_limit_is_kept(arm, kernels, inputs) -> None:
             for k, c in zip(kept, calls[2:6], strict=True)
         )
         assert reader.footer["counters"].get("flight_outputs_unkept", 0) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("special", [None, float("nan"), float("inf"), -float("inf"), -0.0, 1e-40])
+def test_largest_magnitude_is_what_the_ring_check_records(dtype: torch.dtype, special: float | None) -> None:
+    """``expand`` compares a re-run's largest magnitude with the recorded check's, so the two must agree bit for bit:
+    the ring's word (torch path; the kernel's encoding is the same) decoded, against ``largest_magnitude``."""
+    from moereplay.capture.flight_layer import largest_magnitude
+
+    values = torch.tensor([0.5, -3.25, 2.0, 1e-3], dtype=dtype)
+    if special is not None:
+        values[1] = special
+    ring = DeviceRing(1 << 16, torch.device("cpu"))
+    _, _, _, tag = ring.record([values], values, True)
+    assert tag is not None
+    state, recorded = decode_word(int(ring.words[tag[0]]), tag[1])
+    assert state not in ("pending", "lost"), state
+    mine = largest_magnitude(values)
+    assert (math.isnan(recorded) and math.isnan(mine)) or recorded == mine, (recorded, mine)

@@ -255,7 +255,7 @@ def layer_scope_record(
     *,
     unsupported: dict[str, Unsupported] | None = None,
     site: str = "",
-    magnitude: float = 3.5,
+    magnitude: float | None = 3.5,
     unkept: bool = False,
 ) -> Any:
     """A layer call as the layer-scope flight recorder writes it: no kernel calls, scratch buffers not kept, the
@@ -325,16 +325,18 @@ def test_a_layer_scope_record_is_expanded(fake_vllm, tmp_path: Path) -> None:
         assert torch.equal(out.load_outputs(0)["output"], expected)
 
 
-@pytest.mark.parametrize("reproduced", [True, False])
+@pytest.mark.parametrize("case", ["agrees", "nan", "unread"])
 def test_an_output_checked_but_not_kept_is_compared_by_its_magnitude(
-    fake_vllm, tmp_path: Path, reproduced: bool
+    fake_vllm, tmp_path: Path, case: str
 ) -> None:
     """MOEREPLAY_FLIGHT_OUTPUT_BYTES: the file has no output bytes, only the check's largest magnitude; the re-run's
     is compared with it — never called bit-exact, and a NaN the re-run does not reproduce is said so."""
     source = tmp_path / "flight.moe.zst"
     expected = layer_scope_record(source, unkept=True, magnitude=math.nan)
-    if reproduced:  # the recorded check saw what the re-run computes
-        layer_scope_record(source, unkept=True, magnitude=largest_magnitude(expected))
+    if case != "nan":  # the recorded check saw what the re-run computes, or was never read
+        layer_scope_record(
+            source, unkept=True, magnitude=largest_magnitude(expected) if case == "agrees" else None
+        )
     json_out = tmp_path / "report.json"
     result = runner.invoke(
         app,
@@ -345,17 +347,23 @@ def test_an_output_checked_but_not_kept_is_compared_by_its_magnitude(
     line = next(line for line in result.stdout.splitlines() if line.startswith("call 0 "))
     assert "the recorded output was checked, not kept (no bytes to compare)" in line
     assert f"{largest_magnitude(expected):.6g} re-run" in line
-    if reproduced:
+    if case == "agrees":
         assert "— the check agrees" in line
-    else:
+    elif case == "nan":
         assert (
             "largest |x| nan recorded" in line and "the failure did not reproduce in a fresh process" in line
         )
         assert "--fill 0xff" in line
+    else:
+        assert "the recorded check never read" in line
     call = json.loads(json_out.read_text())["calls"][0]
     assert call["verdict"] == "not_compared" and call["bit_exact"] is None
     assert call["checked"]["name"] == "output"
-    assert call["checked"]["recorded_magnitude"] == (largest_magnitude(expected) if reproduced else "nan")
+    recorded = {"agrees": largest_magnitude(expected), "nan": "nan", "unread": None}[case]
+    assert call["checked"]["recorded_magnitude"] == recorded
+    assert call["checked"]["agrees"] is {"agrees": True, "nan": False, "unread": None}[case]
+    with CaptureReader(tmp_path / "out.moe.zst") as out:
+        assert out.call(0).context["expanded_from"]["check_agrees"] is call["checked"]["agrees"]
 
 
 def test_arguments_that_cannot_be_passed_are_one_line_errors(fake_vllm, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import json
+import re
 import statistics
 import sys
 import types
@@ -488,6 +489,9 @@ def test_a_first_measurement_slow_right_after_its_own_server_is_noted(bench: typ
     # three servers never measure one after itself: no note; nor a run without capture off
     assert bench.follow_notes({**results, "again": results["off"]}) == []
     assert bench.follow_notes({"a": results["off"], "b": results["flight"]}) == []
+    # --aftermath ends every round with each server's own prefill: no split to make
+    aftermath = {name: {**by, "b1_before": by["decode_b1"]} for name, by in results.items()}
+    assert bench.follow_notes(aftermath) == []
     # rounds without tokens to show are left out, never a crash that loses the run's table
     empty = {"off": {"decode_b1": [0.0] * 8}, "flight": {"decode_b1": [0.0] * 8}}
     assert bench.follow_notes(empty) == []
@@ -514,7 +518,9 @@ def test_a_streamed_request_gives_when_each_step_token_came(bench: types.ModuleT
     import threading
 
     events = [{"choices": [{"text": word}]} for word in ("a", " b", " c")]
-    events += [{"choices": [{"text": ""}], "usage": {"prompt_tokens": 8, "completion_tokens": 3}}]
+    events += [
+        {"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 3}}
+    ]  # as vLLM's include_usage
     asked: list[dict[str, object]] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -543,9 +549,7 @@ def test_a_streamed_request_gives_when_each_step_token_came(bench: types.ModuleT
         server.server_close()
     assert asked[0]["stream"] is True and asked[0]["stream_options"] == {"include_usage": True}
     assert answer.text == "a b c" and (answer.prompt_tokens, answer.completion_tokens) == (8, 3)
-    assert len(answer.times) == 3 and list(answer.times) == sorted(
-        answer.times
-    )  # the empty last event: no time
+    assert len(answer.times) == 3 and list(answer.times) == sorted(answer.times)  # the usage event: no time
     assert answer.times[-1] <= answer.seconds
 
 
@@ -571,7 +575,7 @@ def test_aftermath_notes_give_before_and_after_medians(bench: types.ModuleType) 
         {"flight": {"b1_before": before, "b1_after": after}, "off": {"b1_before": []}}
     )
     assert len(notes) == 1 and notes[0].startswith("flight decode b1 streamed")
-    assert "of 2 rounds" in notes[0]  # the round without a token left out
+    assert "of 3 / 2 rounds" in notes[0]  # the round without a token left out
     assert "first token 20.0 / 55.0 ms" in notes[0] and "median step 10.0 / 10.0 ms" in notes[0]
 
 
@@ -595,3 +599,20 @@ def test_pooled_runs_carry_their_aftermath_notes_and_refuse_bad_timelines(
         bad.write_text(json.dumps({"results": results, "mode": "graph", "timelines": timelines}))
         with pytest.raises(bench.PoolError, match="timelines"):
             bench.pooled([bad])
+
+
+def test_a_streamed_answer_that_errs_or_breaks_off_raises(bench: types.ModuleType) -> None:
+    read = bench.harness.read_events
+    times: list[float] = []
+    # a step whose token ends inside a character streams an empty text: its time counts (else its gap would
+    # merge into the next step's and read as a slow step)
+    lines = [b'data: {"choices": [{"text": ""}]}', b'data: {"choices": [{"text": "x"}]}', b"data: [DONE]"]
+    answer = read(lines, 0, times)
+    assert answer["choices"][0]["text"] == "x" and len(times) == 2
+    for broken, said in (
+        ([b'data: {"error": {"message": "boom"}}'], "reports an error"),
+        ([b'data: {"choices": [{"text": "x"}]}'], "without data: [DONE]"),
+        ([b"data: [1, 2]"], "non-object event"),
+    ):
+        with pytest.raises(RuntimeError, match=re.escape(said)):
+            read(broken, 0, [])
