@@ -296,9 +296,9 @@ def layer_scope_record(
     return expected
 
 
-def test_a_layer_scope_record_is_expanded(fake_vllm, tmp_path: Path) -> None:
-    source = tmp_path / "flight.moe.zst"
-    expected = layer_scope_record(source)
+def expand_on_cpu(source: Path, tmp_path: Path) -> tuple[Any, Path]:
+    """``moereplay expand SOURCE -o out.moe.zst --backend vllm --device cpu --json-out report.json`` (must exit 0):
+    the CLI's result and the JSON report's path."""
     json_out = tmp_path / "report.json"
     result = runner.invoke(
         app,
@@ -306,6 +306,13 @@ def test_a_layer_scope_record_is_expanded(fake_vllm, tmp_path: Path) -> None:
          "--json-out", str(json_out)],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
+    return result, json_out
+
+
+def test_a_layer_scope_record_is_expanded(fake_vllm, tmp_path: Path) -> None:
+    source = tmp_path / "flight.moe.zst"
+    expected = layer_scope_record(source)
+    result, json_out = expand_on_cpu(source, tmp_path)
     assert (
         "call 0 fused_marlin_moe (layer 5, step 12): re-run bit-exact with the recorded output; kernel calls 1, 2 in "
         "out.moe.zst"
@@ -337,13 +344,7 @@ def test_an_output_checked_but_not_kept_is_compared_by_its_magnitude(
         layer_scope_record(
             source, unkept=True, magnitude=largest_magnitude(expected) if case == "agrees" else None
         )
-    json_out = tmp_path / "report.json"
-    result = runner.invoke(
-        app,
-        ["expand", str(source), "-o", str(tmp_path / "out.moe.zst"), "--backend", "vllm", "--device", "cpu",
-         "--json-out", str(json_out)],
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
+    result, json_out = expand_on_cpu(source, tmp_path)
     line = next(line for line in result.stdout.splitlines() if line.startswith("call 0 "))
     assert "the recorded output was checked, not kept (no bytes to compare)" in line
     assert f"{largest_magnitude(expected):.6g} re-run" in line
