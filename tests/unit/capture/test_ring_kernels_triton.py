@@ -79,6 +79,23 @@ def _hopper(kernel: Any, ints: list[str], constants: dict[str, int], tmp_path: P
     return built
 
 
+def test_an_output_checked_only_gets_the_fused_launchs_word_and_no_ring_byte_in_the_interpreter() -> None:
+    """MOEREPLAY_FLIGHT_OUTPUT_BYTES: ``ring_copy`` with no span and the output checked where it is (mode 2) finishes
+    the same word as the recorder's usual launch that copies the output and reduces its words (mode 3), publishes it
+    to the host word, resets its counter, writes no ring byte, and its magnitude is what ``expand`` compares."""
+    script = Path(__file__).with_name("ring_copy_interpreted.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[3])}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 15, done.stdout  # three dtypes, five values each
+    for line in lines:
+        assert "False" not in line and "counter 0," in line, line
+    assert "bfloat16 nan:" in done.stdout and "ok nan magnitude right: True" in done.stdout
+
+
 def test_the_batch_record_kernel_compiles_for_hopper_without_spills(tmp_path: Path) -> None:
     """sm_90 without a GPU: :func:`graph_record_batch` (24 entries' arguments) compiles to a cubin with no local
     memory or spills; its copies move 8-byte words."""

@@ -1,0 +1,73 @@
+"""The eager ring's ``ring_copy`` run by Triton's interpreter on host memory (``TRITON_INTERPRET=1``): the launch of
+a layer call whose output is checked where it is, not copied (``MOEREPLAY_FLIGHT_OUTPUT_BYTES``: mode 2, no span),
+against the recorder's usual launch of the same output copied and reduced from its copy's words (mode 3). Per
+dtype and special value, over several programs: the finished word in the slot and in the host word, its magnitude
+against ``largest_magnitude`` (what ``moereplay expand`` compares), the counter reset, and no ring byte written by
+the check-only launch. Prints one line per case; run by ``test_ring_kernels_triton.py``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moereplay.capture import ring_kernel
+from moereplay.capture.device_ring import _CHECK_CODES, decode_word
+from moereplay.capture.flight_layer import largest_magnitude
+
+GENERATION = 5
+UNUSED = 1 << 40
+"""An address never read (a span of no bytes, mode 3's unused check pointer). The interpreter types a small integer
+argument int32 — a pointer cast from it fails and ``generation << 32`` would wrap — where the compiled variants type
+every integer int64: addresses and the generation are passed above 2**31 (the generation's high bits shift out of
+the 64-bit word, as on the device)."""
+NO_SPAN = [UNUSED, UNUSED, 0] * ring_kernel.SPANS
+
+
+def launch(mode: int, spans: list[int], output: torch.Tensor, programs: int) -> tuple[int, int, int]:
+    """One launch on host memory: the slot's word, the host word and the counter after it."""
+    word = torch.zeros(1, dtype=torch.int64)
+    host = torch.zeros(1, dtype=torch.int64)
+    done = torch.zeros(1, dtype=torch.int32)
+    check = output.data_ptr() if mode == 2 else UNUSED
+    generation = GENERATION + UNUSED
+    args = [*spans, check, output.numel(), word.data_ptr(), generation, done.data_ptr(), host.data_ptr()]
+    ring_kernel.ring_copy[(programs,)](
+        *args,
+        ALIGNED=1,
+        CODE=_CHECK_CODES[output.dtype],
+        MODE=mode,
+        BLOCK=ring_kernel.BLOCK,
+        STREAM=0,
+    )
+    return int(word[0]), int(host[0]), int(done[0])
+
+
+def main() -> None:
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for special in (None, math.nan, math.inf, -0.0, -65504.0):
+            output = torch.linspace(-3.0, 2.0, 5000).to(dtype)
+            if special is not None:
+                output[4321] = special
+            ring = torch.full((output.numel() * output.element_size() + 64,), 0xAB, dtype=torch.uint8)
+            copied = [UNUSED, UNUSED, 0] * (ring_kernel.SPANS - 1) + [
+                output.data_ptr(),
+                ring.data_ptr(),
+                (output.numel() * output.element_size() + 7) & ~7,
+            ]
+            fused = launch(3, copied, output, 3)
+            ring.fill_(0xAB)
+            unkept = launch(2, NO_SPAN, output, 3)
+            untouched = bool((ring == 0xAB).all())
+            state, value = decode_word(unkept[1], GENERATION)
+            expected = largest_magnitude(output)
+            same = (math.isnan(value) and math.isnan(expected)) or value == expected
+            print(
+                f"{str(dtype).removeprefix('torch.')} {special}: word == host {unkept[0] == unkept[1]}, "
+                f"as fused {unkept[1] == fused[1]}, counter {unkept[2]}, {state} {value} "
+                f"magnitude right: {same}, ring untouched: {untouched}"
+            )
+
+
+if __name__ == "__main__":
+    main()
