@@ -15,13 +15,23 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
 
-def test_graph_record_keeps_every_span_the_magnitude_and_the_token_count_in_the_interpreter() -> None:
-    script = Path(__file__).with_name("graph_ring_interpreted.py")
+def interpreted(script: str) -> subprocess.CompletedProcess[str]:
+    """A script beside this file run with ``TRITON_INTERPRET=1`` (must exit 0): its output."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[3])}
     done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, str(Path(__file__).with_name(script))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_graph_record_keeps_every_span_the_magnitude_and_the_token_count_in_the_interpreter() -> None:
+    done = interpreted("graph_ring_interpreted.py")
     assert done.stdout.count("entries right: True") == 14, done.stdout
     assert (
         "tokens 1, 18 spans: 1 nodes (0 staging), 1 programs" in done.stdout
@@ -83,12 +93,7 @@ def test_an_output_checked_only_gets_the_fused_launchs_word_and_no_ring_byte_in_
     """MOEREPLAY_FLIGHT_OUTPUT_BYTES: ``ring_copy`` with no span and the output checked where it is (mode 2) finishes
     the same word as the recorder's usual launch that copies the output and reduces its words (mode 3), publishes it
     to the host word, resets its counter, writes no ring byte, and its magnitude is what ``expand`` compares."""
-    script = Path(__file__).with_name("ring_copy_interpreted.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[3])}
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = interpreted("ring_copy_interpreted.py")
     lines = done.stdout.splitlines()
     assert len(lines) == 15, done.stdout  # three dtypes, five values each
     for line in lines:
