@@ -33,6 +33,9 @@ def _json_float(value: float | None) -> float | str | None:
 _REASONS = "state the kernel read outside its arguments, or nondeterminism"
 """Why a re-run differs from its recording, when it does."""
 
+_PLAIN_OUTPUT_NAMES = ("return", "output", "output_tensor")
+"""Output names a line calls "output" rather than naming them."""
+
 
 @dataclass(frozen=True)
 class OutputComparison:
@@ -186,7 +189,7 @@ class ExpandedCall:
         """The line's body for an output the recording checked but did not keep: the two largest magnitudes."""
         assert self.checked is not None
         name, recorded, rerun = self.checked
-        what = "output" if name in ("return", "output", "output_tensor") else name
+        what = "output" if name in _PLAIN_OUTPUT_NAMES else name
         text = f"re-run; the recorded {what} was checked, not kept (no bytes to compare): largest |x| "
         if recorded is None:
             return text + f"{rerun:.6g} re-run, the recorded check never read (the call was not checked)"
@@ -211,7 +214,7 @@ class ExpandedCall:
         else:
             text = (
                 f"re-run differs from the recorded output: {worst.differing}/{worst.elements} elements"
-                + (f" of {worst.name}" if worst.name not in ("return", "output", "output_tensor") else "")
+                + (f" of {worst.name}" if worst.name not in _PLAIN_OUTPUT_NAMES else "")
                 + worst.magnitude()
                 + f", recorded non-finite {worst.recorded_nonfinite} vs re-run {worst.rerun_nonfinite}"
             )

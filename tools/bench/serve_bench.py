@@ -561,6 +561,15 @@ AFTERMATH = ("b1_before", "b1_after")
 SLOW_STEP = 1.5
 """A step slower than this many times the request's median step counts toward :func:`step_times`' ``slow_ms``."""
 
+STEP_FIGURES = (
+    ("total", "request"),
+    ("first", "first token"),
+    ("median", "median step"),
+    ("slow_ms", f"beyond the median in steps over {SLOW_STEP}×"),
+    ("slowest", "slowest step"),
+)
+""":func:`step_times`' figures, each with what :func:`aftermath_notes` calls it."""
+
 
 def step_times(times: tuple[float, ...] | list[float]) -> dict[str, float]:
     """One streamed request's timeline in ms (:attr:`harness.Completion.times`): ``first`` (the request to its first
@@ -592,16 +601,7 @@ def aftermath_notes(timelines: dict[str, dict[str, list[dict[str, float]]]]) -> 
         def med(rows: list[dict[str, float]], key: str) -> float:
             return statistics.median(row[key] for row in rows)
 
-        parts = [
-            f"{label} {med(before, key):.1f} / {med(after, key):.1f} ms"
-            for key, label in (
-                ("total", "request"),
-                ("first", "first token"),
-                ("median", "median step"),
-                ("slow_ms", f"beyond the median in steps over {SLOW_STEP}×"),
-                ("slowest", "slowest step"),
-            )
-        ]
+        parts = [f"{label} {med(before, key):.1f} / {med(after, key):.1f} ms" for key, label in STEP_FIGURES]
         rounds = f"{len(after)}" if len(before) == len(after) else f"{len(before)} / {len(after)}"
         notes.append(
             f"{name} decode b1 streamed, before / right after its own prefill (medians of {rounds} rounds): "
@@ -627,7 +627,7 @@ def _timelines(value: object) -> bool:
             and all(
                 isinstance(row, dict)
                 and _numbers(list(row.values()))
-                and (not row or set(row) >= {"first", "median", "slow_ms", "slowest", "total"})
+                and (not row or set(row) >= {key for key, _ in STEP_FIGURES})
                 for row in rows
             )
             for rows in by.values()
