@@ -19,11 +19,17 @@ gets. This measures, per token count, with CUDA events (median of ``--repeats``)
   Compare ``+next`` between the two settings: ``next`` alone runs with its inputs warm in L2 where they fit
   (2,048 tokens and fewer on an H100).
 
+With ``--beside``, a second table: the copy of a layer call's inputs on a side stream beside a compute-bound
+stand-in for the call's kernels (a bf16 matmul of the hidden states by a 2880 × 5760 weight), as the recorder
+does at prefill (``LayerFlight.before``: fork, copy, join after the call) — the matmul alone, with the copy by
+the ring kernel (its programs share the SMs with the matmul's) and by the copy engine
+(``MOEREPLAY_FLIGHT_BESIDE_ENGINE``), each in ms and over the matmul alone.
+
 Prints GB/s of each (bytes moved: copies read and written, the check's read unless fused) and the ring/torch
 time ratio, all from one run. GPU only (Triton and CUDA):
 
     python tools/bench/ring_bandwidth.py [--tokens 8192,2048,256] [--warps 4,8] [--programs 2,4] [--block 1024,4096]
-        [--check both|fused|2-pass] [--stream 0,1] [--unkept] [--repeats 20]
+        [--check both|fused|2-pass] [--stream 0,1] [--unkept] [--beside] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -137,6 +143,11 @@ def main() -> int:
         help="also the launch with the output checked where it is, not copied (MOEREPLAY_FLIGHT_OUTPUT_BYTES): "
         "a row 'unkept' whose ring/torch column is its time over the row's above",
     )
+    parser.add_argument(
+        "--beside",
+        action="store_true",
+        help="also the inputs' copy beside a compute-bound matmul, by the ring kernel and by the copy engine",
+    )
     parser.add_argument("--repeats", type=int, default=20)
     options = parser.parse_args()
     import torch
@@ -234,7 +245,51 @@ def main() -> int:
                         )
                 ring.launcher._variants.clear()  # the next variants compile afresh
         device_ring.FUSED_CHECK = True
+    if options.beside:
+        beside_table(options, DeviceRing)
     return 0
+
+
+def beside_table(options: argparse.Namespace, ring_type: type) -> None:
+    """``--beside``: see the module docstring."""
+    import torch
+
+    print(
+        f"\n{'tokens':>7} {'copied MB':>9} {'matmul ms':>9} {'+kernel ms':>10} {'×':>6} {'+engine ms':>10} {'×':>6}"
+    )
+    side = torch.cuda.Stream()
+    for tokens in (int(text) for text in options.tokens.split(",")):
+        tensors, _ = layer_tensors(tokens, "cuda")
+        inputs = tensors[:-1]
+        copied = sum(t.numel() * t.element_size() for t in inputs)
+        ring = ring_type(4 * copied + (1 << 20), torch.device("cuda"))
+        weight = torch.randn(HIDDEN, 2 * HIDDEN, device="cuda").to(torch.bfloat16)
+        hidden = inputs[0]
+
+        def call(hidden=hidden, weight=weight) -> None:
+            torch.matmul(hidden, weight)
+
+        def beside(engine: bool, ring=ring, inputs=inputs, call=call):
+            def work() -> None:
+                fork = torch.cuda.Event()
+                fork.record()
+                side.wait_event(fork)
+                with torch.cuda.stream(side):
+                    ring.record(inputs, None, False, None, engine)
+                    joined = torch.cuda.Event()
+                    joined.record(side)
+                call()
+                torch.cuda.current_stream().wait_event(joined)
+
+            return work
+
+        alone = timed(call, options.repeats)
+        by_kernel = timed(beside(False), options.repeats)
+        by_engine = timed(beside(True), options.repeats)
+        print(
+            f"{tokens:>7} {copied / 1e6:>9.1f} {alone:>9.3f} {by_kernel:>10.3f} {by_kernel / alone:>6.3f} "
+            f"{by_engine:>10.3f} {by_engine / alone:>6.3f}"
+        )
 
 
 if __name__ == "__main__":
