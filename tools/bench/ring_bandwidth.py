@@ -22,8 +22,8 @@ gets. This measures, per token count, with CUDA events (median of ``--repeats``)
 With ``--beside``, a second table: the copy of a layer call's inputs on a side stream beside a compute-bound
 stand-in for the call's kernels (a bf16 matmul of the hidden states by a 2880 × 5760 weight), as the recorder
 does at prefill (``LayerFlight.before``: fork, copy, join after the call) — the matmul alone, with the copy by
-the ring kernel (its programs share the SMs with the matmul's) and by the copy engine
-(``MOEREPLAY_FLIGHT_BESIDE_ENGINE``), each in ms and over the matmul alone.
+the ring kernel (its programs share the SMs with the matmul's: the recorder's 4 per SM, and 16 in all, a slow copy
+on a few SMs) and by the copy engine (``MOEREPLAY_FLIGHT_BESIDE_ENGINE``), each in ms and over the matmul alone.
 
 Prints GB/s of each (bytes moved: copies read and written, the check's read unless fused) and the ring/torch
 time ratio, all from one run. GPU only (Triton and CUDA):
@@ -255,7 +255,8 @@ def beside_table(options: argparse.Namespace, ring_type: type) -> None:
     import torch
 
     print(
-        f"\n{'tokens':>7} {'copied MB':>9} {'matmul ms':>9} {'+kernel ms':>10} {'×':>6} {'+engine ms':>10} {'×':>6}"
+        f"\n{'tokens':>7} {'copied MB':>9} {'matmul ms':>9} {'+kernel ms':>10} {'×':>6} {'+16 prog ms':>11} "
+        f"{'×':>6} {'+engine ms':>10} {'×':>6}"
     )
     side = torch.cuda.Stream()
     for tokens in (int(text) for text in options.tokens.split(",")):
@@ -285,10 +286,13 @@ def beside_table(options: argparse.Namespace, ring_type: type) -> None:
 
         alone = timed(call, options.repeats)
         by_kernel = timed(beside(False), options.repeats)
+        programs, ring.launcher.programs = ring.launcher.programs, 16
+        by_few = timed(beside(False), options.repeats)
+        ring.launcher.programs = programs
         by_engine = timed(beside(True), options.repeats)
         print(
             f"{tokens:>7} {copied / 1e6:>9.1f} {alone:>9.3f} {by_kernel:>10.3f} {by_kernel / alone:>6.3f} "
-            f"{by_engine:>10.3f} {by_engine / alone:>6.3f}"
+            f"{by_few:>11.3f} {by_few / alone:>6.3f} {by_engine:>10.3f} {by_engine / alone:>6.3f}"
         )
 
 
