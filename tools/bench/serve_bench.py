@@ -401,9 +401,58 @@ TARGETS: dict[str, dict[str, float]] = {
 }
 """Issue 14's targets for the flight recorder armed, per vLLM mode and measurement (slowdown ×: off ÷ armed)."""
 
-JUDGED = ("flight", "flight-stream")
+JUDGED = ("flight", "flight-stream", "flight-engine")
 """The settings held to :data:`TARGETS`: the default recorder and the candidates for its default (the others are
 diagnostics that take a piece away or add timers)."""
+
+
+def median_interval(
+    values: list[float], level: float = 0.9, resamples: int = 4000, seed: int = 0
+) -> tuple[float, float]:
+    """A bootstrap interval of the median of ``values``: the ``level`` central range of the medians of
+    ``resamples`` resamples drawn with replacement (seeded: the same rounds give the same interval)."""
+    import numpy as np
+
+    data = np.asarray(values, dtype=np.float64)
+    draws = np.random.default_rng(seed).integers(0, len(data), size=(resamples, len(data)))
+    medians = np.median(data[draws], axis=1)
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(medians, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def intervals(
+    paired: dict[str, dict[str, list[float]]], mode: str, steady: Steady | None = None
+) -> list[str]:
+    """A line per judged setting (:data:`JUDGED`): for each measurement with a target, the 90 % bootstrap interval
+    (:func:`median_interval`) of the median of its per-round ratios — of the steady rounds' where the slow mode
+    left rounds out — and where the target stands: above the interval (the figure is under it beyond the rounds'
+    scatter), inside it (this run cannot tell) or below it."""
+    targets = TARGETS.get(mode) or {}
+    lines = []
+    for name in (name for name in JUDGED if name in paired):
+        parts = []
+        for what, target in targets.items():
+            ratios = paired[name].get(what) or []
+            kept, left_out = (steady or {}).get(name, {}).get(what, ([], 0))
+            if left_out and kept:
+                ratios, label = kept, "steady "
+            else:
+                label = ""
+            if len(ratios) < 3:
+                continue
+            low, high = median_interval(ratios)
+            where = (
+                f"under {target:.2f}"
+                if high <= target
+                else f"over {target:.2f}"
+                if low > target
+                else f"{target:.2f} inside it: this run cannot tell"
+            )
+            parts.append(f"{what} {label}{low:.3f}–{high:.3f} of {len(ratios)} ({where})")
+        if parts:
+            lines.append(f"> {name}: 90 % interval of the per-round median: " + "; ".join(parts))
+    return lines
 
 
 def verdicts(
@@ -757,6 +806,8 @@ def main() -> int:
             print(line)
         for line in verdicts(pool.results, pool.paired, pool.mode, pool.stopped, pool.bases, pool.steady):
             print(line)
+        for line in intervals(pool.paired, pool.mode, pool.steady):
+            print(line)
         return 0
     if options.model is None:
         parser.error("--model is required (or --pool)")
@@ -846,6 +897,8 @@ def main() -> int:
     ):
         print(line)
     for line in verdicts(results, paired, options.mode, stopped, steady=steady):
+        print(line)
+    for line in intervals(paired, options.mode, steady):
         print(line)
     for name in names:
         for path in sorted((options.out / name / "captures").glob("**/*.zst")):

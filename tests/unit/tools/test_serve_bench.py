@@ -354,6 +354,34 @@ def test_the_recorder_settings_are_judged_against_the_issues_targets(bench: type
     )  # no capture off: nothing to judge
 
 
+def test_the_interval_of_the_per_round_median_says_whether_the_run_can_tell_the_target(
+    bench: types.ModuleType,
+) -> None:
+    """A bootstrap interval of the per-round median per judged setting: all under the target, all over it, or the
+    target inside it (this run cannot tell); seeded, so one run's rounds give one line; the steady rounds where the
+    slow mode left some out; no interval from fewer than three rounds."""
+    scattered = [1.0 + 0.004 * i for i in range(11)]  # 1.000 … 1.040, median 1.020
+    low, high = bench.median_interval(scattered)
+    assert min(scattered) <= low < 1.02 < high <= max(scattered)
+    assert bench.median_interval(scattered) == (low, high)  # seeded
+    assert bench.median_interval([1.01] * 9) == (1.01, 1.01)
+    paired = {
+        "flight": {"decode_b1": [1.01] * 9, "decode_b32": [1.2] * 9, "prefill": scattered},
+        "flight-engine": {"decode_b1": [1.0, 1.01]},  # too few rounds: no interval
+        "flight-timers": {"prefill": [1.0] * 9},  # a diagnostic: not judged
+    }
+    (line,) = bench.intervals(paired, "graph")
+    assert line == (
+        "> flight: 90 % interval of the per-round median: decode_b1 1.010–1.010 of 9 (under 1.05); "
+        f"decode_b32 1.200–1.200 of 9 (over 1.05); prefill {low:.3f}–{high:.3f} of 11 "
+        "(1.02 inside it: this run cannot tell)"
+    )
+    steady = {"flight": {"prefill": ([1.005] * 8, 3), "decode_b1": ([1.01] * 9, 0)}}
+    (line,) = bench.intervals(paired, "graph", steady)
+    assert "prefill steady 1.005–1.005 of 8 (under 1.02)" in line and "decode_b1 1.010–1.010 of 9" in line
+    assert bench.intervals(paired, "neither") == []
+
+
 def test_steady_ratios_leave_out_every_round_either_side_spent_in_the_slow_mode(
     bench: types.ModuleType,
 ) -> None:
