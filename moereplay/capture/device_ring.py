@@ -199,9 +199,10 @@ class DeviceRing:
         dtype), the copies and the check are torch operations.
 
         ``engine`` (a copy without check or tag, with the kernel): spans of at least :data:`ENGINE_BYTES` are
-        copied by the GPU's copy engine (``cuMemcpyDtoDAsync``) on the current stream, the rest by the kernel —
-        for the copy beside a prefill-sized call, where the kernel's programs would share the SMs with the
-        call's own kernels while a copy engine needs none (``MOEREPLAY_FLIGHT_BESIDE_ENGINE``)."""
+        copied by the driver's device-to-device copy (``cuMemcpyDtoDAsync``, meant for a copy engine) on the
+        current stream, the rest by the kernel — for the copy beside a prefill-sized call, where the kernel's
+        programs share the SMs with the call's own kernels (``MOEREPLAY_FLIGHT_BESIDE_ENGINE``;
+        ``ring_bandwidth.py --beside`` measures what each costs the call)."""
         launcher = self.launcher
         if measured is None:
             sources, leads, sizes, total, check_info = self._measure(tensors, check, launcher is not None)
@@ -414,7 +415,9 @@ def memcpy_dtod(target: int, source: int, size: int, stream: int) -> None:
     global _MEMCPY
     copy = _MEMCPY
     if copy is None:
-        copy = ctypes.CDLL("libcuda.so.1").cuMemcpyDtoDAsync_v2
+        # PyDLL: the call keeps the GIL, as the ring kernel's cuLaunchKernel does (see ring_kernel._driver): it
+        # only queues the copy, and a release on the serving thread would hand the GIL away for up to 5 ms
+        copy = ctypes.PyDLL("libcuda.so.1").cuMemcpyDtoDAsync_v2
         copy.argtypes = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
         copy.restype = ctypes.c_int
         _MEMCPY = copy

@@ -452,11 +452,13 @@ class LayerFlight(PollingRecorder):
         fork = torch.cuda.Event()
         fork.record(torch.cuda.current_stream(index))
         side.wait_event(fork)
+        joined = torch.cuda.Event()
         with torch.cuda.stream(side):
-            call.input_copy = ring.record(tensors, None, False, measured, self.beside_engine)[:3]
-            joined = torch.cuda.Event()
-            joined.record(side)
-        call.joined = joined
+            try:
+                call.input_copy = ring.record(tensors, None, False, measured, self.beside_engine)[:3]
+            finally:  # whatever was queued before a failure: the serving stream still waits for it
+                joined.record(side)
+                call.joined = joined
         self.counters.beside += 1
 
     def collect(

@@ -29,8 +29,9 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            this much of the ring has them copied on a side stream while it runs (default 8M, a
                            prefill's hidden states; ``0``: always one copy after the call)
 ``MOEREPLAY_FLIGHT_BESIDE_ENGINE``  layer-scope flight recorder: ``1`` copies those inputs' large spans (1 MiB
-                           and more) with the GPU's copy engine instead of the ring kernel, whose programs share
-                           the SMs with the call's own kernels (default 0)
+                           and more) by the driver's device-to-device copy (a copy engine's work) instead of the
+                           ring kernel, whose programs share the SMs with the call's own kernels (default 0; no
+                           effect with ``FLIGHT_BESIDE_BYTES=0``)
 ``MOEREPLAY_FLIGHT_OUTPUT_BYTES``  layer-scope flight recorder: an eager call's one returned output of at least
                            this many bytes is checked (its largest magnitude, as a call's first floating-point
                            output always is) but its bytes are not kept (default 0: every output kept). A

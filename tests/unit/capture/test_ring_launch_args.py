@@ -206,6 +206,8 @@ def test_the_engine_copy_hands_large_spans_to_the_driver_and_the_rest_to_launche
 
     monkeypatch.setattr(device_ring, "memcpy_dtod", driver_copy)
     ring = emulated()
+    ring.launcher._get_stream = lambda index: 0x5A5A  # the current stream's handle: every copy queued on it
+    ring.head = 3 * ring.capacity - 1024  # too little left of the lap: the copies start the next one
     big = aligned(600, torch.float32).copy_(torch.randn(600))  # 2,400 bytes: the driver's
     exact = aligned(256, torch.float32).copy_(torch.randn(256))  # 1,024 bytes: the driver's
     small = [aligned(3, torch.int32).fill_(i) for i in range(MAX_SPANS + 2)]  # two launches
@@ -214,6 +216,8 @@ def test_the_engine_copy_hands_large_spans_to_the_driver_and_the_rest_to_launche
     assert tag is None and leads == [0] * len(tensors)
     assert [(c[1], c[2]) for c in copies] == [(big.data_ptr(), big.nbytes), (exact.data_ptr(), exact.nbytes)]
     assert [c[0] for c in copies] == [ring._base + starts[i] % ring.capacity for i in (1, len(tensors) - 1)]
+    assert [c[3] for c in copies] == [0x5A5A, 0x5A5A]
+    assert starts[0] == 3 * ring.capacity  # absolute: the targets above are its place in the buffer
     assert [(a, c, m) for a, c, m, _ in emulated.launches] == [(1, 0, 0), (1, 0, 0)]
     launched = [
         args[3 * i] for _, _, _, args in emulated.launches for i in range(MAX_SPANS) if args[3 * i + 2]
