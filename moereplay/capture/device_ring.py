@@ -186,7 +186,6 @@ class DeviceRing:
         check: torch.Tensor | None,
         tagged: bool,
         measured: Measured | None = None,
-        engine: bool = False,
     ) -> tuple[list[int], list[int], list[int], tuple[int, int] | None]:
         """Copy the storage spans of ``tensors`` (each from its first byte rounded down to 256 bytes of its
         storage) into the ring and, when ``tagged``, fold the largest magnitude of ``check`` (or nothing) into a
@@ -196,13 +195,7 @@ class DeviceRing:
 
         The hot path of the layer-scope flight recorder: per tensor a few metadata reads, then one launch (one
         per :data:`MAX_SPANS` spans). Without the kernel, or for an output it cannot reduce (strided, another
-        dtype), the copies and the check are torch operations.
-
-        ``engine`` (a copy without check or tag, with the kernel): spans of at least :data:`ENGINE_BYTES` are
-        copied by the driver's device-to-device copy (``cuMemcpyDtoDAsync``, meant for a copy engine) on the
-        current stream, the rest by the kernel — for the copy beside a prefill-sized call, where the kernel's
-        programs share the SMs with the call's own kernels (``MOEREPLAY_FLIGHT_BESIDE_ENGINE``;
-        ``ring_bandwidth.py --beside`` measures what each costs the call)."""
+        dtype), the copies and the check are torch operations."""
         launcher = self.launcher
         if measured is None:
             sources, leads, sizes, total, check_info = self._measure(tensors, check, launcher is not None)
@@ -234,9 +227,6 @@ class DeviceRing:
                 self._fold(check, tag)
                 if launcher is not None:  # the kernel's host word: a launch without spans publishes what
                     launcher.launch_prepared([], 0, 1, 0, None, word)  # _fold wrote (its atomic_max keeps it)
-            return starts, leads, sizes, tag
-        if engine and launcher is not None and check is None and tag is None:
-            self._engine_copy(launcher, sources, starts, sizes)
             return starts, leads, sizes, tag
         target = self._base + head % self.capacity
         count = len(sources)
@@ -287,28 +277,6 @@ class DeviceRing:
                 word if last else None,
             )
         return starts, leads, sizes, tag
-
-    def _engine_copy(
-        self, launcher: _Launcher, sources: list[int], starts: list[int], sizes: list[int]
-    ) -> None:
-        """:meth:`record`'s ``engine`` copy: large spans by the copy engine, the others by kernel launches."""
-        stream = launcher._get_stream(self.index)
-        args: list[int] = []
-        count = chunk = 0
-        for source, start, size in zip(sources, starts, sizes, strict=True):
-            target = self._base + start % self.capacity  # (an allocation never straddles the buffer's end)
-            if size >= ENGINE_BYTES:
-                memcpy_dtod(target, source, size, stream)
-                continue
-            words = (size + 7) & ~7
-            args += (source, target, words)
-            count += 1
-            chunk += words
-            if count == MAX_SPANS:
-                launcher.launch_prepared(args, count, 1, chunk, None, None)
-                args, count, chunk = [], 0, 0
-        if count:
-            launcher.launch_prepared(args, count, 1, chunk, None, None)
 
     @staticmethod
     def _measure(
@@ -400,30 +368,6 @@ def _raw_at(tensor: torch.Tensor, lead: int, size: int) -> torch.Tensor:
 
 
 _CUDA_HOST_ALLOC_PORTABLE_DEVICEMAP = 0x01 | 0x02
-
-ENGINE_BYTES = 1 << 20
-"""Spans at least this large go to the copy engine in :meth:`DeviceRing.record`'s ``engine`` copy (below it a
-driver call per span costs more host time than the kernel's share of one launch)."""
-
-_MEMCPY: Any = None
-
-
-def memcpy_dtod(target: int, source: int, size: int, stream: int) -> None:
-    """``size`` bytes from device address ``source`` to ``target``, queued on ``stream`` (a raw CUDA stream
-    handle) by the driver's ``cuMemcpyDtoDAsync``: a copy engine's work, no kernel. Raises RuntimeError on a
-    failed call."""
-    global _MEMCPY
-    copy = _MEMCPY
-    if copy is None:
-        # PyDLL: the call keeps the GIL, as the ring kernel's cuLaunchKernel does (see ring_kernel._driver): it
-        # only queues the copy, and a release on the serving thread would hand the GIL away for up to 5 ms
-        copy = ctypes.PyDLL("libcuda.so.1").cuMemcpyDtoDAsync_v2
-        copy.argtypes = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
-        copy.restype = ctypes.c_int
-        _MEMCPY = copy
-    status = copy(target, source, size, stream or None)
-    if status:
-        raise RuntimeError(f"cuMemcpyDtoDAsync failed with CUresult {status}")
 
 
 def host_words(count: int, cuda: bool) -> tuple[np.ndarray, int]:

@@ -332,15 +332,12 @@ class LayerFlight(PollingRecorder):
         ranks: Callable[[], Ranks | None] = lambda: None,
         budget: TriggerBudget | None = None,
         beside_bytes: int = FLIGHT_BESIDE_BYTES,
-        beside_engine: bool = False,
         release_bytes: int = RELEASE_BYTES,
         stream_stores: bool = False,
         output_bytes: int = 0,
     ) -> None:
         self.budget = budget if budget is not None else TriggerBudget(0)
         self.beside_bytes = beside_bytes
-        # the beside copy's large spans by the copy engine (MOEREPLAY_FLIGHT_BESIDE_ENGINE; DeviceRing.record)
-        self.beside_engine = beside_engine
         # a returned output of at least this many bytes is checked, not copied (MOEREPLAY_FLIGHT_OUTPUT_BYTES; 0: off)
         self.output_bytes = output_bytes
         self.release_bytes = release_bytes
@@ -455,7 +452,7 @@ class LayerFlight(PollingRecorder):
         joined = torch.cuda.Event()
         with torch.cuda.stream(side):
             try:
-                call.input_copy = ring.record(tensors, None, False, measured, self.beside_engine)[:3]
+                call.input_copy = ring.record(tensors, None, False, measured)[:3]
             finally:  # whatever was queued before a failure: the serving stream still waits for it
                 joined.record(side)
                 call.joined = joined

@@ -136,7 +136,6 @@ class Recorder(CallHandler):
                 emit=self._emit_layer_call,
                 ranks=lambda: self.tracker.ranks,
                 beside_bytes=settings.flight_beside_bytes,
-                beside_engine=settings.flight_beside_engine,
                 output_bytes=settings.flight_output_bytes,
                 stream_stores=settings.flight_stream_stores,
             )

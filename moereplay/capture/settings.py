@@ -28,10 +28,6 @@ Variables (all optional; every value is validated, a malformed one raises :class
 ``MOEREPLAY_FLIGHT_BESIDE_BYTES``  layer-scope flight recorder: an eager call whose dynamic inputs take at least
                            this much of the ring has them copied on a side stream while it runs (default 8M, a
                            prefill's hidden states; ``0``: always one copy after the call)
-``MOEREPLAY_FLIGHT_BESIDE_ENGINE``  layer-scope flight recorder: ``1`` copies those inputs' large spans (1 MiB
-                           and more) by the driver's device-to-device copy (a copy engine's work) instead of the
-                           ring kernel, whose programs share the SMs with the call's own kernels (default 0; no
-                           effect with ``FLIGHT_BESIDE_BYTES=0``)
 ``MOEREPLAY_FLIGHT_OUTPUT_BYTES``  layer-scope flight recorder: an eager call's one returned output of at least
                            this many bytes is checked (its largest magnitude, as a call's first floating-point
                            output always is) but its bytes are not kept (default 0: every output kept). A
@@ -135,7 +131,6 @@ KNOWN_VARIABLES = (
     "FLIGHT_SCOPE",
     "FLIGHT_GRAPH_BYTES",
     "FLIGHT_BESIDE_BYTES",
-    "FLIGHT_BESIDE_ENGINE",
     "FLIGHT_OUTPUT_BYTES",
     "FLIGHT_GRAPH_STAGE",
     "FLIGHT_STREAM_STORES",
@@ -241,7 +236,6 @@ class CaptureSettings:
     flight_scope: str = "layer"
     flight_graph_bytes: int = 256 << 20
     flight_beside_bytes: int = FLIGHT_BESIDE_BYTES
-    flight_beside_engine: bool = False
     flight_output_bytes: int = 0
     flight_graph_stage: int = FLIGHT_GRAPH_STAGE
     flight_stream_stores: bool = False
@@ -337,8 +331,6 @@ class CaptureSettings:
                 parts.append(f"flight_graph_bytes={self.flight_graph_bytes}")
                 if self.flight_beside_bytes != FLIGHT_BESIDE_BYTES:
                     parts.append(f"flight_beside_bytes={self.flight_beside_bytes}")
-                if self.flight_beside_engine:
-                    parts.append("flight_beside_engine=on")
                 if self.flight_output_bytes:
                     parts.append(f"flight_output_bytes={self.flight_output_bytes}")
                 if self.flight_graph_stage != FLIGHT_GRAPH_STAGE:
@@ -587,8 +579,6 @@ def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None
         values["compression_threads"] = parse_int_range("COMPRESSION_THREADS", text, -1, 256)
     if (text := get("WRITER_THREADS")) is not None:
         values["writer_threads"] = parse_int_range("WRITER_THREADS", text, -1, 256)
-    if (text := get("FLIGHT_BESIDE_ENGINE")) is not None:
-        values["flight_beside_engine"] = parse_flag("FLIGHT_BESIDE_ENGINE", text)
     if (text := get("FLIGHT_STREAM_STORES")) is not None:
         values["flight_stream_stores"] = parse_flag("FLIGHT_STREAM_STORES", text)
     if (text := get("FLIGHT_GRAPH_POLL_MS")) is not None:

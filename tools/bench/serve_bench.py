@@ -110,14 +110,6 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_BESIDE_BYTES": "0",
     },
-    # the flight recorder with the copy beside a prefill-sized call (its hidden states, 47 MB at 8,192 tokens) done
-    # by the GPU's copy engine rather than the ring kernel, whose programs share the SMs with the call's own
-    # kernels (MOEREPLAY_FLIGHT_BESIDE_ENGINE)
-    "flight-engine": {
-        "MOEREPLAY_CAPTURE": "1",
-        "MOEREPLAY_TRIGGER": "flight",
-        "MOEREPLAY_FLIGHT_BESIDE_ENGINE": "1",
-    },
     # diagnostic: the flight recorder keeping gpt-oss's layer calls one level down, at triton_kernel_fused_experts
     # (as before 2026-12-06): what recording triton_kernel_moe_forward instead changes
     "flight-fused": {
@@ -401,7 +393,7 @@ TARGETS: dict[str, dict[str, float]] = {
 }
 """Issue 14's targets for the flight recorder armed, per vLLM mode and measurement (slowdown ×: off ÷ armed)."""
 
-JUDGED = ("flight", "flight-stream", "flight-engine")
+JUDGED = ("flight", "flight-stream")
 """The settings held to :data:`TARGETS`: the default recorder and the candidates for its default (the others are
 diagnostics that take a piece away or add timers)."""
 

@@ -190,49 +190,6 @@ def test_the_check_is_fused_only_where_its_copy_holds_exactly_its_bytes(emulated
     assert tag is not None and decode_word(int(ring.words[tag[0]]), tag[1]) == ("ok", 7.5)
 
 
-def test_the_engine_copy_hands_large_spans_to_the_driver_and_the_rest_to_launches(
-    emulated, monkeypatch
-) -> None:
-    """``record(..., engine=True)`` (the beside copy with MOEREPLAY_FLIGHT_BESIDE_ENGINE): spans of at least
-    ENGINE_BYTES by the driver's device-to-device copy on the current stream (here a host memmove through the very
-    addresses), the others by plain copy launches of up to MAX_SPANS spans (mode 0: no check, no tag); every copy
-    where ``starts`` says, the ring's layout that of the kernel's copy."""
-    monkeypatch.setattr(device_ring, "ENGINE_BYTES", 1024)
-    copies: list[tuple[int, int, int, int]] = []
-
-    def driver_copy(target: int, source: int, size: int, stream: int) -> None:
-        copies.append((target, source, size, stream))
-        ctypes.memmove(target, source, size)
-
-    monkeypatch.setattr(device_ring, "memcpy_dtod", driver_copy)
-    ring = emulated()
-    ring.launcher._get_stream = lambda index: 0x5A5A  # the current stream's handle: every copy queued on it
-    ring.head = 3 * ring.capacity - 1024  # too little left of the lap: the copies start the next one
-    big = aligned(600, torch.float32).copy_(torch.randn(600))  # 2,400 bytes: the driver's
-    exact = aligned(256, torch.float32).copy_(torch.randn(256))  # 1,024 bytes: the driver's
-    small = [aligned(3, torch.int32).fill_(i) for i in range(MAX_SPANS + 2)]  # two launches
-    tensors = [small[0], big, *small[1:], exact]
-    starts, leads, sizes, tag = ring.record(tensors, None, False, engine=True)
-    assert tag is None and leads == [0] * len(tensors)
-    assert [(c[1], c[2]) for c in copies] == [(big.data_ptr(), big.nbytes), (exact.data_ptr(), exact.nbytes)]
-    assert [c[0] for c in copies] == [ring._base + starts[i] % ring.capacity for i in (1, len(tensors) - 1)]
-    assert [c[3] for c in copies] == [0x5A5A, 0x5A5A]
-    assert starts[0] == 3 * ring.capacity  # absolute: the targets above are its place in the buffer
-    assert [(a, c, m) for a, c, m, _ in emulated.launches] == [(1, 0, 0), (1, 0, 0)]
-    launched = [
-        args[3 * i] for _, _, _, args in emulated.launches for i in range(MAX_SPANS) if args[3 * i + 2]
-    ]
-    assert launched == [t.data_ptr() for t in small]
-    for tensor, start in zip(tensors, starts, strict=True):
-        assert torch.equal(ring.view(start, tensor.nbytes), tensor.view(torch.uint8))
-    # the same tensors without ``engine``: one layout, all by launches
-    before = len(emulated.launches)
-    again, _, again_sizes, _ = ring.record(tensors, None, False)
-    assert len(copies) == 2 and len(emulated.launches) == before + 2
-    assert [start - again[0] for start in again] == [start - starts[0] for start in starts]
-    assert again_sizes == sizes
-
-
 @pytest.mark.parametrize("special", [math.nan, math.inf])
 def test_non_finite_outputs_read_back_as_such(emulated, special: float) -> None:
     ring = emulated()

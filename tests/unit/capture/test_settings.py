@@ -36,7 +36,7 @@ def test_defaults() -> None:
     assert settings.trigger is Trigger.ALWAYS
     assert settings.op_selected("moe_wna16_marlin_gemm")
     assert (settings.max_calls, settings.max_bytes, settings.per_shape, settings.sample) == (0, 0, 0, 1.0)
-    assert not settings.flight_stream_stores and not settings.flight_beside_engine
+    assert not settings.flight_stream_stores
 
 
 def test_every_variable() -> None:
@@ -60,7 +60,6 @@ def test_every_variable() -> None:
         compression_threads="-1",
         flight_stream_stores="on",
         flight_output_bytes="8M",
-        flight_beside_engine="1",
     )
     assert settings.directory == Path("/tmp/x") and not settings.directory_was_default
     assert settings.op_selected("moe_wna16_marlin_gemm") and settings.op_selected("matmul_ogs")
@@ -77,7 +76,6 @@ def test_every_variable() -> None:
     assert "trigger=flight" in settings.describe() and "zstd=3 zstd_threads=-1" in settings.describe()
     assert settings.flight_stream_stores and "flight_stream_stores=on" in settings.describe()
     assert settings.flight_output_bytes == 8 << 20 and "flight_output_bytes=8388608" in settings.describe()
-    assert settings.flight_beside_engine and "flight_beside_engine=on" in settings.describe()
 
 
 @pytest.mark.parametrize(
@@ -116,7 +114,6 @@ def test_step_ranges(steps: str, expected: StepRange) -> None:
         ("compression_threads", "x", "not an integer"),
         ("timers", "sometimes", "MOEREPLAY_TIMERS='sometimes': not a boolean"),
         ("flight_stream_stores", "2", "MOEREPLAY_FLIGHT_STREAM_STORES='2': not a boolean"),
-        ("flight_beside_engine", "yes please", "MOEREPLAY_FLIGHT_BESIDE_ENGINE='yes please': not a boolean"),
         ("flight_graph_poll_ms", "4", "MOEREPLAY_FLIGHT_GRAPH_POLL_MS='4': must be in [5, 500]"),
         ("flight_graph_poll_ms", "fast", "not an integer"),
         ("flight_graph_batch", "2", "MOEREPLAY_FLIGHT_GRAPH_BATCH='2': not a boolean"),

@@ -133,7 +133,6 @@ def test_every_setting_parses_and_the_stage_setting_has_room_for_a_batch_of_32(
     nobatch = parsed["flight-nobatch"]
     assert nobatch.flight_graph_stage == graph_ring.ALONE_BYTES and not nobatch.flight_graph_batch
     assert parsed["flight-stream"].flight_stream_stores and not parsed["flight"].flight_stream_stores
-    assert parsed["flight-engine"].flight_beside_engine and not parsed["flight"].flight_beside_engine
 
 
 def test_a_server_whose_requests_fail_is_named_with_its_logs_error_lines(
@@ -367,7 +366,7 @@ def test_the_interval_of_the_per_round_median_says_whether_the_run_can_tell_the_
     assert bench.median_interval([1.01] * 9) == (1.01, 1.01)
     paired = {
         "flight": {"decode_b1": [1.01] * 9, "decode_b32": [1.2] * 9, "prefill": scattered},
-        "flight-engine": {"decode_b1": [1.0, 1.01]},  # too few rounds: no interval
+        "flight-stream": {"decode_b1": [1.0, 1.01]},  # too few rounds: no interval
         "flight-timers": {"prefill": [1.0] * 9},  # a diagnostic: not judged
     }
     (line,) = bench.intervals(paired, "graph")
