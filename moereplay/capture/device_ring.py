@@ -154,6 +154,10 @@ class DeviceRing:
             self._done = self.done.data_ptr()
             self._host = self._words
         self.stream_stores = stream_stores
+        # fingerprints of checked outputs not copied (record's ``fingerprint``): made on first use
+        self._prints: torch.Tensor | None = None
+        self.host_prints: np.ndarray | None = None
+        self._host_prints = 0
         self._made_ns = time.perf_counter_ns() - started
 
     def setup_ns(self) -> int:
@@ -186,6 +190,7 @@ class DeviceRing:
         check: torch.Tensor | None,
         tagged: bool,
         measured: Measured | None = None,
+        fingerprint: bool = False,
     ) -> tuple[list[int], list[int], list[int], tuple[int, int] | None]:
         """Copy the storage spans of ``tensors`` (each from its first byte rounded down to 256 bytes of its
         storage) into the ring and, when ``tagged``, fold the largest magnitude of ``check`` (or nothing) into a
@@ -195,7 +200,12 @@ class DeviceRing:
 
         The hot path of the layer-scope flight recorder: per tensor a few metadata reads, then one launch (one
         per :data:`MAX_SPANS` spans). Without the kernel, or for an output it cannot reduce (strided, another
-        dtype), the copies and the check are torch operations."""
+        dtype), the copies and the check are torch operations.
+
+        ``fingerprint`` (a ``check`` that is not copied, with a tag): the same pass over its bytes also reduces
+        their :func:`byte_fingerprint`, published beside the tag word (:meth:`fingerprint_of`) — what proves a re-run
+        bit-exact where the output's bytes are not kept. Where the kernel cannot (the tensor not 8-byte aligned,
+        more spans than one launch takes besides it, CUDA without the kernel) there is none."""
         launcher = self.launcher
         if measured is None:
             sources, leads, sizes, total, check_info = self._measure(tensors, check, launcher is not None)
@@ -225,6 +235,8 @@ class DeviceRing:
                     self.view(start, size).copy_(_raw_at(tensor, lead, size))
             if tag is not None:
                 self._fold(check, tag)
+                if fingerprint and check is not None and not check.is_cuda:
+                    self._publish_fingerprint(tag, byte_fingerprint(check))
                 if launcher is not None:  # the kernel's host word: a launch without spans publishes what
                     launcher.launch_prepared([], 0, 1, 0, None, word)  # _fold wrote (its atomic_max keeps it)
             return starts, leads, sizes, tag
@@ -255,6 +267,25 @@ class DeviceRing:
                 spans += checked
                 launcher.launch_prepared(spans, MAX_SPANS, 1, chunk, check_info, word, fused=True)
                 return starts, leads, sizes, tag
+        if (
+            fingerprint
+            and check_info is not None
+            and tag is not None
+            and check_info[0] % 8 == 0
+            and count < MAX_SPANS
+        ):  # one launch: the spans, then the checked tensor's words read for its check and fingerprint
+            printed: list[int] = []
+            chunk = 0
+            for source, size in zip(sources, sizes, strict=True):
+                words = (size + 7) & ~7
+                printed += (source, target, words)
+                chunk += words
+                target += (size + 255) & ~255
+            printed += _PADDING[count + 1]
+            cell, halves = self._fingerprint_cells(tag[0])
+            printed += (check_info[0], cell, halves)
+            launcher.launch_prepared(printed, MAX_SPANS, 1, chunk, check_info, word, printed=True)
+            return starts, leads, sizes, tag
         for first in range(0, max(count, 1), MAX_SPANS):
             last = first + MAX_SPANS >= count
             args: list[int] = []
@@ -348,6 +379,60 @@ class DeviceRing:
         bits = magnitude(check).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         word.copy_(bits + high)
 
+    def _fingerprint_cells(self, slot: int) -> tuple[int, int]:
+        """The device cell the kernel's programs add a slot's fingerprint into (reset by its last program), and the
+        slot's two host words it is published in — made on first use (an eager call's, never inside a capture)."""
+        if self._prints is None:
+            cuda = self.device.type == "cuda"
+            self._prints = torch.zeros(self.tags, dtype=torch.int64, device=self.device)
+            self.host_prints, self._host_prints = host_words(2 * self.tags, cuda)
+        return self._prints.data_ptr() + 8 * slot, self._host_prints + 16 * slot
+
+    def _publish_fingerprint(self, tag: tuple[int, int], value: int) -> None:
+        """The host words of ``tag``'s fingerprint, as the kernel's last program stores them."""
+        self._fingerprint_cells(tag[0])
+        assert self.host_prints is not None
+        high = (tag[1] & 0x7FFFFFFF) << 32
+        for half, bits in enumerate((value & 0xFFFFFFFF, value >> 32)):
+            self.host_prints[2 * tag[0] + half] = np.int64(np.uint64(high | bits).view(np.int64))
+
+    def fingerprint_of(self, tag: tuple[int, int]) -> int | None:
+        """The fingerprint :meth:`record` published for ``tag`` (an unsigned 64-bit integer), or None: none was
+        reduced, it is not finished, or a later call of the slot has overwritten it (both halves carry the tag's
+        generation)."""
+        words = self.host_prints
+        if words is None:
+            return None
+        expected = tag[1] & 0x7FFFFFFF
+        low, high = (int(words[2 * tag[0] + half]) & 0xFFFFFFFFFFFFFFFF for half in (0, 1))
+        if low >> 32 != expected or high >> 32 != expected:
+            return None
+        return (high & 0xFFFFFFFF) << 32 | (low & 0xFFFFFFFF)
+
+
+FINGERPRINT_CONSTANTS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+"""``ring_kernel.GOLDEN``, ``MIX1``, ``MIX2``: splitmix64's increment and finalizer multipliers (checked equal when
+the kernel is imported)."""
+
+
+def byte_fingerprint(tensor: torch.Tensor) -> int:
+    """A 64-bit fingerprint of a tensor's bytes (row-major, as a contiguous copy holds them): over its
+    little-endian 8-byte words (the last padded with zeros), the sum modulo 2**64 of splitmix64's finalizer of
+    ``word + (i + 1) · 0x9E3779B97F4A7C15`` (``i`` the word's index). A sum, so the ring kernel's programs reduce
+    their parts in any order and add them up; equal bytes give equal fingerprints, and any other bytes a different
+    one but with odds of about 2**-64. What the flight recorder keeps of an output it checks but does not copy."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    if len(data) % 8:
+        data = np.concatenate([data, np.zeros(8 - len(data) % 8, dtype=np.uint8)])
+    words = data.view("<u8")
+    golden, first, second = (np.uint64(c) for c in FINGERPRINT_CONSTANTS)
+    with np.errstate(over="ignore"):
+        mixed = words + np.arange(1, len(words) + 1, dtype=np.uint64) * golden
+        mixed = (mixed ^ (mixed >> np.uint64(30))) * first
+        mixed = (mixed ^ (mixed >> np.uint64(27))) * second
+        mixed ^= mixed >> np.uint64(31)
+        return int(mixed.sum(dtype=np.uint64))
+
 
 def magnitude(tensor: torch.Tensor) -> torch.Tensor:
     """A floating-point tensor's largest |x| as the check computes it, a one-element float32 tensor on its device:
@@ -411,6 +496,9 @@ def _kernel_available() -> bool:
 
         if _BLOCK_BYTES[0] != ring_kernel.BLOCK or ring_kernel.SPANS != MAX_SPANS:
             raise ImportError("ring_kernel's BLOCK or SPANS does not match the launcher's")
+        constants = (ring_kernel.GOLDEN, ring_kernel.MIX1, ring_kernel.MIX2)
+        if tuple(int(getattr(c, "value", c)) for c in constants) != FINGERPRINT_CONSTANTS:
+            raise ImportError("ring_kernel's fingerprint constants do not match byte_fingerprint's")
         _KERNEL = ring_kernel
         return True
     except Exception as error:  # no triton, or one whose language differs
@@ -465,16 +553,24 @@ class _Launcher:
         word: tuple[int, int, int, int] | None,
         *,
         fused: bool = False,
+        printed: bool = False,
     ) -> None:
         """One launch. ``args``: ``count`` (source, target, size) triples, flattened (extended here); ``aligned``:
         every size a multiple of 8 (8-byte words); ``total``: bytes copied; ``check``: (address, numel, dtype
         code) of the tensor to reduce, or None; ``word``: (address, generation, finished-programs counter
         address, host word address) of the tag, or None. ``fused``: the checked tensor is the last of
-        :data:`MAX_SPANS` triples, copied in words from its first byte — reduced from the words its copy loads."""
+        :data:`MAX_SPANS` triples, copied in words from its first byte — reduced from the words its copy loads.
+        ``printed``: the last triple is (the checked tensor's address, its fingerprint's device cell, its two host
+        words): read in words where it is, reduced to its check and fingerprint, not copied (mode 4)."""
         if count < MAX_SPANS:
             args += _PADDING[count]
         code = 0
-        if fused and check is not None and word is not None:
+        if printed and check is not None and word is not None:
+            code = check[2]
+            args += (0, check[1], word[0], word[1] & 0x7FFFFFFF, word[2], word[3])
+            total += check[1] * _ITEMSIZE[code]
+            mode = 4
+        elif fused and check is not None and word is not None:
             code = check[2]
             args += (0, check[1], word[0], word[1] & 0x7FFFFFFF, word[2], word[3])
             mode = 3

@@ -551,7 +551,11 @@ class LayerFlight(PollingRecorder):
                 self._last_stream = stream
                 self._streams_seen.add(stream)
             starts, leads, sizes, tag = ring.record(
-                copied, check, error is None, call.measured if copied is tensors else None
+                copied,
+                check,
+                error is None,
+                call.measured if copied is tensors else None,
+                call.unkept is not None,  # an output not kept: its fingerprint proves a re-run bit-exact
             )
             call.output_copy = (starts, leads, sizes)
             call.tag = tag
@@ -1112,6 +1116,12 @@ class LayerFlight(PollingRecorder):
         context = call.where.as_dict(self.ranks())
         context.update(call.extra_context or {})
         context["flight"] = {"scope": "layer", "trigger": trigger, "magnitude": call.value}
+        if call.unkept and call.ring is not None and call.tag is not None:
+            printed = call.ring.fingerprint_of(call.tag)
+            if (
+                printed is not None
+            ):  # the output not kept: its bytes' fingerprint (device_ring.byte_fingerprint)
+                context["flight"]["fingerprint"] = f"{printed:016x}"
         inputs = Snapshot(
             _fill(call.input_tree, input_side), copied=sum(c.size for c in (call.copies or ())[:n_inputs])
         )

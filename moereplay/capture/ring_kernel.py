@@ -12,7 +12,8 @@ finished check with a plain memory read, no CUDA call.
 
 :func:`compile_variant` compiles one variant (``aligned``: 8-byte words instead of bytes; ``code``: the checked
 dtype, 0 for none; ``mode``: 0 no tag word, 1 tag word without a check, 2 tag word with the check, 3 tag word with
-the check of the last span's words) with every integer argument typed int64 and never specialised, and returns
+the check of the last span's words, 4 tag word with the check and fingerprint of words read where they are: the
+last span's source, its target the fingerprint's device cell, its size the address of two host words) with every integer argument typed int64 and never specialised, and returns
 ``launch(programs, stream, args)``: the driver's ``cuLaunchKernel`` called through ctypes with a prepared parameter
 block (no binding, no specialisation lookup, no Python-side argument conversion per call: measured on the H200 host,
 Triton's own launcher path cost ~17 µs per call, a torch operation ~9 µs).
@@ -98,6 +99,46 @@ def _copy_span_max(
     return best
 
 
+GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
+MIX1 = tl.constexpr(0xBF58476D1CE4E5B9)
+MIX2 = tl.constexpr(0x94D049BB133111EB)
+"""The fingerprint's constants (``device_ring.byte_fingerprint``: splitmix64's increment and finalizer)."""
+
+
+@triton.jit
+def _scan_words(source, numel, pid, programs, CODE: tl.constexpr, BLOCK: tl.constexpr):
+    """``MODE`` 4: the checked tensor's words read where they are (not copied), returning per lane the largest
+    magnitude's bits (as :func:`_copy_span_max`) and the sum of each word's mix — ``device_ring.byte_fingerprint``'s
+    terms: the word (its bytes past the tensor zeroed) plus its 1-based index times ``GOLDEN``, through
+    splitmix64's finalizer; sums wrap modulo 2**64, so the programs' parts add up in any order."""
+    src = source.to(tl.pointer_type(tl.int64))
+    nbytes = numel * 4 if CODE == 3 else numel * 2
+    count = (nbytes + 7) // 8
+    offsets = tl.arange(0, BLOCK).to(tl.int64)
+    best = tl.zeros([BLOCK], dtype=tl.int64)
+    total = tl.zeros([BLOCK], dtype=tl.uint64)
+    for start in range(pid * BLOCK, count, programs * BLOCK):
+        index = start + offsets
+        mask = index < count
+        left = tl.minimum(tl.maximum(nbytes - index * 8, 0), 8)  # the tensor's bytes in this word
+        keep = tl.where(left >= 8, -1, (tl.full([BLOCK], 1, tl.int64) << (left * 8)) - 1)
+        words = tl.load(src + index, mask=mask, other=0) & keep
+        if CODE == 3:  # two float32 per word
+            low = tl.where(index * 2 < numel, words & 0x7FFFFFFF, 0)
+            high = tl.where(index * 2 + 1 < numel, (words >> 32) & 0x7FFFFFFF, 0)
+            best = tl.maximum(best, tl.maximum(low, high))
+        else:  # four 16-bit floats per word
+            for k in tl.static_range(4):
+                half = tl.where(index * 4 + k < numel, (words >> (16 * k)) & 0x7FFF, 0)
+                best = tl.maximum(best, half)
+        mixed = words.to(tl.uint64, bitcast=True) + (index + 1).to(tl.uint64) * GOLDEN
+        mixed = (mixed ^ (mixed >> 30)) * MIX1
+        mixed = (mixed ^ (mixed >> 27)) * MIX2
+        mixed = mixed ^ (mixed >> 31)
+        total += tl.where(mask, mixed, 0)
+    return best, total
+
+
 @triton.jit(do_not_specialize=_INTS)
 def ring_copy(
     s0, t0, n0, s1, t1, n1, s2, t2, n2, s3, t3, n3, s4, t4, n4, s5, t5, n5,
@@ -134,12 +175,17 @@ def ring_copy(
     _copy_span(s22, t22, n22, pid, programs, ALIGNED, BLOCK, STREAM)
     if MODE == 3:  # the checked tensor's own words: reduced as they are copied
         fused = tl.max(_copy_span_max(s23, t23, n23, numel, pid, programs, CODE, BLOCK, STREAM), axis=0)
+    elif MODE == 4:  # the checked tensor's words at s23, not copied: its check and fingerprint (cell t23)
+        scanned, printed = _scan_words(s23, numel, pid, programs, CODE, BLOCK)
+        fused = tl.max(scanned, axis=0)
+        part = tl.sum(printed, axis=0).to(tl.int64, bitcast=True)
+        tl.atomic_add(t23.to(tl.pointer_type(tl.int64)), part, sem="relaxed")
     else:
         _copy_span(s23, t23, n23, pid, programs, ALIGNED, BLOCK, STREAM)
     if MODE != 0:
         tag = word.to(tl.pointer_type(tl.int64))
         folded = generation << 32
-        if MODE == 3:
+        if MODE == 3 or MODE == 4:
             if CODE == 2:  # bfloat16: the high half of a float32
                 folded = folded | (fused << 16)
             elif CODE == 1:  # float16: its largest magnitude as a float32's bits
@@ -168,6 +214,11 @@ def ring_copy(
         arrived = tl.atomic_add(counter, 1)  # acq_rel: this program's copies and max before its "done"
         if arrived == programs - 1:  # the last program: every other one's max is in the word
             finished = tl.atomic_add(tag, 0, sem="relaxed")
+            if MODE == 4:  # the fingerprint, in two host words tagged with the generation (n23), cell reset
+                fingerprint = tl.atomic_xchg(t23.to(tl.pointer_type(tl.int64)), 0, sem="relaxed")
+                halves = n23.to(tl.pointer_type(tl.int64))
+                tl.store(halves, (generation << 32) | (fingerprint & 0xFFFFFFFF))
+                tl.store(halves + 1, (generation << 32) | ((fingerprint >> 32) & 0xFFFFFFFF))
             # the reset releases at system scope: every copy this program acquired above is visible to the
             # host (and the copy engine) before the word it stores next — a plain store, no atomic over PCIe
             tl.atomic_xchg(counter, 0, sem="release", scope="sys")

@@ -32,10 +32,11 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            this many bytes is checked (its largest magnitude, as a call's first floating-point
                            output always is) but its bytes are not kept (default 0: every output kept). A
                            trigger's file then holds the call's inputs and, for that output, a marker with its
-                           shape and dtype (the call's flight magnitude is its check); ``moereplay expand``
-                           regenerates it and compares only the largest magnitudes. A diagnostic for now: at
-                           prefill the output's copy (47 MB a gpt-oss layer call at 8,192 tokens) is about half the
-                           ring launch's device time
+                           shape and dtype; the call's flight magnitude is its check, and beside it the 64-bit
+                           fingerprint of its bytes the same pass reduces (``device_ring.byte_fingerprint``).
+                           ``moereplay expand`` regenerates it and judges the re-run bit-exact or not by the
+                           fingerprints (by the magnitudes alone where there is none). At prefill the output's
+                           copy is 47 MB written per gpt-oss layer call at 8,192 tokens
 ``MOEREPLAY_FLIGHT_GRAPH_STAGE``  layer-scope flight recorder under CUDA graphs: a graph-replayed layer call whose
                            entry takes at most this much is staged — on the graph's path only a copy, its record
                            and check at the graph's end (``FLIGHT_GRAPH_BATCH``) or beside the layers that follow

@@ -26,8 +26,10 @@ Verdicts: the re-run parent's outputs against the recorded ones, byte for byte (
 when the recorded parent had kernel calls — each re-run kernel call's outputs against the recorded one in call
 order. Not bit-exact is a finding, not an error: the kernel read state outside its arguments (triton_kernels'
 process-wide opt_flags, a stale workspace), or it is nondeterministic. An output the flight recorder checked but
-did not keep (``MOEREPLAY_FLIGHT_OUTPUT_BYTES``) has no bytes to compare: its recorded largest magnitude is compared
-with the re-run's (``ExpandedCall.checked``; the verdict stays not compared).
+did not keep (``MOEREPLAY_FLIGHT_OUTPUT_BYTES``) has no bytes to compare: the fingerprint of its bytes the recorder
+reduced is compared with the re-run's (``device_ring.byte_fingerprint``; ``ExpandedCall.fingerprints``: equal is
+bit-exact, else it differs), and its recorded largest magnitude with the re-run's (``ExpandedCall.checked``; with
+no fingerprint in the file the verdict stays not compared).
 
 Cost: the re-run itself, plus the capture writing every call (weights hashed and compressed once per call) and
 one copy of that file into ``OUT``. The re-runs are not isolated in a worker: a kernel that kills the CUDA context
@@ -50,6 +52,7 @@ from typing import Any
 
 import torch
 
+from moereplay.capture.device_ring import byte_fingerprint
 from moereplay.capture.flight_layer import is_unkept_marker, largest_magnitude
 from moereplay.capture.patch_points import TARGETS, CaptureTarget
 from moereplay.capture.patching import ORIGINAL
@@ -453,6 +456,7 @@ def _judge(
         }
         outputs: tuple[OutputComparison, ...] = ()
         checked: tuple[str, float | None, float] | None = None
+        fingerprints: tuple[str, str] | None = None
         if run.error is not None:
             verdict = ExpandVerdict.RAISED
         elif record.status != "completed" or top.status != "completed":
@@ -462,7 +466,12 @@ def _judge(
             outputs = compare_outputs(recorded_outputs, rerun_outputs)
             if not outputs:
                 verdict = ExpandVerdict.NOT_COMPARED
-                checked = _checked_only(record.context, recorded_outputs, rerun_outputs)
+                found = _checked_only(record.context, recorded_outputs, rerun_outputs)
+                if found is not None:
+                    checked, fingerprints = found
+                if fingerprints is not None:  # the output's bytes compared by their fingerprints
+                    same = fingerprints[0] == fingerprints[1]
+                    verdict = ExpandVerdict.BIT_EXACT if same else ExpandVerdict.DIFFERS
             elif all(output.bit_exact for output in outputs):
                 verdict = ExpandVerdict.BIT_EXACT
             else:
@@ -518,6 +527,7 @@ def _judge(
             run.error,
             run.notes,
             checked,
+            fingerprints,
         )
         contexts[top.index] = {
             **inherited,
@@ -534,15 +544,18 @@ def _judge(
 
 def _checked_only(
     context: Mapping[str, Any], recorded: Mapping[str, Any], rerun: Mapping[str, Any]
-) -> tuple[str, float | None, float] | None:
+) -> tuple[tuple[str, float | None, float], tuple[str, str] | None] | None:
     """An output the flight recorder checked but did not keep (``MOEREPLAY_FLIGHT_OUTPUT_BYTES``) and the re-run's
     tensor of that name, else its primary output (the re-run of a layer call kept one level up may name it
-    otherwise): (name, the recorded largest magnitude — None when its check was never read —, the re-run's), or
-    None."""
+    otherwise): ((name, the recorded largest magnitude — None when its check was never read —, the re-run's),
+    (the recorded fingerprint, the re-run's) where the recording has one, else None), or None."""
     flight = context.get("flight")
     magnitude = flight.get("magnitude") if isinstance(flight, Mapping) else None
     if not isinstance(magnitude, (int, float)) or isinstance(magnitude, bool):
         magnitude = None
+    printed = flight.get("fingerprint") if isinstance(flight, Mapping) else None
+    if not (isinstance(printed, str) and len(printed) == 16 and set(printed) <= set("0123456789abcdef")):
+        printed = None  # none recorded (or not one the recorder writes: never trusted as a proof)
     for name, value in recorded.items():
         if not is_unkept_marker(value):
             continue
@@ -551,5 +564,6 @@ def _checked_only(
             primary = primary_output(rerun)
             again = primary[1] if primary is not None else None
         if isinstance(again, torch.Tensor):
-            return name, None if magnitude is None else float(magnitude), largest_magnitude(again)
+            checked = (name, None if magnitude is None else float(magnitude), largest_magnitude(again))
+            return checked, None if printed is None else (printed, f"{byte_fingerprint(again):016x}")
     return None

@@ -139,6 +139,9 @@ class ExpandedCall:
     # an output the recording checked but did not keep (MOEREPLAY_FLIGHT_OUTPUT_BYTES): (its name, the recorded
     # largest magnitude — None when its check was never read —, the re-run's), compared in place of its bytes
     checked: tuple[str, float | None, float] | None = None
+    # for that output, the fingerprint of its bytes the recorder reduced and the re-run's (device_ring.
+    # byte_fingerprint, 16 hex digits), where the recording has one: the verdict is bit-exact when they are equal
+    fingerprints: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if (self.verdict is ExpandVerdict.RAISED) != (self.error is not None):
@@ -163,7 +166,7 @@ class ExpandedCall:
         placed = f"kernel calls {kernels} in {output_name}"
         if self.verdict is ExpandVerdict.RAISED:
             return f"{head}the re-run raised {self.error}; {placed}"
-        if self.verdict is ExpandVerdict.NOT_COMPARED and self.checked is not None:
+        if self.checked is not None:
             body = self._checked_only(output_name)
         elif self.verdict is ExpandVerdict.NOT_COMPARED:
             body = "re-run; the recorded call has no output to compare"
@@ -190,6 +193,8 @@ class ExpandedCall:
         assert self.checked is not None
         name, recorded, rerun = self.checked
         what = "output" if name in _PLAIN_OUTPUT_NAMES else name
+        if self.fingerprints is not None:
+            return self._fingerprinted(what, output_name)
         text = f"re-run; the recorded {what} was checked, not kept (no bytes to compare): largest |x| "
         if recorded is None:
             return text + f"{rerun:.6g} re-run, the recorded check never read (the call was not checked)"
@@ -201,6 +206,27 @@ class ExpandedCall:
         else:
             text += f" — the check differs ({_REASONS})"
         return text + self._fill_hint(output_name)
+
+    def _fingerprinted(self, what: str, output_name: str) -> str:
+        """The line's body for an output checked and fingerprinted, not kept: bit-exact or not by its fingerprint."""
+        assert self.checked is not None and self.fingerprints is not None
+        _, recorded, rerun = self.checked
+        printed, again = self.fingerprints
+        if printed == again:
+            return (
+                f"re-run bit-exact with the recorded {what} by its fingerprint {printed} (checked, not kept; "
+                f"largest |x| {rerun:.6g})"
+            )
+        text = f"re-run differs from the recorded {what}: fingerprint {printed} recorded, {again} re-run"
+        if recorded is not None:
+            text += f"; largest |x| {recorded:.6g} recorded, {rerun:.6g} re-run"
+            if not math.isfinite(recorded) and math.isfinite(rerun):
+                return (
+                    text
+                    + f" — the failure did not reproduce in a fresh process ({_REASONS})"
+                    + (self._fill_hint(output_name))
+                )
+        return text + f" — not bit-exact ({_REASONS})" + self._fill_hint(output_name)
 
     def _fill_hint(self, output_name: str) -> str:
         first = self.kernel_calls[0] if self.kernel_calls else None
@@ -271,6 +297,8 @@ class ExpandedCall:
                     "recorded_magnitude": _json_float(self.checked[1]),
                     "rerun_magnitude": _json_float(self.checked[2]),
                     "agrees": self.check_agrees,
+                    "recorded_fingerprint": self.fingerprints[0] if self.fingerprints else None,
+                    "rerun_fingerprint": self.fingerprints[1] if self.fingerprints else None,
                 }
             ),
         }

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from moereplay.capture import session as session_module
+from moereplay.capture.device_ring import byte_fingerprint
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.format import CaptureReader
 from moereplay.format.schema import Unsupported
@@ -317,11 +318,14 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
             hidden = _hidden(record.context["call"] - 1)
             assert torch.equal(_bits(reader.load_args(record.index)["hidden"]), _bits(hidden)), record.index
             output = reader.load_outputs(record.index)["return"]
+            expected = fresh_layer(hidden, weight)
             if unkept:  # the NaN found all the same, by the check of the output where the call left it
                 assert isinstance(output, Unsupported) and "not kept" in output.repr_excerpt
+                # and the ring kernel's fingerprint of its bytes (mode 4) is the host's of the same bytes
+                printed = record.context["flight"]["fingerprint"]
+                assert printed == f"{byte_fingerprint(expected):016x}", record.index
                 continue
-            expected = _bits(fresh_layer(hidden, weight))
-            assert torch.equal(_bits(output), expected), record.index
+            assert torch.equal(_bits(output), _bits(expected)), record.index
 
 
 def _hidden(step: int) -> torch.Tensor:

@@ -144,8 +144,8 @@ def main() -> int:
     parser.add_argument(
         "--unkept",
         action="store_true",
-        help="also the launch with the output checked where it is, not copied (MOEREPLAY_FLIGHT_OUTPUT_BYTES): "
-        "a row 'unkept' whose ring/torch column is its time over the row's above",
+        help="also the launch with the output checked and fingerprinted where it is, not copied "
+        "(MOEREPLAY_FLIGHT_OUTPUT_BYTES): a row 'unkept' whose ring/torch column is its time over the row's above",
     )
     parser.add_argument(
         "--beside",
@@ -206,7 +206,7 @@ def main() -> int:
                 ring.launcher.stream_stores = ring.stream_stores = stream
                 ring.record(tensors, output, True)  # compiles the variant this call uses
                 if options.unkept:  # and the one of the output checked only (recompiled below with the rest)
-                    ring.record(tensors[:-1], output, True)
+                    ring.record(tensors[:-1], output, True, fingerprint=True)
                 if warps != 4 or block != ring_kernel.BLOCK:
                     recompile(ring, warps, block, stream)
                 # bytes moved: the copies read and written, and the check's own read unless fused
@@ -232,7 +232,7 @@ def main() -> int:
                     if options.unkept:  # the output checked where it is, not copied (FLIGHT_OUTPUT_BYTES)
 
                         def unkept(ring=ring, inputs=tensors[:-1], output=output) -> None:
-                            ring.record(inputs, output, True)
+                            ring.record(inputs, output, True, fingerprint=True)
 
                         def unkept_then_next(unkept=unkept, following=following) -> None:
                             unkept()

@@ -12,7 +12,7 @@ import torch
 from conftest import layer_doubling
 
 from moereplay.capture import session as session_module
-from moereplay.capture.device_ring import ALIGNMENT, DeviceRing, decode_word
+from moereplay.capture.device_ring import ALIGNMENT, DeviceRing, byte_fingerprint, decode_word
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.format import CaptureReader
 from moereplay.format.schema import Unsupported
@@ -525,6 +525,8 @@ def test_an_output_over_the_output_limit_is_checked_but_not_kept(arm, kernels, i
             marker = reader.load_outputs(record.index)["return"]
             assert isinstance(marker, Unsupported) and "not kept" in marker.repr_excerpt
             assert str(tuple(output.shape)) in marker.repr_excerpt
+            # the fingerprint of the bytes not kept, reduced in the check's pass: expand's bit-exact proof
+            assert record.context["flight"]["fingerprint"] == f"{byte_fingerprint(output):016x}"
 
 
 def test_an_output_under_the_output_limit_is_kept(arm, kernels, inputs) -> None:

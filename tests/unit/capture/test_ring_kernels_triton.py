@@ -98,7 +98,24 @@ def test_an_output_checked_only_gets_the_fused_launchs_word_and_no_ring_byte_in_
     assert len(lines) == 15, done.stdout  # three dtypes, five values each
     for line in lines:
         assert "False" not in line and "counter 0," in line, line
+        # mode 4: the same word, and the fingerprint byte_fingerprint recomputes (expand's bit-exact proof)
+        assert "fingerprinted: word as fused True, counter 0, cell reset True" in line, line
+        assert "halves tagged True, fingerprint right True" in line, line
     assert "bfloat16 nan:" in done.stdout and "ok nan magnitude right: True" in done.stdout
+
+
+@pytest.mark.parametrize("code", [1, 2, 3])
+def test_the_fingerprinting_check_compiles_for_hopper_without_spills(tmp_path: Path, code: int) -> None:
+    """sm_90 without a GPU: the ring kernel's mode 4 (the checked output's words read where they are for its check
+    and fingerprint, no span of its own copied) is a cubin with no local memory or spills, reads the output in
+    8-byte words, and adds each program's part of the fingerprint by one 64-bit atomic."""
+    from moereplay.capture.ring_kernel import _INTS, BLOCK, ring_copy
+
+    constants = {"ALIGNED": 1, "CODE": code, "MODE": 4, "BLOCK": BLOCK, "STREAM": 0}
+    ptx = _hopper(ring_copy, _INTS, constants, tmp_path).asm["ptx"]
+    assert "ld.global.b64" in ptx, ptx[:2000]
+    # each program's part added, and the last one's read and reset of the cell
+    assert "atom.global.gpu.relaxed.add.u64" in ptx and "atom.global.gpu.relaxed.exch.b64" in ptx
 
 
 def test_the_batch_record_kernel_compiles_for_hopper_without_spills(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from aligned_pool import AlignedPool
 from conftest import layer_doubling
 
 from moereplay.capture import device_ring
-from moereplay.capture.device_ring import ALIGNMENT, MAX_SPANS, DeviceRing, decode_word
+from moereplay.capture.device_ring import ALIGNMENT, MAX_SPANS, DeviceRing, byte_fingerprint, decode_word
 
 _DTYPES = {1: np.float16, 3: np.float32}
 
@@ -36,7 +36,8 @@ class Emulator:
     def __call__(self, programs: int, stream: int, args: list[int]) -> None:
         assert len(args) == 3 * MAX_SPANS + 6 and programs >= 1
         self.launches.append((self.aligned, self.code, self.mode, list(args)))
-        for i in range(MAX_SPANS):
+        # mode 4: the last triple is (checked tensor, fingerprint cell, host words), read, not copied
+        for i in range(MAX_SPANS - 1 if self.mode == 4 else MAX_SPANS):
             source, target, size = args[3 * i : 3 * i + 3]
             if self.aligned:
                 assert (source | target | size) % 8 == 0, "an aligned variant got unaligned spans"
@@ -53,7 +54,18 @@ class Emulator:
             nbytes = numel * (4 if self.code == 3 else 2)
             last = args[3 * (MAX_SPANS - 1) + 2] - nbytes
             assert 0 <= last < 8, "the last span is the checked tensor's words"
-        if self.mode in (2, 3):
+        printed = None
+        if self.mode == 4:  # the check and the fingerprint from the tensor's own bytes, where it is
+            assert check == 0 and self.aligned == 1, "a fingerprinting check reads words from the last span"
+            check, cell, halves = args[3 * (MAX_SPANS - 1) : 3 * MAX_SPANS]
+            assert check % 8 == 0, "the checked tensor's words must be aligned"
+            nbytes = numel * (4 if self.code == 3 else 2)
+            raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(check)).copy()
+            part = byte_fingerprint(torch.from_numpy(raw))
+            added = ctypes.c_int64.from_address(cell)
+            added.value = (added.value + part + (1 << 63)) % (1 << 64) - (1 << 63)  # wraps as the atomic does
+            printed = (cell, halves)
+        if self.mode in (2, 3, 4):
             if self.code == 2:  # bfloat16: widen through the upper half of a float32
                 raw = np.ctypeslib.as_array((ctypes.c_uint16 * numel).from_address(check))
                 values = (raw.astype(np.uint32) << 16).view(np.float32)
@@ -72,6 +84,14 @@ class Emulator:
         counter = ctypes.c_int32.from_address(done)
         assert counter.value == 0, "the slot's counter was not reset by its last launch"
         finished = slot.value
+        if printed is not None:  # the last program: the cell read and reset, both halves tagged and stored
+            cell_value = ctypes.c_int64.from_address(printed[0])
+            value, cell_value.value = cell_value.value & 0xFFFFFFFFFFFFFFFF, 0
+            for half, bits in enumerate((value & 0xFFFFFFFF, value >> 32)):
+                word_value = (generation << 32 | bits) & 0xFFFFFFFFFFFFFFFF
+                ctypes.c_int64.from_address(printed[1] + 8 * half).value = word_value - (
+                    1 << 64 if word_value >> 63 else 0
+                )
 
         def publish() -> None:
             ctypes.c_int64.from_address(host).value = finished
@@ -188,6 +208,42 @@ def test_the_check_is_fused_only_where_its_copy_holds_exactly_its_bytes(emulated
     _, _, _, tag = ring.record([out, hidden], out, True)
     assert emulated.launches[-1][2] == 2 and emulated.launches[-1][3][3 * MAX_SPANS] == out.data_ptr()
     assert tag is not None and decode_word(int(ring.words[tag[0]]), tag[1]) == ("ok", 7.5)
+
+
+def test_an_output_not_kept_is_checked_and_fingerprinted_by_one_launch(emulated) -> None:
+    """``record(..., fingerprint=True)`` with the output not among the copied tensors: one launch (mode 4) copies
+    the spans and reads the output's words where they are for its check and fingerprint — the last triple its
+    address, the slot's fingerprint cell and host words —, and ``fingerprint_of`` reads back byte_fingerprint's
+    value. An output off an 8-byte boundary, or one more span than a launch leaves room for, gets the check
+    without a fingerprint (mode 2); a later call of the same slot makes the old tag's fingerprint unreadable."""
+    ring = emulated()
+    hidden = aligned(2880 * 2, torch.bfloat16).copy_(torch.randn(2880 * 2))
+    weights = aligned(8, torch.float32).copy_(torch.rand(8))
+    out = aligned(99, torch.bfloat16).copy_(torch.randn(99))  # odd: bytes past it in its last word
+    out[40] = -300.0
+    starts, _, _, tag = ring.record([hidden, weights], out, True, fingerprint=True)
+    assert tag is not None and len(emulated.launches) == 1
+    aligned_flag, code, mode, args = emulated.launches[0]
+    assert (aligned_flag, code, mode) == (1, 2, 4)
+    cell, halves = ring._fingerprint_cells(tag[0])
+    assert args[3 * (MAX_SPANS - 1) : 3 * MAX_SPANS] == [out.data_ptr(), cell, halves]
+    assert args[3 * MAX_SPANS : 3 * MAX_SPANS + 2] == [0, out.numel()]
+    for tensor, start in zip((hidden, weights), starts, strict=True):
+        assert torch.equal(ring.view(start, tensor.nbytes), tensor.view(torch.uint8))
+    assert decode_word(int(ring.words[tag[0]]), tag[1]) == ("ok", 300.0)
+    assert ring.fingerprint_of(tag) == byte_fingerprint(out)
+    assert int(ring._prints[tag[0]]) == 0  # the cell reset for the slot's next use
+
+    shifted = aligned(99, torch.bfloat16, offset=6).copy_(out)
+    _, _, _, other = ring.record([hidden], shifted, True, fingerprint=True)
+    assert other is not None and emulated.launches[-1][2] == 2 and ring.fingerprint_of(other) is None
+    many = [aligned(4, torch.float32).fill_(float(i)) for i in range(MAX_SPANS)]
+    _, _, _, full = ring.record(many, out, True, fingerprint=True)
+    assert full is not None and emulated.launches[-1][2] == 2 and ring.fingerprint_of(full) is None
+    ring.issued = tag[0] + ring.tags  # the next tag takes the first call's slot, one generation on
+    _, _, _, again = ring.record([], out, True, fingerprint=True)
+    assert again is not None and again[0] == tag[0] and again[1] == tag[1] + 1
+    assert ring.fingerprint_of(tag) is None and ring.fingerprint_of(again) == byte_fingerprint(out)
 
 
 @pytest.mark.parametrize("special", [math.nan, math.inf])

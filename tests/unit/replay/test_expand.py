@@ -25,6 +25,7 @@ import torch
 from typer.testing import CliRunner
 
 from moereplay.capture import session as session_module
+from moereplay.capture.device_ring import byte_fingerprint
 from moereplay.capture.flight_layer import largest_magnitude, unkept_marker
 from moereplay.cli import app, main
 from moereplay.errors import ReplayError, SettingsError
@@ -257,6 +258,7 @@ def layer_scope_record(
     site: str = "",
     magnitude: float | None = 3.5,
     unkept: bool = False,
+    fingerprint: str | None = None,
 ) -> Any:
     """A layer call as the layer-scope flight recorder writes it: no kernel calls, scratch buffers not kept, the
     output buffer among the inputs, the result among the outputs, ``context["flight"]``."""
@@ -284,6 +286,8 @@ def layer_scope_record(
         "graph_batch": 6,
         "flight": {"scope": "layer", "trigger": True, "magnitude": magnitude},
     }
+    if fingerprint is not None:
+        context["flight"]["fingerprint"] = fingerprint
     with CaptureWriter(path) as writer:
         index = writer.begin_call(
             "fused_marlin_moe",
@@ -365,6 +369,54 @@ def test_an_output_checked_but_not_kept_is_compared_by_its_magnitude(
     assert call["checked"]["agrees"] is {"agrees": True, "nan": False, "unread": None}[case]
     with CaptureReader(tmp_path / "out.moe.zst") as out:
         assert out.call(0).context["expanded_from"]["check_agrees"] is call["checked"]["agrees"]
+
+
+@pytest.mark.parametrize("case", ["same", "other", "nan", "malformed"])
+def test_an_output_checked_and_fingerprinted_is_judged_bit_exact_by_its_fingerprint(
+    fake_vllm, tmp_path: Path, case: str
+) -> None:
+    """An output checked but not kept, with the fingerprint of its bytes the recorder reduced in the same pass: the
+    re-run's fingerprint (device_ring.byte_fingerprint) equal is a bit-exact verdict, unequal a difference — a NaN
+    recorded and not re-run said so —; a value that is not one the recorder writes is no proof (magnitudes only)."""
+    source = tmp_path / "flight.moe.zst"
+    expected = layer_scope_record(source, unkept=True)
+    right = f"{byte_fingerprint(expected):016x}"
+    flipped = expected.clone()
+    flipped.view(torch.int16).view(-1)[7] ^= 1  # one bit of one element
+    printed = {
+        "same": right,
+        "other": f"{byte_fingerprint(flipped):016x}",
+        "nan": f"{byte_fingerprint(flipped):016x}",
+        "malformed": right.upper(),
+    }[case]
+    magnitude = math.nan if case == "nan" else largest_magnitude(expected)
+    layer_scope_record(source, unkept=True, magnitude=magnitude, fingerprint=printed)
+    result, json_out = expand_on_cpu(source, tmp_path)
+    line = next(line for line in result.stdout.splitlines() if line.startswith("call 0 "))
+    call = json.loads(json_out.read_text())["calls"][0]
+    if case == "same":
+        assert (
+            f"re-run bit-exact with the recorded output by its fingerprint {right} (checked, not kept" in line
+        )
+        assert call["verdict"] == "bit_exact" and call["bit_exact"] is True
+    elif case == "malformed":
+        assert "fingerprint" not in line and "— the check agrees" in line
+        assert call["verdict"] == "not_compared" and call["checked"]["recorded_fingerprint"] is None
+    else:
+        assert (
+            f"re-run differs from the recorded output: fingerprint {printed} recorded, {right} re-run" in line
+        )
+        assert call["verdict"] == "differs" and call["bit_exact"] is False
+        assert "--fill 0xff" in line
+        if case == "nan":
+            assert "the failure did not reproduce in a fresh process" in line
+        else:
+            assert "— not bit-exact" in line
+    if case != "malformed":
+        assert call["checked"]["recorded_fingerprint"] == printed
+        assert call["checked"]["rerun_fingerprint"] == right
+    with CaptureReader(tmp_path / "out.moe.zst") as out:
+        assert out.call(0).context["expanded_from"]["bit_exact"] is call["bit_exact"]
 
 
 def test_arguments_that_cannot_be_passed_are_one_line_errors(fake_vllm, tmp_path: Path) -> None:
