@@ -144,20 +144,23 @@ class DeviceRing:
         self.host_words: np.ndarray | None = None
         self._done = 0
         self._host = 0
+        # fingerprints of checked outputs not copied (record's ``fingerprint``): per slot a device cell the
+        # kernel's programs add into, and two host words it is published in
+        self._prints: torch.Tensor | None = None
+        self.host_prints: np.ndarray | None = None
+        self._host_prints = 0
         if use_kernel and cuda:
             self.done = torch.zeros(tags, dtype=torch.int32, device=device)
             self._done = self.done.data_ptr()
             self.host_words, self._host = host_words(tags, True)
+            self._prints = torch.zeros(tags, dtype=torch.int64, device=device)
+            self.host_prints, self._host_prints = host_words(2 * tags, True)
         elif not cuda:
             self.host_words = self.words.numpy()
             self.done = torch.zeros(tags, dtype=torch.int32)
             self._done = self.done.data_ptr()
             self._host = self._words
         self.stream_stores = stream_stores
-        # fingerprints of checked outputs not copied (record's ``fingerprint``): made on first use
-        self._prints: torch.Tensor | None = None
-        self.host_prints: np.ndarray | None = None
-        self._host_prints = 0
         self._made_ns = time.perf_counter_ns() - started
 
     def setup_ns(self) -> int:
@@ -269,6 +272,7 @@ class DeviceRing:
                 return starts, leads, sizes, tag
         if (
             fingerprint
+            and FINGERPRINT
             and check_info is not None
             and tag is not None
             and check_info[0] % 8 == 0
@@ -381,11 +385,13 @@ class DeviceRing:
 
     def _fingerprint_cells(self, slot: int) -> tuple[int, int]:
         """The device cell the kernel's programs add a slot's fingerprint into (reset by its last program), and the
-        slot's two host words it is published in — made on first use (an eager call's, never inside a capture)."""
+        slot's two host words it is published in (made with the ring where it has the kernel; on the CPU path on
+        first use, under the ring's lock)."""
         if self._prints is None:
-            cuda = self.device.type == "cuda"
-            self._prints = torch.zeros(self.tags, dtype=torch.int64, device=self.device)
-            self.host_prints, self._host_prints = host_words(2 * self.tags, cuda)
+            with self._lock:
+                if self._prints is None:
+                    self.host_prints, self._host_prints = host_words(2 * self.tags, False)
+                    self._prints = torch.zeros(self.tags, dtype=torch.int64, device=self.device)
         return self._prints.data_ptr() + 8 * slot, self._host_prints + 16 * slot
 
     def _publish_fingerprint(self, tag: tuple[int, int], value: int) -> None:
@@ -517,6 +523,11 @@ FUSED_CHECK = True
 """Whether a checked tensor that is also copied is reduced from its copy's words (one read of its bytes; see
 :mod:`moereplay.capture.ring_kernel`) rather than by a second pass over it. ``tools/bench/ring_bandwidth.py``
 turns it off to measure both."""
+
+
+FINGERPRINT = True
+"""Whether :meth:`DeviceRing.record`'s ``fingerprint`` reduces one (mode 4) or only checks the output (mode 2):
+``tools/bench/ring_bandwidth.py --unkept`` turns it off to time both."""
 
 
 def _position(tensors: list[torch.Tensor], tensor: torch.Tensor) -> int:

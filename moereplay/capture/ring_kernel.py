@@ -121,7 +121,8 @@ def _scan_words(source, numel, pid, programs, CODE: tl.constexpr, BLOCK: tl.cons
         index = start + offsets
         mask = index < count
         left = tl.minimum(tl.maximum(nbytes - index * 8, 0), 8)  # the tensor's bytes in this word
-        keep = tl.where(left >= 8, -1, (tl.full([BLOCK], 1, tl.int64) << (left * 8)) - 1)
+        # (the shift never reaches 64: a whole word keeps every byte by the where's other side)
+        keep = tl.where(left >= 8, -1, (tl.full([BLOCK], 1, tl.int64) << (tl.minimum(left, 7) * 8)) - 1)
         words = tl.load(src + index, mask=mask, other=0) & keep
         if CODE == 3:  # two float32 per word
             low = tl.where(index * 2 < numel, words & 0x7FFFFFFF, 0)

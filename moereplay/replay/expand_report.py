@@ -213,10 +213,16 @@ class ExpandedCall:
         _, recorded, rerun = self.checked
         printed, again = self.fingerprints
         if printed == again:
-            return (
+            text = (
                 f"re-run bit-exact with the recorded {what} by its fingerprint {printed} (checked, not kept; "
                 f"largest |x| {rerun:.6g})"
             )
+            if self.check_agrees is False:  # the same bytes, another magnitude: the recorded check is wrong
+                text += (
+                    f"; but the recorded check said largest |x| {recorded:.6g}: the flight recorder's check "
+                    "disagrees with the bytes it fingerprinted"
+                )
+            return text
         text = f"re-run differs from the recorded {what}: fingerprint {printed} recorded, {again} re-run"
         if recorded is not None:
             text += f"; largest |x| {recorded:.6g} recorded, {rerun:.6g} re-run"

@@ -145,7 +145,8 @@ def main() -> int:
         "--unkept",
         action="store_true",
         help="also the launch with the output checked and fingerprinted where it is, not copied "
-        "(MOEREPLAY_FLIGHT_OUTPUT_BYTES): a row 'unkept' whose ring/torch column is its time over the row's above",
+        "(MOEREPLAY_FLIGHT_OUTPUT_BYTES): a row 'unkept' whose ring/torch column is its time over the row's above, "
+        "and 'no-fp', the same launch without the fingerprint",
     )
     parser.add_argument(
         "--beside",
@@ -205,8 +206,11 @@ def main() -> int:
                 # (the variants are keyed without it: cleared after each setting, below)
                 ring.launcher.stream_stores = ring.stream_stores = stream
                 ring.record(tensors, output, True)  # compiles the variant this call uses
-                if options.unkept:  # and the one of the output checked only (recompiled below with the rest)
+                if options.unkept:  # and those of the output checked only, with and without its fingerprint
                     ring.record(tensors[:-1], output, True, fingerprint=True)
+                    device_ring.FINGERPRINT = False
+                    ring.record(tensors[:-1], output, True, fingerprint=True)
+                    device_ring.FINGERPRINT = True
                 if warps != 4 or block != ring_kernel.BLOCK:
                     recompile(ring, warps, block, stream)
                 # bytes moved: the copies read and written, and the check's own read unless fused
@@ -238,15 +242,19 @@ def main() -> int:
                             unkept()
                             following()
 
-                        unkept_ms = timed(unkept, options.repeats)
                         moved_unkept = 2 * (copied - output_bytes) + output_bytes
-                        print(
-                            f"{tokens:>7} {warps:>5} {block:>5} {per_sm:>7} {'unkept':>6} "
-                            f"{'yes' if stream else 'no':>6} {unkept_ms:>8.3f} "
-                            f"{moved_unkept / unkept_ms / 1e6:>9.0f} {'':>8} {'':>10} "
-                            f"{unkept_ms / ring_ms:>10.2f} {timed(unkept_then_next, options.repeats):>8.3f} "
-                            f"{next_ms:>8.3f}"
-                        )
+                        # the recorder's launch (check and fingerprint, mode 4), then the check alone (mode 2)
+                        for label, printed in (("unkept", True), ("no-fp", False)):
+                            device_ring.FINGERPRINT = printed
+                            unkept_ms = timed(unkept, options.repeats)
+                            print(
+                                f"{tokens:>7} {warps:>5} {block:>5} {per_sm:>7} {label:>6} "
+                                f"{'yes' if stream else 'no':>6} {unkept_ms:>8.3f} "
+                                f"{moved_unkept / unkept_ms / 1e6:>9.0f} {'':>8} {'':>10} "
+                                f"{unkept_ms / ring_ms:>10.2f} "
+                                f"{timed(unkept_then_next, options.repeats):>8.3f} {next_ms:>8.3f}"
+                            )
+                        device_ring.FINGERPRINT = True
                 ring.launcher._variants.clear()  # the next variants compile afresh
         device_ring.FUSED_CHECK = True
     if options.beside:

@@ -371,7 +371,7 @@ def test_an_output_checked_but_not_kept_is_compared_by_its_magnitude(
         assert out.call(0).context["expanded_from"]["check_agrees"] is call["checked"]["agrees"]
 
 
-@pytest.mark.parametrize("case", ["same", "other", "nan", "malformed"])
+@pytest.mark.parametrize("case", ["same", "same-bad-check", "other", "nan", "malformed"])
 def test_an_output_checked_and_fingerprinted_is_judged_bit_exact_by_its_fingerprint(
     fake_vllm, tmp_path: Path, case: str
 ) -> None:
@@ -385,19 +385,25 @@ def test_an_output_checked_and_fingerprinted_is_judged_bit_exact_by_its_fingerpr
     flipped.view(torch.int16).view(-1)[7] ^= 1  # one bit of one element
     printed = {
         "same": right,
+        "same-bad-check": right,
         "other": f"{byte_fingerprint(flipped):016x}",
         "nan": f"{byte_fingerprint(flipped):016x}",
-        "malformed": right.upper(),
+        "malformed": right[:15],  # 15 digits: not a value the recorder writes
     }[case]
-    magnitude = math.nan if case == "nan" else largest_magnitude(expected)
+    magnitude = {"nan": math.nan, "same-bad-check": 123.0}.get(case, largest_magnitude(expected))
     layer_scope_record(source, unkept=True, magnitude=magnitude, fingerprint=printed)
     result, json_out = expand_on_cpu(source, tmp_path)
     line = next(line for line in result.stdout.splitlines() if line.startswith("call 0 "))
     call = json.loads(json_out.read_text())["calls"][0]
-    if case == "same":
+    if case.startswith("same"):
         assert (
             f"re-run bit-exact with the recorded output by its fingerprint {right} (checked, not kept" in line
         )
+        # the same bytes but another magnitude recorded: the recorder's check, not the re-run, is suspect
+        disagrees = (
+            "; but the recorded check said largest |x| 123: the flight recorder's check disagrees" in line
+        )
+        assert disagrees == (case == "same-bad-check"), line
         assert call["verdict"] == "bit_exact" and call["bit_exact"] is True
     elif case == "malformed":
         assert "fingerprint" not in line and "— the check agrees" in line
