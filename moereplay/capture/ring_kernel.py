@@ -71,13 +71,28 @@ def _copy_span(
 
 
 @triton.jit
+def _word_max(best, words, index, numel, CODE: tl.constexpr):
+    """``best`` raised per lane to the largest magnitude's bits among the elements (of dtype ``CODE``) that the
+    8-byte words at ``index`` hold, of the first ``numel`` — the |x| bit patterns of IEEE floats order as integers
+    (NaN above Inf, as the separate reduction's float32 bits do); bytes of the last word past the tensor are not
+    its elements and are left out."""
+    if CODE == 3:  # two float32 per word
+        low = tl.where(index * 2 < numel, words & 0x7FFFFFFF, 0)
+        high = tl.where(index * 2 + 1 < numel, (words >> 32) & 0x7FFFFFFF, 0)
+        best = tl.maximum(best, tl.maximum(low, high))
+    else:  # four 16-bit floats per word
+        for k in tl.static_range(4):
+            half = tl.where(index * 4 + k < numel, (words >> (16 * k)) & 0x7FFF, 0)
+            best = tl.maximum(best, half)
+    return best
+
+
+@triton.jit
 def _copy_span_max(
     source, target, size, numel, pid, programs, CODE: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr
 ):
     """:func:`_copy_span` of 8-byte words, returning per lane the largest magnitude's bits among the first
-    ``numel`` elements (of dtype ``CODE``) the words hold — the |x| bit patterns of IEEE floats order as integers
-    (NaN above Inf, as the separate reduction's float32 bits do); bytes of the last word past the tensor are
-    not its elements and are left out."""
+    ``numel`` elements (of dtype ``CODE``) the words hold (:func:`_word_max`)."""
     src = source.to(tl.pointer_type(tl.int64))
     dst = target.to(tl.pointer_type(tl.int64))
     count = size // 8
@@ -88,14 +103,7 @@ def _copy_span_max(
         mask = index < count
         words = tl.load(src + index, mask=mask, other=0)
         _store(dst + index, words, mask, STREAM)
-        if CODE == 3:  # two float32 per word
-            low = tl.where(index * 2 < numel, words & 0x7FFFFFFF, 0)
-            high = tl.where(index * 2 + 1 < numel, (words >> 32) & 0x7FFFFFFF, 0)
-            best = tl.maximum(best, tl.maximum(low, high))
-        else:  # four 16-bit floats per word
-            for k in tl.static_range(4):
-                half = tl.where(index * 4 + k < numel, (words >> (16 * k)) & 0x7FFF, 0)
-                best = tl.maximum(best, half)
+        best = _word_max(best, words, index, numel, CODE)
     return best
 
 
@@ -124,14 +132,7 @@ def _scan_words(source, numel, pid, programs, CODE: tl.constexpr, BLOCK: tl.cons
         # (the shift never reaches 64: a whole word keeps every byte by the where's other side)
         keep = tl.where(left >= 8, -1, (tl.full([BLOCK], 1, tl.int64) << (tl.minimum(left, 7) * 8)) - 1)
         words = tl.load(src + index, mask=mask, other=0) & keep
-        if CODE == 3:  # two float32 per word
-            low = tl.where(index * 2 < numel, words & 0x7FFFFFFF, 0)
-            high = tl.where(index * 2 + 1 < numel, (words >> 32) & 0x7FFFFFFF, 0)
-            best = tl.maximum(best, tl.maximum(low, high))
-        else:  # four 16-bit floats per word
-            for k in tl.static_range(4):
-                half = tl.where(index * 4 + k < numel, (words >> (16 * k)) & 0x7FFF, 0)
-                best = tl.maximum(best, half)
+        best = _word_max(best, words, index, numel, CODE)
         mixed = words.to(tl.uint64, bitcast=True) + (index + 1).to(tl.uint64) * GOLDEN
         mixed = (mixed ^ (mixed >> 30)) * MIX1
         mixed = (mixed ^ (mixed >> 27)) * MIX2
