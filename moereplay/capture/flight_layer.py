@@ -1117,10 +1117,9 @@ class LayerFlight(PollingRecorder):
         context.update(call.extra_context or {})
         context["flight"] = {"scope": "layer", "trigger": trigger, "magnitude": call.value}
         if call.unkept and call.ring is not None and call.tag is not None:
+            # the output not kept: its bytes' fingerprint (device_ring.byte_fingerprint), where there is one
             printed = call.ring.fingerprint_of(call.tag)
-            if (
-                printed is not None
-            ):  # the output not kept: its bytes' fingerprint (device_ring.byte_fingerprint)
+            if printed is not None:
                 context["flight"]["fingerprint"] = f"{printed:016x}"
         inputs = Snapshot(
             _fill(call.input_tree, input_side), copied=sum(c.size for c in (call.copies or ())[:n_inputs])
