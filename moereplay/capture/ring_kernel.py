@@ -14,9 +14,10 @@ finished check with a plain memory read, no CUDA call.
 dtype, 0 for none; ``mode``: 0 no tag word, 1 tag word without a check, 2 tag word with the check, 3 tag word with
 the check of the last span's words, 4 tag word with the check and fingerprint of words read where they are — the
 last span's source; its target the fingerprint's device cell, its size the address of two host words) with every
-integer argument typed int64 and never specialised, and returns ``launch(programs, stream, args)``: the driver's ``cuLaunchKernel`` called through ctypes with a prepared parameter
-block (no binding, no specialisation lookup, no Python-side argument conversion per call: measured on the H200 host,
-Triton's own launcher path cost ~17 µs per call, a torch operation ~9 µs).
+integer argument typed int64 and never specialised, and returns ``launch(programs, stream, args)``: the driver's
+``cuLaunchKernel`` called through ctypes with a prepared parameter block (no binding, no specialisation lookup, no
+Python-side argument conversion per call: measured on the H200 host, Triton's own launcher path cost ~17 µs per
+call, a torch operation ~9 µs).
 """
 
 from __future__ import annotations
