@@ -270,26 +270,18 @@ class DeviceRing:
                 spans += checked
                 launcher.launch_prepared(spans, MAX_SPANS, 1, chunk, check_info, word, fused=True)
                 return starts, leads, sizes, tag
-        if (
-            fingerprint
+        # the last triple of a fingerprinting launch (mode 4: the checked tensor's words read for its check and
+        # fingerprint, not copied — see launch_prepared): one launch, with the spans before it
+        printed = (
+            (check_info[0], *self._fingerprint_cells(tag[0]))
+            if fingerprint
             and FINGERPRINT
             and check_info is not None
             and tag is not None
             and check_info[0] % 8 == 0
             and count < MAX_SPANS
-        ):  # one launch: the spans, then the checked tensor's words read for its check and fingerprint
-            printed: list[int] = []
-            chunk = 0
-            for source, size in zip(sources, sizes, strict=True):
-                words = (size + 7) & ~7
-                printed += (source, target, words)
-                chunk += words
-                target += (size + 255) & ~255
-            printed += _PADDING[count + 1]
-            cell, halves = self._fingerprint_cells(tag[0])
-            printed += (check_info[0], cell, halves)
-            launcher.launch_prepared(printed, MAX_SPANS, 1, chunk, check_info, word, printed=True)
-            return starts, leads, sizes, tag
+            else None
+        )
         for first in range(0, max(count, 1), MAX_SPANS):
             last = first + MAX_SPANS >= count
             args: list[int] = []
@@ -303,6 +295,11 @@ class DeviceRing:
                 args += (source, target, words)
                 chunk += words
                 target += (size + 255) & ~255
+            if printed is not None:  # (the one launch: count < MAX_SPANS)
+                args += _PADDING[count + 1]
+                args += printed
+                launcher.launch_prepared(args, MAX_SPANS, 1, chunk, check_info, word, printed=True)
+                break
             launcher.launch_prepared(
                 args,
                 min(MAX_SPANS, count - first),
