@@ -33,6 +33,8 @@ def _json_float(value: float | None) -> float | str | None:
 _REASONS = "state the kernel read outside its arguments, or nondeterminism"
 """Why a re-run differs from its recording, when it does."""
 
+_NOT_REPRODUCED = "the failure did not reproduce in a fresh process"
+
 _PLAIN_OUTPUT_NAMES = ("return", "output", "output_tensor")
 """Output names a line calls "output" rather than naming them."""
 
@@ -201,11 +203,8 @@ class ExpandedCall:
         text += f"{recorded:.6g} recorded, {rerun:.6g} re-run"
         if self.check_agrees:
             return text + " — the check agrees"
-        if not math.isfinite(recorded) and math.isfinite(rerun):
-            text += f" — the failure did not reproduce in a fresh process ({_REASONS})"
-        else:
-            text += f" — the check differs ({_REASONS})"
-        return text + self._fill_hint(output_name)
+        unreproduced = not math.isfinite(recorded) and math.isfinite(rerun)
+        return text + self._finding(_NOT_REPRODUCED if unreproduced else "the check differs", output_name)
 
     def _fingerprinted(self, what: str, output_name: str) -> str:
         """The line's body for an output checked and fingerprinted, not kept: bit-exact or not by its fingerprint."""
@@ -224,20 +223,17 @@ class ExpandedCall:
                 )
             return text
         text = f"re-run differs from the recorded {what}: fingerprint {printed} recorded, {again} re-run"
+        unreproduced = False
         if recorded is not None:
             text += f"; largest |x| {recorded:.6g} recorded, {rerun:.6g} re-run"
-            if not math.isfinite(recorded) and math.isfinite(rerun):
-                return (
-                    text
-                    + f" — the failure did not reproduce in a fresh process ({_REASONS})"
-                    + (self._fill_hint(output_name))
-                )
-        return text + f" — not bit-exact ({_REASONS})" + self._fill_hint(output_name)
+            unreproduced = not math.isfinite(recorded) and math.isfinite(rerun)
+        return text + self._finding(_NOT_REPRODUCED if unreproduced else "not bit-exact", output_name)
 
-    def _fill_hint(self, output_name: str) -> str:
+    def _finding(self, what: str, output_name: str) -> str:
+        """A difference's end: what it is, why a re-run differs, and the replay that looks for a read out of bounds."""
         first = self.kernel_calls[0] if self.kernel_calls else None
         hint = f": moereplay run {output_name} --call {first} --fill 0xff" if first is not None else ""
-        return f"; replay the expanded calls with --fill 0xff{hint}"
+        return f" — {what} ({_REASONS}); replay the expanded calls with --fill 0xff{hint}"
 
     def _difference(self, output_name: str) -> str:
         worst = next(output for output in self.outputs if not output.bit_exact)
@@ -253,12 +249,12 @@ class ExpandedCall:
         flight = self.context.get("flight")
         triggered = isinstance(flight, Mapping) and bool(flight.get("trigger"))
         if worst.recorded_nonfinite > worst.rerun_nonfinite or (triggered and worst.rerun_nonfinite == 0):
-            text += f" — the failure did not reproduce in a fresh process ({_REASONS})"
+            finding = _NOT_REPRODUCED
         elif worst.rerun_nonfinite > worst.recorded_nonfinite:
-            text += f" — the re-run has non-finite values the recorded call had not ({_REASONS})"
+            finding = "the re-run has non-finite values the recorded call had not"
         else:
-            text += f" — not bit-exact ({_REASONS})"
-        return text + self._fill_hint(output_name)
+            finding = "not bit-exact"
+        return text + self._finding(finding, output_name)
 
     def _kernel_summary(self) -> str:
         if not self.recorded_kernel_calls:
