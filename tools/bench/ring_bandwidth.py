@@ -26,8 +26,9 @@ the ring kernel (its programs share the SMs with the matmul's: the recorder's 4 
 on a few SMs) and with the hidden states copied by the driver's device-to-device copy (``Tensor.copy_`` of their
 bytes: ``cudaMemcpyAsync``, meant for a copy engine; the small tensors by the kernel), each in ms and over the
 matmul alone. On an H100 (2026-12-07, 8,192 tokens): matmul 0.363 ms, + the kernel's copy 1.129×, + 16 programs'
-2.020×, + the driver's 1.150× (then by ``cuMemcpyDtoDAsync`` called directly, 3d2445a) — the copy beside costs its own time whatever does it; the driver's copy hides
-nothing (``MOEREPLAY_FLIGHT_BESIDE_ENGINE``, built on that, was dropped).
+2.020×, + the driver's 1.150× (then by ``cuMemcpyDtoDAsync`` called directly, 3d2445a) — the copy beside costs its
+own time whatever does it; the driver's copy hides nothing (``MOEREPLAY_FLIGHT_BESIDE_ENGINE``, built on that, was
+dropped).
 
 Prints GB/s of each (bytes moved: copies read and written, the check's read unless fused) and the ring/torch
 time ratio, all from one run. GPU only (Triton and CUDA):
