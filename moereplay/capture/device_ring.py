@@ -144,6 +144,7 @@ class DeviceRing:
         self.host_words: np.ndarray | None = None
         self._done = 0
         self._host = 0
+        self._sink = 0
         # fingerprints of checked outputs not copied (record's ``fingerprint``): per slot a device cell the
         # kernel's programs add into, and two host words it is published in
         self._prints: torch.Tensor | None = None
@@ -155,6 +156,9 @@ class DeviceRing:
             self.host_words, self._host = host_words(tags, True)
             self._prints = torch.zeros(tags, dtype=torch.int64, device=device)
             self.host_prints, self._host_prints = host_words(2 * tags, True)
+            # where record_lean's check launch stores its word (the copy launch after it publishes it)
+            self.sink = torch.zeros(1, dtype=torch.int64, device=device)
+            self._sink = self.sink.data_ptr()
         elif not cuda:
             self.host_words = self.words.numpy()
             self.done = torch.zeros(tags, dtype=torch.int32)
@@ -210,28 +214,10 @@ class DeviceRing:
         bit-exact where the output's bytes are not kept. Where the kernel cannot (the tensor not 8-byte aligned,
         more spans than one launch takes besides it, CUDA without the kernel) there is none."""
         launcher = self.launcher
-        if measured is None:
-            sources, leads, sizes, total, check_info = self._measure(tensors, check, launcher is not None)
-        else:  # the first len(measured.sizes) tensors were measured before (their addresses do not change)
-            done = len(measured.sizes)
-            sources, leads, sizes, total, check_info = self._measure(
-                tensors[done:], check, launcher is not None
-            )
-            sources = measured.sources + sources
-            leads = measured.leads + leads
-            sizes = measured.sizes + sizes
-            total += measured.total
+        sources, leads, sizes, total, check_info = self._measured(tensors, check, measured)
         head, tag = self._reserve(total, tagged)
-        starts = []
-        at = head
-        for size in sizes:
-            starts.append(at)
-            at += (size + 255) & ~255
-        word = (
-            (self._words + 8 * tag[0], tag[1], self._done + 4 * tag[0], self._host + 8 * tag[0])
-            if tag is not None
-            else None
-        )
+        starts = _starts(head, sizes)
+        word = self._word(tag) if tag is not None else None
         if launcher is None or (check is not None and check_info is None):
             for tensor, start, lead, size in zip(tensors, starts, leads, sizes, strict=True):
                 if size:
@@ -309,6 +295,66 @@ class DeviceRing:
                 word if last else None,
             )
         return starts, leads, sizes, tag
+
+    def record_lean(
+        self,
+        tensors: list[torch.Tensor],
+        check: torch.Tensor,
+        over: int,
+        measured: Measured | None = None,
+    ) -> tuple[list[int], list[int], list[int], tuple[int, int] | None]:
+        """:meth:`record` of ``tensors`` (a call's inputs, then ``check``, its output, last) with the copies made
+        only if the check fails: ring room is reserved for every span as ``record`` would, but the bytes are
+        copied only if the largest magnitude of ``check`` has float32 bits above ``over`` (:func:`over_bits`: the
+        flight recorder's "bad"). Two launches on the current stream: the check where the output is (mode 2, its
+        host word not published), then the copy that reads the finished tag word and publishes it (mode 5) —
+        so a finished host word says the copies, if any, are done. The ring holds the spans' bytes exactly when
+        the call's check is over ``over``. Where that cannot be done in those two launches (CUDA without the
+        kernel, more spans than one launch takes, an output the kernel cannot reduce) every span is copied, as
+        :meth:`record` does; on the CPU too (its path is synchronous)."""
+        launcher = self.launcher
+        if launcher is None or not tensors or tensors[-1] is not check or len(tensors) > MAX_SPANS:
+            return self.record(tensors, check, True, measured)
+        sources, leads, sizes, total, check_info = self._measured(tensors, check, measured)
+        if check_info is None:
+            return self.record(tensors, check, True, measured)
+        head, tag = self._reserve(total, True)
+        assert tag is not None
+        starts = _starts(head, sizes)
+        word = self._word(tag)
+        launcher.launch_prepared([], 0, 1, 0, check_info, (*word[:3], self._sink))
+        args: list[int] = []
+        chunk = 0
+        target = self._base + head % self.capacity
+        for source, size in zip(sources, sizes, strict=True):
+            words = (size + 7) & ~7
+            args += (source, target, words)
+            chunk += words
+            target += (size + 255) & ~255
+        launcher.launch_prepared(args, len(sources), 1, chunk, None, word, over=over)
+        return starts, leads, sizes, tag
+
+    def _measured(
+        self, tensors: list[torch.Tensor], check: torch.Tensor | None, measured: Measured | None
+    ) -> tuple[list[int], list[int], list[int], int, tuple[int, int, int] | None]:
+        """:meth:`_measure` of ``tensors`` by this ring's rule, reusing ``measured`` for the first of them (measured
+        before the call: their addresses do not change)."""
+        by_address = self.launcher is not None
+        if measured is None:
+            return self._measure(tensors, check, by_address)
+        done = len(measured.sizes)
+        sources, leads, sizes, total, check_info = self._measure(tensors[done:], check, by_address)
+        return (
+            measured.sources + sources,
+            measured.leads + leads,
+            measured.sizes + sizes,
+            total + measured.total,
+            check_info,
+        )
+
+    def _word(self, tag: tuple[int, int]) -> tuple[int, int, int, int]:
+        """The kernel's ``word`` of ``tag``: its device address, generation, counter and host word addresses."""
+        return self._words + 8 * tag[0], tag[1], self._done + 4 * tag[0], self._host + 8 * tag[0]
 
     @staticmethod
     def _measure(
@@ -411,6 +457,35 @@ class DeviceRing:
         if low >> 32 != expected or high >> 32 != expected:
             return None
         return (high & 0xFFFFFFFF) << 32 | (low & 0xFFFFFFFF)
+
+
+def _starts(head: int, sizes: list[int]) -> list[int]:
+    """Each span's absolute ring start from ``head`` (every span on a 256-byte boundary)."""
+    starts = []
+    at = head
+    for size in sizes:
+        starts.append(at)
+        at += (size + 255) & ~255
+    return starts
+
+
+_LARGEST_FINITE = 0x7F7FFFFF  # float32 bits of its largest finite value
+
+
+def over_bits(absmax: float | None) -> int:
+    """The check's float32 bits above which the flight recorder judges a magnitude bad (``_is_bad``: NaN, an
+    infinity, or above ``absmax``): the bits of the largest float32 not above ``absmax``, at most the largest
+    finite float32's (so NaN and Inf are always over it); -1 (everything over it) for a negative ``absmax``. A
+    magnitude ``m`` (a float32) is bad exactly when ``bits(m) > over_bits(absmax)``: non-negative floats order as
+    their bits, NaN's above Inf's."""
+    if absmax is None or math.isnan(absmax) or absmax >= float(np.finfo(np.float32).max):
+        return _LARGEST_FINITE
+    if absmax < 0:
+        return -1
+    value = np.float32(absmax)
+    if float(value) > absmax:  # rounded up: the float32 just below it
+        value = np.nextafter(value, np.float32(0))
+    return int(np.array(value, dtype=np.float32).view(np.uint32)) & 0x7FFFFFFF
 
 
 FINGERPRINT_CONSTANTS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -562,6 +637,7 @@ class _Launcher:
         *,
         fused: bool = False,
         printed: bool = False,
+        over: int | None = None,
     ) -> None:
         """One launch. ``args``: ``count`` (source, target, size) triples, flattened (extended here); ``aligned``:
         every size a multiple of 8 (8-byte words); ``total``: bytes copied; ``check``: (address, numel, dtype
@@ -569,11 +645,16 @@ class _Launcher:
         address, host word address) of the tag, or None. ``fused``: the checked tensor is the last of
         :data:`MAX_SPANS` triples, copied in words from its first byte — reduced from the words its copy loads.
         ``printed``: the last triple is (the checked tensor's address, its fingerprint's device cell, its two host
-        words): read in words where it is, reduced to its check and fingerprint, not copied (mode 4)."""
+        words): read in words where it is, reduced to its check and fingerprint, not copied (mode 4). ``over``
+        (with ``word``, no ``check``): the spans are copied only if the tag word's finished check — an earlier
+        launch's on the same stream — has float32 bits above ``over``; the word is then published (mode 5)."""
         if count < MAX_SPANS:
             args += _PADDING[count]
         code = 0
-        if printed and check is not None and word is not None:
+        if over is not None and word is not None:
+            args += (over, 0, word[0], word[1] & 0x7FFFFFFF, word[2], word[3])
+            mode = 5
+        elif printed and check is not None and word is not None:
             code = check[2]
             args += (0, check[1], word[0], word[1] & 0x7FFFFFFF, word[2], word[3])
             total += check[1] * _ITEMSIZE[code]

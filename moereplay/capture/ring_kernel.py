@@ -13,7 +13,9 @@ finished check with a plain memory read, no CUDA call.
 :func:`compile_variant` compiles one variant (``aligned``: 8-byte words instead of bytes; ``code``: the checked
 dtype, 0 for none; ``mode``: 0 no tag word, 1 tag word without a check, 2 tag word with the check, 3 tag word with
 the check of the last span's words, 4 tag word with the check and fingerprint of words read where they are — the
-last span's source; its target the fingerprint's device cell, its size the address of two host words) with every
+last span's source; its target the fingerprint's device cell, its size the address of two host words — and 5 the
+spans copied only if the tag word, finished by an earlier launch on the stream, holds a check whose bits are above
+``check`` (then passed a limit, not an address): nothing folded, the word published as it is) with every
 integer argument typed int64 and never specialised, and returns ``launch(programs, stream, args)``: the driver's
 ``cuLaunchKernel`` called through ctypes with a prepared parameter block (no binding, no specialisation lookup, no
 Python-side argument conversion per call: measured on the H200 host, Triton's own launcher path cost ~17 µs per
@@ -153,29 +155,36 @@ def ring_copy(
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0).to(tl.int64)
-    _copy_span(s0, t0, n0, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s1, t1, n1, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s2, t2, n2, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s3, t3, n3, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s4, t4, n4, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s5, t5, n5, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s6, t6, n6, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s7, t7, n7, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s8, t8, n8, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s9, t9, n9, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s10, t10, n10, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s11, t11, n11, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s12, t12, n12, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s13, t13, n13, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s14, t14, n14, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s15, t15, n15, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s16, t16, n16, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s17, t17, n17, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s18, t18, n18, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s19, t19, n19, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s20, t20, n20, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s21, t21, n21, pid, programs, ALIGNED, BLOCK, STREAM)
-    _copy_span(s22, t22, n22, pid, programs, ALIGNED, BLOCK, STREAM)
+    if (
+        MODE == 5
+    ):  # the spans copied only if the tag word's finished check (an earlier launch's) is over ``check``
+        checked = tl.load(word.to(tl.pointer_type(tl.int64)))
+        keep = ((checked & 0xFFFFFFFF) > check).to(tl.int64)
+    else:
+        keep = 1
+    _copy_span(s0, t0, n0 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s1, t1, n1 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s2, t2, n2 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s3, t3, n3 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s4, t4, n4 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s5, t5, n5 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s6, t6, n6 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s7, t7, n7 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s8, t8, n8 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s9, t9, n9 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s10, t10, n10 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s11, t11, n11 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s12, t12, n12 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s13, t13, n13 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s14, t14, n14 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s15, t15, n15 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s16, t16, n16 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s17, t17, n17 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s18, t18, n18 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s19, t19, n19 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s20, t20, n20 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s21, t21, n21 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
+    _copy_span(s22, t22, n22 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
     if MODE == 3:  # the checked tensor's own words: reduced as they are copied
         fused = tl.max(_copy_span_max(s23, t23, n23, numel, pid, programs, CODE, BLOCK, STREAM), axis=0)
     elif MODE == 4:  # the checked tensor's words at s23, not copied: its check and fingerprint (cell t23)
@@ -184,7 +193,7 @@ def ring_copy(
         part = tl.sum(printed, axis=0).to(tl.int64, bitcast=True)
         tl.atomic_add(t23.to(tl.pointer_type(tl.int64)), part, sem="relaxed")
     else:
-        _copy_span(s23, t23, n23, pid, programs, ALIGNED, BLOCK, STREAM)
+        _copy_span(s23, t23, n23 * keep, pid, programs, ALIGNED, BLOCK, STREAM)
     if MODE != 0:
         tag = word.to(tl.pointer_type(tl.int64))
         folded = generation << 32
@@ -211,7 +220,8 @@ def ring_copy(
                 best = tl.maximum(best, tl.abs(x).to(tl.int32, bitcast=True))
             largest = tl.max(best, axis=0)
             folded = folded | largest.to(tl.int64)
-        tl.atomic_max(tag, folded, sem="relaxed")
+        if MODE != 5:  # (mode 5 folds nothing: the word is finished, its host word is published below)
+            tl.atomic_max(tag, folded, sem="relaxed")
         tl.debug_barrier()  # this program's copies (every thread's) before the fenced atomic below
         counter = done.to(tl.pointer_type(tl.int32))
         arrived = tl.atomic_add(counter, 1)  # acq_rel: this program's copies and max before its "done"

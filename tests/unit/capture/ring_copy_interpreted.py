@@ -15,7 +15,7 @@ import math
 import torch
 
 from moereplay.capture import ring_kernel
-from moereplay.capture.device_ring import _CHECK_CODES, byte_fingerprint, decode_word
+from moereplay.capture.device_ring import _CHECK_CODES, byte_fingerprint, decode_word, over_bits
 from moereplay.capture.flight_layer import largest_magnitude
 
 GENERATION = 5
@@ -27,10 +27,13 @@ the 64-bit word, as on the device)."""
 NO_SPAN = [UNUSED, UNUSED, 0] * ring_kernel.SPANS
 
 
-def launch(mode: int, spans: list[int], output: torch.Tensor, programs: int) -> tuple[int, int, int]:
-    """One launch on host memory: the slot's word, the host word and the counter after it."""
-    word = torch.zeros(1, dtype=torch.int64)
-    check = output.data_ptr() if mode == 2 else UNUSED
+def launch(
+    mode: int, spans: list[int], output: torch.Tensor, programs: int, *, over: int = 0, word_value: int = 0
+) -> tuple[int, int, int]:
+    """One launch on host memory: the slot's word, the host word and the counter after it (mode 5: the slot's
+    word ``word_value`` before it, ``over`` in the check's place)."""
+    word = torch.full((1,), word_value, dtype=torch.int64)
+    check = output.data_ptr() if mode == 2 else (over if mode == 5 else UNUSED)
     host = torch.zeros(1, dtype=torch.int64)
     done = torch.zeros(1, dtype=torch.int32)
     generation = GENERATION + UNUSED
@@ -69,6 +72,14 @@ def main() -> None:
                 4, [*NO_SPAN[:-3], output.data_ptr(), cell.data_ptr(), halves.data_ptr()], output, 3
             )
             untouched = untouched and bool((ring == 0xAB).all())
+            # record_lean's second launch: the output's span copied only if the finished word is over the limit
+            lean = launch(5, copied, output, 3, over=over_bits(None), word_value=unkept[1])
+            lean_copied = not bool((ring == 0xAB).all())
+            lean_right = lean_copied == (special is not None and not math.isfinite(special))
+            lean_right = lean_right and (
+                not lean_copied or torch.equal(ring[: output.nbytes], output.view(torch.uint8))
+            )
+            ring.fill_(0xAB)
             low, high = (int(h) & 0xFFFFFFFFFFFFFFFF for h in halves)
             tagged = low >> 32 == GENERATION and high >> 32 == GENERATION
             found = ((high & 0xFFFFFFFF) << 32 | (low & 0xFFFFFFFF)) - 12345 & 0xFFFFFFFFFFFFFFFF
@@ -80,7 +91,9 @@ def main() -> None:
                 f"as fused {unkept[1] == fused[1]}, counter {unkept[2]}, {state} {value} "
                 f"magnitude right: {same}, ring untouched: {untouched}; fingerprinted: word as fused "
                 f"{printed[1] == fused[1]}, counter {printed[2]}, cell reset {int(cell[0]) == 0}, "
-                f"halves tagged {tagged}, fingerprint right {found == byte_fingerprint(output)}"
+                f"halves tagged {tagged}, fingerprint right {found == byte_fingerprint(output)}; lean: copied "
+                f"{lean_copied} right {lean_right}, word kept {lean[0] == unkept[1]}, published {lean[1] == unkept[1]}, "
+                f"counter {lean[2]}"
             )
 
 

@@ -101,6 +101,8 @@ def test_an_output_checked_only_gets_the_fused_launchs_word_and_no_ring_byte_in_
         # mode 4: the same word, and the fingerprint byte_fingerprint recomputes (expand's bit-exact proof)
         assert "fingerprinted: word as fused True, counter 0, cell reset True" in line, line
         assert "halves tagged True, fingerprint right True" in line, line
+        # mode 5 (record_lean's copy): the span copied exactly for NaN and Inf, the word published unchanged
+        assert "right True, word kept True, published True, counter 0" in line, line
     assert "bfloat16 nan:" in done.stdout and "ok nan magnitude right: True" in done.stdout
 
 
@@ -116,6 +118,18 @@ def test_the_fingerprinting_check_compiles_for_hopper_without_spills(tmp_path: P
     assert "ld.global.b64" in ptx, ptx[:2000]
     # each program's part added, and the last one's read and reset of the cell
     assert "atom.global.gpu.relaxed.add.u64" in ptx and "atom.global.gpu.relaxed.exch.b64" in ptx
+
+
+def test_the_copy_if_over_launch_compiles_for_hopper_without_spills(tmp_path: Path) -> None:
+    """sm_90 without a GPU: mode 5 (``record_lean``'s copy, made only if the finished word's check is over the
+    limit) is a cubin with no local memory or spills; it reads the word, compares its low 32 bits (not the
+    generation above them) with the limit, and folds nothing into the word (no ``atomic_max``)."""
+    from moereplay.capture.ring_kernel import _INTS, BLOCK, ring_copy
+
+    constants = {"ALIGNED": 1, "CODE": 3, "MODE": 5, "BLOCK": BLOCK, "STREAM": 0}
+    ptx = _hopper(ring_copy, _INTS, constants, tmp_path).asm["ptx"]
+    assert "and.b64" in ptx and "4294967295" in ptx and "setp.gt.s64" in ptx, ptx[:2000]
+    assert "atom.global.gpu.relaxed.max" not in ptx and ".max.s64" not in ptx
 
 
 def test_the_batch_record_kernel_compiles_for_hopper_without_spills(tmp_path: Path) -> None:

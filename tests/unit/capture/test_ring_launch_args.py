@@ -36,12 +36,18 @@ class Emulator:
     def __call__(self, programs: int, stream: int, args: list[int]) -> None:
         assert len(args) == 3 * MAX_SPANS + 6 and programs >= 1
         self.launches.append((self.aligned, self.code, self.mode, list(args)))
+        # mode 5: the spans copied only if the finished word's bits are over ``check`` (nothing folded)
+        keep = (
+            self.mode != 5
+            or (ctypes.c_int64.from_address(args[3 * MAX_SPANS + 2]).value & 0xFFFFFFFF)
+            > (args[3 * MAX_SPANS])
+        )
         # mode 4: the last triple is (checked tensor, fingerprint cell, host words), read, not copied
         for i in range(MAX_SPANS - 1 if self.mode == 4 else MAX_SPANS):
             source, target, size = args[3 * i : 3 * i + 3]
             if self.aligned:
                 assert (source | target | size) % 8 == 0, "an aligned variant got unaligned spans"
-            if size:
+            if size and keep:
                 ctypes.memmove(target, source, size)
         check, numel, word, generation, done, host = args[3 * MAX_SPANS :]
         if self.mode == 0:
@@ -80,7 +86,8 @@ class Emulator:
             bits = np.abs(values).view(np.int32)
             best = int(bits.max()) if numel else 0
         slot = ctypes.c_int64.from_address(word)
-        slot.value = max(slot.value, (generation << 32) | best)
+        if self.mode != 5:
+            slot.value = max(slot.value, (generation << 32) | best)
         counter = ctypes.c_int32.from_address(done)
         assert counter.value == 0, "the slot's counter was not reset by its last launch"
         finished = slot.value
@@ -124,6 +131,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch):
         launcher.stream_stores = stream_stores
         ring.launcher = launcher
         ring.host_words, ring._host = device_ring.host_words(ring.tags, False)  # apart, as on CUDA
+        ring.sink, ring._sink = device_ring.host_words(1, False)  # (record_lean's check launch stores there)
         return ring
 
     # in DeviceRing's place (flight_layer.DeviceRing): the recorder's rings made by ``make``, its options kept
@@ -673,3 +681,45 @@ def test_a_call_that_joins_while_the_writer_decides_it_is_idle_is_not_left_for_t
     wanted = flight.poll(launch=True)
     assert ran and len(flight._new) == 1 and wakes == []  # the call joined in the window, unchecked, no wake
     assert wanted is None and not flight._writer_idle  # so the writer polls again at its interval
+
+
+@pytest.mark.parametrize("largest", [2.5, math.inf, math.nan, 7.0])
+def test_record_lean_copies_in_a_second_launch_only_when_the_check_is_over(emulated, largest: float) -> None:
+    """``record_lean``: the check where the output is (mode 2, its word stored in the sink, not the host word),
+    then every span's copy in a launch that reads the finished word (mode 5: ``over`` in the check's place, no
+    fold) — copying only when its bits are over ``over`` (here ``MOEREPLAY_ABSMAX=5``), and publishing the word
+    either way. Room is reserved for every span as ``record`` would."""
+    ring = emulated()
+    hidden = aligned(99, torch.bfloat16).copy_(torch.randn(99))
+    ids = aligned(8, torch.int32).copy_(torch.arange(8))
+    out = aligned(99, torch.bfloat16).fill_(0.25)
+    out[50] = -largest
+    ring.buffer.fill_(0xAB)
+    starts, leads, sizes, tag = ring.record_lean([hidden, ids, out], out, device_ring.over_bits(5.0))
+    assert tag is not None and [(code, mode) for _, code, mode, _ in emulated.launches] == [(2, 2), (0, 5)]
+    check_args, copy_args = emulated.launches[0][3], emulated.launches[1][3]
+    assert check_args[: 3 * MAX_SPANS] == [0] * (3 * MAX_SPANS)  # nothing copied by the check
+    word, generation, done, host = (
+        ring._words + 8 * tag[0],
+        tag[1],
+        ring._done + 4 * tag[0],
+        ring._host + 8 * tag[0],
+    )
+    assert check_args[3 * MAX_SPANS :] == [out.data_ptr(), out.numel(), word, generation, done, ring._sink]
+    assert copy_args[3 * MAX_SPANS :] == [device_ring.over_bits(5.0), 0, word, generation, done, host]
+    for slot, (tensor, start) in enumerate(zip((hidden, ids, out), starts, strict=True)):
+        assert copy_args[3 * slot : 3 * slot + 3] == [
+            tensor.data_ptr(),
+            ring._base + start % ring.capacity,
+            (tensor.nbytes + 7) & ~7,
+        ]
+    state, value = decode_word(int(ring.host_words[tag[0]]), tag[1])  # published by the copy launch
+    assert state == "ok" and (math.isnan(value) if math.isnan(largest) else value == largest)
+    kept = not largest <= 5.0
+    for tensor, start, lead in zip((hidden, ids, out), starts, leads, strict=True):
+        held = ring.view(start + lead, tensor.nbytes)
+        if kept:
+            assert torch.equal(held, tensor.view(torch.uint8))
+        else:
+            assert bool((held == 0xAB).all())
+    assert ring.head == starts[-1] + ((sizes[-1] + 255) & ~255)
