@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moereplay.capture.context import Ranks, Where
-from moereplay.capture.device_ring import DeviceRing, Measured, decode_word, magnitude, measure
+from moereplay.capture.device_ring import DeviceRing, Measured, decode_word, magnitude, measure, over_bits
 from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerBudget, TriggerDelivery
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.settings import FLIGHT_BESIDE_BYTES
@@ -175,6 +175,8 @@ class LayerCall:
     extra_context: dict[str, Any] | None = None
     extra_outputs: dict[str, Any] | None = None  # values, not tensors (the chosen opt_flags)
     unkept: dict[str, Unsupported] | None = None  # outputs checked but not copied (LayerFlight.output_bytes)
+    # its bytes copied into the ring only if its check fails (LayerFlight.lean_bytes; see before)
+    lean: bool = False
     # writer thread
     copies: list[_Copied] | None = None
     input_tree: dict[str, Any] | None = None
@@ -261,6 +263,10 @@ class LayerCounters(FlightCounters):
     released: int = 0
     # eager calls whose returned output was checked but not kept (MOEREPLAY_FLIGHT_OUTPUT_BYTES)
     outputs_unkept: int = 0
+    # eager calls whose bytes were copied only if their check failed (MOEREPLAY_FLIGHT_LEAN_BYTES), and of them
+    # those whose check passed that a trigger's file left out (no bytes were kept: nothing to re-run)
+    lean: int = 0
+    lean_left_out: int = 0
 
 
 QUIET_POLL_S = 0.02
@@ -335,11 +341,16 @@ class LayerFlight(PollingRecorder):
         release_bytes: int = RELEASE_BYTES,
         stream_stores: bool = False,
         output_bytes: int = 0,
+        lean_bytes: int = 0,
     ) -> None:
         self.budget = budget if budget is not None else TriggerBudget(0)
         self.beside_bytes = beside_bytes
         # a returned output of at least this many bytes is checked, not copied (MOEREPLAY_FLIGHT_OUTPUT_BYTES; 0: off)
         self.output_bytes = output_bytes
+        # a call whose dynamic inputs take at least this many ring bytes keeps its bytes only if its check fails
+        # (MOEREPLAY_FLIGHT_LEAN_BYTES; 0: off): see before
+        self.lean_bytes = lean_bytes
+        self._over = over_bits(absmax)  # the check's bits above which a call is bad (the device's _is_bad)
         self.release_bytes = release_bytes
         # the ring kernel's stores marked streaming (MOEREPLAY_FLIGHT_STREAM_STORES)
         self.stream_stores = stream_stores
@@ -425,10 +436,16 @@ class LayerFlight(PollingRecorder):
             ring = self._ring(tensors[0])
             call.ring = ring
             call.input_copy = ring.record(tensors, None, False, call.measured)[:3]
-        elif tensors and self.beside_bytes and tensors[0].is_cuda:
+        elif tensors and (self.lean_bytes or (self.beside_bytes and tensors[0].is_cuda)):
             ring = self._ring(tensors[0])
-            if ring.launcher is not None:
-                measured = call.measured
+            measured = call.measured
+            if self.lean_bytes:
+                if measured is None:
+                    measured = call.measured = ring.measure(tensors)
+                if measured.total >= self.lean_bytes:
+                    call.ring = ring
+                    call.lean = True  # nothing copied now: after the call, only if its check fails
+            if not call.lean and self.beside_bytes and tensors[0].is_cuda and ring.launcher is not None:
                 if measured is None:
                     measured = call.measured = ring.measure(tensors)
                 if measured.total >= self.beside_bytes:
@@ -515,7 +532,9 @@ class LayerFlight(PollingRecorder):
         check = None
         if error is None:
             outputs, check = collect_outputs(call, result)
-            if (
+            if call.lean and (len(outputs) != 1 or outputs[0] is not check):
+                call.lean = False  # (not one checked output: every byte copied after the call, as usual)
+            if not call.lean and (
                 self.output_bytes
                 and check is not None
                 and len(outputs) == 1
@@ -530,10 +549,11 @@ class LayerFlight(PollingRecorder):
         else:
             call.status = "failed"
             call.error = f"{type(error).__name__}: {error}"[:2000]
+            call.lean = False
         if call.input_copy is not None:
             copied = outputs
             tensors.extend(outputs)
-        else:
+        else:  # (a lean call's too: reserved for, copied only if its check fails)
             tensors.extend(outputs)
             copied = tensors
         # (inputs copied before the call and no output tensor, or one not kept: an empty entry still carries the
@@ -550,13 +570,21 @@ class LayerFlight(PollingRecorder):
             if stream != self._last_stream:
                 self._last_stream = stream
                 self._streams_seen.add(stream)
-            starts, leads, sizes, tag = ring.record(
-                copied,
-                check,
-                error is None,
-                call.measured if copied is tensors else None,
-                call.unkept is not None,  # an output not kept: its fingerprint proves a re-run bit-exact
-            )
+            if call.lean:
+                assert check is not None
+                starts, leads, sizes, tag = ring.record_lean(copied, check, self._over, call.measured)
+                inputs = call.n_inputs  # its spans: the inputs', then the output's
+                call.input_copy = (starts[:inputs], leads[:inputs], sizes[:inputs])
+                starts, leads, sizes = starts[inputs:], leads[inputs:], sizes[inputs:]
+                self.counters.lean += 1
+            else:
+                starts, leads, sizes, tag = ring.record(
+                    copied,
+                    check,
+                    error is None,
+                    call.measured if copied is tensors else None,
+                    call.unkept is not None,  # an output not kept: its fingerprint proves a re-run bit-exact
+                )
             call.output_copy = (starts, leads, sizes)
             call.tag = tag
             if call.unkept and check is not None and check.is_cuda:
@@ -1018,6 +1046,10 @@ class LayerFlight(PollingRecorder):
                 break
         if not self.budget.take(f"{trigger.target.op} call {trigger.where.call}"):
             return
+        # a lean call's bytes are in the ring only if its check failed (as the device judged it: over_bits)
+        kept = [c for c in calls if not c.lean or (c.value is not None and self._is_bad(c.value))]
+        self.counters.lean_left_out += len(calls) - len(kept)
+        calls = kept
         self.counters.evicted += max(0, len(calls) - self.max_calls)
         calls = calls[-self.max_calls :]
         for call in calls:

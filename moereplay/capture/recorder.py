@@ -137,6 +137,7 @@ class Recorder(CallHandler):
                 ranks=lambda: self.tracker.ranks,
                 beside_bytes=settings.flight_beside_bytes,
                 output_bytes=settings.flight_output_bytes,
+                lean_bytes=settings.flight_lean_bytes,
                 stream_stores=settings.flight_stream_stores,
             )
             if settings.flight_graph_bytes:

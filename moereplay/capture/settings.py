@@ -37,6 +37,14 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            ``moereplay expand`` regenerates it and judges the re-run bit-exact or not by the
                            fingerprints (by the magnitudes alone where there is none). At prefill the output's
                            copy is 47 MB written per gpt-oss layer call at 8,192 tokens
+``MOEREPLAY_FLIGHT_LEAN_BYTES``  layer-scope flight recorder: an eager call whose dynamic inputs take at least this
+                           many bytes (prefill), with one checked output, keeps its bytes only if that check fails
+                           (default 0: off). Ring room is reserved as usual, the output is checked where it is,
+                           and a second launch copies the inputs and the output into the ring only when the
+                           check is bad (NaN, Inf, or over ``MOEREPLAY_ABSMAX``) — a good call costs one read of
+                           its output instead of copying ≈ 2 × its bytes. A trigger's file then holds the bad
+                           call whole (its inputs as the call left them) but none of the good lean calls before
+                           it (counted ``flight_lean_left_out``): a prefill's history is the failing call only
 ``MOEREPLAY_FLIGHT_GRAPH_STAGE``  layer-scope flight recorder under CUDA graphs: a graph-replayed layer call whose
                            entry takes at most this much is staged — on the graph's path only a copy, its record
                            and check at the graph's end (``FLIGHT_GRAPH_BATCH``) or beside the layers that follow
@@ -133,6 +141,7 @@ KNOWN_VARIABLES = (
     "FLIGHT_GRAPH_BYTES",
     "FLIGHT_BESIDE_BYTES",
     "FLIGHT_OUTPUT_BYTES",
+    "FLIGHT_LEAN_BYTES",
     "FLIGHT_GRAPH_STAGE",
     "FLIGHT_STREAM_STORES",
     "FLIGHT_GRAPH_POLL_MS",
@@ -238,6 +247,7 @@ class CaptureSettings:
     flight_graph_bytes: int = 256 << 20
     flight_beside_bytes: int = FLIGHT_BESIDE_BYTES
     flight_output_bytes: int = 0
+    flight_lean_bytes: int = 0
     flight_graph_stage: int = FLIGHT_GRAPH_STAGE
     flight_stream_stores: bool = False
     flight_graph_poll_ms: int = FLIGHT_GRAPH_POLL_MS
@@ -267,8 +277,8 @@ class CaptureSettings:
             raise ValueError("flight_graph_bytes must be 0 or at least 1024")
         if self.flight_beside_bytes < 0:
             raise ValueError("flight_beside_bytes must be >= 0")
-        if self.flight_output_bytes < 0:
-            raise ValueError("flight_output_bytes must be >= 0")
+        if self.flight_output_bytes < 0 or self.flight_lean_bytes < 0:
+            raise ValueError("flight_output_bytes and flight_lean_bytes must be >= 0")
         if self.flight_graph_stage < 0:
             raise ValueError("flight_graph_stage must be >= 0")
         if not 5 <= self.flight_graph_poll_ms <= 500:
@@ -334,6 +344,8 @@ class CaptureSettings:
                     parts.append(f"flight_beside_bytes={self.flight_beside_bytes}")
                 if self.flight_output_bytes:
                     parts.append(f"flight_output_bytes={self.flight_output_bytes}")
+                if self.flight_lean_bytes:
+                    parts.append(f"flight_lean_bytes={self.flight_lean_bytes}")
                 if self.flight_graph_stage != FLIGHT_GRAPH_STAGE:
                     parts.append(f"flight_graph_stage={self.flight_graph_stage}")
                 if self.flight_stream_stores:
@@ -552,6 +564,8 @@ def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None
         values["flight_beside_bytes"] = parse_size("FLIGHT_BESIDE_BYTES", text)
     if (text := get("FLIGHT_OUTPUT_BYTES")) is not None:
         values["flight_output_bytes"] = parse_size("FLIGHT_OUTPUT_BYTES", text)
+    if (text := get("FLIGHT_LEAN_BYTES")) is not None:
+        values["flight_lean_bytes"] = parse_size("FLIGHT_LEAN_BYTES", text)
     if (text := get("FLIGHT_GRAPH_STAGE")) is not None:
         stage = values["flight_graph_stage"] = parse_size("FLIGHT_GRAPH_STAGE", text)
         ring = values.get("flight_graph_bytes", CaptureSettings.flight_graph_bytes)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from moereplay.capture import session as session_module
-from moereplay.capture.device_ring import byte_fingerprint
+from moereplay.capture.device_ring import DeviceRing, byte_fingerprint, decode_word, over_bits
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.format import CaptureReader
 from moereplay.format.schema import Unsupported
@@ -256,9 +256,9 @@ def fresh_layer(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.matmul(hidden, weight) * 0.5
 
 
-@pytest.mark.parametrize("unkept", [False, True], ids=["outputs-kept", "outputs-checked-only"])
+@pytest.mark.parametrize("keeping", ["kept", "checked-only", "lean"], ids=lambda k: f"outputs-{k}")
 def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
-    stand_in_module: Callable[..., types.ModuleType], tmp_path: Path, monkeypatch, unkept: bool
+    stand_in_module: Callable[..., types.ModuleType], tmp_path: Path, monkeypatch, keeping: str
 ) -> None:
     """A call whose copies take at least RELEASE_BYTES lets go of its tensors when it returns: twelve calls on
     fresh 16 MiB inputs returning fresh 16 MiB outputs leave the allocator where it was, though the history keeps
@@ -266,7 +266,10 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
     producer the serving stream waits for, which never waits for the recorder's side stream), and the side
     stream is held back before each input copy (a sleep queued there): the producer's next fill would take the
     memory let go before the copy read it, unless the release marked it used on the serving stream, which waits
-    for the copy. The written calls are bit-exact with what the layer saw and returned only if it did."""
+    for the copy. The written calls are bit-exact with what the layer saw and returned only if it did. Lean
+    (``MOEREPLAY_FLIGHT_LEAN_BYTES``): nothing is copied beside the call, the bad call alone is written (its bytes
+    copied by the launch that found its check bad), the good calls of its history are left out."""
+    unkept = keeping == "checked-only"
     module = stand_in_module("moereplay_gpu_release", layer=fresh_layer)
     target = CaptureTarget(
         "layer", "parent", module.__name__, "layer", static=("weight",), inputs_intact=True
@@ -278,12 +281,13 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
             flight_calls="4",
             flight_bytes="512M",
             flight_output_bytes="8M" if unkept else "0",  # (checked where it is, not copied)
+            flight_lean_bytes="8M" if keeping == "lean" else "0",
         )
         weight = torch.eye(1024, device="cuda")
         module.layer(torch.ones(4096, 1024, device="cuda"), weight)  # the ring and its side stream exist now
         torch.cuda.synchronize()
         flight = session.recorder.flight
-        side = flight._besides[0]  # type: ignore[union-attr]
+        side = flight._besides.get(0)  # type: ignore[union-attr]  # (none when lean)
         ring = next(iter(flight._rings.values()))  # type: ignore[union-attr]
         copy = ring.record
 
@@ -304,15 +308,21 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
         torch.cuda.synchronize()
         grown = torch.cuda.memory_allocated() - baseline
         assert grown < 8 << 20, f"{grown / 2**20:.0f} MiB still allocated after the calls"
-        assert flight.counters.beside == 13 and flight.counters.released == 13  # type: ignore[union-attr]
-        assert flight.counters.outputs_unkept == (13 if unkept else 0)  # type: ignore[union-attr]
+        counters = flight.counters  # type: ignore[union-attr]
+        assert counters.beside == (0 if keeping == "lean" else 13) and counters.released == 13
+        assert counters.outputs_unkept == (13 if unkept else 0)
+        assert counters.lean == (13 if keeping == "lean" else 0)
         session.flush()
         session.close()
     finally:
         session_module.disarm()
     with CaptureReader(session.path) as reader:
         records = list(reader.calls())
-        assert [r.context["call"] for r in records] == [8, 9, 10, 11]
+        if keeping == "lean":  # the good calls 8-10 had no bytes kept: left out
+            assert [r.context["call"] for r in records] == [11]
+            assert reader.footer["counters"]["flight_lean_left_out"] == 3
+        else:
+            assert [r.context["call"] for r in records] == [8, 9, 10, 11]
         assert records[-1].context["flight"]["trigger"]
         for record in records:
             hidden = _hidden(record.context["call"] - 1)
@@ -326,6 +336,44 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
                 assert printed == f"{byte_fingerprint(expected):016x}", record.index
                 continue
             assert torch.equal(_bits(output), _bits(expected)), record.index
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_record_lean_copies_only_a_call_whose_check_is_over(dtype: torch.dtype) -> None:
+    """``DeviceRing.record_lean`` (mode 2 then mode 5): the ring's reserved bytes are written exactly when the
+    output's largest magnitude is over ``over_bits(absmax)`` — NaN, Inf, or above absmax — and the finished word is
+    published either way (its magnitude the output's)."""
+    ring = DeviceRing(1 << 26, torch.device("cuda", 0))
+    hidden = torch.randn(3000, 1001, device="cuda").to(
+        dtype
+    )  # (an odd count: bytes past the last whole word)
+    routing = torch.arange(4001, dtype=torch.int32, device="cuda")
+    cases = [  # (largest |output|, absmax, kept)
+        (5.0, None, False),
+        (float("inf"), None, True),
+        (float("nan"), None, True),
+        (5.0, 4.0, True),
+        (5.0, 6.0, False),
+        (4.0, 4.0, False),
+    ]
+    for largest, absmax, kept in cases:
+        ring.buffer.fill_(0xAB)
+        output = torch.full((3000, 999), 0.5, device="cuda", dtype=dtype)
+        output[2999, 998] = -largest
+        starts, leads, sizes, tag = ring.record_lean([hidden, routing, output], output, over_bits(absmax))
+        torch.cuda.synchronize()
+        assert tag is not None and ring.host_words is not None
+        state, value = decode_word(int(ring.host_words[tag[0]]), tag[1])
+        assert state == "ok" and (math.isnan(value) if math.isnan(largest) else value == largest), (
+            largest,
+            value,
+        )
+        for tensor, start, lead, size in zip([hidden, routing, output], starts, leads, sizes, strict=True):
+            held = ring.view(start + lead, size - lead)
+            if kept:
+                assert torch.equal(held.cpu(), _bits(tensor).reshape(-1)), (largest, absmax)
+            else:
+                assert bool((held == 0xAB).all()), (largest, absmax)
 
 
 def _hidden(step: int) -> torch.Tensor:

@@ -4,12 +4,16 @@ layer calls up to it are written as parents without children, bit for bit (CPU: 
 from __future__ import annotations
 
 import math
+import struct
 import sys
 import types
 
+import hypothesis
+import numpy as np
 import pytest
 import torch
 from conftest import layer_doubling
+from hypothesis import strategies as st
 
 from moereplay.capture import session as session_module
 from moereplay.capture.device_ring import ALIGNMENT, DeviceRing, byte_fingerprint, decode_word
@@ -559,3 +563,98 @@ def test_largest_magnitude_is_what_the_ring_check_records(dtype: torch.dtype, sp
     assert state not in ("pending", "lost"), state
     mine = largest_magnitude(values)
     assert (math.isnan(recorded) and math.isnan(mine)) or recorded == mine, (recorded, mine)
+
+
+LEAN_MODULE = "moereplay_test_lean"
+
+
+def fresh_layer(hidden: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+    """An intact layer returning a fresh output, as vLLM's ``triton_kernel_moe_forward`` does."""
+    return hidden @ w1
+
+
+@pytest.fixture
+def arm_lean(arm, stand_in_module):
+    stand_in_module(LEAN_MODULE, layer=fresh_layer)
+    target = CaptureTarget("layer", "parent", LEAN_MODULE, "layer", static=("w1",), inputs_intact=True)
+
+    def _arm(**settings: str):
+        return arm(targets=(target,), trigger="flight", flight_calls="4", **settings), sys.modules[
+            LEAN_MODULE
+        ]
+
+    return _arm
+
+
+def run_lean(module, inputs, bad_step: int, steps: int = 8):
+    x, w1, _, _ = inputs()
+    calls = []
+    for step in range(steps):
+        value = x + step
+        if step == bad_step:
+            value[1, 2] = float("nan")
+        calls.append((value.clone(), module.layer(value, w1).clone()))
+    return calls
+
+
+def test_lean_calls_write_the_bad_call_alone(arm_lean, inputs) -> None:
+    """``MOEREPLAY_FLIGHT_LEAN_BYTES``: calls at or over the limit keep their bytes only when their check fails —
+    the trigger's file holds the bad call whole (inputs and output bit for bit, as the call left them) and leaves
+    out the good calls before it, which kept nothing, counting them."""
+    session, module = arm_lean(flight_lean_bytes="1")
+    assert "flight_lean_bytes=1" in session.settings.describe()
+    calls = run_lean(module, inputs, bad_step=5)
+    close(session)
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        counters = reader.footer["counters"]
+        assert [r.context["call"] for r in records] == [5]
+        assert records[0].context["flight"]["trigger"] and math.isnan(
+            records[0].context["flight"]["magnitude"]
+        )
+        assert counters["flight_lean"] == 8 and counters["flight_lean_left_out"] == 3, counters
+        hidden, output = calls[5]
+        assert torch.equal(
+            reader.load_args(records[0].index)["hidden"].view(torch.uint8), hidden.view(torch.uint8)
+        )
+        kept = reader.load_outputs(records[0].index)["return"]
+        assert torch.equal(kept.view(torch.uint8), output.view(torch.uint8))
+
+
+def test_lean_limit_above_the_calls_keeps_every_call(arm_lean, inputs) -> None:
+    session, module = arm_lean(flight_lean_bytes="1G")
+    run_lean(module, inputs, bad_step=5)
+    close(session)
+    with CaptureReader(session.path) as reader:
+        assert [r.context["call"] for r in reader.calls()] == [2, 3, 4, 5]
+        assert reader.footer["counters"].get("flight_lean", 0) == 0
+
+
+_FLOAT32_BITS = st.integers(min_value=0, max_value=0x7FFFFFFF)  # every non-negative float32: NaNs and Inf too
+
+
+@hypothesis.given(
+    bits=_FLOAT32_BITS,
+    absmax=st.one_of(
+        st.none(), st.floats(min_value=1e-45, allow_infinity=True, allow_nan=False), _FLOAT32_BITS
+    ),
+)
+def test_over_bits_is_the_recorders_bad(bits: int, absmax) -> None:
+    """The device's test of a lean call (``bits(m) > over_bits(absmax)``) is the host's ``_is_bad(m)`` for every
+    float32 magnitude ``m`` — else a trigger would write a call whose bytes the device never copied, or leave out
+    one it did."""
+    from moereplay.capture.device_ring import over_bits
+    from moereplay.capture.flight_layer import LayerFlight
+
+    if isinstance(absmax, int):  # a float32 itself, and the float64 just above and below it
+        absmax = float(np.array(absmax, dtype=np.uint32).view(np.float32))
+        if not math.isfinite(absmax) or absmax <= 0:
+            absmax = None
+    (magnitude,) = struct.unpack("<f", struct.pack("<I", bits))
+    flight = LayerFlight(max_calls=1, max_bytes=1 << 16, absmax=absmax, emit=lambda *a: True)
+    assert (bits > over_bits(absmax)) == flight._is_bad(magnitude), (bits, magnitude, absmax)
+    if absmax is not None:
+        for near in (math.nextafter(absmax, 0.0), math.nextafter(absmax, math.inf)):
+            if near > 0 and math.isfinite(near):
+                flight = LayerFlight(max_calls=1, max_bytes=1 << 16, absmax=near, emit=lambda *a: True)
+                assert (bits > over_bits(near)) == flight._is_bad(magnitude), (bits, magnitude, near)

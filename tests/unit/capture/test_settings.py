@@ -60,6 +60,7 @@ def test_every_variable() -> None:
         compression_threads="-1",
         flight_stream_stores="on",
         flight_output_bytes="8M",
+        flight_lean_bytes="16M",
     )
     assert settings.directory == Path("/tmp/x") and not settings.directory_was_default
     assert settings.op_selected("moe_wna16_marlin_gemm") and settings.op_selected("matmul_ogs")
@@ -76,6 +77,7 @@ def test_every_variable() -> None:
     assert "trigger=flight" in settings.describe() and "zstd=3 zstd_threads=-1" in settings.describe()
     assert settings.flight_stream_stores and "flight_stream_stores=on" in settings.describe()
     assert settings.flight_output_bytes == 8 << 20 and "flight_output_bytes=8388608" in settings.describe()
+    assert settings.flight_lean_bytes == 16 << 20 and "flight_lean_bytes=16777216" in settings.describe()
 
 
 @pytest.mark.parametrize(
@@ -118,6 +120,7 @@ def test_step_ranges(steps: str, expected: StepRange) -> None:
         ("flight_graph_poll_ms", "fast", "not an integer"),
         ("flight_graph_batch", "2", "MOEREPLAY_FLIGHT_GRAPH_BATCH='2': not a boolean"),
         ("flight_output_bytes", "big", "MOEREPLAY_FLIGHT_OUTPUT_BYTES='big': not a size"),
+        ("flight_lean_bytes", "-1", "MOEREPLAY_FLIGHT_LEAN_BYTES='-1'"),
     ],
 )
 def test_malformed_values_raise_one_line(variable: str, value: str, fragment: str) -> None:
