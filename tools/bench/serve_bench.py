@@ -127,6 +127,14 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_OUTPUT_BYTES": "8M",
     },
+    # a candidate default: prefill-sized layer calls (inputs of 8M and more) keep their bytes only if their check
+    # fails (MOEREPLAY_FLIGHT_LEAN_BYTES): a good one costs a read of its output for the check and a launch that
+    # finds nothing to copy, instead of ≈ 4 × 47 MB of ring traffic at 8,192 tokens of gpt-oss
+    "flight-lean": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_LEAN_BYTES": "8M",
+    },
     # diagnostic: the default's staging (entries up to 384 KiB, a gpt-oss decode batch of 32 at
     # triton_kernel_moe_forward: 370 KB) without its batch node — each staged entry's record node of many
     # programs on a side stream beside the layers that follow (the default ring: every graph reuses its 16 MB
@@ -394,7 +402,7 @@ TARGETS: dict[str, dict[str, float]] = {
 }
 """Issue 14's targets for the flight recorder armed, per vLLM mode and measurement (slowdown ×: off ÷ armed)."""
 
-JUDGED = ("flight", "flight-stream", "flight-checkonly")
+JUDGED = ("flight", "flight-stream", "flight-checkonly", "flight-lean")
 """The settings held to :data:`TARGETS`: the default recorder and the candidates for its default (the others are
 diagnostics that take a piece away or add timers)."""
 
