@@ -34,7 +34,7 @@ Prints GB/s of each (bytes moved: copies read and written, the check's read unle
 time ratio, all from one run. GPU only (Triton and CUDA):
 
     python tools/bench/ring_bandwidth.py [--tokens 8192,2048,256] [--warps 4,8] [--programs 2,4] [--block 1024,4096]
-        [--check both|fused|2-pass] [--stream 0,1] [--unkept] [--beside] [--repeats 20]
+        [--check both|fused|2-pass] [--stream 0,1] [--unkept] [--lean] [--beside] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -150,6 +150,13 @@ def main() -> int:
         "and 'no-fp', the same launch without the fingerprint",
     )
     parser.add_argument(
+        "--lean",
+        action="store_true",
+        help="also the launches of a good lean call (MOEREPLAY_FLIGHT_LEAN_BYTES: the output checked where it is, "
+        "then a launch that finds nothing to copy): a row 'lean' whose ring/torch column is its time over the row's "
+        "above",
+    )
+    parser.add_argument(
         "--beside",
         action="store_true",
         help="also the inputs' copy beside a compute-bound matmul, by the ring kernel and by the driver's copy",
@@ -162,7 +169,9 @@ def main() -> int:
         print("ring_bandwidth: needs a CUDA device", file=sys.stderr)
         return 2
     from moereplay.capture import device_ring, ring_kernel
-    from moereplay.capture.device_ring import DeviceRing
+    from moereplay.capture.device_ring import DeviceRing, over_bits
+
+    over = over_bits(None)  # a lean call is kept for NaN or Inf: the bench's outputs are finite
 
     blocks = [int(text) for text in options.block.split(",")] if options.block else [ring_kernel.BLOCK]
     checks = {"both": (True, False), "fused": (True,), "2-pass": (False,)}[options.check]
@@ -207,6 +216,8 @@ def main() -> int:
                 # (the variants are keyed without it: cleared after each setting, below)
                 ring.launcher.stream_stores = ring.stream_stores = stream
                 ring.record(tensors, output, True)  # compiles the variant this call uses
+                if options.lean:  # and the two of a lean call
+                    ring.record_lean(tensors, output, over)
                 if options.unkept:  # and those of the output checked only, with and without its fingerprint
                     ring.record(tensors[:-1], output, True, fingerprint=True)
                     device_ring.FINGERPRINT = False
@@ -256,6 +267,22 @@ def main() -> int:
                                 f"{timed(unkept_then_next, options.repeats):>8.3f} {next_ms:>8.3f}"
                             )
                         device_ring.FINGERPRINT = True
+                    if options.lean:  # a lean call whose check passes: its output read, nothing copied
+
+                        def lean(ring=ring, tensors=tensors, output=output) -> None:
+                            ring.record_lean(tensors, output, over)
+
+                        def lean_then_next(lean=lean, following=following) -> None:
+                            lean()
+                            following()
+
+                        lean_ms = timed(lean, options.repeats)
+                        print(
+                            f"{tokens:>7} {warps:>5} {block:>5} {per_sm:>7} {'lean':>6} "
+                            f"{'yes' if stream else 'no':>6} {lean_ms:>8.3f} "
+                            f"{output_bytes / lean_ms / 1e6:>9.0f} {'':>8} {'':>10} {lean_ms / ring_ms:>10.2f} "
+                            f"{timed(lean_then_next, options.repeats):>8.3f} {next_ms:>8.3f}"
+                        )
                 ring.launcher._variants.clear()  # the next variants compile afresh
         device_ring.FUSED_CHECK = True
     if options.beside:
