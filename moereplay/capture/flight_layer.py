@@ -264,7 +264,7 @@ class LayerCounters(FlightCounters):
     # eager calls whose returned output was checked but not kept (MOEREPLAY_FLIGHT_OUTPUT_BYTES)
     outputs_unkept: int = 0
     # eager calls whose bytes were copied only if their check failed (MOEREPLAY_FLIGHT_LEAN_BYTES), and of them
-    # those whose check passed that a trigger's file left out (no bytes were kept: nothing to re-run)
+    # those a trigger's file left out: their check passed (no bytes kept: nothing to re-run) or was lost
     lean: int = 0
     lean_left_out: int = 0
 
@@ -1040,6 +1040,8 @@ class LayerFlight(PollingRecorder):
         for call in self._history:
             if call.emitted:
                 continue
+            if call.lean and not call.checked and call is not trigger:
+                continue  # its bytes are kept only if its own check fails, and that check may still trigger it
             call.emitted = True  # written now, or too old to be written by a later trigger
             calls.append(call)
             if call is trigger:

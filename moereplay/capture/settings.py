@@ -38,13 +38,18 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            fingerprints (by the magnitudes alone where there is none). At prefill the output's
                            copy is 47 MB written per gpt-oss layer call at 8,192 tokens
 ``MOEREPLAY_FLIGHT_LEAN_BYTES``  layer-scope flight recorder: an eager call whose dynamic inputs take at least this
-                           many bytes (prefill), with one checked output, keeps its bytes only if that check fails
-                           (default 0: off). Ring room is reserved as usual, the output is checked where it is,
-                           and a second launch copies the inputs and the output into the ring only when the
-                           check is bad (NaN, Inf, or over ``MOEREPLAY_ABSMAX``) — a good call costs one read of
-                           its output instead of copying ≈ 2 × its bytes. A trigger's file then holds the bad
-                           call whole (its inputs as the call left them) but none of the good lean calls before
-                           it (counted ``flight_lean_left_out``): a prefill's history is the failing call only
+                           many bytes (prefill), that leaves them intact and returns one checked output, keeps
+                           its bytes only if that check fails (default 0: off; it takes precedence over
+                           ``FLIGHT_BESIDE_BYTES`` and ``FLIGHT_OUTPUT_BYTES`` for such calls). Ring room is
+                           reserved as usual (the ring laps as fast), the output is checked where it is, and a
+                           second launch copies the inputs and the output into the ring only when the check is
+                           bad (NaN, Inf, or over ``MOEREPLAY_ABSMAX``) — a good call costs one read of its
+                           output instead of copying ≈ 2 × its bytes. A trigger's file then holds the bad call
+                           whole (its inputs as the call left them) but none of the lean calls before it whose
+                           check passed or was lost (counted ``flight_lean_left_out``): a prefill's history is
+                           the failing call only. Where the two launches cannot be made (no Triton, more than
+                           24 tensors, an output the kernel cannot reduce) every byte is copied, and such a
+                           good call is left out all the same
 ``MOEREPLAY_FLIGHT_GRAPH_STAGE``  layer-scope flight recorder under CUDA graphs: a graph-replayed layer call whose
                            entry takes at most this much is staged — on the graph's path only a copy, its record
                            and check at the graph's end (``FLIGHT_GRAPH_BATCH``) or beside the layers that follow

@@ -290,13 +290,19 @@ def test_prefill_sized_calls_hold_no_memory_and_are_written_bit_exact(
         side = flight._besides.get(0)  # type: ignore[union-attr]  # (none when lean)
         ring = next(iter(flight._rings.values()))  # type: ignore[union-attr]
         copy = ring.record
+        lean = ring.record_lean
 
         def held(*args, **kwargs):
             if torch.cuda.current_stream(0) == side:
                 torch.cuda._sleep(10_000_000)
             return copy(*args, **kwargs)
 
+        def held_lean(*args, **kwargs):  # the lean launches read the inputs late: their memory must wait
+            torch.cuda._sleep(10_000_000)
+            return lean(*args, **kwargs)
+
         monkeypatch.setattr(ring, "record", held)
+        monkeypatch.setattr(ring, "record_lean", held_lean)
         baseline = torch.cuda.memory_allocated()
         producer = torch.cuda.Stream()
         for step in range(12):  # no synchronisation: the next call's tensors take the memory let go
@@ -344,10 +350,8 @@ def test_record_lean_copies_only_a_call_whose_check_is_over(dtype: torch.dtype) 
     output's largest magnitude is over ``over_bits(absmax)`` — NaN, Inf, or above absmax — and the finished word is
     published either way (its magnitude the output's)."""
     ring = DeviceRing(1 << 26, torch.device("cuda", 0))
-    hidden = torch.randn(3000, 1001, device="cuda").to(
-        dtype
-    )  # (an odd count: bytes past the last whole word)
-    routing = torch.arange(4001, dtype=torch.int32, device="cuda")
+    hidden = torch.randn(3000, 1001, device="cuda").to(dtype)
+    routing = torch.arange(4001, dtype=torch.int32, device="cuda")  # (bytes past its last whole word)
     cases = [  # (largest |output|, absmax, kept)
         (5.0, None, False),
         (float("inf"), None, True),

@@ -91,9 +91,9 @@ def main() -> None:
                 f"as fused {unkept[1] == fused[1]}, counter {unkept[2]}, {state} {value} "
                 f"magnitude right: {same}, ring untouched: {untouched}; fingerprinted: word as fused "
                 f"{printed[1] == fused[1]}, counter {printed[2]}, cell reset {int(cell[0]) == 0}, "
-                f"halves tagged {tagged}, fingerprint right {found == byte_fingerprint(output)}; lean: copied "
-                f"{lean_copied} right {lean_right}, word kept {lean[0] == unkept[1]}, published {lean[1] == unkept[1]}, "
-                f"counter {lean[2]}"
+                f"halves tagged {tagged}, fingerprint right {found == byte_fingerprint(output)}; lean: "
+                f"{'copied' if lean_copied else 'not copied'} right {lean_right}, word kept {lean[0] == unkept[1]}, "
+                f"published {lean[1] == unkept[1]}, counter {lean[2]}"
             )
 
 

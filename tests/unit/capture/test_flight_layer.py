@@ -633,6 +633,13 @@ def test_lean_limit_above_the_calls_keeps_every_call(arm_lean, inputs) -> None:
 _FLOAT32_BITS = st.integers(min_value=0, max_value=0x7FFFFFFF)  # every non-negative float32: NaNs and Inf too
 
 
+@hypothesis.example(bits=0x7F7FFFFF, absmax=None)  # the largest finite magnitude: good without absmax
+@hypothesis.example(bits=0x7F800000, absmax=None)  # Inf: bad
+@hypothesis.example(bits=0x7FC00000, absmax=None)  # NaN: bad
+@hypothesis.example(bits=0x7F800000, absmax=math.inf)
+@hypothesis.example(bits=0x7F7FFFFF, absmax=math.inf)
+@hypothesis.example(bits=0x40A00000, absmax=5.0)  # exactly absmax: good
+@hypothesis.example(bits=0x40A00001, absmax=5.0)
 @hypothesis.given(
     bits=_FLOAT32_BITS,
     absmax=st.one_of(

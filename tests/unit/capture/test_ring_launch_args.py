@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
+import sys
 import time
 import types
 
@@ -21,6 +22,8 @@ from conftest import layer_doubling
 
 from moereplay.capture import device_ring
 from moereplay.capture.device_ring import ALIGNMENT, MAX_SPANS, DeviceRing, byte_fingerprint, decode_word
+from moereplay.capture.patch_points import CaptureTarget
+from moereplay.format import CaptureReader
 
 _DTYPES = {1: np.float16, 3: np.float32}
 
@@ -723,3 +726,77 @@ def test_record_lean_copies_in_a_second_launch_only_when_the_check_is_over(emula
         else:
             assert bool((held == 0xAB).all())
     assert ring.head == starts[-1] + ((sizes[-1] + 255) & ~255)
+
+
+def copy_out(hidden: torch.Tensor) -> torch.Tensor:
+    """An intact layer returning a fresh output: its hidden states, doubled."""
+    return hidden * 2.0
+
+
+def test_a_lean_call_over_absmax_is_written_with_the_bytes_the_device_copied(
+    emulated, arm, stand_in_module, monkeypatch
+) -> None:
+    """``MOEREPLAY_FLIGHT_LEAN_BYTES`` with ``MOEREPLAY_ABSMAX=5`` over the launch path (mode 2, then mode 5): the
+    recorder's limit reaches the device's copy — the call whose output is 7 (finite, over absmax) is written with its
+    inputs and output bit for bit, as the copy launch kept them; the good calls before it are left out. Were the
+    limit passed to the device another than the host's, the call would be written from ring bytes never copied."""
+    from moereplay.capture import flight_layer
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
+    stand_in_module("moereplay_test_lean_launch", layer=copy_out)
+    target = CaptureTarget("layer", "parent", "moereplay_test_lean_launch", "layer", inputs_intact=True)
+    session = arm(targets=(target,), trigger="flight", flight_calls="4", flight_lean_bytes="1", absmax="5")
+    module = sys.modules["moereplay_test_lean_launch"]
+    seen = []
+    for step, largest in enumerate((1.25, 2.5, 2.0, 3.5)):
+        hidden = aligned(64, torch.float32).fill_(0.5)
+        hidden[7] = -largest
+        seen.append((hidden.clone(), module.layer(hidden).clone()))
+        if step == 0:  # every later call's spans start over 0xAB: a copy not made leaves them so
+            next(iter(session.recorder.flight._rings.values())).buffer.fill_(0xAB)
+    session.flush()
+    session.close()
+    assert [mode for _, _, mode, _ in emulated.launches] == [2, 5] * 4
+    with CaptureReader(session.path) as reader:
+        records = list(reader.calls())
+        assert [r.context["call"] for r in records] == [3]
+        assert records[0].context["flight"]["magnitude"] == 7.0
+        assert reader.footer["counters"]["flight_lean_left_out"] == 3
+        hidden, output = seen[3]
+        assert torch.equal(
+            reader.load_args(records[0].index)["hidden"].view(torch.uint8), hidden.view(torch.uint8)
+        )
+        assert torch.equal(
+            reader.load_outputs(records[0].index)["return"].view(torch.uint8), output.view(torch.uint8)
+        )
+
+
+def test_a_lean_call_checked_after_a_later_trigger_still_triggers_and_is_written(
+    emulated, monkeypatch
+) -> None:
+    """Checks finish out of order (calls on other streams): a later lean call's trigger finds an earlier lean call
+    still unchecked — it is not written then (its bytes are kept only if its check fails) nor marked written, so
+    when its own check comes back bad it triggers and is written with its bytes."""
+    from moereplay.capture import flight_layer
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
+    emulated.hold = True
+    written: list[int] = []
+
+    def emit(begin, complete, delivered) -> bool:
+        written.append(begin.context["call"])
+        return True
+
+    flight = flight_layer.LayerFlight(max_calls=4, max_bytes=1 << 16, absmax=None, emit=emit, lean_bytes=1)
+    flight.inline_window = 0.0
+    first = one_layer_call(flight, 0, bad=float("nan"))
+    second = one_layer_call(flight, 1, bad=float("inf"))
+    assert first.lean and second.lean and len(emulated.held) == 4  # per call: the check's sink, the host word
+    for publish in emulated.held[2:]:  # the second call finishes first
+        publish()
+    flight.poll(launch=True)
+    assert written == [1] and not first.checked and not first.emitted
+    for publish in emulated.held[:2]:
+        publish()
+    flight.poll(launch=True)
+    assert written == [1, 0] and flight.counters.triggers == 2 and flight.counters.lean_left_out == 0
