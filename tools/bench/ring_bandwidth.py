@@ -19,6 +19,12 @@ gets. This measures, per token count, with CUDA events (median of ``--repeats``)
   Compare ``+next`` between the two settings: ``next`` alone runs with its inputs warm in L2 where they fit
   (2,048 tokens and fewer on an H100).
 
+With ``--unkept``, rows for the output checked and fingerprinted where it is (``MOEREPLAY_FLIGHT_OUTPUT_BYTES``,
+mode 4: ``unkept``) and checked only (mode 2: ``no-fp``), the inputs still copied; on an H100 (2026-12-07, 8,192
+tokens) fused 0.090 ms, unkept 0.087, no-fp 0.076 — the fingerprint costs what not copying the output saves. With
+``--lean``, a row for a lean call whose check passes (``MOEREPLAY_FLIGHT_LEAN_BYTES``: the output checked where it
+is, then a launch that finds nothing to copy; its GB/s over the output's bytes alone).
+
 With ``--beside``, a second table: the copy of a layer call's inputs on a side stream beside a compute-bound
 stand-in for the call's kernels (a bf16 matmul of the hidden states by a 2880 × 5760 weight), as the recorder
 does at prefill (``LayerFlight.before``: fork, copy, join after the call) — the matmul alone, with the copy by
