@@ -350,7 +350,6 @@ class LayerFlight(PollingRecorder):
         # a call whose dynamic inputs take at least this many ring bytes keeps its bytes only if its check fails
         # (MOEREPLAY_FLIGHT_LEAN_BYTES; 0: off): see before
         self.lean_bytes = lean_bytes
-        self._over = over_bits(absmax)  # the check's bits above which a call is bad (the device's _is_bad)
         self.release_bytes = release_bytes
         # the ring kernel's stores marked streaming (MOEREPLAY_FLIGHT_STREAM_STORES)
         self.stream_stores = stream_stores
@@ -392,6 +391,17 @@ class LayerFlight(PollingRecorder):
         self._writer_idle = False
         self.inline_window = INLINE_WINDOW_S
         self.graph: GraphFlight | None = None  # graph-replayed calls (set by the recorder)
+
+    @property
+    def absmax(self) -> float | None:
+        """``MOEREPLAY_ABSMAX``: a checked magnitude above it is bad (``_is_bad``); set, it also sets the limit lean
+        calls' copy launch compares on the device (:func:`over_bits`), so the two never disagree."""
+        return self._absmax
+
+    @absmax.setter
+    def absmax(self, value: float | None) -> None:
+        self._absmax = value
+        self._over = over_bits(value)
 
     # --- serving thread ---------------------------------------------------------------------------------------
 
