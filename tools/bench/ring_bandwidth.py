@@ -127,6 +127,26 @@ def recompile(ring, warps: int, block: int, stream: bool) -> None:
         )
 
 
+def then(work, following):
+    """``work``, then what vLLM runs next (``following``), as one timed unit."""
+
+    def both() -> None:
+        work()
+        following()
+
+    return both
+
+
+def other_row(row, label, work, moved, ring_ms, following, next_ms, options) -> None:
+    """A row for another launch of the same layer call: its ms, GB/s of ``moved`` bytes, its time over the fused
+    launch's (``ring_ms``, in the ring/torch column), and with what vLLM runs next."""
+    ms = timed(work, options.repeats)
+    print(
+        f"{row[0]} {label:>6} {row[1]:>6} {ms:>8.3f} {moved / ms / 1e6:>9.0f} {'':>8} {'':>10} {ms / ring_ms:>10.2f} "
+        f"{timed(then(work, following), options.repeats):>8.3f} {next_ms:>8.3f}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="8192,2048,256", help="token counts (comma-separated)")
@@ -239,56 +259,32 @@ def main() -> int:
                     def launch(ring=ring, tensors=tensors, output=output) -> None:
                         ring.record(tensors, output, True)
 
-                    def launch_then_next(launch=launch, following=following) -> None:
-                        launch()
-                        following()
-
                     ring_ms = timed(launch, options.repeats)
-                    both_ms = timed(launch_then_next, options.repeats)
+                    both_ms = timed(then(launch, following), options.repeats)
                     print(
                         f"{tokens:>7} {warps:>5} {block:>5} {per_sm:>7} {'fused' if fused else '2-pass':>6} "
                         f"{'yes' if stream else 'no':>6} {ring_ms:>8.3f} {moved / ring_ms / 1e6:>9.0f} "
                         f"{torch_ms:>8.3f} {torch_moved / torch_ms / 1e6:>10.0f} {ring_ms / torch_ms:>10.2f} "
                         f"{both_ms:>8.3f} {next_ms:>8.3f}"
                     )
+                    row = f"{tokens:>7} {warps:>5} {block:>5} {per_sm:>7}", "yes" if stream else "no"
                     if options.unkept:  # the output checked where it is, not copied (FLIGHT_OUTPUT_BYTES)
 
                         def unkept(ring=ring, inputs=tensors[:-1], output=output) -> None:
                             ring.record(inputs, output, True, fingerprint=True)
 
-                        def unkept_then_next(unkept=unkept, following=following) -> None:
-                            unkept()
-                            following()
-
                         moved_unkept = 2 * (copied - output_bytes) + output_bytes
                         # the recorder's launch (check and fingerprint, mode 4), then the check alone (mode 2)
                         for label, printed in (("unkept", True), ("no-fp", False)):
                             device_ring.FINGERPRINT = printed
-                            unkept_ms = timed(unkept, options.repeats)
-                            print(
-                                f"{tokens:>7} {warps:>5} {block:>5} {per_sm:>7} {label:>6} "
-                                f"{'yes' if stream else 'no':>6} {unkept_ms:>8.3f} "
-                                f"{moved_unkept / unkept_ms / 1e6:>9.0f} {'':>8} {'':>10} "
-                                f"{unkept_ms / ring_ms:>10.2f} "
-                                f"{timed(unkept_then_next, options.repeats):>8.3f} {next_ms:>8.3f}"
-                            )
+                            other_row(row, label, unkept, moved_unkept, ring_ms, following, next_ms, options)
                         device_ring.FINGERPRINT = True
                     if options.lean:  # a lean call whose check passes: its output read, nothing copied
 
                         def lean(ring=ring, tensors=tensors, output=output) -> None:
                             ring.record_lean(tensors, output, over)
 
-                        def lean_then_next(lean=lean, following=following) -> None:
-                            lean()
-                            following()
-
-                        lean_ms = timed(lean, options.repeats)
-                        print(
-                            f"{tokens:>7} {warps:>5} {block:>5} {per_sm:>7} {'lean':>6} "
-                            f"{'yes' if stream else 'no':>6} {lean_ms:>8.3f} "
-                            f"{output_bytes / lean_ms / 1e6:>9.0f} {'':>8} {'':>10} {lean_ms / ring_ms:>10.2f} "
-                            f"{timed(lean_then_next, options.repeats):>8.3f} {next_ms:>8.3f}"
-                        )
+                        other_row(row, "lean", lean, output_bytes, ring_ms, following, next_ms, options)
                 ring.launcher._variants.clear()  # the next variants compile afresh
         device_ring.FUSED_CHECK = True
     if options.beside:
