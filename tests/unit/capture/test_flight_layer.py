@@ -22,7 +22,10 @@ from moereplay.format import CaptureReader
 from moereplay.format.schema import Unsupported
 
 
-def run(kernels: types.ModuleType, inputs, *, bad_step=None, huge_step=None, steps: int = 12):
+def run(
+    kernels: types.ModuleType | None, inputs, *, bad_step=None, huge_step=None, steps: int = 12, layer=None
+):
+    """``steps`` calls of ``kernels.fused`` (or of ``layer(hidden, w1)``): their inputs and outputs, cloned."""
     x, w1, w2, weights = inputs()
     outputs = []
     for step in range(steps):
@@ -31,7 +34,8 @@ def run(kernels: types.ModuleType, inputs, *, bad_step=None, huge_step=None, ste
             value[1, 2] = float("nan")
         if step == huge_step:
             value = value * 1e6
-        outputs.append((value.clone(), kernels.fused(value, w1, w2, weights).clone()))
+        result = layer(value, w1) if layer is not None else kernels.fused(value, w1, w2, weights)  # type: ignore[union-attr]
+        outputs.append((value.clone(), result.clone()))
     return outputs
 
 
@@ -586,24 +590,13 @@ def arm_lean(arm, stand_in_module):
     return _arm
 
 
-def run_lean(module, inputs, bad_step: int, steps: int = 8):
-    x, w1, _, _ = inputs()
-    calls = []
-    for step in range(steps):
-        value = x + step
-        if step == bad_step:
-            value[1, 2] = float("nan")
-        calls.append((value.clone(), module.layer(value, w1).clone()))
-    return calls
-
-
 def test_lean_calls_write_the_bad_call_alone(arm_lean, inputs) -> None:
     """``MOEREPLAY_FLIGHT_LEAN_BYTES``: calls at or over the limit keep their bytes only when their check fails —
     the trigger's file holds the bad call whole (inputs and output bit for bit, as the call left them) and leaves
     out the good calls before it, which kept nothing, counting them."""
     session, module = arm_lean(flight_lean_bytes="1")
     assert "flight_lean_bytes=1" in session.settings.describe()
-    calls = run_lean(module, inputs, bad_step=5)
+    calls = run(None, inputs, bad_step=5, steps=8, layer=module.layer)
     close(session)
     with CaptureReader(session.path) as reader:
         records = list(reader.calls())
@@ -623,7 +616,7 @@ def test_lean_calls_write_the_bad_call_alone(arm_lean, inputs) -> None:
 
 def test_lean_limit_above_the_calls_keeps_every_call(arm_lean, inputs) -> None:
     session, module = arm_lean(flight_lean_bytes="1G")
-    run_lean(module, inputs, bad_step=5)
+    run(None, inputs, bad_step=5, steps=8, layer=module.layer)
     close(session)
     with CaptureReader(session.path) as reader:
         assert [r.context["call"] for r in reader.calls()] == [2, 3, 4, 5]
