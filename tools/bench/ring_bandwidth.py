@@ -172,15 +172,14 @@ def main() -> int:
         "--unkept",
         action="store_true",
         help="also the launch with the output checked and fingerprinted where it is, not copied "
-        "(MOEREPLAY_FLIGHT_OUTPUT_BYTES): a row 'unkept' whose ring/torch column is its time over the row's above, "
+        "(MOEREPLAY_FLIGHT_OUTPUT_BYTES): a row 'unkept' whose ring/torch column is its time over the fused (or 2-pass) row's, "
         "and 'no-fp', the same launch without the fingerprint",
     )
     parser.add_argument(
         "--lean",
         action="store_true",
         help="also the launches of a good lean call (MOEREPLAY_FLIGHT_LEAN_BYTES: the output checked where it is, "
-        "then a launch that finds nothing to copy): a row 'lean' whose ring/torch column is its time over the row's "
-        "above",
+        "then a launch that finds nothing to copy): a row 'lean' whose ring/torch column is its time over the fused (or 2-pass) row's",
     )
     parser.add_argument(
         "--beside",
