@@ -613,6 +613,9 @@ def pooled(paths: list[Path]) -> Pool:
     return pool
 
 
+MEASUREMENTS = ("decode_b1", "decode_b32", "prefill")
+"""What a round measures (``--measure`` picks some): decode batches of 1 and 32 streamed, and a prefill batch."""
+
 AFTERMATH = ("b1_before", "b1_after")
 """``--aftermath``'s measurements: decode batch 1 streamed, right before and right after the server's own prefill."""
 
@@ -779,6 +782,13 @@ def main() -> int:
         "prefill of its own (b1_before, b1_after; that prefill not counted), with when each step's token came: "
         "where a prefill's aftermath at decode goes (first token or slow steps)",
     )
+    parser.add_argument(
+        "--measure",
+        default=",".join(MEASUREMENTS),
+        help="what each round measures, comma-separated (default: all of decode_b1, decode_b32, prefill): one alone "
+        "fits more rounds in a device call — prefill alone about four times as many, for an interval narrow enough "
+        "to judge its 1.02× target",
+    )
     parser.add_argument("--serve-arg", action="append", default=[])
     parser.add_argument("--kv-cache-bytes", type=int, default=4 << 30, help="KV cache of each server")
     parser.add_argument("--timeout", type=float, default=540.0)
@@ -818,11 +828,13 @@ def main() -> int:
         parser.error(f"unknown settings {unknown}; known: {list(SETTINGS)}")
     if len(set(names)) != len(names):  # one server per setting: results are kept by name
         parser.error(f"a setting named twice in {names}")
+    measurements = tuple(what.strip() for what in options.measure.split(",") if what.strip())
+    if not measurements or any(what not in MEASUREMENTS for what in measurements):
+        parser.error(f"--measure {options.measure!r}: name some of {', '.join(MEASUREMENTS)}")
     words = serve_gpu.vocabulary_words(options.model)
     memory = max(0.08, min(0.28, 0.85 / len(names)))
     servers: dict[str, harness.Server] = {}
     started = time.monotonic()
-    measurements = ("decode_b1", "decode_b32", "prefill")
     after = AFTERMATH if options.aftermath else ()
     results: dict[str, dict[str, list[float]]] = {n: {m: [] for m in measurements + after} for n in names}
     timelines: dict[str, dict[str, list[dict[str, float]]]] = {n: {m: [] for m in after} for n in names}

@@ -537,6 +537,15 @@ def test_a_setting_named_twice_or_unknown_is_refused_before_any_server_starts(
         with pytest.raises(SystemExit) as exit_info:
             bench.main()
         assert exit_info.value.code == 2 and said in capsys.readouterr().err
+    for measure in ("prefill,decode", ",", "prefil"):  # --measure: only what a round can measure
+        argv = ["serve_bench.py", "--model", str(tmp_path), "--settings", "off,flight", "--measure", measure]
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main()
+        assert (
+            exit_info.value.code == 2
+            and "name some of decode_b1, decode_b32, prefill" in capsys.readouterr().err
+        )
 
 
 def test_a_streamed_request_gives_when_each_step_token_came(bench: types.ModuleType) -> None:
@@ -644,3 +653,18 @@ def test_a_streamed_answer_that_errs_or_breaks_off_raises(bench: types.ModuleTyp
     ):
         with pytest.raises(RuntimeError, match=re.escape(said)):
             read(broken, 0, [])
+
+
+def test_a_run_that_measured_prefill_alone_is_tabled_and_judged(bench: types.ModuleType) -> None:
+    """``--measure prefill``: the table, the verdict and the interval cover the one measurement there is."""
+    off = [67000.0 + 40 * (i % 5) for i in range(40)]
+    lean = [value / 1.006 for value in off]
+    results = {"off": {"prefill": off}, "flight-lean": {"prefill": lean}}
+    paired = bench.paired_ratios(results)
+    steady = bench.steady_ratios(results)
+    lines = bench.table(results, paired, {}, steady=steady)
+    assert "prefill tok/s" in lines[0] and "decode" not in lines[0]
+    (verdict,) = bench.verdicts(results, paired, "graph", {}, steady=steady)
+    assert "prefill ≤ 1.02: 1.006 / 1.006 meets" in verdict and "decode" not in verdict
+    (interval,) = bench.intervals(paired, "graph", steady)
+    assert "prefill 1.006–1.006 of 40 (under 1.02)" in interval
