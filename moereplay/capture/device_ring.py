@@ -270,17 +270,8 @@ class DeviceRing:
         )
         for first in range(0, max(count, 1), MAX_SPANS):
             last = first + MAX_SPANS >= count
-            args: list[int] = []
-            chunk = 0
-            for source, size in zip(
-                sources[first : first + MAX_SPANS], sizes[first : first + MAX_SPANS], strict=True
-            ):
-                # sources and targets are 256-byte aligned; whole words: the last one holds the span's last
-                # byte (mapped memory), and the ring's 256-byte slot has room for it
-                words = (size + 7) & ~7
-                args += (source, target, words)
-                chunk += words
-                target += (size + 255) & ~255
+            end = first + MAX_SPANS
+            args, chunk, target = _span_args(sources[first:end], sizes[first:end], target)
             if printed is not None:  # (the one launch: count < MAX_SPANS)
                 args += _PADDING[count + 1]
                 args += printed
@@ -323,14 +314,7 @@ class DeviceRing:
         starts = _starts(head, sizes)
         word = self._word(tag)
         launcher.launch_prepared([], 0, 1, 0, check_info, (*word[:3], self._sink))
-        args: list[int] = []
-        chunk = 0
-        target = self._base + head % self.capacity
-        for source, size in zip(sources, sizes, strict=True):
-            words = (size + 7) & ~7
-            args += (source, target, words)
-            chunk += words
-            target += (size + 255) & ~255
+        args, chunk, _ = _span_args(sources, sizes, self._base + head % self.capacity)
         launcher.launch_prepared(args, len(sources), 1, chunk, None, word, over=over)
         return starts, leads, sizes, tag
 
@@ -457,6 +441,20 @@ class DeviceRing:
         if low >> 32 != expected or high >> 32 != expected:
             return None
         return (high & 0xFFFFFFFF) << 32 | (low & 0xFFFFFFFF)
+
+
+def _span_args(sources: list[int], sizes: list[int], target: int) -> tuple[list[int], int, int]:
+    """The kernel's (source, target, size) triples of spans copied into the ring from device address ``target``,
+    the bytes they copy, and the address after them. Sources and targets are 256-byte aligned; sizes whole 8-byte
+    words: the last one holds the span's last byte (mapped memory), and the ring's 256-byte slot has room for it."""
+    args: list[int] = []
+    chunk = 0
+    for source, size in zip(sources, sizes, strict=True):
+        words = (size + 7) & ~7
+        args += (source, target, words)
+        chunk += words
+        target += (size + 255) & ~255
+    return args, chunk, target
 
 
 def _starts(head: int, sizes: list[int]) -> list[int]:
@@ -647,7 +645,8 @@ class _Launcher:
         ``printed``: the last triple is (the checked tensor's address, its fingerprint's device cell, its two host
         words): read in words where it is, reduced to its check and fingerprint, not copied (mode 4). ``over``
         (with ``word``, no ``check``): the spans are copied only if the tag word's finished check — an earlier
-        launch's on the same stream — has float32 bits above ``over``; the word is then published (mode 5)."""
+        launch's on the same stream — has float32 bits above ``over``, and the word is published either way
+        (mode 5)."""
         if count < MAX_SPANS:
             args += _PADDING[count]
         code = 0
