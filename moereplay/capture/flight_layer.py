@@ -542,13 +542,12 @@ class LayerFlight(PollingRecorder):
         check = None
         if error is None:
             outputs, check = collect_outputs(call, result)
-            if call.lean and (len(outputs) != 1 or outputs[0] is not check):
-                call.lean = False  # (not one checked output: every byte copied after the call, as usual)
+            single = check is not None and len(outputs) == 1 and outputs[0] is check  # one output, checked
+            call.lean = call.lean and single  # (else every byte copied after the call, as usual)
             if not call.lean and (
-                self.output_bytes
+                single
+                and self.output_bytes
                 and check is not None
-                and len(outputs) == 1
-                and outputs[0] is check
                 and "return" in call.outputs
                 and check.numel() * check.element_size() >= self.output_bytes
             ):  # checked by the launch below, its bytes not kept (a marker in its place: see _describe)
