@@ -188,6 +188,24 @@ async def test_rows_the_replay_adds_on_its_own_are_shown_and_stay(violation_capt
 
 
 @run_async
+async def test_the_matrix_draws_new_rows_whole_before_the_table_goes_idle(marlin_capture: Path) -> None:
+    """A line drawn between ``show`` and the table's next idle keeps every cell whole: the columns are sized from
+    the rows as they are shown (Textual's own sizing, run when idle, left the lines drawn before it cut)."""
+    app = make_app(marlin_capture)
+    async with app.run_test(size=(160, 24)) as pilot:
+        screen = await open_call(pilot)
+        assert screen.outcome is not None
+        matrix = screen.query_one(VariantMatrix)
+        results = screen.outcome.report.results
+        label = "set moe_block_size=64 with a label wider than any shown before"
+        matrix.show(results, ("baseline", label))
+        lines = [matrix.render_line(y).text for y in range(1 + len(matrix.labels))]  # no pause: not idle yet
+        assert label in lines[-1]
+        recorded = next(result for result in results if result.label == "recorded")
+        assert f"{recorded.max_rel:.2e}" in lines[1]
+
+
+@run_async
 async def test_call_of_an_unknown_op_is_shown_without_replaying(stream_capture: Path) -> None:
     app = make_app(stream_capture)
     notes = Notes(app)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.widgets import DataTable
 
@@ -82,35 +83,43 @@ class VariantMatrix(DataTable[str | Text]):
         self.labels: tuple[str, ...] = ()
 
     def on_mount(self) -> None:
-        for column in COLUMNS:
-            # the verdict column as wide as the longest verdict from the start ("needs-kernel"): a column that
-            # widens when such a row arrives moves the others under a dialog drawn over the matrix
-            width = max(len(verdict.value) for verdict in Verdict) if column == "verdict" else None
+        self._set_columns(())
+
+    def _set_columns(self, rows: Sequence[tuple[str | Text, ...]]) -> None:
+        """Columns as wide as their header and the ``rows`` about to be shown. ``DataTable`` widens an auto-sized
+        column only when idle, and keeps the lines it drew before that: a matrix drawn between a replay's rows
+        arriving and the table going idle showed its numbers cut ("2.01e+0") until the next change — what a
+        snapshot of the dialog over it caught on a loaded machine."""
+        self.clear(columns=True)
+        for index, column in enumerate(COLUMNS):
+            width = max([cell_len(column), *(_width(row[index]) for row in rows)])
+            if column == "verdict":  # as wide as the longest verdict, whatever rows come ("needs-kernel")
+                width = max(width, *(len(verdict.value) for verdict in Verdict))
             self.add_column(column, width=width, key=column)
 
     def show(
         self, results: Sequence[VariantResult], pending: Sequence[str] = (), keep: str | None = None
     ) -> None:
         """The replay's ``results``, then ``pending`` labels (added since the last run) marked "not run"."""
-        self.clear()
-        labels: list[str] = []
+        rows: dict[str, tuple[str | Text, ...]] = {}
         for result in results:
-            if result.label in labels:
-                continue
-            self.add_row(*result_cells(result), key=result.label)
-            labels.append(result.label)
+            rows.setdefault(result.label, result_cells(result))
+        blanks = ("",) * (len(COLUMNS) - 3)
         for label in pending:
-            if label in labels:
-                continue
-            blanks = ("",) * (len(COLUMNS) - 3)
-            self.add_row(label, Text("not run", style="dim italic"), *blanks, "r reruns", key=label)
-            labels.append(label)
-        self.labels = tuple(labels)
-        if keep in labels:
-            self.move_cursor(row=labels.index(keep))
+            rows.setdefault(label, (label, Text("not run", style="dim italic"), *blanks, "r reruns"))
+        self._set_columns(tuple(rows.values()))
+        for label, cells in rows.items():
+            self.add_row(*cells, key=label)
+        self.labels = tuple(rows)
+        if keep in rows:
+            self.move_cursor(row=self.labels.index(keep))
 
     @property
     def current_label(self) -> str | None:
         if not self.labels or self.cursor_row < 0:
             return None
         return self.labels[min(self.cursor_row, len(self.labels) - 1)]
+
+
+def _width(cell: str | Text) -> int:
+    return cell.cell_len if isinstance(cell, Text) else cell_len(cell)
