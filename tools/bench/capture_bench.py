@@ -49,6 +49,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -232,6 +233,7 @@ def main() -> int:
         options.profile_m = sizes[0]
 
     from moereplay.capture import session as session_module
+    from moereplay.capture.sink import FormatSink
     from moereplay.cli.inspect_cmds import recorder_cost
 
     torch.manual_seed(0)
@@ -357,7 +359,8 @@ def main() -> int:
             drained = time.perf_counter() - started
             if mode.startswith("full"):
                 phases = dict(session.writer.seconds)
-                phases.update(session.writer.sink.writer.phase_seconds)
+                sink = cast(FormatSink, session.writer.sink)  # arm's default sink: the capture file
+                phases.update(sink.writer.phase_seconds)
                 result[f"{mode} writer s"] = {key: round(value, 3) for key, value in phases.items()}
             writer = session.writer.counters
             recorder = session.recorder.counters

@@ -40,7 +40,9 @@ CASES = {
 }
 
 
-def timings(fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+# Callable[..., ...], called with no argument: mypy rejects the callers' lambdas, whose defaults bind loop
+# variables, as Callable[[], ...] (python/mypy#15459)
+def timings(fn: Callable[..., object], repeats: int) -> tuple[float, float, float]:
     """Median (wall, host, gpu) milliseconds of ``repeats`` calls after a warm-up."""
     fn()
     torch.cuda.synchronize()
@@ -106,7 +108,8 @@ def bench_case(name: str, shape: tuple[int, int, int, int, int], repeats: int, r
     padded_x = torch.cat((x, x.new_zeros(1, K)))
     for pad, members in buckets.items():
         source = torch.full((len(members), pad), x.shape[0], dtype=torch.long)
-        target, valid = [], []
+        target: list[int] = []
+        valid: list[int] = []
         for j, i in enumerate(members):
             source[j, : counts_l[i]] = torch.arange(starts[i], starts[i + 1])
             target += range(starts[i], starts[i + 1])

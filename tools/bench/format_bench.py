@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from moereplay.format import CaptureReader, CaptureWriter
+from moereplay.format.reader import DEFAULT_BLOB_CACHE_BYTES
 
 GROUP = 32
 TOP_K = 4
@@ -140,11 +141,10 @@ def main() -> None:
             list_seconds = time.perf_counter() - started
             stats = reader.stats()
         read_results = {}
-        for label, cache in (("cold", 0), ("cached", None)):
-            kwargs = {} if cache is None else {"blob_cache_bytes": cache}
+        for label, cache in (("cold", 0), ("cached", DEFAULT_BLOB_CACHE_BYTES)):
             started = time.perf_counter()
             materialised = 0
-            with CaptureReader(path, **kwargs) as reader:
+            with CaptureReader(path, blob_cache_bytes=cache) as reader:
                 for index in range(len(reader)):
                     loaded_args = reader.load_args(index)
                     loaded_outputs = reader.load_outputs(index)

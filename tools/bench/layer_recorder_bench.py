@@ -106,7 +106,7 @@ def flight_with_a_no_op_launch() -> flight_layer.LayerFlight:
         launcher.device, launcher.index, launcher.programs = torch.device("cpu"), 0, 264
         variants = ((a, c, m) for a in (0, 1) for c in (0, 1, 2, 3) for m in (0, 1, 2, 3))
         launcher._variants = {key: NoLaunch() for key in variants}
-        launcher._get_stream = lambda index: 0
+        launcher._get_stream = lambda device: 0
         launcher.stream_stores = False
         made.launcher = launcher
         if hasattr(device_ring, "host_words"):  # (absent before 2026-12-04: lets the bench time older trees)

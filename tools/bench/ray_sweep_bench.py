@@ -65,10 +65,11 @@ def _measure(units: list, workers: int, gpu: bool, gpus_per_task: float) -> floa
         ray.init(num_gpus=workers, num_cpus=workers * 2, include_dashboard=False, logging_level="ERROR")
     else:
         ray.init(num_cpus=workers, num_gpus=0, include_dashboard=False, logging_level="ERROR")
-    per_task = {"gpus_per_task": gpus_per_task if gpu else 0.0, "cpus_per_task": 1.0}
-    sweep(units[:workers], workers=workers, **per_task)  # untimed: the backend's first load on this machine
+    gpus = gpus_per_task if gpu else 0.0
+    # untimed: the backend's first load on this machine
+    sweep(units[:workers], workers=workers, gpus_per_task=gpus, cpus_per_task=1.0)
     started = time.perf_counter()
-    sweep(units, workers=workers, **per_task)
+    sweep(units, workers=workers, gpus_per_task=gpus, cpus_per_task=1.0)
     return time.perf_counter() - started
 
 

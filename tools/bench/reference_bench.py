@@ -576,7 +576,7 @@ def measure(
             lambda: reference_moe_wna16_marlin_gemm(**args, weight_cache=cache), max(3, repeats // 2)
         )
     if cpu:
-        cpu_args = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        cpu_args: dict[str, Any] = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
         cpu_time = cpu_ms(lambda: reference_moe_wna16_marlin_gemm(**cpu_args), cpu_repeats)
     return Row(kernel, reference, cached, cpu_time, error)
 

@@ -49,13 +49,17 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 HIDDEN, TOP_K, EXPERTS = 2880, 4, 32
 
 
-def layer_tensors(tokens: int, device: str) -> tuple[list, object]:
+def layer_tensors(tokens: int, device: str) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The dynamic tensors of one layer call (routing's small ones included) and its output."""
     import torch
 
@@ -217,6 +221,8 @@ def main() -> int:
             2 * copied + output.numel() * output.element_size()
         )  # copies read + write, the check's read
         ring = DeviceRing(4 * copied + (1 << 20), torch.device(device))
+        launcher = ring.launcher
+        assert launcher is not None  # the ring kernel (ring_kernel imported above)
         target = torch.empty(copied, dtype=torch.uint8, device=device)
 
         def torch_work(tensors=tensors, output=output, target=target) -> None:
@@ -239,7 +245,7 @@ def main() -> int:
             for block, fused, stream in ((b, f, t) for b in blocks for f in checks for t in streams):
                 device_ring.FUSED_CHECK = fused
                 # (the variants are keyed without it: cleared after each setting, below)
-                ring.launcher.stream_stores = ring.stream_stores = stream
+                launcher.stream_stores = ring.stream_stores = stream
                 ring.record(tensors, output, True)  # compiles the variant this call uses
                 if options.lean:  # and the two of a lean call
                     ring.record_lean(tensors, output, over)
@@ -253,7 +259,7 @@ def main() -> int:
                 # bytes moved: the copies read and written, and the check's own read unless fused
                 moved = 2 * copied + (0 if fused else output.numel() * output.element_size())
                 for per_sm in (int(text) for text in options.programs.split(",")):
-                    ring.launcher.programs = sms * per_sm
+                    launcher.programs = sms * per_sm
 
                     def launch(ring=ring, tensors=tensors, output=output) -> None:
                         ring.record(tensors, output, True)
@@ -284,7 +290,7 @@ def main() -> int:
                             ring.record_lean(tensors, output, over)
 
                         other_row(row, "lean", lean, output_bytes, ring_ms, following, next_ms, options)
-                ring.launcher._variants.clear()  # the next variants compile afresh
+                launcher._variants.clear()  # the next variants compile afresh
         device_ring.FUSED_CHECK = True
     if options.beside:
         beside_table(options, DeviceRing)

@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,8 +79,9 @@ def main() -> int:
     options = parser.parse_args()
     from vllm.scalar_type import scalar_types
 
-    marlin = importlib.import_module("vllm.model_executor.layers.fused_moe.experts.marlin_moe")
-    ops = importlib.import_module("vllm._custom_ops")
+    # vLLM modules whose fused_marlin_moe and moe_wna16_marlin_gemm are replaced below
+    marlin: Any = importlib.import_module("vllm.model_executor.layers.fused_moe.experts.marlin_moe")
+    ops: Any = importlib.import_module("vllm._custom_ops")
     torch.manual_seed(0)
     (w1, s1, g1), (w2, s2, g2) = build_weights()
     ring = DeviceRing(1 << 30, torch.device("cuda", 0))

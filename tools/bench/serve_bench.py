@@ -835,7 +835,7 @@ def main() -> int:
     memory = max(0.08, min(0.28, 0.85 / len(names)))
     servers: dict[str, harness.Server] = {}
     started = time.monotonic()
-    after = AFTERMATH if options.aftermath else ()
+    after: tuple[str, ...] = AFTERMATH if options.aftermath else ()
     results: dict[str, dict[str, list[float]]] = {n: {m: [] for m in measurements + after} for n in names}
     timelines: dict[str, dict[str, list[dict[str, float]]]] = {n: {m: [] for m in after} for n in names}
     rounds_done, last_round = 0, 0.0

@@ -132,7 +132,7 @@ def main() -> None:
     if options.json:
         print(json.dumps({key: round(value, 4) for key, value in results.items()}, indent=2))
         return
-    counts = ("calls", "rows_decoded", "rows_decoded_at_first_paint", "filter_matches")
+    counts: tuple[str, ...] = ("calls", "rows_decoded", "rows_decoded_at_first_paint", "filter_matches")
     counts += ("torch_imported", "torch_imported_at_first_paint")
     width = max(len(key) for key in results)
     for key, value in results.items():

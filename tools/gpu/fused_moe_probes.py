@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from proof_report import number, say, table
 
@@ -44,8 +44,8 @@ def first_call(proof: Any, name: str, gemm: int = 0) -> tuple[Path, int] | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-VARIANT_HEADERS = ("call", "variant", "verdict", "bad rows", "max rel", "rms rel", "same bits as captured")
-VARIANT_HEADERS += ("guard", "reason")
+VARIANT_HEADERS: tuple[str, ...] = ("call", "variant", "verdict", "bad rows", "max rel", "rms rel")
+VARIANT_HEADERS += ("same bits as captured", "guard", "reason")
 
 
 def variant_rows(name: str, report: Any) -> list[list[Any]]:
@@ -189,7 +189,7 @@ def launches(inputs: Any, action: Callable[[], Any], force_triton: bool) -> list
 
     from moereplay.capture.binding import ArgumentBinder
 
-    module = importlib.import_module(inputs.FUSED_MOE)
+    module: Any = importlib.import_module(inputs.FUSED_MOE)  # its functions are replaced below
     saved = {name: getattr(module, name) for name in (*LAUNCHERS, "should_moe_wna16_use_cuda")}
     seen: list[tuple[str, dict[str, Any]]] = []
 
@@ -214,7 +214,9 @@ def launches(inputs: Any, action: Callable[[], Any], force_triton: bool) -> list
     return seen
 
 
-def median_s(action: Callable[[], Any], runs: int) -> float:
+# Callable[..., ...], called with no argument: mypy rejects the callers' lambdas, whose defaults bind loop
+# variables, as Callable[[], ...] (python/mypy#15459)
+def median_s(action: Callable[..., Any], runs: int) -> float:
     """Median wall seconds of ``action`` (synchronised), after one untimed run: the reference bench's timer."""
     bench = str(Path(__file__).resolve().parents[1] / "bench")
     if bench not in sys.path:
@@ -230,6 +232,7 @@ def time_format(proof: Any, fmt: Any, backend: Any, rows: list[list[Any]]) -> No
     import torch
 
     from moereplay.ops import get_op
+    from moereplay.ops.fused_moe_triton import TritonMoeOp
     from moereplay.ops.fused_moe_triton_surface import compute_type_name
 
     args = proof.args
@@ -241,7 +244,7 @@ def time_format(proof: Any, fmt: Any, backend: Any, rows: list[list[Any]]) -> No
         proof.inputs, lambda: proof.inputs.run_fused_experts(layer, shape, args.time_tokens, g), forced
     )
     for gemm, (op_name, bound) in enumerate(seen[:2], start=1):
-        op = get_op(op_name)
+        op = cast(TritonMoeOp, get_op(op_name))  # the two Triton launchers' ops
         call = op.recorded_args({**bound, "compute_type": compute_type_name(bound["compute_type"])})
         kernel = median_s(lambda op=op, call=call: op.run(call, backend), args.runs)
         reference = median_s(lambda op=op, call=call: op.reference(call), max(1, args.runs // 2))

@@ -205,7 +205,7 @@ def part1_table(proof: Proof) -> None:
     lines = []
     for row in proof.summary.get("part1_capture", []):
         done = [r for r in row["replays"] if r]
-        worst = max(done, key=lambda r: r["max_rel"] or 0.0, default={})
+        worst: dict[str, Any] = max(done, key=lambda r: r["max_rel"] or 0.0, default={})
         lines.append(
             [
                 row["format"],
@@ -220,8 +220,8 @@ def part1_table(proof: Proof) -> None:
                 row["error"],
             ]
         )
-    headers = ("format", "tokens", "kernel that ran", "kernel calls", "bit-exact", "replay verdict")
-    headers += ("recorded vs reference", "max rel", "rms rel", "problem")
+    headers: tuple[str, ...] = ("format", "tokens", "kernel that ran", "kernel calls", "bit-exact")
+    headers += ("replay verdict", "recorded vs reference", "max rel", "rms rel", "problem")
     table("Part 1 — capture fidelity through vLLM's fused_experts", headers, lines)
 
 

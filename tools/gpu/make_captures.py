@@ -96,7 +96,7 @@ def vllm_fused_layer(path: Path, backend: str, device: str) -> dict[str, Any]:
     kernel = load_backend(parse_backend(backend), target)
     marlin_moe = kernel.module("vllm.model_executor.layers.fused_moe.experts.marlin_moe")
     activation_module = kernel.module("vllm.model_executor.layers.fused_moe.activation")
-    ops = kernel.module("vllm._custom_ops")
+    ops: Any = kernel.module("vllm._custom_ops")  # its moe_wna16_marlin_gemm is wrapped below
     scalar_types = kernel.module("vllm.scalar_type").scalar_types
 
     tokens, experts, top_k = LAYER["tokens"], LAYER["experts"], LAYER["top_k"]

@@ -64,7 +64,9 @@ class Run:
         self.summary["failures"].append({"case": what, "error": "skipped: time budget"})
         return True
 
-    def attempt(self, what: str, action: Callable[[], Any]) -> Any:
+    # Callable[..., ...], called with no argument: mypy rejects the callers' lambdas, whose defaults bind loop
+    # variables, as Callable[[], ...] (python/mypy#15459)
+    def attempt(self, what: str, action: Callable[..., Any]) -> Any:
         """``action()``, or ``None`` after a one-line failure (the traceback goes to the summary)."""
         try:
             return action()

@@ -68,7 +68,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("routing_determinism: needs a CUDA device", file=sys.stderr)
         return 2
-    module = importlib.import_module(MODULE)
+    module: Any = importlib.import_module(MODULE)  # a vLLM module: one of its globals is replaced below
     given: list[dict[str, Any]] = []
 
     def stand_in(output: Any, hidden_states: Any, w1: Any, w2: Any, routing_data: Any, gather_indx: Any,

@@ -63,7 +63,7 @@ class FileSummary:
     cudagraph_modes: dict[str, int] = field(default_factory=dict)
     ranks: list[dict[str, int]] = field(default_factory=list)
     kernel_calls_with_parent: int = 0
-    counters: dict[str, object] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

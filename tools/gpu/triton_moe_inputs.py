@@ -262,7 +262,7 @@ def armed_capture(directory: Path) -> Iterator[Any]:
     os.environ.update(MOEREPLAY_CAPTURE="1", MOEREPLAY_DIR=str(directory / "capture"))
     os.environ.pop("VLLM_PLUGINS", None)
     try:
-        plugins = importlib.import_module("vllm.plugins")
+        plugins: Any = importlib.import_module("vllm.plugins")  # its plugins_loaded is reset below
         importlib.import_module(FUSED_MOE)  # imported first: the capture wraps what is there at once
         importlib.import_module(PACKAGE)
         plugins.plugins_loaded = False
