@@ -8,14 +8,17 @@
 # Everything is logged to $OUT/all.log; summaries, the flight file and the expanded one (when small) and server log
 # tails come back. MODEL_ARGS: more make_gpt_oss.py options (a small model for a bundled capture, e.g. "--hidden 256
 # --intermediate 256 --experts 8 --top-k 2 --heads 4 --kv-heads 2"). FLIGHT_ENV: MOEREPLAY_* settings for the server,
-# space-separated KEY=VALUE (the harness passes none of this shell's own).
+# space-separated KEY=VALUE (the harness passes none of this shell's own). FAULT_AT=prefill: the word in the middle of
+# two 160-word prompts instead, so the first bad call is an eager prefill (with
+# FLIGHT_ENV="MOEREPLAY_FLIGHT_LEAN_BYTES=64K"
+# a lean call: its bytes kept only because its check failed).
 source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
 source tools/gpu/steps.sh
 W=/tmp/serve; mkdir -p $W
 step models 60 python3 tools/models/make_gpt_oss.py $W/gpt-oss-bad --layers 2 --poison 0:5 $MODEL_ARGS
 ENVS=""; for kv in $FLIGHT_ENV; do ENVS="$ENVS --env $kv"; done  # e.g. FLIGHT_ENV="MOEREPLAY_FLIGHT_GRAPH_BATCH=0" (a record node per layer call)
 step graph_flight 200 python3 tools/gpu/serve_gpu.py --model $W/gpt-oss-bad --mode graph --capture flight \
-    --out $W/graph --requests 8 --fault-word zebra $ENVS
+    --out $W/graph --requests 8 --fault-word zebra --fault-at ${FAULT_AT:-decode} $ENVS
 G=$(ls -S $W/graph/captures/*.zst 2>/dev/null | head -1)
 if [ -n "$G" ]; then
     step flight_info 30 python3 -m moereplay info "$G"

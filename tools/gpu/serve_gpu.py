@@ -126,6 +126,21 @@ def prompts(words: list[str], lengths: list[int], offset: int = 0) -> list[str]:
     ]
 
 
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64]
+"""The CUDA-graph batch sizes a graph-mode server captures (fewer than vLLM's default ~67, to start faster)."""
+
+FAULT_PROMPT_WORDS = 160
+"""Words of a prefill fault prompt: more tokens than the largest graph size, so the prefill runs eager."""
+
+
+def fault_prompts(words: list[str], word: str, count: int, length: int, offset: int = 0) -> list[str]:
+    """``count`` prompts of ``length`` words with ``word`` once, in the middle, and nowhere else: a model poisoned
+    on it (make_gpt_oss.py --poison) turns non-finite while the prompt is prefilled."""
+    filler = [item for item in words if item != word] or ["hello"]
+    built = prompts(filler, [length - 1] * count, offset)
+    return [" ".join([*text.split(" ")[: length // 2], word, *text.split(" ")[length // 2 :]]) for text in built]
+
+
 def serve_command(model: Path, port: int, mode: str, serve_args: list[str], max_model_len: int) -> list[str]:
     command = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
@@ -137,7 +152,7 @@ def serve_command(model: Path, port: int, mode: str, serve_args: list[str], max_
         command.append("--enforce-eager")
     else:
         # vLLM's default CUDA-graph mode, with fewer capture sizes than its default ~67 to start faster
-        command += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]})]
+        command += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": CAPTURE_SIZES})]
     return command + serve_args
 
 
@@ -226,7 +241,14 @@ def run(options: argparse.Namespace) -> ServeRun:
         extra = list(options.prompt or [])
         extra_batch = server.complete_many(extra, options.max_tokens) if extra else None
         fault_batch = None
-        if options.fault_word:
+        if options.fault_word and options.fault_at == "prefill":
+            # the word in the prompts' middle: the prefill (eager: longer than any graph) is the first bad call
+            token_id(options.model, options.fault_word)  # a word the tokenizer knows, or a one-line exit
+            fault_batch = server.complete_many(
+                fault_prompts(words, options.fault_word, options.fault_requests, options.fault_prompt_words, 17),
+                options.max_tokens,
+            )
+        elif options.fault_word:
             # the word is never in these prompts: a logit bias makes the model emit it as its first new token,
             # so the next decode step (a CUDA-graph replay in graph mode) is the first to feed it to the layers
             bias = {str(token_id(options.model, options.fault_word)): 100}
@@ -276,6 +298,14 @@ def main() -> int:
         help="after the workload, requests whose first new token is forced to this word (logit bias): a model "
         "poisoned on it (make_gpt_oss.py --poison) turns non-finite at a decode step",
     )
+    parser.add_argument(
+        "--fault-at",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="decode (default): the word forced as the first new token; prefill: the word in the middle of "
+        "prompts of --fault-prompt-words words (an eager prefill: longer than the largest graph size)",
+    )
+    parser.add_argument("--fault-prompt-words", type=int, default=FAULT_PROMPT_WORDS)
     parser.add_argument("--fault-requests", type=int, default=2)
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=24)
