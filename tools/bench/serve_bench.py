@@ -153,6 +153,12 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_STREAM_STORES": "1",
     },
+    # diagnostics, not timings: vLLM's own GC debugger (VLLM_GC_DEBUG, attached after each process freezes its
+    # start-up heap) logs every collection of serving time with the objects its generation held — whether the
+    # full collections seen under the armed recorder (gc2 278–382 ms, 14–15 a run, 2026-12-07) are vLLM's with
+    # capture off too (it lists the generation's objects first: each collection reads slower than it is)
+    "off-gcdebug": {"VLLM_GC_DEBUG": "1"},
+    "flight-gcdebug": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "VLLM_GC_DEBUG": "1"},
     # diagnostic: capture off again, a second server (an A/A test): its ratio to "off" is the bench's own spread
     # between two servers doing the same thing — a setting's ratio within it says nothing
     "off-again": {},
@@ -183,6 +189,34 @@ def capture_stopped(log: Path, rounds_began: float) -> str | None:
     when = stamp.timestamp() - rounds_began
     place = "before the measured rounds" if when < 0 else f"{when:.0f} s into the measured rounds"
     return f"stopped {place}: {reason}"
+
+
+GC_LINE = re.compile(
+    r"\((?P<process>[^\s()]+) pid=\d+\)[^\n]*GC took (?P<ms>[\d.]+)ms to complete\. Collected \S+ objects "
+    r"\(out of (?P<objects>\d+)\) in GC generation (?P<generation>\d)"
+)
+"""A collection as vLLM's GC debugger logs it (``VLLM_GC_DEBUG=1``), with the process's log prefix."""
+
+
+def gc_notes(log: Path) -> list[str]:
+    """Per process and generation, the collections ``VLLM_GC_DEBUG`` logged in a server's log: how many, their
+    median and longest time, and the most objects the generation held when one began (none without the setting)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    found: dict[tuple[str, int], list[tuple[float, int]]] = {}
+    for match in GC_LINE.finditer(text):
+        key = (match["process"], int(match["generation"]))
+        found.setdefault(key, []).append((float(match["ms"]), int(match["objects"])))
+    lines = []
+    for (process, generation), items in sorted(found.items()):
+        times = [ms for ms, _ in items]
+        lines.append(
+            f"{process} gc{generation}: {len(items)} collections, median {statistics.median(times):.1f} ms, "
+            f"longest {max(times):.1f} ms, at most {max(objects for _, objects in items):,} objects"
+        )
+    return lines
 
 
 TWO_MODES = 1.15
@@ -914,6 +948,8 @@ def main() -> int:
     for line in intervals(paired, options.mode, steady):
         print(line)
     for name in names:
+        for line in gc_notes(options.out / name / "server.log"):
+            print(f"{name:<14} {line}")
         for path in sorted((options.out / name / "captures").glob("**/*.zst")):
             try:
                 item = serve_gpu.summarise_file(path, {})

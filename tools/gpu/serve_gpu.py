@@ -138,7 +138,9 @@ def fault_prompts(words: list[str], word: str, count: int, length: int, offset: 
     on it (make_gpt_oss.py --poison) turns non-finite while the prompt is prefilled."""
     filler = [item for item in words if item != word] or ["hello"]
     built = prompts(filler, [length - 1] * count, offset)
-    return [" ".join([*text.split(" ")[: length // 2], word, *text.split(" ")[length // 2 :]]) for text in built]
+    return [
+        " ".join([*text.split(" ")[: length // 2], word, *text.split(" ")[length // 2 :]]) for text in built
+    ]
 
 
 def serve_command(model: Path, port: int, mode: str, serve_args: list[str], max_model_len: int) -> list[str]:
@@ -245,7 +247,9 @@ def run(options: argparse.Namespace) -> ServeRun:
             # the word in the prompts' middle: the prefill (eager: longer than any graph) is the first bad call
             token_id(options.model, options.fault_word)  # a word the tokenizer knows, or a one-line exit
             fault_batch = server.complete_many(
-                fault_prompts(words, options.fault_word, options.fault_requests, options.fault_prompt_words, 17),
+                fault_prompts(
+                    words, options.fault_word, options.fault_requests, options.fault_prompt_words, 17
+                ),
                 options.max_tokens,
             )
         elif options.fault_word:

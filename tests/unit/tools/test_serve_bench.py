@@ -668,3 +668,35 @@ def test_a_run_that_measured_prefill_alone_is_tabled_and_judged(bench: types.Mod
     assert "prefill ≤ 1.02: 1.006 / 1.006 meets" in verdict and "decode" not in verdict
     (interval,) = bench.intervals(paired, "graph", steady)
     assert "prefill 1.006–1.006 of 40 (under 1.02)" in interval
+
+
+def _gc_line(process: str, ms: str, objects: int, generation: int) -> str:
+    """A collection as ``VLLM_GC_DEBUG=1`` logs it (vLLM 0.25.1's format, with its multiprocessing log prefix)."""
+    return (
+        f"({process} pid=1631) INFO 12-07 10:00:01 [gc_utils.py:82] GC took {ms}ms to complete. Collected 12 "
+        f"objects (out of {objects}) in GC generation {generation}."
+    )
+
+
+def test_gc_notes_summarise_vllms_gc_debugger_per_process_and_generation(
+    bench: types.ModuleType, tmp_path: Path
+) -> None:
+    """The GC debugger's lines are summed per process and generation; other lines and a missing log give
+    nothing."""
+    log = tmp_path / "server.log"
+    lines = [
+        "(EngineCore_DP0 pid=1631) INFO 12-07 09:59:59 [core.py:1] ready",
+        _gc_line("EngineCore_DP0", "281.250", 4200000, 2),
+        _gc_line("EngineCore_DP0", "390.500", 5100000, 2),
+        _gc_line("EngineCore_DP0", "0.200", 710, 0),
+        _gc_line("APIServer", "51.700", 900000, 2),
+    ]
+    log.write_text("\n".join(lines) + "\n")
+    assert bench.gc_notes(log) == [
+        "APIServer gc2: 1 collections, median 51.7 ms, longest 51.7 ms, at most 900,000 objects",
+        "EngineCore_DP0 gc0: 1 collections, median 0.2 ms, longest 0.2 ms, at most 710 objects",
+        "EngineCore_DP0 gc2: 2 collections, median 335.9 ms, longest 390.5 ms, at most 5,100,000 objects",
+    ]
+    assert bench.gc_notes(tmp_path / "missing.log") == []
+    assert bench.gc_notes(_log(tmp_path / "other.log", datetime.datetime(2026, 12, 7, 10, 0, 0))) == []
+    assert "off-gcdebug" in bench.SETTINGS and "off-gcdebug" not in bench.JUDGED
