@@ -194,10 +194,12 @@ class GraphFlight(PollingRecorder):
         stage_bytes: int = ALONE_BYTES,
         poll_s: float = GRAPH_POLL_S,
         batch: bool = False,
+        compact: bool = False,
     ) -> None:
         self.layer = layer
         self.capacity = capacity
         self.batch = batch  # staged entries recorded by one node at the graph's end (GraphRing's ``batch``)
+        self.compact = compact  # that node's one-loop kernel (GraphRing's ``compact``)
         # the writer's wait between polls while graphs hold ring launches (and no eager work)
         self.poll_s = poll_s
         self.stage_bytes = stage_bytes
@@ -238,6 +240,7 @@ class GraphFlight(PollingRecorder):
                 use_kernel=cuda,
                 stage_bytes=self.stage_bytes,
                 batch=self.batch,
+                compact=self.compact,
             )
             self._watches[key] = _Watch(ring, {}, max(1, self.layer.max_calls))
             return ring

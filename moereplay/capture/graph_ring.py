@@ -47,7 +47,9 @@ puts each entry where a reservation of its own would have (``start % capacity``,
 ``capacity``), so the writer and a trigger's copy-out read them as any other; one handshake among its programs
 instead of one per layer call. Measured under L2 thrash at 32 tokens a layer call: 7.75 µs a layer call against
 11.2 for the one-node path (``tools/bench/graph_ring_bench.py --thrash 64``, H100). Its node needs a launch id
-for its own cells (without one, each entry gets its record node). A batched capture still takes a side stream in
+for its own cells (without one, each entry gets its record node). ``compact`` (``MOEREPLAY_FLIGHT_GRAPH_COMPACT``)
+runs that node as :func:`~moereplay.capture.graph_ring_kernel.graph_record_batch_compact`: the same arguments and
+results from a kernel one loop long. A batched capture still takes a side stream in
 :meth:`open_capture` and leaves it unused.
 Known limits: graphs replayed at the same time on different streams would share slots (vLLM replays its graphs
 one after another on its one stream: piecewise and full graphs, breakable graphs' segments, and dual batch
@@ -195,6 +197,7 @@ class GraphRing:
         use_kernel: bool | None = None,
         stage_bytes: int = ALONE_BYTES,
         batch: bool = False,
+        compact: bool = False,
     ) -> None:
         capacity -= capacity % ALIGNMENT
         if capacity < 4 * ALIGNMENT:
@@ -225,7 +228,9 @@ class GraphRing:
             host, self._host_address = _host_words(tags + 1, cuda)
             self.kernels = _compile(self.index) if use_kernel else None
             self.stage_kernel = _compile(self.index, stage=True) if use_kernel else None
-            self.batch_kernel = _compile(self.index, batch=True) if use_kernel and batch else None
+            self.batch_kernel = (
+                _compile(self.index, batch=True, compact=compact) if use_kernel and batch else None
+            )
             area = staging_area(capacity)
             self.stage = torch.empty(area, dtype=torch.uint8, device=device) if use_kernel else None
             self._sides = [torch.cuda.Stream(device) for _ in range(SIDE_STREAMS)] if use_kernel else []
@@ -593,7 +598,7 @@ def _programs(index: int) -> int:
     return programs
 
 
-_COMPILED: dict[tuple[int, bool, bool], Any] = {}
+_COMPILED: dict[tuple[int, bool, bool, bool], Any] = {}
 _KERNEL_ERROR: list[str] = []
 
 
@@ -625,13 +630,13 @@ def kernel_error() -> str | None:
     return _KERNEL_ERROR[0] if _KERNEL_ERROR else None
 
 
-def _compile(index: int, *, stage: bool = False, batch: bool = False) -> Any:
-    compiled = _COMPILED.get((index, stage, batch))
+def _compile(index: int, *, stage: bool = False, batch: bool = False, compact: bool = False) -> Any:
+    compiled = _COMPILED.get((index, stage, batch, compact))
     if compiled is None:
         from moereplay.capture import graph_ring_kernel
 
-        compiled = graph_ring_kernel.compile_kernel(index, stage=stage, batch=batch)
-        _COMPILED[index, stage, batch] = compiled
+        compiled = graph_ring_kernel.compile_kernel(index, stage=stage, batch=batch, compact=compact)
+        _COMPILED[index, stage, batch, compact] = compiled
     return compiled
 
 

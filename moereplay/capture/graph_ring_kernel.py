@@ -489,9 +489,174 @@ def graph_record_batch(
         _batch_tag(words, tags, seq0, partials, l23, 23, count)
 
 
-def compile_kernel(device_index: int, *, stage: bool = False, batch: bool = False) -> Any:
+LANES = 128
+"""Lanes of :func:`graph_record_batch_compact`'s per-entry vectors: one a thread at its four warps (no lane held
+twice), at least :data:`BATCH`."""
+
+
+@triton.jit
+def _lanes(lanes, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
+           a21, a22, a23):  # fmt: skip
+    """The 24 scalars as one vector: lane ``i`` holds ``a<i>`` (0 past them)."""
+    v = tl.zeros(lanes.shape, dtype=tl.int64)
+    v = tl.where(lanes == 0, a0, v)
+    v = tl.where(lanes == 1, a1, v)
+    v = tl.where(lanes == 2, a2, v)
+    v = tl.where(lanes == 3, a3, v)
+    v = tl.where(lanes == 4, a4, v)
+    v = tl.where(lanes == 5, a5, v)
+    v = tl.where(lanes == 6, a6, v)
+    v = tl.where(lanes == 7, a7, v)
+    v = tl.where(lanes == 8, a8, v)
+    v = tl.where(lanes == 9, a9, v)
+    v = tl.where(lanes == 10, a10, v)
+    v = tl.where(lanes == 11, a11, v)
+    v = tl.where(lanes == 12, a12, v)
+    v = tl.where(lanes == 13, a13, v)
+    v = tl.where(lanes == 14, a14, v)
+    v = tl.where(lanes == 15, a15, v)
+    v = tl.where(lanes == 16, a16, v)
+    v = tl.where(lanes == 17, a17, v)
+    v = tl.where(lanes == 18, a18, v)
+    v = tl.where(lanes == 19, a19, v)
+    v = tl.where(lanes == 20, a20, v)
+    v = tl.where(lanes == 21, a21, v)
+    v = tl.where(lanes == 22, a22, v)
+    v = tl.where(lanes == 23, a23, v)
+    return v
+
+
+@triton.jit(do_not_specialize=BATCH_INTS)
+def graph_record_batch_compact(
+    l0, e0, c0, k0, l1, e1, c1, k1, l2, e2, c2, k2, l3, e3, c3, k3, l4, e4, c4, k4, l5, e5, c5, k5, l6, e6, c6, k6,
+    l7, e7, c7, k7, l8, e8, c8, k8, l9, e9, c9, k9, l10, e10, c10, k10, l11, e11, c11, k11, l12, e12, c12, k12, l13,
+    e13, c13, k13, l14, e14, c14, k14, l15, e15, c15, k15, l16, e16, c16, k16, l17, e17, c17, k17, l18, e18, c18,
+    k18, l19, e19, c19, k19, l20, e20, c20, k20, l21, e21, c21, k21, l22, e22, c22, k22, l23, e23, c23, k23,
+    area, moved, count, first, code, own,
+    state, meta, hint, buffer, capacity, cells, launches, words, tags,
+    rows, row_numel,
+    BLOCK: tl.constexpr,
+    FOLD: tl.constexpr,
+    LANES: tl.constexpr,
+):  # fmt: skip
+    """:func:`graph_record_batch`'s contract (the same arguments, the same ring bytes, metadata rows, tag words and
+    cells) in a kernel one loop long instead of one unrolled copy and fold per entry (a 3.7 MB cubin with Triton
+    3.6 for sm_90, its bodies far apart: each program steps over most of them to reach its own). The entries'
+    arguments become per-entry vectors (a lane each); the copy is one run of ``moved`` bytes, split where the
+    first entry starts at or past ``capacity - head % capacity`` (an entry that starts before it runs into the
+    tail; one that starts past it goes to the ring's start: where a reservation of its own would have put it);
+    each fold step finds its entry by the vectors' prefix sums; the last program takes every entry's partial word
+    and stores every tag word with one vector operation each."""
+    pid = tl.program_id(0).to(tl.int64)
+    programs = tl.num_programs(0).to(tl.int64)
+    lanes = tl.arange(0, LANES).to(tl.int64)
+    live = lanes < count
+    launch_of = _lanes(lanes, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15, l16, l17, l18,
+                       l19, l20, l21, l22, l23)  # fmt: skip
+    entry_of = _lanes(lanes, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15, e16, e17, e18,
+                      e19, e20, e21, e22, e23)  # fmt: skip
+    real = tl.full([], -1, dtype=tl.int64)
+    limit_rows = tl.full([], -1, dtype=tl.int64)
+    if rows != 0:
+        real = tl.load(rows.to(tl.pointer_type(tl.int32))).to(tl.int64)
+        if real > 0:
+            limit_rows = real * row_numel
+    column = cells.to(tl.pointer_type(tl.int64)) + own
+    start_cell = column + 0 * launches  # CELL_START
+    sequence_cell = column + 1 * launches  # CELL_SEQUENCE
+    counter = column + 3 * launches  # CELL_DONE
+    arrive_cell = column + 4 * launches  # CELL_ARRIVE
+    ready_cell = column + 5 * launches  # CELL_READY
+    partials = cells.to(tl.pointer_type(tl.int64)) + 2 * launches  # CELL_PARTIAL of each entry's launch
+    reserving = programs == 1
+    if not reserving:
+        reserving = tl.atomic_add(arrive_cell, 1, sem="relaxed") == 0
+    if reserving:
+        state_cells = state.to(tl.pointer_type(tl.int64))
+        bump = (first >= 0).to(tl.int64)
+        head = tl.atomic_add(state_cells, moved, sem="relaxed")
+        seq0 = tl.atomic_add(state_cells + 1, count, sem="relaxed")
+        step = tl.atomic_add(state_cells + 2, bump, sem="relaxed") + bump
+        tl.atomic_xchg(start_cell, head, sem="relaxed")
+        tl.atomic_xchg(sequence_cell, seq0, sem="relaxed")
+        sequences = seq0 + lanes
+        row = meta.to(tl.pointer_type(tl.int64)) + (sequences % tags) * 5
+        tl.store(row, sequences, mask=live)
+        tl.store(row + 1, head + entry_of, mask=live)
+        tl.store(row + 2, launch_of, mask=live)
+        tl.store(row + 3, tl.zeros_like(lanes) + step, mask=live)
+        tl.store(row + 4, tl.zeros_like(lanes) + real, mask=live)
+        tl.store(hint.to(tl.pointer_type(tl.int64)), seq0 + count)
+        if programs > 1:
+            tl.debug_barrier()  # every thread's rows before the release below
+            tl.atomic_xchg(ready_cell, 1, sem="release")  # the cells above before "ready"
+    if programs > 1:
+        ready = tl.atomic_add(ready_cell, 0, sem="acquire")
+        while ready == 0:  # only programs that arrived after the reserving one, which runs: no deadlock
+            ready = tl.atomic_add(ready_cell, 0, sem="acquire")
+    head = tl.atomic_add(start_cell, 0, sem="relaxed")  # through L2: never a stale L1 line
+    # the copy: the staged entries lie one after another from ``area``, and go to ``head % capacity`` on, less
+    # ``capacity`` from the first entry that starts at or past the ring's end (see the docstring)
+    lead = head % capacity
+    split = tl.min(tl.where(live & (entry_of >= capacity - lead), entry_of, moved), axis=0)
+    total_words = moved // 8
+    copy_steps = (total_words + BLOCK - 1) // BLOCK
+    block = tl.arange(0, BLOCK).to(tl.int64)
+    for copy_step in range(pid, copy_steps, programs):
+        offset = (copy_step * BLOCK + block) * 8
+        mask = offset < moved
+        target = buffer + lead + offset - tl.where(offset >= split, capacity, 0)
+        word = tl.load((area + offset).to(tl.pointer_type(tl.int64)), mask=mask)
+        tl.store(target.to(tl.pointer_type(tl.int64)), word, mask=mask)
+    # the folds: each entry's checked output (its first ``limit_rows`` elements when that is not negative) in
+    # steps of FOLD, dealt to the programs after the copy's steps; a step's entry is the lane whose steps hold it
+    check_of = _lanes(lanes, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18,
+                      c19, c20, c21, c22, c23)  # fmt: skip
+    limit_of = _lanes(lanes, k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12, k13, k14, k15, k16, k17, k18,
+                      k19, k20, k21, k22, k23)  # fmt: skip
+    if limit_rows >= 0:
+        limit_of = tl.minimum(limit_of, limit_rows)
+    fold_steps = tl.where(live, (limit_of + FOLD - 1) // FOLD, 0)
+    fold_from = tl.cumsum(fold_steps, axis=0) - fold_steps
+    fold_total = tl.sum(fold_steps, axis=0)
+    for fold_step in range(((pid - copy_steps) % programs + programs) % programs, fold_total, programs):
+        here = (fold_from <= fold_step) & (fold_step < fold_from + fold_steps)
+        within = fold_step - tl.sum(tl.where(here, fold_from, 0), axis=0)
+        index = within * FOLD + tl.arange(0, FOLD).to(tl.int64)
+        source = area + tl.sum(tl.where(here, check_of, 0), axis=0)
+        magnitudes = _load_magnitudes(source, index, tl.sum(tl.where(here, limit_of, 0), axis=0), code)
+        largest = tl.max(magnitudes.to(tl.int32, bitcast=True), axis=0).to(tl.int64)
+        tl.atomic_max(partials + tl.sum(tl.where(here, launch_of, 0), axis=0), largest, sem="relaxed")
+    tl.debug_barrier()  # this program's copies and folds (every thread's) before the fenced atomic below
+    arrived = tl.atomic_add(counter, 1)  # acq_rel: this program's copies and maxima before its "done"
+    if arrived == programs - 1:  # the last program: every other one's maxima are in the partial words
+        tl.atomic_xchg(counter, 0, sem="relaxed")
+        tl.atomic_xchg(arrive_cell, 0, sem="relaxed")
+        tl.atomic_xchg(ready_cell, 0, sem="relaxed")
+        seq0 = tl.atomic_add(sequence_cell, 0, sem="relaxed")
+        largest_of = tl.atomic_xchg(partials + launch_of, tl.zeros_like(lanes), mask=live, sem="relaxed")
+        sequences = seq0 + lanes
+        generation = ((sequences // tags) + 1) & 0x7FFFFFFF
+        slot = words.to(tl.pointer_type(tl.int64)) + sequences % tags
+        tl.store(slot, (generation << 32) | largest_of, mask=live)
+
+
+def compile_kernel(
+    device_index: int, *, stage: bool = False, batch: bool = False, compact: bool = False
+) -> Any:
     """:func:`graph_record` as ``launch(programs, stream, args)`` (see ``ring_kernel.compile_launcher``);
-    ``stage``: the staging variant (``STAGE`` 1); ``batch``: :func:`graph_record_batch` instead."""
+    ``stage``: the staging variant (``STAGE`` 1); ``batch``: :func:`graph_record_batch` instead (``compact``: its
+    one-loop form, :func:`graph_record_batch_compact`, the same arguments)."""
+    if batch and compact:
+        constants = {"BLOCK": BLOCK, "FOLD": FOLD, "LANES": LANES}
+        return compile_launcher(
+            graph_record_batch_compact,
+            len(BATCH_INTS),
+            constants,
+            device_index,
+            name="graph record batch (compact)",
+            num_warps=LANES // 32,
+        )
     if batch:
         constants = {"BLOCK": BLOCK, "FOLD": FOLD}
         return compile_launcher(

@@ -147,6 +147,7 @@ class Recorder(CallHandler):
                     stage_bytes=settings.flight_graph_stage,
                     poll_s=settings.flight_graph_poll_ms / 1000.0,
                     batch=settings.flight_graph_batch,
+                    compact=settings.flight_graph_compact,
                 )
         elif settings.trigger is Trigger.FLIGHT:
             self.flight = FlightRecorder(

@@ -68,6 +68,10 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            entries (see ``FLIGHT_GRAPH_STAGE``) by one node at the graph's end — one reservation,
                            copy and check for up to 24 layer calls — instead of a record node each beside the
                            path (default 1; ``0``: a record node each)
+``MOEREPLAY_FLIGHT_GRAPH_COMPACT``  layer-scope flight recorder under CUDA graphs: ``1`` runs the batch node (see
+                           ``FLIGHT_GRAPH_BATCH``) as a kernel one loop long (205 KiB of code for sm_90 instead
+                           of 3.7 MB: ``graph_ring_kernel.graph_record_batch_compact``); the same bytes, rows and
+                           tag words (default 0 until measured on a GPU)
 ``MOEREPLAY_FLIGHT_STREAM_STORES``  layer-scope flight recorder: ``1`` marks the eager ring launch's stores as
                            written once (``st.global.cs``: L2 evicts them first), so a prefill's ring writes
                            leave the L2 lines the next kernels read (default 0: measured on an H100,
@@ -151,6 +155,7 @@ KNOWN_VARIABLES = (
     "FLIGHT_STREAM_STORES",
     "FLIGHT_GRAPH_POLL_MS",
     "FLIGHT_GRAPH_BATCH",
+    "FLIGHT_GRAPH_COMPACT",
     "ABSMAX",
     "QUEUE_CALLS",
     "QUEUE_BYTES",
@@ -257,6 +262,7 @@ class CaptureSettings:
     flight_stream_stores: bool = False
     flight_graph_poll_ms: int = FLIGHT_GRAPH_POLL_MS
     flight_graph_batch: bool = True
+    flight_graph_compact: bool = False
     flight_triggers: int = 8
     absmax: float | None = None
     queue_calls: int = 64
@@ -357,6 +363,8 @@ class CaptureSettings:
                     parts.append("flight_stream_stores=on")
                 if not self.flight_graph_batch:
                     parts.append("flight_graph_batch=off")
+                if self.flight_graph_compact:
+                    parts.append("flight_graph_compact=on")
                 if self.flight_graph_poll_ms != FLIGHT_GRAPH_POLL_MS:
                     parts.append(f"flight_graph_poll_ms={self.flight_graph_poll_ms}")
             if self.absmax is not None:
@@ -605,6 +613,8 @@ def settings_from_environ(env: Mapping[str, str], *, now: datetime | None = None
         values["flight_graph_poll_ms"] = parse_int_range("FLIGHT_GRAPH_POLL_MS", text, 5, 500)
     if (text := get("FLIGHT_GRAPH_BATCH")) is not None:
         values["flight_graph_batch"] = parse_flag("FLIGHT_GRAPH_BATCH", text)
+    if (text := get("FLIGHT_GRAPH_COMPACT")) is not None:
+        values["flight_graph_compact"] = parse_flag("FLIGHT_GRAPH_COMPACT", text)
     if (text := get("TIMERS")) is not None:
         values["timers"] = parse_flag("TIMERS", text)
     return CaptureSettings(**values)  # type: ignore[arg-type]

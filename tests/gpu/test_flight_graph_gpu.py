@@ -347,12 +347,20 @@ def test_graphs_sharing_the_staging_area_keep_each_replays_bits(kernels, tmp_pat
             assert torch.equal(_bits(reader.load_outputs(record.index)["output"]), _bits(output))
 
 
-def test_a_batch_node_records_every_layer_of_a_graph_bit_exact(kernels, tmp_path: Path) -> None:
+@pytest.mark.parametrize("compact", ["0", "1"], ids=["unrolled", "compact"])
+def test_a_batch_node_records_every_layer_of_a_graph_bit_exact(kernels, tmp_path: Path, compact: str) -> None:
     """MOEREPLAY_FLIGHT_GRAPH_BATCH: five layer calls of 96 tokens (≈ 300 KB entries, over the lone size) in one
-    graph, each staged (a copy on the path), recorded by one batch node at the graph's end. A NaN weight of the
-    last layer at the 25th replay triggers; the written calls — the bad one and the seven before it, across two
-    replays — hold their own bits, consecutive sequences and their layer's launch."""
-    session = _arm(tmp_path, flight_calls="8", flight_graph_stage="1M", flight_graph_batch="1")
+    graph, each staged (a copy on the path), recorded by one batch node at the graph's end (either kernel:
+    MOEREPLAY_FLIGHT_GRAPH_COMPACT). A NaN weight of the last layer at the 25th replay triggers; the written calls
+    — the bad one and the seven before it, across two replays — hold their own bits, consecutive sequences and
+    their layer's launch."""
+    session = _arm(
+        tmp_path,
+        flight_calls="8",
+        flight_graph_stage="1M",
+        flight_graph_batch="1",
+        flight_graph_compact=compact,
+    )
     graph_flight = _graph_flight(session)
     generator = torch.Generator(device="cuda").manual_seed(3)
     tokens, hidden, layers = 96, 768, 5
@@ -402,13 +410,21 @@ def test_a_batch_node_records_every_layer_of_a_graph_bit_exact(kernels, tmp_path
         assert reader.footer["counters"]["flight_graph_lost"] == 0
 
 
-@pytest.mark.parametrize("batch", ["0", "1"], ids=["record-node", "batch"])
+@pytest.mark.parametrize("batch", ["0", "1", "compact"], ids=["record-node", "batch", "batch-compact"])
 def test_a_lapping_graph_ring_loses_no_check_and_writes_nothing_overwritten(
     kernels, tmp_path: Path, batch: str
 ) -> None:
     # one entry = hidden + topk + output, three 256-byte spans (5 × 8 floats): a 64 KiB ring laps every ~85 replays;
     # the lone entry is staged, recorded by a record node beside the graph's path or by the graph's batch node
-    session = _arm(tmp_path, flight_calls="8", flight_graph_bytes="64K", flight_graph_batch=batch)
+    # (its one-loop kernel with "compact")
+    compact = "1" if batch == "compact" else "0"
+    session = _arm(
+        tmp_path,
+        flight_calls="8",
+        flight_graph_bytes="64K",
+        flight_graph_batch="0" if batch == "0" else "1",
+        flight_graph_compact=compact,
+    )
     graph_flight = _graph_flight(session)
     generator = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(5, 8, device="cuda", generator=generator)

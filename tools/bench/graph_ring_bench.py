@@ -37,7 +37,8 @@ that isolate where a node's time goes:
 - ``ring-3-forward-batch``: the same entries staged and recorded by one batch node at the graph's end
   (``MOEREPLAY_FLIGHT_GRAPH_BATCH``): on the path a copy per layer call, then one node for all 24;
   ``ring-3-forward-batch-x4``: the same with each staging copy allowed four times the programs
-  (``GraphRing.stage_waves``).
+  (``GraphRing.stage_waves``); ``ring-3-forward-batch-compact``: the batch node's one-loop kernel
+  (``MOEREPLAY_FLIGHT_GRAPH_COMPACT``; 205 KiB of sm_90 code against the unrolled one's 3.7 MB).
 
 ``--tokens`` sets the rows of every variant's input and output (the stand-in layer's too); the routing spans keep
 their batch-1 sizes.
@@ -184,7 +185,8 @@ def main() -> int:
 
     def build(variant: str) -> torch.cuda.CUDAGraph:
         ring = None
-        staged = variant.endswith(("staged", "batch", "batch-x4"))
+        batched = variant.endswith(("batch", "batch-x4", "batch-compact"))
+        staged = batched or variant.endswith("staged")
         if variant != "bare":
             # a staged variant lifts the ring's stage limit (as MOEREPLAY_FLIGHT_GRAPH_STAGE does): entries over
             # the lone size (every one at --tokens 32) are staged too. Their slots come from the staging area,
@@ -194,7 +196,8 @@ def main() -> int:
                 device,
                 launches=layers + 8,
                 stage_bytes=1 << 30 if staged else graph_ring.ALONE_BYTES,
-                batch=variant.endswith(("batch", "batch-x4")),
+                batch=batched,
+                compact=variant.endswith("compact"),
             )
             if variant.endswith("x4"):
                 ring.stage_waves = 4
@@ -243,6 +246,7 @@ def main() -> int:
         "ring-3-forward-staged",
         "ring-3-forward-batch",
         "ring-3-forward-batch-x4",
+        "ring-3-forward-batch-compact",
     ]
     graphs = {variant: build(variant) for variant in variants}
     time_and_report(

@@ -135,6 +135,14 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_LEAN_BYTES": "8M",
     },
+    # a candidate default: the graph's batch node as a kernel one loop long (MOEREPLAY_FLIGHT_GRAPH_COMPACT: 205 KiB
+    # of sm_90 code instead of the unrolled kernel's 3.7 MB, whose programs step over 48 far-apart bodies to reach
+    # their own) — the node at each decode graph's end, on the step's path
+    "flight-compact": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_GRAPH_COMPACT": "1",
+    },
     # diagnostic: the default's staging (entries up to 384 KiB, a gpt-oss decode batch of 32 at
     # triton_kernel_moe_forward: 370 KB) without its batch node — each staged entry's record node of many
     # programs on a side stream beside the layers that follow (the default ring: every graph reuses its 16 MB
@@ -436,7 +444,7 @@ TARGETS: dict[str, dict[str, float]] = {
 }
 """Issue 14's targets for the flight recorder armed, per vLLM mode and measurement (slowdown ×: off ÷ armed)."""
 
-JUDGED = ("flight", "flight-stream", "flight-checkonly", "flight-lean")
+JUDGED = ("flight", "flight-stream", "flight-checkonly", "flight-lean", "flight-compact")
 """The settings held to :data:`TARGETS`: the default recorder and the candidates for its default (the others are
 diagnostics that take a piece away or add timers)."""
 

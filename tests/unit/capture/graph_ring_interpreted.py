@@ -16,10 +16,11 @@ from moereplay.capture import graph_ring, graph_ring_kernel
 from moereplay.capture.device_ring import ALIGNMENT
 from moereplay.capture.graph_ring import GraphRing, Spans
 
-placed = AlignedPool(1 << 22).take  # (count, dtype, lead): as a view into a CUDA storage, a slot apart
+placed = AlignedPool(1 << 24).take  # (count, dtype, lead): as a view into a CUDA storage, a slot apart
 
 
 GRAPH: list[tuple[int, list[int], int]] = []
+COMPACT = [False]  # the batch nodes run graph_record_batch_compact (MOEREPLAY_FLIGHT_GRAPH_COMPACT)
 
 
 def capture_launch(programs: int, stream: int, args: list[int]) -> None:
@@ -44,6 +45,14 @@ class Stream:
 
 def replay() -> None:
     for programs, args, stage in GRAPH:
+        if stage == 2 and COMPACT[0]:
+            graph_ring_kernel.graph_record_batch_compact[(programs,)](
+                *args,
+                BLOCK=graph_ring_kernel.BLOCK,
+                FOLD=graph_ring_kernel.FOLD,
+                LANES=graph_ring_kernel.LANES,
+            )
+            continue
         if stage == 2:
             graph_ring_kernel.graph_record_batch[(programs,)](
                 *args, BLOCK=graph_ring_kernel.BLOCK, FOLD=graph_ring_kernel.FOLD
@@ -133,20 +142,24 @@ def batch_case(
     chunk: int | None = None,
     firsts: tuple[int, ...] = (0,),
     unchecked: int | None = None,
+    stage: int = 1 << 18,
 ) -> None:
     """``layers`` layer calls of three spans each (hidden states, router logits, output) staged in one graph whose
     batch node records them all (``MOEREPLAY_FLIGHT_GRAPH_BATCH``); ``chunk``: entries a batch node takes (the
     kernel's BATCH, lowered: more nodes). Five replays in a ring of ``capacity`` bytes (entries past its end go
     where their own reservations would have put them); checks each entry's bytes, tag word and metadata row.
     ``firsts``: the layers whose launches bump the step (each starts a batch node); ``unchecked``: a layer whose
-    output is not checked (its tag word's magnitude 0)."""
+    output is not checked (its tag word's magnitude 0); ``stage``: the staging area's bytes."""
     GRAPH.clear()
-    ring = GraphRing(capacity, torch.device("cpu"), tags=16, launches=8, use_kernel=False)
+    # (launch ids and tag slots for every layer and batch node; the ring's own defaults are far larger)
+    ring = GraphRing(
+        capacity, torch.device("cpu"), tags=max(16, 2 * layers), launches=8 + layers, use_kernel=False
+    )
     ring.stage_bytes = 1 << 20
     ring.kernels = capture_launch
     ring.stage_kernel = capture_stage
     ring.batch_kernel = capture_batch
-    ring.stage = placed(1 << 18, torch.uint8)
+    ring.stage = placed(stage, torch.uint8)
     ring._open[0] = graph_ring._Open(Stream(0), Stream(1))
     batch_size = graph_ring.BATCH
     if chunk is not None:
@@ -205,6 +218,7 @@ def batch_case(
     wrapped = int(ring.state[0]) > ring.capacity
     kinds = [stage for _, _, stage in GRAPH]
     counted = "" if real is None else f", {real} real"
+    counted += " (compact)" if COMPACT[0] else ""
     print(
         f"batch: {layers} layers of {tokens} tokens{counted}: {kinds.count(1)} staging nodes, {kinds.count(2)} "
         f"batch node(s), {kinds.count(0)} record nodes, wrapped {wrapped}; entries right: {right}"
@@ -226,13 +240,17 @@ def main() -> None:
     # an entry larger than a lone one, staged (MOEREPLAY_FLIGHT_GRAPH_STAGE): the record node on the side stream
     # runs three programs through the handshake, reading the slot and the count
     case(8, 18, staged=True, real=6, stage_bytes=1 << 20)
-    # MOEREPLAY_FLIGHT_GRAPH_BATCH: the staged entries of a graph recorded by one node at its end
-    batch_case(4, 3, 1 << 18)  # three programs share the batch; the ring wraps within five replays
-    batch_case(4, 5, 1 << 18, real=3, chunk=2)  # padded rows; three batch nodes of 2, 2 and 1 entries
-    batch_case(1, 2, 1 << 20)  # lone entries (decode batch 1): one program, no handshake
-    # two launches that bump the step (dual batch overlap's two micro-batches): a batch node each, every entry with
-    # the step it ran in; the second layer's output unchecked
-    batch_case(4, 4, 1 << 18, firsts=(0, 2), unchecked=1)
+    # MOEREPLAY_FLIGHT_GRAPH_BATCH: the staged entries of a graph recorded by one node at its end, by either kernel
+    for compact in (False, True):
+        COMPACT[0] = compact
+        batch_case(4, 3, 1 << 18)  # three programs share the batch; the ring wraps within five replays
+        batch_case(4, 5, 1 << 18, real=3, chunk=2)  # padded rows; three batch nodes of 2, 2 and 1 entries
+        batch_case(1, 2, 1 << 20)  # lone entries (decode batch 1): one program, no handshake
+        # two launches that bump the step (dual batch overlap's two micro-batches): a batch node each, every entry
+        # with the step it ran in; the second layer's output unchecked
+        batch_case(4, 4, 1 << 18, firsts=(0, 2), unchecked=1)
+    # a full batch: 24 layers of a decode token, every lane of the compact kernel's vectors, the ring wrapping
+    batch_case(1, 24, 1 << 19, stage=1 << 20)
 
 
 if __name__ == "__main__":

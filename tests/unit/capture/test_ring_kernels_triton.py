@@ -32,7 +32,7 @@ def interpreted(script: str) -> subprocess.CompletedProcess[str]:
 
 def test_graph_record_keeps_every_span_the_magnitude_and_the_token_count_in_the_interpreter() -> None:
     done = interpreted("graph_ring_interpreted.py")
-    assert done.stdout.count("entries right: True") == 14, done.stdout
+    assert done.stdout.count("entries right: True") == 19, done.stdout
     assert (
         "tokens 1, 18 spans: 1 nodes (0 staging), 1 programs" in done.stdout
     )  # gpt-oss decode: one node, alone
@@ -56,6 +56,17 @@ def test_graph_record_keeps_every_span_the_magnitude_and_the_token_count_in_the_
     )
     assert "batch: 2 layers of 1 tokens: 2 staging nodes, 1 batch node(s), 0 record nodes" in done.stdout
     assert "batch: 4 layers of 4 tokens: 4 staging nodes, 2 batch node(s), 0 record nodes" in done.stdout
+    # MOEREPLAY_FLIGHT_GRAPH_COMPACT: the batch node's one-loop kernel, the same cases, and a full batch of 24
+    # entries (every lane) whose later entries start past the ring's end (the copy's split)
+    assert done.stdout.count("(compact)") == 5, done.stdout
+    assert (
+        "batch: 5 layers of 4 tokens, 3 real (compact): 5 staging nodes, 3 batch node(s), 0 record nodes"
+        in done.stdout
+    )
+    assert (
+        "batch: 24 layers of 1 tokens (compact): 24 staging nodes, 1 batch node(s), 0 record nodes, wrapped True"
+        in done.stdout
+    )
 
 
 def _hopper(kernel: Any, ints: list[str], constants: dict[str, int], tmp_path: Path) -> Any:
@@ -139,6 +150,22 @@ def test_the_batch_record_kernel_compiles_for_hopper_without_spills(tmp_path: Pa
 
     ptx = _hopper(graph_record_batch, BATCH_INTS, {"BLOCK": BLOCK, "FOLD": FOLD}, tmp_path).asm["ptx"]
     assert "ld.global.b64" in ptx and "st.global.b64" in ptx
+
+
+def test_the_compact_batch_kernel_compiles_for_hopper_small(tmp_path: Path) -> None:
+    """sm_90 without a GPU: :func:`graph_record_batch_compact` is a cubin with no local memory or spills, a
+    fraction of the unrolled batch kernel's code (3.7 MB with Triton 3.6: each program stepped over 48 far-apart
+    bodies to reach its own); its copies move 8-byte words, and the last program takes the entries' partial words
+    and stores their tag words as vectors."""
+    from moereplay.capture.graph_ring_kernel import BATCH_INTS, BLOCK, FOLD, LANES, graph_record_batch_compact
+
+    built = _hopper(
+        graph_record_batch_compact, BATCH_INTS, {"BLOCK": BLOCK, "FOLD": FOLD, "LANES": LANES}, tmp_path
+    )
+    assert len(built.asm["cubin"]) < 512 << 10, len(built.asm["cubin"])
+    ptx = built.asm["ptx"]
+    assert "ld.global.b64" in ptx and "st.global.b64" in ptx
+    assert "atom.global.gpu.relaxed.exch.b64" in ptx and "atom.global.gpu.relaxed.max.s64" in ptx, ptx[:2000]
 
 
 @pytest.mark.parametrize("stage", [0, 1])

@@ -119,6 +119,7 @@ def test_step_ranges(steps: str, expected: StepRange) -> None:
         ("flight_graph_poll_ms", "4", "MOEREPLAY_FLIGHT_GRAPH_POLL_MS='4': must be in [5, 500]"),
         ("flight_graph_poll_ms", "fast", "not an integer"),
         ("flight_graph_batch", "2", "MOEREPLAY_FLIGHT_GRAPH_BATCH='2': not a boolean"),
+        ("flight_graph_compact", "yes please", "MOEREPLAY_FLIGHT_GRAPH_COMPACT='yes please': not a boolean"),
         ("flight_output_bytes", "big", "MOEREPLAY_FLIGHT_OUTPUT_BYTES='big': not a size"),
         ("flight_lean_bytes", "-1", "MOEREPLAY_FLIGHT_LEAN_BYTES='-1'"),
     ],
