@@ -486,6 +486,9 @@ class GraphRing:
             checked += numel
         args += (0, 0, 0, 0) * (_BATCH_SLOTS - len(entries))
         moved = entries[-1].slot + entries[-1].total - area
+        # every entry starts before ``capacity`` (the compact kernel's copy takes ``capacity`` off at most once):
+        # the staging area is a quarter of the ring at most
+        assert moved <= self.capacity, (moved, self.capacity)
         if moved <= ALONE_BYTES and checked <= ALONE_ELEMENTS:
             work = 1  # one program: no arrive/ready/done handshake (as a lone record node)
         first = 0 if entries[0].first else -1  # a launch that bumps the step starts its batch (_batchable)
@@ -610,14 +613,21 @@ def kernels_available() -> bool:
         from moereplay.capture import graph_ring_kernel
 
         kernel = graph_ring_kernel
-        if (_BLOCK_BYTES, _STAGE_BLOCK_BYTES, _FOLD, SPANS, _BATCH_SLOTS) != (
-            8 * kernel.BLOCK,
-            8 * kernel.STAGE_BLOCK,
-            kernel.FOLD,
-            kernel.SPANS,
-            kernel.BATCH,
-        ) or ALONE_ELEMENTS > _FOLD:
-            # (a lone node folds its whole check in the fold's first step: ALONE_ELEMENTS <= FOLD)
+        if (
+            (_BLOCK_BYTES, _STAGE_BLOCK_BYTES, _FOLD, SPANS, _BATCH_SLOTS)
+            != (
+                8 * kernel.BLOCK,
+                8 * kernel.STAGE_BLOCK,
+                kernel.FOLD,
+                kernel.SPANS,
+                kernel.BATCH,
+            )
+            or ALONE_ELEMENTS > _FOLD
+            or kernel.LANES < kernel.BATCH
+            or kernel.LANES % 32
+        ):
+            # (a lone node folds its whole check in the fold's first step: ALONE_ELEMENTS <= FOLD; the compact
+            # batch kernel holds an entry a lane, one lane a thread of its LANES // 32 warps)
             raise ImportError("graph_ring_kernel's BLOCK, FOLD, SPANS or BATCH does not match the launcher's")
     except Exception as error:  # no triton, or one whose language differs
         _KERNEL_ERROR.append(f"{type(error).__name__}: {error}")

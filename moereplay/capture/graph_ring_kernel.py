@@ -546,7 +546,8 @@ def graph_record_batch_compact(
     first entry starts at or past ``capacity - head % capacity`` (an entry that starts before it runs into the
     tail; one that starts past it goes to the ring's start: where a reservation of its own would have put it);
     each fold step finds its entry by the vectors' prefix sums; the last program takes every entry's partial word
-    and stores every tag word with one vector operation each."""
+    and stores every tag word with one vector operation each. Every entry must start before ``capacity`` (the
+    split takes ``capacity`` off once; the host's staging area is at most a quarter of the ring)."""
     pid = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0).to(tl.int64)
     lanes = tl.arange(0, LANES).to(tl.int64)

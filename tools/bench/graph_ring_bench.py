@@ -152,7 +152,7 @@ def time_and_report(
     for variant in variants:
         median = statistics.median(times[variant])
         per_call = (median - bare) / layers
-        print(f"{variant:18s} {median:9.1f} µs a replay   {per_call:6.2f} µs a layer call over bare")
+        print(f"{variant:28s} {median:9.1f} µs a replay   {per_call:6.2f} µs a layer call over bare")
 
 
 def main() -> int:

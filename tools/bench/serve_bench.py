@@ -141,6 +141,7 @@ SETTINGS: dict[str, dict[str, str]] = {
     "flight-compact": {
         "MOEREPLAY_CAPTURE": "1",
         "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_GRAPH_BATCH": "1",
         "MOEREPLAY_FLIGHT_GRAPH_COMPACT": "1",
     },
     # diagnostic: the default's staging (entries up to 384 KiB, a gpt-oss decode batch of 32 at

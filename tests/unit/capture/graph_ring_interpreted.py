@@ -249,6 +249,11 @@ def main() -> None:
         # two launches that bump the step (dual batch overlap's two micro-batches): a batch node each, every entry
         # with the step it ran in; the second layer's output unchecked
         batch_case(4, 4, 1 << 18, firsts=(0, 2), unchecked=1)
+        # one-token entries of 47 × 256 bytes (S): at the third replay an entry starts exactly at the ring's end
+        # (the ring's start: the copy's split on the boundary) — three programs in a ring of 8 S, and one program
+        # (two lone entries) in a ring of 5 S
+        batch_case(1, 3, 8 * 12032, stage=1 << 20)
+        batch_case(1, 2, 5 * 12032, stage=1 << 20)
     # a full batch: 24 layers of a decode token, every lane of the compact kernel's vectors, the ring wrapping
     batch_case(1, 24, 1 << 19, stage=1 << 20)
 
