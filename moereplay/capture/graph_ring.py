@@ -628,7 +628,9 @@ def kernels_available() -> bool:
         ):
             # (a lone node folds its whole check in the fold's first step: ALONE_ELEMENTS <= FOLD; the compact
             # batch kernel holds an entry a lane, one lane a thread of its LANES // 32 warps)
-            raise ImportError("graph_ring_kernel's BLOCK, FOLD, SPANS or BATCH does not match the launcher's")
+            raise ImportError(
+                "graph_ring_kernel's BLOCK, FOLD, SPANS, BATCH or LANES does not match the launcher's"
+            )
     except Exception as error:  # no triton, or one whose language differs
         _KERNEL_ERROR.append(f"{type(error).__name__}: {error}")
         return False
