@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from moereplay.capture import padded_rows
-from moereplay.capture.device_ring import ALIGNMENT, DeviceRing
+from moereplay.capture.device_ring import ALIGNMENT, DeviceRing, over_bits
 from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerDelivery
 from moereplay.capture.flight_layer import LayerCall, LayerFlight, collect_outputs
 from moereplay.capture.graph_ring import (
@@ -109,9 +109,6 @@ FULL_READ_S = 0.1
 """How often a poll reads a whole :data:`CHUNK` whatever the hint says: launches replayed on two streams may store
 their hints out of order, so a finished word past a stale hint is read within this. Between those reads a poll
 that finds no new reservation returns at once, with no NumPy work: at decode most polls fall between two steps."""
-
-_FINITE_BITS = 0x7F7FFFFF  # the largest finite float32's bits: Inf's and NaN's are above
-_LARGEST = float(np.finfo(np.float32).max)
 
 
 @dataclass
@@ -212,7 +209,8 @@ class GraphFlight(PollingRecorder):
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self._warned: set[str] = set()
-        self._threshold = _threshold_of(layer.absmax)  # the magnitude bits above which a word triggers
+        # the magnitude bits above which a word triggers: the eager ring's lean limit, the host's _is_bad
+        self._threshold = over_bits(layer.absmax)
 
     # --- before a capture (serving thread, outside the capture) -------------------------------------------------
 
@@ -635,15 +633,3 @@ def _finished_after(ok: np.ndarray, later: np.ndarray | None, position: int) -> 
     if ok[position:].any():
         return True
     return later is not None and bool(later[max(0, position - len(ok)) :].any())
-
-
-def _threshold_of(absmax: float | None) -> int:
-    """The largest magnitude bits that do not trigger: the largest float32's not above ``MOEREPLAY_ABSMAX``, else
-    the largest finite float's."""
-    if absmax is None or not absmax < _LARGEST:
-        return _FINITE_BITS
-    # the nearest float32; the largest one not above absmax is wanted
-    below = np.float32(absmax if absmax > 0.0 else 0.0)  # (max() would keep -0.0, whose sign bit is set)
-    if float(below) > absmax:
-        below = np.nextafter(below, np.float32(0.0))
-    return int(np.array(below, dtype=np.float32).view(np.uint32))
