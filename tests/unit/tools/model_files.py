@@ -29,11 +29,12 @@ TORCH_DTYPES = {
 }
 
 
-def load_tool(name: str) -> ModuleType:
-    """Import ``tools/models/<name>.py`` (tools/ is not a package; the script puts its folder on sys.path)."""
+def load_tool(name: str, folder: Path = TOOLS) -> ModuleType:
+    """Import ``<folder>/<name>.py``, ``tools/models`` by default (tools/ is not a package; the script puts its
+    folder on sys.path)."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # its dataclasses look their module up there

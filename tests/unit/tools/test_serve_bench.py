@@ -5,7 +5,6 @@ before or inside the measured rounds; every server is started without prefix cac
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import re
 import statistics
@@ -14,18 +13,14 @@ import types
 from pathlib import Path
 
 import pytest
+from model_files import load_tool
 
 BENCH = Path(__file__).resolve().parents[3] / "tools" / "bench" / "serve_bench.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("serve_bench_under_test", BENCH)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("serve_bench", BENCH.parent)
 
 
 def _log(path: Path, when: datetime.datetime) -> Path:

@@ -4,13 +4,13 @@ to be prefilled outside any CUDA graph."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import types
 from pathlib import Path
 
 import pytest
+from model_files import load_tool
 
 SERVE = Path(__file__).resolve().parents[3] / "tools" / "gpu" / "serve_gpu.py"
 
@@ -18,12 +18,7 @@ SERVE = Path(__file__).resolve().parents[3] / "tools" / "gpu" / "serve_gpu.py"
 @pytest.fixture(scope="module")
 def serve_gpu() -> types.ModuleType:
     sys.path.insert(0, str(SERVE.parent))  # its own imports (harness) live beside it
-    spec = importlib.util.spec_from_file_location("serve_gpu_under_test", SERVE)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("serve_gpu", SERVE.parent)
 
 
 def test_fault_prompts_hold_the_word_once_in_the_middle(serve_gpu: types.ModuleType) -> None:
