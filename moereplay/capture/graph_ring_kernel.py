@@ -334,6 +334,65 @@ def _batch_tag(words, tags, seq0, partials, launch, ENTRY: tl.constexpr, count):
         tl.store(words.to(tl.pointer_type(tl.int64)) + sequence % tags, (generation << 32) | largest)
 
 
+@triton.jit
+def _batch_limits(rows, row_numel):
+    """The replay's token count read at ``rows`` (-1: unknown) and the elements of a checked output's real rows
+    (-1: every element)."""
+    real = tl.full([], -1, dtype=tl.int64)
+    limit_rows = tl.full([], -1, dtype=tl.int64)
+    if rows != 0:
+        real = tl.load(rows.to(tl.pointer_type(tl.int32))).to(tl.int64)
+        if real > 0:
+            limit_rows = real * row_numel
+    return real, limit_rows
+
+
+@triton.jit
+def _batch_cells(cells, own, launches):
+    """The batch node's own cells (launch id ``own``): start, sequence, done, arrive, ready; and the partial words'
+    row (an entry's at its launch id)."""
+    column = cells.to(tl.pointer_type(tl.int64)) + own
+    start_cell = column + 0 * launches  # CELL_START
+    sequence_cell = column + 1 * launches  # CELL_SEQUENCE
+    counter = column + 3 * launches  # CELL_DONE
+    arrive_cell = column + 4 * launches  # CELL_ARRIVE
+    ready_cell = column + 5 * launches  # CELL_READY
+    partials = cells.to(tl.pointer_type(tl.int64)) + 2 * launches  # CELL_PARTIAL of each entry's launch
+    return start_cell, sequence_cell, counter, arrive_cell, ready_cell, partials
+
+
+@triton.jit
+def _batch_reserve(state, moved, count, first, start_cell, sequence_cell):
+    """The batch's ``moved`` bytes and ``count`` sequences taken at once (the step bumped when ``first`` is not
+    negative), published in the node's cells. Returns head, first sequence and step."""
+    state_cells = state.to(tl.pointer_type(tl.int64))
+    bump = (first >= 0).to(tl.int64)
+    head = tl.atomic_add(state_cells, moved, sem="relaxed")
+    seq0 = tl.atomic_add(state_cells + 1, count, sem="relaxed")
+    step = tl.atomic_add(state_cells + 2, bump, sem="relaxed") + bump
+    tl.atomic_xchg(start_cell, head, sem="relaxed")
+    tl.atomic_xchg(sequence_cell, seq0, sem="relaxed")
+    return head, seq0, step
+
+
+@triton.jit
+def _batch_await(ready_cell):
+    """Spin until the reserving program has released ``ready``: only programs that arrived after it, which runs —
+    no deadlock."""
+    ready = tl.atomic_add(ready_cell, 0, sem="acquire")
+    while ready == 0:
+        ready = tl.atomic_add(ready_cell, 0, sem="acquire")
+
+
+@triton.jit
+def _batch_reset(counter, arrive_cell, ready_cell, sequence_cell):
+    """The last program: the node's cells reset for the next replay; returns the batch's first sequence."""
+    tl.atomic_xchg(counter, 0, sem="relaxed")
+    tl.atomic_xchg(arrive_cell, 0, sem="relaxed")
+    tl.atomic_xchg(ready_cell, 0, sem="relaxed")
+    return tl.atomic_add(sequence_cell, 0, sem="relaxed")
+
+
 @triton.jit(do_not_specialize=BATCH_INTS)
 def graph_record_batch(
     l0, e0, c0, k0, l1, e1, c1, k1, l2, e2, c2, k2, l3, e3, c3, k3, l4, e4, c4, k4, l5, e5, c5, k5, l6, e6, c6, k6,
@@ -349,30 +408,13 @@ def graph_record_batch(
     """Record ``count`` staged entries at once (see the module docstring, Batch)."""
     pid = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0).to(tl.int64)
-    real = tl.full([], -1, dtype=tl.int64)
-    limit_rows = tl.full([], -1, dtype=tl.int64)
-    if rows != 0:
-        real = tl.load(rows.to(tl.pointer_type(tl.int32))).to(tl.int64)
-        if real > 0:
-            limit_rows = real * row_numel
-    column = cells.to(tl.pointer_type(tl.int64)) + own
-    start_cell = column + 0 * launches  # CELL_START
-    sequence_cell = column + 1 * launches  # CELL_SEQUENCE
-    counter = column + 3 * launches  # CELL_DONE
-    arrive_cell = column + 4 * launches  # CELL_ARRIVE
-    ready_cell = column + 5 * launches  # CELL_READY
-    partials = cells.to(tl.pointer_type(tl.int64)) + 2 * launches  # CELL_PARTIAL of each entry's launch
+    real, limit_rows = _batch_limits(rows, row_numel)
+    start_cell, sequence_cell, counter, arrive_cell, ready_cell, partials = _batch_cells(cells, own, launches)
     reserving = programs == 1
     if not reserving:
         reserving = tl.atomic_add(arrive_cell, 1, sem="relaxed") == 0
     if reserving:
-        state_cells = state.to(tl.pointer_type(tl.int64))
-        bump = (first >= 0).to(tl.int64)
-        head = tl.atomic_add(state_cells, moved, sem="relaxed")
-        seq0 = tl.atomic_add(state_cells + 1, count, sem="relaxed")
-        step = tl.atomic_add(state_cells + 2, bump, sem="relaxed") + bump
-        tl.atomic_xchg(start_cell, head, sem="relaxed")
-        tl.atomic_xchg(sequence_cell, seq0, sem="relaxed")
+        head, seq0, step = _batch_reserve(state, moved, count, first, start_cell, sequence_cell)
         _batch_row(meta, tags, seq0, head, step, real, l0, e0, 0, count)
         _batch_row(meta, tags, seq0, head, step, real, l1, e1, 1, count)
         _batch_row(meta, tags, seq0, head, step, real, l2, e2, 2, count)
@@ -401,9 +443,7 @@ def graph_record_batch(
         if programs > 1:
             tl.atomic_xchg(ready_cell, 1, sem="release")  # the cells above before "ready"
     if programs > 1:
-        ready = tl.atomic_add(ready_cell, 0, sem="acquire")
-        while ready == 0:  # only programs that arrived after the reserving one, which runs: no deadlock
-            ready = tl.atomic_add(ready_cell, 0, sem="acquire")
+        _batch_await(ready_cell)
     head = tl.atomic_add(start_cell, 0, sem="relaxed")  # through L2: never a stale L1 line
     # the staged entries lie one after another from ``area``; each goes where a reservation of its own would have
     # put it (``start % capacity``, running into the tail past ``capacity``), which is where the writer reads it
@@ -459,10 +499,7 @@ def graph_record_batch(
     tl.debug_barrier()  # this program's copies and folds (every thread's) before the fenced atomic below
     arrived = tl.atomic_add(counter, 1)  # acq_rel: this program's copies and maxima before its "done"
     if arrived == programs - 1:  # the last program: every other one's maxima are in the partial words
-        tl.atomic_xchg(counter, 0, sem="relaxed")
-        tl.atomic_xchg(arrive_cell, 0, sem="relaxed")
-        tl.atomic_xchg(ready_cell, 0, sem="relaxed")
-        seq0 = tl.atomic_add(sequence_cell, 0, sem="relaxed")
+        seq0 = _batch_reset(counter, arrive_cell, ready_cell, sequence_cell)
         _batch_tag(words, tags, seq0, partials, l0, 0, count)
         _batch_tag(words, tags, seq0, partials, l1, 1, count)
         _batch_tag(words, tags, seq0, partials, l2, 2, count)
@@ -556,30 +593,13 @@ def graph_record_batch_compact(
                        l19, l20, l21, l22, l23)  # fmt: skip
     entry_of = _lanes(lanes, e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15, e16, e17, e18,
                       e19, e20, e21, e22, e23)  # fmt: skip
-    real = tl.full([], -1, dtype=tl.int64)
-    limit_rows = tl.full([], -1, dtype=tl.int64)
-    if rows != 0:
-        real = tl.load(rows.to(tl.pointer_type(tl.int32))).to(tl.int64)
-        if real > 0:
-            limit_rows = real * row_numel
-    column = cells.to(tl.pointer_type(tl.int64)) + own
-    start_cell = column + 0 * launches  # CELL_START
-    sequence_cell = column + 1 * launches  # CELL_SEQUENCE
-    counter = column + 3 * launches  # CELL_DONE
-    arrive_cell = column + 4 * launches  # CELL_ARRIVE
-    ready_cell = column + 5 * launches  # CELL_READY
-    partials = cells.to(tl.pointer_type(tl.int64)) + 2 * launches  # CELL_PARTIAL of each entry's launch
+    real, limit_rows = _batch_limits(rows, row_numel)
+    start_cell, sequence_cell, counter, arrive_cell, ready_cell, partials = _batch_cells(cells, own, launches)
     reserving = programs == 1
     if not reserving:
         reserving = tl.atomic_add(arrive_cell, 1, sem="relaxed") == 0
     if reserving:
-        state_cells = state.to(tl.pointer_type(tl.int64))
-        bump = (first >= 0).to(tl.int64)
-        head = tl.atomic_add(state_cells, moved, sem="relaxed")
-        seq0 = tl.atomic_add(state_cells + 1, count, sem="relaxed")
-        step = tl.atomic_add(state_cells + 2, bump, sem="relaxed") + bump
-        tl.atomic_xchg(start_cell, head, sem="relaxed")
-        tl.atomic_xchg(sequence_cell, seq0, sem="relaxed")
+        head, seq0, step = _batch_reserve(state, moved, count, first, start_cell, sequence_cell)
         sequences = seq0 + lanes
         row = meta.to(tl.pointer_type(tl.int64)) + (sequences % tags) * 5
         tl.store(row, sequences, mask=live)
@@ -592,9 +612,7 @@ def graph_record_batch_compact(
             tl.debug_barrier()  # every thread's rows before the release below
             tl.atomic_xchg(ready_cell, 1, sem="release")  # the cells above before "ready"
     if programs > 1:
-        ready = tl.atomic_add(ready_cell, 0, sem="acquire")
-        while ready == 0:  # only programs that arrived after the reserving one, which runs: no deadlock
-            ready = tl.atomic_add(ready_cell, 0, sem="acquire")
+        _batch_await(ready_cell)
     head = tl.atomic_add(start_cell, 0, sem="relaxed")  # through L2: never a stale L1 line
     # the copy: the staged entries lie one after another from ``area``, and go to ``head % capacity`` on, less
     # ``capacity`` from the first entry that starts at or past the ring's end (see the docstring)
@@ -631,10 +649,7 @@ def graph_record_batch_compact(
     tl.debug_barrier()  # this program's copies and folds (every thread's) before the fenced atomic below
     arrived = tl.atomic_add(counter, 1)  # acq_rel: this program's copies and maxima before its "done"
     if arrived == programs - 1:  # the last program: every other one's maxima are in the partial words
-        tl.atomic_xchg(counter, 0, sem="relaxed")
-        tl.atomic_xchg(arrive_cell, 0, sem="relaxed")
-        tl.atomic_xchg(ready_cell, 0, sem="relaxed")
-        seq0 = tl.atomic_add(sequence_cell, 0, sem="relaxed")
+        seq0 = _batch_reset(counter, arrive_cell, ready_cell, sequence_cell)
         largest_of = tl.atomic_xchg(partials + launch_of, tl.zeros_like(lanes), mask=live, sem="relaxed")
         sequences = seq0 + lanes
         generation = ((sequences // tags) + 1) & 0x7FFFFFFF
