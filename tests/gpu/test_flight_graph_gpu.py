@@ -410,13 +410,18 @@ def test_a_batch_node_records_every_layer_of_a_graph_bit_exact(kernels, tmp_path
         assert reader.footer["counters"]["flight_graph_lost"] == 0
 
 
-@pytest.mark.parametrize("batch", ["0", "1", "compact"], ids=["record-node", "batch", "batch-compact"])
+@pytest.mark.parametrize(
+    ("batch", "layers"),
+    [("0", 1), ("1", 1), ("compact", 1), ("1", 3), ("compact", 3)],
+    ids=["record-node", "batch", "batch-compact", "batch-3-layers", "batch-compact-3-layers"],
+)
 def test_a_lapping_graph_ring_loses_no_check_and_writes_nothing_overwritten(
-    kernels, tmp_path: Path, batch: str
+    kernels, tmp_path: Path, batch: str, layers: int
 ) -> None:
-    # one entry = hidden + topk + output, three 256-byte spans (5 × 8 floats): a 64 KiB ring laps every ~85 replays;
-    # the lone entry is staged, recorded by a record node beside the graph's path or by the graph's batch node
-    # (its one-loop kernel with "compact")
+    # one entry = hidden + topk + output, three 256-byte spans (5 × 8 floats): a 64 KiB ring laps every ~85 entries;
+    # each entry is staged, recorded by a record node beside the graph's path or by the graph's batch node (its
+    # one-loop kernel with "compact"). With three layers a batch node records three entries a replay (2,304 bytes,
+    # not a divisor of the ring), so every ~28th replay's batch runs past the ring's end and is split
     compact = "1" if batch == "compact" else "0"
     session = _arm(
         tmp_path,
@@ -428,34 +433,49 @@ def test_a_lapping_graph_ring_loses_no_check_and_writes_nothing_overwritten(
     graph_flight = _graph_flight(session)
     generator = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(5, 8, device="cuda", generator=generator)
-    w1 = torch.randn(8, 6, device="cuda", generator=generator)
-    w2 = torch.randn(6, 8, device="cuda", generator=generator)
+    w1 = [torch.randn(8, 6, device="cuda", generator=generator) for _ in range(layers)]
+    w2 = [torch.randn(6, 8, device="cuda", generator=generator) / 8 for _ in range(layers)]
     weights = torch.rand(5, device="cuda", generator=generator)
-    out = torch.empty(5, 8, device="cuda")
+    outs = [torch.empty(5, 8, device="cuda") for _ in range(layers)]
     static = x.clone()
-    graph = _capture(lambda: kernels.layer(static, w1, w2, weights, out))
-    assert graph_flight.counters.launches == 1
+
+    def forward() -> None:
+        value = static
+        for layer in range(layers):
+            kernels.layer(value, w1[layer], w2[layer], weights, outs[layer])
+            value = outs[layer]
+
+    graph = _capture(forward)
+    assert graph_flight.counters.launches == layers
+    replays = 3000
     seen = []
-    for replay in range(3000):
+    for replay in range(replays):
         static.copy_(x + replay)
-        if replay == 2999:
-            static[1, 2] = float("nan")
+        if replay == replays - 1:
+            w1[-1][1, 2] = float("nan")  # only the last layer's output goes bad
         graph.replay()
-        seen.append((static.clone(), out.clone()))
+        inputs = [static, *outs[:-1]]
+        seen.append([(inputs[layer].clone(), outs[layer].clone()) for layer in range(layers)])
     torch.cuda.synchronize()
     session_module.disarm()
     with CaptureReader(session.path) as reader:
         records = list(reader.calls())
         counters = reader.footer["counters"]
-        assert counters["flight_graph_checked"] == 3000 and counters["flight_graph_unchecked"] == 0, counters
-        assert counters["flight_graph_staged"] == 1  # a lone entry: only its staging copy on the graph's path
-        assert records and records[-1].context["graph_sequence"] == 2999
+        checked = counters["flight_graph_checked"]
+        assert checked == replays * layers and counters["flight_graph_unchecked"] == 0, counters
+        assert counters["flight_graph_staged"] == layers  # only each entry's staging copy on the graph's path
+        assert records and records[-1].context["graph_sequence"] == replays * layers - 1
+        assert records[-1].context["flight"]["trigger"]
         for record in records:
-            hidden, output = seen[record.context["graph_sequence"]]
+            replay, layer = divmod(record.context["graph_sequence"], layers)
+            assert record.context["graph_launch"] == layer
+            hidden, output = seen[replay][layer]
             assert torch.equal(_bits(reader.load_args(record.index)["hidden"]), _bits(hidden))
             assert torch.equal(_bits(reader.load_outputs(record.index)["output"]), _bits(output))
         assert len(records) + counters["flight_graph_lost"] == 8
-    print(f"\nlapping graph ring: {len(records)} written, {counters['flight_graph_lost']} lost")
+    print(
+        f"\nlapping graph ring ({layers} layer(s)): {len(records)} written, {counters['flight_graph_lost']} lost"
+    )
 
 
 # --- vLLM's real fused_marlin_moe -------------------------------------------------------------------------------

@@ -129,20 +129,23 @@ SETTINGS: dict[str, dict[str, str]] = {
     },
     # a candidate default: prefill-sized layer calls (inputs of 8M and more) keep their bytes only if their check
     # fails (MOEREPLAY_FLIGHT_LEAN_BYTES): a good one costs a read of its output for the check and a launch that
-    # finds nothing to copy, instead of ≈ 4 × 47 MB of ring traffic at 8,192 tokens of gpt-oss
+    # finds nothing to copy, instead of ≈ 4 × 47 MB of ring traffic at 8,192 tokens of gpt-oss. On an H100
+    # (2026-12-07, 40 rounds, four servers) prefill 1.018× (90 % interval 1.013–1.022) against 1.020× (1.015–1.028)
+    # without it; with the one-loop batch node, 157 prefill rounds: 1.019× (1.016–1.023): no gain beyond the spread
     "flight-lean": {
         "MOEREPLAY_CAPTURE": "1",
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_LEAN_BYTES": "8M",
     },
-    # a candidate default: the graph's batch node as a kernel one loop long (MOEREPLAY_FLIGHT_GRAPH_COMPACT: 205 KiB
-    # of sm_90 code instead of the unrolled kernel's 3.7 MB, whose programs step over 48 far-apart bodies to reach
-    # their own) — the node at each decode graph's end, on the step's path
-    "flight-compact": {
+    # diagnostic: the previous default, the graph's batch node unrolled (MOEREPLAY_FLIGHT_GRAPH_COMPACT=0: 3.7 MB of
+    # sm_90 code whose programs step over 48 far-apart bodies to reach their own). On an H100 (2026-12-07, 40
+    # rounds) the one-loop kernel (the default since) took decode batch 1 from 1.046× (the unrolled kernel, runs
+    # before) to 1.024× (90 % interval 1.020–1.026); with lean calls as well 1.021×
+    "flight-unrolled": {
         "MOEREPLAY_CAPTURE": "1",
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_GRAPH_BATCH": "1",
-        "MOEREPLAY_FLIGHT_GRAPH_COMPACT": "1",
+        "MOEREPLAY_FLIGHT_GRAPH_COMPACT": "0",
     },
     # diagnostic: the default's staging (entries up to 384 KiB, a gpt-oss decode batch of 32 at
     # triton_kernel_moe_forward: 370 KB) without its batch node — each staged entry's record node of many
@@ -445,7 +448,12 @@ TARGETS: dict[str, dict[str, float]] = {
 }
 """Issue 14's targets for the flight recorder armed, per vLLM mode and measurement (slowdown ×: off ÷ armed)."""
 
-JUDGED = ("flight", "flight-stream", "flight-checkonly", "flight-lean", "flight-compact")
+JUDGED = (
+    "flight",
+    "flight-stream",
+    "flight-checkonly",
+    "flight-lean",
+)
 """The settings held to :data:`TARGETS`: the default recorder and the candidates for its default (the others are
 diagnostics that take a piece away or add timers)."""
 

@@ -1074,7 +1074,7 @@ def test_graph_ring_size_setting() -> None:
     default = settings_from_environ(base)
     assert default.flight_graph_stage == 384 << 10 and default.flight_graph_batch
     assert "flight_graph_stage" not in default.describe() and "flight_graph_batch" not in default.describe()
-    assert not default.flight_graph_compact and "flight_graph_compact" not in default.describe()
+    assert default.flight_graph_compact and "flight_graph_compact" not in default.describe()
     lone = settings_from_environ(
         {**base, "MOEREPLAY_FLIGHT_GRAPH_STAGE": "32K", "MOEREPLAY_FLIGHT_GRAPH_BATCH": "0"}
     )
@@ -1391,13 +1391,13 @@ def test_the_graph_poll_and_batch_settings_reach_the_graph_flight(tmp_path, grap
     session = _arm(tmp_path, flight_graph_bytes="64K", flight_graph_poll_ms="40", flight_graph_batch="1")
     flight = session.recorder.flight
     assert isinstance(flight, LayerFlight) and flight.graph is not None
-    assert flight.graph.poll_s == pytest.approx(0.04) and flight.graph.batch and not flight.graph.compact
+    assert flight.graph.poll_s == pytest.approx(0.04) and flight.graph.batch and flight.graph.compact
     assert "flight_graph_compact" not in session.settings.describe()
     session_module.disarm()
-    session = _arm(tmp_path, flight_graph_bytes="64K", flight_graph_compact="1")
+    session = _arm(tmp_path, flight_graph_bytes="64K", flight_graph_compact="0")
     flight = session.recorder.flight
-    assert isinstance(flight, LayerFlight) and flight.graph is not None and flight.graph.compact
-    assert "flight_graph_compact=on" in session.settings.describe()
+    assert isinstance(flight, LayerFlight) and flight.graph is not None and not flight.graph.compact
+    assert "flight_graph_compact=off" in session.settings.describe()
     session.close()
 
 
