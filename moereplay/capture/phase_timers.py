@@ -9,6 +9,9 @@ piece's time is inside its caller's). ``moereplay info`` prints them; ``tools/be
 uses the same timers in a benchmark. Piece ``cu_launch`` is the driver's ``cuLaunchKernel`` inside
 ``launch_prepared``, for every eager ring variant compiled while the timers are installed (see
 ``device_ring.DRIVER_TIMER``; the graph ring's launches are made while a graph is captured, and are not timed).
+A prefill-sized call's own pieces: ``before`` (around ``collect``; with the inputs' copy beside the call,
+``copy_beside``: a side stream's events and its launch), ``join`` (its stream waiting for that copy), ``release``
+(``record_stream`` per tensor and the metadata read early) and, for lean calls, ``record_lean`` (two launches).
 The interpreter's garbage collections are timed too, by generation: pieces ``gc0``–``gc2`` once part of the
 heap is frozen — vLLM's processes ``gc.freeze()`` their start-up heap when they are ready to serve, so these are
 the collections of serving time — and ``gc0-startup``–``gc2-startup`` before (start-up's own explicit
@@ -41,10 +44,15 @@ def _spots() -> list[tuple[Any, str]]:
         (flight_layer.LayerFlight, "_check_in_place"),
         (context.ContextTracker, "where"),
         (recorder, "_bind"),
+        (flight_layer.LayerFlight, "before"),
         (flight_layer.LayerFlight, "collect"),
+        (flight_layer.LayerFlight, "_copy_beside"),
         (flight_layer.LayerFlight, "after"),
+        (flight_layer.LayerFlight, "join"),
+        (flight_layer.LayerFlight, "release"),
         (flight_layer, "collect_outputs"),
         (device_ring.DeviceRing, "record"),
+        (device_ring.DeviceRing, "record_lean"),
         (device_ring.DeviceRing, "_measure"),
         (device_ring.DeviceRing, "_reserve"),
         (device_ring._Launcher, "launch_prepared"),

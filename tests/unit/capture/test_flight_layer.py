@@ -469,6 +469,7 @@ def test_timers_time_the_recorders_pieces_into_the_footer_and_come_off_at_disarm
         counters = reader.footer["counters"]
     pieces = phase_timers.from_counters(counters)
     assert pieces["layer_before"][1] == pieces["layer_after"][1] == pieces["collect"][1] == 12
+    assert pieces["before"][1] == pieces["after"][1] == pieces["join"][1] == 12  # a prefill call's pieces too
     assert pieces["check_inline"][1] == 12  # the serving thread's own look at finished words, once a call
     assert all(cpu is not None for _ns, _calls, cpu in pieces.values())  # CPU time beside every wall time
     assert (
