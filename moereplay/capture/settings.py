@@ -364,9 +364,8 @@ class CaptureSettings:
                     parts.append("flight_stream_stores=on")
                 if not self.flight_graph_batch:
                     parts.append("flight_graph_batch=off")
-                if (
-                    not self.flight_graph_compact and self.flight_graph_batch
-                ):  # (no batch node: nothing to run)
+                # (without a batch node there is nothing for the setting to run)
+                if not self.flight_graph_compact and self.flight_graph_batch:
                     parts.append("flight_graph_compact=off")
                 if self.flight_graph_poll_ms != FLIGHT_GRAPH_POLL_MS:
                     parts.append(f"flight_graph_poll_ms={self.flight_graph_poll_ms}")
