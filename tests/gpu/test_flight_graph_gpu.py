@@ -129,6 +129,26 @@ def _wait_for_trigger(graph_flight: GraphFlight, triggers: int) -> float:
     return time.monotonic() - started
 
 
+def _chained(
+    kernels: types.ModuleType,
+    static: torch.Tensor,
+    w1: list[torch.Tensor],
+    w2: list[torch.Tensor],
+    weights: torch.Tensor,
+    outs: list[torch.Tensor],
+) -> Callable[[], None]:
+    """A forward of ``len(outs)`` stand-in layer calls, each reading the one before's output (the first
+    ``static``)."""
+
+    def forward() -> None:
+        value = static
+        for layer, out in enumerate(outs):
+            kernels.layer(value, w1[layer], w2[layer], weights, out)
+            value = out
+
+    return forward
+
+
 def _per_replay_us(graph: torch.cuda.CUDAGraph, replays: int = 200) -> tuple[float, float]:
     """Microseconds per replay over ``replays`` back-to-back replays: host-timed, and by CUDA events."""
     torch.cuda.synchronize()
@@ -374,13 +394,7 @@ def test_a_batch_node_records_every_layer_of_a_graph_bit_exact(kernels, tmp_path
     static = torch.randn(tokens, hidden, device="cuda", generator=generator)
     outs = [torch.empty(tokens, hidden, device="cuda") for _ in range(layers)]
 
-    def forward() -> None:
-        value = static
-        for layer in range(layers):
-            kernels.layer(value, w1[layer], w2[layer], weights, outs[layer])
-            value = outs[layer]
-
-    graph = _capture(forward)
+    graph = _capture(_chained(kernels, static, w1, w2, weights, outs))
     ring = next(iter(graph_flight._watches.values())).ring
     assert ring.batch_kernel is not None and graph_flight.counters.launches == layers
     assert graph_flight.counters.staged == layers and ring.staged == set(range(layers))
@@ -439,13 +453,7 @@ def test_a_lapping_graph_ring_loses_no_check_and_writes_nothing_overwritten(
     outs = [torch.empty(5, 8, device="cuda") for _ in range(layers)]
     static = x.clone()
 
-    def forward() -> None:
-        value = static
-        for layer in range(layers):
-            kernels.layer(value, w1[layer], w2[layer], weights, outs[layer])
-            value = outs[layer]
-
-    graph = _capture(forward)
+    graph = _capture(_chained(kernels, static, w1, w2, weights, outs))
     assert graph_flight.counters.launches == layers
     replays = 3000
     seen = []
