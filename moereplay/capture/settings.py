@@ -72,7 +72,7 @@ Variables (all optional; every value is validated, a malformed one raises :class
                            ``FLIGHT_GRAPH_BATCH``) as a kernel one loop long (205 KiB of code for sm_90 instead
                            of 3.7 MB: ``graph_ring_kernel.graph_record_batch_compact``); the same bytes, rows and
                            tag words (default 1: on an H100 it took a served 24-layer gpt-oss's decode batch 1
-                           from 1.046× to 1.024× of capture off; ``0``: the unrolled kernel)
+                           from 1.046× to 1.024× of capture off, per-round median; ``0``: the unrolled kernel)
 ``MOEREPLAY_FLIGHT_STREAM_STORES``  layer-scope flight recorder: ``1`` marks the eager ring launch's stores as
                            written once (``st.global.cs``: L2 evicts them first), so a prefill's ring writes
                            leave the L2 lines the next kernels read (default 0: measured on an H100,
