@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPOSITORY / "tools" / "gpu"))
 
 import harness  # noqa: E402
 import serve_gpu  # noqa: E402
+import spin_plugin  # noqa: E402
 
 from moereplay.cli.inspect_cmds import recorder_cost, recorder_timers  # noqa: E402  (also printed by moereplay info)
 
@@ -173,6 +174,12 @@ SETTINGS: dict[str, dict[str, str]] = {
     "flight-gcdebug": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "VLLM_GC_DEBUG": "1"},
     # diagnostic: capture off again, a second server (an A/A test): its ratio to "off" is the bench's own spread
     # between two servers doing the same thing — a setting's ratio within it says nothing
+    # diagnostics of the serving thread's time alone (tools/serve/spin_plugin.py, capture off): every eager
+    # triton_kernel_moe_forward call first spins 250 µs holding the GIL (about what the recorder's serving-thread
+    # work per prefill call measured served, 2026-12-07), and with "-polls" a thread also holds the GIL 57 µs every
+    # 5 ms (the writer's polls at prefill, the same run) — what that much host work costs with nothing recorded
+    "spin-250": {"MOEREPLAY_BENCH_SPIN_US": "250"},
+    "spin-250-polls": {"MOEREPLAY_BENCH_SPIN_US": "250", "MOEREPLAY_BENCH_POLL_US": "57"},
     "off-again": {},
 }
 """Full capture is bounded so the GPU machine's disk (64 GiB, the model on it too) cannot fill: past the bound the
@@ -774,6 +781,19 @@ def measure(
     return batch.prompt_tokens / batch.seconds
 
 
+def server_environment(name: str, out: Path) -> dict[str, str]:
+    """The environment of setting ``name``'s server, its files under ``out``: a harness site declaring moereplay's
+    plugin (and :mod:`spin_plugin` where the setting names its variables, its folder then on ``PYTHONPATH``), vLLM's
+    serving variables, the setting's own and ``MOEREPLAY_DIR``."""
+    site = harness.make_site(out)
+    setting = SETTINGS[name]
+    extra = [str(spin_plugin.declare(site))] if any(key in spin_plugin.VARIABLES for key in setting) else []
+    env = harness.base_environment(site, extra)
+    env.update(serve_gpu.SERVE_ENV)
+    env.update({**setting, "MOEREPLAY_DIR": str(out / "captures")})
+    return env
+
+
 class ServerFailed(RuntimeError):
     """A setting's server failed a measurement's requests: which, and the lines of its log that say why."""
 
@@ -894,10 +914,7 @@ def main() -> int:
     try:
         for name in names:
             out = options.out / name
-            site = harness.make_site(out)
-            env = harness.base_environment(site)
-            env.update(serve_gpu.SERVE_ENV)
-            env.update({**SETTINGS[name], "MOEREPLAY_DIR": str(out / "captures")})
+            env = server_environment(name, out)
             port = harness.free_port()
             command = serve_gpu.serve_command(
                 options.model, port, options.mode, options.serve_arg, options.prefill_length + 200
