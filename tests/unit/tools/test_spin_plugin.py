@@ -4,6 +4,7 @@ servers of its settings get the plugin's entry point and folder, the others do n
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -104,3 +105,37 @@ def test_serve_bench_declares_the_plugin_only_for_its_settings(tmp_path: Path) -
     env = bench.server_environment("flight", tmp_path / "flight")
     assert not (tmp_path / "flight" / "site" / "moereplay_bench_spin-0.0.dist-info").exists()
     assert env["MOEREPLAY_CAPTURE"] == "1" and "MOEREPLAY_BENCH_SPIN_US" not in env
+
+
+def test_a_process_loads_it_by_its_entry_point_and_wraps_the_module_when_imported(tmp_path: Path) -> None:
+    """As a vLLM process would: the general plugins found by entry point on ``PYTHONPATH`` are called, then the
+    layer module is imported (a stand-in under vLLM's module name): its ``triton_kernel_moe_forward`` spins."""
+    sys.modules.pop("spin_plugin", None)
+    bench = load_tool("serve_bench", BENCH)
+    env = bench.server_environment("spin-250", tmp_path / "server")
+    env["MOEREPLAY_BENCH_SPIN_US"] = "20000"
+    package = tmp_path / "fake" / "vllm" / "model_executor" / "layers" / "fused_moe" / "experts"
+    package.mkdir(parents=True)
+    for folder in (package, *package.parents[:4]):  # experts up to vllm
+        (folder / "__init__.py").write_text("")
+    (package / "gpt_oss_triton_kernels_moe.py").write_text(
+        "def triton_kernel_moe_forward(hidden_states, w1, w2, gating_output, topk, renormalize):\n"
+        "    return hidden_states + topk\n"
+    )
+    env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{tmp_path / 'fake'}"
+    script = (
+        "import time\n"
+        "from importlib.metadata import entry_points\n"
+        "for ep in entry_points(group='vllm.general_plugins'):\n"
+        "    ep.load()()\n"
+        "from vllm.model_executor.layers.fused_moe.experts import gpt_oss_triton_kernels_moe as m\n"
+        "started = time.perf_counter()\n"
+        "result = m.triton_kernel_moe_forward(1, None, None, None, 4, True)\n"
+        "print(result, round((time.perf_counter() - started) * 1000))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result, milliseconds = done.stdout.split()
+    assert result == "5" and int(milliseconds) >= 20, done.stdout
