@@ -1,5 +1,6 @@
-"""The graph ring's Triton kernel where Triton is installed (CI has none and skips): run by Triton's interpreter
-on host memory through :meth:`GraphRing.capture`'s real arguments, and compiled for Hopper without a GPU."""
+"""The graph ring's Triton kernel where Triton is installed (``.ci/run`` installs Triton 3.8.0 for these; without
+Triton they skip): run by Triton's interpreter on host memory through :meth:`GraphRing.capture`'s real arguments,
+and compiled for Hopper without a GPU."""
 
 from __future__ import annotations
 
