@@ -19,7 +19,9 @@ wraps nothing.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -96,6 +98,19 @@ def make_handler(spin_us: int, poller: GilPoller | None, capturing: Callable[[],
             self.calls = 0
             self.spun = 0
 
+        def prepare(self, target: Any, original: Any) -> None:
+            # in the server's log: the wrapper is in place (a diagnostic that silently wrapped nothing would read
+            # as "host time costs nothing")
+            print(
+                f"moereplay bench spin: wrapped {target.site} (pid {os.getpid()})",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        def report(self) -> str:
+            holds = f", the poll thread held the GIL {poller.holds} times" if poller is not None else ""
+            return f"moereplay bench spin: {self.calls} calls, {self.spun} spun {spin_us} µs (pid {os.getpid()}){holds}"
+
         def call(self, target: Any, binder: Any, original: Any, args: Any, kwargs: Any) -> Any:
             self.calls += 1
             if poller is not None:
@@ -125,9 +140,15 @@ def install(environ: dict[str, str] | os._Environ[str], targets: Sequence[Any]) 
     from moereplay.capture.patching import Patcher
 
     poller = GilPoller(poll_us, max(1, poll_ms)) if poll_us else None
-    patcher = Patcher(targets, make_handler(spin_us, poller, _capturing))
+    handler = make_handler(spin_us, poller, _capturing)
+    patcher = Patcher(targets, handler)
     patcher.install()
     return patcher
+
+
+def _report(handler: Any) -> None:
+    if handler.calls:  # the processes that made the calls (vLLM's engine), not every one the plugin loaded in
+        print(handler.report(), file=sys.stderr, flush=True)
 
 
 def gpt_oss_forward_targets() -> list[Any]:
@@ -147,3 +168,4 @@ def register() -> None:
     patcher = install(os.environ, gpt_oss_forward_targets())
     if patcher is not None:
         _INSTALLED.append(patcher)
+        atexit.register(_report, patcher.handler)  # the counts in the server's log at exit

@@ -139,3 +139,6 @@ def test_a_process_loads_it_by_its_entry_point_and_wraps_the_module_when_importe
     assert done.returncode == 0, done.stderr[-2000:]
     result, milliseconds = done.stdout.split()
     assert result == "5" and int(milliseconds) >= 20, done.stdout
+    # the server's log says the wrapper was in place, and at exit what it did
+    assert "moereplay bench spin: wrapped vllm.model_executor.layers.fused_moe.experts." in done.stderr
+    assert "moereplay bench spin: 1 calls, 1 spun 20000 µs" in done.stderr, done.stderr[-2000:]
