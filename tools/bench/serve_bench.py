@@ -172,14 +172,14 @@ SETTINGS: dict[str, dict[str, str]] = {
     # capture off too (it lists the generation's objects first: each collection reads slower than it is)
     "off-gcdebug": {"VLLM_GC_DEBUG": "1"},
     "flight-gcdebug": {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "VLLM_GC_DEBUG": "1"},
-    # diagnostic: capture off again, a second server (an A/A test): its ratio to "off" is the bench's own spread
-    # between two servers doing the same thing — a setting's ratio within it says nothing
     # diagnostics of the serving thread's time alone (tools/serve/spin_plugin.py, capture off): every eager
     # triton_kernel_moe_forward call first spins 250 µs holding the GIL (about what the recorder's serving-thread
     # work per prefill call measured served, 2026-12-07), and with "-polls" a thread also holds the GIL 57 µs every
     # 5 ms (the writer's polls at prefill, the same run) — what that much host work costs with nothing recorded
     "spin-250": {"MOEREPLAY_BENCH_SPIN_US": "250"},
     "spin-250-polls": {"MOEREPLAY_BENCH_SPIN_US": "250", "MOEREPLAY_BENCH_POLL_US": "57"},
+    # diagnostic: capture off again, a second server (an A/A test): its ratio to "off" is the bench's own spread
+    # between two servers doing the same thing — a setting's ratio within it says nothing
     "off-again": {},
 }
 """Full capture is bounded so the GPU machine's disk (64 GiB, the model on it too) cannot fill: past the bound the
@@ -455,12 +455,7 @@ TARGETS: dict[str, dict[str, float]] = {
 }
 """Issue 14's targets for the flight recorder armed, per vLLM mode and measurement (slowdown ×: off ÷ armed)."""
 
-JUDGED = (
-    "flight",
-    "flight-stream",
-    "flight-checkonly",
-    "flight-lean",
-)
+JUDGED = ("flight", "flight-stream", "flight-checkonly", "flight-lean")
 """The settings held to :data:`TARGETS`: the default recorder and the candidates for its default (the others are
 diagnostics that take a piece away or add timers)."""
 

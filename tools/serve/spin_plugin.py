@@ -46,7 +46,10 @@ def _microseconds(environ: dict[str, str] | os._Environ[str], name: str, default
     text = environ.get(name, "").strip()
     if not text:
         return default
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: not a whole number") from None
     if value < 0:
         raise ValueError(f"{name}={text!r}: a count of microseconds (or ms) at least 0")
     return value
@@ -165,7 +168,10 @@ def register() -> None:
     """vLLM's general-plugin hook (every vLLM process calls it)."""
     if _INSTALLED:
         return
-    patcher = install(os.environ, gpt_oss_forward_targets())
+    try:
+        patcher = install(os.environ, gpt_oss_forward_targets())
+    except ValueError as error:  # a malformed variable: one line in the server's log, the server stops
+        raise SystemExit(f"moereplay bench spin: {error}") from None
     if patcher is not None:
         _INSTALLED.append(patcher)
         atexit.register(_report, patcher.handler)  # the counts in the server's log at exit

@@ -84,6 +84,16 @@ def test_nothing_is_wrapped_unless_asked_and_a_negative_value_is_refused(plugin,
     assert getattr(module.layer, ORIGINAL, None) is None
     with pytest.raises(ValueError, match="MOEREPLAY_BENCH_SPIN_US='-5'"):
         plugin.install({"MOEREPLAY_BENCH_SPIN_US": "-5"}, [_target()])
+    with pytest.raises(ValueError, match="MOEREPLAY_BENCH_POLL_US='lots': not a whole number"):
+        plugin.install({"MOEREPLAY_BENCH_POLL_US": "lots"}, [_target()])
+
+
+def test_a_malformed_variable_stops_the_process_with_one_line(plugin, monkeypatch) -> None:
+    monkeypatch.setattr(plugin, "_INSTALLED", [])
+    monkeypatch.setenv("MOEREPLAY_BENCH_SPIN_US", "2.5")
+    with pytest.raises(SystemExit) as stopped:
+        plugin.register()
+    assert str(stopped.value) == "moereplay bench spin: MOEREPLAY_BENCH_SPIN_US='2.5': not a whole number"
 
 
 def test_its_target_is_the_layer_call_the_flight_recorder_keeps(plugin) -> None:
