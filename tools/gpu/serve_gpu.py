@@ -137,10 +137,9 @@ def fault_prompts(words: list[str], word: str, count: int, length: int, offset: 
     """``count`` prompts of ``length`` words with ``word`` once, in the middle, and nowhere else: a model poisoned
     on it (make_gpt_oss.py --poison) turns non-finite while the prompt is prefilled."""
     filler = [item for item in words if item != word] or ["hello"]
-    built = prompts(filler, [length - 1] * count, offset)
-    return [
-        " ".join([*text.split(" ")[: length // 2], word, *text.split(" ")[length // 2 :]]) for text in built
-    ]
+    middle = length // 2
+    split = [text.split(" ") for text in prompts(filler, [length - 1] * count, offset)]
+    return [" ".join([*parts[:middle], word, *parts[middle:]]) for parts in split]
 
 
 def serve_command(model: Path, port: int, mode: str, serve_args: list[str], max_model_len: int) -> list[str]:
