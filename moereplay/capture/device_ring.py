@@ -198,6 +198,7 @@ class DeviceRing:
         tagged: bool,
         measured: Measured | None = None,
         fingerprint: bool = False,
+        stream: int | None = None,
     ) -> tuple[list[int], list[int], list[int], tuple[int, int] | None]:
         """Copy the storage spans of ``tensors`` (each from its first byte rounded down to 256 bytes of its
         storage) into the ring and, when ``tagged``, fold the largest magnitude of ``check`` (or nothing) into a
@@ -212,8 +213,14 @@ class DeviceRing:
         ``fingerprint`` (a ``check`` that is not copied, with a tag): the same pass over its bytes also reduces
         their :func:`byte_fingerprint`, published beside the tag word (:meth:`fingerprint_of`) — what proves a re-run
         bit-exact where the output's bytes are not kept. Where the kernel cannot (the tensor not 8-byte aligned,
-        more spans than one launch takes besides it, CUDA without the kernel) there is none."""
+        more spans than one launch takes besides it, CUDA without the kernel) there is none.
+
+        ``stream``: the raw handle of a stream the kernel's launches go to instead of the current one (the side
+        stream of a copy beside a call, made without switching the current stream); only where the kernel
+        copies — raises ``ValueError`` (nothing reserved) where torch operations would."""
         launcher = self.launcher
+        if stream is not None and (launcher is None or check is not None):
+            raise ValueError("a ring copy on a given stream takes the kernel and no check")
         sources, leads, sizes, total, check_info = self._measured(tensors, check, measured)
         head, tag = self._reserve(total, tagged)
         starts = _starts(head, sizes)
@@ -284,6 +291,7 @@ class DeviceRing:
                 chunk,
                 check_info if last else None,
                 word if last else None,
+                stream=stream,
             )
         return starts, leads, sizes, tag
 
@@ -584,6 +592,28 @@ def _kernel_available() -> bool:
 
 _PADDING = [(0, 0, 0) * (MAX_SPANS - n) for n in range(MAX_SPANS + 1)]
 
+_STREAM_CALLS: tuple[Callable[[int, int], int], Callable[[int, int, int], int]] | None = None
+
+
+def driver_stream_calls() -> tuple[Callable[[int, int], int], Callable[[int, int, int], int]]:
+    """The driver's ``cuEventRecord(event, stream)`` and ``cuStreamWaitEvent(stream, event, flags)`` on raw handles
+    (a CUDA runtime event or stream is the driver's), each returning its ``CUresult`` (0: success). Through
+    ``PyDLL``, as the ring kernel's ``cuLaunchKernel`` is: the serving thread keeps the GIL for the few
+    microseconds each takes (a ``CDLL`` call releases it, and any other thread may then hold it for up to the
+    5 ms switch interval)."""
+    global _STREAM_CALLS
+    if _STREAM_CALLS is None:
+        library = ctypes.PyDLL("libcuda.so.1")
+        record = library.cuEventRecord
+        record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        record.restype = ctypes.c_int
+        wait = library.cuStreamWaitEvent
+        wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        wait.restype = ctypes.c_int
+        _STREAM_CALLS = (record, wait)
+    return _STREAM_CALLS
+
+
 DRIVER_TIMER: Callable[[Callable[..., int]], Callable[..., int]] | None = None
 """Set by ``MOEREPLAY_TIMERS`` (:func:`moereplay.capture.phase_timers.install`): wraps the driver's
 ``cuLaunchKernel`` of every eager ring variant compiled from then on (``ring_kernel.compile_variant``), to time the
@@ -636,6 +666,7 @@ class _Launcher:
         fused: bool = False,
         printed: bool = False,
         over: int | None = None,
+        stream: int | None = None,
     ) -> None:
         """One launch. ``args``: ``count`` (source, target, size) triples, flattened (extended here); ``aligned``:
         every size a multiple of 8 (8-byte words); ``total``: bytes copied; ``check``: (address, numel, dtype
@@ -646,7 +677,7 @@ class _Launcher:
         words): read in words where it is, reduced to its check and fingerprint, not copied (mode 4). ``over``
         (with ``word``, no ``check``): the spans are copied only if the tag word's finished check — an earlier
         launch's on the same stream — has float32 bits above ``over``, and the word is published either way
-        (mode 5)."""
+        (mode 5). ``stream``: the raw handle of the stream to launch on (None: the device's current stream)."""
         if count < MAX_SPANS:
             args += _PADDING[count]
         code = 0
@@ -682,4 +713,4 @@ class _Launcher:
             )
             self.compile_ns += time.perf_counter_ns() - started
         programs = max(1, min(self.programs, -(-total // _BLOCK_BYTES[aligned])))
-        variant(programs, self._get_stream(self.index), args)
+        variant(programs, self._get_stream(self.index) if stream is None else stream, args)

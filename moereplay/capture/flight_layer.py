@@ -58,7 +58,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moereplay.capture.context import Ranks, Where
-from moereplay.capture.device_ring import DeviceRing, Measured, decode_word, magnitude, measure, over_bits
+from moereplay.capture.device_ring import (
+    DeviceRing,
+    Measured,
+    decode_word,
+    driver_stream_calls,
+    magnitude,
+    measure,
+    over_bits,
+)
 from moereplay.capture.flight import FlightCounters, PollingRecorder, TriggerBudget, TriggerDelivery
 from moereplay.capture.patch_points import CaptureTarget
 from moereplay.capture.settings import FLIGHT_BESIDE_BYTES
@@ -149,6 +157,30 @@ class _Copied:
     start: int  # absolute ring position of the copy (``lead`` bytes before the tensor's first byte)
     lead: int
     size: int
+
+
+class _Beside:
+    """A device's side stream for the inputs' copies beside prefill-sized calls (:meth:`LayerFlight.before`), with
+    its two events made once and reused by every call, for the driver's ``cuEventRecord`` and ``cuStreamWaitEvent``
+    on their raw handles (``MOEREPLAY_FLIGHT_BESIDE_DRIVER``): the fork (recorded on the serving stream, waited
+    for by the side stream at once) and the join (recorded on the side stream after the copy, waited for by the
+    serving stream after the call). A stream waits for an event's latest record as of its wait, so recording the
+    join again for the next call is safe once the serving stream has waited. A call claims the pair from its fork
+    to its join (``claim``, a lock released by :meth:`LayerFlight.join`); one that finds it claimed — another
+    serving thread's call on the device, still between the two — makes events of its own."""
+
+    def __init__(self, index: int) -> None:
+        self.stream = torch.cuda.Stream(index)
+        self.raw = int(self.stream.cuda_stream)
+        self.fork = torch.cuda.Event()
+        self.join = torch.cuda.Event()
+        self.fork.record(
+            self.stream
+        )  # (torch makes an event on its first record: its handle exists from here)
+        self.join.record(self.stream)
+        self.fork_raw = int(self.fork.cuda_event)
+        self.join_raw = int(self.join.cuda_event)
+        self.claim = threading.Lock()
 
 
 class LayerCall:
@@ -342,9 +374,14 @@ class LayerFlight(PollingRecorder):
         stream_stores: bool = False,
         output_bytes: int = 0,
         lean_bytes: int = 0,
+        beside_driver: bool = False,
     ) -> None:
         self.budget = budget if budget is not None else TriggerBudget(0)
         self.beside_bytes = beside_bytes
+        # the copy beside a call forked and joined by the driver on reused events, launched on the side stream
+        # without switching to it (MOEREPLAY_FLIGHT_BESIDE_DRIVER; see _copy_beside)
+        self.beside_driver = beside_driver
+        self._driver_besides: dict[int, _Beside] = {}
         # a returned output of at least this many bytes is checked, not copied (MOEREPLAY_FLIGHT_OUTPUT_BYTES; 0: off)
         self.output_bytes = output_bytes
         # a call whose dynamic inputs take at least this many ring bytes keeps its bytes only if its check fails
@@ -369,6 +406,7 @@ class LayerFlight(PollingRecorder):
         self._copy_outs: deque[_CopyOut] = deque()
         self._sides: dict[int, Any] = {}
         self._streams: dict[tuple[int, int], Any] = {}
+        self._currents: dict[tuple[int, int], Any] = {}  # see _current
         self._lock = threading.Lock()  # the writer-side state (poll may run from settle on another thread)
         self._warned_large = False
         # the serving thread's own checks (see _check_inline): when it made the last one (perf_counter seconds), and
@@ -468,13 +506,25 @@ class LayerFlight(PollingRecorder):
         self, call: LayerCall, ring: DeviceRing, tensors: list[torch.Tensor], measured: Measured
     ) -> None:
         """Copy ``tensors`` into the ring on the device's side stream, after the work queued on the current one
-        (see :meth:`before`); ``call.joined`` is the event :meth:`after` makes the call's stream wait for."""
+        (see :meth:`before`); ``call.joined`` is the event :meth:`after` makes the call's stream wait for.
+
+        With :attr:`beside_driver`, the fork and the join are the driver's calls on two events made once per
+        device (:class:`_Beside`), and the copy is launched on the side stream's handle: no event objects, no
+        switch of the current stream — four driver calls where torch's stream API takes tens of microseconds of
+        serving-thread time on a serving host (``copy_beside`` under ``MOEREPLAY_TIMERS``)."""
         index = ring.index
+        if self.beside_driver:
+            beside = self._driver_besides.get(index)
+            if beside is None:
+                beside = self._driver_besides[index] = _Beside(index)
+            if beside.claim.acquire(blocking=False):
+                self._copy_beside_driver(call, ring, tensors, measured, beside)
+                return
         side = self._besides.get(index)
         if side is None:
             side = self._besides[index] = torch.cuda.Stream(index)
         fork = torch.cuda.Event()
-        fork.record(torch.cuda.current_stream(index))
+        fork.record(self._current(index))
         side.wait_event(fork)
         joined = torch.cuda.Event()
         with torch.cuda.stream(side):
@@ -484,6 +534,47 @@ class LayerFlight(PollingRecorder):
                 joined.record(side)
                 call.joined = joined
         self.counters.beside += 1
+
+    def _copy_beside_driver(
+        self,
+        call: LayerCall,
+        ring: DeviceRing,
+        tensors: list[torch.Tensor],
+        measured: Measured,
+        beside: _Beside,
+    ) -> None:
+        """:meth:`_copy_beside` through the driver (see there), ``beside`` claimed by this call. ``call.joined`` is
+        ``beside`` from the fork on: :meth:`join` waits for it and lets the claim go."""
+        record, wait = driver_stream_calls()
+        serving = _get_stream(ring.index) if _get_stream is not None else 0
+        status = record(beside.fork_raw, serving)
+        if not status:
+            status = wait(beside.raw, beside.fork_raw, 0)
+        if status:  # nothing queued on the side stream: nothing to join
+            beside.claim.release()
+            raise RuntimeError(f"the fork of a copy beside a call failed with CUresult {status}")
+        try:
+            call.input_copy = ring.record(tensors, None, False, measured, stream=beside.raw)[:3]
+        finally:  # whatever was queued before a failure: the serving stream still waits for it
+            call.joined = beside
+            status = record(beside.join_raw, beside.raw)
+            if status:
+                raise RuntimeError(f"the join of a copy beside a call failed with CUresult {status}")
+        self.counters.beside += 1
+
+    def _current(self, index: int) -> Any:
+        """The device's current stream as torch's ``Stream``, kept by its raw handle: ``torch.cuda.current_stream``
+        builds a new object per call (the serving thread's time). Torch's own object, not an ``ExternalStream`` of
+        the handle: the allocator tells streams apart by torch's stream id (``record_stream``)."""
+        if _get_stream is None:
+            return torch.cuda.current_stream(index)
+        key = (index, _get_stream(index))
+        stream = self._currents.get(key)
+        if stream is None:
+            if len(self._currents) > 64:
+                self._currents.clear()
+            stream = self._currents[key] = torch.cuda.current_stream(index)
+        return stream
 
     def collect(
         self, target: CaptureTarget, bound: dict[str, Any], where: Where, sequence: int
@@ -600,7 +691,7 @@ class LayerFlight(PollingRecorder):
                 # no reference is kept to the output the launch reads: its memory must wait for the launch
                 # (a no-op where the caller allocated it on this stream, as vLLM does)
                 with contextlib.suppress(RuntimeError):
-                    check.record_stream(torch.cuda.current_stream(ring.index))
+                    check.record_stream(self._current(ring.index))
             total = sum(sizes) + (sum(call.input_copy[2]) if call.input_copy is not None else 0)
             if self.release_bytes and total >= self.release_bytes:
                 self.release(call)
@@ -615,7 +706,15 @@ class LayerFlight(PollingRecorder):
         if joined is not None:
             call.joined = None
             assert call.ring is not None
-            torch.cuda.current_stream(call.ring.index).wait_event(joined)
+            index = call.ring.index
+            if type(joined) is _Beside:
+                serving = _get_stream(index) if _get_stream is not None else 0
+                status = driver_stream_calls()[1](serving, joined.join_raw, 0)
+                joined.claim.release()
+                if status:
+                    raise RuntimeError(f"the join of a copy beside a call failed with CUresult {status}")
+                return
+            self._current(index).wait_event(joined)
 
     def _check_inline(self, now: float) -> None:
         """The serving thread's own look at finished tag words, right after an eager call: plain memory reads of
@@ -851,7 +950,7 @@ class LayerFlight(PollingRecorder):
         tensors = call.tensors
         ring = call.ring
         if tensors and ring is not None and ring.index >= 0:
-            stream = torch.cuda.current_stream(ring.index)
+            stream = self._current(ring.index)
             try:
                 for tensor in tensors:
                     if tensor.is_cuda:

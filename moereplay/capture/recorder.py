@@ -139,6 +139,7 @@ class Recorder(CallHandler):
                 output_bytes=settings.flight_output_bytes,
                 lean_bytes=settings.flight_lean_bytes,
                 stream_stores=settings.flight_stream_stores,
+                beside_driver=settings.flight_beside_driver,
             )
             if settings.flight_graph_bytes:
                 self.flight.graph = GraphFlight(

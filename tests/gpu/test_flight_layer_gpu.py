@@ -195,18 +195,25 @@ def test_a_lapping_ring_loses_no_check_and_writes_nothing_overwritten(kernels, t
         assert len(records) + counters["flight_lost"] == 8
 
 
-@pytest.mark.parametrize("beside", [True, False])
+@pytest.mark.parametrize("beside", ["events", "driver", "off"], ids=lambda b: f"beside-{b}")
 def test_large_inputs_copied_beside_the_call_are_ordered_with_the_serving_stream(
-    kernels, tmp_path: Path, monkeypatch, beside: bool
+    kernels, tmp_path: Path, monkeypatch, beside: str
 ) -> None:
     """Inputs past MOEREPLAY_FLIGHT_BESIDE_BYTES are copied on a side stream while the call runs. Here the side
     stream is held back after its wait for the serving stream (a sleep queued right before each side copy), the
     serving stream writes the hidden states late (a longer sleep before it) and rewrites them as soon as the
     call returns: without the side copy's wait for the work queued before the call (the fork) it would copy
     them before they are written, and without the serving stream's wait for the copy (the join) after they
-    were rewritten. Either way a written call would differ from what the layer saw."""
+    were rewritten. Either way a written call would differ from what the layer saw. ``driver``: the fork and the
+    join are the driver's calls on the side stream's two reused events (MOEREPLAY_FLIGHT_BESIDE_DRIVER), the copy
+    launched on the side stream's handle."""
     tokens = 4096  # hidden states 4096 x 8 float32: 128 KiB, past the 64 KiB threshold
-    session = _arm(tmp_path, flight_calls="4", flight_beside_bytes="64K" if beside else "0")
+    session = _arm(
+        tmp_path,
+        flight_calls="4",
+        flight_beside_bytes="0" if beside == "off" else "64K",
+        flight_beside_driver="1" if beside == "driver" else "0",
+    )
     flight = session.recorder.flight
     generator = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, 8, device="cuda", generator=generator)
@@ -218,14 +225,21 @@ def test_large_inputs_copied_beside_the_call_are_ordered_with_the_serving_stream
     kernels.fused(x.clone(), w1, w2, weights, out)  # the ring and its side stream exist from here
     torch.cuda.synchronize()
     side = flight._besides.get(0)  # type: ignore[union-attr]
-    assert (side is not None) == beside
-    if side is not None:
+    driver = flight._driver_besides.get(0)  # type: ignore[union-attr]
+    assert (side is not None, driver is not None) == (beside == "events", beside == "driver")
+    if beside != "off":
         ring = next(iter(flight._rings.values()))  # type: ignore[union-attr]
         record = ring.record
 
         def held(*args, **kwargs):
-            if torch.cuda.current_stream(0) == side:  # after the side stream's wait for the fork
-                torch.cuda._sleep(10_000_000)
+            on_side = (
+                kwargs.get("stream") == driver.raw
+                if driver is not None
+                else torch.cuda.current_stream(0) == side
+            )
+            if on_side:  # after the side stream's wait for the fork
+                with torch.cuda.stream(driver.stream if driver is not None else side):
+                    torch.cuda._sleep(10_000_000)
             return record(*args, **kwargs)
 
         monkeypatch.setattr(ring, "record", held)
@@ -238,12 +252,16 @@ def test_large_inputs_copied_beside_the_call_are_ordered_with_the_serving_stream
         result = kernels.fused(hidden, w1, w2, weights, out)
         seen.append((hidden.clone(), result.clone()))
         hidden.fill_(-1.0)  # rewritten as soon as the call returns (vLLM's in-place residual add)
+    if (
+        driver is not None
+    ):  # every call's fork and join went through the reused pair (none fell back to events)
+        assert 0 not in flight._besides and not driver.claim.locked()  # type: ignore[union-attr]
     session.flush()
     session.close()
     with CaptureReader(session.path) as reader:
         records = list(reader.calls())
         counters = reader.footer["counters"]
-        assert counters["flight_beside"] == (7 if beside else 0), counters
+        assert counters["flight_beside"] == (0 if beside == "off" else 7), counters
         assert [r.context["call"] for r in records] == [3, 4, 5, 6], counters
         for record in records:
             value, result = seen[record.context["call"] - 1]

@@ -111,6 +111,16 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_BESIDE_BYTES": "0",
     },
+    # a candidate default: the copy beside each prefill-sized call forked and joined by the driver's event calls on
+    # two events made once, launched on the side stream's handle (MOEREPLAY_FLIGHT_BESIDE_DRIVER). On an H100
+    # (2026-12-08, 117 prefill rounds) the recorder took 376 µs of serving-thread time per prefill call, 154 µs of
+    # it in copy_beside (its ring launch ≈ 66) and 21 µs in the join, while 250 µs of spin alone cost prefill
+    # 1.009× against flight's 1.026×: what the serving-thread time this saves is worth
+    "flight-beside-driver": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_BESIDE_DRIVER": "1",
+    },
     # diagnostic: the flight recorder keeping gpt-oss's layer calls one level down, at triton_kernel_fused_experts
     # (as before 2026-12-06): what recording triton_kernel_moe_forward instead changes
     "flight-fused": {

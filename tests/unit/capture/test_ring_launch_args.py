@@ -31,14 +31,24 @@ _DTYPES = {1: np.float16, 3: np.float32}
 class Emulator:
     """One compiled variant: ``(aligned, code, mode)``; records each launch's arguments."""
 
-    def __init__(self, aligned: int, code: int, mode: int, launches: list, held: list | None = None) -> None:
+    def __init__(
+        self,
+        aligned: int,
+        code: int,
+        mode: int,
+        launches: list,
+        held: list | None = None,
+        streams: list | None = None,
+    ) -> None:
         self.aligned, self.code, self.mode = aligned, code, mode
         self.launches = launches
         self.held = held  # when a list: host-word stores wait there (a launch that has not finished yet)
+        self.streams = streams if streams is not None else []  # each launch's stream handle
 
     def __call__(self, programs: int, stream: int, args: list[int]) -> None:
         assert len(args) == 3 * MAX_SPANS + 6 and programs >= 1
         self.launches.append((self.aligned, self.code, self.mode, list(args)))
+        self.streams.append(stream)
         # mode 5: the spans copied only if the finished word's bits are over ``check`` (nothing folded)
         keep = (
             self.mode != 5
@@ -116,11 +126,12 @@ class Emulator:
 def emulated(monkeypatch: pytest.MonkeyPatch):
     launches: list = []
     held: list = []
+    streams: list = []  # each launch's stream handle (the current stream's: 0 here)
     compiled: list[tuple[int, int, int, bool]] = []  # (aligned, code, mode, stream) of each variant compiled
 
     def compile_variant(aligned: int, code: int, mode: int, index: int, stream: bool) -> Emulator:
         compiled.append((aligned, code, mode, stream))
-        return Emulator(aligned, code, mode, launches, held if make.hold else None)
+        return Emulator(aligned, code, mode, launches, held if make.hold else None, streams)
 
     kernel = types.SimpleNamespace(BLOCK=1024, SPANS=MAX_SPANS, compile_variant=compile_variant)
     monkeypatch.setattr(device_ring, "_KERNEL", kernel)
@@ -141,6 +152,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch):
     make.device_ring = lambda capacity, device, **options: make(capacity, **options)  # type: ignore[attr-defined]
     make.launches = launches  # type: ignore[attr-defined]
     make.compiled = compiled  # type: ignore[attr-defined]
+    make.streams = streams  # type: ignore[attr-defined]
     make.held = held  # type: ignore[attr-defined]
     make.hold = False  # type: ignore[attr-defined]
     return make
@@ -370,6 +382,33 @@ def test_the_stream_stores_setting_reaches_every_variant_compiled(
     session.flush()
     session.close()
     assert emulated.compiled and {stream for *_, stream in emulated.compiled} == {stream_stores == "1"}
+
+
+def test_a_copy_on_a_given_stream_launches_there_and_copies_the_same_bytes(emulated) -> None:
+    """``record(..., stream=handle)`` (the copy beside a prefill-sized call, MOEREPLAY_FLIGHT_BESIDE_DRIVER):
+    every launch goes to that handle — also when the spans take more than one launch — the current stream's is
+    never asked for, and the ring holds the same bytes as a copy on the current stream."""
+    ring = emulated()
+    ring.launcher._get_stream = lambda index: pytest.fail("the current stream was asked for")  # type: ignore[union-attr]
+    tensors = [aligned(64 + i, torch.float32).copy_(torch.randn(64 + i)) for i in range(MAX_SPANS + 3)]
+    starts, leads, sizes, tag = ring.record(tensors, None, False, stream=0xBE51DE)
+    assert tag is None and len(emulated.launches) == 2 and emulated.streams == [0xBE51DE, 0xBE51DE]
+    for tensor, start, lead, size in zip(tensors, starts, leads, sizes, strict=True):
+        assert size >= lead + tensor.nbytes
+        assert torch.equal(ring.view(start + lead, tensor.nbytes), tensor.view(torch.uint8).flatten())
+
+
+def test_a_copy_on_a_given_stream_refuses_what_only_torch_operations_do(emulated) -> None:
+    """A given stream goes to the kernel's launches only: a check (reduced by torch operations where the kernel
+    cannot) or a ring without the kernel is refused before any ring room is reserved."""
+    ring = emulated()
+    hidden = aligned(64, torch.float32).copy_(torch.randn(64))
+    with pytest.raises(ValueError, match="given stream"):
+        ring.record([hidden], hidden, True, stream=7)
+    ring.launcher = None
+    with pytest.raises(ValueError, match="given stream"):
+        ring.record([hidden], None, False, stream=7)
+    assert ring.head == 0 and ring.issued == 0 and not emulated.launches
 
 
 def test_the_writer_checks_a_call_only_once_its_host_word_is_published(emulated, monkeypatch) -> None:

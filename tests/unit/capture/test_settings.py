@@ -37,6 +37,7 @@ def test_defaults() -> None:
     assert settings.op_selected("moe_wna16_marlin_gemm")
     assert (settings.max_calls, settings.max_bytes, settings.per_shape, settings.sample) == (0, 0, 0, 1.0)
     assert not settings.flight_stream_stores
+    assert not settings.flight_beside_driver and "flight_beside_driver" not in settings.describe()
 
 
 def test_every_variable() -> None:
@@ -59,6 +60,7 @@ def test_every_variable() -> None:
         compression_level="3",
         compression_threads="-1",
         flight_stream_stores="on",
+        flight_beside_driver="1",
         flight_output_bytes="8M",
         flight_lean_bytes="16M",
     )
@@ -76,6 +78,7 @@ def test_every_variable() -> None:
     assert (settings.compression_level, settings.compression_threads) == (3, -1)
     assert "trigger=flight" in settings.describe() and "zstd=3 zstd_threads=-1" in settings.describe()
     assert settings.flight_stream_stores and "flight_stream_stores=on" in settings.describe()
+    assert settings.flight_beside_driver and "flight_beside_driver=on" in settings.describe()
     assert settings.flight_output_bytes == 8 << 20 and "flight_output_bytes=8388608" in settings.describe()
     assert settings.flight_lean_bytes == 16 << 20 and "flight_lean_bytes=16777216" in settings.describe()
 
@@ -116,6 +119,7 @@ def test_step_ranges(steps: str, expected: StepRange) -> None:
         ("compression_threads", "x", "not an integer"),
         ("timers", "sometimes", "MOEREPLAY_TIMERS='sometimes': not a boolean"),
         ("flight_stream_stores", "2", "MOEREPLAY_FLIGHT_STREAM_STORES='2': not a boolean"),
+        ("flight_beside_driver", "driver", "MOEREPLAY_FLIGHT_BESIDE_DRIVER='driver': not a boolean"),
         ("flight_graph_poll_ms", "4", "MOEREPLAY_FLIGHT_GRAPH_POLL_MS='4': must be in [5, 500]"),
         ("flight_graph_poll_ms", "fast", "not an integer"),
         ("flight_graph_batch", "2", "MOEREPLAY_FLIGHT_GRAPH_BATCH='2': not a boolean"),
