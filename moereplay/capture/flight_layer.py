@@ -375,6 +375,7 @@ class LayerFlight(PollingRecorder):
         output_bytes: int = 0,
         lean_bytes: int = 0,
         beside_driver: bool = False,
+        inline_checks: bool = True,
     ) -> None:
         self.budget = budget if budget is not None else TriggerBudget(0)
         self.beside_bytes = beside_bytes
@@ -382,6 +383,9 @@ class LayerFlight(PollingRecorder):
         # without switching to it (MOEREPLAY_FLIGHT_BESIDE_DRIVER; see _copy_beside)
         self.beside_driver = beside_driver
         self._driver_besides: dict[int, _Beside] = {}
+        # the serving thread checks the eager ring's finished words after each call (see _check_inline); False
+        # (MOEREPLAY_FLIGHT_INLINE_CHECKS=0): the writer's polls do, as they poll a graph ring every ≈ 5 ms anyway
+        self.inline_checks = inline_checks
         # a returned output of at least this many bytes is checked, not copied (MOEREPLAY_FLIGHT_OUTPUT_BYTES; 0: off)
         self.output_bytes = output_bytes
         # a call whose dynamic inputs take at least this many ring bytes keeps its bytes only if its check fails
@@ -696,7 +700,10 @@ class LayerFlight(PollingRecorder):
             if self.release_bytes and total >= self.release_bytes:
                 self.release(call)
         self._new.append(call)
-        self._check_inline(now)
+        if self.inline_checks:
+            self._check_inline(now)
+        else:  # the writer's next poll checks it (woken if its last poll found nothing outstanding)
+            self.wake_if_idle()
 
     def join(self, call: LayerCall) -> None:
         """Make the call's stream wait for its inputs' copy beside it, once (see :meth:`before`): :meth:`after`

@@ -140,6 +140,7 @@ class Recorder(CallHandler):
                 lean_bytes=settings.flight_lean_bytes,
                 stream_stores=settings.flight_stream_stores,
                 beside_driver=settings.flight_beside_driver,
+                inline_checks=settings.flight_inline_checks,
             )
             if settings.flight_graph_bytes:
                 self.flight.graph = GraphFlight(

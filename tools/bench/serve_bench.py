@@ -121,6 +121,14 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_BESIDE_DRIVER": "1",
     },
+    # a candidate default for graph mode: the eager calls' checks left to the writer's polls, which run every 5 ms
+    # while graphs hold ring launches anyway (MOEREPLAY_FLIGHT_INLINE_CHECKS=0). On an H100 (2026-12-08, timers)
+    # the serving thread's check after each prefill call took 52 µs of its 451
+    "flight-noinline": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_INLINE_CHECKS": "0",
+    },
     # diagnostic: the flight recorder keeping gpt-oss's layer calls one level down, at triton_kernel_fused_experts
     # (as before 2026-12-06): what recording triton_kernel_moe_forward instead changes
     "flight-fused": {

@@ -614,6 +614,44 @@ def one_layer_call(flight: object, index: int = 0, bad: float | None = None) -> 
     return call
 
 
+def test_without_inline_checks_the_writer_checks_every_call_and_triggers(emulated, monkeypatch) -> None:
+    """MOEREPLAY_FLIGHT_INLINE_CHECKS=0: the serving thread reads no word after a call (no inline check, nothing
+    let go by it); every writer poll does the eager work, checks the finished calls, lets old ones go and
+    triggers on a bad one with its history — and an idle writer is woken once by the next call."""
+    from moereplay.capture import flight_layer
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
+    emulated.hold = True
+    written: list[object] = []
+    wakes: list[int] = []
+    flight = flight_layer.LayerFlight(
+        max_calls=2,
+        max_bytes=1 << 16,
+        absmax=None,
+        emit=lambda *a: written.append(a) or True,
+        inline_checks=False,
+    )
+    flight.inline_window = 3600.0  # (no serving-thread check ever happens: the window never makes a poll quiet)
+    flight.wake = lambda: wakes.append(1)
+    for index in range(4):
+        one_layer_call(flight, index)
+        emulated.held.pop()()
+    assert flight.counters.inline_checks == 0 and flight.counters.checked == 0 and len(flight._new) == 4
+    assert flight.poll(launch=True) == flight_layer.IDLE_POLL_S  # all four checked: nothing outstanding
+    assert flight.counters.checked == 4 and flight.counters.eager_polls == 1 and len(flight._history) <= 3
+    bad = one_layer_call(flight, 4, float("nan"))
+    assert wakes == [1]  # the idle writer is told at once
+    one_layer_call(flight, 5)
+    assert wakes == [1]  # once
+    emulated.held.pop(0)()  # call 4's launch finishes (call 5's not yet)
+    flight.poll(launch=True)
+    assert bad.checked and flight.counters.triggers == 1 and math.isnan(bad.value)
+    emulated.held.pop()()
+    flight.poll(launch=True)  # the copy-out (the CPU's, finished at once) is handed over
+    assert [begin.context["call"] for begin, _complete, _delivered in written] == [3, 4]  # max_calls: 2
+    assert flight.counters.inline_checks == 0
+
+
 def test_the_writer_may_wait_longer_while_the_serving_thread_checks_and_is_woken_for_a_bad_call(
     emulated, monkeypatch
 ) -> None:

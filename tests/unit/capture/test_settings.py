@@ -38,6 +38,7 @@ def test_defaults() -> None:
     assert (settings.max_calls, settings.max_bytes, settings.per_shape, settings.sample) == (0, 0, 0, 1.0)
     assert not settings.flight_stream_stores
     assert not settings.flight_beside_driver and "flight_beside_driver" not in settings.describe()
+    assert settings.flight_inline_checks
 
 
 def test_every_variable() -> None:
@@ -61,6 +62,7 @@ def test_every_variable() -> None:
         compression_threads="-1",
         flight_stream_stores="on",
         flight_beside_driver="1",
+        flight_inline_checks="0",
         flight_output_bytes="8M",
         flight_lean_bytes="16M",
     )
@@ -79,6 +81,7 @@ def test_every_variable() -> None:
     assert "trigger=flight" in settings.describe() and "zstd=3 zstd_threads=-1" in settings.describe()
     assert settings.flight_stream_stores and "flight_stream_stores=on" in settings.describe()
     assert settings.flight_beside_driver and "flight_beside_driver=on" in settings.describe()
+    assert not settings.flight_inline_checks and "flight_inline_checks=off" in settings.describe()
     assert settings.flight_output_bytes == 8 << 20 and "flight_output_bytes=8388608" in settings.describe()
     assert settings.flight_lean_bytes == 16 << 20 and "flight_lean_bytes=16777216" in settings.describe()
 
@@ -120,6 +123,7 @@ def test_step_ranges(steps: str, expected: StepRange) -> None:
         ("timers", "sometimes", "MOEREPLAY_TIMERS='sometimes': not a boolean"),
         ("flight_stream_stores", "2", "MOEREPLAY_FLIGHT_STREAM_STORES='2': not a boolean"),
         ("flight_beside_driver", "driver", "MOEREPLAY_FLIGHT_BESIDE_DRIVER='driver': not a boolean"),
+        ("flight_inline_checks", "some", "MOEREPLAY_FLIGHT_INLINE_CHECKS='some': not a boolean"),
         ("flight_graph_poll_ms", "4", "MOEREPLAY_FLIGHT_GRAPH_POLL_MS='4': must be in [5, 500]"),
         ("flight_graph_poll_ms", "fast", "not an integer"),
         ("flight_graph_batch", "2", "MOEREPLAY_FLIGHT_GRAPH_BATCH='2': not a boolean"),

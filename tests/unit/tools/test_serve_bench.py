@@ -129,6 +129,7 @@ def test_every_setting_parses_and_the_stage_setting_has_room_for_a_batch_of_32(
     assert nobatch.flight_graph_stage == graph_ring.ALONE_BYTES and not nobatch.flight_graph_batch
     assert parsed["flight-stream"].flight_stream_stores and not parsed["flight"].flight_stream_stores
     assert parsed["flight-beside-driver"].flight_beside_driver and not parsed["flight"].flight_beside_driver
+    assert not parsed["flight-noinline"].flight_inline_checks and parsed["flight"].flight_inline_checks
 
 
 def test_a_server_whose_requests_fail_is_named_with_its_logs_error_lines(
