@@ -193,7 +193,9 @@ SETTINGS: dict[str, dict[str, str]] = {
     # diagnostics of the serving thread's time alone (tools/serve/spin_plugin.py, capture off): every eager
     # triton_kernel_moe_forward call first spins 250 µs holding the GIL (about what the recorder's serving-thread
     # work per prefill call measured served, 2026-12-07), and with "-polls" a thread also holds the GIL 57 µs every
-    # 5 ms (the writer's polls at prefill, the same run) — what that much host work costs with nothing recorded
+    # 5 ms (the writer's polls at prefill, the same run) — what that much host work costs with nothing recorded.
+    # On an H100 (2026-12-08, 117 prefill rounds) spin-250 read 1.009× (90 % interval 1.006–1.017) beside flight's
+    # 1.026× (1.023–1.031): serving-thread time is part of prefill's cost, not all of it
     "spin-250": {"MOEREPLAY_BENCH_SPIN_US": "250"},
     "spin-250-polls": {"MOEREPLAY_BENCH_SPIN_US": "250", "MOEREPLAY_BENCH_POLL_US": "57"},
     # diagnostic: capture off again, a second server (an A/A test): its ratio to "off" is the bench's own spread

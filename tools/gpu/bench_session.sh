@@ -2,6 +2,7 @@
 #   bash tools/gpu/bench_session.sh [LAYERS] [MODES]      (default: 24 layers, "graph eager"; env ROUNDS, SETTINGS, LIMIT,
 #   BENCH_ARGS: more serve_bench options, e.g. --aftermath, or --measure prefill: more rounds of that alone)
 # Eager full capture writes GBs a round: for the eager table, SETTINGS=off,flight LIMIT=400 in a call of its own.
+# At most four servers of the 24-layer model fit one 80 GB H100 (five: start-up KV-cache OOM, 2026-12-08).
 # serve_bench: capture off / flight recorder armed / full capture, three servers on the one GPU, interleaved rounds.
 source tools/gpu/device_setup.sh >> "$OUT/all.log" 2>&1 || { tail -20 "$OUT/all.log"; exit 1; }
 source tools/gpu/steps.sh
