@@ -976,19 +976,21 @@ class LayerFlight(PollingRecorder):
                 kept[found.first : end] = tensors[found.first : end]
         bound = call.bound
         if bound is not None:
-            later = call.target.outputs if call.target.inputs_intact else ()
-            scratch = call.target.scratch
-            outputs = call.outputs
-            released: dict[str, Any] = {}
-            for name, value in bound.items():
-                found = trees.get(name)
-                if (found is not None and type(found) is not _Deferred) or (
-                    name in later and name in outputs
-                ):
-                    value = None  # described from its copy (_Pending), never from the value
-                elif name in scratch and isinstance(value, torch.Tensor):
-                    value = scratch_marker(value)
-                released[name] = value
+            # a copy of the caller's names, with only the few that change visited (not every bound name)
+            released: dict[str, Any] = dict(bound)
+            for name, found in trees.items():
+                if type(found) is not _Deferred:
+                    released[name] = None  # described from its copy (_Pending), never from the value
+            target = call.target
+            if target.inputs_intact:  # output buffers passed in: described from their copies after the call
+                outputs = call.outputs
+                for name in target.outputs:
+                    if name in outputs and name in released:
+                        released[name] = None
+            for name in target.scratch:
+                value = released.get(name)
+                if isinstance(value, torch.Tensor):
+                    released[name] = scratch_marker(value)
             call.bound = released
         call.tensors = kept
 
