@@ -502,7 +502,13 @@ class LayerFlight(PollingRecorder):
                     measured = call.measured = ring.measure(tensors)
                 if measured.total >= self.beside_bytes:
                     call.ring = ring
-                    self._copy_beside(call, ring, tensors, measured)
+                    try:
+                        self._copy_beside(call, ring, tensors, measured)
+                    except BaseException:  # (the ring too small: TooLarge) the call is not kept — its stream
+                        self.join(
+                            call
+                        )  # still waits for whatever was queued beside it, and the pair is let go
+                        raise
         call.started = time.perf_counter()
         return call
 

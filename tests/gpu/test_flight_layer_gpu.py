@@ -269,6 +269,45 @@ def test_large_inputs_copied_beside_the_call_are_ordered_with_the_serving_stream
             assert torch.equal(_bits(reader.load_outputs(record.index)["output"]), _bits(result))
 
 
+def test_a_call_too_large_for_the_ring_lets_the_driver_pair_go(kernels, tmp_path: Path) -> None:
+    """MOEREPLAY_FLIGHT_BESIDE_DRIVER: a call whose inputs pass the beside threshold but not the ring (TooLarge
+    from the side copy's reservation) is not kept, and the fork/join pair it claimed is let go — the calls after it
+    still go through the driver, none falls back to events of its own, and a trigger writes them bit-exact."""
+    session = _arm(
+        tmp_path, flight_calls="4", flight_bytes="256K", flight_beside_bytes="16K", flight_beside_driver="1"
+    )
+    flight = session.recorder.flight
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    w1 = torch.randn(8, 6, device="cuda", generator=generator)
+    w2 = torch.randn(6, 8, device="cuda", generator=generator)
+    huge = torch.randn(
+        16384, 8, device="cuda", generator=generator
+    )  # 512 KiB of hidden states: past the ring
+    kernels.fused(huge, w1, w2, torch.rand(16384, device="cuda", generator=generator), torch.empty_like(huge))
+    driver = flight._driver_besides.get(0)  # type: ignore[union-attr]
+    assert driver is not None and not driver.claim.locked()
+    assert flight.counters.too_large == 1  # type: ignore[union-attr]
+    seen = []
+    for step in range(3):
+        x = torch.randn(1024, 8, device="cuda", generator=generator)  # 32 KiB: beside, and fits
+        if step == 2:
+            x[1, 2] = float("nan")  # the trigger: the three calls after the one not kept are written
+        weights = torch.rand(1024, device="cuda", generator=generator)
+        result = kernels.fused(x, w1, w2, weights, torch.empty_like(x))
+        seen.append((x.clone(), result.clone()))
+    assert not driver.claim.locked() and 0 not in flight._besides  # type: ignore[union-attr]
+    session.flush()
+    session.close()
+    with CaptureReader(session.path) as reader:
+        counters = reader.footer["counters"]
+        assert counters["flight_beside"] == 3 and counters["flight_too_large"] == 1, counters
+        records = list(reader.calls())
+        assert [r.context["call"] for r in records] == [1, 2, 3], counters
+        for record, (value, result) in zip(records, seen, strict=True):
+            assert torch.equal(_bits(reader.load_args(record.index)["hidden"]), _bits(value))
+            assert torch.equal(_bits(reader.load_outputs(record.index)["output"]), _bits(result))
+
+
 def fresh_layer(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Returns a fresh output each call, as vLLM's ``triton_kernel_moe_forward`` does."""
     return torch.matmul(hidden, weight) * 0.5
