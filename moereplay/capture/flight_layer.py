@@ -317,6 +317,10 @@ a call it cannot finish checking itself, so a trigger waits no longer for it (se
 SETTLE_LOCK_WAIT_S = 0.2
 """How long a settling poll waits for the lock the serving thread holds (see LayerFlight._acquire_for_poll)."""
 
+NEW_BOUND = 256
+"""Calls waiting for the writer to take them in (``MOEREPLAY_FLIGHT_INLINE_CHECKS=0``) past which the serving
+thread's check after a call runs anyway: the history stays bounded while the writer is busy writing."""
+
 INLINE_WINDOW_S = 0.005
 """While the serving thread has checked the eager ring itself within this many seconds, the writer thread's poll
 leaves the ring alone (unless the serving thread left it something): a finished call is checked at the next
@@ -523,7 +527,11 @@ class LayerFlight(PollingRecorder):
         switch of the current stream — four driver calls where torch's stream API takes tens of microseconds of
         serving-thread time on a serving host (``copy_beside`` under ``MOEREPLAY_TIMERS``)."""
         index = ring.index
-        if self.beside_driver:
+        # (a serving stream that is the legacy default one, handle 0, is the driver's null stream of the thread's
+        # current device: the events path unless that is the ring's)
+        if self.beside_driver and (
+            _get_stream is None or _get_stream(index) != 0 or torch.cuda.current_device() == index
+        ):
             beside = self._driver_besides.get(index)
             if beside is None:
                 beside = self._driver_besides[index] = _Beside(index)
@@ -706,7 +714,9 @@ class LayerFlight(PollingRecorder):
             if self.release_bytes and total >= self.release_bytes:
                 self.release(call)
         self._new.append(call)
-        if self.inline_checks:
+        if self.inline_checks or len(self._new) > NEW_BOUND:
+            # (without inline checks, the serving thread still takes new calls in — and lets old ones go — when
+            # the writer has not for NEW_BOUND calls: a long write of a trigger's calls between its polls)
             self._check_inline(now)
         else:  # the writer's next poll checks it (woken if its last poll found nothing outstanding)
             self.wake_if_idle()
@@ -721,9 +731,11 @@ class LayerFlight(PollingRecorder):
             assert call.ring is not None
             index = call.ring.index
             if type(joined) is _Beside:
-                serving = _get_stream(index) if _get_stream is not None else 0
-                status = driver_stream_calls()[1](serving, joined.join_raw, 0)
-                joined.claim.release()
+                try:
+                    serving = _get_stream(index) if _get_stream is not None else 0
+                    status = driver_stream_calls()[1](serving, joined.join_raw, 0)
+                finally:
+                    joined.claim.release()
                 if status:
                     raise RuntimeError(f"the join of a copy beside a call failed with CUresult {status}")
                 return

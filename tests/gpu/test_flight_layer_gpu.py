@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import sys
@@ -195,7 +196,9 @@ def test_a_lapping_ring_loses_no_check_and_writes_nothing_overwritten(kernels, t
         assert len(records) + counters["flight_lost"] == 8
 
 
-@pytest.mark.parametrize("beside", ["events", "driver", "off"], ids=lambda b: f"beside-{b}")
+@pytest.mark.parametrize(
+    "beside", ["events", "driver", "driver-on-a-stream", "off"], ids=lambda b: f"beside-{b}"
+)
 def test_large_inputs_copied_beside_the_call_are_ordered_with_the_serving_stream(
     kernels, tmp_path: Path, monkeypatch, beside: str
 ) -> None:
@@ -206,14 +209,20 @@ def test_large_inputs_copied_beside_the_call_are_ordered_with_the_serving_stream
     them before they are written, and without the serving stream's wait for the copy (the join) after they
     were rewritten. Either way a written call would differ from what the layer saw. ``driver``: the fork and the
     join are the driver's calls on the side stream's two reused events (MOEREPLAY_FLIGHT_BESIDE_DRIVER), the copy
-    launched on the side stream's handle."""
+    launched on the side stream's handle; ``driver-on-a-stream``: the same with the layer served on a stream of its
+    own, as vLLM serves (not the legacy default stream, whose handle is 0)."""
     tokens = 4096  # hidden states 4096 x 8 float32: 128 KiB, past the 64 KiB threshold
+    by_driver = beside.startswith("driver")
     session = _arm(
         tmp_path,
         flight_calls="4",
         flight_beside_bytes="0" if beside == "off" else "64K",
-        flight_beside_driver="1" if beside == "driver" else "0",
+        flight_beside_driver="1" if by_driver else "0",
     )
+    serving = contextlib.ExitStack()
+    if beside == "driver-on-a-stream":
+        serving.enter_context(torch.cuda.stream(torch.cuda.Stream()))
+        assert torch._C._cuda_getCurrentRawStream(0) != 0
     flight = session.recorder.flight
     generator = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, 8, device="cuda", generator=generator)
@@ -226,7 +235,8 @@ def test_large_inputs_copied_beside_the_call_are_ordered_with_the_serving_stream
     torch.cuda.synchronize()
     side = flight._besides.get(0)  # type: ignore[union-attr]
     driver = flight._driver_besides.get(0)  # type: ignore[union-attr]
-    assert (side is not None, driver is not None) == (beside == "events", beside == "driver")
+    assert (side is not None, driver is not None) == (beside == "events", by_driver)
+    holds = []
     if beside != "off":
         ring = next(iter(flight._rings.values()))  # type: ignore[union-attr]
         record = ring.record
@@ -238,6 +248,7 @@ def test_large_inputs_copied_beside_the_call_are_ordered_with_the_serving_stream
                 else torch.cuda.current_stream(0) == side
             )
             if on_side:  # after the side stream's wait for the fork
+                holds.append(1)
                 with torch.cuda.stream(driver.stream if driver is not None else side):
                     torch.cuda._sleep(10_000_000)
             return record(*args, **kwargs)
@@ -252,6 +263,8 @@ def test_large_inputs_copied_beside_the_call_are_ordered_with_the_serving_stream
         result = kernels.fused(hidden, w1, w2, weights, out)
         seen.append((hidden.clone(), result.clone()))
         hidden.fill_(-1.0)  # rewritten as soon as the call returns (vLLM's in-place residual add)
+    serving.close()
+    assert len(holds) == (0 if beside == "off" else 6)  # every side copy was held back
     if (
         driver is not None
     ):  # every call's fork and join went through the reused pair (none fell back to events)

@@ -631,7 +631,9 @@ def test_without_inline_checks_the_writer_checks_every_call_and_triggers(emulate
         emit=lambda *a: written.append(a) or True,
         inline_checks=False,
     )
-    flight.inline_window = 3600.0  # (no serving-thread check ever happens: the window never makes a poll quiet)
+    flight.inline_window = (
+        3600.0  # (no serving-thread check ever happens: the window never makes a poll quiet)
+    )
     flight.wake = lambda: wakes.append(1)
     for index in range(4):
         one_layer_call(flight, index)
@@ -650,6 +652,23 @@ def test_without_inline_checks_the_writer_checks_every_call_and_triggers(emulate
     flight.poll(launch=True)  # the copy-out (the CPU's, finished at once) is handed over
     assert [begin.context["call"] for begin, _complete, _delivered in written] == [3, 4]  # max_calls: 2
     assert flight.counters.inline_checks == 0
+
+
+def test_without_inline_checks_a_busy_writer_leaves_the_history_bounded(emulated, monkeypatch) -> None:
+    """MOEREPLAY_FLIGHT_INLINE_CHECKS=0 with a writer that does not poll (busy writing a trigger's calls): past
+    NEW_BOUND calls waiting for it, the serving thread takes them in, checks the finished ones and lets old ones
+    go itself — the calls it holds stay bounded."""
+    from moereplay.capture import flight_layer
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
+    monkeypatch.setattr(flight_layer, "NEW_BOUND", 8)
+    flight = flight_layer.LayerFlight(
+        max_calls=2, max_bytes=1 << 16, absmax=None, emit=lambda *a: True, inline_checks=False
+    )
+    for index in range(40):
+        one_layer_call(flight, index)
+    assert flight.counters.inline_checks > 0 and flight.counters.polls == 0
+    assert len(flight._new) <= 9 and len(flight._history) <= 3 and flight.counters.checked >= 30
 
 
 def test_the_writer_may_wait_longer_while_the_serving_thread_checks_and_is_woken_for_a_bad_call(
