@@ -174,9 +174,8 @@ class _Beside:
         self.raw = int(self.stream.cuda_stream)
         self.fork = torch.cuda.Event()
         self.join = torch.cuda.Event()
-        self.fork.record(
-            self.stream
-        )  # (torch makes an event on its first record: its handle exists from here)
+        # torch makes an event on its first record: its handle exists from here
+        self.fork.record(self.stream)
         self.join.record(self.stream)
         self.fork_raw = int(self.fork.cuda_event)
         self.join_raw = int(self.join.cuda_event)
@@ -508,10 +507,10 @@ class LayerFlight(PollingRecorder):
                     call.ring = ring
                     try:
                         self._copy_beside(call, ring, tensors, measured)
-                    except BaseException:  # (the ring too small: TooLarge) the call is not kept — its stream
-                        self.join(
-                            call
-                        )  # still waits for whatever was queued beside it, and the pair is let go
+                    except BaseException:
+                        # (the ring too small: TooLarge) the call is not kept — its stream still waits for
+                        # whatever was queued beside it, and the driver's pair is let go
+                        self.join(call)
                         raise
         call.started = time.perf_counter()
         return call

@@ -293,9 +293,8 @@ def test_a_call_too_large_for_the_ring_lets_the_driver_pair_go(kernels, tmp_path
     generator = torch.Generator(device="cuda").manual_seed(0)
     w1 = torch.randn(8, 6, device="cuda", generator=generator)
     w2 = torch.randn(6, 8, device="cuda", generator=generator)
-    huge = torch.randn(
-        16384, 8, device="cuda", generator=generator
-    )  # 512 KiB of hidden states: past the ring
+    # 512 KiB of hidden states: past the ring
+    huge = torch.randn(16384, 8, device="cuda", generator=generator)
     kernels.fused(huge, w1, w2, torch.rand(16384, device="cuda", generator=generator), torch.empty_like(huge))
     driver = flight._driver_besides.get(0)  # type: ignore[union-attr]
     assert driver is not None and not driver.claim.locked()
