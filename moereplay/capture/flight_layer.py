@@ -101,6 +101,13 @@ _LATER = (
     functools.partial,
 )  # values without tensors inside: recorded from the live object when the call is described
 _get_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+
+
+def _serving_stream(index: int) -> int:
+    """The raw handle of device ``index``'s current stream (0 on a torch without CUDA)."""
+    return _get_stream(index) if _get_stream is not None else 0
+
+
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 
 
@@ -528,15 +535,15 @@ class LayerFlight(PollingRecorder):
         index = ring.index
         # (a serving stream that is the legacy default one, handle 0, is the driver's null stream of the thread's
         # current device: the events path unless that is the ring's)
-        if self.beside_driver and (
-            _get_stream is None or _get_stream(index) != 0 or torch.cuda.current_device() == index
-        ):
-            beside = self._driver_besides.get(index)
-            if beside is None:
-                beside = self._driver_besides[index] = _Beside(index)
-            if beside.claim.acquire(blocking=False):
-                self._copy_beside_driver(call, ring, tensors, measured, beside)
-                return
+        if self.beside_driver:
+            serving = _serving_stream(index)
+            if serving != 0 or torch.cuda.current_device() == index:
+                beside = self._driver_besides.get(index)
+                if beside is None:
+                    beside = self._driver_besides[index] = _Beside(index)
+                if beside.claim.acquire(blocking=False):
+                    self._copy_beside_driver(call, ring, tensors, measured, beside, serving)
+                    return
         side = self._besides.get(index)
         if side is None:
             side = self._besides[index] = torch.cuda.Stream(index)
@@ -559,11 +566,12 @@ class LayerFlight(PollingRecorder):
         tensors: list[torch.Tensor],
         measured: Measured,
         beside: _Beside,
+        serving: int,
     ) -> None:
-        """:meth:`_copy_beside` through the driver (see there), ``beside`` claimed by this call. ``call.joined`` is
-        ``beside`` from the fork on: :meth:`join` waits for it and lets the claim go."""
+        """:meth:`_copy_beside` through the driver (see there), ``beside`` claimed by this call, forked from the
+        serving stream's handle ``serving``. ``call.joined`` is ``beside`` from the fork on: :meth:`join` waits for
+        it and lets the claim go."""
         record, wait = driver_stream_calls()
-        serving = _get_stream(ring.index) if _get_stream is not None else 0
         status = record(beside.fork_raw, serving)
         if not status:
             status = wait(beside.raw, beside.fork_raw, 0)
@@ -682,7 +690,7 @@ class LayerFlight(PollingRecorder):
             index = ring.index
             if index >= 0:
                 call.device_index = index
-                call.stream = _get_stream(index) if _get_stream is not None else 0
+                call.stream = _serving_stream(index)
             stream = (index, call.stream)
             if stream != self._last_stream:
                 self._last_stream = stream
@@ -731,8 +739,7 @@ class LayerFlight(PollingRecorder):
             index = call.ring.index
             if type(joined) is _Beside:
                 try:
-                    serving = _get_stream(index) if _get_stream is not None else 0
-                    status = driver_stream_calls()[1](serving, joined.join_raw, 0)
+                    status = driver_stream_calls()[1](_serving_stream(index), joined.join_raw, 0)
                 finally:
                     joined.claim.release()
                 if status:
