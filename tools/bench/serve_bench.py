@@ -129,6 +129,23 @@ SETTINGS: dict[str, dict[str, str]] = {
         "MOEREPLAY_TRIGGER": "flight",
         "MOEREPLAY_FLIGHT_INLINE_CHECKS": "0",
     },
+    # candidate defaults that add the cuts up: the eager checks left to the writer's polls with the beside copy
+    # through the driver, or with lean prefill-sized calls (no beside copy at all: a good prefill call costs the read
+    # of its output for the check and the two launches of record_lean, the least device time of any setting). On an
+    # H100 (2026-12-08) 376 µs of serving-thread time per prefill call cost about half of prefill's 2.6 %, the ring's
+    # device copies (≈ 4 × a call's 47 MB at 8,192 tokens) most of the rest
+    "flight-driver-noinline": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_BESIDE_DRIVER": "1",
+        "MOEREPLAY_FLIGHT_INLINE_CHECKS": "0",
+    },
+    "flight-lean-noinline": {
+        "MOEREPLAY_CAPTURE": "1",
+        "MOEREPLAY_TRIGGER": "flight",
+        "MOEREPLAY_FLIGHT_LEAN_BYTES": "8M",
+        "MOEREPLAY_FLIGHT_INLINE_CHECKS": "0",
+    },
     # diagnostic: the flight recorder keeping gpt-oss's layer calls one level down, at triton_kernel_fused_experts
     # (as before 2026-12-06): what recording triton_kernel_moe_forward instead changes
     "flight-fused": {
@@ -475,9 +492,21 @@ TARGETS: dict[str, dict[str, float]] = {
 }
 """Issue 14's targets for the flight recorder armed, per vLLM mode and measurement (slowdown ×: off ÷ armed)."""
 
-JUDGED = ("flight", "flight-stream", "flight-checkonly", "flight-lean")
+JUDGED = (
+    "flight",
+    "flight-stream",
+    "flight-checkonly",
+    "flight-lean",
+    "flight-beside-driver",
+    "flight-noinline",
+    "flight-driver-noinline",
+    "flight-lean-noinline",
+)
 """The settings held to :data:`TARGETS`: the default recorder and the candidates for its default (the others are
 diagnostics that take a piece away or add timers)."""
+
+DEFAULT = "flight"
+"""The default recorder's setting, the one a candidate (the rest of :data:`JUDGED`) must beat to replace it."""
 
 
 def median_interval(
@@ -526,6 +555,41 @@ def intervals(
             parts.append(f"{what} {label}{low:.3f}–{high:.3f} of {len(ratios)} ({where})")
         if parts:
             lines.append(f"> {name}: 90 % interval of the per-round median: " + "; ".join(parts))
+    return lines
+
+
+def against_default(results: dict[str, dict[str, list[float]]], mode: str) -> list[str]:
+    """A line per candidate (:data:`JUDGED` but :data:`DEFAULT`) run beside the default: for each measurement with
+    a target, the median and the 90 % bootstrap interval (:func:`median_interval`) of the per-round ratio of the
+    default's tokens/s to the candidate's — under 1.000 the candidate costs less — over the rounds where neither
+    was in the slow mode (:func:`steady_ratios`), and the verdict the default is changed by: cheaper (or dearer)
+    beyond the rounds' scatter when 1.000 lies above (below) the whole interval, else no difference this run can
+    tell."""
+    targets = TARGETS.get(mode) or {}
+    if DEFAULT not in results:
+        return []
+    steady = steady_ratios(results, DEFAULT)
+    lines = []
+    for name in (name for name in JUDGED if name != DEFAULT and name in steady):
+        parts = []
+        for what in targets:
+            ratios, left_out = steady[name].get(what, ([], 0))
+            if len(ratios) < 3:
+                continue
+            low, high = median_interval(ratios)
+            word = (
+                "cheaper beyond the spread"
+                if high < 1.0
+                else "dearer beyond the spread"
+                if low > 1.0
+                else "no difference this run can tell"
+            )
+            kept = f"{len(ratios)}" + (f" ({left_out} slow left out)" if left_out else "")
+            parts.append(f"{what} {statistics.median(ratios):.3f} ({low:.3f}–{high:.3f}) of {kept}: {word}")
+        if parts:
+            lines.append(
+                f"> {name} against {DEFAULT} ({DEFAULT}'s tokens/s ÷ its own, per round): " + "; ".join(parts)
+            )
     return lines
 
 
@@ -995,6 +1059,8 @@ def main() -> int:
     for line in verdicts(results, paired, options.mode, stopped, steady=steady):
         print(line)
     for line in intervals(paired, options.mode, steady):
+        print(line)
+    for line in against_default(results, options.mode):
         print(line)
     for name in names:
         for line in gc_notes(options.out / name / "server.log"):

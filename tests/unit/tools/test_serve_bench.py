@@ -130,6 +130,15 @@ def test_every_setting_parses_and_the_stage_setting_has_room_for_a_batch_of_32(
     assert parsed["flight-stream"].flight_stream_stores and not parsed["flight"].flight_stream_stores
     assert parsed["flight-beside-driver"].flight_beside_driver and not parsed["flight"].flight_beside_driver
     assert not parsed["flight-noinline"].flight_inline_checks and parsed["flight"].flight_inline_checks
+    # the combined candidates: each cut as its own setting sets it
+    both = parsed["flight-driver-noinline"]
+    assert both.flight_beside_driver and not both.flight_inline_checks
+    lean = parsed["flight-lean-noinline"]
+    assert (
+        lean.flight_lean_bytes == parsed["flight-lean"].flight_lean_bytes > 0
+        and not lean.flight_inline_checks
+    )
+    assert not lean.flight_beside_driver
 
 
 def test_a_server_whose_requests_fail_is_named_with_its_logs_error_lines(
@@ -665,6 +674,45 @@ def test_a_run_that_measured_prefill_alone_is_tabled_and_judged(bench: types.Mod
     assert "prefill ≤ 1.02: 1.006 / 1.006 meets" in verdict and "decode" not in verdict
     (interval,) = bench.intervals(paired, "graph", steady)
     assert "prefill 1.006–1.006 of 40 (under 1.02)" in interval
+
+
+def test_each_candidate_is_compared_with_the_default_round_by_round(bench: types.ModuleType) -> None:
+    """The line that decides a default: per round, the default's tokens/s ÷ the candidate's; cheaper or dearer only
+    when 1.000 lies outside the whole interval; a round either server spent in the slow mode is left out; no line
+    for diagnostics, for the default itself or without the default."""
+    rounds = 41
+    off = [70000.0 + 90 * (i % 7) for i in range(rounds)]
+    flight = [value / 1.026 for value in off]
+    results = {
+        "off": {"prefill": off, "decode_b1": [380.0] * rounds},
+        "flight": {"prefill": flight, "decode_b1": [365.0] * rounds},
+        # 1.5 % faster than the default in every round
+        "flight-noinline": {"prefill": [value * 1.015 for value in flight], "decode_b1": [365.0] * rounds},
+        # as fast, give or take 0.4 % by turns
+        "flight-driver-noinline": {
+            "prefill": [value * (1.004 if i % 2 else 0.996) for i, value in enumerate(flight)],
+            "decode_b1": [365.0] * rounds,
+        },
+        # 1 % slower
+        "flight-lean-noinline": {"prefill": [value / 1.01 for value in flight]},
+        "flight-timers": {"prefill": [value / 1.05 for value in flight]},  # a diagnostic
+    }
+    # the slow mode, once, on the default's side only (its ratios there: 0.46, 0.45)
+    flight[5] = flight[5] / 2.2
+    lines = bench.against_default(results, "graph")
+    assert [line.split()[1] for line in lines] == [
+        "flight-noinline",
+        "flight-driver-noinline",
+        "flight-lean-noinline",
+    ]
+    noinline, driver, lean = lines
+    assert "prefill 0.985 (0.985–0.985) of 40 (1 slow left out): cheaper beyond the spread" in noinline
+    assert "decode_b1 1.000 (1.000–1.000) of 41: no difference this run can tell" in noinline
+    assert "prefill" in driver and "no difference this run can tell" in driver.split("prefill")[1]
+    assert "prefill 1.010 (1.010–1.010) of 40 (1 slow left out): dearer beyond the spread" in lean
+    assert "decode_b1" not in lean  # not measured
+    del results["flight"]
+    assert bench.against_default(results, "graph") == []
 
 
 def _gc_line(process: str, ms: str, objects: int, generation: int) -> str:
