@@ -22,7 +22,16 @@ With ``--gc``, the interpreter's collections per generation over as many recorde
 as vLLM does (on the development CPU, 2026-12-07: none in 14,000 recorded calls — the recorder's objects are freed
 by reference counting as calls leave the history).
 
+With ``--whole``, instead: the whole serving-thread path the plugin installs per wrapped
+``triton_kernel_moe_forward`` call — its wrapper, ``where`` in a forward context shaped as vLLM 0.25.1's, the
+binding, the recorder's before and after — less the bare stand-in's own, at decode and at ``--prefill`` tokens
+(on the development CPU, 2026-12-08: 21.6–26.5 µs at 32 tokens, 28.8–31.5 µs at 2,048). The served footer's
+figure for the same path was 376 µs per prefill call on an H100 host (2026-12-08): the same pieces' timers read
+about 5× the development CPU's for pure Python (``where`` 25.1 against 4.4 µs, ``bind`` 9.1 against 1.7), before
+the launches and the stream calls.
+
     python tools/bench/layer_recorder_bench.py [--calls 2000] [--rounds 7] [--pieces] [--prefill 2048] [--gc]
+    python tools/bench/layer_recorder_bench.py --whole [--pieces]
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import gc
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -108,6 +118,7 @@ def flight_with_a_no_op_launch() -> flight_layer.LayerFlight:
         launcher._variants = {key: NoLaunch() for key in variants}
         launcher._get_stream = lambda device: 0
         launcher.stream_stores = False
+        launcher.compile_ns = 0
         made.launcher = launcher
         if hasattr(device_ring, "host_words"):  # (absent before 2026-12-04: lets the bench time older trees)
             made.host_words, made._host = device_ring.host_words(made.tags, False)
@@ -173,6 +184,194 @@ def time_release(
     )
 
 
+STAND_IN = "moereplay_bench_gpt_oss"
+"""The module holding the stand-in ``triton_kernel_moe_forward`` the whole-path timing wraps."""
+
+
+def _stand_in_forward(
+    hidden_states: torch.Tensor,
+    w1: object,
+    w2: object,
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    activation: object = "swigluoai",
+    quant_config: object = None,
+    apply_router_weight_on_input: bool = False,
+    global_num_experts: int = -1,
+    expert_map: torch.Tensor | None = None,
+    unpadded_N_w1: object = None,
+    unpadded_K_w1: object = None,
+    unpadded_N_w2: object = None,
+    unpadded_K_w2: object = None,
+) -> torch.Tensor:
+    """vLLM 0.25.1's ``triton_kernel_moe_forward`` signature; allocates its output as the real one does, and
+    computes nothing (the kernels are the GPU's business)."""
+    return torch.empty(hidden_states.shape, dtype=hidden_states.dtype)
+
+
+def vllm_forward_context(layers: int) -> types.ModuleType:
+    """A stand-in ``vllm.forward_context`` module whose forward context is shaped as vLLM 0.25.1's while serving
+    gpt-oss: ``no_compile_layers`` holding an attention and an MoE module per layer (the recorder finds the MoE
+    layers' names there, and reads each one's parallel configuration), ``all_moe_layers`` unset (vLLM sets it only
+    with ``fast_moe_cold_start``), attention metadata present, the CUDA-graph mode ``NONE`` (an eager step)."""
+
+    class Attention(torch.nn.Module):
+        pass
+
+    class MoERunner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            parallel = types.SimpleNamespace(
+                tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, dp_rank=0, dp_size=1, use_ep=False
+            )
+            self.moe_config = types.SimpleNamespace(
+                moe_parallel_config=parallel, num_experts=EXPERTS, num_local_experts=EXPERTS
+            )
+
+    modules: dict[str, torch.nn.Module] = {}
+    for layer in range(layers):
+        modules[f"model.layers.{layer}.self_attn.attn"] = Attention()
+        modules[f"model.layers.{layer}.mlp.experts"] = MoERunner()
+    module = types.ModuleType("vllm.forward_context")
+    module._forward_context = None  # type: ignore[attr-defined]
+    module.is_forward_context_available = lambda: module._forward_context is not None  # type: ignore[attr-defined]
+    module.get_forward_context = lambda: module._forward_context  # type: ignore[attr-defined]
+
+    def new_step() -> None:
+        module._forward_context = types.SimpleNamespace(  # type: ignore[attr-defined]
+            no_compile_layers=modules,
+            all_moe_layers=None,
+            attn_metadata={"model.layers.0.self_attn.attn": object()},
+            cudagraph_runtime_mode=types.SimpleNamespace(name="NONE"),
+        )
+
+    module.new_step = new_step  # type: ignore[attr-defined]
+    return module
+
+
+def time_whole(options: argparse.Namespace) -> dict[str, float]:
+    """µs per wrapped ``triton_kernel_moe_forward`` call over the whole serving-thread path the plugin installs —
+    the wrapper, ``where`` (in a vLLM-shaped forward context), binding, the flight recorder's before and after —
+    less the same loop calling the stand-in unwrapped, at decode (``TOKENS``) and at ``--prefill`` tokens, steps of
+    24 layer calls in one forward context each. The ring's launch is the no-op one above, so what it times is the
+    Python; on a GPU host add the launches and the stream calls."""
+    import dataclasses
+    import tempfile
+
+    from moereplay.capture import session as session_module
+    from moereplay.ops import matmul_ogs_surface
+
+    (real,) = (
+        target
+        for target in session_module.TARGETS
+        if target.op == matmul_ogs_surface.FORWARD_PARENT_OP
+        and target.module == "vllm.model_executor.layers.fused_moe.experts.gpt_oss_triton_kernels_moe"
+    )
+    target = dataclasses.replace(real, module=STAND_IN, attribute="triton_kernel_moe_forward")
+    stand_in = types.ModuleType(STAND_IN)
+    stand_in.triton_kernel_moe_forward = _stand_in_forward  # type: ignore[attr-defined]
+    sys.modules[STAND_IN] = stand_in
+    layers = 24
+    context = vllm_forward_context(layers)
+    sys.modules["vllm.forward_context"] = context
+    weights = {"w1": torch.zeros(8, 8), "w2": torch.zeros(8, 8)}
+    shapes = {}
+    for tokens in (TOKENS, options.prefill):
+        if tokens:
+            shapes[f"{tokens} tokens"] = (
+                torch.randn(tokens, HIDDEN).to(torch.bfloat16),
+                torch.randn(tokens, EXPERTS).to(torch.bfloat16),
+            )
+
+    def steps(count: int, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        forward = stand_in.triton_kernel_moe_forward
+        for _ in range(count):
+            context.new_step()
+            for _ in range(layers):
+                forward(
+                    hidden_states=hidden, w1=weights["w1"], w2=weights["w2"], gating_output=logits, topk=TOP_K,
+                    renormalize=True, global_num_experts=EXPERTS, expert_map=None, quant_config=None,
+                    apply_router_weight_on_input=False,
+                )  # fmt: skip
+
+    original_ring = flight_layer.DeviceRing
+    flight_with_a_no_op_launch()  # (replaces flight_layer.DeviceRing with the no-op launch ring)
+    count = max(1, options.calls // layers)
+    samples: dict[str, dict[str, list[float]]] = {name: {"bare": [], "armed": []} for name in shapes}
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            for round_ in range(options.rounds + 1):  # the first round warms up
+                for name, (hidden, logits) in shapes.items():
+                    for mode in ("bare", "armed"):
+                        session = None
+                        if mode == "armed":
+                            env = {
+                                "MOEREPLAY_CAPTURE": "1",
+                                "MOEREPLAY_TRIGGER": "flight",
+                                "MOEREPLAY_DIR": directory,
+                            }
+                            session = session_module.arm(env, targets=(target,))
+                            steps(2, hidden, logits)  # its ring made, its plans built
+                        started = time.perf_counter()
+                        steps(count, hidden, logits)
+                        spent = time.perf_counter() - started
+                        if session is not None:
+                            counters = session.recorder.counters
+                            flight = session.recorder.flight
+                            # every call went through the recorder's whole path (else this times nothing)
+                            if counters.selected != (count + 2) * layers or not isinstance(
+                                flight, flight_layer.LayerFlight
+                            ):
+                                raise RuntimeError(
+                                    f"the armed session selected {counters.selected} of {(count + 2) * layers} "
+                                    f"calls with {type(flight).__name__}"
+                                )
+                            session_module.disarm()
+                        if round_:
+                            samples[name][mode].append(spent / (count * layers) * 1e6)
+    finally:
+        flight_layer.DeviceRing = original_ring  # type: ignore[misc]
+        sys.modules.pop("vllm.forward_context", None)
+        sys.modules.pop(STAND_IN, None)
+    medians = {}
+    for name, by_mode in samples.items():
+        extra = [armed - bare for armed, bare in zip(by_mode["armed"], by_mode["bare"], strict=True)]
+        medians[name] = statistics.median(extra)
+        print(
+            f"layer_recorder_bench: whole path, {name}: {statistics.median(extra):.1f} µs of serving-thread time "
+            f"per wrapped layer call more than unwrapped (min {min(extra):.1f}, max {max(extra):.1f}; "
+            f"{len(extra)} rounds of {count * layers} calls; unwrapped {statistics.median(by_mode['bare']):.1f} µs)"
+        )
+    if options.pieces:
+        import cProfile
+        import pstats
+
+        hidden, logits = shapes[list(shapes)[-1]]
+        with tempfile.TemporaryDirectory() as directory:
+            flight_with_a_no_op_launch()
+            sys.modules[STAND_IN] = stand_in
+            sys.modules["vllm.forward_context"] = context
+            session_module.arm(
+                {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_DIR": directory},
+                targets=(target,),
+            )
+            try:
+                steps(2, hidden, logits)
+                profiler = cProfile.Profile()
+                profiler.enable()
+                steps(count, hidden, logits)
+                profiler.disable()
+            finally:
+                session_module.disarm()
+                flight_layer.DeviceRing = original_ring  # type: ignore[misc]
+                sys.modules.pop("vllm.forward_context", None)
+                sys.modules.pop(STAND_IN, None)
+        print(f"--- whole path, {list(shapes)[-1]}, cProfile (tottime) ---")
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+    return medians
+
+
 def count_collections(
     one: Callable[[int, CaptureTarget, dict[str, object]], None],
     shape: tuple[CaptureTarget, dict[str, object]],
@@ -213,7 +412,17 @@ def main() -> int:
         "triton_kernel_moe_forward calls, after freezing the heap as vLLM does once ready to serve: whether the "
         "recorder's objects outlive reference counting and bring collections on",
     )
+    parser.add_argument(
+        "--whole",
+        action="store_true",
+        help="time only the whole serving-thread path the plugin installs (wrapper, where, binding, before, "
+        "after) per wrapped triton_kernel_moe_forward call, at decode and at --prefill tokens (with --pieces: "
+        "where the prefill call's time goes)",
+    )
     options = parser.parse_args()
+    if options.whole:
+        time_whole(options)
+        return 0
     fused_target = CaptureTarget(
         "triton_kernel_fused_experts", "parent", "bench", "triton_kernel_fused_experts",
         static=("w1", "w2", "quant_config"), outputs=("output_tensor",), scratch=("intermediate_cache",),

@@ -1,0 +1,61 @@
+"""tools/bench/layer_recorder_bench.py's whole-path timing: it must go through the plugin's real wrapper and the
+layer-scope flight recorder for every call it times (a timing of nothing would read as a cheap recorder)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[3] / "tools" / "bench" / "layer_recorder_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("layer_recorder_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_whole_path_is_timed_through_the_wrapper_and_leaves_nothing_behind(
+    bench: types.ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moereplay.capture import flight_layer
+
+    ring = flight_layer.DeviceRing
+    options = argparse.Namespace(calls=48, rounds=1, prefill=256, pieces=False)
+    medians = bench.time_whole(options)
+    assert set(medians) == {"32 tokens", "256 tokens"}
+    assert all(value > 0 for value in medians.values())  # the wrapped call costs more than the bare one
+    out = capsys.readouterr().out
+    assert "whole path, 256 tokens:" in out and "1 rounds of 48 calls" in out
+    # the stand-ins are gone: the no-op ring, the fake vLLM module, the stand-in module
+    assert flight_layer.DeviceRing is ring
+    assert "vllm.forward_context" not in sys.modules and bench.STAND_IN not in sys.modules
+
+
+def test_a_forward_context_shaped_as_vllms_names_each_moe_layer(bench: types.ModuleType) -> None:
+    """The recorder's ``where`` reads the stand-in context as it reads vLLM's: a new step per context, the MoE
+    layers' names in order, their parallel configuration."""
+    from moereplay.capture.context import ContextTracker
+
+    context = bench.vllm_forward_context(3)
+    sys.modules["vllm.forward_context"] = context
+    try:
+        tracker = ContextTracker()
+        context.new_step()
+        first = [tracker.where(parent=None, is_parent=True) for _ in range(3)]
+        context.new_step()
+        second = tracker.where(parent=None, is_parent=True)
+    finally:
+        sys.modules.pop("vllm.forward_context", None)
+    assert [w.layer_name for w in first] == [f"model.layers.{i}.mlp.experts" for i in range(3)]
+    assert [w.step for w in first] == [0, 0, 0] and second.step == 1 and second.layer == 0
+    assert first[0].tag == "run" and first[0].cudagraph_mode == "NONE"
+    assert first[0].parallel is not None and first[0].parallel.get("global_experts") == bench.EXPERTS
