@@ -219,15 +219,31 @@ def vllm_forward_context(layers: int) -> types.ModuleType:
     class Attention(torch.nn.Module):
         pass
 
-    class MoERunner(torch.nn.Module):
+    class RoutedExperts(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
+            self.register_buffer("_expert_map", None)  # no expert parallelism
+
+        @property
+        def expert_map(self) -> torch.Tensor | None:
+            return self._expert_map
+
+    class MoERunner(torch.nn.Module):
+        """As vLLM 0.25.1's: ``expert_map`` a property reaching the routed experts' buffer."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.routed_experts = RoutedExperts()
             parallel = types.SimpleNamespace(
                 tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, dp_rank=0, dp_size=1, use_ep=False
             )
             self.moe_config = types.SimpleNamespace(
                 moe_parallel_config=parallel, num_experts=EXPERTS, num_local_experts=EXPERTS
             )
+
+        @property
+        def expert_map(self) -> torch.Tensor | None:
+            return self.routed_experts.expert_map
 
     modules: dict[str, torch.nn.Module] = {}
     for layer in range(layers):
