@@ -226,7 +226,7 @@ def vllm_forward_context(layers: int) -> types.ModuleType:
 
         @property
         def expert_map(self) -> torch.Tensor | None:
-            return self._expert_map
+            return self._buffers["_expert_map"]
 
     class MoERunner(torch.nn.Module):
         """As vLLM 0.25.1's: ``expert_map`` a property reaching the routed experts' buffer."""
