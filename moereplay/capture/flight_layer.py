@@ -327,6 +327,12 @@ NEW_BOUND = 256
 """Calls waiting for the writer to take them in (``MOEREPLAY_FLIGHT_INLINE_CHECKS=0``) past which the serving
 thread's check after a call runs anyway: the history stays bounded while the writer is busy writing."""
 
+NEW_HELD_BYTES = 256 << 20
+"""Bytes of device memory the calls waiting for the writer to take them in (``MOEREPLAY_FLIGHT_INLINE_CHECKS=0``)
+keep alive — those under :data:`RELEASE_BYTES`, which hold their tensors until they leave the history — past which
+the serving thread's check after a call runs anyway: while the writer is busy writing, 256 calls of up to 8 MiB
+each would otherwise hold 2 GiB that vLLM's memory planning never gave the recorder."""
+
 INLINE_WINDOW_S = 0.005
 """While the serving thread has checked the eager ring itself within this many seconds, the writer thread's poll
 leaves the ring alone (unless the serving thread left it something): a finished call is checked at the next
@@ -427,6 +433,9 @@ class LayerFlight(PollingRecorder):
         # whether it left something only the writer thread handles (a bad word, a ring without host words)
         self._inline_at = -math.inf
         self._joined = 0  # calls that joined the history (the next one's order)
+        # without inline checks: the ring bytes of the calls in _new that hold their tensors (see NEW_HELD_BYTES);
+        # reset when _take_new empties _new (a call appended meanwhile may go uncounted: a bound, not a ledger)
+        self._new_held = 0
         self._settling = False  # settle() runs (the writer thread at close; see _acquire_for_poll)
         self._lock_abandoned = False
         # the (device, stream) pairs eager calls ran on: with more than one, a pending word does not say that the
@@ -542,6 +551,10 @@ class LayerFlight(PollingRecorder):
                 if beside is None:
                     beside = self._driver_besides[index] = _Beside(index)
                 if beside.claim.acquire(blocking=False):
+                    # the call holds the pair from here: whatever raises from now on (a driver call that fails,
+                    # the driver library not loading, a signal handler's exception) leaves it to join, which
+                    # lets it go — a wait for the join event's last record, one already waited for, is harmless
+                    call.joined = beside
                     self._copy_beside_driver(call, ring, tensors, measured, beside, serving)
                     return
         side = self._besides.get(index)
@@ -568,20 +581,18 @@ class LayerFlight(PollingRecorder):
         beside: _Beside,
         serving: int,
     ) -> None:
-        """:meth:`_copy_beside` through the driver (see there), ``beside`` claimed by this call, forked from the
-        serving stream's handle ``serving``. ``call.joined`` is ``beside`` from the fork on: :meth:`join` waits for
-        it and lets the claim go."""
+        """:meth:`_copy_beside` through the driver (see there), ``beside`` claimed by this call (``call.joined`` is
+        ``beside`` already), forked from the serving stream's handle ``serving``: :meth:`join` waits for the join
+        event and lets the claim go, whatever raises here."""
         record, wait = driver_stream_calls()
         status = record(beside.fork_raw, serving)
         if not status:
             status = wait(beside.raw, beside.fork_raw, 0)
-        if status:  # nothing queued on the side stream: nothing to join
-            beside.claim.release()
+        if status:  # nothing queued on the side stream: the join waits for the pair's last join, long done
             raise RuntimeError(f"the fork of a copy beside a call failed with CUresult {status}")
         try:
             call.input_copy = ring.record(tensors, None, False, measured, stream=beside.raw)[:3]
         finally:  # whatever was queued before a failure: the serving stream still waits for it
-            call.joined = beside
             status = record(beside.join_raw, beside.raw)
             if status:
                 raise RuntimeError(f"the join of a copy beside a call failed with CUresult {status}")
@@ -720,10 +731,15 @@ class LayerFlight(PollingRecorder):
             total = sum(sizes) + (sum(call.input_copy[2]) if call.input_copy is not None else 0)
             if self.release_bytes and total >= self.release_bytes:
                 self.release(call)
+            elif (
+                not self.inline_checks
+            ):  # its tensors held until it leaves the history: counted until taken in
+                self._new_held += total
         self._new.append(call)
-        if self.inline_checks or len(self._new) > NEW_BOUND:
+        if self.inline_checks or len(self._new) > NEW_BOUND or self._new_held > NEW_HELD_BYTES:
             # (without inline checks, the serving thread still takes new calls in — and lets old ones go — when
-            # the writer has not for NEW_BOUND calls: a long write of a trigger's calls between its polls)
+            # the writer has not for NEW_BOUND calls or NEW_HELD_BYTES of held tensors: a long write of a
+            # trigger's calls between its polls)
             self._check_inline(now)
         else:  # the writer's next poll checks it (woken if its last poll found nothing outstanding)
             self.wake_if_idle()
@@ -844,7 +860,9 @@ class LayerFlight(PollingRecorder):
         locked = self._acquire_for_poll()
         quiet = False
         try:
-            quiet = not (
+            # (without inline checks the serving thread's check after NEW_BOUND calls, or bytes, is no reason to
+            # leave the ring alone: the calls after it wait for this poll)
+            quiet = self.inline_checks and not (
                 self._inline_defers
                 or self._copy_outs
                 or self._reads
@@ -965,6 +983,8 @@ class LayerFlight(PollingRecorder):
                 joined += 1
         finally:  # (see _check_in_place)
             self._joined = joined
+            if not new:
+                self._new_held = 0
 
     def release(self, call: LayerCall) -> None:
         """Read the copied tensors' metadata now and let go of what the call's description will not need: every

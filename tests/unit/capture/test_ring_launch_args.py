@@ -896,3 +896,164 @@ def test_a_lean_call_checked_after_a_later_trigger_still_triggers_and_is_written
         publish()
     flight.poll(launch=True)
     assert written == [1, 0] and flight.counters.triggers == 2 and flight.counters.lean_left_out == 0
+
+
+def test_without_inline_checks_calls_holding_many_bytes_are_taken_in_by_the_serving_thread(
+    emulated, monkeypatch
+) -> None:
+    """MOEREPLAY_FLIGHT_INLINE_CHECKS=0 and a writer that does not poll: calls under RELEASE_BYTES hold their
+    tensors until they leave the history, so past NEW_HELD_BYTES of them waiting for the writer (long before
+    NEW_BOUND calls) the serving thread takes them in and lets old ones go itself; calls that let go of their
+    tensors at once (RELEASE_BYTES) hold nothing and are not counted."""
+    from moereplay.capture import flight_layer
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
+    monkeypatch.setattr(flight_layer, "NEW_BOUND", 10**6)
+    per_call = 2 * 32 * 4  # hidden and output, 32 float32 each
+    monkeypatch.setattr(flight_layer, "NEW_HELD_BYTES", 4 * per_call)
+    flight = flight_layer.LayerFlight(
+        max_calls=2, max_bytes=1 << 16, absmax=None, emit=lambda *a: True, inline_checks=False
+    )
+    for index in range(4):
+        one_layer_call(flight, index)
+    assert flight.counters.inline_checks == 0 and flight._new_held == 4 * per_call
+    one_layer_call(flight, 4)  # past the bound: taken in, checked, old calls let go
+    assert flight.counters.inline_checks == 1 and not flight._new and flight._new_held == 0
+    assert len(flight._history) <= 3
+    for index in range(5, 40):
+        one_layer_call(flight, index)
+    assert len(flight._new) <= 5 and len(flight._history) <= 3 and flight.counters.polls == 0
+    released = flight_layer.LayerFlight(
+        max_calls=2,
+        max_bytes=1 << 16,
+        absmax=None,
+        emit=lambda *a: True,
+        inline_checks=False,
+        release_bytes=per_call,
+    )
+    for index in range(40):
+        one_layer_call(released, index)
+    assert released._new_held == 0 and len(released._new) == 40 and released.counters.inline_checks == 0
+
+
+def test_without_inline_checks_a_poll_after_a_bounded_serving_thread_check_is_not_quiet(
+    emulated, monkeypatch
+) -> None:
+    """Without inline checks the serving thread checks only past NEW_BOUND calls: a poll right after that check
+    must still look at the calls made since (with inline checks on, that poll may stay quiet, as the serving
+    thread checks the next call's end)."""
+    from moereplay.capture import flight_layer
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
+    monkeypatch.setattr(flight_layer, "NEW_BOUND", 2)
+    emulated.hold = True
+    flight = flight_layer.LayerFlight(
+        max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True, inline_checks=False
+    )
+    flight.inline_window = 3600.0  # the bounded check stays "recent" for the whole test
+    for index in range(3):
+        one_layer_call(flight, index)
+    assert flight.counters.inline_checks == 1  # the third call passed the bound
+    bad = one_layer_call(flight, 3, bad=float("nan"))
+    for publish in emulated.held:
+        publish()
+    emulated.held.clear()
+    flight.poll(launch=True)
+    assert bad.checked and flight.counters.triggers == 1 and flight.counters.eager_polls == 1
+
+
+def _driver_pair(monkeypatch: pytest.MonkeyPatch, fail: str | None = None) -> tuple[list[tuple], object]:
+    """The driver's event calls replaced by recorders of their arguments (``fail``: the one that returns a
+    CUresult of 1, or "load": the library does not load), the serving stream's handle 77, and a driver pair of
+    side stream 5 with fork event 11 and join event 12."""
+    import threading
+
+    from moereplay.capture import flight_layer
+
+    calls: list[tuple] = []
+
+    def record(event: int, stream: int) -> int:
+        calls.append(("record", event, stream))
+        return 1 if fail == f"record {event}" else 0
+
+    def wait(stream: int, event: int, flags: int) -> int:
+        calls.append(("wait", stream, event, flags))
+        return 1 if fail == f"wait {event}" else 0
+
+    def driver_stream_calls() -> tuple:
+        if fail == "load":
+            raise OSError("libcuda.so.1: cannot open shared object file")
+        return record, wait
+
+    monkeypatch.setattr(flight_layer, "driver_stream_calls", driver_stream_calls)
+    monkeypatch.setattr(flight_layer, "_serving_stream", lambda index: 77)
+    beside = object.__new__(flight_layer._Beside)
+    beside.raw, beside.fork_raw, beside.join_raw = 5, 11, 12
+    beside.claim = threading.Lock()
+    return calls, beside
+
+
+def _beside_call(flight: object, ring: object) -> tuple[object, list[torch.Tensor], object]:
+    target = CaptureTarget(op="layer", role="parent", module="test", attribute="layer", inputs_intact=True)
+    hidden = aligned(32, torch.float32).fill_(1.0)
+    where = types.SimpleNamespace(call=0, as_dict=lambda ranks: {"call": 0})
+    call, copy_first = flight.collect(target, {"hidden": hidden}, where, 0)  # type: ignore[attr-defined]
+    assert not copy_first
+    call.ring = ring
+    return call, [hidden], ring.measure([hidden])  # type: ignore[attr-defined]
+
+
+def test_the_driver_beside_copy_forks_launches_on_the_side_stream_and_joins(emulated, monkeypatch) -> None:
+    """MOEREPLAY_FLIGHT_BESIDE_DRIVER: cuEventRecord(fork, serving), cuStreamWaitEvent(side, fork, 0), the ring's
+    launch on the side stream's handle, cuEventRecord(join, side); after the call cuStreamWaitEvent(serving, join,
+    0) — the pair claimed from the fork to that join, then free for the next call."""
+    from moereplay.capture import flight_layer
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
+    calls, beside = _driver_pair(monkeypatch)
+    flight = flight_layer.LayerFlight(
+        max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True, beside_driver=True
+    )
+    ring = flight._ring(aligned(32, torch.float32))
+    flight._driver_besides[ring.index] = beside
+    for _ in range(2):
+        calls.clear()
+        call, tensors, measured = _beside_call(flight, ring)
+        flight._copy_beside(call, ring, tensors, measured)
+        assert calls == [("record", 11, 77), ("wait", 5, 11, 0), ("record", 12, 5)]
+        assert emulated.streams[-1] == 5 and call.joined is beside and beside.claim.locked()
+        assert call.input_copy is not None
+        flight.join(call)
+        assert calls[-1] == ("wait", 77, 12, 0) and call.joined is None and not beside.claim.locked()
+        flight.join(call)  # once only
+        assert len(calls) == 4
+    assert flight.counters.beside == 2
+
+
+@pytest.mark.parametrize("fail", ["record 11", "wait 11", "record 12", "load"])
+def test_a_failed_driver_beside_copy_still_joins_and_lets_the_pair_go(emulated, monkeypatch, fail) -> None:
+    """Whatever fails between the claim and the join — the fork's record or wait, the join's record, the driver
+    library not loading — raises out of the copy, and the join that ``before`` then makes lets the pair go (a
+    pair left claimed would send every later call quietly down the events path)."""
+    from moereplay.capture import flight_layer
+
+    monkeypatch.setattr(flight_layer, "DeviceRing", emulated.device_ring)
+    calls, beside = _driver_pair(monkeypatch, fail)
+    flight = flight_layer.LayerFlight(
+        max_calls=4, max_bytes=1 << 16, absmax=None, emit=lambda *a: True, beside_driver=True
+    )
+    ring = flight._ring(aligned(32, torch.float32))
+    flight._driver_besides[ring.index] = beside
+    call, tensors, measured = _beside_call(flight, ring)
+    with pytest.raises((RuntimeError, OSError)):
+        flight._copy_beside(call, ring, tensors, measured)
+    assert beside.claim.locked() and call.joined is beside
+    if fail == "load":
+        with pytest.raises(
+            OSError
+        ):  # the join cannot reach the driver either: the pair is let go all the same
+            flight.join(call)
+    else:
+        flight.join(call)
+        assert calls[-1] == ("wait", 77, 12, 0)
+    assert not beside.claim.locked() and call.joined is None and flight.counters.beside == 0
