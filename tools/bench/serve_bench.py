@@ -558,19 +558,32 @@ def intervals(
     return lines
 
 
-def against_default(results: dict[str, dict[str, list[float]]], mode: str) -> list[str]:
+AGAINST_ROUNDS = 8
+"""Rounds a candidate needs beside the default before :func:`against_default` calls it cheaper or dearer: with
+fewer, the 90 % interval of a median of a handful of ratios leaves 1.000 out for no difference at all about one
+run in four (three rounds: whenever all three fall on one side)."""
+
+
+def against_default(
+    results: dict[str, dict[str, list[float]]], mode: str, stopped: dict[str, str | None] | None = None
+) -> list[str]:
     """A line per candidate (:data:`JUDGED` but :data:`DEFAULT`) run beside the default: for each measurement with
     a target, the median and the 90 % bootstrap interval (:func:`median_interval`) of the per-round ratio of the
     default's tokens/s to the candidate's — under 1.000 the candidate costs less — over the rounds where neither
     was in the slow mode (:func:`steady_ratios`), and the verdict the default is changed by: cheaper (or dearer)
     beyond the rounds' scatter when 1.000 lies above (below) the whole interval, else no difference this run can
-    tell."""
+    tell — and no verdict under :data:`AGAINST_ROUNDS` rounds. A recorder that stopped (``stopped``, as for
+    :func:`verdicts`) serves as capture off from then on: no line for it, none at all if it is the default's."""
     targets = TARGETS.get(mode) or {}
-    if DEFAULT not in results:
+    stopped = stopped or {}
+    if DEFAULT not in results or stopped.get(DEFAULT):
         return []
     steady = steady_ratios(results, DEFAULT)
     lines = []
     for name in (name for name in JUDGED if name != DEFAULT and name in steady):
+        if stopped.get(name):
+            lines.append(f"> {name} against {DEFAULT}: not compared (its recorder stopped)")
+            continue
         parts = []
         for what in targets:
             ratios, left_out = steady[name].get(what, ([], 0))
@@ -578,7 +591,9 @@ def against_default(results: dict[str, dict[str, list[float]]], mode: str) -> li
                 continue
             low, high = median_interval(ratios)
             word = (
-                "cheaper beyond the spread"
+                f"too few rounds to tell (under {AGAINST_ROUNDS})"
+                if len(ratios) < AGAINST_ROUNDS
+                else "cheaper beyond the spread"
                 if high < 1.0
                 else "dearer beyond the spread"
                 if low > 1.0
@@ -1060,7 +1075,7 @@ def main() -> int:
         print(line)
     for line in intervals(paired, options.mode, steady):
         print(line)
-    for line in against_default(results, options.mode):
+    for line in against_default(results, options.mode, stopped):
         print(line)
     for name in names:
         for line in gc_notes(options.out / name / "server.log"):

@@ -711,6 +711,18 @@ def test_each_candidate_is_compared_with_the_default_round_by_round(bench: types
     assert "prefill" in driver and "no difference this run can tell" in driver.split("prefill")[1]
     assert "prefill 1.010 (1.010–1.010) of 40 (1 slow left out): dearer beyond the spread" in lean
     assert "decode_b1" not in lean  # not measured
+    # a stopped recorder serves as capture off from then on: not compared; the default's stopped: no line at all
+    (stopped,) = [
+        line
+        for line in bench.against_default(results, "graph", {"flight-noinline": "stopped"})
+        if "flight-noinline" in line
+    ]
+    assert stopped == "> flight-noinline against flight: not compared (its recorder stopped)"
+    assert bench.against_default(results, "graph", {"flight": "stopped"}) == []
+    # a handful of rounds, all on one side: no verdict
+    few = {name: {"prefill": values["prefill"][:5]} for name, values in results.items()}
+    (noinline, *_) = bench.against_default(few, "graph")
+    assert "prefill 0.985 (0.985–0.985) of 5: too few rounds to tell (under 8)" in noinline
     del results["flight"]
     assert bench.against_default(results, "graph") == []
 
