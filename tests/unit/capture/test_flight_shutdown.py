@@ -58,6 +58,8 @@ CHILD = textwrap.dedent(
         "MOEREPLAY_FLIGHT_BYTES": "64M",
         "MOEREPLAY_WRITER_THREADS": "2",
     }
+    if mode.endswith("-noinline"):  # no serving-thread check after a call: the writer's polls find the trigger
+        env["MOEREPLAY_FLIGHT_INLINE_CHECKS"] = "0"
     armed = session.arm(env, targets=[target])
     session.SIGTERM_BUDGET_S = 20.0  # what is tested is that the handler writes, not how fast a loaded machine is
     if mode == "term-late":  # installed after arming, then the plugin registers again (a forked vLLM Worker)
@@ -73,7 +75,7 @@ CHILD = textwrap.dedent(
         x = torch.full((512, 256), 1e30 if call == 0 else 1.0)
         module.gemm(x, w, torch.empty(512, 256))
     print("ready", flush=True)
-    if mode == "idle":  # until the test has looked (end of input), then a normal exit
+    if mode.startswith("idle"):  # until the test has looked (end of input), then a normal exit
         sys.stdin.readline()
     elif mode.startswith("term"):
         time.sleep(60)
@@ -148,8 +150,11 @@ def test_a_trigger_found_at_exit_is_written_before_the_pools_stop(tmp_path: Path
     _assert_written(_path(tmp_path), err)
 
 
-def test_a_trigger_is_written_while_the_process_idles(tmp_path: Path) -> None:
-    child = _start(tmp_path, "idle")
+@pytest.mark.parametrize("mode", ["idle", "idle-noinline"])
+def test_a_trigger_is_written_while_the_process_idles(tmp_path: Path, mode: str) -> None:
+    """Found and written while the process runs on: with the serving thread's checks after each call, and
+    without them (MOEREPLAY_FLIGHT_INLINE_CHECKS=0), where the writer thread's polls alone find it."""
+    child = _start(tmp_path, mode)
     _ready(child)
     noticed = time.monotonic()
     calls: list[int] = []
@@ -163,6 +168,9 @@ def test_a_trigger_is_written_while_the_process_idles(tmp_path: Path) -> None:
     assert calls == [0] and still_running, err  # on disk while the process was idle, not only at its exit
     assert code == 0, err
     _assert_written(_path(tmp_path), err)
+    with CaptureReader(_path(tmp_path)) as reader:
+        inline = reader.footer["counters"].get("flight_inline_checks", 0)
+    assert (inline == 0) == mode.endswith("-noinline"), inline
 
 
 def test_sigterm_with_the_default_action_writes_the_trigger_and_the_footer(tmp_path: Path) -> None:
