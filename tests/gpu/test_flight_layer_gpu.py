@@ -153,9 +153,18 @@ def test_the_ring_kernel_publishes_finished_words_to_host_memory(
     assert int(ring.done.sum()) == 0  # every slot's counter reset by its last program
 
 
-@pytest.mark.parametrize("stream_stores", ["0", "1"])
-def test_nan_writes_the_layer_calls_bit_exact(kernels, tmp_path: Path, stream_stores: str) -> None:
-    session = _arm(tmp_path, flight_calls="6", flight_stream_stores=stream_stores)
+@pytest.mark.parametrize(
+    ("stream_stores", "inline"),
+    [("0", "1"), ("1", "1"), ("0", "0")],
+    ids=["plain-stores", "stream-stores", "no-inline-checks"],
+)
+def test_nan_writes_the_layer_calls_bit_exact(
+    kernels, tmp_path: Path, stream_stores: str, inline: str
+) -> None:
+    """(``inline`` 0: MOEREPLAY_FLIGHT_INLINE_CHECKS=0, the writer's polls alone check the calls.)"""
+    session = _arm(
+        tmp_path, flight_calls="6", flight_stream_stores=stream_stores, flight_inline_checks=inline
+    )
     seen = _run(kernels, 40, bad_step=30)
     rings = list(session.recorder.flight._rings.values())  # type: ignore[union-attr]
     assert rings and rings[0].launcher is not None
@@ -169,6 +178,7 @@ def test_nan_writes_the_layer_calls_bit_exact(kernels, tmp_path: Path, stream_st
         assert {r.op for r in records} == {"fused"} and all(r.parent is None for r in records)
         assert records[-1].context["flight"]["trigger"] and counters["flight_lost"] == 0
         assert counters["flight_checked"] == 40 and counters["recorder_seen"] == 40
+        assert (counters.get("flight_inline_checks", 0) == 0) == (inline == "0"), counters
         for record in records:
             value, result = seen[record.context["call"]]
             args = reader.load_args(record.index)
@@ -177,10 +187,14 @@ def test_nan_writes_the_layer_calls_bit_exact(kernels, tmp_path: Path, stream_st
             assert torch.equal(_bits(outputs["output"]), _bits(result))
 
 
-def test_a_lapping_ring_loses_no_check_and_writes_nothing_overwritten(kernels, tmp_path: Path) -> None:
+@pytest.mark.parametrize("inline", ["1", "0"], ids=["inline-checks", "no-inline-checks"])
+def test_a_lapping_ring_loses_no_check_and_writes_nothing_overwritten(
+    kernels, tmp_path: Path, inline: str
+) -> None:
     # one layer call = hidden + topk + output, three 256-byte spans (tokens 5 × 8 floats): a 16 KiB ring laps
-    # every ~21 calls; 3000 steps lap it ~140 times while the writer polls
-    session = _arm(tmp_path, flight_calls="8", flight_bytes="16K")
+    # every ~21 calls; 3000 steps lap it ~140 times while the writer polls (without inline checks, the writer's
+    # polls alone check the calls, and the serving thread past NEW_BOUND of them)
+    session = _arm(tmp_path, flight_calls="8", flight_bytes="16K", flight_inline_checks=inline)
     seen = _run(kernels, 3000, bad_step=2999)
     session.flush()
     session.close()
