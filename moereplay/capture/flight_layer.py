@@ -328,10 +328,11 @@ NEW_BOUND = 256
 thread's check after a call runs anyway: the history stays bounded while the writer is busy writing."""
 
 NEW_HELD_BYTES = 256 << 20
-"""Bytes of device memory the calls waiting for the writer to take them in (``MOEREPLAY_FLIGHT_INLINE_CHECKS=0``)
-keep alive — those under :data:`RELEASE_BYTES`, which hold their tensors until they leave the history — past which
-the serving thread's check after a call runs anyway: while the writer is busy writing, 256 calls of up to 8 MiB
-each would otherwise hold 2 GiB that vLLM's memory planning never gave the recorder."""
+"""Ring bytes of the calls waiting for the writer to take them in (``MOEREPLAY_FLIGHT_INLINE_CHECKS=0``) that keep
+their tensors alive — those under :data:`RELEASE_BYTES`, which hold them until they leave the history (what they
+keep alive: at least their copies' bytes, a view's whole block at most) — past which the serving thread's check
+after a call runs anyway: while the writer is busy writing, 256 calls of up to 8 MiB each would otherwise hold
+2 GiB that vLLM's memory planning never gave the recorder."""
 
 INLINE_WINDOW_S = 0.005
 """While the serving thread has checked the eager ring itself within this many seconds, the writer thread's poll
@@ -583,7 +584,8 @@ class LayerFlight(PollingRecorder):
     ) -> None:
         """:meth:`_copy_beside` through the driver (see there), ``beside`` claimed by this call (``call.joined`` is
         ``beside`` already), forked from the serving stream's handle ``serving``: :meth:`join` waits for the join
-        event and lets the claim go, whatever raises here."""
+        event's last record and lets the claim go, whatever raises here — this call's copy where the join's own
+        record was made; where that record failed (the call is then not kept), the one before it."""
         record, wait = driver_stream_calls()
         status = record(beside.fork_raw, serving)
         if not status:
@@ -592,7 +594,7 @@ class LayerFlight(PollingRecorder):
             raise RuntimeError(f"the fork of a copy beside a call failed with CUresult {status}")
         try:
             call.input_copy = ring.record(tensors, None, False, measured, stream=beside.raw)[:3]
-        finally:  # whatever was queued before a failure: the serving stream still waits for it
+        finally:  # whatever was queued before a failure: the serving stream still waits for it (unless this fails)
             status = record(beside.join_raw, beside.raw)
             if status:
                 raise RuntimeError(f"the join of a copy beside a call failed with CUresult {status}")

@@ -85,8 +85,9 @@ Variables (all optional; every value is validated, a malformed one raises :class
 ``MOEREPLAY_FLIGHT_INLINE_CHECKS``  layer-scope flight recorder: ``0`` leaves the eager calls' checks to the
                            writer thread's polls (every ≈ 5 ms while a CUDA graph holds ring launches: a bad eager
                            call is found within a poll of its launch finishing) instead of the serving thread
-                           reading the finished words after each call; the serving thread still checks once 256
-                           calls, or 256 MiB of the tensors they hold, wait for a writer busy writing (default 1;
+                           reading the finished words after each call; the serving thread still checks once more
+                           than 256 calls, or calls whose copies of the tensors they hold take more than 256 MiB,
+                           wait for a writer busy writing (default 1;
                            ``0`` a candidate for graph mode, whose writer polls anyway: less serving-thread time
                            per call, not yet measured)
 ``MOEREPLAY_FLIGHT_SCOPE`` flight recorder: ``layer`` (default: one copy per MoE layer call, kernel calls

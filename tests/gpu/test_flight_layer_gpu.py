@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moereplay.capture import flight_layer
 from moereplay.capture import session as session_module
 from moereplay.capture.device_ring import DeviceRing, byte_fingerprint, decode_word, over_bits
 from moereplay.capture.patch_points import CaptureTarget
@@ -202,6 +203,13 @@ def test_a_lapping_ring_loses_no_check_and_writes_nothing_overwritten(
         records = list(reader.calls())
         counters = reader.footer["counters"]
         assert counters["flight_checked"] == 3000 and counters["flight_unchecked"] == 0, counters
+        # the setting reached the recorder: without inline checks the serving thread checks only past NEW_BOUND
+        # calls waiting for the writer; with them after (almost) every call (not when the writer holds the lock)
+        inline_checks = counters.get("flight_inline_checks", 0)
+        if inline == "0":
+            assert inline_checks <= 3000 // flight_layer.NEW_BOUND, counters
+        else:
+            assert inline_checks > 1500, counters
         assert records and records[-1].context["call"] == 2999 and records[-1].context["flight"]["trigger"]
         for record in records:  # whatever was written is exact (overwritten calls are counted lost instead)
             value, result = seen[record.context["call"]]

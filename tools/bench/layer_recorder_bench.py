@@ -37,14 +37,16 @@ the launches and the stream calls.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import statistics
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -266,12 +268,49 @@ def vllm_forward_context(layers: int) -> types.ModuleType:
     return module
 
 
+@contextlib.contextmanager
+def _stand_ins(stand_in: types.ModuleType, context: types.ModuleType) -> Iterator[None]:
+    """The no-op launch ring in ``flight_layer.DeviceRing``'s place and the stand-in modules in ``sys.modules``
+    for the duration; whatever was there before is put back (a real ``vllm.forward_context`` included)."""
+    names = (STAND_IN, "vllm.forward_context")
+    saved = {name: sys.modules.get(name) for name in names}
+    original_ring = flight_layer.DeviceRing
+    try:
+        flight_with_a_no_op_launch()
+        sys.modules[STAND_IN] = stand_in
+        sys.modules["vllm.forward_context"] = context
+        yield
+    finally:
+        flight_layer.DeviceRing = original_ring  # type: ignore[misc]
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+@contextlib.contextmanager
+def _armed(target: CaptureTarget, directory: str) -> Iterator[Any]:
+    """The flight recorder armed for ``target`` alone (its layer scope), disarmed afterwards whatever happens."""
+    from moereplay.capture import session as session_module
+
+    env = {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_DIR": directory}
+    session = session_module.arm(env, targets=(target,))
+    try:
+        if session is None or not isinstance(session.recorder.flight, flight_layer.LayerFlight):
+            raise RuntimeError("the layer-scope flight recorder did not arm")
+        yield session
+    finally:
+        session_module.disarm()
+
+
 def time_whole(options: argparse.Namespace) -> dict[str, float]:
     """µs per wrapped ``triton_kernel_moe_forward`` call over the whole serving-thread path the plugin installs —
     the wrapper, ``where`` (in a vLLM-shaped forward context), binding, the flight recorder's before and after —
     less the same loop calling the stand-in unwrapped, at decode (``TOKENS``) and at ``--prefill`` tokens, steps of
-    24 layer calls in one forward context each. The ring's launch is the no-op one above, so what it times is the
-    Python; on a GPU host add the launches and the stream calls."""
+    24 layer calls in one forward context each. The ring's launch is the no-op one above and the tensors are the
+    CPU's, so what it times is the Python: on a GPU host add the launches, ``record_stream`` and, for a
+    prefill-sized call, the copy beside it (a side stream's fork and join, served: 154 + 21 µs a call)."""
     import dataclasses
     import tempfile
 
@@ -287,10 +326,8 @@ def time_whole(options: argparse.Namespace) -> dict[str, float]:
     target = dataclasses.replace(real, module=STAND_IN, attribute="triton_kernel_moe_forward")
     stand_in = types.ModuleType(STAND_IN)
     stand_in.triton_kernel_moe_forward = _stand_in_forward  # type: ignore[attr-defined]
-    sys.modules[STAND_IN] = stand_in
     layers = 24
     context = vllm_forward_context(layers)
-    sys.modules["vllm.forward_context"] = context
     weights = {"w1": torch.zeros(8, 8), "w2": torch.zeros(8, 8)}
     shapes = {}
     for tokens in (TOKENS, options.prefill):
@@ -311,45 +348,28 @@ def time_whole(options: argparse.Namespace) -> dict[str, float]:
                     apply_router_weight_on_input=False,
                 )  # fmt: skip
 
-    original_ring = flight_layer.DeviceRing
-    flight_with_a_no_op_launch()  # (replaces flight_layer.DeviceRing with the no-op launch ring)
     count = max(1, options.calls // layers)
     samples: dict[str, dict[str, list[float]]] = {name: {"bare": [], "armed": []} for name in shapes}
-    try:
-        with tempfile.TemporaryDirectory() as directory:
-            for round_ in range(options.rounds + 1):  # the first round warms up
-                for name, (hidden, logits) in shapes.items():
-                    for mode in ("bare", "armed"):
-                        session = None
-                        if mode == "armed":
-                            env = {
-                                "MOEREPLAY_CAPTURE": "1",
-                                "MOEREPLAY_TRIGGER": "flight",
-                                "MOEREPLAY_DIR": directory,
-                            }
-                            session = session_module.arm(env, targets=(target,))
-                            steps(2, hidden, logits)  # its ring made, its plans built
-                        started = time.perf_counter()
-                        steps(count, hidden, logits)
-                        spent = time.perf_counter() - started
-                        if session is not None:
-                            counters = session.recorder.counters
-                            flight = session.recorder.flight
-                            # every call went through the recorder's whole path (else this times nothing)
-                            if counters.selected != (count + 2) * layers or not isinstance(
-                                flight, flight_layer.LayerFlight
-                            ):
-                                raise RuntimeError(
-                                    f"the armed session selected {counters.selected} of {(count + 2) * layers} "
-                                    f"calls with {type(flight).__name__}"
-                                )
-                            session_module.disarm()
-                        if round_:
-                            samples[name][mode].append(spent / (count * layers) * 1e6)
-    finally:
-        flight_layer.DeviceRing = original_ring  # type: ignore[misc]
-        sys.modules.pop("vllm.forward_context", None)
-        sys.modules.pop(STAND_IN, None)
+    with _stand_ins(stand_in, context), tempfile.TemporaryDirectory() as directory:
+        for round_ in range(options.rounds + 1):  # the first round warms up
+            for name, (hidden, logits) in shapes.items():
+                started = time.perf_counter()
+                steps(count, hidden, logits)
+                bare = time.perf_counter() - started
+                with _armed(target, directory) as session:
+                    steps(2, hidden, logits)  # its ring made, its plans built
+                    started = time.perf_counter()
+                    steps(count, hidden, logits)
+                    armed = time.perf_counter() - started
+                    # every call went through the recorder's whole path (else this times nothing)
+                    selected = session.recorder.counters.selected
+                    if selected != (count + 2) * layers:
+                        raise RuntimeError(
+                            f"the armed session selected {selected} of {(count + 2) * layers} calls"
+                        )
+                if round_:
+                    samples[name]["bare"].append(bare / (count * layers) * 1e6)
+                    samples[name]["armed"].append(armed / (count * layers) * 1e6)
     medians = {}
     for name, by_mode in samples.items():
         extra = [armed - bare for armed, bare in zip(by_mode["armed"], by_mode["bare"], strict=True)]
@@ -364,25 +384,18 @@ def time_whole(options: argparse.Namespace) -> dict[str, float]:
         import pstats
 
         hidden, logits = shapes[list(shapes)[-1]]
-        with tempfile.TemporaryDirectory() as directory:
-            flight_with_a_no_op_launch()
-            sys.modules[STAND_IN] = stand_in
-            sys.modules["vllm.forward_context"] = context
-            session_module.arm(
-                {"MOEREPLAY_CAPTURE": "1", "MOEREPLAY_TRIGGER": "flight", "MOEREPLAY_DIR": directory},
-                targets=(target,),
-            )
+        profiler = cProfile.Profile()
+        with (
+            _stand_ins(stand_in, context),
+            tempfile.TemporaryDirectory() as directory,
+            _armed(target, directory),
+        ):
+            steps(2, hidden, logits)
+            profiler.enable()
             try:
-                steps(2, hidden, logits)
-                profiler = cProfile.Profile()
-                profiler.enable()
                 steps(count, hidden, logits)
-                profiler.disable()
             finally:
-                session_module.disarm()
-                flight_layer.DeviceRing = original_ring  # type: ignore[misc]
-                sys.modules.pop("vllm.forward_context", None)
-                sys.modules.pop(STAND_IN, None)
+                profiler.disable()
         print(f"--- whole path, {list(shapes)[-1]}, cProfile (tottime) ---")
         pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
     return medians

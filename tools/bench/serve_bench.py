@@ -573,7 +573,8 @@ def against_default(
     was in the slow mode (:func:`steady_ratios`), and the verdict the default is changed by: cheaper (or dearer)
     beyond the rounds' scatter when 1.000 lies above (below) the whole interval, else no difference this run can
     tell — and no verdict under :data:`AGAINST_ROUNDS` rounds. A recorder that stopped (``stopped``, as for
-    :func:`verdicts`) serves as capture off from then on: no line for it, none at all if it is the default's."""
+    :func:`verdicts`) serves as capture off from then on: it is not compared (a line says so), and if it is the
+    default's, no line at all."""
     targets = TARGETS.get(mode) or {}
     stopped = stopped or {}
     if DEFAULT not in results or stopped.get(DEFAULT):
