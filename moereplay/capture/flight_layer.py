@@ -733,9 +733,8 @@ class LayerFlight(PollingRecorder):
             total = sum(sizes) + (sum(call.input_copy[2]) if call.input_copy is not None else 0)
             if self.release_bytes and total >= self.release_bytes:
                 self.release(call)
-            elif (
-                not self.inline_checks
-            ):  # its tensors held until it leaves the history: counted until taken in
+            elif not self.inline_checks:
+                # its tensors held until it leaves the history: counted until the call is taken in
                 self._new_held += total
         self._new.append(call)
         if self.inline_checks or len(self._new) > NEW_BOUND or self._new_held > NEW_HELD_BYTES:
