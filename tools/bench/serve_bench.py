@@ -565,7 +565,10 @@ run in four (three rounds: whenever all three fall on one side)."""
 
 
 def against_default(
-    results: dict[str, dict[str, list[float]]], mode: str, stopped: dict[str, str | None] | None = None
+    results: dict[str, dict[str, list[float]]],
+    mode: str,
+    stopped: dict[str, str | None] | None = None,
+    against: Steady | None = None,
 ) -> list[str]:
     """A line per candidate (:data:`JUDGED` but :data:`DEFAULT`) run beside the default: for each measurement with
     a target, the median and the 90 % bootstrap interval (:func:`median_interval`) of the per-round ratio of the
@@ -574,12 +577,13 @@ def against_default(
     beyond the rounds' scatter when 1.000 lies above (below) the whole interval, else no difference this run can
     tell — and no verdict under :data:`AGAINST_ROUNDS` rounds. A recorder that stopped (``stopped``, as for
     :func:`verdicts`) serves as capture off from then on: it is not compared (a line says so), and if it is the
-    default's, no line at all."""
+    default's, no line at all. ``against``: those steady ratios taken already (pooled runs: within each run,
+    :attr:`Pool.against`) instead of from ``results``' rounds."""
     targets = TARGETS.get(mode) or {}
     stopped = stopped or {}
     if DEFAULT not in results or stopped.get(DEFAULT):
         return []
-    steady = steady_ratios(results, DEFAULT)
+    steady = steady_ratios(results, DEFAULT) if against is None else against
     lines = []
     for name in (name for name in JUDGED if name != DEFAULT and name in steady):
         if stopped.get(name):
@@ -690,6 +694,8 @@ class Pool:
     stopped: dict[str, str | None] = field(default_factory=dict)  # a recorder that stopped, in which run
     notes: list[str] = field(default_factory=list)  # each run's own spread and follow-on notes, the run named
     steady: Steady = field(default_factory=dict)  # steady_ratios, within each run
+    # steady_ratios against the default recorder (DEFAULT), within each run that had it
+    against: Steady = field(default_factory=dict)
 
     @property
     def rounds(self) -> int:
@@ -752,10 +758,11 @@ def pooled(paths: list[Path]) -> Pool:
         for name, by in paired_ratios(run).items():
             for what, ratios in by.items():
                 pool.paired.setdefault(name, {}).setdefault(what, []).extend(ratios)
-        for name, steady_by in steady_ratios(run).items():
-            for what, (kept, left_out) in steady_by.items():
-                pooled_kept, pooled_left_out = pool.steady.setdefault(name, {}).get(what, ([], 0))
-                pool.steady[name][what] = (pooled_kept + kept, pooled_left_out + left_out)
+        for pooled_steady, base in ((pool.steady, "off"), (pool.against, DEFAULT)):
+            for name, steady_by in steady_ratios(run, base).items():
+                for what, (kept, left_out) in steady_by.items():
+                    pooled_kept, pooled_left_out = pooled_steady.setdefault(name, {}).get(what, ([], 0))
+                    pooled_steady[name][what] = (pooled_kept + kept, pooled_left_out + left_out)
         notes = run_notes(run, timelines)
         pool.notes += [f"run {number} ({path.name}): {note}" for note in notes]
     if len(modes) > 1:
@@ -984,6 +991,8 @@ def main() -> int:
         for line in verdicts(pool.results, pool.paired, pool.mode, pool.stopped, pool.bases, pool.steady):
             print(line)
         for line in intervals(pool.paired, pool.mode, pool.steady):
+            print(line)
+        for line in against_default(pool.results, pool.mode, pool.stopped, pool.against):
             print(line)
         return 0
     if options.model is None:

@@ -757,3 +757,49 @@ def test_gc_notes_summarise_vllms_gc_debugger_per_process_and_generation(
     assert bench.gc_notes(tmp_path / "missing.log") == []
     assert bench.gc_notes(_log(tmp_path / "other.log", datetime.datetime(2026, 12, 7, 10, 0, 0))) == []
     assert "off-gcdebug" in bench.SETTINGS and "off-gcdebug" not in bench.JUDGED
+
+
+def test_pooled_runs_compare_each_candidate_with_the_default_within_each_run(
+    bench: types.ModuleType, tmp_path: Path
+) -> None:
+    """Two runs of five rounds each are too few to tell apart; pooled, their ten per-run pairs are enough. A run
+    without the candidate adds nothing to its comparison (concatenated columns would pair its default's rounds
+    with another run's candidate rounds)."""
+    paths = []
+    for number, level in enumerate((70000.0, 60000.0)):
+        off = [level + 50 * (i % 3) for i in range(5)]
+        flight = [value / 1.026 for value in off]
+        path = tmp_path / f"run{number}.json"
+        path.write_text(
+            json.dumps(
+                {
+                    "mode": "graph",
+                    "results": {
+                        "off": {"prefill": off},
+                        "flight": {"prefill": flight},
+                        "flight-noinline": {"prefill": [value * 1.012 for value in flight]},
+                    },
+                    "stopped": {},
+                }
+            )
+        )
+        paths.append(path)
+        (alone,) = bench.against_default(
+            json.loads(path.read_text())["results"], "graph", {}, None
+        )  # one run: five rounds
+        assert "too few rounds to tell" in alone
+    # a third run without the candidate, its default much faster: not paired with anything of the candidate's
+    third = tmp_path / "run2.json"
+    third.write_text(
+        json.dumps(
+            {
+                "mode": "graph",
+                "results": {"off": {"prefill": [90000.0] * 5}, "flight": {"prefill": [89000.0] * 5}},
+                "stopped": {},
+            }
+        )
+    )
+    pool = bench.pooled([*paths, third])
+    (line,) = bench.against_default(pool.results, pool.mode, pool.stopped, pool.against)
+    assert "> flight-noinline against flight" in line
+    assert "prefill 0.988 (0.988–0.988) of 10: cheaper beyond the spread" in line
