@@ -4,7 +4,6 @@ layer-scope flight recorder for every call it times (a timing of nothing would r
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import types
 from collections.abc import Iterator
@@ -12,17 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_files import load_tool
 
 BENCH = Path(__file__).resolve().parents[3] / "tools" / "bench" / "layer_recorder_bench.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("layer_recorder_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("layer_recorder_bench", BENCH.parent)
 
 
 def _left_behind(bench: types.ModuleType, ring: object, previous: object) -> None:
